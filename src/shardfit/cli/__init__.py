@@ -1,0 +1,1 @@
+"""Command-line interface: `shardfit train` (doctor and plan come with their modules)."""

@@ -1,0 +1,100 @@
+"""`shardfit <command>`: one console script, one subcommand per face of the tool."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardfit import __version__
+from shardfit.errors import ShardfitError
+
+TRAIN_HELP = """\
+Train a decoder model with FSDP2. With no arguments: the embedded tiny model on the embedded corpus.
+
+  shardfit train [--config FILE.toml] [--section.key=value ...] [--nproc N]
+  torchrun --nproc_per_node N -m shardfit train [...]     (multi-node: torchrun's flags as usual)
+
+Every key (TOML table [section], or --section.key=value on the command line):
+"""
+
+
+def _train(argv: list[str]) -> int:
+    from shardfit.config.loader import config_help
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(TRAIN_HELP + config_help())
+        return 0
+    config_path, nproc, rest = None, 0, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "--nproc"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ShardfitError(f"{name} needs a value", where="command line", fix=f"write {name}=VALUE")
+                value = argv[i + 1]
+                i += 1
+            if name == "--config":
+                config_path = value
+            else:
+                try:
+                    nproc = int(value)
+                except ValueError:
+                    raise ShardfitError(f"'{value}' is not a number", where="--nproc", fix="give a process count")
+        else:
+            rest.append(arg)
+        i += 1
+
+    from shardfit.config import load_config
+
+    cfg = load_config(config_path, rest)  # validate before starting any process
+    if nproc > 1:
+        return _launch_torchrun(nproc, config_path, rest)
+
+    from shardfit.train import Trainer, apply_alloc_conf
+
+    apply_alloc_conf(cfg.memory.alloc_conf)  # before torch touches CUDA
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return 0
+
+
+def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str]) -> int:
+    """`--nproc N`: start N local processes through torchrun, the same launcher users run by hand."""
+    from torch.distributed.run import main as torchrun_main
+
+    args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "shardfit", "train"]
+    if config_path:
+        args.append(f"--config={config_path}")
+    torchrun_main(args + rest)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="shardfit", description="FSDP2 LLM training that fits, runs fast, and "
+                                     "explains its memory.")
+    parser.add_argument("--version", action="version", version=f"shardfit {__version__}")
+    parser.add_argument("command", choices=["train"], help="train: sharded training (shardfit train --help)")
+    if not argv or argv[0] in ("-h", "--help", "--version"):
+        parser.parse_args(argv or ["--help"])
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in ("train",):
+        parser.parse_args([command])  # prints the choices and exits 2
+    try:
+        return _train(rest)
+    except ShardfitError as e:
+        print(f"shardfit: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("shardfit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""One typed config tree: dataclasses, TOML files and `--section.key=value` overrides map onto it."""
+
+from shardfit.config.loader import config_to_dict, config_to_toml, load_config, parse_overrides
+from shardfit.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    MemoryConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "LoggingConfig",
+    "MemoryConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "config_to_dict",
+    "config_to_toml",
+    "load_config",
+    "parse_overrides",
+]

@@ -1,0 +1,201 @@
+"""Build a `Config` from a TOML file plus `--section.key=value` overrides, check it, and write it back out.
+
+Precedence, lowest first: dataclass defaults, the preset named by `model.name`, the TOML file, CLI overrides.
+Every error names the file or flag, the key, and the closest valid key or the accepted values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from pathlib import Path
+from typing import Any
+
+from shardfit.config.schema import PRESETS, Config
+from shardfit.errors import ShardfitError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _sections(cfg: Config) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _fields(section: Any) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section)}
+
+
+def _closest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"did you mean '{match[0]}'?" if match else "valid: " + ", ".join(sorted(options))
+
+
+def _coerce(value: Any, ftype: str, where: str) -> Any:
+    """Turn a TOML value or a CLI string into the field's type, or say exactly why not."""
+    kind = ftype if isinstance(ftype, str) else ftype.__name__
+    if isinstance(value, str) and kind != "str":
+        text = value.strip()
+        try:
+            if kind == "bool":
+                low = text.lower()
+                if low in _TRUE:
+                    return True
+                if low in _FALSE:
+                    return False
+                raise ValueError
+            if kind == "int":
+                return int(text.replace("_", ""))
+            if kind == "float":
+                return float(text)
+        except ValueError:
+            raise ShardfitError(f"'{value}' is not a valid {kind}", where=where,
+                                fix=f"give a {kind}" + (" (true/false)" if kind == "bool" else "")) from None
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind == "str" and isinstance(value, str):
+        return value
+    raise ShardfitError(f"expected {kind}, got {type(value).__name__} {value!r}", where=where, fix=f"give a {kind}")
+
+
+def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: set[str]) -> None:
+    sections = _sections(cfg)
+    if section not in sections:
+        raise ShardfitError(f"unknown section '{section}'", where=where, fix=_closest(section, list(sections)))
+    fields = _fields(sections[section])
+    if key not in fields:
+        all_keys = [f"{s}.{k}" for s, obj in sections.items() for k in _fields(obj)]
+        raise ShardfitError(f"unknown key '{section}.{key}'", where=where, fix=_closest(f"{section}.{key}", all_keys))
+    setattr(sections[section], key, _coerce(value, fields[key].type, f"{where} {section}.{key}"))
+    explicit.add(f"{section}.{key}")
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """`--section.key=value` or `--section.key value` into (section, key, value) triples."""
+    out = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ShardfitError(f"cannot read argument '{arg}'", where="command line",
+                                fix="write overrides as --section.key=value (see shardfit train --help)")
+        name, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise ShardfitError(f"'{arg}' has no value", where="command line", fix=f"write {arg}=VALUE")
+            value = args[i + 1]
+            i += 1
+        section, _, key = name.partition(".")
+        out.append((section.replace("-", "_"), key.replace("-", "_"), value))
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    cfg = Config()
+    explicit: set[str] = set()
+    if path:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ShardfitError("config file not found", where=str(path), fix="check the path") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ShardfitError(f"malformed TOML ({e})", where=str(path), fix="fix the TOML syntax") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ShardfitError(f"'{section}' must be a table like [{section}]", where=str(path),
+                                    fix=_closest(section, list(_sections(cfg))) if section not in _sections(cfg)
+                                    else f"put its keys under [{section}]")
+            for key, value in table.items():
+                _set(cfg, section, key, value, str(path), explicit)
+    for section, key, value in parse_overrides(overrides or []):
+        _set(cfg, section, key, value, f"--{section}.{key}", explicit)
+    _apply_preset(cfg, explicit)
+    validate(cfg)
+    return cfg
+
+
+def _apply_preset(cfg: Config, explicit: set[str]) -> None:
+    if cfg.model.name not in PRESETS:
+        raise ShardfitError(f"unknown model preset '{cfg.model.name}'", where="model.name",
+                            fix=_closest(cfg.model.name, list(PRESETS)))
+    for key, value in PRESETS[cfg.model.name].items():
+        if f"model.{key}" not in explicit:
+            setattr(cfg.model, key, value)
+
+
+def validate(cfg: Config) -> None:
+    """Per-key checks from the schema's metadata, then the rules that tie keys together."""
+    for sname, section in _sections(cfg).items():
+        for name, f in _fields(section).items():
+            value = getattr(section, name)
+            meta = f.metadata
+            where = f"{sname}.{name}"
+            if meta.get("choices") and value not in meta["choices"]:
+                raise ShardfitError(f"'{value}' is not allowed", where=where,
+                                    fix="choose one of " + ", ".join(meta["choices"]))
+            if meta.get("ge") is not None and value < meta["ge"]:
+                raise ShardfitError(f"{value} is out of range", where=where, fix=f"give a value >= {meta['ge']}")
+            if meta.get("gt") is not None and value <= meta["gt"]:
+                raise ShardfitError(f"{value} is out of range", where=where, fix=f"give a value > {meta['gt']}")
+    m = cfg.model
+    if m.n_heads % m.n_kv_heads:
+        raise ShardfitError(f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}",
+                            where="model.n_kv_heads", fix="pick n_kv_heads that divides n_heads")
+    if not m.head_dim and m.dim % m.n_heads:
+        raise ShardfitError(f"dim={m.dim} is not divisible by n_heads={m.n_heads}", where="model.n_heads",
+                            fix="set model.head_dim or pick n_heads that divides dim")
+    if cfg.data.seq_len > m.max_seq_len:
+        raise ShardfitError(f"seq_len={cfg.data.seq_len} is above the model's limit max_seq_len={m.max_seq_len}",
+                            where="data.seq_len", fix=f"use data.seq_len <= {m.max_seq_len} or raise model.max_seq_len")
+    if cfg.train.global_batch % cfg.train.micro_batch:
+        raise ShardfitError(f"global_batch={cfg.train.global_batch} is not a multiple of micro_batch="
+                            f"{cfg.train.micro_batch}", where="train.global_batch",
+                            fix="make global_batch = micro_batch x world size x accumulation steps")
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that `load_config` reads back to an equal Config."""
+    lines = []
+    for section, values in config_to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def config_help() -> str:
+    """Every key with its type, default and help, for `shardfit train --help`."""
+    cfg = Config()
+    out = []
+    for sname, section in _sections(cfg).items():
+        out.append(f"[{sname}]")
+        for name, f in _fields(section).items():
+            ftype = f.type if isinstance(f.type, str) else f.type.__name__
+            choices = f" {{{'|'.join(f.metadata['choices'])}}}" if f.metadata.get("choices") else ""
+            default = _toml_value(getattr(section, name))
+            out.append(f"  --{sname}.{name}={default}  ({ftype}{choices}) {f.metadata.get('help', '')}")
+    return "\n".join(out)

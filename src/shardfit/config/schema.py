@@ -1,0 +1,134 @@
+"""The config tree. Every key has a type, a default and a help line; `shardfit train --help` prints them all.
+
+Sections map one to one onto TOML tables (`[train]`) and onto CLI overrides (`--train.lr=3e-4`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None, gt: float | None = None):
+    """A config field: default, one-line help, and the checks the loader applies."""
+    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt})
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt("tiny", "architecture preset whose sizes fill every model key you do not set (see PRESETS)")
+    vocab_size: int = opt(264, "vocabulary size (must cover the tokenizer's ids)", gt=0)
+    dim: int = opt(256, "hidden size", gt=0)
+    n_layers: int = opt(4, "decoder blocks", gt=0)
+    n_heads: int = opt(8, "attention heads", gt=0)
+    n_kv_heads: int = opt(4, "key/value heads (grouped-query attention); must divide n_heads", gt=0)
+    head_dim: int = opt(0, "per-head size; 0 means dim // n_heads", ge=0)
+    ffn_dim: int = opt(704, "SwiGLU inner size", gt=0)
+    max_seq_len: int = opt(1024, "longest sequence the model accepts (RoPE table size)", gt=0)
+    rope_theta: float = opt(10000.0, "RoPE base frequency", gt=0)
+    rope_scaling: str = opt("none", "RoPE frequency scaling", choices=("none", "llama3"))
+    rope_factor: float = opt(8.0, "llama3 scaling: factor", gt=0)
+    rope_low_freq_factor: float = opt(1.0, "llama3 scaling: low-frequency factor", gt=0)
+    rope_high_freq_factor: float = opt(4.0, "llama3 scaling: high-frequency factor", gt=0)
+    rope_original_max_seq_len: int = opt(8192, "llama3 scaling: original context length", gt=0)
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
+    tie_embeddings: bool = opt(True, "share the input embedding with the output projection")
+    qkv_bias: bool = opt(False, "bias on the q/k/v projections (Qwen2)")
+    qk_norm: bool = opt(False, "RMSNorm on queries and keys per head (Qwen3)")
+    init_std: float = opt(0.02, "std of the normal initialisation of weights", gt=0)
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("", "text (.txt), JSON lines (.jsonl) or Parquet files, a directory or a glob; empty: embedded corpus")
+    format: str = opt("auto", "file format; auto picks by extension", choices=("auto", "text", "jsonl", "parquet"))
+    text_field: str = opt("text", "JSON key or Parquet column that holds the text")
+    tokenizer: str = opt("byte", "'byte' for the built-in byte tokenizer, or a path to a tokenizer.json")
+    seq_len: int = opt(256, "tokens per training sequence", gt=0)
+    seed: int = opt(1234, "seed of the sample order")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(200, "optimizer steps", gt=0)
+    global_batch: int = opt(16, "sequences per optimizer step, over all ranks and micro-batches", gt=0)
+    micro_batch: int = opt(8, "sequences per rank per forward/backward", gt=0)
+    lr: float = opt(3e-3, "peak learning rate", gt=0)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)", ge=0)
+    warmup_steps: int = opt(20, "linear warm-up steps", ge=0)
+    weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norms and biases)", ge=0)
+    beta1: float = opt(0.9, "AdamW beta1", ge=0)
+    beta2: float = opt(0.95, "AdamW beta2", ge=0)
+    eps: float = opt(1e-8, "AdamW epsilon", gt=0)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables", ge=0)
+    seed: int = opt(0, "seed of the weight initialisation")
+    max_skipped_steps: int = opt(10, "non-finite steps skipped before saving and stopping", ge=0)
+    device: str = opt("auto", "where to train; auto uses CUDA when present", choices=("auto", "cpu", "cuda"))
+
+
+@dataclass
+class ParallelConfig:
+    activation_checkpoint: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
+    ac_every: int = opt(1, "checkpoint every k-th block only (full mode)", gt=0)
+    compile: bool = opt(False, "torch.compile each block")
+    reshard_after_forward: bool = opt(True, "free gathered parameters after each block's forward (ZeRO-3)")
+    prefetch: int = opt(0, "explicit FSDP prefetch depth in blocks; 0 lets FSDP prefetch implicitly", ge=0)
+    param_dtype: str = opt("auto", "compute dtype of gathered parameters; auto: bf16 on CUDA, fp32 on CPU",
+                           choices=("auto", "float32", "bfloat16"))
+    reduce_dtype: str = opt("float32", "dtype of gradient reduce-scatter", choices=("float32", "bfloat16"))
+    loss_chunk: int = opt(1024, "tokens per chunk of the fused linear cross-entropy (never full fp32 logits)", gt=0)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(0, "save a distributed checkpoint every N steps; 0: only at the end", ge=0)
+    dir: str = opt("", "checkpoint directory; empty: <run_dir>/checkpoints")
+    resume: str = opt("auto", "'auto': latest complete checkpoint if any, 'none', or a checkpoint directory")
+    keep: int = opt(3, "complete checkpoints to keep (older ones are deleted); 0 keeps all", ge=0)
+    final: bool = opt(True, "save a checkpoint when training ends")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = opt("", "where metrics, the resolved config and checkpoints go; empty: runs/<model.name>")
+    log_every: int = opt(10, "steps between metric lines (memory and throughput are reduced across ranks then)", gt=0)
+    progress: str = opt("auto", "rank-0 progress display", choices=("auto", "bar", "lines", "none"))
+    tensorboard: bool = opt(False, "also write TensorBoard events (needs the tensorboard package)")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s per GPU for MFU; 0 looks the GPU up in a table", ge=0)
+
+
+@dataclass
+class MemoryConfig:
+    alloc_conf: str = opt("expandable_segments:True",
+                          "PYTORCH_CUDA_ALLOC_CONF used when the environment sets none (fragmentation guard)")
+    warn_growth_mib: float = opt(64.0, "warn when reserved memory grows by more than this between log steps", ge=0)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+
+# Architecture presets: the sizes of real model families, used by `model.name`. "tiny" is the embedded default
+# (about 3.4M parameters with the byte tokenizer) that trains on two CPU cores in minutes.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "llama3-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                      max_seq_len=131072, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
+                      tie_embeddings=True, norm_eps=1e-5),
+    "llama3-3b": dict(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
+                      max_seq_len=131072, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
+                      tie_embeddings=True, norm_eps=1e-5),
+    "llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                      max_seq_len=131072, rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0,
+                      tie_embeddings=False, norm_eps=1e-5),
+    "llama3-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                       max_seq_len=131072, rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0,
+                       tie_embeddings=False, norm_eps=1e-5),
+}

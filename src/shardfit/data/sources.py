@@ -1,0 +1,131 @@
+"""Read documents from text, JSON lines and Parquet files, naming the file and line of anything unreadable."""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+from shardfit.errors import ShardfitError
+
+_EXT = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+def embedded_corpus() -> list[tuple[str, str]]:
+    """The corpus shipped in the package: (text, name) per document."""
+    root = resources.files("shardfit.data") / "corpus"
+    docs = []
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".txt"):
+            # Paragraphs are the documents: EOS between them teaches the model where text ends.
+            for para in entry.read_text(encoding="utf-8").split("\n\n"):
+                if para.strip():
+                    docs.append((para.strip(), entry.name))
+    return docs
+
+
+def resolve_files(spec: str) -> list[Path]:
+    """A file, a directory (every readable file below it) or a glob, in sorted order."""
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _EXT)
+        if not files:
+            raise ShardfitError("directory holds no .txt, .jsonl or .parquet files", where=spec,
+                                fix="point data.path at the data files")
+        return files
+    matches = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    if not matches:
+        raise ShardfitError("no such file, directory or glob match", where=spec, fix="check data.path")
+    return matches
+
+
+def _format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    kind = _EXT.get(path.suffix.lower())
+    if kind is None:
+        raise ShardfitError(f"cannot tell the format from the extension '{path.suffix}'", where=str(path),
+                            fix="set data.format to text, jsonl or parquet")
+    return kind
+
+
+def _read_text(path: Path) -> Iterator[tuple[str, str]]:
+    """One document per file; decoded line by line so an error can name the line."""
+    lines = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                lines.append(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise ShardfitError(f"line is not valid UTF-8 (byte {e.start})", where=f"{path}:{lineno}",
+                                    fix="re-encode the file as UTF-8 or remove the line") from None
+    yield "".join(lines), str(path)
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[tuple[str, str]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise ShardfitError(f"line is not valid UTF-8 (byte {e.start})", where=where,
+                                    fix="re-encode the file as UTF-8 or remove the line") from None
+            except json.JSONDecodeError as e:
+                raise ShardfitError(f"invalid JSON ({e.msg} at column {e.colno})", where=where,
+                                    fix="one JSON object per line") from None
+            if not isinstance(obj, dict) or field not in obj:
+                keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
+                raise ShardfitError(f"no '{field}' field (found: {keys})", where=where,
+                                    fix="set data.text_field to the key that holds the text")
+            if not isinstance(obj[field], str):
+                raise ShardfitError(f"'{field}' is {type(obj[field]).__name__}, not a string", where=where,
+                                    fix="store the text as a JSON string")
+            yield obj[field], where
+
+
+def _read_parquet(path: Path, field: str) -> Iterator[tuple[str, str]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ShardfitError("reading Parquet needs pyarrow", where=str(path),
+                            fix="pip install 'shardfit[parquet]'") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid and friends for corrupt files
+        raise ShardfitError(f"not a readable Parquet file ({e})", where=str(path), fix="check the file") from None
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise ShardfitError(f"no column '{field}' (columns: {', '.join(names)})", where=str(path),
+                            fix="set data.text_field to the column that holds the text")
+    row = 0
+    for batch in pf.iter_batches(columns=[field]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ShardfitError(f"column '{field}' holds {type(value).__name__}, not text", where=f"{path}:row {row}",
+                                    fix="point data.text_field at a string column")
+            yield value, f"{path}:row {row}"
+
+
+def read_documents(spec: str, fmt: str = "auto", field: str = "text") -> Iterator[tuple[str, str]]:
+    """(text, where) for every document; where is 'file:line' for error messages."""
+    if not spec:
+        yield from embedded_corpus()
+        return
+    for path in resolve_files(spec):
+        kind = _format(path, fmt)
+        if kind == "text":
+            yield from _read_text(path)
+        elif kind == "jsonl":
+            yield from _read_jsonl(path, field)
+        else:
+            yield from _read_parquet(path, field)

@@ -1,0 +1,191 @@
+"""A decoder-only transformer for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3).
+
+Parameter names are the Hugging Face names (`model.layers.0.self_attn.q_proj.weight`), so a Hugging Face
+safetensors checkpoint maps onto this module key for key. This file holds no distributed code: sharding,
+checkpointing and compilation are applied from outside by `shardfit.parallel.parallelize`.
+
+Shapes: B batch, S sequence, D hidden, H heads, K key/value heads, Dh head size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardfit.config.schema import ModelConfig
+from shardfit.models.init import seeded_normal_
+from shardfit.models.loss import fused_linear_cross_entropy
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as Hugging Face's LlamaRMSNorm does (parity to 1e-6)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies [Dh/2], with Llama-3 scaling of the low frequencies when configured."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    if cfg.rope_scaling == "llama3":
+        old = cfg.rope_original_max_seq_len
+        low_wavelen = old / cfg.rope_low_freq_factor
+        high_wavelen = old / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+        smooth = (old / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, Dh]; cos/sin [B, S, Dh] (the two halves share frequencies, Hugging Face layout)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
+        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, Dh]
+        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)  # [B, S, K, Dh]
+        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|K, S, Dh]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # enable_gqa lets SDPA's flash/cuDNN kernels read K heads directly: no [B, H, S, Dh] copy of k and v.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, ffn_dim, bias=False)
+        self.up_proj = nn.Linear(dim, ffn_dim, bias=False)
+        self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: the unit of sharding, checkpointing and compilation."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # Non-persistent: never in a checkpoint, rebuilt by init_buffers() on every rank after to_empty().
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, self.head_dim), persistent=False)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, S, Dh/2], fp32
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, Dh]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [B, S, D]
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        cos, sin = self.rope(position_ids, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """Decoder plus output projection. With labels, returns the summed cross-entropy (fp32, no full logits)."""
+
+    def __init__(self, cfg: ModelConfig, loss_chunk: int = 1024):
+        super().__init__()
+        self.cfg = cfg
+        self.loss_chunk = loss_chunk
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.model(input_ids, position_ids)  # [B, S, D]
+        if labels is None:
+            return self.lm_head(h)  # logits [B, S, V]
+        # Sum over labels != -100; the trainer divides by the global token count once per step.
+        return fused_linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), self.loss_chunk)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        device = self.model.inv_freq.device
+        if device.type != "meta":
+            self.model.inv_freq.copy_(rope_inv_freq(self.cfg, self.model.head_dim, device))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter in place, on any device, sharded or not.
+
+        Values depend only on (seed, parameter name), never on the sharding, so a 2-rank run starts from exactly
+        the weights a 1-rank run starts from.
+        """
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                seeded_normal_(p, self.cfg.init_std, seed, name)
+        self.init_buffers()
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters counted once each (tied weights once), global sizes for sharded tensors."""
+    return sum(p.numel() for p in model.parameters())

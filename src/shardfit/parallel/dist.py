@@ -1,0 +1,74 @@
+"""Process-group setup: one code path for a single process, torchrun on one node, and torchrun on many."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardfit.errors import ShardfitError
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ShardfitError("train.device=cuda but no CUDA GPU is visible", where="train.device",
+                                fix="use train.device=cpu or check CUDA_VISIBLE_DEVICES")
+        if local_rank >= torch.cuda.device_count():
+            raise ShardfitError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)",
+                                where="torchrun --nproc_per_node", fix="start at most one process per GPU")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device_kind: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
+    """Join the process group torchrun describes, or make a 1-process group when started directly.
+
+    An existing group (tests create one) is used as it is. Every rank gets the same backend: NCCL on CUDA,
+    gloo on CPU.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_kind, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `shardfit train`: a group of one, so the code path is the same
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
+
+
+def all_gather_rows(vec: torch.Tensor) -> torch.Tensor:
+    """[k] on every rank -> [world, k] on every rank, in one collective."""
+    world = dist.get_world_size()
+    out = torch.empty((world, vec.numel()), dtype=vec.dtype, device=vec.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(out.view(-1), vec.contiguous())
+    return out

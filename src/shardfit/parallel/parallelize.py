@@ -1,0 +1,109 @@
+"""Apply activation checkpointing, compilation and FSDP2 to a model built on the meta device.
+
+The order is fixed and each step relies on the previous ones:
+  1. activation checkpointing wraps each block's forward (before compile, so the compiled region is the
+     block's own computation and the checkpoint boundary stays outside it);
+  2. torch.compile per block (before sharding, so FSDP's hooks stay outside the compiled graph);
+  3. fully_shard each block, then the root (embedding, final norm and output head end up in the root group;
+     tied embeddings stay one parameter because both users are in that one group);
+  4. explicit prefetch, if asked;
+  5. to_empty on the target device: each rank allocates only its own shards (no rank ever holds the full model);
+  6. init_weights / init_buffers on the shards (RoPE frequencies are non-persistent and rebuilt on every rank).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from shardfit.config.schema import ParallelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Selective checkpointing keeps the outputs of the expensive ops (matmuls and attention) and recomputes the cheap
+# elementwise ones (norms, RoPE, SiLU): most of full checkpointing's memory saving for a few percent of recompute.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+_CUDNN_SDPA = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+if _CUDNN_SDPA is not None:
+    _SAVE_OPS.add(_CUDNN_SDPA.default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: int = 1) -> None:
+    """Replace each chosen block's forward with a non-reentrant checkpointed call (parameter names unchanged)."""
+    if mode == "none":
+        return
+    for i, block in enumerate(blocks):
+        if mode == "full" and i % every:
+            continue
+        inner = block.forward
+        if mode == "selective":
+            context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+        else:
+            context_fn = None
+
+        def forward(*args, _inner=inner, _ctx=context_fn, **kwargs):
+            extra = {"context_fn": _ctx} if _ctx is not None else {}
+            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
+
+        block.forward = forward
+
+
+def apply_compile(blocks: list[nn.Module]) -> None:
+    for block in blocks:
+        block.compile()
+
+
+def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU (gloo and CPU kernels)."""
+    if cfg.param_dtype == "auto":
+        param = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        param = _DTYPES[cfg.param_dtype]
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=_DTYPES[cfg.reduce_dtype])
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisionPolicy, cfg: ParallelConfig):
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keeping them gathered saves one
+        # all-gather per step at the cost of one block's unsharded weights.
+        reshard = cfg.reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    if cfg.prefetch > 0:
+        for i, block in enumerate(blocks):
+            after = blocks[i + 1:i + 1 + cfg.prefetch]
+            before = blocks[max(0, i - cfg.prefetch):i][::-1]
+            if after:
+                block.set_modules_to_forward_prefetch(after)
+            if before:
+                block.set_modules_to_backward_prefetch(before)
+    return model
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, world_size: int, seed: int) -> nn.Module:
+    """Meta model in, sharded and initialised model out. See the module docstring for the order."""
+    blocks = list(model.model.layers)
+    apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
+    if cfg.compile:
+        apply_compile(blocks)  # 2
+    mesh = init_device_mesh(device.type, (world_size,))
+    apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg)  # 3, 4
+    model.to_empty(device=device)  # 5
+    model.init_weights(seed)  # 6
+    return model

@@ -1,0 +1,117 @@
+"""Distributed checkpoints with torch.distributed.checkpoint, written so that a crash never leaves a half-written
+checkpoint under a final name.
+
+Layout of <dir>/step_00000100/:
+  .metadata, __*.distcp    DCP: model and optimizer tensors, each rank writing its own shards
+  rng/rank<r>.safetensors  each rank's RNG state
+  trainer.json             step, skipped steps, tokens seen (the data position is the step)
+  config.toml              the resolved config of the run
+  complete.json            written last, by rank 0, after every rank has finished
+
+Every rank writes into step_00000100.tmp/; after a barrier rank 0 writes complete.json and renames the directory.
+Only tensors go through DCP (optimizer hyper-parameters come from the config), so loading never unpickles
+anything but tensors with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from shardfit.errors import ShardfitError
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+COMPLETE = "complete.json"
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, config_toml: str,
+                    device: torch.device, keep: int = 0) -> Path:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+    dcp.save(state, checkpoint_id=str(tmp))
+    save_file(_rng_state(device), str(tmp / "rng" / f"rank{rank}.safetensors"))
+    dist.barrier()  # every rank has finished writing
+    if rank == 0:
+        _write_json(tmp / "trainer.json", {**trainer_state, "step": step, "world_size": world})
+        (tmp / "config.toml").write_text(config_toml)
+        _write_json(tmp / COMPLETE, {"step": step, "world_size": world})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep:
+            for old in complete_checkpoints(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()  # nobody proceeds (or exits) before the rename
+    return final
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint directories under root, oldest first (a .tmp or unmarked directory is not one)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_resume(spec: str, root: Path) -> Path | None:
+    """'none' -> None, 'auto' -> newest complete checkpoint under root (or None), else the given directory."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        found = complete_checkpoints(root)
+        return found[-1] if found else None
+    path = Path(spec)
+    if not (path / COMPLETE).is_file():
+        raise ShardfitError("not a complete shardfit checkpoint (no complete.json)", where=str(path),
+                            fix="pass a step_XXXXXXXX directory, or checkpoint.resume=auto")
+    return path
+
+
+def load_checkpoint(path: Path, model, optimizer, device: torch.device) -> dict:
+    """Restore model and optimizer shards (any world size) and this rank's RNG; return trainer.json."""
+    trainer_state = json.loads((path / "trainer.json").read_text())
+    osd = get_optimizer_state_dict(model, optimizer)  # creates the optimizer state to load into
+    state = {"model": get_model_state_dict(model), "optim": osd["state"]}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": osd["param_groups"]})
+    rng_file = path / "rng" / f"rank{dist.get_rank()}.safetensors"
+    if rng_file.is_file() and trainer_state.get("world_size") == dist.get_world_size():
+        rng = load_file(str(rng_file))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    return trainer_state

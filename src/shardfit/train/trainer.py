@@ -1,0 +1,241 @@
+"""The training loop.
+
+Collectives of one optimizer step, identical on every rank and in this order:
+  FSDP's own all-gathers and reduce-scatters (gradient sync only on the last micro-batch),
+  then exactly one all-gather of a small stats vector per rank, after all micro-batches.
+That one collective carries each rank's local squared gradient norm, summed loss, token count, a non-finite flag and
+its memory figures. From it every rank derives the same global token count, gradient norm, skip decision and
+metrics, so no rank can take a different branch. It is also the step's only host-device sync.
+
+Loss scaling: each micro-batch backpropagates (summed token loss) / C, with C = this rank's token capacity per
+step (a Python constant), and FSDP averages over ranks. After the stats collective the gradients are multiplied by
+world x C / N (N = valid tokens of the whole global batch) and by the clip coefficient, in one pass: the result is
+exactly the gradient of the mean loss over the global batch, whatever the per-rank token counts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardfit.config import Config, config_to_toml
+from shardfit.data import build_dataset
+from shardfit.errors import ShardfitError
+from shardfit.models import build_model, count_params
+from shardfit.parallel import all_gather_rows, init_distributed, parallelize
+from shardfit.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from shardfit.train.metrics import (
+    MEMORY_FIELDS,
+    flops_per_token,
+    memory_vector,
+    peak_flops,
+    reset_peaks,
+    summarize_memory,
+)
+from shardfit.train.optim import build_optimizer, lr_at, set_lr
+from shardfit.train.progress import Progress
+
+_STAT_SQNORM, _STAT_LOSS, _STAT_TOKENS, _STAT_NONFINITE, _STAT_MEM = 0, 1, 2, 3, 4
+
+
+class TrainingHalted(ShardfitError):
+    """Training stopped on purpose (too many non-finite steps); a checkpoint of the last good state was saved."""
+
+    exit_code = 3
+
+
+def apply_alloc_conf(alloc_conf: str) -> None:
+    """Default allocator settings for CUDA runs; must happen before the first CUDA allocation. The user's own
+    PYTORCH_CUDA_ALLOC_CONF always wins."""
+    if alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        apply_alloc_conf(cfg.memory.alloc_conf)
+        self.dist = init_distributed(cfg.train.device)
+        self.device = self.dist.device
+        self.run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.model.name}")
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.config_toml = config_to_toml(cfg)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.run_dir / "config.toml.tmp"
+            tmp.write_text(self.config_toml)
+            os.replace(tmp, self.run_dir / "config.toml")
+
+        self.dataset, self.tokenizer = build_dataset(cfg.data, cfg.model.vocab_size)
+        per_round = cfg.train.micro_batch * self.dist.world_size
+        if cfg.train.global_batch % per_round:
+            raise ShardfitError(
+                f"global_batch={cfg.train.global_batch} is not a multiple of micro_batch x world size = "
+                f"{cfg.train.micro_batch} x {self.dist.world_size}", where="train.global_batch",
+                fix=f"use a multiple of {per_round} or change micro_batch")
+        self.accum = cfg.train.global_batch // per_round
+
+        with torch.device("meta"):
+            model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
+        self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.n_params = count_params(self.model)
+        self.optimizer = build_optimizer(self.model, cfg.train, self.device)
+
+        self.step, self.skipped, self.tokens_seen = 0, 0, 0
+        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_dir)
+        self.resumed_from = None
+        if resume is not None:
+            state = load_checkpoint(resume, self.model, self.optimizer, self.device)
+            self.step, self.skipped = state["step"], state.get("skipped", 0)
+            self.tokens_seen = state.get("tokens_seen", 0)
+            self.resumed_from = resume
+
+        seq = cfg.data.seq_len
+        self.capacity = self.accum * cfg.train.micro_batch * seq  # C: this rank's tokens per step
+        self.flops_per_token = flops_per_token(cfg.model, self.n_params, seq)
+        self.peak = peak_flops(self.device, cfg.logging.peak_tflops)
+
+    # ------------------------------------------------------------------ one step
+    def _forward_backward(self) -> tuple[torch.Tensor, int]:
+        batches = self.dataset.step_batches(self.step, self.cfg.train.global_batch, self.cfg.train.micro_batch,
+                                            self.dist.rank, self.dist.world_size)
+        tokens = sum(mb.num_tokens for mb in batches)  # counted on the host: no sync
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, mb in enumerate(batches):
+            # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
+            self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            ids = mb.input_ids.to(self.device, non_blocking=True)
+            labels = mb.labels.to(self.device, non_blocking=True)
+            loss = self.model(ids, labels)  # summed token loss, fp32 scalar
+            (loss / self.capacity).backward()
+            loss_sum += loss.detach()
+        return loss_sum, tokens
+
+    def _reduce_step(self, loss_sum: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The step's single collective: stats of every rank, [world, k], on the host."""
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        if grads:
+            sq = torch.stack(torch._foreach_norm(grads, 2)).double().pow(2).sum()
+        else:
+            sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        head = torch.stack([sq, loss_sum.double(), torch.tensor(float(tokens), dtype=torch.float64, device=self.device),
+                            (~torch.isfinite(loss_sum)).double()])
+        mem = torch.tensor(memory_vector(self.device), dtype=torch.float64, device=self.device)
+        return all_gather_rows(torch.cat([head, mem])).cpu()  # the one host-device sync of the step
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        loss_sum, tokens = self._forward_backward()
+        rows = self._reduce_step(loss_sum, tokens)
+        world = self.dist.world_size
+        n_tokens = float(rows[:, _STAT_TOKENS].sum())
+        bad_ranks = [r for r in range(world) if rows[r, _STAT_NONFINITE] > 0]
+        scale = world * self.capacity / n_tokens if n_tokens > 0 else math.nan
+        grad_norm = math.sqrt(float(rows[:, _STAT_SQNORM].sum())) * scale
+        loss = float(rows[:, _STAT_LOSS].sum()) / n_tokens if n_tokens > 0 else math.nan
+        lr = lr_at(self.step, self.cfg.train)
+        # Every rank reads the same rows, so every rank takes the same branch.
+        ok = n_tokens > 0 and not bad_ranks and math.isfinite(grad_norm)
+        if ok:
+            clip = self.cfg.train.grad_clip
+            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+            grads = [_local(p.grad) for p in self.params if p.grad is not None]
+            torch._foreach_mul_(grads, scale * coef)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        else:
+            self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += int(n_tokens)
+        return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
+                "bad_ranks": bad_ranks, "no_tokens": n_tokens == 0, "time_s": time.perf_counter() - t0,
+                "memory": rows[:, _STAT_MEM:_STAT_MEM + len(MEMORY_FIELDS)]}
+
+    # ------------------------------------------------------------------ the loop
+    def save(self) -> Path:
+        return save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer,
+                               {"skipped": self.skipped, "tokens_seen": self.tokens_seen}, self.config_toml,
+                               self.device, keep=self.cfg.checkpoint.keep)
+
+    def fit(self) -> list[dict]:
+        cfg = self.cfg
+        total = cfg.train.steps
+        progress = Progress(self.run_dir, total, self.step, cfg.logging.progress, self.dist.is_main,
+                            cfg.logging.tensorboard)
+        progress.message(self._banner())
+        history: list[dict] = []
+        window_t, window_steps, last_reserved, last_retries = 0.0, 0, None, 0.0
+        seq_tokens = self.capacity  # tokens this rank processes per step
+        try:
+            while self.step < total:
+                rec = self.train_step()
+                history.append({k: rec[k] for k in ("step", "loss", "grad_norm", "lr", "skipped")})
+                window_t += rec["time_s"]
+                window_steps += 1
+                progress.advance(self.step)
+                if rec["skipped"]:
+                    why = "no tokens" if rec["no_tokens"] else (
+                        f"non-finite loss on rank(s) {rec['bad_ranks']}" if rec["bad_ranks"]
+                        else "non-finite gradient norm")
+                    progress.message(f"step {self.step}: {why}; step skipped on all ranks "
+                                     f"({self.skipped}/{cfg.train.max_skipped_steps} allowed)")
+                    if self.skipped > cfg.train.max_skipped_steps:
+                        path = self.save()
+                        raise TrainingHalted(
+                            f"{self.skipped} non-finite steps, more than train.max_skipped_steps="
+                            f"{cfg.train.max_skipped_steps}; saved the last good state to {path}",
+                            where=f"step {self.step}", fix="lower train.lr or check the data, then resume")
+                if self.step % cfg.logging.log_every == 0 or self.step == total:
+                    mem = summarize_memory(rec["memory"])
+                    tps = seq_tokens * window_steps / window_t
+                    out = {"step": self.step, "total_steps": total, "loss": rec["loss"],
+                           "grad_norm": rec["grad_norm"], "lr": rec["lr"], "tokens_per_s_per_gpu": tps,
+                           "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
+                           "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped,
+                           "eta_s": progress.eta(self.step), **mem}
+                    progress.log(out)
+                    if last_reserved is not None and mem["reserved_max"] - last_reserved > \
+                            cfg.memory.warn_growth_mib / 1024:
+                        progress.message(f"warning: reserved memory grew {1024 * (mem['reserved_max'] - last_reserved):.0f}"
+                                         " MiB since the last log step: possible fragmentation (see shardfit doctor)")
+                    if mem["alloc_retries_max"] > last_retries:
+                        progress.message(f"warning: {mem['alloc_retries_max']:.0f} allocator retries (cudaMalloc "
+                                         "failed and the cache was flushed): lower micro_batch or enable checkpointing")
+                    last_reserved, last_retries = mem["reserved_max"], mem["alloc_retries_max"]
+                    window_t, window_steps = 0.0, 0
+                    reset_peaks(self.device)
+                every = cfg.checkpoint.every
+                if every and self.step % every == 0 and self.step < total:
+                    self.save()
+            if cfg.checkpoint.final and history:
+                path = self.save()
+                progress.message(f"saved checkpoint {path}")
+        finally:
+            progress.close()
+        return history
+
+    def _banner(self) -> str:
+        c, d = self.cfg, self.dist
+        where = f"{d.world_size} x {self.device.type}" + (f" ({torch.cuda.get_device_name(self.device)})"
+                                                          if self.device.type == "cuda" else "")
+        resumed = f", resumed from {self.resumed_from}" if self.resumed_from else ""
+        return (f"shardfit: {c.model.name} model, {self.n_params / 1e6:.1f}M params, {where}, "
+                f"{len(self.dataset.tokens):,} tokens of data, global batch {c.train.global_batch} x "
+                f"{c.data.seq_len} = {c.train.global_batch * c.data.seq_len:,} tokens "
+                f"(micro-batch {c.train.micro_batch}, accumulation {self.accum}), run dir {self.run_dir}{resumed}")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

@@ -1,0 +1,54 @@
+"""Small configs and a plain single-process reference trainer for parity tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardfit.config import load_config
+from shardfit.data import build_dataset
+from shardfit.models import build_model
+from shardfit.train.optim import build_optimizer, lr_at, set_lr
+
+SMALL = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
+         "--model.max_seq_len=64", "--data.seq_len=32", "--train.global_batch=8", "--train.micro_batch=4",
+         "--train.warmup_steps=2", "--train.steps=4", "--train.lr=3e-3", "--logging.progress=none",
+         "--checkpoint.final=false", "--parallel.loss_chunk=48"]
+
+
+def small_config(*extra: str, run_dir: str = ""):
+    args = list(SMALL) + list(extra)
+    if run_dir:
+        args.append(f"--logging.run_dir={run_dir}")
+    return load_config(None, args)
+
+
+def reference_train(cfg, steps: int | None = None):
+    """Plain PyTorch, one process, whole global batch at once: what sharded training must reproduce."""
+    steps = steps or cfg.train.steps
+    model = build_model(cfg.model)
+    model.init_weights(cfg.train.seed)
+    opt = build_optimizer(model, cfg.train, torch.device("cpu"))
+    ds, _ = build_dataset(cfg.data, cfg.model.vocab_size)
+    G = cfg.train.global_batch
+    losses = []
+    for step in range(steps):
+        w = torch.from_numpy(ds.samples(step * G, G))
+        logits = model(w[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten())
+        loss.backward()
+        if cfg.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        set_lr(opt, lr_at(step, cfg.train))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return model, losses
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """Full (unsharded) state dict on every rank, on the CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                broadcast_from_rank0=False))
