@@ -50,12 +50,12 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(200, "optimizer steps", gt=0)
+    steps: int = opt(150, "optimizer steps", gt=0)
     global_batch: int = opt(16, "sequences per optimizer step, over all ranks and micro-batches", gt=0)
     micro_batch: int = opt(8, "sequences per rank per forward/backward", gt=0)
     lr: float = opt(3e-3, "peak learning rate", gt=0)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)", ge=0)
-    warmup_steps: int = opt(20, "linear warm-up steps", ge=0)
+    warmup_steps: int = opt(15, "linear warm-up steps", ge=0)
     weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norms and biases)", ge=0)
     beta1: float = opt(0.9, "AdamW beta1", ge=0)
     beta2: float = opt(0.95, "AdamW beta2", ge=0)

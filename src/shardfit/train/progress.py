@@ -20,7 +20,9 @@ def format_line(rec: dict) -> str:
              f"lr {rec['lr']:.2e}", f"{rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"]
     if rec.get("mfu") is not None:
         parts.append(f"mfu {rec['mfu']:.3f}")
-    if "peak_allocated_max" in rec:
+    if rec.get("device") == "cpu":
+        parts.append(f"host rss {rec['peak_allocated_max']:.2f} GiB (max rank)")
+    elif "peak_allocated_max" in rec:
         parts.append(f"mem {rec['peak_allocated_max']:.2f}/{rec['peak_reserved_max']:.2f} GiB (alloc/resv, max rank)")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")

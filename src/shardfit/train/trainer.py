@@ -196,10 +196,10 @@ class Trainer:
                             f"{self.skipped} non-finite steps, more than train.max_skipped_steps="
                             f"{cfg.train.max_skipped_steps}; saved the last good state to {path}",
                             where=f"step {self.step}", fix="lower train.lr or check the data, then resume")
-                if self.step % cfg.logging.log_every == 0 or self.step == total:
+                if self.step % cfg.logging.log_every == 0 or self.step in (1, total):
                     mem = summarize_memory(rec["memory"])
                     tps = seq_tokens * window_steps / window_t
-                    out = {"step": self.step, "total_steps": total, "loss": rec["loss"],
+                    out = {"step": self.step, "total_steps": total, "device": self.device.type, "loss": rec["loss"],
                            "grad_norm": rec["grad_norm"], "lr": rec["lr"], "tokens_per_s_per_gpu": tps,
                            "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
                            "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped,
@@ -218,9 +218,13 @@ class Trainer:
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < total:
                     self.save()
-            if cfg.checkpoint.final and history:
-                path = self.save()
-                progress.message(f"saved checkpoint {path}")
+            if history:
+                done = [h["loss"] for h in history if not h["skipped"]]
+                if done:
+                    progress.message(f"done: {len(history)} steps, loss {done[0]:.3f} -> {done[-1]:.3f}, "
+                                     f"{self.skipped} skipped; metrics in {self.run_dir / 'metrics.jsonl'}")
+                if cfg.checkpoint.final:
+                    progress.message(f"saved checkpoint {self.save()}")
         finally:
             progress.close()
         return history
