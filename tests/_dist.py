@@ -7,6 +7,7 @@ import os
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
                         p.kill()
                     raise AssertionError(f"ranks did not finish within {timeout:.0f} s: a hang")
         except Exception as e:
-            errs = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
+            errs = [Path(tmp, f).read_text() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
             raise AssertionError("a rank failed:\n" + "\n".join(errs)) from e
         out = []
         for r in range(world):

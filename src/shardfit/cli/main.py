@@ -41,7 +41,8 @@ def _train(argv: list[str]) -> int:
                 try:
                     nproc = int(value)
                 except ValueError:
-                    raise ShardfitError(f"'{value}' is not a number", where="--nproc", fix="give a process count")
+                    raise ShardfitError(f"'{value}' is not a number", where="--nproc",
+                                       fix="give a process count") from None
         else:
             rest.append(arg)
         i += 1

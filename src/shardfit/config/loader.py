@@ -37,10 +37,10 @@ def _closest(name: str, options: list[str]) -> str:
     return f"did you mean '{match[0]}'?" if match else "valid: " + ", ".join(sorted(options))
 
 
-def _coerce(value: Any, ftype: str, where: str) -> Any:
-    """Turn a TOML value or a CLI string into the field's type, or say exactly why not."""
+def _coerce(value: Any, ftype: str, where: str, from_text: bool) -> Any:
+    """Turn a TOML value (already typed) or a CLI string (parsed here) into the field's type, or say why not."""
     kind = ftype if isinstance(ftype, str) else ftype.__name__
-    if isinstance(value, str) and kind != "str":
+    if from_text and kind != "str":
         text = value.strip()
         try:
             if kind == "bool":
@@ -68,7 +68,8 @@ def _coerce(value: Any, ftype: str, where: str) -> Any:
     raise ShardfitError(f"expected {kind}, got {type(value).__name__} {value!r}", where=where, fix=f"give a {kind}")
 
 
-def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: set[str]) -> None:
+def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: set[str],
+         from_text: bool = False) -> None:
     sections = _sections(cfg)
     if section not in sections:
         raise ShardfitError(f"unknown section '{section}'", where=where, fix=_closest(section, list(sections)))
@@ -76,7 +77,7 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
     if key not in fields:
         all_keys = [f"{s}.{k}" for s, obj in sections.items() for k in _fields(obj)]
         raise ShardfitError(f"unknown key '{section}.{key}'", where=where, fix=_closest(f"{section}.{key}", all_keys))
-    setattr(sections[section], key, _coerce(value, fields[key].type, f"{where} {section}.{key}"))
+    setattr(sections[section], key, _coerce(value, fields[key].type, f"{where} {section}.{key}", from_text))
     explicit.add(f"{section}.{key}")
 
 
@@ -120,7 +121,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             for key, value in table.items():
                 _set(cfg, section, key, value, str(path), explicit)
     for section, key, value in parse_overrides(overrides or []):
-        _set(cfg, section, key, value, f"--{section}.{key}", explicit)
+        _set(cfg, section, key, value, f"--{section}.{key}", explicit, from_text=True)
     _apply_preset(cfg, explicit)
     validate(cfg)
     return cfg

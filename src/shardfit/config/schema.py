@@ -40,7 +40,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt("", "text (.txt), JSON lines (.jsonl) or Parquet files, a directory or a glob; empty: embedded corpus")
+    path: str = opt("", "text (.txt), JSON lines (.jsonl) or Parquet files, a directory or a glob; "
+                        "empty: the embedded corpus")
     format: str = opt("auto", "file format; auto picks by extension", choices=("auto", "text", "jsonl", "parquet"))
     text_field: str = opt("text", "JSON key or Parquet column that holds the text")
     tokenizer: str = opt("byte", "'byte' for the built-in byte tokenizer, or a path to a tokenizer.json")

@@ -111,7 +111,8 @@ def _read_parquet(path: Path, field: str) -> Iterator[tuple[str, str]]:
             if value is None:
                 continue
             if not isinstance(value, str):
-                raise ShardfitError(f"column '{field}' holds {type(value).__name__}, not text", where=f"{path}:row {row}",
+                raise ShardfitError(f"column '{field}' holds {type(value).__name__}, not text",
+                                    where=f"{path}:row {row}",
                                     fix="point data.text_field at a string column")
             yield value, f"{path}:row {row}"
 

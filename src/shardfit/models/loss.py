@@ -16,13 +16,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, ignore_index: int):
         # h [N, D], weight [V, D], labels [N]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        acc = torch.promote_types(h.dtype, torch.float32)  # fp32 for bf16/fp16 inputs, fp64 stays fp64
+        loss = torch.zeros((), dtype=acc, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None
         # The weight gradient is accumulated in the weight's dtype (as the unsharded FSDP gradient would be).
         grad_w = torch.zeros_like(weight) if want_w else None
         for s in range(0, h.shape[0], chunk):
             hc, lc = h[s:s + chunk], labels[s:s + chunk]  # [c, D], [c]
-            logits = (hc @ weight.t()).float()  # [c, V] fp32, freed at the end of the iteration
+            logits = (hc @ weight.t()).to(acc)  # [c, V] fp32, freed at the end of the iteration
             lse = torch.logsumexp(logits, dim=-1)  # [c]
             valid = lc != ignore_index
             target = lc.clamp(min=0)

@@ -41,13 +41,13 @@ class Progress:
         self.tb = None
         if not enabled:
             return
-        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "lines"
         self.mode = mode
         if mode == "bar":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
-            from rich.progress import TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
 
             self.bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                     TextColumn("{task.fields[status]}"), transient=False)

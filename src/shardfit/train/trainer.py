@@ -26,6 +26,7 @@ import torch.distributed as dist
 from shardfit.config import Config, config_to_toml
 from shardfit.data import build_dataset
 from shardfit.errors import ShardfitError
+from shardfit.memory import MemoryMonitor
 from shardfit.models import build_model, count_params
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
 from shardfit.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
@@ -174,60 +175,57 @@ class Trainer:
         progress = Progress(self.run_dir, total, self.step, cfg.logging.progress, self.dist.is_main,
                             cfg.logging.tensorboard)
         progress.message(self._banner())
+        monitor = MemoryMonitor(cfg.memory.warn_growth_mib / 1024)
         history: list[dict] = []
-        window_t, window_steps, last_reserved, last_retries = 0.0, 0, None, 0.0
-        seq_tokens = self.capacity  # tokens this rank processes per step
+        window = [0.0, 0]  # seconds and steps since the last log line
         try:
             while self.step < total:
                 rec = self.train_step()
                 history.append({k: rec[k] for k in ("step", "loss", "grad_norm", "lr", "skipped")})
-                window_t += rec["time_s"]
-                window_steps += 1
+                window[0] += rec["time_s"]
+                window[1] += 1
                 progress.advance(self.step)
                 if rec["skipped"]:
-                    why = "no tokens" if rec["no_tokens"] else (
-                        f"non-finite loss on rank(s) {rec['bad_ranks']}" if rec["bad_ranks"]
-                        else "non-finite gradient norm")
-                    progress.message(f"step {self.step}: {why}; step skipped on all ranks "
-                                     f"({self.skipped}/{cfg.train.max_skipped_steps} allowed)")
-                    if self.skipped > cfg.train.max_skipped_steps:
-                        path = self.save()
-                        raise TrainingHalted(
-                            f"{self.skipped} non-finite steps, more than train.max_skipped_steps="
-                            f"{cfg.train.max_skipped_steps}; saved the last good state to {path}",
-                            where=f"step {self.step}", fix="lower train.lr or check the data, then resume")
+                    self._on_skip(rec, progress)
                 if self.step % cfg.logging.log_every == 0 or self.step in (1, total):
-                    mem = summarize_memory(rec["memory"])
-                    tps = seq_tokens * window_steps / window_t
-                    out = {"step": self.step, "total_steps": total, "device": self.device.type, "loss": rec["loss"],
-                           "grad_norm": rec["grad_norm"], "lr": rec["lr"], "tokens_per_s_per_gpu": tps,
-                           "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
-                           "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped,
-                           "eta_s": progress.eta(self.step), **mem}
-                    progress.log(out)
-                    if last_reserved is not None and mem["reserved_max"] - last_reserved > \
-                            cfg.memory.warn_growth_mib / 1024:
-                        progress.message(f"warning: reserved memory grew {1024 * (mem['reserved_max'] - last_reserved):.0f}"
-                                         " MiB since the last log step: possible fragmentation (see shardfit doctor)")
-                    if mem["alloc_retries_max"] > last_retries:
-                        progress.message(f"warning: {mem['alloc_retries_max']:.0f} allocator retries (cudaMalloc "
-                                         "failed and the cache was flushed): lower micro_batch or enable checkpointing")
-                    last_reserved, last_retries = mem["reserved_max"], mem["alloc_retries_max"]
-                    window_t, window_steps = 0.0, 0
-                    reset_peaks(self.device)
+                    self._log(rec, window, progress, monitor)
+                    window = [0.0, 0]
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < total:
                     self.save()
-            if history:
-                done = [h["loss"] for h in history if not h["skipped"]]
-                if done:
-                    progress.message(f"done: {len(history)} steps, loss {done[0]:.3f} -> {done[-1]:.3f}, "
-                                     f"{self.skipped} skipped; metrics in {self.run_dir / 'metrics.jsonl'}")
-                if cfg.checkpoint.final:
-                    progress.message(f"saved checkpoint {self.save()}")
+            done = [h["loss"] for h in history if not h["skipped"]]
+            if done:
+                progress.message(f"done: {len(history)} steps, loss {done[0]:.3f} -> {done[-1]:.3f}, "
+                                 f"{self.skipped} skipped; metrics in {self.run_dir / 'metrics.jsonl'}")
+            if history and cfg.checkpoint.final:
+                progress.message(f"saved checkpoint {self.save()}")
         finally:
             progress.close()
         return history
+
+    def _on_skip(self, rec: dict, progress: Progress) -> None:
+        limit = self.cfg.train.max_skipped_steps
+        why = "no tokens" if rec["no_tokens"] else (
+            f"non-finite loss on rank(s) {rec['bad_ranks']}" if rec["bad_ranks"] else "non-finite gradient norm")
+        progress.message(f"step {self.step}: {why}; step skipped on all ranks ({self.skipped}/{limit} allowed)")
+        if self.skipped > limit:
+            path = self.save()  # parameters and optimizer are still those of the last good step
+            raise TrainingHalted(f"{self.skipped} non-finite steps, more than train.max_skipped_steps={limit}; "
+                                 f"saved the last good state to {path}", where=f"step {self.step}",
+                                 fix="lower train.lr or check the data, then resume")
+
+    def _log(self, rec: dict, window: list, progress: Progress, monitor: MemoryMonitor) -> None:
+        mem = summarize_memory(rec["memory"])
+        tps = self.capacity * window[1] / window[0]  # this rank's tokens per second
+        progress.log({"step": self.step, "total_steps": self.cfg.train.steps, "device": self.device.type,
+                      "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
+                      "tokens_per_s_per_gpu": tps,
+                      "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
+                      "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped,
+                      "eta_s": progress.eta(self.step), **mem})
+        for warning in monitor.update(mem):
+            progress.message(warning)
+        reset_peaks(self.device)
 
     def _banner(self) -> str:
         c, d = self.cfg, self.dist

@@ -1,0 +1,60 @@
+"""The shardfit command as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardfit.config import load_config
+
+TINY = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
+        "--data.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2", "--logging.log_every=1"]
+
+
+def _run(*args, cwd=None, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "shardfit", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)
+
+
+def test_train_smoke_then_auto_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    p = _run("train", *TINY, "--train.steps=3", f"--logging.run_dir={run_dir}")
+    assert p.returncode == 0, p.stderr
+    assert "step 3/3" in p.stdout and "loss" in p.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert {"loss", "grad_norm", "lr", "tokens_per_s_per_gpu", "peak_allocated_max", "peak_reserved_min",
+            "alloc_retries_max"} <= set(records[0])
+    assert load_config(run_dir / "config.toml").train.steps == 3
+    assert (run_dir / "checkpoints" / "step_00000003" / "complete.json").is_file()
+    p = _run("train", *TINY, "--train.steps=5", f"--logging.run_dir={run_dir}")
+    assert p.returncode == 0, p.stderr
+    assert "resumed from" in p.stdout and "step 4/5" in p.stdout and "step 1/5" not in p.stdout
+
+
+def test_nproc_launches_torchrun(tmp_path):
+    p = _run("train", *TINY, "--train.steps=2", "--nproc=2", f"--logging.run_dir={tmp_path}")
+    assert p.returncode == 0, p.stderr
+    assert "2 x cpu" in p.stdout
+
+
+def test_help_lists_keys():
+    p = _run("train", "--help")
+    assert p.returncode == 0 and "--parallel.activation_checkpoint=" in p.stdout and "--train.lr=" in p.stdout
+    assert _run("--help").returncode == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--train.lrr=1"], "did you mean 'train.lr'"),
+    (["--data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl: no such file"),
+    (["--data.tokenizer=/nonexistent/tok.json"], "tokenizer file not found"),
+    (["--train.global_batch=6", "--train.micro_batch=4"], "train.global_batch"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
+    p = _run("train", *args, f"--logging.run_dir={tmp_path}/r")
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("shardfit: error:")

@@ -1,0 +1,68 @@
+import pytest
+
+from shardfit.config import Config, config_to_toml, load_config
+from shardfit.config.loader import config_help
+from shardfit.errors import ShardfitError
+
+
+def test_defaults_are_the_tiny_preset():
+    cfg = load_config()
+    assert cfg.model.name == "tiny" and cfg.data.tokenizer == "byte"
+    assert cfg.model.vocab_size >= 259  # covers the byte tokenizer
+
+
+def test_toml_then_cli_overrides(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[train]\nlr = 1e-4\nsteps = 7\n[model]\nname = "llama3-8b"\nn_layers = 2\n')
+    cfg = load_config(f, ["--train.steps=9", "--parallel.activation_checkpoint", "full"])
+    assert cfg.train.lr == 1e-4 and cfg.train.steps == 9
+    assert cfg.parallel.activation_checkpoint == "full"
+    assert cfg.model.dim == 4096 and cfg.model.vocab_size == 128256  # from the preset
+    assert cfg.model.n_layers == 2  # explicit beats preset
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["--model.name=llama3-1b", "--data.path=x y\"z", "--train.grad_clip=0"])
+    f = tmp_path / "c.toml"
+    f.write_text(config_to_toml(cfg))
+    assert load_config(f) == cfg
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--train.lrr=1"], "did you mean 'train.lr'"),
+    (["--trian.lr=1"], "did you mean 'train'"),
+    (["--train.steps=ten"], "--train.steps train.steps: 'ten' is not a valid int"),
+    (["--train.steps=0"], "train.steps: 0 is out of range; fix: give a value > 0"),
+    (["--parallel.activation_checkpoint=some"], "choose one of none, full, selective"),
+    (["--model.name=llama9"], "unknown model preset"),
+    (["--data.seq_len=4096"], "above the model's limit"),
+    (["--train.global_batch=10", "--train.micro_batch=4"], "not a multiple of micro_batch"),
+    (["--model.n_kv_heads=3"], "not a multiple of n_kv_heads"),
+    (["train.lr=1"], "write overrides as --section.key=value"),
+    (["--train.lr"], "has no value"),
+])
+def test_bad_config_names_key_and_fix(args, needle):
+    with pytest.raises(ShardfitError) as e:
+        load_config(None, args)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_bad_toml_names_file(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[train\nlr = 1\n")
+    with pytest.raises(ShardfitError, match=r"bad.toml: malformed TOML"):
+        load_config(f)
+    f.write_text('[train]\nlr = "fast"\n')
+    with pytest.raises(ShardfitError, match=r"bad.toml train.lr: expected float"):
+        load_config(f)
+    with pytest.raises(ShardfitError, match="config file not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_help_lists_every_key():
+    text = config_help()
+    cfg = Config()
+    for section in ("model", "data", "train", "parallel", "checkpoint", "logging", "memory"):
+        for key in vars(getattr(cfg, section)):
+            assert f"--{section}.{key}=" in text

@@ -1,0 +1,58 @@
+"""A resumed run continues exactly where the interrupted one stopped."""
+
+from pathlib import Path
+
+import torch
+
+from shardfit.train import Trainer
+from shardfit.train.checkpoint import complete_checkpoints, resolve_resume
+from tests._dist import run_ranks
+from tests.helpers import full_state, small_config
+
+ARGS = ["--train.steps=6", "--train.micro_batch=2", "--parallel.activation_checkpoint=full", "--checkpoint.final=true"]
+
+
+def _uninterrupted_then_resumed(rank, world, root):
+    full = Trainer(small_config(*ARGS, "--checkpoint.every=3", run_dir=f"{root}/a"))
+    losses_a = [h["loss"] for h in full.fit()]
+    state_a = full_state(full.model)
+    first = Trainer(small_config(*ARGS, "--train.steps=3", run_dir=f"{root}/b"))
+    first.fit()  # saves step 3 at the end
+    resumed = Trainer(small_config(*ARGS, run_dir=f"{root}/b"))
+    assert resumed.step == 3
+    losses_b = [h["loss"] for h in resumed.fit()]
+    state_b = full_state(resumed.model)
+    same = all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    return {"a": losses_a, "b": losses_b, "same_params": same}
+
+
+def _resume_on_one_rank(rank, world, root):
+    # continue from the 2-rank checkpoint of step 3 (not the final one), in a new run directory
+    t = Trainer(small_config(*ARGS, f"--checkpoint.resume={root}/b/checkpoints/step_00000003", run_dir=f"{root}/c"))
+    assert t.step == 3
+    return {"losses": [h["loss"] for h in t.fit()]}
+
+
+def test_resume_equals_uninterrupted_and_reshards(tmp_path):
+    res = run_ranks(_uninterrupted_then_resumed, 2, str(tmp_path))
+    r = res[0]
+    assert r["b"] == r["a"][3:], "resumed losses must equal the uninterrupted run's, bit for bit"
+    assert r["same_params"]
+    ckpts = complete_checkpoints(Path(tmp_path) / "a" / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_00000003", "step_00000006"]
+    for p in ckpts:
+        assert (p / "config.toml").is_file() and (p / "rng" / "rank1.safetensors").is_file()
+    # a checkpoint saved by 2 ranks loads on 1 rank (DCP reshards) and continues within float tolerance
+    one = run_ranks(_resume_on_one_rank, 1, str(tmp_path))[0]
+    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(r["a"][3:]), rtol=1e-5, atol=1e-5)
+
+
+def test_incomplete_checkpoints_are_never_resumed(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name, complete in (("step_00000003", True), ("step_00000006.tmp", True), ("step_00000009", False)):
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / "complete.json").write_text("{}")
+    assert resolve_resume("auto", root) == root / "step_00000003"
+    assert resolve_resume("none", root) is None
+    assert resolve_resume("auto", tmp_path / "nothing") is None

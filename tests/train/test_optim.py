@@ -1,0 +1,14 @@
+import math
+
+from shardfit.config import load_config
+from shardfit.train.optim import lr_at
+
+
+def test_warmup_then_cosine_to_floor():
+    cfg = load_config(None, ["--train.lr=1.0", "--train.warmup_steps=10", "--train.steps=110",
+                             "--train.min_lr_ratio=0.1"]).train
+    assert lr_at(0, cfg) == 0.1 and lr_at(9, cfg) == 1.0
+    assert lr_at(10, cfg) == 1.0
+    assert math.isclose(lr_at(60, cfg), 0.55)
+    assert math.isclose(lr_at(110, cfg), 0.1) and math.isclose(lr_at(500, cfg), 0.1)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 120))
