@@ -14,10 +14,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, store: str, out_dir: str, fn, args):
+def _entry(rank: int, world: int, store: str, out_dir: str, fn, args, backend: str):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world, **kwargs)
     try:
         result = fn(rank, world, *args)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -31,11 +35,11 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn, args):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
-    """fn(rank, world, *args) -> JSON-able, on `world` processes; returns the results by rank."""
+def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
+    """fn(rank, world, *args) -> JSON-able, on `world` processes (gloo, or NCCL one GPU each); results by rank."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_entry, args=(world, store, tmp, fn, args), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(world, store, tmp, fn, args, backend), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

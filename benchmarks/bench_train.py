@@ -1,0 +1,132 @@
+"""Run shardfit and the anchor recipes on one machine in one invocation; print one table of ratios.
+
+  python benchmarks/bench_train.py --suite SUITE --nproc N [--anchors DIR] [--out FILE.json]
+
+Each case is a fresh `torchrun --standalone` job. shardfit figures are the median over steps after the first three
+(metrics.jsonl, one record per step); anchor figures are the JSON line the anchor script prints (median after three
+warm-up steps, the same rule). Memory: the largest per-rank peak over the measured steps. Read benchmarks/README.md
+for how the committed results were produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> list of (kind, label, args). kind "shardfit" takes `shardfit train` overrides; "anchor" takes the
+# anchor script's flags. {nproc} is filled in.
+LLAMA8B_4K = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=14", "--train.warmup_steps=2",
+              "--train.lr=1e-4"]
+SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
+    "tiny": [
+        ("shardfit", "tiny default", []),
+    ],
+    "llama8b": [
+        ("shardfit", "shardfit 8B mbs2 no-AC", [*LLAMA8B_4K, "--train.micro_batch=2", "--train.global_batch={2n}"]),
+        ("shardfit", "shardfit 8B mbs4 selective-AC", [*LLAMA8B_4K, "--train.micro_batch=4",
+                                                       "--train.global_batch={4n}",
+                                                       "--parallel.activation_checkpoint=selective"]),
+        ("anchor", "anchor plain full-AC mbs2", ["--size", "8b", "--seq", "4096", "--mbs", "2"]),
+        ("anchor", "anchor liger no-AC mbs2", ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger",
+                                               "--ac", "none"]),
+    ],
+}
+
+
+def _fill(args: list[str], nproc: int) -> list[str]:
+    return [a.replace("{2n}", str(2 * nproc)).replace("{4n}", str(4 * nproc)) for a in args]
+
+
+def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="sf-bench-"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "shardfit", "train", *args, f"--logging.run_dir={run_dir}", "--logging.log_every=1",
+           "--logging.progress=lines", "--checkpoint.final=false", "--checkpoint.resume=none"]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    out = {"system": "shardfit", "label": label, "nproc": nproc, "wall_s": round(time.time() - t0, 1),
+           "rc": p.returncode, "cmd": "torchrun ... -m shardfit train " + " ".join(args)}
+    metrics = run_dir / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    steady = [r for r in recs if r["step"] > 3]
+    if p.returncode != 0 or not steady:
+        out["error"] = (p.stderr or p.stdout)[-1500:]
+        out["oom"] = "OutOfMemoryError" in (p.stderr or "")
+        return out
+    out.update(tok_s_gpu=round(statistics.median(r["tokens_per_s_per_gpu"] for r in steady)),
+               mfu=round(statistics.median(r["mfu"] for r in steady), 3) if steady[0]["mfu"] else None,
+               peak_alloc_GiB=round(max(r["peak_allocated_max"] for r in steady), 2),
+               peak_reserved_GiB=round(max(r["peak_reserved_max"] for r in steady), 2),
+               alloc_min_GiB=round(min(r["peak_allocated_min"] for r in steady), 2),
+               retries=max(r["alloc_retries_max"] for r in steady), final_loss=round(recs[-1]["loss"], 4))
+    return out
+
+
+def run_anchor(label: str, args: list[str], nproc: int, anchors: Path, timeout: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(anchors / "plain_fsdp2_llama.py"), *args, "--steps", "14"]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    out = {"system": "anchor", "label": label, "nproc": nproc, "wall_s": round(time.time() - t0, 1),
+           "rc": p.returncode, "cmd": "torchrun plain_fsdp2_llama.py " + " ".join(args)}
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    if not lines:
+        out["error"] = (p.stderr or p.stdout)[-1500:]
+        return out
+    r = json.loads(lines[-1])
+    out.update(tok_s_gpu=r.get("tok_s_gpu"), mfu=r.get("mfu"), peak_alloc_GiB=r.get("peak_alloc_GiB"),
+               peak_reserved_GiB=r.get("peak_reserved_GiB"), retries=r.get("retries"), oom=r.get("oom", False))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--suite", required=True, choices=sorted(SUITES))
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--anchors", default=str(ROOT / ".anchors"))
+    ap.add_argument("--out", default="")
+    ap.add_argument("--timeout", type=int, default=300)
+    a = ap.parse_args()
+    import torch
+
+    env = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "nproc": a.nproc, "suite": a.suite,
+           "alloc_conf_env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    rows = []
+    for kind, label, args in SUITES[a.suite]:
+        args = _fill(args, a.nproc)
+        try:
+            row = (run_shardfit(label, args, a.nproc, a.timeout) if kind == "shardfit"
+                   else run_anchor(label, args, a.nproc, Path(a.anchors), a.timeout))
+        except subprocess.TimeoutExpired:
+            row = {"system": kind, "label": label, "nproc": a.nproc, "error": "timeout"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    best_anchor = max((r.get("tok_s_gpu") or 0 for r in rows if r["system"] == "anchor"), default=0)
+    print(f"\n{env['gpu']} x{a.nproc}, torch {env['torch']}, suite {a.suite}")
+    print(f"{'case':34} {'tok/s/gpu':>10} {'MFU':>6} {'alloc':>7} {'resv':>7} {'resv/alloc':>10} {'retry':>5} "
+          f"{'vs best anchor':>14}")
+    for r in rows:
+        if r.get("tok_s_gpu"):
+            ratio = f"{r['tok_s_gpu'] / best_anchor:.2f}x" if best_anchor else "-"
+            ra = r["peak_reserved_GiB"] / r["peak_alloc_GiB"] if r.get("peak_alloc_GiB") else 0
+            print(f"{r['label']:34} {r['tok_s_gpu']:>10,} {r['mfu'] or 0:>6.3f} {r['peak_alloc_GiB']:>7.1f} "
+                  f"{r['peak_reserved_GiB']:>7.1f} {ra:>10.2f} {r['retries']:>5.0f} {ratio:>14}")
+        else:
+            print(f"{r['label']:34} {'OOM' if r.get('oom') else 'FAILED':>10}")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
