@@ -35,6 +35,8 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "shardfit 8B mbs4 selective-AC", [*LLAMA8B_4K, "--train.micro_batch=4",
                                                        "--train.global_batch={4n}",
                                                        "--parallel.activation_checkpoint=selective"]),
+        ("shardfit", "shardfit 8B mbs2 no-AC compile", [*LLAMA8B_4K, "--train.micro_batch=2",
+                                                        "--train.global_batch={2n}", "--parallel.compile=true"]),
         ("anchor", "anchor plain full-AC mbs2", ["--size", "8b", "--seq", "4096", "--mbs", "2"]),
         ("anchor", "anchor liger no-AC mbs2", ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger",
                                                "--ac", "none"]),

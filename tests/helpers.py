@@ -23,17 +23,21 @@ def small_config(*extra: str, run_dir: str = ""):
     return load_config(None, args)
 
 
-def reference_train(cfg, steps: int | None = None):
-    """Plain PyTorch, one process, whole global batch at once: what sharded training must reproduce."""
+def reference_train(cfg, steps: int | None = None, device: str = "cpu"):
+    """Plain PyTorch, one process, whole global batch at once: what sharded training must reproduce.
+
+    Initial weights come from the device's own generator, so the reference must run on the same device type.
+    """
     steps = steps or cfg.train.steps
-    model = build_model(cfg.model)
+    with torch.device(device):
+        model = build_model(cfg.model)
     model.init_weights(cfg.train.seed)
-    opt = build_optimizer(model, cfg.train, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.train, torch.device("cpu"))  # same (foreach) AdamW as the CPU path
     ds, _ = build_dataset(cfg.data, cfg.model.vocab_size)
     G = cfg.train.global_batch
     losses = []
     for step in range(steps):
-        w = torch.from_numpy(ds.samples(step * G, G))
+        w = torch.from_numpy(ds.samples(step * G, G)).to(device)
         logits = model(w[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten())
         loss.backward()
@@ -43,7 +47,7 @@ def reference_train(cfg, steps: int | None = None):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return model, losses
+    return model.cpu(), losses
 
 
 def full_state(model) -> dict[str, torch.Tensor]:

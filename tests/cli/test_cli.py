@@ -9,7 +9,8 @@ import pytest
 
 from shardfit.config import load_config
 
-TINY = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
+TINY = ["--train.device=cpu", "--model.dim=32", "--model.n_layers=1",
+        "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
         "--data.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2", "--logging.log_every=1"]
 
 
@@ -54,7 +55,7 @@ def test_help_lists_keys():
     (["--train.global_batch=6", "--train.micro_batch=4"], "train.global_batch"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
-    p = _run("train", *args, f"--logging.run_dir={tmp_path}/r")
+    p = _run("train", "--train.device=cpu", *args, f"--logging.run_dir={tmp_path}/r")
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("shardfit: error:")

@@ -30,7 +30,7 @@ def test_nccl_fp32_training_matches_single_process(tmp_path):
     extra = ["--parallel.param_dtype=float32", "--train.micro_batch=2", "--parallel.activation_checkpoint=selective"]
     res = run_ranks(_train, _world(), extra, str(tmp_path), backend="nccl")
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref_model, ref_losses = reference_train(small_config(*extra))
+    ref_model, ref_losses = reference_train(small_config("--train.device=cuda", *extra), device="cuda")
     torch.testing.assert_close(torch.tensor(res[0]["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-4)
     ref = ref_model.state_dict()
     for k, v in res[0]["state"].items():

@@ -53,14 +53,14 @@ def _train(argv: list[str]) -> int:
     if nproc > 1:
         return _launch_torchrun(nproc, config_path, rest)
 
+    from shardfit.parallel import shutdown_distributed
     from shardfit.train import Trainer, apply_alloc_conf
 
     apply_alloc_conf(cfg.memory.alloc_conf)  # before torch touches CUDA
-    trainer = Trainer(cfg)
     try:
-        trainer.fit()
+        Trainer(cfg).fit()
     finally:
-        trainer.close()
+        shutdown_distributed()
     return 0
 
 

@@ -1,7 +1,8 @@
 """Deterministic, sharding-independent weight initialisation.
 
 `seeded_normal_` fills a parameter, or the local shard of a row-sharded DTensor, with values that depend only on
-(seed, parameter name, row): a 1-rank and an N-rank run start from the same weights, and no rank ever builds the
+(seed, parameter name, row) and the device type (CUDA and CPU generators draw different numbers): a 1-rank and an
+N-rank run on the same kind of device start from the same weights, and no rank ever builds the
 full tensor. Rows are drawn in blocks of about a million elements, each block from its own seeded generator, so a
 shard regenerates at most two partial blocks beyond its own rows. No collectives: only shard metadata is read.
 """

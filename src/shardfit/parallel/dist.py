@@ -51,6 +51,8 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 1800.0) -> Di
     gloo on CPU.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_kind == "auto" and dist.is_initialized() and dist.get_backend() == "gloo":
+        device_kind = "cpu"  # an existing gloo group (tests, CPU jobs) means CPU tensors
     device = pick_device(device_kind, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -63,6 +65,12 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 1800.0) -> Di
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly (also after an error: NCCL warns about groups left open at exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_gather_rows(vec: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """Apply activation checkpointing, compilation and FSDP2 to a model built on the meta device.
 
 The order is fixed and each step relies on the previous ones:
-  1. activation checkpointing wraps each block's forward (before compile, so the compiled region is the
-     block's own computation and the checkpoint boundary stays outside it);
-  2. torch.compile per block (before sharding, so FSDP's hooks stay outside the compiled graph);
+  1. activation checkpointing wraps each block's forward in a non-reentrant checkpoint (parameter names stay the
+     Hugging Face ones: no wrapper module);
+  2. torch.compile of each block's forward, checkpoint included (dynamo traces the checkpointed region, and the
+     selective policy still applies); the module's __call__ is not compiled, so FSDP's pre/post-forward hooks,
+     added next, run outside the compiled graph;
   3. fully_shard each block, then the root (embedding, final norm and output head end up in the root group;
      tied embeddings stay one parameter because both users are in that one group);
   4. explicit prefetch, if asked;
@@ -65,8 +67,10 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: in
 
 
 def apply_compile(blocks: list[nn.Module]) -> None:
+    # Identical blocks share one compiled graph (modules are inlined, parameters are graph inputs), so the compile
+    # cost is paid once, not once per layer.
     for block in blocks:
-        block.compile()
+        block.forward = torch.compile(block.forward)
 
 
 def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecisionPolicy:

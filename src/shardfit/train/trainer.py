@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from shardfit.config import Config, config_to_toml
 from shardfit.data import build_dataset
@@ -236,8 +235,3 @@ class Trainer:
                 f"{len(self.dataset.tokens):,} tokens of data, global batch {c.train.global_batch} x "
                 f"{c.data.seq_len} = {c.train.global_batch * c.data.seq_len:,} tokens "
                 f"(micro-batch {c.train.micro_batch}, accumulation {self.accum}), run dir {self.run_dir}{resumed}")
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
