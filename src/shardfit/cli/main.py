@@ -64,6 +64,23 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _doctor(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shardfit doctor", description=(
+        "Explain CUDA memory snapshots (torch.cuda.memory._dump_snapshot), one per rank: fragmentation, memory "
+        "held for other streams, per-rank imbalance, what the peak is made of, why an OOM happened."))
+    parser.add_argument("snapshots", nargs="+", help=".pickle / .pickle.gz files, or one directory of them")
+    parser.add_argument("--json", action="store_true", help="print the JSON report (schema shardfit.doctor/1)")
+    args = parser.parse_args(argv)
+    import json
+
+    from shardfit.memory import examine
+    from shardfit.memory.report import to_json, to_text
+
+    results, findings = examine(args.snapshots)
+    print(json.dumps(to_json(results, findings), indent=1) if args.json else to_text(results, findings), end="")
+    return 0
+
+
 def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str]) -> int:
     """`--nproc N`: start N local processes through torchrun, the same launcher users run by hand."""
     from torch.distributed.run import main as torchrun_main
@@ -80,15 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardfit", description="FSDP2 LLM training that fits, runs fast, and "
                                      "explains its memory.")
     parser.add_argument("--version", action="version", version=f"shardfit {__version__}")
-    parser.add_argument("command", choices=["train"], help="train: sharded training (shardfit train --help)")
+    parser.add_argument("command", choices=["train", "doctor"], help="train: sharded training (shardfit train "
+                        "--help); doctor: explain CUDA memory snapshots (shardfit doctor --help)")
     if not argv or argv[0] in ("-h", "--help", "--version"):
         parser.parse_args(argv or ["--help"])
         return 0
     command, rest = argv[0], argv[1:]
-    if command not in ("train",):
+    if command not in ("train", "doctor"):
         parser.parse_args([command])  # prints the choices and exits 2
     try:
-        return _train(rest)
+        return _train(rest) if command == "train" else _doctor(rest)
     except ShardfitError as e:
         print(f"shardfit: error: {e}", file=sys.stderr)
         return e.exit_code

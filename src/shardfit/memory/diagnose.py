@@ -1,0 +1,176 @@
+"""Findings: what went wrong in the memory of one or several ranks, with the evidence and the change to make."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass, field
+
+from shardfit.memory.replay import Layout, Replay, phase_at
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= 0.1 * GiB else f"{n / MiB:.1f} MiB"
+
+
+@dataclass
+class Finding:
+    code: str
+    severity: str  # "error" (an OOM), "warning", "info"
+    title: str
+    evidence: list[str] = field(default_factory=list)
+    fix: list[str] = field(default_factory=list)
+    rank: int | None = None
+
+
+@dataclass
+class RankResult:
+    rank: int
+    replay: Replay
+
+    @property
+    def path(self) -> str:
+        return self.replay.snapshot.path
+
+
+def rank_of(path: str, fallback: int) -> int:
+    m = re.search(r"rank[_-]?(\d+)", path.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else fallback
+
+
+def _uses_fsdp1(r: Replay) -> bool:
+    frames = [f for ev in r.snapshot.trace for f in ev["frames"][:30]]
+    frames += [f for s in r.snapshot.segments for b in s["blocks"] for f in b.get("frames", [])[:30]]
+    return any("_flat_param.py" in f.get("filename", "") or "fully_sharded_data_parallel.py" in f.get("filename", "")
+               for f in frames)
+
+
+def fragmentation(rank: int, r: Replay) -> list[Finding]:
+    p = r.peak
+    unused = p.reserved - p.allocated - p.pending_free
+    if p.reserved == 0 or unused < 256 * MiB or unused / p.reserved < 0.2:
+        return []
+    evidence = [f"at the allocated peak ({gib(p.allocated)}) the cache reserved {gib(p.reserved)}: {gib(unused)} "
+                f"({unused / p.reserved:.0%}) reserved but unused",
+                f"{gib(p.free_in_split_segments)} of it is free space inside segments that also hold live tensors "
+                "(split blocks: the cache cannot release them, and requests bigger than each hole cannot use them)",
+                f"largest free block {gib(p.largest_free)}; peak reserved over the whole trace {gib(r.peak_reserved)}"]
+    if r.snapshot.expandable:
+        return [Finding("fragmentation", "warning", "fragmentation even with expandable segments", evidence,
+                        ["vary tensor shapes less (bucket sequence lengths, fixed micro-batch size)",
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,garbage_collection_threshold:0.8"], rank)]
+    return [Finding("fragmentation", "warning",
+                    f"fragmentation: {unused / p.reserved:.0%} of reserved memory unused at the peak", evidence,
+                    ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (segments grow in place and freed pages are "
+                     "reused for any size; shardfit train sets it by default)",
+                     "or keep shapes steady: pad sequences to a few bucket lengths"], rank)]
+
+
+def pending_free(rank: int, r: Replay) -> list[Finding]:
+    worst: Layout = max((r.peak, r.end), key=lambda lay: lay.pending_free)
+    if worst.pending_free < max(64 * MiB, 0.05 * worst.reserved):
+        return []
+    when = "at dump time" if worst is r.end else "at the peak"
+    live = worst.allocated
+    return [Finding("pending_free", "warning",
+                    f"{gib(worst.pending_free)} held for other streams (record_stream) {when}",
+                    [f"{worst.pending_blocks} blocks freed by Python are still 'active_pending_free': another stream "
+                     "was still using them, so the cache may not reuse them and new requests take fresh memory",
+                     f"reserved {gib(worst.reserved)} for {gib(live)} of live tensors "
+                     f"({worst.reserved / max(live, 1):.1f}x)"],
+                    ["free memory on the stream that used it, or keep the tensor alive until an event recorded on "
+                     "that stream has completed, instead of tensor.record_stream()",
+                     "torch < 2.8 with NCCL collectives: TORCH_NCCL_AVOID_RECORD_STREAMS=1",
+                     "FSDP2: leave _set_unshard_async_op off with explicit prefetch (it goes through c10d's "
+                     "record_stream)"], rank)]
+
+
+def oom(rank: int, r: Replay) -> list[Finding]:
+    out = []
+    for ev, lay in r.ooms:
+        asked, stream = ev.get("size", 0), ev.get("stream", 0)
+        device_free = ev.get("device_free", ev.get("addr", 0))
+        st = lay.per_stream.get(stream, {})
+        stream_free, stream_big = st.get("free", 0), st.get("largest_free", 0)
+        evidence = [f"asked {gib(asked)} on stream {stream}; largest free block in that stream {gib(stream_big)}, "
+                    f"free inside its segments {gib(stream_free)}, free in all segments {gib(lay.free_in_segments)}",
+                    f"live tensors {gib(lay.allocated)}, reserved {gib(lay.reserved)}, pending free "
+                    f"{gib(lay.pending_free)}, driver reported {gib(device_free)} free on the device",
+                    "live memory: " + ", ".join(f"{k} {gib(v)}" for k, v in list(lay.categories.items())[:5])]
+        stuck = lay.free_in_split_segments + lay.pending_free
+        if not r.snapshot.expandable and stuck + device_free >= asked:
+            verdict, fix = ("fragmentation: the bytes were there, but not in one block", [
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would have let this request through: "
+                f"{gib(stuck)} stuck in split segments or pending + {gib(device_free)} free on the device "
+                f">= {gib(asked)}"])
+        elif lay.pending_free and lay.pending_free + device_free >= asked:
+            verdict, fix = ("memory held for another stream", ["see the record_stream finding: free on the "
+                                                                "using stream or wait on an event"])
+        else:
+            verdict, fix = ("too many live tensors for this GPU", [
+                "lower the micro-batch or the sequence length", "enable activation checkpointing "
+                "(--parallel.activation_checkpoint=selective or full)", "shard over more GPUs"])
+        out.append(Finding("oom", "error", f"out of memory asking {gib(asked)}: {verdict}", evidence, fix, rank))
+    return out
+
+
+def single(rank: int, r: Replay) -> list[Finding]:
+    return oom(rank, r) + pending_free(rank, r) + fragmentation(rank, r)
+
+
+def across_ranks(results: list[RankResult]) -> list[Finding]:
+    if len(results) < 2:
+        return []
+    peaks = {x.rank: x.replay.peak.allocated for x in results}
+    hi, lo = max(peaks.values()), min(peaks.values())
+    if lo > 0 and hi / lo <= 1.10:
+        return [Finding("balanced", "info", f"ranks balanced: peak allocated within {hi / lo - 1:.1%} "
+                        f"({gib(lo)} to {gib(hi)})")]
+    med = statistics.median(peaks.values())
+    if len(results) == 2:
+        outlier = min(peaks, key=peaks.get)
+    else:
+        outlier = max(peaks, key=lambda k: abs(peaks[k] - med))
+    out_r = next(x for x in results if x.rank == outlier)
+    others = [x for x in results if x.rank != outlier]
+    cats = set(out_r.replay.peak.categories) | {c for x in others for c in x.replay.peak.categories}
+    diffs = {c: out_r.replay.peak.categories.get(c, 0) - statistics.median(
+        [x.replay.peak.categories.get(c, 0) for x in others]) for c in cats}
+    cat = max(diffs, key=lambda c: abs(diffs[c]))
+    ref = statistics.median([peaks[x.rank] for x in others])
+    evidence = ["peak allocated per rank: " + ", ".join(f"rank {k} {gib(v)}" for k, v in sorted(peaks.items())),
+                f"rank {outlier} holds {peaks[outlier] / max(ref, 1):.0%} of the others' median; the category that "
+                f"differs most at the peak is {cat} ({'+' if diffs[cat] > 0 else ''}{gib(diffs[cat])} "
+                f"on rank {outlier})"]
+    fix = ["every rank should hold the same shards: build on meta, shard, then materialise or load on every rank"]
+    title = f"rank {outlier} holds {peaks[outlier] / max(ref, 1):.0%} of the other ranks' memory ({cat} differ)"
+    if cat == "parameters" and diffs[cat] < 0 and any(_uses_fsdp1(x.replay) for x in results):
+        title = (f"rank {outlier} holds {peaks[outlier] / max(ref, 1):.0%} of the others' memory: its parameters "
+                 "never reached its GPU (FSDP1 meta-device init without sync_module_states)")
+        fix = ["FSDP1: pass sync_module_states=True and device_id=torch.cuda.current_device() so rank 0's weights "
+               "are broadcast to every rank", "or use FSDP2 with meta-device init (shardfit train does)"]
+    return [Finding("imbalance", "warning", title, evidence, fix, outlier)]
+
+
+def fsdp_buffers(results: list[RankResult]) -> list[Finding]:
+    r = results[0].replay
+    ag, rs = r.category_max.get("fsdp_all_gather", 0), r.category_max.get("fsdp_reduce_scatter", 0)
+    if not (ag or rs):
+        return []
+    return [Finding("fsdp_buffers", "info", f"FSDP2 communication buffers: all-gather up to {gib(ag)}, "
+                    f"reduce-scatter up to {gib(rs)} live at once (rank {results[0].rank})")]
+
+
+def diagnose(results: list[RankResult]) -> list[Finding]:
+    findings = [f for x in results for f in single(x.rank, x.replay)]
+    findings += across_ranks(results) + fsdp_buffers(results)
+    order = {"error": 0, "warning": 1, "info": 2}
+    return sorted(findings, key=lambda f: order[f.severity])
+
+
+def peak_phase(r: Replay) -> str | None:
+    if not r.times or r.peak_index < 0:
+        return None
+    return phase_at(r.snapshot, r.times[r.peak_index])
