@@ -103,6 +103,11 @@ class MemoryConfig:
     alloc_conf: str = opt("expandable_segments:True",
                           "PYTORCH_CUDA_ALLOC_CONF used when the environment sets none (fragmentation guard)")
     warn_growth_mib: float = opt(64.0, "warn when reserved memory grows by more than this between log steps", ge=0)
+    snapshot_steps: str = opt("", "record CUDA memory snapshots of these steps on every rank (e.g. 3,4 or 10-12) "
+                                  "into <run_dir>/snapshots and run the doctor on them at the end")
+    snapshot_max_entries: int = opt(200000, "allocator events kept while recording (a ring buffer)", gt=0)
+    max_fraction: float = opt(0.0, "cap this process's CUDA memory at this fraction of the GPU (headroom for other "
+                                   "processes); 0: no cap", ge=0)
 
 
 @dataclass

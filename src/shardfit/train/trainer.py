@@ -26,6 +26,7 @@ from shardfit.config import Config, config_to_toml
 from shardfit.data import build_dataset
 from shardfit.errors import ShardfitError
 from shardfit.memory import MemoryMonitor
+from shardfit.memory.record import SnapshotRecorder
 from shardfit.models import build_model, count_params
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
 from shardfit.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
@@ -49,6 +50,12 @@ class TrainingHalted(ShardfitError):
     exit_code = 3
 
 
+class OutOfMemory(ShardfitError):
+    """A CUDA OOM on this rank: the snapshot is dumped and the doctor's verdict is in the message."""
+
+    exit_code = 4
+
+
 def apply_alloc_conf(alloc_conf: str) -> None:
     """Default allocator settings for CUDA runs; must happen before the first CUDA allocation. The user's own
     PYTORCH_CUDA_ALLOC_CONF always wins."""
@@ -66,6 +73,8 @@ class Trainer:
         apply_alloc_conf(cfg.memory.alloc_conf)
         self.dist = init_distributed(cfg.train.device)
         self.device = self.dist.device
+        if self.device.type == "cuda" and cfg.memory.max_fraction:
+            torch.cuda.set_per_process_memory_fraction(min(cfg.memory.max_fraction, 1.0), self.device)
         self.run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.model.name}")
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.config_toml = config_to_toml(cfg)
@@ -104,6 +113,8 @@ class Trainer:
         self.capacity = self.accum * cfg.train.micro_batch * seq  # C: this rank's tokens per step
         self.flops_per_token = flops_per_token(cfg.model, self.n_params, seq)
         self.peak = peak_flops(self.device, cfg.logging.peak_tflops)
+        self.recorder = SnapshotRecorder(cfg.memory.snapshot_steps, self.run_dir / "snapshots", self.dist.rank,
+                                         self.device, cfg.memory.snapshot_max_entries)
 
     # ------------------------------------------------------------------ one step
     def _forward_backward(self) -> tuple[torch.Tensor, int]:
@@ -133,9 +144,32 @@ class Trainer:
         mem = torch.tensor(memory_vector(self.device), dtype=torch.float64, device=self.device)
         return all_gather_rows(torch.cat([head, mem])).cpu()  # the one host-device sync of the step
 
+    def _on_oom(self, err: BaseException) -> None:
+        """Dump this rank's snapshot, diagnose it, and stop with one clear message. Peers blocked in a collective
+        with this rank are released when it exits (torchrun tears the job down; NCCL aborts its communicators)."""
+        step = self.step + 1
+        path = self.recorder.dump_oom(step)
+        verdict = ""
+        if path is not None:
+            from shardfit.memory import examine
+            from shardfit.memory.report import verdict as one_line
+
+            try:
+                verdict = "; doctor: " + one_line(examine([str(path)])[1])
+            except ShardfitError:
+                verdict = ""
+        first = str(err).splitlines()[0] if str(err) else "CUDA out of memory"
+        raise OutOfMemory(f"rank {self.dist.rank} ran out of GPU memory in step {step} ({first})"
+                          + (f"; snapshot {path}" if path else "") + verdict, where=f"step {step}",
+                          fix="lower train.micro_batch or data.seq_len, or set parallel.activation_checkpoint")
+
     def train_step(self) -> dict:
         t0 = time.perf_counter()
-        loss_sum, tokens = self._forward_backward()
+        self.recorder.before_step(self.step + 1)
+        try:
+            loss_sum, tokens = self._forward_backward()
+        except torch.OutOfMemoryError as err:
+            self._on_oom(err)
         rows = self._reduce_step(loss_sum, tokens)
         world = self.dist.world_size
         n_tokens = float(rows[:, _STAT_TOKENS].sum())
@@ -157,6 +191,7 @@ class Trainer:
             self.skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.recorder.after_step(self.step)
         self.tokens_seen += int(n_tokens)
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
                 "bad_ranks": bad_ranks, "no_tokens": n_tokens == 0, "time_s": time.perf_counter() - t0,
@@ -198,9 +233,31 @@ class Trainer:
                                  f"{self.skipped} skipped; metrics in {self.run_dir / 'metrics.jsonl'}")
             if history and cfg.checkpoint.final:
                 progress.message(f"saved checkpoint {self.save()}")
+            self._doctor_summary(progress)
         finally:
             progress.close()
         return history
+
+    def _doctor_summary(self, progress: Progress) -> None:
+        """After the run: the doctor on the last recorded step of every rank (rank 0 prints)."""
+        if not self.recorder.files:
+            return
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank's snapshot is on disk
+        if not self.dist.is_main:
+            return
+        from shardfit.memory import examine
+        from shardfit.memory.report import to_text
+
+        last = max(self.recorder.files)
+        files = [str(p) for p in sorted(self.recorder.files[last].parent.glob(f"step{last:06d}_rank*.pickle"))]
+        results, findings = examine(files)
+        report = to_text(results, findings)
+        (self.run_dir / "snapshots" / f"doctor_step{last:06d}.txt").write_text(report)
+        progress.message(report.splitlines()[0] + f" (full report: {self.run_dir}/snapshots/doctor_step{last:06d}.txt)")
+        for f in findings:
+            progress.message(f"  {f.severity}: {f.title}")
 
     def _on_skip(self, rec: dict, progress: Progress) -> None:
         limit = self.cfg.train.max_skipped_steps

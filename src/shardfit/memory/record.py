@@ -1,0 +1,67 @@
+"""Record CUDA memory snapshots from inside `shardfit train`.
+
+`--memory.snapshot_steps=3,4` records allocator history from the start of step 3 to the end of step 4 on every rank
+and dumps `<run_dir>/snapshots/step000003_rank<r>.pickle` after each listed step (written under a temporary name,
+then renamed). On a CUDA OOM the rank that failed dumps `oom_step<N>_rank<r>.pickle` whether or not history was on:
+the segment layout alone already shows what filled the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from shardfit.errors import ShardfitError
+
+
+def parse_steps(spec: str) -> set[int]:
+    steps = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            lo, _, hi = part.partition("-")
+            steps.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ShardfitError(f"cannot read step list '{spec}'", where="memory.snapshot_steps",
+                                fix="give steps like 3,4 or 10-12") from None
+    return steps
+
+
+class SnapshotRecorder:
+    def __init__(self, spec: str, out_dir: Path, rank: int, device: torch.device, max_entries: int):
+        self.steps = parse_steps(spec)
+        self.out_dir, self.rank, self.max_entries = out_dir, rank, max_entries
+        self.enabled = device.type == "cuda"
+        self.recording = False
+        self.files: dict[int, Path] = {}
+
+    def _dump(self, name: str) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / name
+        tmp = path.with_suffix(".tmp")
+        torch.cuda.memory._dump_snapshot(str(tmp))
+        os.replace(tmp, path)
+        return path
+
+    def before_step(self, step: int) -> None:
+        """step: 1-based number of the step about to run."""
+        if self.enabled and step in self.steps and not self.recording:
+            torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=self.max_entries)
+            self.recording = True
+
+    def after_step(self, step: int) -> None:
+        if not (self.enabled and step in self.steps):
+            return
+        self.files[step] = self._dump(f"step{step:06d}_rank{self.rank}.pickle")
+        if step == max(self.steps):
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.recording = False
+
+    def dump_oom(self, step: int) -> Path | None:
+        if not self.enabled:
+            return None
+        try:
+            return self._dump(f"oom_step{step:06d}_rank{self.rank}.pickle")
+        except Exception:  # the dump itself can fail when memory is exhausted; the OOM report goes on without it
+            return None
