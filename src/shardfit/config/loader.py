@@ -128,12 +128,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _apply_preset(cfg: Config, explicit: set[str]) -> None:
+    if cfg.model.path:
+        _apply_hf_config(cfg, explicit)
+        return
     if cfg.model.name not in PRESETS:
         raise ShardfitError(f"unknown model preset '{cfg.model.name}'", where="model.name",
                             fix=_closest(cfg.model.name, list(PRESETS)))
     for key, value in PRESETS[cfg.model.name].items():
         if f"model.{key}" not in explicit:
             setattr(cfg.model, key, value)
+
+
+def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
+    """model.path: the architecture comes from config.json; the tokenizer from the directory unless given."""
+    from shardfit.models.families import read_hf_config
+
+    family, fields = read_hf_config(cfg.model.path)
+    for key, value in fields.items():
+        if f"model.{key}" in explicit and getattr(cfg.model, key) != value:
+            raise ShardfitError(f"model.{key}={getattr(cfg.model, key)} conflicts with {key}={value} in "
+                                f"{cfg.model.path}/config.json", where=f"model.{key}",
+                                fix=f"drop the model.{key} override: the checkpoint fixes the architecture")
+        setattr(cfg.model, key, value)
+    cfg.model.name = family.model_type
+    tok = Path(cfg.model.path) / "tokenizer.json"
+    if "data.tokenizer" not in explicit and tok.is_file():
+        cfg.data.tokenizer = str(tok)
 
 
 def validate(cfg: Config) -> None:
@@ -160,6 +180,10 @@ def validate(cfg: Config) -> None:
     if cfg.data.seq_len > m.max_seq_len:
         raise ShardfitError(f"seq_len={cfg.data.seq_len} is above the model's limit max_seq_len={m.max_seq_len}",
                             where="data.seq_len", fix=f"use data.seq_len <= {m.max_seq_len} or raise model.max_seq_len")
+    if m.sliding_window and cfg.data.seq_len > m.sliding_window:
+        raise ShardfitError(f"seq_len={cfg.data.seq_len} is longer than the model's sliding window "
+                            f"{m.sliding_window}, which shardfit does not implement", where="data.seq_len",
+                            fix=f"use data.seq_len <= {m.sliding_window}")
     if cfg.train.global_batch % cfg.train.micro_batch:
         raise ShardfitError(f"global_batch={cfg.train.global_batch} is not a multiple of micro_batch="
                             f"{cfg.train.micro_batch}", where="train.global_batch",

@@ -17,6 +17,7 @@ def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | No
 @dataclass
 class ModelConfig:
     name: str = opt("tiny", "architecture preset whose sizes fill every model key you do not set (see PRESETS)")
+    path: str = opt("", "a Hugging Face model directory (config.json, safetensors): its architecture and weights")
     vocab_size: int = opt(264, "vocabulary size (must cover the tokenizer's ids)", gt=0)
     dim: int = opt(256, "hidden size", gt=0)
     n_layers: int = opt(4, "decoder blocks", gt=0)
@@ -36,6 +37,7 @@ class ModelConfig:
     qkv_bias: bool = opt(False, "bias on the q/k/v projections (Qwen2)")
     qk_norm: bool = opt(False, "RMSNorm on queries and keys per head (Qwen3)")
     init_std: float = opt(0.02, "std of the normal initialisation of weights", gt=0)
+    sliding_window: int = opt(0, "attention window of Mistral-style models; sequences must fit in it (0: none)", ge=0)
 
 
 @dataclass
@@ -87,6 +89,9 @@ class CheckpointConfig:
     resume: str = opt("auto", "'auto': latest complete checkpoint if any, 'none', or a checkpoint directory")
     keep: int = opt(3, "complete checkpoints to keep (older ones are deleted); 0 keeps all", ge=0)
     final: bool = opt(True, "save a checkpoint when training ends")
+    export_hf: str = opt("", "at the end, write a Hugging Face model directory here (safetensors shards, config, "
+                             "tokenizer); empty: none")
+    export_dtype: str = opt("bfloat16", "dtype of the exported weights", choices=("bfloat16", "float32", "float16"))
 
 
 @dataclass

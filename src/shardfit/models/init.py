@@ -16,7 +16,7 @@ import torch
 _BLOCK_ELEMS = 1 << 20
 
 
-def _local_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int]:
+def local_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int]:
     """(local tensor, global shape, global row offset of the local rows)."""
     try:
         from torch.distributed.tensor import DTensor
@@ -34,7 +34,7 @@ def _local_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int]:
 
 @torch.no_grad()
 def seeded_normal_(t: torch.Tensor, std: float, seed: int, key: str) -> torch.Tensor:
-    local, shape, row0 = _local_view(t)
+    local, shape, row0 = local_view(t)
     if local.device.type == "meta" or local.numel() == 0:
         return t
     rows = local.shape[0]

@@ -100,8 +100,12 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisi
     return model
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, world_size: int, seed: int) -> nn.Module:
-    """Meta model in, sharded and initialised model out. See the module docstring for the order."""
+def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, world_size: int, seed: int,
+                init: bool = True) -> nn.Module:
+    """Meta model in, sharded and initialised model out. See the module docstring for the order.
+
+    init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
+    """
     blocks = list(model.model.layers)
     apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
     if cfg.compile:
@@ -109,5 +113,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     mesh = init_device_mesh(device.type, (world_size,))
     apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg)  # 3, 4
     model.to_empty(device=device)  # 5
-    model.init_weights(seed)  # 6
+    if init:
+        model.init_weights(seed)  # 6
+    else:
+        model.init_buffers()
     return model

@@ -95,13 +95,19 @@ class Trainer:
 
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
-        self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed)
+        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_dir)
+        from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
+        self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed,
+                                 init=not from_hf)
+        if from_hf:
+            from shardfit.hf import load_hf_checkpoint
+
+            load_hf_checkpoint(self.model, cfg.model.path)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.n_params = count_params(self.model)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
 
         self.step, self.skipped, self.tokens_seen = 0, 0, 0
-        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_dir)
         self.resumed_from = None
         if resume is not None:
             state = load_checkpoint(resume, self.model, self.optimizer, self.device)
@@ -233,10 +239,20 @@ class Trainer:
                                  f"{self.skipped} skipped; metrics in {self.run_dir / 'metrics.jsonl'}")
             if history and cfg.checkpoint.final:
                 progress.message(f"saved checkpoint {self.save()}")
+            if cfg.checkpoint.export_hf:
+                progress.message(f"exported Hugging Face model to {self.export_hf(cfg.checkpoint.export_hf)}")
             self._doctor_summary(progress)
         finally:
             progress.close()
         return history
+
+    def export_hf(self, out: str) -> Path:
+        from shardfit.hf import export_hf
+
+        source = self.cfg.model.path or (str(Path(self.cfg.data.tokenizer).parent)
+                                         if self.cfg.data.tokenizer != "byte" else None)
+        export_hf(self.model, out, self.cfg.checkpoint.export_dtype, source)
+        return Path(out)
 
     def _doctor_summary(self, progress: Progress) -> None:
         """After the run: the doctor on the last recorded step of every rank (rank 0 prints)."""

@@ -1,0 +1,85 @@
+"""Export a (sharded) model as a Hugging Face directory that `transformers` loads.
+
+Streaming: parameters are gathered one at a time (`full_tensor()`, a collective every rank issues in the same
+order), cast, moved to rank 0's host memory and written in safetensors shards of at most `max_shard_bytes`; no rank
+ever holds more than one full parameter on its GPU, and rank 0's host holds at most one shard. Everything is written
+into <out>.tmp and renamed to <out> at the end, so a crash never leaves a half-written model under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from shardfit.models.families import hf_config_json
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "generation_config.json", "vocab.json", "merges.txt")
+
+
+def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source: str | Path | None = None,
+              max_shard_bytes: int = 5 * 10**9) -> Path | None:
+    out = Path(out)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tmp = out.with_name(out.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+
+    def flush():
+        name = f"shard-{len(files):05d}.safetensors"
+        save_file(shards[0], str(tmp / name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update({k: name for k in shards[0]})
+        shards[0], sizes[0] = {}, 0
+
+    for name, p in model.named_parameters():  # same order on every rank: the gathers line up
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if rank == 0:
+            t = full.detach().to(_DTYPES[dtype]).cpu().contiguous()
+            if shards[0] and sizes[0] + t.nbytes > max_shard_bytes:
+                flush()
+            shards[0][name] = t
+            sizes[0] += t.nbytes
+        del full
+    if rank == 0:
+        flush()
+        _finish(model, tmp, out, files, weight_map, dtype, source)
+    if dist.is_initialized():
+        dist.barrier()
+    return out if rank == 0 else None
+
+
+def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str, str], dtype: str, source) -> None:
+    n = len(files)
+    names = {f: ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+             for i, f in enumerate(files)}
+    for old, new in names.items():
+        os.replace(tmp / old, tmp / new)
+    if n > 1:
+        total = sum(p.numel() for p in model.parameters()) * torch.tensor([], dtype=_DTYPES[dtype]).element_size()
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}},
+            indent=2))
+    config = {**hf_config_json(model.cfg), "torch_dtype": dtype, "dtype": dtype}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if source:
+        for fname in _TOKENIZER_FILES:
+            src = Path(source) / fname
+            if src.is_file():
+                shutil.copy2(src, tmp / fname)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
