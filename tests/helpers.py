@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,9 +38,11 @@ def reference_train(cfg, steps: int | None = None, device: str = "cpu"):
     G = cfg.train.global_batch
     losses = []
     for step in range(steps):
-        w = torch.from_numpy(ds.samples(step * G, G)).to(device)
-        logits = model(w[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten())
+        pairs = [ds.pair(k) for k in range(step * G, (step + 1) * G)]
+        inputs = torch.tensor(np.stack([p[0] for p in pairs]), dtype=torch.long, device=device)
+        labels = torch.tensor(np.stack([p[1] for p in pairs]), dtype=torch.long, device=device)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)  # mean over valid tokens
         loss.backward()
         if cfg.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)

@@ -45,6 +45,9 @@ class DataConfig:
     path: str = opt("", "text (.txt), JSON lines (.jsonl) or Parquet files, a directory or a glob; "
                         "empty: the embedded corpus")
     format: str = opt("auto", "file format; auto picks by extension", choices=("auto", "text", "jsonl", "parquet"))
+    mode: str = opt("auto", "pretrain: pack documents; sft: one prompt/completion or chat example per sequence, loss "
+                            "on completions only; auto: sft when JSON lines hold prompt/completion or messages",
+                    choices=("auto", "pretrain", "sft"))
     text_field: str = opt("text", "JSON key or Parquet column that holds the text")
     tokenizer: str = opt("byte", "'byte' for the built-in byte tokenizer, or a path to a tokenizer.json")
     seq_len: int = opt(256, "tokens per training sequence", gt=0)

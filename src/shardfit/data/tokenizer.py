@@ -45,7 +45,7 @@ class HFTokenizer:
                                 fix="give a tokenizer.json saved by the tokenizers library") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find_eos(path.parent / "tokenizer_config.json")
-        self.bos_id = None
+        self.bos_id = self.pad_id = None
 
     def _find_eos(self, config_path: Path) -> int | None:
         names = list(self._EOS_NAMES)

@@ -1,0 +1,161 @@
+"""Fine-tuning data: JSON lines of {"prompt", "completion"} or chat {"messages": [{"role", "content"}, ...]}.
+
+Loss is taken only on what the model should produce: the completion, or every assistant message. A chat is
+rendered with the tokenizer's chat template (tokenizer_config.json "chat_template", Jinja, rendered in a sandbox)
+when there is one, else with the plain template below. Each example is one sequence: truncated to data.seq_len
+(counted and reported) or padded, with labels -100 on prompts and padding.
+
+Plain template (documented, stable):   <|role|>\\ncontent\\n   per message, then EOS after each assistant message;
+prompt/completion is   prompt + completion + EOS   with loss on completion + EOS.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from shardfit.data.packing import ShuffledDataset
+from shardfit.errors import ShardfitError
+
+IGNORE = -100
+
+
+def _chat_template(tokenizer_spec: str) -> str | None:
+    if tokenizer_spec == "byte":
+        return None
+    path = Path(tokenizer_spec)
+    cfg = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        template = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+    except json.JSONDecodeError as e:
+        raise ShardfitError(f"invalid JSON ({e.msg})", where=str(cfg)) from None
+    return template if isinstance(template, str) else None
+
+
+class ChatRenderer:
+    def __init__(self, template: str | None):
+        self.template = None
+        if template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # a template must not run code either
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self.template = env.from_string(template)
+
+    def segments(self, messages: list[dict]) -> list[tuple[str, bool]]:
+        """(text, trained) pieces whose concatenation is the rendered chat; trained marks assistant output."""
+        out: list[tuple[str, bool]] = []
+        done = ""
+        for i, msg in enumerate(messages):
+            if self.template is None:
+                head = f"<|{msg['role']}|>\n"
+                if msg["role"] == "assistant":
+                    out += [(head, False), (msg["content"] + "\n", True)]
+                else:
+                    out.append((head + msg["content"] + "\n", False))
+                continue
+            full = self.template.render(messages=messages[:i + 1], add_generation_prompt=False)
+            if msg["role"] == "assistant":
+                prefix = self.template.render(messages=messages[:i], add_generation_prompt=True)
+                if not full.startswith(prefix) or not prefix.startswith(done):
+                    raise ShardfitError("the chat template does not render conversations incrementally",
+                                        where="tokenizer_config.json chat_template",
+                                        fix="use prompt/completion data or a template without look-ahead")
+                out += [(prefix[len(done):], False), (full[len(prefix):], True)]
+            else:
+                out.append((full[len(done):], False))
+            done = full
+        return out
+
+
+def _example(obj: dict, where: str) -> list[tuple[str, bool]] | list[dict]:
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise ShardfitError("'messages' must be a list of {role, content} strings", where=where)
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise ShardfitError("conversation has no assistant message to learn from", where=where)
+        return msgs
+    if isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str):
+        return [(obj["prompt"], False), (obj["completion"], True)]
+    keys = ", ".join(sorted(obj))
+    raise ShardfitError(f"expected 'prompt' and 'completion' strings or 'messages' (found: {keys})", where=where,
+                        fix="one fine-tuning example per line")
+
+
+def is_sft_file(path: Path) -> bool:
+    """A JSON-lines file whose first object is a fine-tuning example."""
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        return False
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    obj = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return False
+                return isinstance(obj, dict) and ("messages" in obj or {"prompt", "completion"} <= set(obj))
+    return False
+
+
+class ExampleDataset(ShuffledDataset):
+    def __init__(self, examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, seed: int, pad_id: int,
+                 truncated: int, where: str):
+        if not examples:
+            raise ShardfitError("no fine-tuning examples", where=where, fix="check data.path")
+        self.examples, self.seq_len, self.seed, self.pad_id = examples, seq_len, seed, pad_id
+        self.num_windows = len(examples)
+        self.truncated = truncated
+        self.tokens = np.concatenate([e[0] for e in examples])  # for the size report only
+
+    def pair(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, trained = self.examples[self._item(k)]
+        S = self.seq_len
+        inputs = np.full(S, self.pad_id, dtype=np.int64)
+        labels = np.full(S, IGNORE, dtype=np.int64)
+        n = min(len(ids) - 1, S)
+        inputs[:n] = ids[:n]
+        target = np.where(trained[1:n + 1], ids[1:n + 1], IGNORE)  # label t is token t+1
+        labels[:n] = target
+        return inputs, labels
+
+
+def build_sft_dataset(files: list[Path], data_cfg, tokenizer) -> ExampleDataset:
+    renderer = ChatRenderer(_chat_template(data_cfg.tokenizer))
+    eos_id = tokenizer.eos_id
+    examples, truncated = [], 0
+    for path in files:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    obj = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise ShardfitError(f"invalid JSON line ({e})", where=where,
+                                        fix="one JSON object per line") from None
+                if not isinstance(obj, dict):
+                    raise ShardfitError("line is not a JSON object", where=where)
+                ex = _example(obj, where)
+                chat = isinstance(ex[0], dict)
+                pieces = renderer.segments(ex) if chat else ex
+                # A chat template writes its own end-of-turn tokens; otherwise EOS follows each trained piece.
+                add_eos = eos_id is not None and not (chat and renderer.template is not None)
+                ids, mask = [], []
+                for text, trained in pieces:
+                    toks = tokenizer.encode(text) if text else []
+                    ids += toks
+                    mask += [trained] * len(toks)
+                    if trained and add_eos:
+                        ids.append(eos_id)
+                        mask.append(True)
+                truncated += len(ids) - 1 > data_cfg.seq_len
+                examples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
+    pad = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else (eos_id or 0)
+    return ExampleDataset(examples, data_cfg.seq_len, data_cfg.seed, pad, truncated, str(files[0]))
