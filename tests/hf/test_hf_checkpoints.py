@@ -25,6 +25,9 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SIZES, sliding_window=None)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SIZES)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**SIZES, "head_dim": 32})),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SIZES, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1])),
 }
 ARGS = ["--data.seq_len=32", "--train.device=cpu"]
 
@@ -60,6 +63,12 @@ def test_load_matches_transformers(tmp_path, kind):
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
     if cfg.model.tie_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
+    if cfg.model.n_experts:  # the router picks the same experts as transformers'
+        h = torch.randn(50, 64)
+        _, ref_ids = hf.model.layers[0].mlp.gate(h)[1:]
+        _, ids = model.model.layers[0].mlp.route(h)
+        assert torch.equal(ids, ref_ids)
+        assert type(model.model.layers[1].mlp).__name__ == "MLP"  # mlp_only_layers stays dense
 
 
 def _sharded_load_and_export(rank, world, path, out):
@@ -73,7 +82,7 @@ def _sharded_load_and_export(rank, world, path, out):
     return state if rank == 0 else None
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_two_rank_load_equals_single_and_export_round_trips(tmp_path, kind):
     path, hf = _save(kind, tmp_path)
     out = tmp_path / "export"

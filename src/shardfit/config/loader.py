@@ -180,6 +180,9 @@ def validate(cfg: Config) -> None:
     if cfg.data.seq_len > m.max_seq_len:
         raise ShardfitError(f"seq_len={cfg.data.seq_len} is above the model's limit max_seq_len={m.max_seq_len}",
                             where="data.seq_len", fix=f"use data.seq_len <= {m.max_seq_len} or raise model.max_seq_len")
+    if m.n_experts and not (0 < m.experts_per_token <= m.n_experts and m.moe_ffn_dim):
+        raise ShardfitError(f"an MoE model needs 0 < experts_per_token <= n_experts={m.n_experts} and moe_ffn_dim",
+                            where="model.experts_per_token", fix="set model.experts_per_token and model.moe_ffn_dim")
     if m.sliding_window and cfg.data.seq_len > m.sliding_window:
         raise ShardfitError(f"seq_len={cfg.data.seq_len} is longer than the model's sliding window "
                             f"{m.sliding_window}, which shardfit does not implement", where="data.seq_len",

@@ -38,6 +38,12 @@ class ModelConfig:
     qk_norm: bool = opt(False, "RMSNorm on queries and keys per head (Qwen3)")
     init_std: float = opt(0.02, "std of the normal initialisation of weights", gt=0)
     sliding_window: int = opt(0, "attention window of Mistral-style models; sequences must fit in it (0: none)", ge=0)
+    n_experts: int = opt(0, "experts per MoE layer (Qwen3-MoE); 0: dense model", ge=0)
+    experts_per_token: int = opt(0, "experts each token is routed to (top-k)", ge=0)
+    moe_ffn_dim: int = opt(0, "inner size of each expert", ge=0)
+    norm_topk_prob: bool = opt(True, "renormalise the top-k routing weights to sum to 1")
+    moe_every: int = opt(1, "every k-th layer is MoE (decoder_sparse_step)", gt=0)
+    dense_layers: str = opt("", "comma-separated layer indices that stay dense (mlp_only_layers)")
 
 
 @dataclass

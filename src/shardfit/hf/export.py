@@ -18,6 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from shardfit.hf.load import STACKED, expert_key
 from shardfit.models.families import hf_config_json
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -48,11 +49,14 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
     for name, p in model.named_parameters():  # same order on every rank: the gathers line up
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         if rank == 0:
-            t = full.detach().to(_DTYPES[dtype]).cpu().contiguous()
-            if shards[0] and sizes[0] + t.nbytes > max_shard_bytes:
-                flush()
-            shards[0][name] = t
-            sizes[0] += t.nbytes
+            t = full.detach().to(_DTYPES[dtype]).cpu()
+            # stacked experts are written per expert, as Hugging Face checkpoints store them
+            pieces = [(expert_key(name, e), t[e]) for e in range(t.shape[0])] if STACKED.match(name) else [(name, t)]
+            for key, piece in pieces:
+                if shards[0] and sizes[0] + piece.nbytes > max_shard_bytes:
+                    flush()
+                shards[0][key] = piece.contiguous()
+                sizes[0] += piece.nbytes
         del full
     if rank == 0:
         flush()

@@ -18,6 +18,7 @@ from torch import nn
 from shardfit.config.schema import ModelConfig
 from shardfit.models.init import seeded_normal_
 from shardfit.models.loss import fused_linear_cross_entropy
+from shardfit.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -102,15 +103,23 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    dense = {int(x) for x in cfg.dense_layers.split(",") if x.strip()}
+    return cfg.n_experts > 0 and i not in dense and (i + 1) % cfg.moe_every == 0
+
+
 class DecoderBlock(nn.Module):
     """Pre-norm block: the unit of sharding, checkpointing and compilation."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+        if is_moe_layer(cfg, layer):
+            self.mlp = MoE(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.moe_ffn_dim, cfg.norm_topk_prob)
+        else:
+            self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -123,7 +132,7 @@ class Decoder(nn.Module):
         self.cfg = cfg
         self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # Non-persistent: never in a checkpoint, rebuilt by init_buffers() on every rank after to_empty().
         self.register_buffer("inv_freq", rope_inv_freq(cfg, self.head_dim), persistent=False)

@@ -72,9 +72,9 @@ def common_to_hf(m) -> dict[str, Any]:
 
 
 def _registry() -> dict[str, Family]:
-    from shardfit.models.families import llama, mistral, qwen2, qwen3
+    from shardfit.models.families import llama, mistral, qwen2, qwen3, qwen3_moe
 
-    return {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+    return {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
 
 
 def read_hf_config(path: str | Path) -> tuple[Family, dict[str, Any]]:
@@ -102,6 +102,7 @@ def read_hf_config(path: str | Path) -> tuple[Family, dict[str, Any]]:
 def hf_config_json(m) -> dict[str, Any]:
     family = _registry().get(m.name)
     if family is None:  # a preset or the tiny model: closest family by features
-        family = _registry()["qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"]
+        family = _registry()["qwen3_moe" if m.n_experts else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias
+                             else "llama"]
     return {"architectures": [family.architecture], "model_type": family.model_type, **common_to_hf(m),
             **family.to_hf(m)}

@@ -1,0 +1,67 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE): top-k softmax router, experts stacked in 3-D parameters.
+
+The expert computation is one fixed graph whatever the routing: tokens are sorted by expert and every expert runs
+on its slice, empty or not (or one grouped matmul on CUDA in bf16). So a rank whose tokens go to different experts
+issues the same operations, and activation checkpointing's recomputation saves exactly the tensors the forward
+saved (a loop over only the experts that received tokens breaks both: the fourth seed report's crash).
+The results return to token order by a permutation, not atomics: the forward is deterministic.
+
+Shapes: T tokens, H hidden, E experts, k experts per token, I expert inner size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights; the checkpoint stores them per expert (see shardfit.hf)."""
+
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))  # [E, I, H]
+        self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))  # [E, I, H]
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))  # [E, H, I]
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """xs [T*k, H] sorted by expert, counts [E] rows per expert -> [T*k, H] in the same order."""
+        if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            offs = counts.cumsum(0).to(torch.int32)  # stays on the device: no host sync
+            g = torch._grouped_mm(xs, self.gate_proj.transpose(-2, -1), offs=offs)
+            u = torch._grouped_mm(xs, self.up_proj.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(F.silu(g) * u, self.down_proj.transpose(-2, -1), offs=offs)
+        outs = []
+        for e, part in enumerate(xs.split(counts.tolist())):  # every expert, every call
+            h = F.silu(F.linear(part, self.gate_proj[e])) * F.linear(part, self.up_proj[e])
+            outs.append(F.linear(h, self.down_proj[e]))
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, n_experts: int, top_k: int, ffn_dim: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(dim, n_experts, bias=False)  # the router
+        self.experts = Experts(n_experts, dim, ffn_dim)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
+        probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(h.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, H = x.shape
+        h = x.reshape(-1, H)  # [T, H]
+        weights, ids = self.route(h)
+        flat = ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.experts.gate_proj.shape[0])  # [E]
+        ys = self.experts(h[order // self.top_k], counts)  # [T*k, H]
+        out = torch.empty_like(ys)
+        out[order] = ys  # back to (token, slot) order
+        return (out.view(-1, self.top_k, H) * weights[..., None]).sum(dim=1).view(B, S, H)
