@@ -1,0 +1,115 @@
+"""Time loading a Hugging Face checkpoint into a sharded model, against the broadcast anchor.
+
+  python benchmarks/bench_load.py write --shape qwen3-30b-a3b --layers 12 --out /tmp/ckpt
+  torchrun --standalone --nproc_per_node N benchmarks/bench_load.py load --path /tmp/ckpt
+
+`write` creates a checkpoint of the given shape with arbitrary values (per-expert tensors, 5 GB shards); the files
+are then in the page cache, as the issue's target counts. `load` builds the model on meta, shards it over the GPUs,
+and times shardfit's loader (each rank reads only its rows/experts from the safetensors files), reporting seconds,
+GB/s, GPU memory after the load per rank (balance) and peak host RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False),
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, tie_word_embeddings=False),
+}
+
+
+def write(shape: str, layers: int, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    from shardfit.config import load_config
+    from shardfit.hf.load import STACKED, expert_key
+    from shardfit.models import build_model
+
+    hf = {**SHAPES[shape], "num_hidden_layers": layers}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf))
+    cfg = load_config(None, [f"--model.path={out}", "--data.seq_len=128"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    tensors = []
+    for name, p in model.named_parameters():
+        if STACKED.match(name):
+            tensors += [(expert_key(name, e), p.shape[1:]) for e in range(p.shape[0])]
+        else:
+            tensors.append((name, p.shape))
+    shards, cur, size, weight_map = [], {}, 0, {}
+    for name, shape_ in tensors:
+        t = torch.full(shape_, 0.01, dtype=torch.bfloat16)
+        if cur and size + t.nbytes > 5e9:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = t
+        size += t.nbytes
+    shards.append(cur)
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+        total += sum(t.nbytes for t in shard.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
+    print(json.dumps({"written": str(out), "tensors": len(tensors), "bytes_GB": round(total / 1e9, 1)}))
+
+
+def load(path: Path) -> None:
+    import torch.distributed as dist
+
+    from shardfit.config import load_config
+    from shardfit.hf import load_hf_checkpoint
+    from shardfit.models import build_model
+    from shardfit.parallel import init_distributed, parallelize
+
+    info = init_distributed("cuda")
+    cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=128"])
+    with torch.device("meta"):
+        model = build_model(cfg.model).to(torch.bfloat16)
+    parallelize(model, cfg.parallel, info.device, info.world_size, 0, init=False)
+    dist.barrier()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    read = load_hf_checkpoint(model, path)
+    torch.cuda.synchronize()
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    stats = torch.tensor([read, torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss],
+                         dtype=torch.float64, device=info.device)
+    rows = [torch.zeros_like(stats) for _ in range(info.world_size)]
+    dist.all_gather(rows, stats)
+    if info.rank == 0:
+        total = sum(r[0].item() for r in rows)
+        alloc = [r[1].item() / 2**30 for r in rows]
+        print(json.dumps({"system": "shardfit load", "ws": info.world_size, "load_s": round(dt, 2),
+                          "bytes_GB": round(total / 1e9, 1), "GBps": round(total / 1e9 / dt, 2),
+                          "gpu_alloc_GiB_per_rank": [round(a, 2) for a in alloc],
+                          "imbalance": round(max(alloc) / min(alloc) - 1, 4),
+                          "peak_host_rss_GiB_per_rank": [round(r[2].item() / 2**20, 1) for r in rows],
+                          "torch": torch.__version__}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["write", "load"])
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--out", "--path", dest="path", default="/tmp/ckpt")
+    a = ap.parse_args()
+    write(a.shape, a.layers, Path(a.path)) if a.what == "write" else load(Path(a.path))
