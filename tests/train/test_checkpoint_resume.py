@@ -2,8 +2,10 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from shardfit.errors import ShardfitError
 from shardfit.train import Trainer
 from shardfit.train.checkpoint import complete_checkpoints, resolve_resume
 from tests._dist import run_ranks
@@ -53,6 +55,42 @@ def test_incomplete_checkpoints_are_never_resumed(tmp_path):
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / "complete.json").write_text("{}")
-    assert resolve_resume("auto", root) == root / "step_00000003"
+    assert complete_checkpoints(root) == [root / "step_00000003"]  # .tmp and unmarked directories never count
+    skipped = []
+    assert resolve_resume("auto", root, skipped) is None  # and a marker alone does not make a checkpoint whole
+    assert skipped == [f"skipped corrupt checkpoint {root / 'step_00000003'}: missing trainer.json"]
     assert resolve_resume("none", root) is None
     assert resolve_resume("auto", tmp_path / "nothing") is None
+
+
+def _two_checkpoints_then_resume_after_damage(rank, world, root, damage):
+    import os
+    import pickle
+
+    Trainer(small_config(*ARGS, "--train.steps=4", "--checkpoint.every=2", run_dir=root)).fit()
+    newest = Path(root) / "checkpoints" / "step_00000004"
+    if rank == 0:
+        if damage == "truncated":
+            shard = sorted(newest.glob("*.distcp"))[0]
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        else:  # a .metadata that would run a command under plain pickle.load
+            class Evil:
+                def __reduce__(self):
+                    return (os.system, (f"touch {root}/pwned",))
+
+            (newest / ".metadata").write_bytes(pickle.dumps(Evil()))
+    torch.distributed.barrier()
+    resumed = Trainer(small_config(*ARGS, "--train.steps=5", run_dir=root))
+    return {"step": resumed.step, "notices": resumed.notices}
+
+
+@pytest.mark.parametrize("damage, needle", [("truncated", "is truncated"),
+                                            ("tampered", "refused to load global")])
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, damage, needle):
+    res = run_ranks(_two_checkpoints_then_resume_after_damage, 2, str(tmp_path), damage)
+    for r in res:
+        assert r["step"] == 2
+        assert len(r["notices"]) == 1 and "step_00000004" in r["notices"][0] and needle in r["notices"][0]
+    assert not (tmp_path / "pwned").exists()
+    with pytest.raises(ShardfitError, match="corrupt checkpoint"):
+        resolve_resume(str(tmp_path / "checkpoints" / "step_00000004"), tmp_path)

@@ -2,6 +2,7 @@
 
 from shardfit.memory.doctor import examine
 from shardfit.memory.monitor import MemoryMonitor
-from shardfit.memory.snapshot import SafeUnpickler, load_snapshot
+from shardfit.memory.snapshot import load_snapshot
+from shardfit.safe_pickle import SafeUnpickler
 
 __all__ = ["MemoryMonitor", "SafeUnpickler", "examine", "load_snapshot"]

@@ -1,6 +1,6 @@
 """Load CUDA caching-allocator snapshots (`torch.cuda.memory._dump_snapshot`) safely.
 
-A snapshot is a pickle, and unpickling can run arbitrary code. `SafeUnpickler` admits only plain containers and
+A snapshot is a pickle, and unpickling can run arbitrary code. `shardfit.safe_pickle` admits only plain containers and
 scalars: any reference to a Python global (the way a malicious pickle runs code) is refused before anything runs.
 
 Formats from PyTorch 2.4 to 2.13 are accepted: the dict form ({"segments", "device_traces", ...}, optional keys may
@@ -10,30 +10,11 @@ be missing) and the legacy bare list of segments. Missing optional keys get neut
 from __future__ import annotations
 
 import gzip
-import io
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
-
-# The only globals a memory snapshot may name: containers some PyTorch versions emit.
-_ALLOWED_GLOBALS = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
-
-
-class RefusedGlobal(pickle.UnpicklingError):
-    """The pickle names a Python global outside the allowlist: it would have imported or called code."""
-
-
-class SafeUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise RefusedGlobal(f"refused to load global '{module}.{name}'")
-
-
-def safe_loads(data: bytes):
-    return SafeUnpickler(io.BytesIO(data)).load()
+from shardfit.safe_pickle import RefusedGlobal, safe_loads
 
 
 @dataclass

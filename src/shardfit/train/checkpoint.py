@@ -78,6 +78,38 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     return final
 
 
+def check_checkpoint(path: Path) -> str | None:
+    """None if the checkpoint is whole, else what is wrong with it.
+
+    DCP's .metadata is a pickle that DCP later reads with plain pickle.load: it is read here first with an
+    allowlist of DCP's own classes, so a tampered file is refused before anything runs. Every byte range it
+    references must exist (a truncated or missing shard file is caught before the load starts).
+    """
+    from shardfit.safe_pickle import DCP_GLOBALS, DCP_MODULES, RefusedGlobal, safe_loads
+
+    try:
+        json.loads((path / COMPLETE).read_text())
+        json.loads((path / "trainer.json").read_text())
+        meta = safe_loads((path / ".metadata").read_bytes(), allowed=DCP_GLOBALS, modules=DCP_MODULES, dtypes=True)
+    except FileNotFoundError as e:
+        return f"missing {Path(e.filename).name}"
+    except RefusedGlobal as e:
+        return f".metadata {e}"
+    except Exception as e:  # truncated JSON or pickle
+        return f"unreadable ({type(e).__name__}: {e})"
+    ends: dict[str, int] = {}
+    for info in getattr(meta, "storage_data", {}).values():
+        rel = str(info.relative_path)
+        ends[rel] = max(ends.get(rel, 0), info.offset + info.length)
+    for rel, end in sorted(ends.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"missing {rel}"
+        if f.stat().st_size < end:
+            return f"{rel} is truncated ({f.stat().st_size} of {end} bytes)"
+    return None
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoint directories under root, oldest first (a .tmp or unmarked directory is not one)."""
     if not root.is_dir():
@@ -86,17 +118,27 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
-def resolve_resume(spec: str, root: Path) -> Path | None:
-    """'none' -> None, 'auto' -> newest complete checkpoint under root (or None), else the given directory."""
+def resolve_resume(spec: str, root: Path, skipped: list[str] | None = None) -> Path | None:
+    """'none' -> None; 'auto' -> the newest complete checkpoint under root that checks out whole (each corrupt
+    one passed over is reported in `skipped`); else the given directory, which must be whole."""
     if spec == "none":
         return None
     if spec == "auto":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
+        for path in reversed(complete_checkpoints(root)):
+            problem = check_checkpoint(path)
+            if problem is None:
+                return path
+            if skipped is not None:
+                skipped.append(f"skipped corrupt checkpoint {path}: {problem}")
+        return None
     path = Path(spec)
     if not (path / COMPLETE).is_file():
         raise ShardfitError("not a complete shardfit checkpoint (no complete.json)", where=str(path),
                             fix="pass a step_XXXXXXXX directory, or checkpoint.resume=auto")
+    problem = check_checkpoint(path)
+    if problem:
+        raise ShardfitError(f"corrupt checkpoint: {problem}", where=str(path),
+                            fix="resume from an earlier checkpoint (checkpoint.resume=auto skips corrupt ones)")
     return path
 
 

@@ -78,12 +78,7 @@ class Trainer:
         self.run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.model.name}")
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.config_toml = config_to_toml(cfg)
-        if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.run_dir / "config.toml.tmp"
-            tmp.write_text(self.config_toml)
-            os.replace(tmp, self.run_dir / "config.toml")
-
+        # Nothing is written until fit(): a bad dataset or checkpoint found here leaves no half-made run directory.
         self.dataset, self.tokenizer = build_dataset(cfg.data, cfg.model.vocab_size)
         per_round = cfg.train.micro_batch * self.dist.world_size
         if cfg.train.global_batch % per_round:
@@ -95,7 +90,8 @@ class Trainer:
 
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
-        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_dir)
+        self.notices: list[str] = []  # printed by rank 0 when fit() starts
+        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices)
         from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
         self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed,
                                  init=not from_hf)
@@ -212,8 +208,15 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg
         total = cfg.train.steps
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.run_dir / "config.toml.tmp"
+            tmp.write_text(self.config_toml)
+            os.replace(tmp, self.run_dir / "config.toml")
         progress = Progress(self.run_dir, total, self.step, cfg.logging.progress, self.dist.is_main,
                             cfg.logging.tensorboard)
+        for notice in self.notices:
+            progress.message(notice)
         progress.message(self._banner())
         monitor = MemoryMonitor(cfg.memory.warn_growth_mib / 1024)
         history: list[dict] = []

@@ -1,0 +1,48 @@
+"""Unpickling that runs no code: only the globals on an explicit allowlist may be named.
+
+Plain `pickle.load` imports and calls whatever the file names (os.system included). Memory snapshots hold only
+plain containers; DCP's `.metadata` holds a few of its own dataclasses. Anything else is refused before it runs.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """The pickle names a Python global outside the allowlist: it would have imported or called code."""
+
+
+def _torch_dtype(module: str, name: str) -> bool:
+    if module != "torch":
+        return False
+    import torch
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+# Containers some PyTorch versions emit in memory snapshots.
+SNAPSHOT_GLOBALS = frozenset({("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")})
+# What torch.distributed.checkpoint writes into .metadata (torch 2.6-2.13), besides dtypes.
+DCP_GLOBALS = SNAPSHOT_GLOBALS | {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path")}
+DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+
+
+class SafeUnpickler(pickle.Unpickler):
+    def __init__(self, file, allowed=SNAPSHOT_GLOBALS, modules: tuple[str, ...] = (), dtypes: bool = False):
+        super().__init__(file)
+        self.allowed, self.modules, self.dtypes = allowed, modules, dtypes
+
+    def find_class(self, module: str, name: str):
+        if ((module, name) in self.allowed or module in self.modules
+                or (self.dtypes and _torch_dtype(module, name))) and not name.startswith("__"):
+            return super().find_class(module, name)
+        raise RefusedGlobal(f"refused to load global '{module}.{name}'")
+
+
+def safe_loads(data: bytes, **allow):
+    return SafeUnpickler(io.BytesIO(data), **allow).load()
