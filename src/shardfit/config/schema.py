@@ -75,6 +75,8 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables", ge=0)
     seed: int = opt(0, "seed of the weight initialisation")
     max_skipped_steps: int = opt(10, "non-finite steps skipped before saving and stopping", ge=0)
+    watchdog_s: float = opt(900.0, "a rank with no progress for this long dumps its stacks and exits (hang "
+                                   "report); 0 disables", ge=0)
     device: str = opt("auto", "where to train; auto uses CUDA when present", choices=("auto", "cpu", "cuda"))
 
 

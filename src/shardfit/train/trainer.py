@@ -40,6 +40,8 @@ from shardfit.train.metrics import (
 )
 from shardfit.train.optim import build_optimizer, lr_at, set_lr
 from shardfit.train.progress import Progress
+from shardfit.train.watchdog import EXIT_CODE as WATCHDOG_EXIT
+from shardfit.train.watchdog import Watchdog
 
 _STAT_SQNORM, _STAT_LOSS, _STAT_TOKENS, _STAT_NONFINITE, _STAT_MEM = 0, 1, 2, 3, 4
 
@@ -115,6 +117,7 @@ class Trainer:
         self.capacity = self.accum * cfg.train.micro_batch * seq  # C: this rank's tokens per step
         self.flops_per_token = flops_per_token(cfg.model, self.n_params, seq)
         self.peak = peak_flops(self.device, cfg.logging.peak_tflops)
+        self.watchdog: Watchdog | None = None  # started by fit()
         self.recorder = SnapshotRecorder(cfg.memory.snapshot_steps, self.run_dir / "snapshots", self.dist.rank,
                                          self.device, cfg.memory.snapshot_max_entries)
 
@@ -125,6 +128,7 @@ class Trainer:
         tokens = sum(mb.num_tokens for mb in batches)  # counted on the host: no sync
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for i, mb in enumerate(batches):
+            self._beat(f"step {self.step + 1} micro-batch {i + 1}/{len(batches)} (forward/backward)")
             # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
             self.model.set_requires_gradient_sync(i == len(batches) - 1)
             ids = mb.input_ids.to(self.device, non_blocking=True)
@@ -134,8 +138,13 @@ class Trainer:
             loss_sum += loss.detach()
         return loss_sum, tokens
 
+    def _beat(self, where: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(where)
+
     def _reduce_step(self, loss_sum: torch.Tensor, tokens: int) -> torch.Tensor:
         """The step's single collective: stats of every rank, [world, k], on the host."""
+        self._beat(f"step {self.step + 1} stats collective (after all micro-batches)")
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         if grads:
             sq = torch.stack(torch._foreach_norm(grads, 2)).double().pow(2).sum()
@@ -201,6 +210,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def save(self) -> Path:
+        self._beat(f"step {self.step} checkpoint save")
         return save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer,
                                {"skipped": self.skipped, "tokens_seen": self.tokens_seen}, self.config_toml,
                                self.device, keep=self.cfg.checkpoint.keep)
@@ -215,6 +225,7 @@ class Trainer:
             os.replace(tmp, self.run_dir / "config.toml")
         progress = Progress(self.run_dir, total, self.step, cfg.logging.progress, self.dist.is_main,
                             cfg.logging.tensorboard)
+        self.watchdog = Watchdog(cfg.train.watchdog_s, self.dist.rank, self.run_dir)
         for notice in self.notices:
             progress.message(notice)
         progress.message(self._banner())
@@ -245,13 +256,19 @@ class Trainer:
             if cfg.checkpoint.export_hf:
                 progress.message(f"exported Hugging Face model to {self.export_hf(cfg.checkpoint.export_hf)}")
             self._doctor_summary(progress)
+        except Exception:
+            if self.watchdog.fired.is_set():  # the hang is already reported; a peer's exit broke the collective
+                os._exit(WATCHDOG_EXIT)
+            raise
         finally:
             progress.close()
+            self.watchdog.stop()
         return history
 
     def export_hf(self, out: str) -> Path:
         from shardfit.hf import export_hf
 
+        self._beat(f"step {self.step} Hugging Face export")
         source = self.cfg.model.path or (str(Path(self.cfg.data.tokenizer).parent)
                                          if self.cfg.data.tokenizer != "byte" else None)
         export_hf(self.model, out, self.cfg.checkpoint.export_dtype, source)
