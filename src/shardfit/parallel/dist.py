@@ -62,8 +62,14 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 1800.0) -> Di
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        # Under torchrun --max-restarts, each attempt's keys live under their own prefix, so a restarted worker can
+        # never read an address the previous attempt's (dead) workers published.
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"shardfit/attempt{attempt}/", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
 
 

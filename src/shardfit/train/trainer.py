@@ -81,6 +81,9 @@ class Trainer:
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.config_toml = config_to_toml(cfg)
         # Nothing is written until fit(): a bad dataset or checkpoint found here leaves no half-made run directory.
+        # The watchdog starts now: loading a checkpoint issues collectives too.
+        self.watchdog = Watchdog(cfg.train.watchdog_s, self.dist.rank, self.run_dir)
+        self.watchdog.beat("start-up (data, model, checkpoint)")
         self.dataset, self.tokenizer = build_dataset(cfg.data, cfg.model.vocab_size)
         per_round = cfg.train.micro_batch * self.dist.world_size
         if cfg.train.global_batch % per_round:
@@ -117,7 +120,6 @@ class Trainer:
         self.capacity = self.accum * cfg.train.micro_batch * seq  # C: this rank's tokens per step
         self.flops_per_token = flops_per_token(cfg.model, self.n_params, seq)
         self.peak = peak_flops(self.device, cfg.logging.peak_tflops)
-        self.watchdog: Watchdog | None = None  # started by fit()
         self.recorder = SnapshotRecorder(cfg.memory.snapshot_steps, self.run_dir / "snapshots", self.dist.rank,
                                          self.device, cfg.memory.snapshot_max_entries)
 
@@ -139,8 +141,7 @@ class Trainer:
         return loss_sum, tokens
 
     def _beat(self, where: str) -> None:
-        if self.watchdog is not None:
-            self.watchdog.beat(where)
+        self.watchdog.beat(where)
 
     def _reduce_step(self, loss_sum: torch.Tensor, tokens: int) -> torch.Tensor:
         """The step's single collective: stats of every rank, [world, k], on the host."""
@@ -225,7 +226,6 @@ class Trainer:
             os.replace(tmp, self.run_dir / "config.toml")
         progress = Progress(self.run_dir, total, self.step, cfg.logging.progress, self.dist.is_main,
                             cfg.logging.tensorboard)
-        self.watchdog = Watchdog(cfg.train.watchdog_s, self.dist.rank, self.run_dir)
         for notice in self.notices:
             progress.message(notice)
         progress.message(self._banner())
