@@ -51,6 +51,11 @@ def _train(argv: list[str]) -> int:
 
     cfg = load_config(config_path, rest)  # validate before starting any process
     if nproc > 1:
+        per_round = cfg.train.micro_batch * nproc
+        if cfg.train.global_batch % per_round:
+            raise ShardfitError(f"global_batch={cfg.train.global_batch} is not a multiple of micro_batch x world "
+                                f"size = {cfg.train.micro_batch} x {nproc}", where="train.global_batch",
+                                fix=f"use a multiple of {per_round}")
         return _launch_torchrun(nproc, config_path, rest)
 
     from shardfit.parallel import shutdown_distributed

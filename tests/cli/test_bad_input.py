@@ -1,0 +1,84 @@
+"""Every kind of bad input: exit code 2, one line naming what and where, and nothing half-written left behind."""
+
+import json
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli.test_cli import TINY
+
+
+def _hf_dir(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    path = tmp_path / "hf"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _setup(case, tmp_path):
+    """(shardfit arguments, text the error line must contain)."""
+    if case == "malformed toml":
+        (tmp_path / "c.toml").write_text("[train\n")
+        return ["train", f"--config={tmp_path}/c.toml"], "c.toml: malformed TOML"
+    if case == "unknown key":
+        return ["train", "--train.stpes=3"], "did you mean 'train.steps'"
+    if case == "wrong type":
+        return ["train", "--train.lr=fast"], "train.lr: 'fast' is not a valid float"
+    if case == "out of range":
+        return ["train", "--train.micro_batch=0"], "train.micro_batch: 0 is out of range"
+    if case == "missing model dir":
+        return ["train", f"--model.path={tmp_path}/nope"], f"{tmp_path}/nope: model directory not found"
+    if case == "unreadable model dir":
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / "config.json").write_text("{not json")
+        return ["train", f"--model.path={tmp_path}/m"], "config.json: invalid JSON"
+    if case in ("truncated safetensors", "shape mismatch"):
+        path = _hf_dir(tmp_path)
+        if case == "truncated safetensors":
+            f = path / "model.safetensors"
+            f.write_bytes(f.read_bytes()[:1000])
+            return ["train", f"--model.path={path}"], "model.safetensors: corrupt or truncated safetensors file"
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["intermediate_size"] = 48
+        (path / "config.json").write_text(json.dumps(cfg))
+        return ["train", f"--model.path={path}"], "the model expects [48, 32]"
+    if case == "empty dataset":
+        (tmp_path / "empty.jsonl").write_text("\n")
+        return ["train", f"--data.path={tmp_path}/empty.jsonl"], "empty.jsonl: the dataset holds no text"
+    if case == "undecodable document":
+        (tmp_path / "bad.txt").write_bytes(b"ok\n\xff\xfe\n")
+        return ["train", f"--data.path={tmp_path}/bad.txt"], "bad.txt:2: line is not valid UTF-8"
+    if case == "sequence above model limit":
+        return ["train", "--data.seq_len=4096"], "data.seq_len: seq_len=4096 is above the model's limit"
+    if case == "world size does not divide batch":
+        return ["train", "--nproc=2", "--train.global_batch=6", "--train.micro_batch=2"], \
+            "not a multiple of micro_batch x world size = 2 x 2"
+    if case == "not a snapshot":
+        (tmp_path / "x.pickle").write_bytes(pickle.dumps({"hello": 1}))
+        return ["doctor", f"{tmp_path}/x.pickle"], "x.pickle: not a CUDA memory snapshot"
+    raise AssertionError(case)
+
+
+CASES = ["malformed toml", "unknown key", "wrong type", "out of range", "missing model dir", "unreadable model dir",
+         "truncated safetensors", "shape mismatch", "empty dataset", "undecodable document",
+         "sequence above model limit", "world size does not divide batch", "not a snapshot"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_table(tmp_path, case):
+    args, needle = _setup(case, tmp_path)
+    run_dir = tmp_path / "run"
+    extra = [*TINY, f"--logging.run_dir={run_dir}", f"--checkpoint.export_hf={tmp_path}/export"] \
+        if args[0] == "train" and "--model.path" not in " ".join(args) else (
+            ["--train.device=cpu", "--data.seq_len=32", f"--logging.run_dir={run_dir}"] if args[0] == "train" else [])
+    cmd = [sys.executable, "-m", "shardfit", args[0], *extra, *args[1:]]  # the case's own arguments win
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("shardfit: error: ") and needle in lines[0], lines
+    assert "fix:" in lines[0] or case in ("unreadable model dir",)
+    assert not run_dir.exists() and not (tmp_path / "export").exists()  # nothing half-written
