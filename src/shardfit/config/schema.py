@@ -90,6 +90,7 @@ class ParallelConfig:
     param_dtype: str = opt("auto", "compute dtype of gathered parameters; auto: bf16 on CUDA, fp32 on CPU",
                            choices=("auto", "float32", "bfloat16"))
     reduce_dtype: str = opt("float32", "dtype of gradient reduce-scatter", choices=("float32", "bfloat16"))
+    numa_bind: bool = opt(True, "bind each rank's CPU threads to its GPU's NUMA node (CUDA runs)")
     loss_chunk: int = opt(1024, "tokens per chunk of the fused linear cross-entropy (never full fp32 logits)", gt=0)
 
 

@@ -96,6 +96,10 @@ class Trainer:
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
         self.notices: list[str] = []  # printed by rank 0 when fit() starts
+        if self.device.type == "cuda" and cfg.parallel.numa_bind:
+            from shardfit.parallel.affinity import bind_to_numa_node, gpu_pci_bus_id
+
+            self.notices.append(f"rank {self.dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
         resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices)
         from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
         self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed,
