@@ -84,3 +84,21 @@ def test_cli_text_and_json(fixtures):
         doc["snapshots"][0]["peak"])
     p = subprocess.run(args + [str(fixtures / "MANIFEST.md")], capture_output=True, text=True)
     assert p.returncode == 2 and "MANIFEST.md: not a readable pickle" in p.stderr
+
+
+def test_timeline_samples_add_up_and_pictures_render(fixtures, tmp_path):
+    pytest.importorskip("matplotlib")
+    results, _ = examine([str(fixtures / "varlen_default.pickle")])
+    r = results[0].replay
+    assert len(r.samples) > 1000
+    for j, cats in r.samples[::97]:  # each sample's categories add up to the replayed allocated bytes
+        assert sum(cats.values()) == r.allocated[j]
+    png, page = tmp_path / "t.png", tmp_path / "t.html"
+    p = subprocess.run([sys.executable, "-m", "shardfit", "doctor", str(fixtures / "fsdp1_meta_nosync_rank0.pickle"),
+                        str(fixtures / "fsdp1_meta_nosync_rank1.pickle"), f"--png={png}", f"--html={page}"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    text = page.read_text()
+    assert "data:image/png;base64," in text and "parameters never reached its GPU" in text
+    assert not list(tmp_path.glob("*.tmp"))

@@ -75,6 +75,8 @@ def _doctor(argv: list[str]) -> int:
         "held for other streams, per-rank imbalance, what the peak is made of, why an OOM happened."))
     parser.add_argument("snapshots", nargs="+", help=".pickle / .pickle.gz files, or one directory of them")
     parser.add_argument("--json", action="store_true", help="print the JSON report (schema shardfit.doctor/1)")
+    parser.add_argument("--png", help="write the timeline and per-rank chart as a PNG here (needs matplotlib)")
+    parser.add_argument("--html", help="write a self-contained HTML report with the pictures here")
     args = parser.parse_args(argv)
     import json
 
@@ -83,7 +85,23 @@ def _doctor(argv: list[str]) -> int:
 
     results, findings = examine(args.snapshots)
     print(json.dumps(to_json(results, findings), indent=1) if args.json else to_text(results, findings), end="")
+    if args.png or args.html:
+        from shardfit.memory.plot import render_html, render_png
+
+        png = render_png(results, findings)
+        for path, data in ((args.png, png), (args.html, render_html(results, findings, png) if args.html else "")):
+            if path:
+                _write_atomic(path, data)
     return 0
+
+
+def _write_atomic(path: str, data: bytes | str) -> None:
+    import os
+    from pathlib import Path
+
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
+    os.replace(tmp, path)
 
 
 def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str]) -> int:

@@ -61,6 +61,9 @@ class Replay:
     ooms: list[tuple[dict, Layout]] = field(default_factory=list)
     # Largest live bytes per category over the trace, counting only blocks allocated while recording.
     category_max: dict[str, int] = field(default_factory=dict)
+    # About 2,000 points of the timeline: (event index, {category: live bytes}); "before recording" holds what was
+    # allocated before the trace began (minus its frees), so each point's categories add up to allocated.
+    samples: list[tuple[int, dict[str, int]]] = field(default_factory=list)
 
     @property
     def peak_allocated(self) -> int:
@@ -166,38 +169,48 @@ def replay(snap: Snapshot) -> Replay:
     ranges, blocks = _dump_layout(snap)
     end_alloc = sum(b.size for b in blocks.values() if not b.pending)
     end_resv = sum(r[0] for r in ranges.values())
-    # Forward pass: deltas, and for each free the index of the alloc it frees (to recover its frames).
+    # Forward pass: deltas, per-category live bytes, and for each free the index of the alloc it frees (its frames).
     d_alloc = d_resv = 0
     deltas_a, deltas_r, times = [], [], []
-    last_alloc: dict[int, int] = {}
+    open_alloc: dict[int, int] = {}  # addr -> index of the live allocation made while recording
+    pending: dict[int, int] = {}  # addr -> index of the allocation freed by Python, not yet completed
     alloc_of: dict[int, int] = {}
     cat_of: dict[int, str] = {}  # alloc index -> category
     live: dict[str, int] = {}
     cat_max: dict[str, int] = {}
+    freed_before = 0  # bytes freed while recording that were allocated before recording began
+    every = max(1, len(trace) // 2000)
+    raw_samples: list[tuple[int, dict[str, int], int]] = []
     for j, ev in enumerate(trace):
-        action = ev["action"]
+        action, addr = ev["action"], ev.get("addr", 0)
         if action == "alloc":
             d_alloc += ev["size"]
-            last_alloc[ev["addr"]] = j
+            open_alloc[addr] = j
             cat = cat_of[j] = categorize(ev["frames"])
             live[cat] = live.get(cat, 0) + ev["size"]
             cat_max[cat] = max(cat_max.get(cat, 0), live[cat])
         elif action == "free_requested":
             d_alloc -= ev["size"]
-            if ev["addr"] in last_alloc:
-                alloc_of[j] = a = last_alloc[ev["addr"]]
+            a = open_alloc.pop(addr, None)
+            if a is None:
+                freed_before += ev["size"]
+            else:
+                alloc_of[j] = pending[addr] = a
                 live[cat_of[a]] -= ev["size"]
         elif action == "free_completed":
-            if ev["addr"] in last_alloc:
-                alloc_of[j] = last_alloc[ev["addr"]]
+            if addr in pending:
+                alloc_of[j] = pending.pop(addr)
         elif action in _RESERVE:
             d_resv += _RESERVE[action] * ev["size"]
         deltas_a.append(d_alloc)
         deltas_r.append(d_resv)
         times.append(ev.get("time_us", 0))
+        if j % every == 0 or j == len(trace) - 1:
+            raw_samples.append((j, {k: v for k, v in live.items() if v}, freed_before))
     base_a, base_r = end_alloc - d_alloc, end_resv - d_resv
     r = Replay(snap, times, [base_a + d for d in deltas_a], [base_r + d for d in deltas_r],
-               category_max={k: v for k, v in sorted(cat_max.items(), key=lambda kv: -kv[1]) if v})
+               category_max={k: v for k, v in sorted(cat_max.items(), key=lambda kv: -kv[1]) if v},
+               samples=[(j, {"before recording": base_a - fb, **cats}) for j, cats, fb in raw_samples])
     if r.allocated and max(r.allocated) > end_alloc:
         r.peak_index = max(range(len(r.allocated)), key=r.allocated.__getitem__)
     else:
