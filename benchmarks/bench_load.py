@@ -89,7 +89,9 @@ def load(path: Path) -> None:
     torch.cuda.synchronize()
     dist.barrier()
     dt = time.perf_counter() - t0
-    stats = torch.tensor([read, torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss],
+    want = torch.tensor(0.01, dtype=torch.bfloat16, device=info.device)  # every value `write` stored
+    ok = all(bool((p.to_local() == want).all()) for p in model.parameters() if p.to_local().numel())
+    stats = torch.tensor([read, torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, ok],
                          dtype=torch.float64, device=info.device)
     rows = [torch.zeros_like(stats) for _ in range(info.world_size)]
     dist.all_gather(rows, stats)
@@ -100,6 +102,7 @@ def load(path: Path) -> None:
                           "bytes_GB": round(total / 1e9, 1), "GBps": round(total / 1e9 / dt, 2),
                           "gpu_alloc_GiB_per_rank": [round(a, 2) for a in alloc],
                           "imbalance": round(max(alloc) / min(alloc) - 1, 4),
+                          "values_correct": all(r[3].item() == 1 for r in rows),
                           "peak_host_rss_GiB_per_rank": [round(r[2].item() / 2**20, 1) for r in rows],
                           "torch": torch.__version__}), flush=True)
     dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """Load a Hugging Face safetensors checkpoint into a (sharded) model.
 
-Each rank reads only the rows of each tensor that its FSDP shard holds, through safetensors' memory-mapped slices:
-no rank reads or holds a full copy of the model, the bytes read over all ranks add up to one copy, and there are no
-collectives at all (nothing to deadlock, nothing to broadcast). Values land directly in the local shards.
+Each rank reads only the rows of each tensor that its FSDP shard holds (its own experts for MoE layers), as
+zero-copy views of the memory-mapped files: no rank reads or holds a full copy of the model, the bytes read over all
+ranks add up to one copy, and there are no collectives at all (nothing to deadlock, nothing to broadcast). Files are
+read by a few threads, each copying to the GPU on its own stream (the copies release the GIL and overlap).
 
 Errors name the file and the tensor: a missing shard file, a missing or unexpected tensor, a shape mismatch, a
 truncated or corrupt file.
@@ -12,15 +13,19 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardfit.errors import ShardfitError
+from shardfit.hf.safetensors_view import SafetensorsView
 from shardfit.models.init import local_view
 
-_IGNORED = ("rotary_emb.inv_freq",)  # buffers some old exports stored; rebuilt by init_buffers
+_IGNORED = ("rotary_emb.inv_freq",)
+_THREADS = 4  # files read at once per rank  # buffers some old exports stored; rebuilt by init_buffers
 
 
 def weight_map(path: Path) -> dict[str, Path]:
@@ -36,19 +41,18 @@ def weight_map(path: Path) -> dict[str, Path]:
     if not single.is_file():
         raise ShardfitError("no model.safetensors or model.safetensors.index.json", where=str(path),
                             fix="point model.path at a directory saved with safetensors")
-    with _open(single) as f:
-        names = f.keys()
+    view = _open(single)
+    names = list(view.header)
+    view.close()
     return dict.fromkeys(names, single)
 
 
-def _open(file: Path):
-    from safetensors import safe_open
-
+def _open(file: Path) -> SafetensorsView:
     if not file.is_file():
         raise ShardfitError("checkpoint shard is missing", where=str(file), fix="copy the complete checkpoint")
     try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except Exception as e:  # SafetensorError for truncated headers, bad JSON, wrong sizes
+        return SafetensorsView(file)
+    except (ValueError, UnicodeDecodeError, OSError) as e:  # bad header length, JSON, or mapping
         raise ShardfitError(f"corrupt or truncated safetensors file ({e})", where=str(file),
                             fix="re-download or re-export this shard") from None
 
@@ -95,34 +99,49 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path) -> int:
         raise ShardfitError(f"checkpoint tensor '{unexpected[0]}' has no place in the model "
                             f"({len(unexpected)} unexpected)", where=str(files[unexpected[0]]),
                             fix="the architecture in config.json does not match these weights")
+    workers = max(1, min(_THREADS, len(plan)))
+    with ThreadPoolExecutor(workers) as pool:  # a failure in any file is raised here
+        read = sum(pool.map(lambda item: _load_file(item[0], item[1], params), sorted(plan.items())))
+    model.init_buffers()
+    return read
+
+
+@torch.no_grad()  # grad mode is per thread: the pool's threads need their own
+def _load_file(file: Path, items: list[tuple[str, str, int | None]], params: dict) -> int:
+    view = _open(file)
+    stream = None
+    first = local_view(params[items[0][1]])[0]
+    if first.is_cuda:
+        stream = torch.cuda.Stream(first.device)
     read = 0
-    for file, items in sorted(plan.items()):
-        with _open(file) as f:
+    try:
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for key, name, expert in items:
                 local, shape, row0 = local_view(params[name])
                 if expert is not None:
                     dest, want, rows = local[expert - row0], shape[1:], None
                 else:
                     dest, want, rows = local, shape, (row0, row0 + local.shape[0]) if local.dim() else None
-                read += _copy_slice(f, file, key, dest, want, rows)
-    model.init_buffers()
+                read += _copy_slice(view, file, key, dest, want, rows)
+        if stream is not None:
+            stream.synchronize()  # the mapped source pages must outlive the copies
+    finally:
+        view.close()
     return read
 
 
-def _copy_slice(f, file: Path, key: str, dest: torch.Tensor, want: tuple, rows: tuple[int, int] | None) -> int:
+def _copy_slice(view: SafetensorsView, file: Path, key: str, dest: torch.Tensor, want: tuple,
+                rows: tuple[int, int] | None) -> int:
+    got = view.shape(key)
+    if got != tuple(want):
+        raise ShardfitError(f"tensor '{key}' has shape {list(got)}, the model expects {list(want)}",
+                            where=str(file), fix="check that config.json matches the weights")
+    if dest.numel() == 0:
+        return 0
     try:
-        sl = f.get_slice(key)
-        got = tuple(sl.get_shape())
-        if got != tuple(want):
-            raise ShardfitError(f"tensor '{key}' has shape {list(got)}, the model expects {list(want)}",
-                                where=str(file), fix="check that config.json matches the weights")
-        if dest.numel() == 0:
-            return 0
-        part = sl[rows[0]:rows[1]] if rows else sl[:]
-    except ShardfitError:
-        raise
-    except Exception as e:  # data past the end of a truncated file
-        raise ShardfitError(f"cannot read tensor '{key}' ({e})", where=str(file),
+        part = view.rows(key, *rows) if rows else view.rows(key)
+    except (ValueError, KeyError) as e:
+        raise ShardfitError(f"corrupt or truncated safetensors file (tensor '{key}': {e})", where=str(file),
                             fix="re-download or re-export this shard") from None
-    dest.copy_(part.to(dest.dtype))
+    dest.copy_(part, non_blocking=dest.is_cuda)  # dtype cast included; pageable source: staged by the driver
     return part.numel() * part.element_size()

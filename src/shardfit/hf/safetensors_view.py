@@ -1,0 +1,65 @@
+"""Zero-copy views of safetensors tensors through mmap (the file format: 8-byte little-endian header length, a JSON
+header {name: {dtype, shape, data_offsets}}, then the raw row-major data).
+
+A rank's rows of a tensor are one contiguous byte range, so `rows(name, a, b)` is a view of the page cache: no copy
+before the host-to-device transfer, and no GIL held while it runs. Malformed files raise ValueError, which the loader
+turns into an error naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from math import prod
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class SafetensorsView:
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "rb")  # noqa: SIM115 - closed in close()
+        size = path.stat().st_size
+        if size < 8:
+            raise ValueError("file shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", self._file.read(8))
+        if n > size - 8:
+            raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
+        self.header = json.loads(self._file.read(n))
+        self.header.pop("__metadata__", None)
+        self._base = 8 + n
+        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY) if size > self._base else None
+        self._size = size
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows [start, stop) along dim 0 (all of a 0-d tensor), as a CPU tensor viewing the mmap."""
+        info = self.header[name]
+        dtype = _DTYPES[info["dtype"]]
+        shape = info["shape"]
+        begin, end = info["data_offsets"]
+        if self._base + end > self._size:
+            raise ValueError(f"tensor '{name}' runs past the end of the file (truncated?)")
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        if shape:
+            row = prod(shape[1:]) * itemsize
+            start, stop = start or 0, shape[0] if stop is None else stop
+            begin, end = begin + start * row, begin + stop * row
+            shape = [stop - start, *shape[1:]]
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        raw = np.frombuffer(self._mm, dtype=np.uint8, count=end - begin, offset=self._base + begin)
+        return torch.from_numpy(raw).view(dtype).view(shape)  # private (copy-on-write) map: never written
+
+    def close(self) -> None:
+        self._mm = None  # views may still reference the map; it is released with the last of them
+        self._file.close()
