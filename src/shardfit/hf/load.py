@@ -12,6 +12,7 @@ truncated or corrupt file.
 from __future__ import annotations
 
 import json
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -24,8 +25,9 @@ from shardfit.errors import ShardfitError
 from shardfit.hf.safetensors_view import SafetensorsView
 from shardfit.models.init import local_view
 
-_IGNORED = ("rotary_emb.inv_freq",)
-_THREADS = 4  # files read at once per rank  # buffers some old exports stored; rebuilt by init_buffers
+_IGNORED = ("rotary_emb.inv_freq",)  # buffers some old exports stored; rebuilt by init_buffers
+_THREADS = 4  # files read at once per rank
+_PINNED_BYTES = 128 << 20  # two pinned staging buffers per thread: 1 GiB of pinned host memory per rank
 
 
 def weight_map(path: Path) -> dict[str, Path]:
@@ -106,13 +108,41 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path) -> int:
     return read
 
 
+class _PinnedCopier:
+    """Reads byte ranges of a file into two reused pinned buffers (os.preadv: the kernel copies from the page
+    cache, no per-page faults) and copies them to the GPU asynchronously; an event per buffer guards its reuse."""
+
+    def __init__(self, device: torch.device, size: int = _PINNED_BYTES):
+        self.bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def copy(self, fd: int, offset: int, nbytes: int, dtype: torch.dtype, dest: torch.Tensor) -> None:
+        flat = dest.view(-1)  # local shards and expert slices are contiguous
+        item = torch.tensor([], dtype=dtype).element_size()
+        per = self.bufs[0].numel() // item  # elements per chunk
+        for e0 in range(0, flat.numel(), per):
+            n = min(per, flat.numel() - e0)
+            buf, event = self.bufs[self.turn], self.events[self.turn]
+            if event is not None:
+                event.synchronize()  # the previous copy out of this buffer has finished
+            got = os.preadv(fd, [memoryview(buf[:n * item].numpy())], offset + e0 * item)
+            if got != n * item:
+                raise ValueError(f"short read at byte {offset + e0 * item} (truncated?)")
+            flat[e0:e0 + n].copy_(buf[:n * item].view(dtype), non_blocking=True)
+            self.events[self.turn] = torch.cuda.Event()
+            self.events[self.turn].record()
+            self.turn ^= 1
+
+
 @torch.no_grad()  # grad mode is per thread: the pool's threads need their own
 def _load_file(file: Path, items: list[tuple[str, str, int | None]], params: dict) -> int:
     view = _open(file)
-    stream = None
+    stream = copier = None
     first = local_view(params[items[0][1]])[0]
     if first.is_cuda:
         stream = torch.cuda.Stream(first.device)
+        copier = _PinnedCopier(first.device)
     read = 0
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -122,7 +152,7 @@ def _load_file(file: Path, items: list[tuple[str, str, int | None]], params: dic
                     dest, want, rows = local[expert - row0], shape[1:], None
                 else:
                     dest, want, rows = local, shape, (row0, row0 + local.shape[0]) if local.dim() else None
-                read += _copy_slice(view, file, key, dest, want, rows)
+                read += _copy_slice(view, file, key, dest, want, rows, copier)
         if stream is not None:
             stream.synchronize()  # the mapped source pages must outlive the copies
     finally:
@@ -131,7 +161,7 @@ def _load_file(file: Path, items: list[tuple[str, str, int | None]], params: dic
 
 
 def _copy_slice(view: SafetensorsView, file: Path, key: str, dest: torch.Tensor, want: tuple,
-                rows: tuple[int, int] | None) -> int:
+                rows: tuple[int, int] | None, copier: _PinnedCopier | None = None) -> int:
     got = view.shape(key)
     if got != tuple(want):
         raise ShardfitError(f"tensor '{key}' has shape {list(got)}, the model expects {list(want)}",
@@ -139,9 +169,13 @@ def _copy_slice(view: SafetensorsView, file: Path, key: str, dest: torch.Tensor,
     if dest.numel() == 0:
         return 0
     try:
+        if copier is not None:  # CUDA: pinned staging, asynchronous copies
+            offset, nbytes, dtype, _ = view.byte_range(key, *rows) if rows else view.byte_range(key)
+            copier.copy(view.fileno(), offset, nbytes, dtype, dest)
+            return nbytes
         part = view.rows(key, *rows) if rows else view.rows(key)
     except (ValueError, KeyError) as e:
         raise ShardfitError(f"corrupt or truncated safetensors file (tensor '{key}': {e})", where=str(file),
                             fix="re-download or re-export this shard") from None
-    dest.copy_(part, non_blocking=dest.is_cuda)  # dtype cast included; pageable source: staged by the driver
+    dest.copy_(part)  # CPU: from the mmap view, dtype cast included
     return part.numel() * part.element_size()

@@ -60,6 +60,22 @@ class SafetensorsView:
         raw = np.frombuffer(self._mm, dtype=np.uint8, count=end - begin, offset=self._base + begin)
         return torch.from_numpy(raw).view(dtype).view(shape)  # private (copy-on-write) map: never written
 
+    def byte_range(self, name: str, start: int | None = None, stop: int | None = None):
+        """(file offset, byte count, dtype, shape) of rows [start, stop): what `rows` would view."""
+        info = self.header[name]
+        dtype, shape = _DTYPES[info["dtype"]], list(info["shape"])
+        begin, end = info["data_offsets"]
+        if shape:
+            row = prod(shape[1:]) * torch.tensor([], dtype=dtype).element_size()
+            start, stop = start or 0, shape[0] if stop is None else stop
+            begin, end, shape = begin + start * row, begin + stop * row, [stop - start, *shape[1:]]
+        if self._base + end > self._size:
+            raise ValueError(f"tensor '{name}' runs past the end of the file (truncated?)")
+        return self._base + begin, end - begin, dtype, shape
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def close(self) -> None:
         self._mm = None  # views may still reference the map; it is released with the last of them
         self._file.close()
