@@ -6,6 +6,7 @@ plain containers; DCP's `.metadata` holds a few of its own dataclasses. Anything
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 
@@ -32,12 +33,22 @@ DCP_GLOBALS = SNAPSHOT_GLOBALS | {
 DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
 
 
+def _enum_member(cls, name: str):
+    """The only getattr a pickle may call: an Enum member by name (some Python versions pickle members as
+    getattr(EnumClass, 'NAME')). Anything else would let a pickle walk attributes towards code."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls.__members__[name]
+    raise RefusedGlobal(f"refused getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
+
+
 class SafeUnpickler(pickle.Unpickler):
     def __init__(self, file, allowed=SNAPSHOT_GLOBALS, modules: tuple[str, ...] = (), dtypes: bool = False):
         super().__init__(file)
         self.allowed, self.modules, self.dtypes = allowed, modules, dtypes
 
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr") and self.modules:
+            return _enum_member
         if ((module, name) in self.allowed or module in self.modules
                 or (self.dtypes and _torch_dtype(module, name))) and not name.startswith("__"):
             return super().find_class(module, name)

@@ -1,0 +1,28 @@
+import enum
+import os
+import pickle
+
+import pytest
+
+from shardfit.safe_pickle import DCP_GLOBALS, RefusedGlobal, safe_loads
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+def _getattr_pickle(module: str, qualname: str, attr: str) -> bytes:
+    """A protocol-2 pickle of getattr(<module.qualname>, attr), as some Pythons write Enum members."""
+    return (b"\x80\x02cbuiltins\ngetattr\nc" + module.encode() + b"\n" + qualname.encode() + b"\nX"
+            + len(attr).to_bytes(4, "little") + attr.encode() + b"\x86R.")
+
+
+def test_enum_members_by_getattr_are_admitted_and_nothing_else():
+    data = _getattr_pickle(__name__, "Color", "RED")
+    assert safe_loads(data, allowed=DCP_GLOBALS, modules=(__name__,)) is Color.RED
+    with pytest.raises(RefusedGlobal, match="refused getattr"):  # getattr on a non-Enum: refused
+        safe_loads(_getattr_pickle(__name__, "Color", "__class__"), allowed=DCP_GLOBALS, modules=(__name__,))
+    with pytest.raises(RefusedGlobal, match="posix.system|os.system"):
+        safe_loads(pickle.dumps(os.system))
+    with pytest.raises(RefusedGlobal, match="builtins.getattr"):  # snapshots admit no getattr at all
+        safe_loads(_getattr_pickle(__name__, "Color", "RED"))
