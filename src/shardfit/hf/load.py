@@ -112,7 +112,7 @@ class _PinnedCopier:
     """Reads byte ranges of a file into two reused pinned buffers (os.preadv: the kernel copies from the page
     cache, no per-page faults) and copies them to the GPU asynchronously; an event per buffer guards its reuse."""
 
-    def __init__(self, device: torch.device, size: int = _PINNED_BYTES):
+    def __init__(self, size: int = _PINNED_BYTES):
         self.bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
@@ -142,7 +142,7 @@ def _load_file(file: Path, items: list[tuple[str, str, int | None]], params: dic
     first = local_view(params[items[0][1]])[0]
     if first.is_cuda:
         stream = torch.cuda.Stream(first.device)
-        copier = _PinnedCopier(first.device)
+        copier = _PinnedCopier()
     read = 0
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -154,7 +154,7 @@ def _load_file(file: Path, items: list[tuple[str, str, int | None]], params: dic
                     dest, want, rows = local, shape, (row0, row0 + local.shape[0]) if local.dim() else None
                 read += _copy_slice(view, file, key, dest, want, rows, copier)
         if stream is not None:
-            stream.synchronize()  # the mapped source pages must outlive the copies
+            stream.synchronize()  # the pinned staging buffers must outlive the copies out of them
     finally:
         view.close()
     return read

@@ -41,27 +41,8 @@ class SafetensorsView:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
-    def rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows [start, stop) along dim 0 (all of a 0-d tensor), as a CPU tensor viewing the mmap."""
-        info = self.header[name]
-        dtype = _DTYPES[info["dtype"]]
-        shape = info["shape"]
-        begin, end = info["data_offsets"]
-        if self._base + end > self._size:
-            raise ValueError(f"tensor '{name}' runs past the end of the file (truncated?)")
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        if shape:
-            row = prod(shape[1:]) * itemsize
-            start, stop = start or 0, shape[0] if stop is None else stop
-            begin, end = begin + start * row, begin + stop * row
-            shape = [stop - start, *shape[1:]]
-        if end == begin:
-            return torch.empty(shape, dtype=dtype)
-        raw = np.frombuffer(self._mm, dtype=np.uint8, count=end - begin, offset=self._base + begin)
-        return torch.from_numpy(raw).view(dtype).view(shape)  # private (copy-on-write) map: never written
-
     def byte_range(self, name: str, start: int | None = None, stop: int | None = None):
-        """(file offset, byte count, dtype, shape) of rows [start, stop): what `rows` would view."""
+        """(file offset, byte count, dtype, shape) of rows [start, stop) along dim 0 (all of a 0-d tensor)."""
         info = self.header[name]
         dtype, shape = _DTYPES[info["dtype"]], list(info["shape"])
         begin, end = info["data_offsets"]
@@ -72,6 +53,14 @@ class SafetensorsView:
         if self._base + end > self._size:
             raise ValueError(f"tensor '{name}' runs past the end of the file (truncated?)")
         return self._base + begin, end - begin, dtype, shape
+
+    def rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Those rows as a CPU tensor viewing the mmap (no copy)."""
+        offset, nbytes, dtype, shape = self.byte_range(name, start, stop)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        raw = np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset)
+        return torch.from_numpy(raw).view(dtype).view(shape)  # private (copy-on-write) map: never written
 
     def fileno(self) -> int:
         return self._file.fileno()
