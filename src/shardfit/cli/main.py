@@ -47,15 +47,11 @@ def _train(argv: list[str]) -> int:
             rest.append(arg)
         i += 1
 
-    from shardfit.config import load_config
+    from shardfit.config import accumulation_steps, load_config
 
     cfg = load_config(config_path, rest)  # validate before starting any process
     if nproc > 1:
-        per_round = cfg.train.micro_batch * nproc
-        if cfg.train.global_batch % per_round:
-            raise ShardfitError(f"global_batch={cfg.train.global_batch} is not a multiple of micro_batch x world "
-                                f"size = {cfg.train.micro_batch} x {nproc}", where="train.global_batch",
-                                fix=f"use a multiple of {per_round}")
+        accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, nproc)  # before starting processes
         return _launch_torchrun(nproc, config_path, rest)
 
     from shardfit.parallel import shutdown_distributed
@@ -86,22 +82,14 @@ def _doctor(argv: list[str]) -> int:
     results, findings = examine(args.snapshots)
     print(json.dumps(to_json(results, findings), indent=1) if args.json else to_text(results, findings), end="")
     if args.png or args.html:
+        from shardfit.fsutil import write_atomic
         from shardfit.memory.plot import render_html, render_png
 
         png = render_png(results, findings)
         for path, data in ((args.png, png), (args.html, render_html(results, findings, png) if args.html else "")):
             if path:
-                _write_atomic(path, data)
+                write_atomic(path, data)
     return 0
-
-
-def _write_atomic(path: str, data: bytes | str) -> None:
-    import os
-    from pathlib import Path
-
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
-    os.replace(tmp, path)
 
 
 def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str]) -> int:

@@ -1,6 +1,6 @@
 """One typed config tree: dataclasses, TOML files and `--section.key=value` overrides map onto it."""
 
-from shardfit.config.loader import config_to_dict, config_to_toml, load_config, parse_overrides
+from shardfit.config.loader import accumulation_steps, config_to_dict, config_to_toml, load_config, parse_overrides
 from shardfit.config.schema import (
     CheckpointConfig,
     Config,
@@ -13,6 +13,7 @@ from shardfit.config.schema import (
 )
 
 __all__ = [
+    "accumulation_steps",
     "CheckpointConfig",
     "Config",
     "DataConfig",

@@ -193,6 +193,16 @@ def validate(cfg: Config) -> None:
                             fix="make global_batch = micro_batch x world size x accumulation steps")
 
 
+def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
+    """Micro-batches per rank per step; the global batch must split evenly over ranks and micro-batches."""
+    per_round = micro_batch * world
+    if global_batch % per_round:
+        raise ShardfitError(f"global_batch={global_batch} is not a multiple of micro_batch x world size = "
+                            f"{micro_batch} x {world}", where="train.global_batch",
+                            fix=f"use a multiple of {per_round} or change micro_batch")
+    return global_batch // per_round
+
+
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shardfit.config.loader import accumulation_steps
 from shardfit.data.sources import read_documents, resolve_files
 from shardfit.data.tokenizer import build_tokenizer
 from shardfit.errors import ShardfitError
@@ -81,12 +82,8 @@ class ShuffledDataset:
         of each accumulation round, and the union over ranks and rounds is exactly the step's global batch.
         """
         per_round = world * micro_batch
-        if global_batch % per_round:
-            raise ShardfitError(f"global_batch={global_batch} is not a multiple of micro_batch x world size = "
-                                f"{micro_batch} x {world}", where="train.global_batch",
-                                fix=f"use a multiple of {per_round}")
         out = []
-        for m in range(global_batch // per_round):
+        for m in range(accumulation_steps(global_batch, micro_batch, world)):
             first = step * global_batch + m * per_round + rank * micro_batch
             pairs = [self.pair(k) for k in range(first, first + micro_batch)]
             out.append(MicroBatch(torch.from_numpy(np.stack([p[0] for p in pairs]).astype(np.int64)),

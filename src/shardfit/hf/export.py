@@ -21,7 +21,6 @@ from torch import nn
 from shardfit.hf.load import STACKED, expert_key
 from shardfit.models.families import hf_config_json
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "generation_config.json", "vocab.json", "merges.txt")
 
@@ -49,7 +48,7 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
     for name, p in model.named_parameters():  # same order on every rank: the gathers line up
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         if rank == 0:
-            t = full.detach().to(_DTYPES[dtype]).cpu()
+            t = full.detach().to(getattr(torch, dtype)).cpu()
             # stacked experts are written per expert, as Hugging Face checkpoints store them
             pieces = [(expert_key(name, e), t[e]) for e in range(t.shape[0])] if STACKED.match(name) else [(name, t)]
             for key, piece in pieces:
@@ -73,7 +72,7 @@ def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str,
     for old, new in names.items():
         os.replace(tmp / old, tmp / new)
     if n > 1:
-        total = sum(p.numel() for p in model.parameters()) * torch.tensor([], dtype=_DTYPES[dtype]).element_size()
+        total = sum(p.numel() for p in model.parameters()) * getattr(torch, dtype).itemsize
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}},
             indent=2))

@@ -119,7 +119,7 @@ class _PinnedCopier:
 
     def copy(self, fd: int, offset: int, nbytes: int, dtype: torch.dtype, dest: torch.Tensor) -> None:
         flat = dest.view(-1)  # local shards and expert slices are contiguous
-        item = torch.tensor([], dtype=dtype).element_size()
+        item = dtype.itemsize
         per = self.bufs[0].numel() // item  # elements per chunk
         for e0 in range(0, flat.numel(), per):
             n = min(per, flat.numel() - e0)

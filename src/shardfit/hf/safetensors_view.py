@@ -47,7 +47,7 @@ class SafetensorsView:
         dtype, shape = _DTYPES[info["dtype"]], list(info["shape"])
         begin, end = info["data_offsets"]
         if shape:
-            row = prod(shape[1:]) * torch.tensor([], dtype=dtype).element_size()
+            row = prod(shape[1:]) * dtype.itemsize
             start, stop = start or 0, shape[0] if stop is None else stop
             begin, end, shape = begin + start * row, begin + stop * row, [stop - start, *shape[1:]]
         if self._base + end > self._size:

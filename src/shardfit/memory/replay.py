@@ -100,6 +100,10 @@ def _remove_range(ranges: dict[int, list], addr: int, size: int) -> None:
             return
 
 
+def _stream_stats() -> dict[str, int]:
+    return {"reserved": 0, "allocated": 0, "pending_free": 0, "free": 0, "largest_free": 0}
+
+
 def _summarize(index: int, ranges: dict[int, list], blocks: dict[int, Block], with_rounding: bool) -> Layout:
     starts = sorted(ranges)
     # Merge touching ranges (pages of one expandable segment) so a free run may cross them.
@@ -121,8 +125,7 @@ def _summarize(index: int, ranges: dict[int, list], blocks: dict[int, Block], wi
         i = bisect.bisect_right(mstarts, addr) - 1
         if i >= 0:
             used.setdefault(i, []).append((addr, addr + b.size))
-        st = per_stream.setdefault(b.stream, {"reserved": 0, "allocated": 0, "pending_free": 0, "free": 0,
-                                              "largest_free": 0})
+        st = per_stream.setdefault(b.stream, _stream_stats())
         if b.pending:
             pending += b.size
             n_pending += 1
@@ -139,8 +142,7 @@ def _summarize(index: int, ranges: dict[int, list], blocks: dict[int, Block], wi
             waste += b.size - b.requested
     free_total = free_split = largest = 0
     for i, (start, end, stream) in enumerate(merged):
-        st = per_stream.setdefault(stream, {"reserved": 0, "allocated": 0, "pending_free": 0, "free": 0,
-                                            "largest_free": 0})
+        st = per_stream.setdefault(stream, _stream_stats())
         st["reserved"] += end - start
         cursor, free_here, big = start, 0, 0
         for lo, hi in sorted(used.get(i, [])):

@@ -25,8 +25,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from shardfit.config.schema import ParallelConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 # Selective checkpointing keeps the outputs of the expensive ops (matmuls and attention) and recomputes the cheap
 # elementwise ones (norms, RoPE, SiLU): most of full checkpointing's memory saving for a few percent of recompute.
 _SAVE_OPS = {
@@ -78,8 +76,8 @@ def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecision
     if cfg.param_dtype == "auto":
         param = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
-        param = _DTYPES[cfg.param_dtype]
-    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=_DTYPES[cfg.reduce_dtype])
+        param = getattr(torch, cfg.param_dtype)  # the config allows only dtype names
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=getattr(torch, cfg.reduce_dtype))
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisionPolicy, cfg: ParallelConfig):

@@ -33,15 +33,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardfit.errors import ShardfitError
+from shardfit.fsutil import write_atomic
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 COMPLETE = "complete.json"
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from shardfit.config import Config, config_to_toml
+from shardfit.config import Config, accumulation_steps, config_to_toml
 from shardfit.data import build_dataset
 from shardfit.errors import ShardfitError
+from shardfit.fsutil import write_atomic
 from shardfit.memory import MemoryMonitor
 from shardfit.memory.record import SnapshotRecorder
 from shardfit.models import build_model, count_params
@@ -85,13 +86,7 @@ class Trainer:
         self.watchdog = Watchdog(cfg.train.watchdog_s, self.dist.rank, self.run_dir)
         self.watchdog.beat("start-up (data, model, checkpoint)")
         self.dataset, self.tokenizer = build_dataset(cfg.data, cfg.model.vocab_size)
-        per_round = cfg.train.micro_batch * self.dist.world_size
-        if cfg.train.global_batch % per_round:
-            raise ShardfitError(
-                f"global_batch={cfg.train.global_batch} is not a multiple of micro_batch x world size = "
-                f"{cfg.train.micro_batch} x {self.dist.world_size}", where="train.global_batch",
-                fix=f"use a multiple of {per_round} or change micro_batch")
-        self.accum = cfg.train.global_batch // per_round
+        self.accum = accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, self.dist.world_size)
 
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
@@ -134,7 +129,7 @@ class Trainer:
         tokens = sum(mb.num_tokens for mb in batches)  # counted on the host: no sync
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for i, mb in enumerate(batches):
-            self._beat(f"step {self.step + 1} micro-batch {i + 1}/{len(batches)} (forward/backward)")
+            self.watchdog.beat(f"step {self.step + 1} micro-batch {i + 1}/{len(batches)} (forward/backward)")
             # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
             self.model.set_requires_gradient_sync(i == len(batches) - 1)
             ids = mb.input_ids.to(self.device, non_blocking=True)
@@ -144,12 +139,9 @@ class Trainer:
             loss_sum += loss.detach()
         return loss_sum, tokens
 
-    def _beat(self, where: str) -> None:
-        self.watchdog.beat(where)
-
     def _reduce_step(self, loss_sum: torch.Tensor, tokens: int) -> torch.Tensor:
         """The step's single collective: stats of every rank, [world, k], on the host."""
-        self._beat(f"step {self.step + 1} stats collective (after all micro-batches)")
+        self.watchdog.beat(f"step {self.step + 1} stats collective (after all micro-batches)")
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         if grads:
             sq = torch.stack(torch._foreach_norm(grads, 2)).double().pow(2).sum()
@@ -215,7 +207,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def save(self) -> Path:
-        self._beat(f"step {self.step} checkpoint save")
+        self.watchdog.beat(f"step {self.step} checkpoint save")
         return save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer,
                                {"skipped": self.skipped, "tokens_seen": self.tokens_seen}, self.config_toml,
                                self.device, keep=self.cfg.checkpoint.keep)
@@ -225,9 +217,7 @@ class Trainer:
         total = cfg.train.steps
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.run_dir / "config.toml.tmp"
-            tmp.write_text(self.config_toml)
-            os.replace(tmp, self.run_dir / "config.toml")
+            write_atomic(self.run_dir / "config.toml", self.config_toml)
         progress = Progress(self.run_dir, total, self.step, cfg.logging.progress, self.dist.is_main,
                             cfg.logging.tensorboard)
         for notice in self.notices:
@@ -272,7 +262,7 @@ class Trainer:
     def export_hf(self, out: str) -> Path:
         from shardfit.hf import export_hf
 
-        self._beat(f"step {self.step} Hugging Face export")
+        self.watchdog.beat(f"step {self.step} Hugging Face export")
         source = self.cfg.model.path or (str(Path(self.cfg.data.tokenizer).parent)
                                          if self.cfg.data.tokenizer != "byte" else None)
         export_hf(self.model, out, self.cfg.checkpoint.export_dtype, source)
