@@ -51,7 +51,12 @@ def _train(argv: list[str]) -> int:
 
     cfg = load_config(config_path, rest)  # validate before starting any process
     if nproc > 1:
-        accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, nproc)  # before starting processes
+        from shardfit.parallel.ulysses import check_sequence_parallel
+
+        # Checked before starting processes: the sequence-parallel split, then the batch over data-parallel ranks.
+        sp = cfg.parallel.sequence_parallel
+        check_sequence_parallel(sp, nproc, cfg.data.seq_len, cfg.model.n_heads)
+        accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, nproc // sp)
         return _launch_torchrun(nproc, config_path, rest)
 
     from shardfit.parallel import shutdown_distributed

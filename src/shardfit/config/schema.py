@@ -91,6 +91,8 @@ class ParallelConfig:
                            choices=("auto", "float32", "bfloat16"))
     reduce_dtype: str = opt("float32", "dtype of gradient reduce-scatter", choices=("float32", "bfloat16"))
     numa_bind: bool = opt(True, "bind each rank's CPU threads to its GPU's NUMA node (CUDA runs)")
+    sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
+                                    "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
     loss_chunk: int = opt(1024, "tokens per chunk of the fused linear cross-entropy (never full fp32 logits)", gt=0)
 
 

@@ -51,10 +51,6 @@ class MicroBatch:
     input_ids: torch.Tensor  # [b, S] int64
     labels: torch.Tensor  # [b, S] int64, -100 where no loss is taken
 
-    @property
-    def num_tokens(self) -> int:
-        return int((self.labels != -100).sum())
-
 
 class ShuffledDataset:
     """A fixed number of items, visited in a seeded permutation per epoch. Subclasses give (inputs, labels)."""

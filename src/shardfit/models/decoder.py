@@ -58,9 +58,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, Dh]; cos/sin [B, S, Dh] (the two halves share frequencies, Hugging Face layout)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    """x [B, S, H, Dh]; cos/sin [B, S, Dh] (the two halves share frequencies, Hugging Face layout)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + _rotate_half(x) * sin
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention. q [B, S, H, Dh], k/v [B, S, K, Dh] -> [B, S, H, Dh].
+
+    enable_gqa lets SDPA's flash/cuDNN kernels read the K heads directly: no [B, H, S, Dh] copy of k and v.
+    """
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|K, S, Dh]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -77,6 +87,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # The attention kernel proper, on [B, S, heads, Dh] tensors. A plain function here; parallelize() may put a
+        # sequence-parallel wrapper in its place (Ulysses), which sees the same local q, k, v and returns local rows.
+        self.core = sdpa_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
@@ -85,11 +98,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|K, S, Dh]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # enable_gqa lets SDPA's flash/cuDNN kernels read K heads directly: no [B, H, S, Dh] copy of k and v.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+        out = self.core(q, k, v)  # [B, S, H, Dh]
+        return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -1,6 +1,8 @@
 """Apply activation checkpointing, compilation and FSDP2 to a model built on the meta device.
 
 The order is fixed and each step relies on the previous ones:
+  0. Ulysses sequence parallelism (if asked) wraps each attention kernel, so the all-to-alls sit inside the block
+     forward that checkpointing and compile see next;
   1. activation checkpointing wraps each block's forward in a non-reentrant checkpoint (parameter names stay the
      Hugging Face ones: no wrapper module);
   2. torch.compile of each block's forward, checkpoint included (dynamo traces the checkpointed region, and the
@@ -24,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardfit.config.schema import ParallelConfig
+from shardfit.parallel.ulysses import apply_sequence_parallel
 
 # Selective checkpointing keeps the outputs of the expensive ops (matmuls and attention) and recomputes the cheap
 # elementwise ones (norms, RoPE, SiLU): most of full checkpointing's memory saving for a few percent of recompute.
@@ -105,9 +108,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
     """
     blocks = list(model.model.layers)
+    sp = cfg.sequence_parallel
+    if sp > 1:
+        # Ranks r with the same r // sp form one sequence-parallel group (neighbours: one node, the fastest links).
+        groups = init_device_mesh(device.type, (world_size // sp, sp), mesh_dim_names=("dp", "sp"))
+        apply_sequence_parallel(model, groups["sp"].get_group())  # 0
     apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
     if cfg.compile:
         apply_compile(blocks)  # 2
+    # FSDP shards over every rank, sequence-parallel peers included: each holds 1/world of the parameters.
     mesh = init_device_mesh(device.type, (world_size,))
     apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg)  # 3, 4
     model.to_empty(device=device)  # 5

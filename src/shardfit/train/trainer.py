@@ -30,6 +30,7 @@ from shardfit.memory import MemoryMonitor
 from shardfit.memory.record import SnapshotRecorder
 from shardfit.models import build_model, count_params
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
+from shardfit.parallel.ulysses import check_sequence_parallel, local_slice
 from shardfit.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from shardfit.train.metrics import (
     MEMORY_FIELDS,
@@ -86,7 +87,13 @@ class Trainer:
         self.watchdog = Watchdog(cfg.train.watchdog_s, self.dist.rank, self.run_dir)
         self.watchdog.beat("start-up (data, model, checkpoint)")
         self.dataset, self.tokenizer = build_dataset(cfg.data, cfg.model.vocab_size)
-        self.accum = accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, self.dist.world_size)
+        # Ulysses: ranks r with the same r // sp share every sample and take S/sp of its tokens each; the batch is
+        # split over the world // sp data-parallel ranks.
+        self.sp = cfg.parallel.sequence_parallel
+        check_sequence_parallel(self.sp, self.dist.world_size, cfg.data.seq_len, cfg.model.n_heads)
+        self.dp_rank, self.sp_rank = divmod(self.dist.rank, self.sp)
+        self.dp_size = self.dist.world_size // self.sp
+        self.accum = accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, self.dp_size)
 
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
@@ -116,7 +123,7 @@ class Trainer:
             self.resumed_from = resume
 
         seq = cfg.data.seq_len
-        self.capacity = self.accum * cfg.train.micro_batch * seq  # C: this rank's tokens per step
+        self.capacity = self.accum * cfg.train.micro_batch * seq // self.sp  # C: this rank's tokens per step
         self.flops_per_token = flops_per_token(cfg.model, self.n_params, seq)
         self.peak = peak_flops(self.device, cfg.logging.peak_tflops)
         self.recorder = SnapshotRecorder(cfg.memory.snapshot_steps, self.run_dir / "snapshots", self.dist.rank,
@@ -124,20 +131,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _forward_backward(self) -> tuple[torch.Tensor, int]:
-        batches = self.dataset.step_batches(self.step, self.cfg.train.global_batch, self.cfg.train.micro_batch,
-                                            self.dist.rank, self.dist.world_size)
-        tokens = sum(mb.num_tokens for mb in batches)  # counted on the host: no sync
+        batches = [self._local_part(mb) for mb in self.dataset.step_batches(
+            self.step, self.cfg.train.global_batch, self.cfg.train.micro_batch, self.dp_rank, self.dp_size)]
+        tokens = sum(int((labels != -100).sum()) for _, labels, _ in batches)  # counted on the host: no sync
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, mb in enumerate(batches):
+        for i, (ids, labels, positions) in enumerate(batches):
             self.watchdog.beat(f"step {self.step + 1} micro-batch {i + 1}/{len(batches)} (forward/backward)")
             # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
             self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            ids = mb.input_ids.to(self.device, non_blocking=True)
-            labels = mb.labels.to(self.device, non_blocking=True)
-            loss = self.model(ids, labels)  # summed token loss, fp32 scalar
+            ids = ids.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            if positions is not None:
+                positions = positions.to(self.device, non_blocking=True)
+            loss = self.model(ids, labels, positions)  # summed token loss, fp32 scalar
             (loss / self.capacity).backward()
             loss_sum += loss.detach()
         return loss_sum, tokens
+
+    def _local_part(self, mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input ids, labels, position ids) of this rank's tokens of a micro-batch, on the host.
+
+        Under sequence parallelism the full [b, S] position ids are made here, once per micro-batch, before the model
+        and outside any checkpointed region, then cut like the tokens: no rank ever asks a peer for them."""
+        if self.sp == 1:
+            return mb.input_ids, mb.labels, None
+        positions = torch.arange(mb.input_ids.shape[1]).expand_as(mb.input_ids)  # [b, S]
+        return tuple(local_slice(t, self.sp_rank, self.sp) for t in (mb.input_ids, mb.labels, positions))
 
     def _reduce_step(self, loss_sum: torch.Tensor, tokens: int) -> torch.Tensor:
         """The step's single collective: stats of every rank, [world, k], on the host."""
