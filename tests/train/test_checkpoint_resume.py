@@ -94,3 +94,40 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, damage, need
     assert not (tmp_path / "pwned").exists()
     with pytest.raises(ShardfitError, match="corrupt checkpoint"):
         resolve_resume(str(tmp_path / "checkpoints" / "step_00000004"), tmp_path)
+
+
+def _ranks_see_different_checkpoints(rank, world, root, rank1_keeps):
+    import shutil
+
+    first = Trainer(small_config(*ARGS, "--train.steps=4", "--checkpoint.every=2", run_dir=f"{root}/a"))
+    first.fit()  # checkpoints of steps 2 and 4 in a/checkpoints
+    torch.distributed.barrier()
+    if rank == 0:  # rank 1 reads its own copy, in which only some checkpoints survived
+        shutil.copytree(f"{root}/a/checkpoints", f"{root}/b")
+        for p in Path(f"{root}/b").iterdir():
+            if p.name not in rank1_keeps:
+                shutil.rmtree(p)
+    torch.distributed.barrier()
+    ckpt = f"{root}/a/checkpoints" if rank == 0 else f"{root}/b"
+    try:
+        t = Trainer(small_config(*ARGS, f"--checkpoint.dir={ckpt}", run_dir=f"{root}/run{rank}"))
+    except ShardfitError as e:
+        return {"error": str(e)}
+    return {"step": t.step, "notices": t.notices}
+
+
+def test_ranks_that_see_different_checkpoints_agree_on_one():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        res = run_ranks(_ranks_see_different_checkpoints, 2, root, ["step_00000002"])
+    assert [r["step"] for r in res] == [2, 2]  # not rank 0 at step 4 and rank 1 at step 2
+    assert all("rank 0: step 4, rank 1: step 2" in r["notices"][-1] for r in res)
+
+
+def test_a_rank_without_the_checkpoint_stops_every_rank():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        res = run_ranks(_ranks_see_different_checkpoints, 2, root, [])
+    assert all("rank 0: step 4, rank 1: none" in r["error"] for r in res)

@@ -114,16 +114,22 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / COMPLETE).is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=step_of)
 
 
-def resolve_resume(spec: str, root: Path, skipped: list[str] | None = None) -> Path | None:
-    """'none' -> None; 'auto' -> the newest complete checkpoint under root that checks out whole (each corrupt
-    one passed over is reported in `skipped`); else the given directory, which must be whole."""
+def step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def resolve_resume(spec: str, root: Path, skipped: list[str] | None = None, at_most: int | None = None) -> Path | None:
+    """'none' -> None; 'auto' -> the newest complete checkpoint under root (of step <= at_most, if given) that checks
+    out whole (each corrupt one passed over is reported in `skipped`); else the given directory, which must be whole."""
     if spec == "none":
         return None
     if spec == "auto":
         for path in reversed(complete_checkpoints(root)):
+            if at_most is not None and step_of(path) > at_most:
+                continue
             problem = check_checkpoint(path)
             if problem is None:
                 return path
@@ -138,6 +144,50 @@ def resolve_resume(spec: str, root: Path, skipped: list[str] | None = None) -> P
     if problem:
         raise ShardfitError(f"corrupt checkpoint: {problem}", where=str(path),
                             fix="resume from an earlier checkpoint (checkpoint.resume=auto skips corrupt ones)")
+    return path
+
+
+def agree_on_resume(spec: str, root: Path, notices: list[str]) -> Path | None:
+    """resolve_resume on every rank, then one all-gather of the chosen steps so that all ranks load the same one.
+
+    Ranks can see different checkpoints (a corrupt file only one node reads, a directory not on a shared
+    filesystem). Every rank then takes the oldest step any rank chose, which the others also hold because
+    checkpoints are kept in step order; a rank that has no checkpoint while others do is an error on every rank
+    (all see the same gathered steps, so all raise): starting it from scratch would train different weights.
+    """
+    from shardfit.parallel import all_gather_rows
+
+    try:
+        path, error = resolve_resume(spec, root, notices), None
+    except ShardfitError as e:  # raised below, after the gather: no peer is left waiting in it
+        path, error = None, e
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error:
+            raise error
+        return path
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # -2: this rank could not use the checkpoint it was given; -1: none found; else the step (0 for an explicit path)
+    code = -2 if error else (-1 if path is None else (step_of(path) if spec == "auto" else 0))
+    steps = all_gather_rows(torch.tensor([code], dtype=torch.int64, device=device))[:, 0].tolist()
+    if error:
+        raise error
+    if -2 in steps:
+        raise ShardfitError(f"rank {steps.index(-2)} cannot read the checkpoint to resume (its error says why)",
+                            where=spec if spec != "auto" else str(root), fix="see that rank's message")
+    if len(set(steps)) == 1:
+        return path
+    by_rank = ", ".join(f"rank {r}: {'none' if s < 0 else f'step {s}'}" for r, s in enumerate(steps))
+    if min(steps) < 0:
+        raise ShardfitError(f"ranks see different checkpoints to resume ({by_rank})", where=str(root),
+                            fix="put checkpoint.dir on a filesystem every rank reads, or set checkpoint.resume")
+    agreed = min(steps)
+    path = resolve_resume(spec, root, [], at_most=agreed)  # skips were reported by the first pass
+    found = step_of(path) if path is not None else -1
+    ok = torch.tensor([found == agreed], dtype=torch.int64, device=device)
+    if not all(all_gather_rows(ok)[:, 0].tolist()):  # every rank learns whether the agreed step loads everywhere
+        raise ShardfitError(f"ranks see different checkpoints to resume ({by_rank}) and step {agreed} is not whole "
+                            "on every rank", where=str(root), fix="put checkpoint.dir on a shared filesystem")
+    notices.append(f"ranks disagreed on the newest checkpoint ({by_rank}); all resume from step {agreed}")
     return path
 
 

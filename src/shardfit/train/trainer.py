@@ -31,7 +31,7 @@ from shardfit.memory.record import SnapshotRecorder
 from shardfit.models import build_model, count_params
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
 from shardfit.parallel.ulysses import check_sequence_parallel, local_slice
-from shardfit.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
 from shardfit.train.metrics import (
     MEMORY_FIELDS,
     flops_per_token,
@@ -102,7 +102,7 @@ class Trainer:
             from shardfit.parallel.affinity import bind_to_numa_node, gpu_pci_bus_id
 
             self.notices.append(f"rank {self.dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
-        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices)
+        resume = agree_on_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices)
         from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
         self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed,
                                  init=not from_hf)
