@@ -114,6 +114,9 @@ class LoggingConfig:
     log_every: int = opt(10, "steps between metric lines (memory and throughput are reduced across ranks then)", gt=0)
     progress: str = opt("auto", "rank-0 progress display", choices=("auto", "bar", "lines", "none"))
     tensorboard: bool = opt(False, "also write TensorBoard events (needs the tensorboard package)")
+    level: str = opt("info", "debug adds a rank-0 line per micro-batch with its ETA", choices=("info", "debug"))
+    step_timing: bool = opt(True, "time forward, backward, optimizer and exposed FSDP communication per step "
+                                  "(CUDA events read after the step's existing sync: no extra host syncs)")
     peak_tflops: float = opt(0.0, "peak TFLOP/s per GPU for MFU; 0 looks the GPU up in a table", ge=0)
 
 

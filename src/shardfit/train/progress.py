@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from shardfit.train.timing import PHASES
+
 
 def _fmt_eta(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -24,6 +26,8 @@ def format_line(rec: dict) -> str:
         parts.append(f"host rss {rec['peak_allocated_max']:.2f} GiB (max rank)")
     elif "peak_allocated_max" in rec:
         parts.append(f"mem {rec['peak_allocated_max']:.2f}/{rec['peak_reserved_max']:.2f} GiB (alloc/resv, max rank)")
+    if "time_forward_s" in rec:
+        parts.append("fwd/bwd/opt/comm " + "/".join(f"{rec[f'time_{k}_s']:.3f}" for k in PHASES) + " s")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     parts.append(f"eta {_fmt_eta(rec['eta_s'])}")
@@ -32,8 +36,8 @@ def format_line(rec: dict) -> str:
 
 class Progress:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, mode: str, enabled: bool,
-                 tensorboard: bool = False):
-        self.enabled = enabled
+                 tensorboard: bool = False, debug: bool = False):
+        self.enabled, self.debug = enabled, debug
         self.total, self.start = total_steps, start_step
         self.t0 = time.perf_counter()
         self.file = None
@@ -61,6 +65,15 @@ class Progress:
     def eta(self, step: int) -> float:
         done = step - self.start
         return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else 0.0
+
+    def micro_batch(self, step: int, done: int, count: int) -> None:
+        """Debug level: a line before each micro-batch of `step` (1-based), `done` of `count` finished."""
+        if not (self.enabled and self.debug):
+            return
+        finished = step - 1 - self.start + done / count  # fractional steps done in this run
+        left = self.total - step + 1 - done / count
+        eta = (time.perf_counter() - self.t0) / finished * left if finished > 0 else 0.0
+        self.message(f"debug: step {step}/{self.total} micro-batch {done + 1}/{count} | eta {_fmt_eta(eta)}")
 
     def advance(self, step: int) -> None:
         if self.bar is not None:

@@ -42,6 +42,7 @@ from shardfit.train.metrics import (
 )
 from shardfit.train.optim import build_optimizer, lr_at, set_lr
 from shardfit.train.progress import Progress
+from shardfit.train.timing import PHASES, StepTimer
 from shardfit.train.watchdog import EXIT_CODE as WATCHDOG_EXIT
 from shardfit.train.watchdog import Watchdog
 
@@ -69,6 +70,25 @@ def apply_alloc_conf(alloc_conf: str) -> None:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+class _Window:
+    """Steps since the last log line: wall time, and each phase's seconds (rank 0's; see train.timing)."""
+
+    def __init__(self):
+        self.seconds, self.steps = 0.0, 0
+        self.phases: dict[str, list[float]] = {}
+
+    def add(self, rec: dict) -> None:
+        self.seconds += rec["time_s"]
+        self.steps += 1
+        for k, v in rec["phases"].items():
+            self.phases.setdefault(k, []).append(v)
+
+    def phase_means(self) -> dict[str, float]:
+        if "forward" not in self.phases:
+            return {}
+        return {f"time_{k}_s": sum(self.phases.get(k, [0.0])) / len(self.phases.get(k, [0.0])) for k in PHASES}
 
 
 class Trainer:
@@ -110,6 +130,9 @@ class Trainer:
             from shardfit.hf import load_hf_checkpoint
 
             load_hf_checkpoint(self.model, cfg.model.path)
+        self.timer = StepTimer(self.device, cfg.logging.step_timing)
+        self.timer.watch_fsdp_waits([*self.model.model.layers, self.model])
+        self.progress: Progress | None = None  # made by fit()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.n_params = count_params(self.model)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
@@ -137,14 +160,20 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for i, (ids, labels, positions) in enumerate(batches):
             self.watchdog.beat(f"step {self.step + 1} micro-batch {i + 1}/{len(batches)} (forward/backward)")
+            if self.progress is not None:
+                self.progress.micro_batch(self.step + 1, i, len(batches))
             # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
             self.model.set_requires_gradient_sync(i == len(batches) - 1)
             ids = ids.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             if positions is not None:
                 positions = positions.to(self.device, non_blocking=True)
+            self.timer.start("forward")
             loss = self.model(ids, labels, positions)  # summed token loss, fp32 scalar
+            self.timer.stop("forward")
+            self.timer.start("backward")
             (loss / self.capacity).backward()
+            self.timer.stop("backward")
             loss_sum += loss.detach()
         return loss_sum, tokens
 
@@ -198,6 +227,8 @@ class Trainer:
         except torch.OutOfMemoryError as err:
             self._on_oom(err)
         rows = self._reduce_step(loss_sum, tokens)
+        # Everything recorded so far (this step's passes, the previous step's optimizer) finished before that sync.
+        timings = self.timer.collect()
         world = self.dist.world_size
         n_tokens = float(rows[:, _STAT_TOKENS].sum())
         bad_ranks = [r for r in range(world) if rows[r, _STAT_NONFINITE] > 0]
@@ -207,6 +238,7 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.train)
         # Every rank reads the same rows, so every rank takes the same branch.
         ok = n_tokens > 0 and not bad_ranks and math.isfinite(grad_norm)
+        self.timer.start("optimizer")
         if ok:
             clip = self.cfg.train.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
@@ -217,11 +249,13 @@ class Trainer:
         else:
             self.skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
+        self.timer.stop("optimizer")
         self.step += 1
         self.recorder.after_step(self.step)
         self.tokens_seen += int(n_tokens)
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
                 "bad_ranks": bad_ranks, "no_tokens": n_tokens == 0, "time_s": time.perf_counter() - t0,
+                "phases": timings,
                 "memory": rows[:, _STAT_MEM:_STAT_MEM + len(MEMORY_FIELDS)]}
 
     # ------------------------------------------------------------------ the loop
@@ -238,25 +272,25 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(self.run_dir / "config.toml", self.config_toml)
         progress = Progress(self.run_dir, total, self.step, cfg.logging.progress, self.dist.is_main,
-                            cfg.logging.tensorboard)
+                            cfg.logging.tensorboard, debug=cfg.logging.level == "debug")
+        self.progress = progress
         for notice in self.notices:
             progress.message(notice)
         progress.message(self._banner())
         monitor = MemoryMonitor(cfg.memory.warn_growth_mib / 1024)
         history: list[dict] = []
-        window = [0.0, 0]  # seconds and steps since the last log line
+        window = _Window()  # since the last log line
         try:
             while self.step < total:
                 rec = self.train_step()
                 history.append({k: rec[k] for k in ("step", "loss", "grad_norm", "lr", "skipped")})
-                window[0] += rec["time_s"]
-                window[1] += 1
+                window.add(rec)
                 progress.advance(self.step)
                 if rec["skipped"]:
                     self._on_skip(rec, progress)
                 if self.step % cfg.logging.log_every == 0 or self.step in (1, total):
                     self._log(rec, window, progress, monitor)
-                    window = [0.0, 0]
+                    window = _Window()
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < total:
                     self.save()
@@ -319,15 +353,15 @@ class Trainer:
                                  f"saved the last good state to {path}", where=f"step {self.step}",
                                  fix="lower train.lr or check the data, then resume")
 
-    def _log(self, rec: dict, window: list, progress: Progress, monitor: MemoryMonitor) -> None:
+    def _log(self, rec: dict, window: _Window, progress: Progress, monitor: MemoryMonitor) -> None:
         mem = summarize_memory(rec["memory"])
-        tps = self.capacity * window[1] / window[0]  # this rank's tokens per second
+        tps = self.capacity * window.steps / window.seconds  # this rank's tokens per second
         progress.log({"step": self.step, "total_steps": self.cfg.train.steps, "device": self.device.type,
                       "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
                       "tokens_per_s_per_gpu": tps,
                       "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
                       "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped,
-                      "eta_s": progress.eta(self.step), **mem})
+                      "eta_s": progress.eta(self.step), **window.phase_means(), **mem})
         for warning in monitor.update(mem):
             progress.message(warning)
         reset_peaks(self.device)
