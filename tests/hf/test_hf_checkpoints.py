@@ -173,6 +173,8 @@ def test_train_from_hf_dir_and_export(tmp_path):
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     assert "qwen2 model" in p.stdout and f"exported Hugging Face model to {out}" in p.stdout
+    report = next(line for line in p.stdout.splitlines() if line.startswith(f"loaded {path} in "))
+    assert "(0.0% apart)" in report and "peak host RSS per rank" in report  # one rank, CPU: no device memory
     trained = type(hf).from_pretrained(out).eval()
     ids = torch.randint(0, 300, (1, 16))
     assert not torch.allclose(trained(ids).logits, hf(ids).logits)  # two optimizer steps moved the weights

@@ -93,6 +93,9 @@ class ParallelConfig:
     numa_bind: bool = opt(True, "bind each rank's CPU threads to its GPU's NUMA node (CUDA runs)")
     sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
+    kernels: str = opt("auto", "fused linear cross-entropy kernel: liger (Liger-Kernel's Triton kernel, CUDA, "
+                              "optional extra), torch (chunked pure PyTorch, any device); auto: liger when installed "
+                              "and on CUDA", choices=("auto", "liger", "torch"))
     loss_chunk: int = opt(1024, "tokens per chunk of the fused linear cross-entropy (never full fp32 logits)", gt=0)
 
 

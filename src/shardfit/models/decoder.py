@@ -170,6 +170,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.loss_chunk = loss_chunk
+        self.loss_impl = "torch"  # "liger" where Liger-Kernel is installed on CUDA (see the trainer's choice)
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -181,7 +182,8 @@ class CausalLM(nn.Module):
         if labels is None:
             return self.lm_head(h)  # logits [B, S, V]
         # Sum over labels != -100; the trainer divides by the global token count once per step.
-        return fused_linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), self.loss_chunk)
+        return fused_linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), self.loss_chunk,
+                                          impl=self.loss_impl)
 
     @torch.no_grad()
     def init_buffers(self) -> None:

@@ -49,7 +49,27 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None
 
 
+def liger_available() -> bool:
+    try:
+        import liger_kernel.ops.fused_linear_cross_entropy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024,
-                               ignore_index: int = -100) -> torch.Tensor:
-    """Sum over tokens with label != ignore_index of cross_entropy(h @ weight.T, label), as an fp32 scalar."""
+                               ignore_index: int = -100, impl: str = "torch") -> torch.Tensor:
+    """Sum over tokens with label != ignore_index of cross_entropy(h @ weight.T, label), as an fp32 scalar.
+
+    impl "liger": Liger-Kernel's Triton kernel (CUDA only; optional extra), which also computes the gradients in
+    forward but fuses the softmax, its gradient and the loss into one pass over each logits chunk, and accumulates
+    the weight gradient in fp32. "torch": the chunked pure-PyTorch version above (any device)."""
+    if impl == "liger":
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        # positional: input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
+        # reduction, softcap, return_z_loss, accum_dtype
+        loss = LigerFusedLinearCrossEntropyFunction.apply(h, weight, labels, None, None, ignore_index, 0.0, 0.0,
+                                                          "sum", None, False, torch.float32)[0]
+        return loss.float()
     return _FusedLinearCrossEntropy.apply(h, weight, labels, chunk, ignore_index)

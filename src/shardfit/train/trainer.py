@@ -29,6 +29,7 @@ from shardfit.fsutil import write_atomic
 from shardfit.memory import MemoryMonitor
 from shardfit.memory.record import SnapshotRecorder
 from shardfit.models import build_model, count_params
+from shardfit.models.loss import liger_available
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
 from shardfit.parallel.ulysses import check_sequence_parallel, local_slice
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
@@ -70,6 +71,15 @@ def apply_alloc_conf(alloc_conf: str) -> None:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def choose_loss_kernel(kind: str, device: torch.device) -> str:
+    if kind == "liger" and (device.type != "cuda" or not liger_available()):
+        raise ShardfitError("parallel.kernels=liger needs CUDA and the liger-kernel package",
+                            where="parallel.kernels", fix="pip install 'shardfit[liger]' on a GPU machine, or use auto")
+    if kind == "auto":
+        return "liger" if device.type == "cuda" and liger_available() else "torch"
+    return kind
 
 
 class _Window:
@@ -117,6 +127,7 @@ class Trainer:
 
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
+        model.loss_impl = choose_loss_kernel(cfg.parallel.kernels, self.device)
         self.notices: list[str] = []  # printed by rank 0 when fit() starts
         if self.device.type == "cuda" and cfg.parallel.numa_bind:
             from shardfit.parallel.affinity import bind_to_numa_node, gpu_pci_bus_id
@@ -129,7 +140,9 @@ class Trainer:
         if from_hf:
             from shardfit.hf import load_hf_checkpoint
 
+            t0 = time.perf_counter()
             load_hf_checkpoint(self.model, cfg.model.path)
+            self.notices.append(self._load_report(cfg.model.path, time.perf_counter() - t0))
         self.timer = StepTimer(self.device, cfg.logging.step_timing)
         self.timer.watch_fsdp_waits([*self.model.model.layers, self.model])
         self.progress: Progress | None = None  # made by fit()
@@ -366,12 +379,28 @@ class Trainer:
             progress.message(warning)
         reset_peaks(self.device)
 
+    def _load_report(self, path: str, seconds: float) -> str:
+        """One all-gather (every rank, right after loading): load time, device memory and peak host RSS per rank."""
+        import resource
+
+        dev_gib = (torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0) / 2**30
+        rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        rows = all_gather_rows(torch.tensor([seconds, dev_gib, rss_gib], dtype=torch.float64,
+                                            device=self.device)).cpu().tolist()
+        dev = [r[1] for r in rows]
+        spread = (max(dev) - min(dev)) / max(dev) * 100 if max(dev) > 0 else 0.0
+        return (f"loaded {path} in {max(r[0] for r in rows):.2f} s (slowest rank); device memory after load per "
+                f"rank: {' / '.join(f'{d:.2f}' for d in dev)} GiB ({spread:.1f}% apart); peak host RSS per rank: "
+                f"{' / '.join(f'{r[2]:.1f}' for r in rows)} GiB")
+
     def _banner(self) -> str:
         c, d = self.cfg, self.dist
         where = f"{d.world_size} x {self.device.type}" + (f" ({torch.cuda.get_device_name(self.device)})"
                                                           if self.device.type == "cuda" else "")
         resumed = f", resumed from {self.resumed_from}" if self.resumed_from else ""
+        resumed += f", Ulysses sequence parallel over {self.sp} ranks" if self.sp > 1 else ""
         return (f"shardfit: {c.model.name} model, {self.n_params / 1e6:.1f}M params, {where}, "
                 f"{len(self.dataset.tokens):,} tokens of data, global batch {c.train.global_batch} x "
                 f"{c.data.seq_len} = {c.train.global_batch * c.data.seq_len:,} tokens "
-                f"(micro-batch {c.train.micro_batch}, accumulation {self.accum}), run dir {self.run_dir}{resumed}")
+                f"(micro-batch {c.train.micro_batch}, accumulation {self.accum}), loss kernel {self.model.loss_impl}, "
+                f"run dir {self.run_dir}{resumed}")
