@@ -36,7 +36,14 @@ def pattern(shape) -> torch.Tensor:
     return rows.view(-1, *([1] * (len(shape) - 1))).expand(shape).to(torch.bfloat16).reshape(shape)
 
 
-def write(shape: str, layers: int, out: Path) -> None:
+def normal(shape, name: str) -> torch.Tensor:
+    """Trainable values: norms at 1, everything else N(0, 0.02) (for the load-train-export run)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return (torch.randn(shape) * 0.02).to(torch.bfloat16)
+
+
+def write(shape: str, layers: int, out: Path, init: str = "pattern") -> None:
     from safetensors.torch import save_file
 
     from shardfit.config import load_config
@@ -57,7 +64,7 @@ def write(shape: str, layers: int, out: Path) -> None:
             tensors.append((name, p.shape))
     shards, cur, size, weight_map = [], {}, 0, {}
     for name, shape_ in tensors:
-        t = pattern(shape_)
+        t = pattern(shape_) if init == "pattern" else normal(shape_, name)
         if cur and size + t.nbytes > 5e9:
             shards.append(cur)
             cur, size = {}, 0
@@ -125,11 +132,69 @@ def load(path: Path) -> None:
     dist.destroy_process_group()
 
 
+def probe(path: Path, threads: int) -> None:
+    """Where loading time goes, without the model: this rank's 1/world of every shard file read with preadv into
+    pinned buffers by `threads` threads (page-cache copy rate), then a pinned host-to-device copy rate."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from shardfit.parallel import init_distributed
+
+    info = init_distributed("cuda")
+    files = sorted(path.glob("*.safetensors"))
+    chunk = 32 << 20
+    jobs = []
+    for f in files:
+        size = f.stat().st_size
+        lo, hi = size * info.rank // info.world_size, size * (info.rank + 1) // info.world_size
+        jobs += [(f, o, min(chunk, hi - o)) for o in range(lo, hi, chunk)]
+    t0 = time.perf_counter()
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
+    pin_s = time.perf_counter() - t0
+
+    def work(i):
+        fds, n = {}, 0
+        for f, off, ln in jobs[i::threads]:
+            fd = fds.get(f) or fds.setdefault(f, os.open(f, os.O_RDONLY))
+            n += os.preadv(fd, [memoryview(bufs[i][:ln].numpy())], off)
+        for fd in fds.values():
+            os.close(fd)
+        return n
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        nread = sum(pool.map(work, range(threads)))
+    read_s = time.perf_counter() - t0
+    big = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(big, device=info.device)
+    dev.copy_(big, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dev.copy_(big, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = 4 * big.numel() / (time.perf_counter() - t0) / 1e9
+    print(json.dumps({"probe": "read", "rank": info.rank, "threads": threads, "GB": round(nread / 1e9, 2),
+                      "read_GBps": round(nread / 1e9 / read_s, 2), "pin_alloc_s": round(pin_s, 3),
+                      "h2d_GBps": round(h2d, 1)}), flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["write", "load"])
+    ap.add_argument("what", choices=["write", "load", "probe"])
+    ap.add_argument("--init", default="pattern", choices=["pattern", "normal"])
+    ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--out", "--path", dest="path", default="/tmp/ckpt")
     a = ap.parse_args()
-    write(a.shape, a.layers, Path(a.path)) if a.what == "write" else load(Path(a.path))
+    if a.what == "write":
+        write(a.shape, a.layers, Path(a.path), a.init)
+    elif a.what == "probe":
+        probe(Path(a.path), a.threads)
+    else:
+        load(Path(a.path))

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # anchor script's flags. {nproc} is filled in.
 LLAMA8B_4K = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=14", "--train.warmup_steps=2",
               "--train.lr=1e-4"]
+COMPILED = [*LLAMA8B_4K, "--parallel.compile=true"]
+LIGER_ANCHOR = ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger", "--ac", "none"]
 SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     "tiny": [
         ("shardfit", "tiny default", []),
@@ -38,8 +40,19 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "shardfit 8B mbs2 no-AC compile", [*LLAMA8B_4K, "--train.micro_batch=2",
                                                         "--train.global_batch={2n}", "--parallel.compile=true"]),
         ("anchor", "anchor plain full-AC mbs2", ["--size", "8b", "--seq", "4096", "--mbs", "2"]),
-        ("anchor", "anchor liger no-AC mbs2", ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger",
-                                               "--ac", "none"]),
+        ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
+    ],
+    # session 2's levers, one change at a time from the compiled baseline (NOTES.md has the predictions)
+    "levers": [
+        ("shardfit", "compile mbs2 torch-CE", [*COMPILED, "--train.micro_batch=2", "--train.global_batch={2n}",
+                                               "--parallel.kernels=torch", "--memory.snapshot_steps=6"]),
+        ("shardfit", "compile mbs2 liger-CE", [*COMPILED, "--train.micro_batch=2", "--train.global_batch={2n}",
+                                               "--parallel.kernels=liger"]),
+        ("shardfit", "compile mbs2 liger-CE cudnn", [*COMPILED, "--train.micro_batch=2", "--train.global_batch={2n}",
+                                                     "--parallel.kernels=liger", "--parallel.attention=cudnn"]),
+        ("shardfit", "compile mbs4 liger-CE", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                               "--parallel.kernels=liger"]),
+        ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
 }
 
@@ -70,6 +83,12 @@ def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:
                peak_reserved_GiB=round(max(r["peak_reserved_max"] for r in steady), 2),
                alloc_min_GiB=round(min(r["peak_allocated_min"] for r in steady), 2),
                retries=max(r["alloc_retries_max"] for r in steady), final_loss=round(recs[-1]["loss"], 4))
+    if "time_forward_s" in steady[-1]:  # rank 0's phase times (train/timing.py), median seconds per step
+        out["phases_s"] = {k: round(statistics.median(r[f"time_{k}_s"] for r in steady), 4)
+                           for k in ("forward", "backward", "optimizer", "comm_wait")}
+    doctor = sorted((run_dir / "snapshots").glob("doctor_step*.txt"))
+    if doctor:
+        out["doctor"] = doctor[-1].read_text()
     return out
 
 
@@ -97,6 +116,7 @@ def main() -> int:
     ap.add_argument("--anchors", default=str(ROOT / ".anchors"))
     ap.add_argument("--out", default="")
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--only", default="", help="run only the cases whose label contains this")
     a = ap.parse_args()
     import torch
 
@@ -105,6 +125,8 @@ def main() -> int:
            "alloc_conf_env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     rows = []
     for kind, label, args in SUITES[a.suite]:
+        if a.only and a.only not in label:
+            continue
         args = _fill(args, a.nproc)
         try:
             row = (run_shardfit(label, args, a.nproc, a.timeout) if kind == "shardfit"
@@ -116,13 +138,14 @@ def main() -> int:
     best_anchor = max((r.get("tok_s_gpu") or 0 for r in rows if r["system"] == "anchor"), default=0)
     print(f"\n{env['gpu']} x{a.nproc}, torch {env['torch']}, suite {a.suite}")
     print(f"{'case':34} {'tok/s/gpu':>10} {'MFU':>6} {'alloc':>7} {'resv':>7} {'resv/alloc':>10} {'retry':>5} "
-          f"{'vs best anchor':>14}")
+          f"{'vs best anchor':>14}  fwd/bwd/opt/comm-wait s")
     for r in rows:
         if r.get("tok_s_gpu"):
             ratio = f"{r['tok_s_gpu'] / best_anchor:.2f}x" if best_anchor else "-"
             ra = r["peak_reserved_GiB"] / r["peak_alloc_GiB"] if r.get("peak_alloc_GiB") else 0
             print(f"{r['label']:34} {r['tok_s_gpu']:>10,} {r['mfu'] or 0:>6.3f} {r['peak_alloc_GiB']:>7.1f} "
-                  f"{r['peak_reserved_GiB']:>7.1f} {ra:>10.2f} {r['retries']:>5.0f} {ratio:>14}")
+                  f"{r['peak_reserved_GiB']:>7.1f} {ra:>10.2f} {r['retries']:>5.0f} {ratio:>14}  "
+                  + "/".join(f"{v:.3f}" for v in r.get("phases_s", {}).values()))
         else:
             print(f"{r['label']:34} {'OOM' if r.get('oom') else 'FAILED':>10}")
     if a.out:

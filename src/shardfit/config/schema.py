@@ -93,6 +93,8 @@ class ParallelConfig:
     numa_bind: bool = opt(True, "bind each rank's CPU threads to its GPU's NUMA node (CUDA runs)")
     sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
+    attention: str = opt("auto", "SDPA kernel on CUDA: flash, cudnn, efficient; auto lets PyTorch pick per call",
+                         choices=("auto", "flash", "cudnn", "efficient"))
     kernels: str = opt("auto", "fused linear cross-entropy kernel: liger (Liger-Kernel's Triton kernel, CUDA, "
                               "optional extra), torch (chunked pure PyTorch, any device); auto: liger when installed "
                               "and on CUDA", choices=("auto", "liger", "torch"))

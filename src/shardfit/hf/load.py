@@ -1,9 +1,11 @@
 """Load a Hugging Face safetensors checkpoint into a (sharded) model.
 
 Each rank reads only the rows of each tensor that its FSDP shard holds (its own experts for MoE layers), as
-zero-copy views of the memory-mapped files: no rank reads or holds a full copy of the model, the bytes read over all
-ranks add up to one copy, and there are no collectives at all (nothing to deadlock, nothing to broadcast). Files are
-read by a few threads, each copying to the GPU on its own stream (the copies release the GIL and overlap).
+zero-copy views of the memory-mapped files (CPU) or through pinned staging buffers (CUDA): no rank reads or holds a
+full copy of the model, the bytes read over all ranks add up to one copy, and there are no collectives at all
+(nothing to deadlock, nothing to broadcast). The tensors are split into byte-balanced lists, one per reading thread
+(the node's cores shared among its ranks), each copying to the GPU on its own stream (reads and copies release the
+GIL and overlap).
 
 Errors name the file and the tensor: a missing shard file, a missing or unexpected tensor, a shape mismatch, a
 truncated or corrupt file.
@@ -26,8 +28,14 @@ from shardfit.hf.safetensors_view import SafetensorsView
 from shardfit.models.init import local_view
 
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some old exports stored; rebuilt by init_buffers
-_THREADS = 4  # files read at once per rank
-_PINNED_BYTES = 128 << 20  # two pinned staging buffers per thread: 1 GiB of pinned host memory per rank
+_PINNED_BYTES = 32 << 20  # two pinned staging buffers per thread (small: pinning costs time, chunks pipeline)
+
+
+def reader_threads() -> int:
+    """Reading threads per rank: the node's cores shared by its ranks (the page-cache copy is per-core work)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 4)
+    return max(1, min(16, cores // max(1, local_world) if local_world > 1 else cores))
 
 
 def weight_map(path: Path) -> dict[str, Path]:
@@ -76,13 +84,13 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path) -> int:
     files = weight_map(path)
     params = dict(model.named_parameters())  # tied weights appear once
     tied_extra = {"lm_head.weight"} if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings else set()
-    # plan: file -> [(checkpoint key, parameter name, expert index or None)] for what this rank holds
-    plan: dict[Path, list[tuple[str, str, int | None]]] = {}
+    # plan: [(file, checkpoint key, parameter name, expert index or None)] for what this rank holds
+    plan: list[tuple[Path, str, str, int | None]] = []
     expected: set[str] = set()
     for name, p in params.items():
         if name in files:
             expected.add(name)
-            plan.setdefault(files[name], []).append((name, name, None))
+            plan.append((files[name], name, name, None))
             continue
         if not STACKED.match(name) or expert_key(name, 0) not in files:
             raise ShardfitError(f"tensor '{name}' is not in the checkpoint", where=str(path),
@@ -95,17 +103,32 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path) -> int:
         expected.update(keys)
         local, _, row0 = local_view(p)
         for e in range(row0, row0 + (local.shape[0] if local.numel() else 0)):  # only this rank's experts
-            plan.setdefault(files[keys[e]], []).append((keys[e], name, e))
+            plan.append((files[keys[e]], keys[e], name, e))
     unexpected = [n for n in files if n not in expected and n not in tied_extra and not n.endswith(_IGNORED)]
     if unexpected:
         raise ShardfitError(f"checkpoint tensor '{unexpected[0]}' has no place in the model "
                             f"({len(unexpected)} unexpected)", where=str(files[unexpected[0]]),
                             fix="the architecture in config.json does not match these weights")
-    workers = max(1, min(_THREADS, len(plan)))
-    with ThreadPoolExecutor(workers) as pool:  # a failure in any file is raised here
-        read = sum(pool.map(lambda item: _load_file(item[0], item[1], params), sorted(plan.items())))
+    with ThreadPoolExecutor(reader_threads()) as pool:  # a failure in any file is raised here
+        read = sum(pool.map(lambda items: _load_items(items, params), _balance(plan, params, reader_threads())))
     model.init_buffers()
     return read
+
+
+def _balance(plan: list, params: dict, n: int) -> list[list]:
+    """Split the work into n lists of about equal bytes (largest first onto the lightest list), each in file order:
+    a few large files must not leave most threads idle."""
+    def nbytes(item) -> int:
+        local = local_view(params[item[2]])[0]
+        return (local[0].numel() if item[3] is not None else local.numel()) * local.element_size()
+
+    bins: list[list] = [[] for _ in range(max(1, min(n, len(plan))))]
+    load = [0] * len(bins)
+    for item in sorted(plan, key=nbytes, reverse=True):
+        i = load.index(min(load))
+        bins[i].append(item)
+        load[i] += nbytes(item)
+    return [sorted(b, key=lambda it: (str(it[0]), it[1])) for b in bins if b]
 
 
 class _PinnedCopier:
@@ -136,27 +159,30 @@ class _PinnedCopier:
 
 
 @torch.no_grad()  # grad mode is per thread: the pool's threads need their own
-def _load_file(file: Path, items: list[tuple[str, str, int | None]], params: dict) -> int:
-    view = _open(file)
+def _load_items(items: list[tuple[Path, str, str, int | None]], params: dict) -> int:
+    views: dict[Path, SafetensorsView] = {}
     stream = copier = None
-    first = local_view(params[items[0][1]])[0]
+    first = local_view(params[items[0][2]])[0]
     if first.is_cuda:
         stream = torch.cuda.Stream(first.device)
         copier = _PinnedCopier()
     read = 0
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for key, name, expert in items:
+            for file, key, name, expert in items:
+                if file not in views:
+                    views[file] = _open(file)
                 local, shape, row0 = local_view(params[name])
                 if expert is not None:
                     dest, want, rows = local[expert - row0], shape[1:], None
                 else:
                     dest, want, rows = local, shape, (row0, row0 + local.shape[0]) if local.dim() else None
-                read += _copy_slice(view, file, key, dest, want, rows, copier)
+                read += _copy_slice(views[file], file, key, dest, want, rows, copier)
         if stream is not None:
             stream.synchronize()  # the pinned staging buffers must outlive the copies out of them
     finally:
-        view.close()
+        for view in views.values():
+            view.close()
     return read
 
 

@@ -101,6 +101,18 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisi
     return model
 
 
+def select_attention_kernel(kind: str) -> None:
+    """Restrict SDPA to one CUDA kernel (process-wide; compile reads the same flags when it traces). If that kernel
+    cannot run a call (head size, dtype), SDPA raises at the first step rather than silently falling back."""
+    if kind == "auto":
+        return
+    b = torch.backends.cuda
+    b.enable_flash_sdp(kind == "flash")
+    b.enable_cudnn_sdp(kind == "cudnn")
+    b.enable_mem_efficient_sdp(kind == "efficient")
+    b.enable_math_sdp(False)
+
+
 def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, world_size: int, seed: int,
                 init: bool = True) -> nn.Module:
     """Meta model in, sharded and initialised model out. See the module docstring for the order.
@@ -108,6 +120,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
     """
     blocks = list(model.model.layers)
+    if device.type == "cuda":
+        select_attention_kernel(cfg.attention)
     sp = cfg.sequence_parallel
     if sp > 1:
         # Ranks r with the same r // sp form one sequence-parallel group (neighbours: one node, the fastest links).

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device session's stages; each writes its log and JSON under $OUT. Usage: benchmarks/device_run.sh STAGE...
+#   setup   install the carried wheels (.whl: liger-kernel) into /tmp/site
+#   tests   the CUDA tests (pytest -m cuda tests/cuda)
+#   tiny2   `shardfit train --nproc 2` on the embedded default
+#   hf8b    write a random Llama-3-8B checkpoint, load it on 2 GPUs, train 4 steps, export (issue 3)
+#   load    48-layer Qwen3-30B-A3B shape: probe, shardfit load on 2 and 4 GPUs, the broadcast anchor on 2 (issue 3)
+#   levers  bench_train --suite levers on 2 GPUs (issue 5)
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=/tmp/site:$PWD/src
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+two="CUDA_VISIBLE_DEVICES=0,1"
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    setup) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ;;
+    tests) env $two python3 -m pytest -q -m cuda tests/cuda -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15 ;;
+    tiny2) env $two python3 -m shardfit train --nproc 2 --logging.progress=lines --logging.run_dir=/tmp/tiny2 2>&1 | tee "$OUT/tiny2.log" | grep -v "^step [0-9]*/150 " | tail -12 ;;
+    hf8b)
+      python3 benchmarks/bench_load.py write --shape llama3-8b --layers 32 --init normal --out /tmp/llama8b
+      env $two python3 -m shardfit train --nproc 2 --model.path=/tmp/llama8b --data.seq_len=4096 \
+        --train.micro_batch=1 --train.global_batch=2 --train.steps=4 --train.warmup_steps=1 --train.lr=1e-5 \
+        --logging.log_every=1 --logging.progress=lines --logging.run_dir=/tmp/hf8b --checkpoint.final=false \
+        --checkpoint.export_hf=/tmp/llama8b_out 2>&1 | tee "$OUT/hf8b.log" | grep -E "^(loaded|step|exported|shardfit|done|rank)" ;
+      ls -la /tmp/llama8b_out | tee -a "$OUT/hf8b.log" ;;
+    load)
+      python3 benchmarks/bench_load.py write --shape qwen3-30b-a3b --layers 48 --out /tmp/q48
+      env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py probe --path /tmp/q48 --threads 4
+      env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py probe --path /tmp/q48 --threads 8
+      for i in 1 2; do env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py load --path /tmp/q48; done | tee "$OUT/load2.json"
+      if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then python3 -m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/bench_load.py load --path /tmp/q48 | tee "$OUT/load4.json"; fi
+      env $two LAYERS=48 python3 -m torch.distributed.run --standalone --nproc_per_node 2 .anchors/broadcast_load.py 2>&1 | tail -3 | tee "$OUT/anchor_load2.txt" ;;
+    levers) env $two python3 benchmarks/bench_train.py --suite levers --nproc 2 --out "$OUT/levers_x2.json" 2>&1 | tail -9 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
