@@ -4,6 +4,7 @@
 #   tests   the CUDA tests (pytest -m cuda tests/cuda)
 #   tiny2   `shardfit train --nproc 2` on the embedded default
 #   hf8b    write a random Llama-3-8B checkpoint, load it on 2 GPUs, train 4 steps, export (issue 3)
+#   probe   page-cache read rate (4 and 8 threads per rank) and pinned host-to-device rate on the 48-layer checkpoint
 #   load    48-layer Qwen3-30B-A3B shape: probe, shardfit load on 2 and 4 GPUs, the broadcast anchor on 2 (issue 3)
 #   levers  bench_train --suite levers on 2 GPUs (issue 5)
 set -u
@@ -26,11 +27,11 @@ for stage in "$@"; do
       ls -la /tmp/llama8b_out | tee -a "$OUT/hf8b.log" ;;
     load)
       python3 benchmarks/bench_load.py write --shape qwen3-30b-a3b --layers 48 --out /tmp/q48
-      env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py probe --path /tmp/q48 --threads 4
-      env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py probe --path /tmp/q48 --threads 8
       for i in 1 2; do env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py load --path /tmp/q48; done | tee "$OUT/load2.json"
       if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then python3 -m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/bench_load.py load --path /tmp/q48 | tee "$OUT/load4.json"; fi
       env $two LAYERS=48 python3 -m torch.distributed.run --standalone --nproc_per_node 2 .anchors/broadcast_load.py 2>&1 | tail -3 | tee "$OUT/anchor_load2.txt" ;;
+    probe)
+      for t in 4 8; do env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py probe --path /tmp/q48 --threads $t; done ;;
     levers) env $two python3 benchmarks/bench_train.py --suite levers --nproc 2 --out "$OUT/levers_x2.json" 2>&1 | tail -9 ;;
     *) echo "unknown stage $stage" ;;
   esac
