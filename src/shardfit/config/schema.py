@@ -95,9 +95,10 @@ class ParallelConfig:
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
     attention: str = opt("auto", "SDPA kernel on CUDA: flash, cudnn, efficient; auto lets PyTorch pick per call",
                          choices=("auto", "flash", "cudnn", "efficient"))
-    kernels: str = opt("auto", "fused linear cross-entropy kernel: liger (Liger-Kernel's Triton kernel, CUDA, "
-                              "optional extra), torch (chunked pure PyTorch, any device); auto: liger when installed "
-                              "and on CUDA", choices=("auto", "liger", "torch"))
+    kernels: str = opt("torch", "fused linear cross-entropy kernel: torch (chunked pure PyTorch, any device; measured "
+                                "1.8% faster than Liger's on 2 x H200, benchmarks/NOTES.md), liger (Liger-Kernel's "
+                                "Triton kernel, CUDA, optional extra); auto: liger when installed and on CUDA",
+                       choices=("auto", "liger", "torch"))
     loss_chunk: int = opt(1024, "tokens per chunk of the fused linear cross-entropy (never full fp32 logits)", gt=0)
 
 
