@@ -60,6 +60,11 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
                                                   "--parallel.reduce_dtype=bfloat16"]),
     ],
+    # memory.keep_grads (on by default since session 2): reserved vs allocated, eager defaults and the best config
+    "honest": [
+        ("shardfit", "eager mbs2 (defaults)", [*LLAMA8B_4K, "--train.micro_batch=2", "--train.global_batch={2n}"]),
+        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]),
+    ],
     # capacity: one 262,144-token sequence split over 2 ranks (Ulysses), full checkpointing, 2 steps (the second
     # is measured); the data file must hold more than 262,145 tokens (device_run.sh makes one)
     "long": [

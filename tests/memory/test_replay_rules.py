@@ -71,3 +71,20 @@ def test_oom_explained_as_fragmentation_or_capacity(tmp_path):
     assert r.ooms[0][1].largest_free == 300 * MB
     r, codes = _one(tmp_path, [seg(A, 1024 * MB, blocks)], [ev("oom", 0, 2048 * MB, device_free=100 * MB)])
     assert "too many live tensors" in codes["oom"].title
+
+
+def test_memory_cached_by_a_side_stream_at_the_peak(tmp_path):
+    # stream 9 (a reduce-scatter stream) held 1.5 GiB of gradients, freed before the compute stream's peak of 2 GiB
+    GB = 1024 * MB
+    s9, s0 = A, A + (8 << 30)
+    segments = [seg(s9, 1536 * MB, [(0, 1536 * MB, "inactive", [])], stream=9),
+                seg(s0, 2 * GB, [(0, 2 * GB, "inactive", [])], stream=0)]
+    trace = [ev("segment_alloc", s9, 1536 * MB, stream=9), ev("alloc", s9, 1536 * MB, stream=9, frames=OPT),
+             ev("free_requested", s9, 1536 * MB, stream=9), ev("free_completed", s9, 1536 * MB, stream=9),
+             ev("segment_alloc", s0, 2 * GB), ev("alloc", s0, 2 * GB, frames=FWD),
+             ev("free_requested", s0, 2 * GB), ev("free_completed", s0, 2 * GB)]
+    r, codes = _one(tmp_path, segments, trace)
+    assert r.peak.allocated == 2 * GB and r.peak.reserved == 2 * GB + 1536 * MB
+    f = codes["side_stream_cache"]
+    assert f.title.startswith("1.50 GiB cached by side streams") and "set_to_none=False" in f.fix[0]
+    assert "stream 9: reserved 1.50 GiB, free 1.50 GiB" in f.evidence

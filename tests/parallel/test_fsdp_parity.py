@@ -21,8 +21,9 @@ def _train_sharded(rank, world, overrides, run_dir):
     [],  # one micro-batch per rank
     ["--train.micro_batch=2", "--parallel.activation_checkpoint=full"],  # accumulation 2, full AC
     ["--train.micro_batch=2", "--parallel.activation_checkpoint=selective", "--model.tie_embeddings=false"],
-    ["--train.micro_batch=1", "--parallel.prefetch=1", "--parallel.reshard_after_forward=false"],  # accumulation 4
-], ids=["plain", "accum2-fullac", "accum2-selac-untied", "accum4-prefetch-noreshard"])
+    ["--train.micro_batch=1", "--parallel.prefetch=1", "--parallel.reshard_after_forward=false",
+     "--memory.keep_grads=false"],  # accumulation 4, gradients freed between steps
+], ids=["plain", "accum2-fullac", "accum2-selac-untied", "accum4-prefetch-noreshard-freegrads"])
 def test_two_rank_training_matches_single_process(tmp_path, overrides):
     results = run_ranks(_train_sharded, 2, overrides, str(tmp_path))
     cfg = small_config(*overrides)

@@ -116,8 +116,34 @@ def oom(rank: int, r: Replay) -> list[Finding]:
     return out
 
 
+def side_stream_cache(rank: int, r: Replay) -> list[Finding]:
+    """Free memory cached by streams other than the busiest one at the peak. The caching allocator keeps one pool per
+    stream: what a side stream (FSDP's all-gather or reduce-scatter stream, a prefetch stream) freed can be reused by
+    that stream only, so at the compute stream's peak it is reserved and idle."""
+    p = r.peak
+    if not p.per_stream or p.reserved == 0:
+        return []
+    main = max(p.per_stream, key=lambda s: p.per_stream[s]["allocated"])
+    idle = {s: st["free"] for s, st in p.per_stream.items() if s != main and st["free"] > 0}
+    total = sum(idle.values())
+    if total < max(1 * GiB, 0.05 * p.reserved):
+        return []
+    evidence = [f"at the peak the compute stream ({main}) holds {gib(p.per_stream[main]['allocated'])} of tensors; "
+                f"{gib(total)} more is reserved by other streams with nothing in it "
+                f"({total / p.reserved:.0%} of reserved)"]
+    evidence += [f"stream {s}: reserved {gib(p.per_stream[s]['reserved'])}, free {gib(free)}"
+                 for s, free in sorted(idle.items(), key=lambda kv: -kv[1])[:3]]
+    return [Finding("side_stream_cache", "warning", f"{gib(total)} cached by side streams at the peak", evidence,
+                    ["FSDP2: the reduce-scatter outputs become the sharded gradients, allocated in that stream's "
+                     "pool; zero_grad(set_to_none=True) frees them into it before the next forward, where the compute "
+                     "stream cannot use them. Keep gradients allocated with zero_grad(set_to_none=False) (shardfit: "
+                     "memory.keep_grads=true, the default)",
+                     "allocate long-lived buffers on the stream that uses them, or release a side stream's cache "
+                     "with torch.cuda.empty_cache() after its work (costs a re-allocation)"], rank)]
+
+
 def single(rank: int, r: Replay) -> list[Finding]:
-    return oom(rank, r) + pending_free(rank, r) + fragmentation(rank, r)
+    return oom(rank, r) + pending_free(rank, r) + side_stream_cache(rank, r) + fragmentation(rank, r)
 
 
 def across_ranks(results: list[RankResult]) -> list[Finding]:

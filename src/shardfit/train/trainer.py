@@ -261,7 +261,9 @@ class Trainer:
             self.optimizer.step()
         else:
             self.skipped += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        # keep_grads: zeroed, not freed (see memory.keep_grads: freed sharded gradients become another stream's idle
+        # cache); FSDP then adds each step's reduce-scatter output into them, in that stream.
+        self.optimizer.zero_grad(set_to_none=not self.cfg.memory.keep_grads)
         self.timer.stop("optimizer")
         self.step += 1
         self.recorder.after_step(self.step)
