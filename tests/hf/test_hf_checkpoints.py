@@ -173,6 +173,7 @@ def test_train_from_hf_dir_and_export(tmp_path):
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     assert "qwen2 model" in p.stdout and f"exported Hugging Face model to {out}" in p.stdout
+    assert all(f.stat().st_mode & 0o044 for f in out.glob("*.safetensors"))  # readable by group and others
     report = next(line for line in p.stdout.splitlines() if line.startswith(f"loaded {path} in "))
     assert "(0.0% apart)" in report and "peak host RSS per rank" in report  # one rank, CPU: no device memory
     trained = type(hf).from_pretrained(out).eval()

@@ -41,6 +41,7 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
     def flush():
         name = f"shard-{len(files):05d}.safetensors"
         save_file(shards[0], str(tmp / name), metadata={"format": "pt"})
+        os.chmod(tmp / name, 0o666 & ~_umask())  # safetensors creates files 0600; the export is for everyone
         files.append(name)
         weight_map.update({k: name for k in shards[0]})
         shards[0], sizes[0] = {}, 0
@@ -63,6 +64,12 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
     if dist.is_initialized():
         dist.barrier()
     return out if rank == 0 else None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str, str], dtype: str, source) -> None:
