@@ -20,7 +20,7 @@ def test_splitting_and_blocks_from_before_recording(tmp_path):
     trace = [ev("alloc", A + 10 * MB, 30 * MB, frames=OPT), ev("alloc", A + 40 * MB, 20 * MB, frames=FWD),
              ev("free_requested", A + 10 * MB, 30 * MB), ev("free_completed", A + 10 * MB, 30 * MB)]
     r, _ = _one(tmp_path, segments, trace)
-    assert r.allocated == [40 * MB, 60 * MB, 30 * MB, 30 * MB]
+    assert list(r.allocated) == [40 * MB, 60 * MB, 30 * MB, 30 * MB]
     p = r.peak
     assert (p.allocated, p.reserved, p.free_in_segments, p.largest_free) == (60 * MB, 100 * MB, 40 * MB, 40 * MB)
     assert p.categories == {"optimizer_state": 30 * MB, "activations": 20 * MB, "unknown": 10 * MB}
@@ -53,7 +53,7 @@ def test_expandable_segments_map_and_unmap(tmp_path):
              ev("alloc", A + 2 * MB, 6 * MB, frames=FWD), ev("free_requested", A + 2 * MB, 6 * MB),
              ev("free_completed", A + 2 * MB, 6 * MB), ev("segment_unmap", A + 6 * MB, 2 * MB)]
     r, codes = _one(tmp_path, segments, trace, expandable=True)
-    assert r.reserved == [2 * MB, 4 * MB, 6 * MB, 8 * MB, 8 * MB, 8 * MB, 8 * MB, 8 * MB, 6 * MB]
+    assert list(r.reserved) == [2 * MB, 4 * MB, 6 * MB, 8 * MB, 8 * MB, 8 * MB, 8 * MB, 8 * MB, 6 * MB]
     assert r.peak.allocated == 8 * MB and r.peak.reserved == 8 * MB and r.peak.free_in_segments == 0
     assert r.end.free_in_segments == 4 * MB and r.end.largest_free == 4 * MB  # free run crosses page boundaries
     assert "fragmentation" not in codes

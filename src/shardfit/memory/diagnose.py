@@ -41,7 +41,7 @@ def rank_of(path: str, fallback: int) -> int:
 
 
 def _uses_fsdp1(r: Replay) -> bool:
-    frames = [f for ev in r.snapshot.trace for f in ev["frames"][:30]]
+    frames = [f for stack in r.snapshot.stacks() for f in stack[:30]]
     frames += [f for s in r.snapshot.segments for b in s["blocks"] for f in b.get("frames", [])[:30]]
     return any("_flat_param.py" in f.get("filename", "") or "fully_sharded_data_parallel.py" in f.get("filename", "")
                for f in frames)

@@ -13,6 +13,8 @@ segments) change reserved. Event sizes are block sizes: allocation rounding is i
 from __future__ import annotations
 
 import bisect
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shardfit.memory.attribution import categorize, site
@@ -52,9 +54,9 @@ class Layout:
 @dataclass
 class Replay:
     snapshot: Snapshot
-    times: list[int] = field(default_factory=list)  # time_us per event
-    allocated: list[int] = field(default_factory=list)  # after each event
-    reserved: list[int] = field(default_factory=list)
+    times: Sequence[int] = field(default_factory=list)  # time_us per event (an array('q') after replay)
+    allocated: Sequence[int] = field(default_factory=list)  # after each event
+    reserved: Sequence[int] = field(default_factory=list)
     peak_index: int = -1
     peak: Layout | None = None
     end: Layout | None = None
@@ -172,23 +174,37 @@ def replay(snap: Snapshot) -> Replay:
     end_alloc = sum(b.size for b in blocks.values() if not b.pending)
     end_resv = sum(r[0] for r in ranges.values())
     # Forward pass: deltas, per-category live bytes, and for each free the index of the alloc it frees (its frames).
+    # Per-event results live in typed arrays (8 bytes an event, not a Python int object each): with a million events
+    # the replay must stay within a few times the file's size.
+    n = len(trace)
     d_alloc = d_resv = 0
-    deltas_a, deltas_r, times = [], [], []
+    deltas_a, deltas_r, times = array("q"), array("q"), array("q")
     open_alloc: dict[int, int] = {}  # addr -> index of the live allocation made while recording
     pending: dict[int, int] = {}  # addr -> index of the allocation freed by Python, not yet completed
-    alloc_of: dict[int, int] = {}
-    cat_of: dict[int, str] = {}  # alloc index -> category
+    alloc_of = array("q", bytes(8 * n))  # free event -> index of its allocation + 1 (0: none)
+    cat_codes: dict[str, int] = {}
+    cat_names: list[str] = []
+    cat_of = array("H", bytes(2 * n))  # alloc event -> category code
+    cat_cache: dict[int, int] = {}  # id(frames) -> category code (interned stacks repeat)
     live: dict[str, int] = {}
     cat_max: dict[str, int] = {}
     freed_before = 0  # bytes freed while recording that were allocated before recording began
-    every = max(1, len(trace) // 2000)
+    every = max(1, n // 2000)
     raw_samples: list[tuple[int, dict[str, int], int]] = []
     for j, ev in enumerate(trace):
         action, addr = ev["action"], ev.get("addr", 0)
         if action == "alloc":
             d_alloc += ev["size"]
             open_alloc[addr] = j
-            cat = cat_of[j] = categorize(ev["frames"])
+            frames = ev["frames"]
+            code = cat_cache.get(id(frames))
+            if code is None:
+                cat = categorize(frames)
+                code = cat_cache[id(frames)] = cat_codes.setdefault(cat, len(cat_codes))
+                if code == len(cat_names):
+                    cat_names.append(cat)
+            cat_of[j] = code
+            cat = cat_names[code]
             live[cat] = live.get(cat, 0) + ev["size"]
             cat_max[cat] = max(cat_max.get(cat, 0), live[cat])
         elif action == "free_requested":
@@ -197,22 +213,24 @@ def replay(snap: Snapshot) -> Replay:
             if a is None:
                 freed_before += ev["size"]
             else:
-                alloc_of[j] = pending[addr] = a
-                live[cat_of[a]] -= ev["size"]
+                alloc_of[j] = a + 1
+                pending[addr] = a
+                live[cat_names[cat_of[a]]] -= ev["size"]
         elif action == "free_completed":
             if addr in pending:
-                alloc_of[j] = pending.pop(addr)
+                alloc_of[j] = pending.pop(addr) + 1
         elif action in _RESERVE:
             d_resv += _RESERVE[action] * ev["size"]
         deltas_a.append(d_alloc)
         deltas_r.append(d_resv)
         times.append(ev.get("time_us", 0))
-        if j % every == 0 or j == len(trace) - 1:
+        if j % every == 0 or j == n - 1:
             raw_samples.append((j, {k: v for k, v in live.items() if v}, freed_before))
     base_a, base_r = end_alloc - d_alloc, end_resv - d_resv
-    r = Replay(snap, times, [base_a + d for d in deltas_a], [base_r + d for d in deltas_r],
+    r = Replay(snap, times, array("q", (base_a + d for d in deltas_a)), array("q", (base_r + d for d in deltas_r)),
                category_max={k: v for k, v in sorted(cat_max.items(), key=lambda kv: -kv[1]) if v},
                samples=[(j, {"before recording": base_a - fb, **cats}) for j, cats, fb in raw_samples])
+    del deltas_a, deltas_r
     if r.allocated and max(r.allocated) > end_alloc:
         r.peak_index = max(range(len(r.allocated)), key=r.allocated.__getitem__)
     else:
@@ -227,7 +245,7 @@ def replay(snap: Snapshot) -> Replay:
         while j > target:
             ev = trace[j]
             action, addr, size = ev["action"], ev.get("addr", 0), ev.get("size", 0)
-            src = trace[alloc_of[j]]["frames"] if j in alloc_of else []
+            src = trace[alloc_of[j] - 1]["frames"] if alloc_of[j] else []
             if action == "alloc":
                 blocks.pop(addr, None)
             elif action == "free_requested":

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.memory.pickle_stream import EventTrace, NeedsFullUnpickler, load_plain
 from shardfit.safe_pickle import RefusedGlobal, safe_loads
 
 
@@ -21,10 +22,14 @@ from shardfit.safe_pickle import RefusedGlobal, safe_loads
 class Snapshot:
     path: str
     segments: list[dict]
-    trace: list[dict]  # the events of the traced device, oldest first
+    trace: EventTrace | list[dict]  # the events of the traced device, oldest first (each read as a dict)
     device: int = 0
     allocator_settings: dict = field(default_factory=dict)
     annotations: list[dict] = field(default_factory=list)
+
+    def stacks(self) -> list[list[dict]]:
+        """Every distinct stack of the trace's events (once each when the trace is compact)."""
+        return self.trace.stacks if isinstance(self.trace, EventTrace) else [ev["frames"] for ev in self.trace]
 
     @property
     def expandable(self) -> bool:
@@ -67,8 +72,12 @@ def _normalize_segment(s: dict) -> dict:
 def load_snapshot(path: str | Path) -> Snapshot:
     path = Path(path)
     raw = _read_bytes(path)
+    compact: dict[int, EventTrace] = {}
     try:
-        data = safe_loads(raw)
+        try:
+            data, compact = load_plain(raw)  # events straight into columns (see pickle_stream)
+        except NeedsFullUnpickler:
+            data = safe_loads(raw)  # containers of older PyTorch versions, through the allowlist
     except RefusedGlobal as e:
         raise ShardfitError(f"not loaded: {e}; a memory snapshot holds only plain data, so this file is not one "
                             "or has been tampered with", where=str(path),
@@ -89,12 +98,14 @@ def load_snapshot(path: str | Path) -> Snapshot:
         device = segments[0].get("device", 0)
     elif traces:
         device = max(range(len(traces)), key=lambda i: len(traces[i] or []))
-    trace = list(traces[device]) if device < len(traces) and traces[device] else []
-    if not trace and any(traces):  # events recorded for another device index
-        device, trace = next((i, list(t)) for i, t in enumerate(traces) if t)
-    for ev in trace:
-        ev.setdefault("frames", [])
-        ev.setdefault("stream", 0)
+    traces = [compact.get(id(t)) or list(t or []) for t in traces]  # an EventTrace, or plain dicts
+    trace = traces[device] if device < len(traces) else []
+    if not len(trace) and any(len(t) for t in traces):  # events recorded for another device index
+        device, trace = next((i, t) for i, t in enumerate(traces) if len(t))
+    if isinstance(trace, list):
+        for ev in trace:
+            ev.setdefault("frames", [])
+            ev.setdefault("stream", 0)
     return Snapshot(str(path), segments, trace, device, data.get("allocator_settings") or {},
                     data.get("external_annotations") or [])
 
