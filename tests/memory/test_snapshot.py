@@ -53,3 +53,24 @@ def test_formats_gzip_legacy_and_missing_keys(tmp_path):
     assert s.trace == [] and s.segments[0]["stream"] == 0 and s.segments[0]["blocks"][0]["requested_size"] == MB
     with pytest.raises(ShardfitError, match="snapshot file not found"):
         load_snapshot(tmp_path / "missing.pickle")
+
+
+def test_oldest_layout_without_optional_keys_replays(tmp_path):
+    """PyTorch 2.4-era files: no time_us/stream/frames on events, no stream or expandable flag on segments, no
+    requested_size on blocks, no allocator_settings or annotations, and the events recorded for device 1."""
+    from shardfit.memory import examine
+
+    segs = [{"device": 1, "address": 0x2000000, "total_size": 8 * MB,
+             "blocks": [{"address": 0x2000000, "size": 2 * MB, "state": "active_allocated"},
+                        {"address": 0x2200000, "size": 6 * MB, "state": "inactive"}]}]
+    trace = [{"action": "alloc", "addr": 0x2000000, "size": 2 * MB},
+             {"action": "alloc", "addr": 0x2200000, "size": 6 * MB},
+             {"action": "free_requested", "addr": 0x2200000, "size": 6 * MB},
+             {"action": "free_completed", "addr": 0x2200000, "size": 6 * MB}]
+    path = tmp_path / "old_rank0.pickle"
+    path.write_bytes(pickle.dumps({"segments": segs, "device_traces": [[], trace]}, protocol=2))
+    (res,), findings = examine([str(path)])
+    r = res.replay
+    assert r.snapshot.device == 1 and len(r.snapshot.trace) == 4
+    assert r.peak.allocated == 8 * MB and r.peak.reserved == 8 * MB and r.end.allocated == 2 * MB
+    assert r.snapshot.trace[0]["stream"] == 0 and r.snapshot.trace[0]["frames"] == []
