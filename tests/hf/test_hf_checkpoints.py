@@ -180,3 +180,25 @@ def test_train_from_hf_dir_and_export(tmp_path):
     ids = torch.randint(0, 300, (1, 16))
     assert not torch.allclose(trained(ids).logits, hf(ids).logits)  # two optimizer steps moved the weights
     assert torch.isfinite(trained(ids).logits).all()
+
+
+def test_moe_auxiliary_loss_matches_transformers(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SIZES, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        output_router_logits=True, router_aux_loss_coef=0.02)).eval()
+    hf.save_pretrained(tmp_path / "moe")
+    cfg = load_config(None, [f"--model.path={tmp_path / 'moe'}", *ARGS])
+    assert cfg.model.router_aux_coef == 0.02
+    model = build_model(cfg.model)
+    load_hf_checkpoint(model, tmp_path / "moe")
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(2))
+    out = hf(ids, labels=ids)
+    assert out.aux_loss is not None and out.aux_loss > 0
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)  # transformers shifts inside
+    got = model(ids, labels) / (labels != -100).sum()
+    torch.testing.assert_close(got, out.loss.detach(), rtol=1e-5, atol=1e-6)
+    dense = build_model(load_config(None, [f"--model.path={tmp_path / 'moe'}", *ARGS,
+                                           "--model.router_aux_coef=0"]).model)
+    dense.load_state_dict(model.state_dict())
+    assert (model(ids, labels) - dense(ids, labels)).item() > 0  # the auxiliary term is really there

@@ -139,12 +139,17 @@ def _apply_preset(cfg: Config, explicit: set[str]) -> None:
             setattr(cfg.model, key, value)
 
 
+_TRAINING_CHOICES = {"router_aux_coef"}
+
+
 def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
     """model.path: the architecture comes from config.json; the tokenizer from the directory unless given."""
     from shardfit.models.families import read_hf_config
 
     family, fields = read_hf_config(cfg.model.path)
     for key, value in fields.items():
+        if key in _TRAINING_CHOICES and f"model.{key}" in explicit:
+            continue  # a training setting stored in config.json, not architecture: the command line wins
         if f"model.{key}" in explicit and getattr(cfg.model, key) != value:
             raise ShardfitError(f"model.{key}={getattr(cfg.model, key)} conflicts with {key}={value} in "
                                 f"{cfg.model.path}/config.json", where=f"model.{key}",

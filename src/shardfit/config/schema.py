@@ -42,6 +42,8 @@ class ModelConfig:
     experts_per_token: int = opt(0, "experts each token is routed to (top-k)", ge=0)
     moe_ffn_dim: int = opt(0, "inner size of each expert", ge=0)
     norm_topk_prob: bool = opt(True, "renormalise the top-k routing weights to sum to 1")
+    router_aux_coef: float = opt(0.0, "weight of the routers' load-balancing loss (router_aux_loss_coef, used when "
+                                      "output_router_logits is on); 0: none", ge=0)
     moe_every: int = opt(1, "every k-th layer is MoE (decoder_sparse_step)", gt=0)
     dense_layers: str = opt("", "comma-separated layer indices that stay dense (mlp_only_layers)")
 

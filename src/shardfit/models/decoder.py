@@ -18,7 +18,7 @@ from torch import nn
 from shardfit.config.schema import ModelConfig
 from shardfit.models.init import seeded_normal_
 from shardfit.models.loss import fused_linear_cross_entropy
-from shardfit.models.moe import MoE
+from shardfit.models.moe import MoE, router_aux_loss
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +128,8 @@ class DecoderBlock(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         if is_moe_layer(cfg, layer):
-            self.mlp = MoE(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.moe_ffn_dim, cfg.norm_topk_prob)
+            self.mlp = MoE(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.moe_ffn_dim, cfg.norm_topk_prob,
+                           track_router=cfg.router_aux_coef > 0)
         else:
             self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
@@ -182,8 +183,15 @@ class CausalLM(nn.Module):
         if labels is None:
             return self.lm_head(h)  # logits [B, S, V]
         # Sum over labels != -100; the trainer divides by the global token count once per step.
-        return fused_linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), self.loss_chunk,
+        loss = fused_linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), self.loss_chunk,
                                           impl=self.loss_impl)
+        if self.cfg.router_aux_coef > 0:
+            # MoE only. Weighted by this micro-batch's loss tokens, so that after the trainer's division by the
+            # global count it is the token-weighted mean of the micro-batches' auxiliary losses (for one
+            # micro-batch: cross-entropy mean + coef x aux, as transformers reports). A device tensor: no sync.
+            moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+            loss = loss + self.cfg.router_aux_coef * router_aux_loss(moe) * (labels != -100).sum()
+        return loss
 
     @torch.no_grad()
     def init_buffers(self) -> None:

@@ -40,16 +40,25 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, n_experts: int, top_k: int, ffn_dim: int, norm_topk_prob: bool):
+    def __init__(self, dim: int, n_experts: int, top_k: int, ffn_dim: int, norm_topk_prob: bool,
+                 track_router: bool = False):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(dim, n_experts, bias=False)  # the router
         self.experts = Experts(n_experts, dim, ffn_dim)
+        # With an auxiliary loss: (fraction of routing slots per expert [k, E], no grad; mean router probability
+        # per expert [E]) of the last forward. Recomputation under checkpointing overwrites them with equal values;
+        # the loss already holds the forward's tensors, whose backward runs inside this block's backward.
+        self.track_router = track_router
+        self.router_stats: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
         probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.track_router:
+            slots = F.one_hot(ids, probs.shape[-1]).float().mean(0)  # [k, E]
+            self.router_stats = (slots.detach(), probs.mean(0))
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(h.dtype), ids
@@ -65,3 +74,11 @@ class MoE(nn.Module):
         out = torch.empty_like(ys)
         out[order] = ys  # back to (token, slot) order
         return (out.view(-1, self.top_k, H) * weights[..., None]).sum(dim=1).view(B, S, H)
+
+
+def router_aux_loss(moe_layers: list[MoE]) -> torch.Tensor:
+    """The load-balancing loss of Switch Transformer as transformers computes it for Qwen3-MoE: over the routing
+    of every MoE layer taken together, E x sum_e (share of routing slots to e) x (mean probability of e)."""
+    slots = torch.stack([m.router_stats[0] for m in moe_layers]).mean(0)  # [k, E]
+    probs = torch.stack([m.router_stats[1] for m in moe_layers]).mean(0)  # [E]
+    return (slots * probs[None]).sum() * probs.shape[0]
