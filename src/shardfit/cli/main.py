@@ -24,28 +24,9 @@ def _train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(TRAIN_HELP + config_help())
         return 0
-    config_path, nproc, rest = None, 0, []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, value = arg.partition("=")
-        if name in ("--config", "--nproc"):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ShardfitError(f"{name} needs a value", where="command line", fix=f"write {name}=VALUE")
-                value = argv[i + 1]
-                i += 1
-            if name == "--config":
-                config_path = value
-            else:
-                try:
-                    nproc = int(value)
-                except ValueError:
-                    raise ShardfitError(f"'{value}' is not a number", where="--nproc",
-                                       fix="give a process count") from None
-        else:
-            rest.append(arg)
-        i += 1
+    opts, rest = _take_options(argv, ("--config", "--nproc"))
+    config_path = opts.get("--config")
+    nproc = _number(opts.get("--nproc", "0"), "--nproc", int)
 
     from shardfit.config import accumulation_steps, load_config
 
@@ -97,6 +78,63 @@ def _doctor(argv: list[str]) -> int:
     return 0
 
 
+PLAN_HELP = """\
+Predict a rank's peak GPU memory before launch and pick the largest micro-batch that fits.
+
+  shardfit plan [--config FILE.toml] [--section.key=value ...] --nproc N [--gpu-memory GIB]
+
+The same config keys as `shardfit train` (model, data.seq_len, parallel.*, memory.keep_grads). --nproc is the
+number of GPUs the model is sharded over; --gpu-memory the memory of one GPU in GiB (default: this machine's GPU,
+else 80). Predictions are for eager blocks (compiled ones use less).
+"""
+
+
+def _plan(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(PLAN_HELP)
+        return 0
+    opts, rest = _take_options(argv, ("--config", "--nproc", "--gpu-memory"))
+    from shardfit.config import load_config
+    from shardfit.memory.plan import plan_table
+
+    cfg = load_config(opts.get("--config"), rest)
+    world = _number(opts.get("--nproc", "1"), "--nproc", int)
+    gpu = opts.get("--gpu-memory")
+    if gpu is None:
+        import torch
+
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    else:
+        gpu_gib = _number(gpu, "--gpu-memory", float)
+    print(plan_table(cfg, world, gpu_gib))
+    return 0
+
+
+def _number(value: str, name: str, kind):
+    try:
+        return kind(value)
+    except ValueError:
+        raise ShardfitError(f"'{value}' is not a number", where=name, fix=f"give {name} a number") from None
+
+
+def _take_options(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """Pull `--name VALUE` / `--name=VALUE` for the given names out of argv; the rest are config overrides."""
+    opts, rest, i = {}, [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in names:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ShardfitError(f"{name} needs a value", where="command line", fix=f"write {name}=VALUE")
+                value = argv[i + 1]
+                i += 1
+            opts[name] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return opts, rest
+
+
 def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str]) -> int:
     """`--nproc N`: start N local processes through torchrun, the same launcher users run by hand."""
     from torch.distributed.run import main as torchrun_main
@@ -113,16 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardfit", description="FSDP2 LLM training that fits, runs fast, and "
                                      "explains its memory.")
     parser.add_argument("--version", action="version", version=f"shardfit {__version__}")
-    parser.add_argument("command", choices=["train", "doctor"], help="train: sharded training (shardfit train "
-                        "--help); doctor: explain CUDA memory snapshots (shardfit doctor --help)")
+    parser.add_argument("command", choices=["train", "doctor", "plan"], help="train: sharded training (shardfit "
+                        "train --help); doctor: explain CUDA memory snapshots (shardfit doctor --help); plan: predict "
+                        "peak memory and the largest micro-batch that fits (shardfit plan --help)")
     if not argv or argv[0] in ("-h", "--help", "--version"):
         parser.parse_args(argv or ["--help"])
         return 0
     command, rest = argv[0], argv[1:]
-    if command not in ("train", "doctor"):
+    if command not in ("train", "doctor", "plan"):
         parser.parse_args([command])  # prints the choices and exits 2
     try:
-        return _train(rest) if command == "train" else _doctor(rest)
+        return {"train": _train, "doctor": _doctor, "plan": _plan}[command](rest)
     except ShardfitError as e:
         print(f"shardfit: error: {e}", file=sys.stderr)
         return e.exit_code

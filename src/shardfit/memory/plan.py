@@ -1,0 +1,184 @@
+"""`shardfit plan`: predict a rank's peak allocated memory before launch, and pick the largest micro-batch that fits.
+
+No GPU and no weights are needed. Activation bytes are not guessed from formulas: one decoder block runs on the meta
+device (shapes only, no data, no compute) and every tensor autograd saves for backward is counted, by storage, with
+the selective-checkpointing policy applied to the same operations the training run uses. The rest is arithmetic:
+
+  states       fp32 parameters, Adam's two moments and (memory.keep_grads) the fp32 gradients, each 1/world
+  fsdp         bf16 unsharded parameters in flight: the root group (embedding, head, final norm) for the whole
+               forward and backward, plus two blocks (the one running and the one prefetched), plus one block's
+               fp32 reduce-scatter input in backward
+  activations  per block: none = everything saved; selective = the block input and the outputs of matmuls and
+               attention; full = the block input; times the number of blocks
+  working      the larger of: the fused loss (its saved gradients and one fp32 logits chunk), or one block's backward
+               (gradients of its input, output and MLP projections, plus its recomputed tensors under checkpointing)
+
+Attention is counted as the flash/cuDNN kernels store it (q, k, v, output and an fp32 log-sum-exp per head and
+token), not as the math fallback the meta device would pick. Compiled blocks save less than eager ones; the plan is
+for eager and so errs high for `parallel.compile=true`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardfit.config.schema import Config
+
+GiB = 1 << 30
+
+
+class _FlashCost(torch.autograd.Function):
+    """Shapes of a flash-style attention: saves q, k, v, out and a [B, H, S] fp32 log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, S, H, _ = q.shape
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_core(q, k, v):
+    return _FlashCost.apply(q, k, v)
+
+
+class _SavedOps(TorchDispatchMode):
+    """Output bytes of the operations selective checkpointing keeps (matmuls, attention)."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.nbytes = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops:
+            self.nbytes += sum(t.nbytes for t in (out if isinstance(out, (tuple, list)) else [out])
+                               if isinstance(t, torch.Tensor))
+        return out
+
+
+def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0) -> dict[str, int]:
+    """Bytes one block keeps for backward per checkpointing mode, for micro_batch sequences on one rank."""
+    from shardfit.models.decoder import DecoderBlock, is_moe_layer
+    from shardfit.parallel.parallelize import _SAVE_OPS
+
+    dtype = torch.bfloat16 if cfg.parallel.param_dtype in ("auto", "bfloat16") else torch.float32
+    S = cfg.data.seq_len // cfg.parallel.sequence_parallel  # Ulysses: each rank keeps S/P tokens
+    m = cfg.model
+    head_dim = m.head_dim or m.dim // m.n_heads
+    with torch.device("meta"):
+        block = DecoderBlock(m, layer).to(dtype)
+        x = torch.empty(micro_batch, S, m.dim, dtype=dtype, requires_grad=True)
+        cos = torch.empty(micro_batch, S, head_dim, dtype=dtype)
+        sin = torch.empty_like(cos)
+    block.self_attn.core = _flash_core
+    params = {p.untyped_storage()._cdata for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in params:
+            seen[st._cdata] = st.nbytes()
+        return t
+
+    saved_ops = _SavedOps(_SAVE_OPS | {torch.ops.aten.mm.default})
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), saved_ops:
+        block(x, cos, sin)
+    block_input = x.nbytes
+    # the attention kernel's outputs (out, log-sum-exp) are on the selective policy's keep list too
+    attention = micro_batch * S * m.n_heads * head_dim * x.element_size() + micro_batch * m.n_heads * S * 4
+    ffn = m.moe_ffn_dim * m.experts_per_token if is_moe_layer(m, layer) else m.ffn_dim
+    return {"none": sum(seen.values()), "selective": block_input + saved_ops.nbytes + attention, "full": block_input,
+            "block_input": block_input, "ffn_grads": 2 * micro_batch * S * ffn * x.element_size()}
+
+
+@dataclass
+class Estimate:
+    micro_batch: int
+    states: int
+    fsdp: int
+    activations: int
+    working: int
+
+    @property
+    def peak(self) -> int:
+        return self.states + self.fsdp + self.activations + self.working
+
+
+def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
+    from shardfit.models import build_model
+    from shardfit.models.decoder import is_moe_layer
+
+    m = cfg.model
+    with torch.device("meta"):
+        model = build_model(m)
+    n_params = sum(p.numel() for p in model.parameters())
+    block_params = [sum(p.numel() for p in b.parameters()) for b in model.model.layers]
+    root_params = n_params - sum(block_params)
+    per_param = 4 + 8 + (4 if cfg.memory.keep_grads else 0)  # fp32 weights, Adam moments, kept fp32 gradients
+    states = n_params * per_param // world
+    big_block = max(block_params)
+    fsdp = 2 * (root_params + 2 * big_block) + 4 * big_block  # bf16 gathered params, one fp32 reduce-scatter input
+    mode = cfg.parallel.activation_checkpoint
+    kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
+    per_block = {k: block_activation_bytes(cfg, micro_batch, layer=next(
+        i for i in range(m.n_layers) if is_moe_layer(m, i) == k)) for k in kinds}
+    acts = 0
+    for i in range(m.n_layers):
+        b = per_block[is_moe_layer(m, i)]
+        checkpointed = mode == "selective" or (mode == "full" and i % cfg.parallel.ac_every == 0)
+        acts += b[mode] if checkpointed else b["none"]
+    tokens = micro_batch * cfg.data.seq_len // cfg.parallel.sequence_parallel
+    loss = tokens * m.dim * 2 + m.vocab_size * m.dim * 2 + cfg.parallel.loss_chunk * m.vocab_size * 10
+    worst = max(per_block.values(), key=lambda b: b["none"])
+    # backward of one block: gradients of its input and output, of the gate and up projections' outputs, and
+    # under checkpointing the block's recomputed tensors on top
+    backward = 2 * worst["block_input"] + worst["ffn_grads"] + (worst["none"] if mode != "none" else 0)
+    return Estimate(micro_batch, states, fsdp, acts, max(loss, backward))
+
+
+def largest_micro_batch(cfg: Config, world: int, budget_bytes: float, limit: int = 64) -> Estimate | None:
+    """The largest micro-batch (1, 2, 3, ...) whose predicted peak fits the budget; None if even 1 does not."""
+    best = None
+    for mb in range(1, limit + 1):
+        e = estimate(cfg, world, mb)
+        if e.peak > budget_bytes:
+            break
+        best = e
+    return best
+
+
+def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
+    """The report of `shardfit plan`: the configured micro-batch's peak, then the largest micro-batch per mode."""
+    import dataclasses
+
+    budget = (0.95 * gpu_gib - 0.5) * GiB  # reserved runs ~1.04x allocated with expandable segments; CUDA context
+    m = cfg.model
+    lines = [f"shardfit plan: {m.name}, {world} GPU(s) of {gpu_gib:.0f} GiB, seq {cfg.data.seq_len}"
+             + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
+             + f", keep_grads={str(cfg.memory.keep_grads).lower()}; budget for allocated memory {budget / GiB:.1f} GiB",
+             "", f"{'checkpointing':13} {'micro-batch':>11} {'peak GiB':>9} {'states':>7} {'fsdp':>6} "
+             f"{'activations':>11} {'working':>8}"]
+
+    def row(mode: str, e: Estimate | None, note: str = "") -> str:
+        if e is None:
+            return f"{mode:13} {'-':>11} {'does not fit even at micro-batch 1':>45}"
+        return (f"{mode:13} {e.micro_batch:>11} {e.peak / GiB:>9.1f} {e.states / GiB:>7.1f} {e.fsdp / GiB:>6.1f} "
+                f"{e.activations / GiB:>11.1f} {e.working / GiB:>8.1f}{note}")
+
+    mine = estimate(cfg, world, cfg.train.micro_batch)
+    fits = "fits" if mine.peak <= budget else "DOES NOT FIT"
+    lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {fits}"))
+    for mode in ("none", "selective", "full"):
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpoint=mode))
+        lines.append(row(mode, largest_micro_batch(c, world, budget), "  (largest that fits)"))
+    return "\n".join(lines)
