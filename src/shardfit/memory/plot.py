@@ -47,10 +47,10 @@ def render_png(results: list[RankResult], findings: list[Finding]) -> bytes:
                     label="reserved")
             peak_t = (r.times[r.peak_index] - t0) / 1e6
             ax.axvline(peak_t, color="red", ls="--", lw=1)
-            right_half = peak_t > (xs[-1] + xs[0]) / 2  # keep the label inside the axes
-            ax.annotate(f"peak {r.peak.allocated / GiB:.2f} GiB allocated, {r.peak.reserved / GiB:.2f} reserved",
-                        (peak_t, r.peak.allocated / GiB), xytext=(-5 if right_half else 5, 5),
-                        textcoords="offset points", fontsize=8, color="red", ha="right" if right_half else "left")
+            ax.set_ylim(0, max(r.reserved) / GiB * 1.35)  # headroom above the lines for the legend
+            ax.text(0.995, 0.97, f"peak (red line): {r.peak.allocated / GiB:.2f} GiB allocated, "
+                    f"{r.peak.reserved / GiB:.2f} GiB reserved", transform=ax.transAxes, ha="right", va="top",
+                    fontsize=8, color="red")
             for ev, _lay in r.ooms:
                 ax.axvline((ev.get("time_us", t0) - t0) / 1e6, color="darkred", lw=2)
             ax.set_xlabel("seconds since recording began")
@@ -72,9 +72,10 @@ def render_png(results: list[RankResult], findings: list[Finding]) -> bytes:
                 bottom = [b + v for b, v in zip(bottom, vals)]
         ax.scatter(ranks, [x.replay.peak_reserved / GiB for x in results], color="black", marker="_", s=900,
                    label="peak reserved", zorder=3)
+        ax.set_ylim(0, max(x.replay.peak_reserved for x in results) / GiB * 1.35)  # room for the legend
         ax.set_ylabel("GiB at each rank's peak")
         ax.set_title("per-rank peak: allocated by category, and reserved", fontsize=10, loc="left")
-        ax.legend(fontsize=7, ncol=4)
+        ax.legend(fontsize=7, ncol=4, loc="upper left")
     fig.suptitle("shardfit doctor: " + verdict(findings), fontsize=11, x=0.01, ha="left")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
