@@ -87,6 +87,19 @@ class EventTrace:
             ev.get("time_us", 0)) is int and type(ev.get("frames", [])) is list
 
 
+def _long(b: bytes) -> int:
+    return int.from_bytes(b, "little", signed=True)
+
+
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", "surrogatepass")
+
+
+# opcode -> (format of its length, the length's width, how to turn the bytes into the value)
+_SIZED = {0x8A: ("<B", 1, _long), 0x8B: ("<i", 4, _long), 0x8C: ("<B", 1, _text), 0x58: ("<I", 4, _text),
+          0x8D: ("<Q", 8, _text), 0x43: ("<B", 1, bytes), 0x42: ("<I", 4, bytes)}
+
+
 class _Mark:
     pass
 
@@ -169,14 +182,6 @@ def load_plain(data: bytes):
         elif op == 0x4A:  # BININT
             push(unpack_from("<i", data, pos)[0])
             pos += 4
-        elif op == 0x8A:  # LONG1
-            k = data[pos]
-            push(int.from_bytes(data[pos + 1:pos + 1 + k], "little", signed=True))
-            pos += 1 + k
-        elif op == 0x8B:  # LONG4
-            k = unpack_from("<i", data, pos)[0]
-            push(int.from_bytes(data[pos + 4:pos + 4 + k], "little", signed=True))
-            pos += 4 + k
         elif op == 0x5D:  # EMPTY_LIST
             push([])
         elif op == 0x65:  # APPENDS
@@ -188,26 +193,11 @@ def load_plain(data: bytes):
         elif op == 0x73:  # SETITEM
             v, k = pop(), pop()
             stack[-1][k] = v
-        elif op == 0x8C:  # SHORT_BINUNICODE
-            k = data[pos]
-            push(data[pos + 1:pos + 1 + k].decode("utf-8", "surrogatepass"))
-            pos += 1 + k
-        elif op == 0x58:  # BINUNICODE
-            k = unpack_from("<I", data, pos)[0]
-            push(data[pos + 4:pos + 4 + k].decode("utf-8", "surrogatepass"))
-            pos += 4 + k
-        elif op == 0x8D:  # BINUNICODE8
-            k = unpack_from("<Q", data, pos)[0]
-            push(data[pos + 8:pos + 8 + k].decode("utf-8", "surrogatepass"))
-            pos += 8 + k
-        elif op == 0x43:  # SHORT_BINBYTES
-            k = data[pos]
-            push(bytes(data[pos + 1:pos + 1 + k]))
-            pos += 1 + k
-        elif op == 0x42:  # BINBYTES
-            k = unpack_from("<I", data, pos)[0]
-            push(bytes(data[pos + 4:pos + 4 + k]))
-            pos += 4 + k
+        elif op in _SIZED:  # a length, then that many bytes: LONG1/4, (SHORT_)BINUNICODE(8), (SHORT_)BINBYTES
+            fmt, width, convert = _SIZED[op]
+            k = unpack_from(fmt, data, pos)[0]
+            push(convert(data[pos + width:pos + width + k]))
+            pos += width + k
         elif op == 0x71:  # BINPUT
             memoize(data[pos])
             pos += 1
