@@ -35,7 +35,12 @@ def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | No
 
 
 def flops_per_token(model_cfg, n_params: int, seq_len: int) -> float:
-    embedding = model_cfg.vocab_size * model_cfg.dim
+    """The anchors' (torchtitan's) formula: 6 x non-embedding parameters + 12 x layers x hidden x sequence.
+
+    The input embedding is a lookup and costs no FLOPs; the output head is a matmul. A tied model counts the shared
+    weight once in n_params, so only an untied model subtracts the embedding: tied and untied models of one shape
+    then report the same FLOPs per token, as they do the same work."""
+    embedding = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.dim
     return 6 * (n_params - embedding) + 12 * model_cfg.n_layers * model_cfg.dim * seq_len
 
 
