@@ -189,6 +189,7 @@ class CausalLM(nn.Module):
             # MoE only. Weighted by this micro-batch's loss tokens, so that after the trainer's division by the
             # global count it is the token-weighted mean of the micro-batches' auxiliary losses (for one
             # micro-batch: cross-entropy mean + coef x aux, as transformers reports). A device tensor: no sync.
+            # It is a statistic of the tokens this rank routes (under sequence parallelism: its slice).
             moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
             loss = loss + self.cfg.router_aux_coef * router_aux_loss(moe) * (labels != -100).sum()
         return loss
