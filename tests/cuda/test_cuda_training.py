@@ -110,3 +110,15 @@ def test_liger_loss_kernel_matches_the_torch_fallback():
     torch.testing.assert_close(out["liger"][0], out["torch"][0], rtol=2e-3, atol=1e-2)
     for a, b in zip(out["liger"][1:], out["torch"][1:]):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=2e-3)
+
+
+def test_auto_micro_batch_on_cuda_picks_a_fitting_divisor(tmp_path):
+    from shardfit.parallel import shutdown_distributed
+
+    try:
+        # a small model: the whole per-rank batch fits, so no accumulation; 0.001 of the GPU: only micro-batch 1 might
+        t = Trainer(small_config("--train.device=cuda", "--train.micro_batch=0", run_dir=str(tmp_path / "a")))
+        assert t.cfg.train.micro_batch == 8 and t.accum == 1
+        assert any(n.startswith("train.micro_batch=0: chose 8") for n in t.notices)
+    finally:
+        shutdown_distributed()

@@ -49,3 +49,29 @@ def test_plan_command_prints_the_table():
     lines = p.stdout.splitlines()
     assert any(line.startswith("none") and "as configured: fits" in line for line in lines)
     assert {line.split()[0] for line in lines if "largest that fits" in line} == {"none", "selective", "full"}
+
+
+def test_auto_micro_batch_is_the_largest_divisor_that_fits():
+    from shardfit.memory.plan import choose_micro_batch
+
+    cfg = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=0"])
+    budget = 100 * GiB
+    e = choose_micro_batch(cfg, 2, budget, per_rank=8)
+    assert e.peak <= budget
+    bigger = [d for d in (2, 4, 8) if d > e.micro_batch]
+    assert bigger and estimate(cfg, 2, bigger[0]).peak > budget
+
+
+def _auto_trainer(rank, world, run_dir):
+    from shardfit.train import Trainer
+    from tests.helpers import small_config
+
+    t = Trainer(small_config("--train.micro_batch=0", run_dir=run_dir))
+    return {"mb": t.cfg.train.micro_batch, "accum": t.accum, "saved": "micro_batch = 4" in t.config_toml}
+
+
+def test_auto_micro_batch_on_cpu_means_no_accumulation(tmp_path):
+    from tests._dist import run_ranks
+
+    for r in run_ranks(_auto_trainer, 2, str(tmp_path)):
+        assert r == {"mb": 4, "accum": 1, "saved": True}  # global batch 8 over 2 ranks

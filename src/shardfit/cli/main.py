@@ -37,7 +37,7 @@ def _train(argv: list[str]) -> int:
         # Checked before starting processes: the sequence-parallel split, then the batch over data-parallel ranks.
         sp = cfg.parallel.sequence_parallel
         check_sequence_parallel(sp, nproc, cfg.data.seq_len, cfg.model.n_heads)
-        accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, nproc // sp)
+        accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch or 1, nproc // sp)  # 0: chosen later
         return _launch_torchrun(nproc, config_path, rest)
 
     from shardfit.parallel import shutdown_distributed

@@ -192,7 +192,7 @@ def validate(cfg: Config) -> None:
         raise ShardfitError(f"seq_len={cfg.data.seq_len} is longer than the model's sliding window "
                             f"{m.sliding_window}, which shardfit does not implement", where="data.seq_len",
                             fix=f"use data.seq_len <= {m.sliding_window}")
-    if cfg.train.global_batch % cfg.train.micro_batch:
+    if cfg.train.micro_batch and cfg.train.global_batch % cfg.train.micro_batch:
         raise ShardfitError(f"global_batch={cfg.train.global_batch} is not a multiple of micro_batch="
                             f"{cfg.train.micro_batch}", where="train.global_batch",
                             fix="make global_batch = micro_batch x world size x accumulation steps")

@@ -66,7 +66,9 @@ class DataConfig:
 class TrainConfig:
     steps: int = opt(150, "optimizer steps", gt=0)
     global_batch: int = opt(16, "sequences per optimizer step, over all ranks and micro-batches", gt=0)
-    micro_batch: int = opt(8, "sequences per rank per forward/backward", gt=0)
+    micro_batch: int = opt(8, "sequences per rank per forward/backward; 0: on CUDA the largest that divides the "
+                              "per-rank batch and fits the GPU by shardfit plan's estimate (no accumulation on CPU)",
+                           ge=0)
     lr: float = opt(3e-3, "peak learning rate", gt=0)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)", ge=0)
     warmup_steps: int = opt(15, "linear warm-up steps", ge=0)

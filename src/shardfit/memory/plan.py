@@ -157,11 +157,30 @@ def largest_micro_batch(cfg: Config, world: int, budget_bytes: float, limit: int
     return best
 
 
+def allocation_budget(device_bytes: float) -> float:
+    """Bytes a rank may allocate on a GPU of device_bytes: reserved memory runs ~1.04x allocated with expandable
+    segments, and the CUDA context takes ~0.5 GiB."""
+    return 0.95 * device_bytes - 0.5 * GiB
+
+
+def choose_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: int) -> Estimate:
+    """The largest divisor of the per-rank batch whose predicted peak fits (train.micro_batch=0)."""
+    from shardfit.errors import ShardfitError
+
+    for mb in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
+        e = estimate(cfg, world, mb)
+        if e.peak <= budget_bytes:
+            return e
+    raise ShardfitError(f"even micro-batch 1 is predicted to need {e.peak / GiB:.1f} GiB per GPU, more than the "
+                        f"{budget_bytes / GiB:.1f} GiB budget", where="train.micro_batch=0",
+                        fix="set parallel.activation_checkpoint=selective or full, shorten data.seq_len, or add GPUs")
+
+
 def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
     """The report of `shardfit plan`: the configured micro-batch's peak, then the largest micro-batch per mode."""
     import dataclasses
 
-    budget = (0.95 * gpu_gib - 0.5) * GiB  # reserved runs ~1.04x allocated with expandable segments; CUDA context
+    budget = allocation_budget(gpu_gib * GiB)
     m = cfg.model
     lines = [f"shardfit plan: {m.name}, {world} GPU(s) of {gpu_gib:.0f} GiB, seq {cfg.data.seq_len}"
              + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
@@ -175,7 +194,7 @@ def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
         return (f"{mode:13} {e.micro_batch:>11} {e.peak / GiB:>9.1f} {e.states / GiB:>7.1f} {e.fsdp / GiB:>6.1f} "
                 f"{e.activations / GiB:>11.1f} {e.working / GiB:>8.1f}{note}")
 
-    mine = estimate(cfg, world, cfg.train.micro_batch)
+    mine = estimate(cfg, world, cfg.train.micro_batch or 1)
     fits = "fits" if mine.peak <= budget else "DOES NOT FIT"
     lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {fits}"))
     for mode in ("none", "selective", "full"):

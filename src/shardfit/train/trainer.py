@@ -124,12 +124,14 @@ class Trainer:
         check_sequence_parallel(self.sp, self.dist.world_size, cfg.data.seq_len, cfg.model.n_heads)
         self.dp_rank, self.sp_rank = divmod(self.dist.rank, self.sp)
         self.dp_size = self.dist.world_size // self.sp
+        self.notices: list[str] = []  # printed by rank 0 when fit() starts
+        if cfg.train.micro_batch == 0:
+            self._choose_micro_batch()
         self.accum = accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, self.dp_size)
 
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
         model.loss_impl = choose_loss_kernel(cfg.parallel.kernels, self.device)
-        self.notices: list[str] = []  # printed by rank 0 when fit() starts
         if self.device.type == "cuda" and cfg.parallel.numa_bind:
             from shardfit.parallel.affinity import bind_to_numa_node, gpu_pci_bus_id
 
@@ -381,6 +383,25 @@ class Trainer:
         for warning in monitor.update(mem):
             progress.message(warning)
         reset_peaks(self.device)
+
+    def _choose_micro_batch(self) -> None:
+        """train.micro_batch=0: the largest micro-batch dividing this rank's batch that shardfit plan predicts to fit
+        (every rank computes the same, from the config alone: no collective). Saved in the resolved config."""
+        from shardfit.memory.plan import GiB, allocation_budget, choose_micro_batch
+
+        cfg = self.cfg
+        per_rank = accumulation_steps(cfg.train.global_batch, 1, self.dp_size)  # sequences per rank per step
+        if self.device.type != "cuda":
+            cfg.train.micro_batch = per_rank
+            self.notices.append(f"train.micro_batch=0 on the CPU: {per_rank} (no accumulation)")
+        else:
+            total = torch.cuda.get_device_properties(self.device).total_memory * (cfg.memory.max_fraction or 1.0)
+            budget = allocation_budget(total)
+            e = choose_micro_batch(cfg, self.dist.world_size, budget, per_rank)
+            cfg.train.micro_batch = e.micro_batch
+            self.notices.append(f"train.micro_batch=0: chose {e.micro_batch}, predicted peak {e.peak / GiB:.1f} GiB "
+                                f"of a {budget / GiB:.1f} GiB budget per GPU (shardfit plan; eager estimate)")
+        self.config_toml = config_to_toml(cfg)
 
     def _load_report(self, path: str, seconds: float) -> str:
         """One all-gather (every rank, right after loading): load time, device memory and peak host RSS per rank."""
