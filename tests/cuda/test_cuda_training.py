@@ -116,7 +116,7 @@ def test_auto_micro_batch_on_cuda_picks_a_fitting_divisor(tmp_path):
     from shardfit.parallel import shutdown_distributed
 
     try:
-        # a small model: the whole per-rank batch fits, so no accumulation; 0.001 of the GPU: only micro-batch 1 might
+        # a small model: the whole per-rank batch (global 8 on one rank) fits, so no accumulation
         t = Trainer(small_config("--train.device=cuda", "--train.micro_batch=0", run_dir=str(tmp_path / "a")))
         assert t.cfg.train.micro_batch == 8 and t.accum == 1
         assert any(n.startswith("train.micro_batch=0: chose 8") for n in t.notices)
