@@ -75,3 +75,11 @@ def test_auto_micro_batch_on_cpu_means_no_accumulation(tmp_path):
 
     for r in run_ranks(_auto_trainer, 2, str(tmp_path)):
         assert r == {"mb": 4, "accum": 1, "saved": True}  # global batch 8 over 2 ranks
+
+
+def test_moe_models_plan_on_meta_and_activations_scale_with_tokens():
+    cfg = load_config(None, ["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_dim=64",
+                             "--model.router_aux_coef=0.01", "--data.seq_len=128"])
+    one, two = estimate(cfg, 2, 1), estimate(cfg, 2, 2)
+    assert one.activations > 0 and abs(two.activations / one.activations - 2) < 0.01
+    assert two.states == one.states and two.fsdp == one.fsdp
