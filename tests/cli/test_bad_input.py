@@ -29,7 +29,7 @@ def _setup(case, tmp_path):
     if case == "wrong type":
         return ["train", "--train.lr=fast"], "train.lr: 'fast' is not a valid float"
     if case == "out of range":
-        return ["train", "--train.micro_batch=0"], "train.micro_batch: 0 is out of range"
+        return ["train", "--train.micro_batch=-1"], "train.micro_batch: -1 is out of range"
     if case == "missing model dir":
         return ["train", f"--model.path={tmp_path}/nope"], f"{tmp_path}/nope: model directory not found"
     if case == "unreadable model dir":
