@@ -110,7 +110,7 @@ def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0) -> dic
             seen[st._cdata] = st.nbytes()
         return t
 
-    saved_ops = _SavedOps(_SAVE_OPS | {torch.ops.aten.mm.default})
+    saved_ops = _SavedOps(_SAVE_OPS)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), saved_ops:
         block(x, cos, sin)
     block_input = x.nbytes
