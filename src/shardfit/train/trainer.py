@@ -117,6 +117,14 @@ class Trainer:
         # The watchdog starts now: loading a checkpoint issues collectives too.
         self.watchdog = Watchdog(cfg.train.watchdog_s, self.dist.rank, self.run_dir)
         self.watchdog.beat("start-up (data, model, checkpoint)")
+        try:
+            self._set_up(cfg)
+        except BaseException:
+            self.watchdog.stop()  # a failed start-up leaves no thread behind
+            raise
+
+    def _set_up(self, cfg: Config) -> None:
+        """Data, sequence-parallel layout, model (sharded, initialised or loaded), optimizer, checkpoint resume."""
         self.dataset, self.tokenizer = build_dataset(cfg.data, cfg.model.vocab_size)
         # Ulysses: ranks r with the same r // sp share every sample and take S/sp of its tokens each; the batch is
         # split over the world // sp data-parallel ranks.

@@ -11,6 +11,7 @@ at about the same moment) dump theirs before this rank's exit breaks their conne
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import sys
@@ -33,13 +34,18 @@ class Watchdog:
         if timeout_s > 0:
             self._thread = threading.Thread(target=self._watch, name="shardfit-watchdog", daemon=True)
             self._thread.start()
+            atexit.register(self.stop)  # also when the owner never calls stop() (see stop)
 
     def beat(self, where: str) -> None:
         self.where = where
         self.last = time.monotonic()
 
     def stop(self) -> None:
+        """End the thread and wait for it: a daemon thread still running at interpreter exit is ended by
+        pthread_exit, which some CPython builds (Debian's 3.11) turn into a C++ 'terminate called' abort."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):
