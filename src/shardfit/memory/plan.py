@@ -54,19 +54,13 @@ def _flash_core(q, k, v):
 def _moe_meta_forward(moe, x: torch.Tensor) -> torch.Tensor:
     """The MoE layer's graph with routing spread evenly over the experts: the meta device cannot count tokens per
     expert (bincount is data-dependent), and the bytes saved depend on the total, not on the split."""
-    import torch.nn.functional as F
-
-    B, S, H = x.shape
-    h = x.reshape(-1, H)  # [T, H]
+    h = x.reshape(-1, x.shape[-1])  # [T, H]
     weights, _ = moe.route(h)
-    E, k = moe.experts.gate_proj.shape[0], moe.top_k
-    xs = h.repeat_interleave(k, 0)  # [T*k, H]: the gathered rows, as h[order // k] makes them
+    E = moe.experts.gate_proj.shape[0]
+    xs = h.repeat_interleave(moe.top_k, 0)  # [T*k, H]: the gathered rows, as h[order // k] makes them
     n = xs.shape[0]
-    outs = []
-    for e, part in enumerate(xs.split([n // E + (i < n % E) for i in range(E)])):
-        g = F.silu(F.linear(part, moe.experts.gate_proj[e])) * F.linear(part, moe.experts.up_proj[e])
-        outs.append(F.linear(g, moe.experts.down_proj[e]))
-    return (torch.cat(outs).view(-1, k, H) * weights[..., None]).sum(dim=1).view(B, S, H)
+    ys = moe.experts.run_split(xs, [n // E + (i < n % E) for i in range(E)])
+    return moe.combine(ys, weights, x.shape)
 
 
 class _SavedOps(TorchDispatchMode):
@@ -99,7 +93,7 @@ def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0) -> dic
         cos = torch.empty(micro_batch, S, head_dim, dtype=dtype)
         sin = torch.empty_like(cos)
     block.self_attn.core = _flash_core
-    if hasattr(block.mlp, "experts"):
+    if is_moe_layer(m, layer):
         block.mlp.forward = lambda h, _moe=block.mlp: _moe_meta_forward(_moe, h)
     params = {p.untyped_storage()._cdata for p in block.parameters()}
     seen: dict[int, int] = {}

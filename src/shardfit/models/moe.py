@@ -32,8 +32,12 @@ class Experts(nn.Module):
             g = torch._grouped_mm(xs, self.gate_proj.transpose(-2, -1), offs=offs)
             u = torch._grouped_mm(xs, self.up_proj.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(F.silu(g) * u, self.down_proj.transpose(-2, -1), offs=offs)
+        return self.run_split(xs, counts.tolist())
+
+    def run_split(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Every expert, every call, on its `sizes[e]` rows of xs (the path off CUDA/bf16, and shardfit plan's)."""
         outs = []
-        for e, part in enumerate(xs.split(counts.tolist())):  # every expert, every call
+        for e, part in enumerate(xs.split(sizes)):
             h = F.silu(F.linear(part, self.gate_proj[e])) * F.linear(part, self.up_proj[e])
             outs.append(F.linear(h, self.down_proj[e]))
         return torch.cat(outs)
@@ -64,8 +68,7 @@ class MoE(nn.Module):
         return weights.to(h.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, H = x.shape
-        h = x.reshape(-1, H)  # [T, H]
+        h = x.reshape(-1, x.shape[-1])  # [T, H]
         weights, ids = self.route(h)
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -73,7 +76,11 @@ class MoE(nn.Module):
         ys = self.experts(h[order // self.top_k], counts)  # [T*k, H]
         out = torch.empty_like(ys)
         out[order] = ys  # back to (token, slot) order
-        return (out.view(-1, self.top_k, H) * weights[..., None]).sum(dim=1).view(B, S, H)
+        return self.combine(out, weights, x.shape)
+
+    def combine(self, ys: torch.Tensor, weights: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """ys [T*k, H] in (token, slot) order, weights [T, k] -> the routing-weighted sum per token, in `shape`."""
+        return (ys.view(-1, self.top_k, shape[-1]) * weights[..., None]).sum(dim=1).view(shape)
 
 
 def router_aux_loss(moe_layers: list[MoE]) -> torch.Tensor:
