@@ -114,9 +114,13 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def dense_layer_ids(cfg: ModelConfig) -> list[int]:
+    """model.dense_layers ("1,5") as layer indices: the layers of an MoE model that keep a dense MLP."""
+    return [int(x) for x in cfg.dense_layers.split(",") if x.strip()]
+
+
 def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
-    dense = {int(x) for x in cfg.dense_layers.split(",") if x.strip()}
-    return cfg.n_experts > 0 and i not in dense and (i + 1) % cfg.moe_every == 0
+    return cfg.n_experts > 0 and i not in dense_layer_ids(cfg) and (i + 1) % cfg.moe_every == 0
 
 
 class DecoderBlock(nn.Module):

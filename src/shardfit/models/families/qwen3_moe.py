@@ -1,6 +1,7 @@
 """Qwen3-MoE: Qwen3 attention, top-k routed experts (per-expert tensors in the checkpoint, stacked in the model)."""
 
 from shardfit.errors import ShardfitError
+from shardfit.models.decoder import dense_layer_ids
 from shardfit.models.families import Family
 from shardfit.models.families.qwen3 import FAMILY as QWEN3
 
@@ -23,7 +24,7 @@ def _to_hf(m) -> dict:
             "moe_intermediate_size": m.moe_ffn_dim, "norm_topk_prob": m.norm_topk_prob,
             "decoder_sparse_step": m.moe_every, "output_router_logits": m.router_aux_coef > 0,
             "router_aux_loss_coef": m.router_aux_coef or 0.001,
-            "mlp_only_layers": [int(x) for x in m.dense_layers.split(",") if x.strip()]}
+            "mlp_only_layers": dense_layer_ids(m)}
 
 
 FAMILY = Family("qwen3_moe", "Qwen3MoeForCausalLM", _from_hf, _to_hf)
