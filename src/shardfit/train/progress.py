@@ -62,7 +62,8 @@ class Progress:
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
-    def eta(self, step: int) -> float:
+    def eta(self, step: float) -> float:
+        """Seconds left once `step` steps are done (a fraction counts the micro-batches of the current step)."""
         done = step - self.start
         return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else 0.0
 
@@ -70,9 +71,7 @@ class Progress:
         """Debug level: a line before each micro-batch of `step` (1-based), `done` of `count` finished."""
         if not (self.enabled and self.debug):
             return
-        finished = step - 1 - self.start + done / count  # fractional steps done in this run
-        left = self.total - step + 1 - done / count
-        eta = (time.perf_counter() - self.t0) / finished * left if finished > 0 else 0.0
+        eta = self.eta(step - 1 + done / count)
         self.message(f"debug: step {step}/{self.total} micro-batch {done + 1}/{count} | eta {_fmt_eta(eta)}")
 
     def advance(self, step: int) -> None:
