@@ -192,10 +192,8 @@ def validate(cfg: Config) -> None:
         raise ShardfitError(f"seq_len={cfg.data.seq_len} is longer than the model's sliding window "
                             f"{m.sliding_window}, which shardfit does not implement", where="data.seq_len",
                             fix=f"use data.seq_len <= {m.sliding_window}")
-    if cfg.train.micro_batch and cfg.train.global_batch % cfg.train.micro_batch:
-        raise ShardfitError(f"global_batch={cfg.train.global_batch} is not a multiple of micro_batch="
-                            f"{cfg.train.micro_batch}", where="train.global_batch",
-                            fix="make global_batch = micro_batch x world size x accumulation steps")
+    if cfg.train.micro_batch:  # the world size is known at launch, where the same check runs with it
+        accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, 1)
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world: int) -> int:
