@@ -147,7 +147,7 @@ def resolve_resume(spec: str, root: Path, skipped: list[str] | None = None, at_m
     return path
 
 
-def agree_on_resume(spec: str, root: Path, notices: list[str]) -> Path | None:
+def agree_on_resume(spec: str, root: Path, notices: list[str], device: torch.device) -> Path | None:
     """resolve_resume on every rank, then one all-gather of the chosen steps so that all ranks load the same one.
 
     Ranks can see different checkpoints (a corrupt file only one node reads, a directory not on a shared
@@ -165,7 +165,6 @@ def agree_on_resume(spec: str, root: Path, notices: list[str]) -> Path | None:
         if error:
             raise error
         return path
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     # -2: this rank could not use the checkpoint it was given; -1: none found; else the step (0 for an explicit path)
     code = -2 if error else (-1 if path is None else (step_of(path) if spec == "auto" else 0))
     steps = all_gather_rows(torch.tensor([code], dtype=torch.int64, device=device))[:, 0].tolist()

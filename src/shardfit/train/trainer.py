@@ -144,7 +144,7 @@ class Trainer:
             from shardfit.parallel.affinity import bind_to_numa_node, gpu_pci_bus_id
 
             self.notices.append(f"rank {self.dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
-        resume = agree_on_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices)
+        resume = agree_on_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices, self.device)
         from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
         self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed,
                                  init=not from_hf)
