@@ -98,7 +98,7 @@ def load(path: Path) -> None:
     dist.barrier()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    read = load_hf_checkpoint(model, path)
+    res = load_hf_checkpoint(model, path)
     torch.cuda.synchronize()
     dist.barrier()
     dt = time.perf_counter() - t0
@@ -115,8 +115,8 @@ def load(path: Path) -> None:
         else:
             want = pattern((row0 + local.shape[0], *local.shape[1:]))[row0:].to(local.device)
         ok &= bool(torch.equal(local, want))
-    stats = torch.tensor([read, torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, ok],
-                         dtype=torch.float64, device=info.device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    stats = torch.tensor([res.bytes, torch.cuda.memory_allocated(), rss, ok], dtype=torch.float64, device=info.device)
     rows = [torch.zeros_like(stats) for _ in range(info.world_size)]
     dist.all_gather(rows, stats)
     if info.rank == 0:
@@ -128,6 +128,8 @@ def load(path: Path) -> None:
                           "imbalance": round(max(alloc) / min(alloc) - 1, 4),
                           "values_correct": all(r[3].item() == 1 for r in rows),
                           "peak_host_rss_GiB_per_rank": [round(r[2].item() / 2**20, 1) for r in rows],
+                          "rank0": {"tensors": res.tensors, "reads": res.reads, "threads": res.threads,
+                                    "plan_s": round(res.plan_s, 3), "read_s": round(res.read_s, 3)},
                           "torch": torch.__version__}), flush=True)
     dist.destroy_process_group()
 

@@ -29,6 +29,7 @@ LLAMA8B_4K = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=14
 COMPILED = [*LLAMA8B_4K, "--parallel.compile=true"]
 # The levers, best, long and single suites were measured before memory.keep_grads existed (gradients were freed
 # between steps); FREED reproduces that. At the edge of memory (mbs 4, seq 262,144) kept gradients cause retries.
+# FREED goes first, so that a case's own --memory.keep_grads wins.
 FREED = ["--memory.keep_grads=false"]
 LIGER_ANCHOR = ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger", "--ac", "none"]
 SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
@@ -79,6 +80,24 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                    "--parallel.activation_checkpoint=selective"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
+    # session 3's levers, each from "compile mbs4" (NOTES.md has the predictions); the first two are profiled
+    "levers3": [
+        ("shardfit", "compile mbs4 eager-loss", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                                 "--parallel.compile_loss=false", "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                      "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4 loss-chunk 4096", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                                      "--parallel.loss_chunk=4096"]),
+        ("shardfit", "compile mbs4 prefetch 2", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                                 "--parallel.prefetch=2"]),
+        ("shardfit", "compile mbs4 cudnn", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                            "--parallel.attention=cudnn", "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs6 selective-AC", [*COMPILED, "--train.micro_batch=6", "--train.global_batch={6n}",
+                                                   "--parallel.activation_checkpoint=selective"]),
+        ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
+        ("shardfit", "compile mbs4 keep-grads", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                                 "--memory.keep_grads=true"]),
+    ],
     # capacity: one 262,144-token sequence split over 2 ranks (Ulysses), full checkpointing, 2 steps (the second
     # is measured); the data file must hold more than 262,145 tokens (device_run.sh makes one)
     "long": [
@@ -100,8 +119,8 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
 }
 
 
-for _suite in ("levers", "best", "single", "levers2"):
-    SUITES[_suite] = [(k, label, args + FREED if k == "shardfit" else args) for k, label, args in SUITES[_suite]]
+for _suite in ("levers", "best", "single", "levers2", "levers3"):
+    SUITES[_suite] = [(k, label, FREED + args if k == "shardfit" else args) for k, label, args in SUITES[_suite]]
 
 
 def _fill(args: list[str], nproc: int) -> list[str]:
@@ -134,6 +153,9 @@ def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:
     if "time_forward_s" in steady[-1]:  # rank 0's phase times (train/timing.py), median seconds per step
         out["phases_s"] = {k: round(statistics.median(r[f"time_{k}_s"] for r in steady), 4)
                            for k in ("forward", "backward", "optimizer", "comm_wait")}
+    profiles = sorted((run_dir / "profile").glob("step*_summary.json"))  # --logging.profile_step
+    if profiles:
+        out["profile"] = json.loads(profiles[-1].read_text())
     doctor = sorted((run_dir / "snapshots").glob("doctor_step*.txt"))
     if doctor:
         out["doctor"] = doctor[-1].read_text()

@@ -6,8 +6,8 @@
 #   hf8b    write a random Llama-3-8B checkpoint, load it on 2 GPUs, train 4 steps, export (issue 3)
 #   probe   page-cache read rate (4 and 8 threads per rank) and pinned host-to-device rate on the 48-layer checkpoint
 #   load    48-layer Qwen3-30B-A3B shape: probe, shardfit load on 2 and 4 GPUs, the broadcast anchor on 2 (issue 3)
-#   load-variants  the loader at 4/8/16 threads x 8/32 MiB pinned buffers (after load)
-#   levers  bench_train --suite levers on 2 GPUs (issue 5)
+#   load-variants  the loader at 8/16 threads x 16/64 MiB pinned buffers (after load)
+#   levers  bench_train --suite levers on 2 GPUs (issue 5); levers2, levers3 likewise
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -31,12 +31,13 @@ for stage in "$@"; do
       for i in 1 2; do env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py load --path /tmp/q48; done | tee "$OUT/load2.json"
       if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then python3 -m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/bench_load.py load --path /tmp/q48 | tee "$OUT/load4.json"; fi
       env $two LAYERS=48 python3 -m torch.distributed.run --standalone --nproc_per_node 2 .anchors/broadcast_load.py 2>&1 | tail -3 | tee "$OUT/anchor_load2.txt" ;;
-    load-variants)  # after `load` (needs /tmp/q48): reading threads x pinned buffer size, 2 GPUs
-      for t in 4 8 16; do for m in 8 32; do echo "threads $t pinned ${m} MiB"; env $two SHARDFIT_LOAD_THREADS=$t SHARDFIT_PINNED_MIB=$m python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py load --path /tmp/q48 2>&1 | grep '^{'; done; done | tee "$OUT/load_variants.txt" ;;
+    load-variants)  # after `load` (needs /tmp/q48): reading threads x staging buffer size (the largest read), 2 GPUs
+      for t in 8 16; do for m in 16 64; do echo "threads $t pinned ${m} MiB"; env $two SHARDFIT_LOAD_THREADS=$t SHARDFIT_PINNED_MIB=$m python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py load --path /tmp/q48 2>&1 | grep '^{'; done; done | tee "$OUT/load_variants.txt" ;;
     probe)
       for t in 4 8; do env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py probe --path /tmp/q48 --threads $t; done ;;
     levers) env $two python3 benchmarks/bench_train.py --suite levers --nproc 2 --out "$OUT/levers_x2.json" 2>&1 | tail -9 ;;
     levers2) env $two python3 benchmarks/bench_train.py --suite levers2 --nproc 2 --out "$OUT/levers2_x2.json" 2>&1 | tail -8 ;;
+    levers3) env $two python3 benchmarks/bench_train.py --suite levers3 --nproc 2 --out "$OUT/levers3_x2.json" 2>&1 | tail -11 ;;
     best2) env $two python3 benchmarks/bench_train.py --suite best --nproc 2 --out "$OUT/best_x2.json" 2>&1 | tail -4 ;;
     honest) env $two python3 benchmarks/bench_train.py --suite honest --nproc 2 --out "$OUT/honest_x2.json" 2>&1 | tail -4 ;;
     best4) python3 benchmarks/bench_train.py --suite best --nproc 4 --only "compile mbs4" --out "$OUT/best_x4.json" 2>&1 | tail -4 ;;

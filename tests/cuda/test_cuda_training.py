@@ -122,3 +122,19 @@ def test_auto_micro_batch_on_cuda_picks_a_fitting_divisor(tmp_path):
         assert any(n.startswith("train.micro_batch=0: chose 8") for n in t.notices)
     finally:
         shutdown_distributed()
+
+
+def test_profiled_step_sorts_gpu_time_by_kernel_kind(tmp_path):
+    import json
+
+    from shardfit.parallel import shutdown_distributed
+
+    try:
+        Trainer(small_config("--train.device=cuda", "--train.steps=3", "--logging.profile_step=3",
+                             run_dir=str(tmp_path))).fit()
+    finally:
+        shutdown_distributed()
+    s = json.loads((tmp_path / "profile" / "step3_summary.json").read_text())
+    assert 0 < s["compute_busy_ms"] <= s["span_ms"] and s["kernels"] > 10
+    assert s["compute_kinds_ms"]["matmul"] > 0 and s["compute_kinds_ms"]["attention"] > 0
+    assert abs(sum(s["compute_kinds_ms"].values()) - s["compute_busy_ms"]) < 0.05 * s["span_ms"]

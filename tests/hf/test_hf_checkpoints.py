@@ -103,6 +103,24 @@ def test_two_rank_load_equals_single_and_export_round_trips(tmp_path, kind):
         assert torch.equal(v, again.state_dict()[k]), k
 
 
+def test_adjacent_tensors_are_read_together_and_large_ones_in_chunks(tmp_path, monkeypatch):
+    """A MoE checkpoint's expert matrices follow each other in the file: fewer reads than tensors. With a staging
+    buffer smaller than most tensors, each is read in chunks: the same values either way."""
+    from shardfit.hf import load as hf_load
+
+    path, _ = _save("qwen3_moe", tmp_path)
+    cfg = load_config(None, [f"--model.path={path}", *ARGS])
+    merged = build_model(cfg.model)
+    res = load_hf_checkpoint(merged, path)
+    assert res.reads < res.tensors and res.bytes == sum(p.numel() * 4 for p in merged.parameters())
+    monkeypatch.setattr(hf_load, "_PINNED_BYTES", 1000)  # 250 fp32 values: most tensors take several reads
+    chunked = build_model(cfg.model)
+    small = load_hf_checkpoint(chunked, path)
+    assert small.reads > res.reads and small.bytes == res.bytes
+    for (k, a), b in zip(merged.state_dict().items(), chunked.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+
+
 def _corrupt(kind: str, path: Path) -> None:
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     first = path / sorted(set(index.values()))[0]

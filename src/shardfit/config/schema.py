@@ -89,6 +89,8 @@ class ParallelConfig:
     activation_checkpoint: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
     ac_every: int = opt(1, "checkpoint every k-th block only (full mode)", gt=0)
     compile: bool = opt(False, "torch.compile each block")
+    compile_loss: bool = opt(True, "with compile: also compile the loss's per-chunk softmax and gradient (one fused "
+                                   "kernel instead of ~8 passes over an fp32 [loss_chunk, vocab] buffer)")
     reshard_after_forward: bool = opt(True, "free gathered parameters after each block's forward (ZeRO-3)")
     prefetch: int = opt(0, "explicit FSDP prefetch depth in blocks; 0 lets FSDP prefetch implicitly", ge=0)
     param_dtype: str = opt("auto", "compute dtype of gathered parameters; auto: bf16 on CUDA, fp32 on CPU",
@@ -128,6 +130,8 @@ class LoggingConfig:
     step_timing: bool = opt(True, "time forward, backward, optimizer and exposed FSDP communication per step "
                                   "(CUDA events read after the step's existing sync: no extra host syncs)")
     peak_tflops: float = opt(0.0, "peak TFLOP/s per GPU for MFU; 0 looks the GPU up in a table", ge=0)
+    profile_step: int = opt(0, "profile this step (1-based; 0: none): a Perfetto trace and a summary of GPU time by "
+                               "kernel kind and compute-stream idle time in <run_dir>/profile", ge=0)
 
 
 @dataclass

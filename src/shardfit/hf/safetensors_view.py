@@ -1,20 +1,17 @@
-"""Zero-copy views of safetensors tensors through mmap (the file format: 8-byte little-endian header length, a JSON
-header {name: {dtype, shape, data_offsets}}, then the raw row-major data).
+"""The header of a safetensors file and the byte range of any rows of its tensors (the file format: 8-byte
+little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, then the raw row-major data).
 
-A rank's rows of a tensor are one contiguous byte range, so `rows(name, a, b)` is a view of the page cache: no copy
-before the host-to-device transfer, and no GIL held while it runs. Malformed files raise ValueError, which the loader
-turns into an error naming the file.
+A rank's rows of a tensor are one contiguous byte range, which the loader reads with os.preadv. Malformed files
+raise ValueError, which the loader turns into an error naming the file.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 from math import prod
 from pathlib import Path
 
-import numpy as np
 import torch
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -35,7 +32,6 @@ class SafetensorsView:
         self.header = json.loads(self._file.read(n))
         self.header.pop("__metadata__", None)
         self._base = 8 + n
-        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY) if size > self._base else None
         self._size = size
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -44,6 +40,8 @@ class SafetensorsView:
     def byte_range(self, name: str, start: int | None = None, stop: int | None = None):
         """(file offset, byte count, dtype, shape) of rows [start, stop) along dim 0 (all of a 0-d tensor)."""
         info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"tensor '{name}' has dtype {info['dtype']}, which shardfit does not read")
         dtype, shape = _DTYPES[info["dtype"]], list(info["shape"])
         begin, end = info["data_offsets"]
         if shape:
@@ -54,17 +52,8 @@ class SafetensorsView:
             raise ValueError(f"tensor '{name}' runs past the end of the file (truncated?)")
         return self._base + begin, end - begin, dtype, shape
 
-    def rows(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Those rows as a CPU tensor viewing the mmap (no copy)."""
-        offset, nbytes, dtype, shape = self.byte_range(name, start, stop)
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        raw = np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset)
-        return torch.from_numpy(raw).view(dtype).view(shape)  # private (copy-on-write) map: never written
-
     def fileno(self) -> int:
         return self._file.fileno()
 
     def close(self) -> None:
-        self._mm = None  # views may still reference the map; it is released with the last of them
         self._file.close()

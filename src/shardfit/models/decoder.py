@@ -176,6 +176,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.loss_chunk = loss_chunk
         self.loss_impl = "torch"  # "liger" where Liger-Kernel is installed on CUDA (see the trainer's choice)
+        self.loss_compiled = False  # set by parallelize's compile step
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -188,7 +189,7 @@ class CausalLM(nn.Module):
             return self.lm_head(h)  # logits [B, S, V]
         # Sum over labels != -100; the trainer divides by the global token count once per step.
         loss = fused_linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), self.loss_chunk,
-                                          impl=self.loss_impl)
+                                          impl=self.loss_impl, compiled=self.loss_compiled)
         if self.cfg.router_aux_coef > 0:
             # MoE only. Weighted by this micro-batch's loss tokens, so that after the trainer's division by the
             # global count it is the token-weighted mean of the micro-batches' auxiliary losses (for one

@@ -11,33 +11,62 @@ from __future__ import annotations
 import torch
 
 
+def _chunk_loss(x: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss of one chunk of fp32 logits x [c, V], and its log-sum-exp [c]."""
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, target[:, None]).squeeze(1)
+    return ((lse - picked) * valid).sum(), lse
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
+    """(summed loss, d(loss)/d(logits) in the logits' dtype) of one chunk of logits [c, V].
+
+    Eager, this makes one fp32 copy of the chunk and updates it in place (about eight passes over it); compiled
+    (parallel.compile), Inductor fuses it into a reduction and one pointwise kernel that read the bf16 logits twice
+    and write the bf16 gradient once, with no fp32 [c, V] buffer at all."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 for bf16/fp16 logits; fp64 stays
+    loss, lse = _chunk_loss(x, target, valid)
+    probs = x.sub_(lse[:, None]).exp_()  # softmax, in place of the fp32 copy
+    probs.scatter_add_(1, target[:, None], torch.full_like(lse, -1.0)[:, None])  # minus the one-hot target
+    return loss, probs.mul_(valid[:, None]).to(logits.dtype)
+
+
+_compiled_chunk = None
+
+
+def _chunk_fn(compiled: bool):
+    global _compiled_chunk
+    if not compiled:
+        return _chunk_loss_and_grad
+    if _compiled_chunk is None:  # one compiled function per process; chunk shapes are static (a last short chunk
+        _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)  # is a second specialisation)
+    return _compiled_chunk
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, ignore_index: int):
-        # h [N, D], weight [V, D], labels [N]
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, ignore_index: int,
+                compiled: bool):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc = torch.promote_types(h.dtype, torch.float32)  # fp32 for bf16/fp16 inputs, fp64 stays fp64
         loss = torch.zeros((), dtype=acc, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None
-        # The weight gradient is accumulated in the weight's dtype (as the unsharded FSDP gradient would be).
         grad_w = torch.zeros_like(weight) if want_w else None
+        chunk_fn = _chunk_fn(compiled)
         for s in range(0, h.shape[0], chunk):
             hc, lc = h[s:s + chunk], labels[s:s + chunk]  # [c, D], [c]
-            logits = (hc @ weight.t()).to(acc)  # [c, V] fp32, freed at the end of the iteration
-            lse = torch.logsumexp(logits, dim=-1)  # [c]
+            logits = hc @ weight.t()  # [c, V], freed at the end of the iteration
             valid = lc != ignore_index
             target = lc.clamp(min=0)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            loss += ((lse - picked) * valid).sum()
-            if want_h or want_w:
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                probs[torch.arange(probs.shape[0], device=probs.device), target] -= 1.0
-                probs.mul_(valid[:, None])
-                g = probs.to(h.dtype)  # d(sum loss)/d(logits) [c, V]
-                if want_h:
-                    grad_h[s:s + chunk] = g @ weight
-                if want_w:
-                    grad_w.addmm_(g.t(), hc)
+            if not (want_h or want_w):
+                loss += _chunk_loss(logits.to(acc), target, valid)[0]
+                continue
+            part, g = chunk_fn(logits, target, valid)  # g = d(sum loss)/d(logits) [c, V]
+            loss += part
+            if want_h:
+                grad_h[s:s + chunk] = g @ weight
+            if want_w:
+                grad_w.addmm_(g.t(), hc)
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 
@@ -46,7 +75,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def liger_available() -> bool:
@@ -58,12 +87,13 @@ def liger_available() -> bool:
 
 
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024,
-                               ignore_index: int = -100, impl: str = "torch") -> torch.Tensor:
+                               ignore_index: int = -100, impl: str = "torch", compiled: bool = False) -> torch.Tensor:
     """Sum over tokens with label != ignore_index of cross_entropy(h @ weight.T, label), as an fp32 scalar.
 
     impl "liger": Liger-Kernel's Triton kernel (CUDA only; optional extra), which also computes the gradients in
     forward but fuses the softmax, its gradient and the loss into one pass over each logits chunk, and accumulates
-    the weight gradient in fp32. "torch": the chunked pure-PyTorch version above (any device)."""
+    the weight gradient in fp32. "torch": the chunked pure-PyTorch version above (any device); `compiled` runs its
+    per-chunk softmax and gradient through torch.compile."""
     if impl == "liger":
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
@@ -72,4 +102,4 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: to
         loss = LigerFusedLinearCrossEntropyFunction.apply(h, weight, labels, None, None, ignore_index, 0.0, 0.0,
                                                           "sum", None, False, torch.float32)[0]
         return loss.float()
-    return _FusedLinearCrossEntropy.apply(h, weight, labels, chunk, ignore_index)
+    return _FusedLinearCrossEntropy.apply(h, weight, labels, chunk, ignore_index, compiled)

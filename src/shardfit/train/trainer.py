@@ -43,6 +43,7 @@ from shardfit.train.metrics import (
     summarize_memory,
 )
 from shardfit.train.optim import build_optimizer, lr_at, set_lr
+from shardfit.train.profile import StepProfiler
 from shardfit.train.progress import Progress
 from shardfit.train.timing import PHASES, StepTimer
 from shardfit.train.watchdog import EXIT_CODE as WATCHDOG_EXIT
@@ -175,6 +176,8 @@ class Trainer:
         self.peak = peak_flops(self.device, cfg.logging.peak_tflops)
         self.recorder = SnapshotRecorder(cfg.memory.snapshot_steps, self.run_dir / "snapshots", self.dist.rank,
                                          self.device, cfg.memory.snapshot_max_entries)
+        self.profiler = StepProfiler(cfg.logging.profile_step, self.run_dir / "profile", self.dist.is_main,
+                                     self.device)
 
     # ------------------------------------------------------------------ one step
     def _forward_backward(self) -> tuple[torch.Tensor, int]:
@@ -308,7 +311,11 @@ class Trainer:
         window = _Window()  # since the last log line
         try:
             while self.step < total:
-                rec = self.train_step()
+                with self.profiler.around(self.step + 1):
+                    rec = self.train_step()
+                if self.profiler.summary:
+                    progress.message(self.profiler.summary)
+                    self.profiler.summary = None
                 history.append({k: rec[k] for k in ("step", "loss", "grad_norm", "lr", "skipped")})
                 window.add(rec)
                 progress.advance(self.step)
