@@ -98,6 +98,18 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "compile mbs4 keep-grads", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
                                                  "--memory.keep_grads=true"]),
     ],
+    # session 3, after levers3: the compiled loss is on; amortising the optimizer and FSDP's fp32 reduce copy
+    "levers4": [
+        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                      "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                                  "--parallel.reduce_dtype=bfloat16"]),
+        ("shardfit", "compile mbs4 accum2", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={8n}"]),
+        ("shardfit", "compile mbs4 accum2 bf16-reduce", [
+            *COMPILED, "--train.micro_batch=4", "--train.global_batch={8n}", "--parallel.reduce_dtype=bfloat16",
+            "--logging.profile_step=8"]),
+        ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
+    ],
     # capacity: one 262,144-token sequence split over 2 ranks (Ulysses), full checkpointing, 2 steps (the second
     # is measured); the data file must hold more than 262,145 tokens (device_run.sh makes one)
     "long": [
@@ -119,13 +131,14 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
 }
 
 
-for _suite in ("levers", "best", "single", "levers2", "levers3"):
+for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4"):
     SUITES[_suite] = [(k, label, FREED + args if k == "shardfit" else args) for k, label, args in SUITES[_suite]]
 
 
 def _fill(args: list[str], nproc: int) -> list[str]:
-    return [a.replace("{2n}", str(2 * nproc)).replace("{4n}", str(4 * nproc)).replace("{6n}", str(6 * nproc))
-            for a in args]
+    for k in (2, 4, 6, 8):
+        args = [a.replace(f"{{{k}n}}", str(k * nproc)) for a in args]
+    return args
 
 
 def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:

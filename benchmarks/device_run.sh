@@ -37,10 +37,14 @@ for stage in "$@"; do
       for t in 4 8; do env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py probe --path /tmp/q48 --threads $t; done ;;
     levers) env $two python3 benchmarks/bench_train.py --suite levers --nproc 2 --out "$OUT/levers_x2.json" 2>&1 | tail -9 ;;
     levers2) env $two python3 benchmarks/bench_train.py --suite levers2 --nproc 2 --out "$OUT/levers2_x2.json" 2>&1 | tail -8 ;;
+    levers4) env $two python3 benchmarks/bench_train.py --suite levers4 --nproc 2 --out "$OUT/levers4_x2.json" 2>&1 | tail -8 ;;
     levers3) env $two python3 benchmarks/bench_train.py --suite levers3 --nproc 2 --out "$OUT/levers3_x2.json" 2>&1 | tail -11 ;;
     best2) env $two python3 benchmarks/bench_train.py --suite best --nproc 2 --out "$OUT/best_x2.json" 2>&1 | tail -4 ;;
     honest) env $two python3 benchmarks/bench_train.py --suite honest --nproc 2 --out "$OUT/honest_x2.json" 2>&1 | tail -4 ;;
     best4) python3 benchmarks/bench_train.py --suite best --nproc 4 --only "compile mbs4" --out "$OUT/best_x4.json" 2>&1 | tail -4 ;;
+    best24)  # the best configuration on 2 then on 4 GPUs, in one call (scaling)
+      env $two python3 benchmarks/bench_train.py --suite best --nproc 2 --only "compile mbs4" --out "$OUT/best_x2.json" 2>&1 | tail -2
+      python3 benchmarks/bench_train.py --suite best --nproc 4 --only "compile mbs4" --out "$OUT/best_x4.json" 2>&1 | tail -2 ;;
     long)
       for i in $(seq 30); do cat src/shardfit/data/corpus/field_guide.txt; done > /tmp/long.txt
       env $two python3 benchmarks/bench_train.py --suite long --nproc 2 --timeout 560 --out "$OUT/long_x2.json" 2>&1 | tail -4 ;;

@@ -83,3 +83,17 @@ def test_moe_models_plan_on_meta_and_activations_scale_with_tokens():
     one, two = estimate(cfg, 2, 1), estimate(cfg, 2, 2)
     assert one.activations > 0 and abs(two.activations / one.activations - 2) < 0.01
     assert two.states == one.states and two.fsdp == one.fsdp
+
+
+def test_reducing_once_per_step_costs_the_unsharded_fp32_gradients():
+    """parallel.reduce_every_micro_batch=false with accumulation: every GPU holds the whole model's gradients in fp32
+    between micro-batches; without accumulation, or reducing every micro-batch, nothing is added."""
+    base = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=2"]
+    every = estimate(load_config(None, [*base, "--train.global_batch=8"]), 2, 2)
+    once = estimate(load_config(None, [*base, "--train.global_batch=8", "--parallel.reduce_every_micro_batch=false"]),
+                    2, 2)
+    single = estimate(load_config(None, [*base, "--train.global_batch=4", "--parallel.reduce_every_micro_batch=false"]),
+                      2, 2)
+    n_params = 8_030_261_248  # Llama-3-8B
+    assert once.peak - every.peak == 4 * n_params
+    assert single.peak == every.peak

@@ -23,7 +23,8 @@ def _train_sharded(rank, world, overrides, run_dir):
     ["--train.micro_batch=2", "--parallel.activation_checkpoint=selective", "--model.tie_embeddings=false"],
     ["--train.micro_batch=1", "--parallel.prefetch=1", "--parallel.reshard_after_forward=false",
      "--memory.keep_grads=false"],  # accumulation 4, gradients freed between steps
-], ids=["plain", "accum2-fullac", "accum2-selac-untied", "accum4-prefetch-noreshard-freegrads"])
+    ["--train.micro_batch=2", "--parallel.reduce_every_micro_batch=false"],  # one reduce-scatter per step
+], ids=["plain", "accum2-fullac", "accum2-selac-untied", "accum4-prefetch-noreshard-freegrads", "accum2-reduce-once"])
 def test_two_rank_training_matches_single_process(tmp_path, overrides):
     results = run_ranks(_train_sharded, 2, overrides, str(tmp_path))
     cfg = small_config(*overrides)

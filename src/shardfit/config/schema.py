@@ -93,6 +93,10 @@ class ParallelConfig:
                                    "kernel instead of ~8 passes over an fp32 [loss_chunk, vocab] buffer)")
     reshard_after_forward: bool = opt(True, "free gathered parameters after each block's forward (ZeRO-3)")
     prefetch: int = opt(0, "explicit FSDP prefetch depth in blocks; 0 lets FSDP prefetch implicitly", ge=0)
+    reduce_every_micro_batch: bool = opt(True, "reduce-scatter gradients after every micro-batch; false reduces once "
+                                               "per step, but every GPU then holds the whole model's gradients "
+                                               "unsharded in fp32 between micro-batches (32 GB for 8B params): "
+                                               "only for slow links")
     param_dtype: str = opt("auto", "compute dtype of gathered parameters; auto: bf16 on CUDA, fp32 on CPU",
                            choices=("auto", "float32", "bfloat16"))
     reduce_dtype: str = opt("float32", "dtype of gradient reduce-scatter", choices=("float32", "bfloat16"))

@@ -75,7 +75,7 @@ def summarize_trace(events: list[dict]) -> dict:
         "compute_kinds_ms": {k: round(v * ms, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "communication_ms": round(_union([(e["ts"], e["ts"] + e["dur"]) for e in comm]) * ms, 2),
         "kernels": sum(1 for e in on_compute if e["cat"] == "kernel"),
-        "top_kernels_ms": [[n[:120], round(v * ms, 2)] for n, v in sorted(names.items(), key=lambda kv: -kv[1])[:12]],
+        "top_kernels_ms": [[n[:120], round(v * ms, 2)] for n, v in sorted(names.items(), key=lambda kv: -kv[1])[:25]],
     }
 
 

@@ -189,8 +189,9 @@ class Trainer:
             self.watchdog.beat(f"step {self.step + 1} micro-batch {i + 1}/{len(batches)} (forward/backward)")
             if self.progress is not None:
                 self.progress.micro_batch(self.step + 1, i, len(batches))
-            # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
-            self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            # Default: reduce-scatter after every micro-batch (FSDP adds each into the sharded gradient). Deferring
+            # it to the last micro-batch keeps unsharded fp32 gradients of the whole model on every GPU in between.
+            self.model.set_requires_gradient_sync(self.cfg.parallel.reduce_every_micro_batch or i == len(batches) - 1)
             ids = ids.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             if positions is not None:
