@@ -110,6 +110,13 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
             "--logging.profile_step=8"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
+    # session 3's closing comparison: the best configurations with the anchor in the same call
+    "final": [
+        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]),
+        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                                  "--parallel.reduce_dtype=bfloat16"]),
+        ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
+    ],
     # capacity: one 262,144-token sequence split over 2 ranks (Ulysses), full checkpointing, 2 steps (the second
     # is measured); the data file must hold more than 262,145 tokens (device_run.sh makes one)
     "long": [
@@ -124,6 +131,10 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "llama3-1b compile mbs4", ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=14",
                                                 "--train.warmup_steps=2", "--train.lr=1e-4", "--parallel.compile=true",
                                                 "--train.micro_batch=4", "--train.global_batch=4"]),
+        ("shardfit", "llama3-1b untied compile mbs4", [
+            "--model.name=llama3-1b", "--model.tie_embeddings=false", "--data.seq_len=4096", "--train.steps=14",
+            "--train.warmup_steps=2", "--train.lr=1e-4", "--parallel.compile=true", "--train.micro_batch=4",
+            "--train.global_batch=4"]),
         ("anchor", "anchor 1b liger no-AC mbs4", ["--size", "1b", "--seq", "4096", "--mbs", "4", "--liger",
                                                  "--ac", "none"]),
         ("anchor", "anchor 1b plain full-AC mbs4", ["--size", "1b", "--seq", "4096", "--mbs", "4"]),
@@ -131,7 +142,7 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
 }
 
 
-for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4"):
+for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "final"):
     SUITES[_suite] = [(k, label, FREED + args if k == "shardfit" else args) for k, label, args in SUITES[_suite]]
 
 

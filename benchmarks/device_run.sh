@@ -37,6 +37,7 @@ for stage in "$@"; do
       for t in 4 8; do env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py probe --path /tmp/q48 --threads $t; done ;;
     levers) env $two python3 benchmarks/bench_train.py --suite levers --nproc 2 --out "$OUT/levers_x2.json" 2>&1 | tail -9 ;;
     levers2) env $two python3 benchmarks/bench_train.py --suite levers2 --nproc 2 --out "$OUT/levers2_x2.json" 2>&1 | tail -8 ;;
+    final) env $two python3 benchmarks/bench_train.py --suite final --nproc 2 --out "$OUT/final_x2.json" 2>&1 | tail -6 ;;
     levers4) env $two python3 benchmarks/bench_train.py --suite levers4 --nproc 2 --out "$OUT/levers4_x2.json" 2>&1 | tail -8 ;;
     levers3) env $two python3 benchmarks/bench_train.py --suite levers3 --nproc 2 --out "$OUT/levers3_x2.json" 2>&1 | tail -11 ;;
     best2) env $two python3 benchmarks/bench_train.py --suite best --nproc 2 --out "$OUT/best_x2.json" 2>&1 | tail -4 ;;
