@@ -31,6 +31,8 @@ COMPILED = [*LLAMA8B_4K, "--parallel.compile=true"]
 # between steps); FREED reproduces that. At the edge of memory (mbs 4, seq 262,144) kept gradients cause retries.
 # FREED goes first, so that a case's own --memory.keep_grads wins.
 FREED = ["--memory.keep_grads=false"]
+CURVE = ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=50", "--train.warmup_steps=5",
+         "--train.lr=3e-4", "--train.global_batch=4"]
 LIGER_ANCHOR = ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger", "--ac", "none"]
 SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     "tiny": [
@@ -117,6 +119,16 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                   "--parallel.reduce_dtype=bfloat16"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
+    # correctness does not move: 50 steps of the fastest configuration against the plain one on the same data (one
+    # GPU, Llama-3.2-1B shape); the plain one with another loss chunk size measures bf16 rounding noise alone
+    "curve": [
+        ("shardfit", "plain: eager, full AC, mbs1 x accum4", [*CURVE, "--train.micro_batch=1",
+                                                              "--parallel.activation_checkpoint=full"]),
+        ("shardfit", "plain, loss chunk 512 (noise)", [*CURVE, "--train.micro_batch=1",
+                                                        "--parallel.activation_checkpoint=full",
+                                                        "--parallel.loss_chunk=512"]),
+        ("shardfit", "fast: compiled, no AC, mbs4", [*CURVE, "--train.micro_batch=4", "--parallel.compile=true"]),
+    ],
     # capacity: one 262,144-token sequence split over 2 ranks (Ulysses), full checkpointing, 2 steps (the second
     # is measured); the data file must hold more than 262,145 tokens (device_run.sh makes one)
     "long": [
@@ -168,6 +180,7 @@ def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:
         out["error"] = (p.stderr or p.stdout)[-1500:]
         out["oom"] = "OutOfMemoryError" in (p.stderr or "")
         return out
+    out["losses"] = [round(r["loss"], 5) for r in recs]
     out.update(tok_s_gpu=round(statistics.median(r["tokens_per_s_per_gpu"] for r in steady)),
                mfu=round(statistics.median(r["mfu"] for r in steady), 3) if steady[0]["mfu"] else None,
                peak_alloc_GiB=round(max(r["peak_allocated_max"] for r in steady), 2),
@@ -242,6 +255,16 @@ def main() -> int:
                   + "/".join(f"{v:.3f}" for v in r.get("phases_s", {}).values()))
         else:
             print(f"{r['label']:34} {'OOM' if r.get('oom') else 'FAILED':>10}")
+    curves = [r for r in rows if len(r.get("losses", [])) >= 50]
+    if len(curves) > 1:  # the loss curves against the first case's, step by step
+        base = curves[0]["losses"]
+        print(f"\nloss curves against '{curves[0]['label']}' ({len(base)} steps, {base[0]:.3f} -> {base[-1]:.3f})")
+        for r in curves[1:]:
+            d = [abs(x - y) for x, y in zip(r["losses"], base)]
+            r["curve_vs_first"] = {"max_abs": round(max(d), 5), "mean_abs": round(sum(d) / len(d), 5),
+                                   "final": r["losses"][-1]}
+            print(f"{r['label']:40} max |diff| {max(d):.4f}, mean |diff| {sum(d) / len(d):.4f}, "
+                  f"final {r['losses'][-1]:.4f}")
     if a.out:
         Path(a.out).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     return 0

@@ -7,6 +7,7 @@
 #   probe   page-cache read rate (4 and 8 threads per rank) and pinned host-to-device rate on the 48-layer checkpoint
 #   load    48-layer Qwen3-30B-A3B shape: probe, shardfit load on 2 and 4 GPUs, the broadcast anchor on 2 (issue 3)
 #   load-variants  the loader at 8/16 threads x 16/64 MiB pinned buffers (after load)
+#   curve   50 steps of the fastest configuration against the plain one (1 GPU, 1B shape): loss curves compared
 #   levers  bench_train --suite levers on 2 GPUs (issue 5); levers2, levers3 likewise
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -49,6 +50,7 @@ for stage in "$@"; do
     long)
       for i in $(seq 30); do cat src/shardfit/data/corpus/field_guide.txt; done > /tmp/long.txt
       env $two python3 benchmarks/bench_train.py --suite long --nproc 2 --timeout 560 --out "$OUT/long_x2.json" 2>&1 | tail -4 ;;
+    curve) python3 benchmarks/bench_train.py --suite curve --nproc 1 --timeout 400 --out "$OUT/curve_x1.json" 2>&1 | tail -9 ;;
     single) python3 benchmarks/bench_train.py --suite single --nproc 1 --out "$OUT/single_x1.json" 2>&1 | tail -6 ;;
     *) echo "unknown stage $stage" ;;
   esac
