@@ -4,8 +4,9 @@ No GPU and no weights are needed. Activation bytes are not guessed from formulas
 device (shapes only, no data, no compute) and every tensor autograd saves for backward is counted, by storage, with
 the selective-checkpointing policy applied to the same operations the training run uses. The rest is arithmetic:
 
-  states       fp32 parameters, Adam's two moments and (memory.keep_grads) the fp32 gradients, each 1/world; with
-               parallel.reduce_every_micro_batch=false and accumulation, the whole model's fp32 gradients unsharded
+  states       fp32 parameters, Adam's two moments and the fp32 gradients (kept, or with accumulation live from the
+               first micro-batch on), each 1/world; with parallel.reduce_every_micro_batch=false and accumulation, the
+               whole model's fp32 gradients unsharded instead
   fsdp         bf16 unsharded parameters in flight: the root group (embedding, head, final norm) for the whole
                forward and backward, plus two blocks (the one running and the one prefetched), plus one block's
                fp32 reduce-scatter input in backward
@@ -141,9 +142,11 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     root_params = n_params - sum(block_params)
     per_param = 4 + 8 + (4 if cfg.memory.keep_grads else 0)  # fp32 weights, Adam moments, kept fp32 gradients
     states = n_params * per_param // world
-    dp = world // cfg.parallel.sequence_parallel
-    if not cfg.parallel.reduce_every_micro_batch and cfg.train.global_batch > micro_batch * dp:
-        states += n_params * 4  # gradients accumulated unsharded in fp32 between micro-batches, on every GPU
+    if cfg.train.global_batch > micro_batch * (world // cfg.parallel.sequence_parallel):  # accumulation
+        if not cfg.parallel.reduce_every_micro_batch:
+            states += n_params * 4  # gradients accumulated unsharded in fp32 between micro-batches, on every GPU
+        elif not cfg.memory.keep_grads:
+            states += n_params * 4 // world  # the sharded fp32 gradients live from the first micro-batch on
     big_block = max(block_params)
     fsdp = 2 * (root_params + 2 * big_block) + 4 * big_block  # bf16 gathered params, one fp32 reduce-scatter input
     mode = cfg.parallel.activation_checkpoint
