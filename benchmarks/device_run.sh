@@ -7,6 +7,7 @@
 #   probe   page-cache read rate (4 and 8 threads per rank) and pinned host-to-device rate on the 48-layer checkpoint
 #   load    48-layer Qwen3-30B-A3B shape: probe, shardfit load on 2 and 4 GPUs, the broadcast anchor on 2 (issue 3)
 #   load-variants  the loader at 8/16 threads x 16/64 MiB pinned buffers (after load)
+#   heads   compile mbs4 from .old/src (an earlier commit's src, carried) then from src: one change, one call
 #   curve   50 steps of the fastest configuration against the plain one (1 GPU, 1B shape): loss curves compared
 #   levers  bench_train --suite levers on 2 GPUs (issue 5); levers2, levers3 likewise
 set -u
@@ -38,6 +39,8 @@ for stage in "$@"; do
       for t in 4 8; do env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_load.py probe --path /tmp/q48 --threads $t; done ;;
     levers) env $two python3 benchmarks/bench_train.py --suite levers --nproc 2 --out "$OUT/levers_x2.json" 2>&1 | tail -9 ;;
     levers2) env $two python3 benchmarks/bench_train.py --suite levers2 --nproc 2 --out "$OUT/levers2_x2.json" 2>&1 | tail -8 ;;
+    heads)  # A/B in one call: the tree in .old/src (a copy of an earlier commit, carried) against this one
+      for tree in .old/src src; do env $two PYTHONPATH=/tmp/site:$PWD/$tree python3 benchmarks/bench_train.py --suite best --nproc 2 --only "compile mbs4" --out "$OUT/heads_$(dirname $tree | tr ./ _)_x2.json" 2>&1 | tail -1; done ;;
     final) env $two python3 benchmarks/bench_train.py --suite final --nproc 2 --out "$OUT/final_x2.json" 2>&1 | tail -6 ;;
     levers4) env $two python3 benchmarks/bench_train.py --suite levers4 --nproc 2 --out "$OUT/levers4_x2.json" 2>&1 | tail -8 ;;
     levers3) env $two python3 benchmarks/bench_train.py --suite levers3 --nproc 2 --out "$OUT/levers3_x2.json" 2>&1 | tail -11 ;;

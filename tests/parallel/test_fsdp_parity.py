@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from shardfit.train import Trainer
 from tests._dist import run_ranks
@@ -12,9 +13,12 @@ def _train_sharded(rank, world, overrides, run_dir):
     cfg = small_config(*overrides, run_dir=run_dir)
     trainer = Trainer(cfg)
     tied = trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight
+    own_group = isinstance(trainer.model.lm_head, FSDPModule) and isinstance(trainer.model.model.embed_tokens,
+                                                                              FSDPModule)
     history = trainer.fit()
     state = {k: v.tolist() for k, v in full_state(trainer.model).items()}
-    return {"losses": [h["loss"] for h in history], "state": state if rank == 0 else None, "tied": tied}
+    return {"losses": [h["loss"] for h in history], "state": state if rank == 0 else None, "tied": tied,
+            "own_group": own_group}
 
 
 @pytest.mark.parametrize("overrides", [
@@ -38,6 +42,7 @@ def test_two_rank_training_matches_single_process(tmp_path, overrides):
     for k, v in got.items():
         torch.testing.assert_close(torch.tensor(v), ref_state[k], rtol=1e-4, atol=1e-4, msg=k)
     assert all(r["tied"] == cfg.model.tie_embeddings for r in results)
+    assert all(r["own_group"] == (not cfg.model.tie_embeddings) for r in results)  # untied: their own FSDP groups
 
 
 MOE = ["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_dim=32", "--train.micro_batch=2"]

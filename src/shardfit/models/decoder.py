@@ -168,6 +168,17 @@ class Decoder(nn.Module):
         return self.norm(h)
 
 
+class OutputHead(nn.Linear):
+    """The output projection. Called with labels it returns the summed fused cross-entropy instead of the logits, so
+    the loss runs inside this module's forward: FSDP can then shard the head as a group of its own (parallelize)."""
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 1024, impl: str = "torch",
+                compiled: bool = False) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)  # logits [..., V]
+        return fused_linear_cross_entropy(h, self.weight, labels, chunk, impl=impl, compiled=compiled)
+
+
 class CausalLM(nn.Module):
     """Decoder plus output projection. With labels, returns the summed cross-entropy (fp32, no full logits)."""
 
@@ -178,7 +189,7 @@ class CausalLM(nn.Module):
         self.loss_impl = "torch"  # "liger" where Liger-Kernel is installed on CUDA (see the trainer's choice)
         self.loss_compiled = False  # set by parallelize's compile step
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = OutputHead(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -188,8 +199,7 @@ class CausalLM(nn.Module):
         if labels is None:
             return self.lm_head(h)  # logits [B, S, V]
         # Sum over labels != -100; the trainer divides by the global token count once per step.
-        loss = fused_linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), self.loss_chunk,
-                                          impl=self.loss_impl, compiled=self.loss_compiled)
+        loss = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, self.loss_impl, self.loss_compiled)
         if self.cfg.router_aux_coef > 0:
             # MoE only. Weighted by this micro-batch's loss tokens, so that after the trainer's division by the
             # global count it is the token-weighted mean of the micro-batches' auxiliary losses (for one

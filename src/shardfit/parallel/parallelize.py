@@ -8,8 +8,9 @@ The order is fixed and each step relies on the previous ones:
   2. torch.compile of each block's forward, checkpoint included (dynamo traces the checkpointed region, and the
      selective policy still applies); the module's __call__ is not compiled, so FSDP's pre/post-forward hooks,
      added next, run outside the compiled graph;
-  3. fully_shard each block, then the root (embedding, final norm and output head end up in the root group;
-     tied embeddings stay one parameter because both users are in that one group);
+  3. fully_shard each block, the embedding and the output head (untied: groups of their own, so that their
+     collectives overlap compute), then the root (the final norm; tied embeddings stay one parameter in the root
+     group because both users are in that one group);
   4. explicit prefetch, if asked;
   5. to_empty on the target device: each rank allocates only its own shards (no rank ever holds the full model);
   6. init_weights / init_buffers on the shards (RoPE frequencies are non-persistent and rebuilt on every rank).
@@ -91,6 +92,14 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisi
         # all-gather per step at the cost of one block's unsharded weights.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if not model.cfg.tie_embeddings:
+        # Untied, the embedding and the output head are groups of their own (tied, one parameter with two users, they
+        # stay in the root group). The step's first all-gather is then the embedding alone; the head's is issued
+        # while the last blocks still compute; and the head's reduce-scatter starts as soon as the loss's backward
+        # is done, under the blocks' backward, instead of with the root group's at the very end, exposed. Neither is
+        # resharded after forward, as the root group is not: the memory is what it was in the root group.
+        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.prefetch > 0:
         for i, block in enumerate(blocks):

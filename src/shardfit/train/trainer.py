@@ -156,7 +156,8 @@ class Trainer:
             load_hf_checkpoint(self.model, cfg.model.path)
             self.notices.append(self._load_report(cfg.model.path, time.perf_counter() - t0))
         self.timer = StepTimer(self.device, cfg.logging.step_timing)
-        self.timer.watch_fsdp_waits([*self.model.model.layers, self.model])
+        self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
+                                     self.model])
         self.progress: Progress | None = None  # made by fit()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.n_params = count_params(self.model)
