@@ -47,10 +47,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, ignore_index: int,
                 compiled: bool):
+        # h [N, D], weight [V, D], labels [N]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc = torch.promote_types(h.dtype, torch.float32)  # fp32 for bf16/fp16 inputs, fp64 stays fp64
         loss = torch.zeros((), dtype=acc, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None
+        # The weight gradient is accumulated in the weight's dtype (as the unsharded FSDP gradient would be).
         grad_w = torch.zeros_like(weight) if want_w else None
         chunk_fn = _chunk_fn(compiled)
         for s in range(0, h.shape[0], chunk):
