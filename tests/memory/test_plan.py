@@ -19,6 +19,9 @@ MEASURED = [
     ("2026-11-21_h200x2_llama8b_eager.json", "shardfit 8B mbs4 selective-AC", ["--memory.keep_grads=false"]),
     ("2026-11-21_s2_h200x2_keep_grads.json", "eager mbs2 (defaults)", []),
     ("2026-11-21_s2_h200x2_seq262144.json", "seq 262144 ulysses-2 full-AC", ["--memory.keep_grads=false"]),
+    # compiled blocks: counted from the partitioned AOTAutograd graph
+    ("2026-11-21_s2_h200x2_levers.json", "compile mbs2 torch-CE", ["--memory.keep_grads=false"]),
+    ("2026-11-22_s3_h200x2_final.json", "compile mbs4", []),
 ]
 
 
