@@ -112,3 +112,19 @@ def test_accumulation_with_freed_gradients_adds_what_was_measured():
     one = estimate(load_config(None, [*base, "--train.global_batch=8"]), 2, 4).peak / GiB
     two = estimate(load_config(None, [*base, "--train.global_batch=16"]), 2, 4).peak / GiB
     assert abs((two - one) / measured - 1) < 0.03, (two - one, measured)
+
+
+def test_auto_micro_batch_says_what_freed_gradients_would_allow():
+    """Llama-3-8B compiled on 2 x H200 (139.8 GiB): kept gradients fit micro-batch 2; freed, 4 fits (measured: kept
+    gradients at 4 gave allocator retries, freed ones none)."""
+    from shardfit.memory.plan import allocation_budget, auto_micro_batch
+
+    cfg = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=0",
+                             "--train.global_batch=8", "--parallel.compile=true"])
+    e, line = auto_micro_batch(cfg, 2, allocation_budget(139.8 * GiB), per_rank=4)
+    assert e.micro_batch == 2 and line.startswith("train.micro_batch=0: chose 2")
+    assert "with --memory.keep_grads=false 4 would fit" in line
+    freed = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=0",
+                               "--train.global_batch=8", "--parallel.compile=true", "--memory.keep_grads=false"])
+    e, line = auto_micro_batch(freed, 2, allocation_budget(139.8 * GiB), per_rank=4)
+    assert e.micro_batch == 4 and "would fit" not in line

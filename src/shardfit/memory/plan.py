@@ -222,6 +222,23 @@ def choose_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: i
                         fix="set parallel.activation_checkpoint=selective or full, shorten data.seq_len, or add GPUs")
 
 
+def auto_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: int) -> tuple[Estimate, str]:
+    """choose_micro_batch, and the line the trainer prints: the choice, and what freeing the gradients between steps
+    (memory.keep_grads=false) would allow instead, when that is more."""
+    import dataclasses
+
+    e = choose_micro_batch(cfg, world, budget_bytes, per_rank)
+    line = (f"train.micro_batch=0: chose {e.micro_batch}, predicted peak {e.peak / GiB:.1f} GiB of a "
+            f"{budget_bytes / GiB:.1f} GiB budget per GPU (shardfit plan)")
+    if cfg.memory.keep_grads:
+        freed = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_grads=False))
+        alt = choose_micro_batch(freed, world, budget_bytes, per_rank)
+        if alt.micro_batch > e.micro_batch:
+            line += (f"; with --memory.keep_grads=false {alt.micro_batch} would fit ({alt.peak / GiB:.1f} GiB), "
+                     f"reserved memory then running ~1.15x allocated")
+    return e, line
+
+
 def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
     """The report of `shardfit plan`: the configured micro-batch's peak, then the largest micro-batch per mode."""
     import dataclasses

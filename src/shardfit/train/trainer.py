@@ -404,7 +404,7 @@ class Trainer:
     def _choose_micro_batch(self) -> None:
         """train.micro_batch=0: the largest micro-batch dividing this rank's batch that shardfit plan predicts to fit
         (every rank computes the same, from the config alone: no collective). Saved in the resolved config."""
-        from shardfit.memory.plan import GiB, allocation_budget, choose_micro_batch
+        from shardfit.memory.plan import allocation_budget, auto_micro_batch
 
         cfg = self.cfg
         per_rank = accumulation_steps(cfg.train.global_batch, 1, self.dp_size)  # sequences per rank per step
@@ -414,10 +414,9 @@ class Trainer:
         else:
             total = torch.cuda.get_device_properties(self.device).total_memory * (cfg.memory.max_fraction or 1.0)
             budget = allocation_budget(total)
-            e = choose_micro_batch(cfg, self.dist.world_size, budget, per_rank)
+            e, notice = auto_micro_batch(cfg, self.dist.world_size, budget, per_rank)
             cfg.train.micro_batch = e.micro_batch
-            self.notices.append(f"train.micro_batch=0: chose {e.micro_batch}, predicted peak {e.peak / GiB:.1f} GiB "
-                                f"of a {budget / GiB:.1f} GiB budget per GPU (shardfit plan; eager estimate)")
+            self.notices.append(notice)
         self.config_toml = config_to_toml(cfg)
 
     def _load_report(self, path: str, seconds: float) -> str:
