@@ -28,6 +28,7 @@ def test_summary_counts_overlaps_once_and_finds_the_compute_stream():
     assert s["compute_kinds_ms"] == {"matmul": 0.4, "attention": 0.3, "compiled fusion": 0.05, "copy": 0.02}
     assert s["communication_ms"] == 0.65  # union of [100, 600) and [550, 750)
     assert s["kernels"] == 3 and s["top_kernels_ms"][0][1] == 0.4
+    assert s["top_kernels_by_kind_ms"]["attention"] == [[events[2]["name"], 0.3]]
     assert "idle 0 ms" in format_summary(5, s) and "matmul 0" in format_summary(5, s)
     assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
     assert kernel_kind("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"

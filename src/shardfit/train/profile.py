@@ -64,9 +64,12 @@ def summarize_trace(events: list[dict]) -> dict:
     busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in on_compute])
     kinds: dict[str, float] = defaultdict(float)
     names: dict[str, float] = defaultdict(float)
+    kind_of: dict[str, str] = {}
     for e in on_compute:
-        kinds[kernel_kind(e["name"], e["cat"])] += e["dur"]
+        kind_of[e["name"]] = kernel_kind(e["name"], e["cat"])
+        kinds[kind_of[e["name"]]] += e["dur"]
         names[e["name"]] += e["dur"]
+    by_time = sorted(names.items(), key=lambda kv: -kv[1])
     comm = [e for e in gpu if kernel_kind(e["name"], e["cat"]) == "communication"]
     ms = 1e-3
     return {
@@ -75,7 +78,9 @@ def summarize_trace(events: list[dict]) -> dict:
         "compute_kinds_ms": {k: round(v * ms, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "communication_ms": round(_union([(e["ts"], e["ts"] + e["dur"]) for e in comm]) * ms, 2),
         "kernels": sum(1 for e in on_compute if e["cat"] == "kernel"),
-        "top_kernels_ms": [[n[:120], round(v * ms, 2)] for n, v in sorted(names.items(), key=lambda kv: -kv[1])[:25]],
+        "top_kernels_ms": [[n[:120], round(v * ms, 2)] for n, v in by_time[:25]],
+        "top_kernels_by_kind_ms": {k: [[n[:120], round(v * ms, 2)] for n, v in by_time if kind_of[n] == k][:6]
+                                   for k in kinds},  # names the small kernels of each kind ("other" above all)
     }
 
 
