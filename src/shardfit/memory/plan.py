@@ -247,7 +247,9 @@ def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
     m = cfg.model
     lines = [f"shardfit plan: {m.name}, {world} GPU(s) of {gpu_gib:.0f} GiB, seq {cfg.data.seq_len}"
              + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
-             + f", keep_grads={str(cfg.memory.keep_grads).lower()}; budget for allocated memory {budget / GiB:.1f} GiB",
+             + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
+             + (", compiled blocks" if cfg.parallel.compile else ", eager blocks")
+             + f"; budget for allocated memory {budget / GiB:.1f} GiB",
              "", f"{'checkpointing':13} {'micro-batch':>11} {'peak GiB':>9} {'states':>7} {'fsdp':>6} "
              f"{'activations':>11} {'working':>8}"]
 
