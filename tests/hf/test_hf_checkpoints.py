@@ -194,6 +194,7 @@ def test_train_from_hf_dir_and_export(tmp_path):
     assert all(f.stat().st_mode & 0o044 for f in out.glob("*.safetensors"))  # readable by group and others
     report = next(line for line in p.stdout.splitlines() if line.startswith(f"loaded {path} in "))
     assert "(0.0% apart)" in report and "peak host RSS per rank" in report  # one rank, CPU: no device memory
+    assert "rank 0: planning" in report and " reads over " in report
     trained = type(hf).from_pretrained(out).eval()
     ids = torch.randint(0, 300, (1, 16))
     assert not torch.allclose(trained(ids).logits, hf(ids).logits)  # two optimizer steps moved the weights

@@ -153,8 +153,8 @@ class Trainer:
             from shardfit.hf import load_hf_checkpoint
 
             t0 = time.perf_counter()
-            load_hf_checkpoint(self.model, cfg.model.path)
-            self.notices.append(self._load_report(cfg.model.path, time.perf_counter() - t0))
+            loaded = load_hf_checkpoint(self.model, cfg.model.path)
+            self.notices.append(self._load_report(cfg.model.path, time.perf_counter() - t0, loaded))
         self.timer = StepTimer(self.device, cfg.logging.step_timing)
         self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
                                      self.model])
@@ -419,8 +419,9 @@ class Trainer:
             self.notices.append(notice)
         self.config_toml = config_to_toml(cfg)
 
-    def _load_report(self, path: str, seconds: float) -> str:
-        """One all-gather (every rank, right after loading): load time, device memory and peak host RSS per rank."""
+    def _load_report(self, path: str, seconds: float, loaded) -> str:
+        """One all-gather (every rank, right after loading): load time, device memory and peak host RSS per rank;
+        rank 0's split of its time (hf.load.LoadResult)."""
         import resource
 
         dev_gib = (torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0) / 2**30
@@ -429,7 +430,9 @@ class Trainer:
                                             device=self.device)).cpu().tolist()
         dev = [r[1] for r in rows]
         spread = (max(dev) - min(dev)) / max(dev) * 100 if max(dev) > 0 else 0.0
-        return (f"loaded {path} in {max(r[0] for r in rows):.2f} s (slowest rank); device memory after load per "
+        return (f"loaded {path} in {max(r[0] for r in rows):.2f} s (slowest rank; rank 0: planning {loaded.plan_s:.2f} "
+                f"s, reading {loaded.read_s:.2f} s, {loaded.tensors:,} tensors in {loaded.reads:,} reads over "
+                f"{loaded.threads} threads); device memory after load per "
                 f"rank: {' / '.join(f'{d:.2f}' for d in dev)} GiB ({spread:.1f}% apart); peak host RSS per rank: "
                 f"{' / '.join(f'{r[2]:.1f}' for r in rows)} GiB")
 
