@@ -128,3 +128,16 @@ def test_auto_micro_batch_says_what_freed_gradients_would_allow():
                                "--train.global_batch=8", "--parallel.compile=true", "--memory.keep_grads=false"])
     e, line = auto_micro_batch(freed, 2, allocation_budget(139.8 * GiB), per_rank=4)
     assert e.micro_batch == 4 and "would fit" not in line
+
+
+def test_compiled_count_is_linear_in_the_micro_batch():
+    """The compiled count is traced at micro-batch 1 and 2 and extended linearly: a direct trace agrees exactly."""
+    import dataclasses
+
+    import torch
+
+    from shardfit.memory.plan import _compiled_line, _compiled_saved_bytes, _meta_block
+
+    m = load_config(None, ["--model.name=tiny"]).model
+    first, per_sequence = _compiled_line(tuple(dataclasses.asdict(m).items()), 256, torch.bfloat16, 0)
+    assert _compiled_saved_bytes(*_meta_block(m, 0, 5, 256, torch.bfloat16)) == first + 4 * per_sequence

@@ -25,12 +25,14 @@ On 2 x H200 this is within 0.5% of the measured peaks of compiled micro-batch 2 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardfit.config.schema import Config
+from shardfit.config.schema import Config, ModelConfig
 
 GiB = 1 << 30
 
@@ -45,8 +47,6 @@ def _flash_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 def _compiled_saved_bytes(block: torch.nn.Module, *inputs: torch.Tensor) -> int:
     """Bytes the compiled block's forward saves for backward: AOTAutograd traces forward and backward together and
     Inductor's min-cut partitioner decides what is saved and what is recomputed."""
-    import functools
-
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -72,6 +72,34 @@ def _compiled_saved_bytes(block: torch.nn.Module, *inputs: torch.Tensor) -> int:
                           partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
     traced(*params, *inputs)
     return saved[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_line(model: tuple, S: int, dtype: torch.dtype, layer: int) -> tuple[int, int]:
+    """(bytes at micro-batch 1, bytes per further sequence) a compiled dense block saves, for the model config given
+    as a tuple of its fields. Every saved tensor is [B, ...] except two RNG scalars of the attention (24 bytes), so
+    the count is linear in B: traced once at micro-batch 1 and 2 per shape, not once per candidate micro-batch and
+    checkpointing mode (a trace takes ~0.5 s; `shardfit plan` asks for dozens)."""
+    m = ModelConfig(**dict(model))
+    first, second = (_compiled_saved_bytes(*_meta_block(m, layer, b, S, dtype)) for b in (1, 2))
+    return first, second - first
+
+
+def _meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torch.dtype):
+    """One decoder block on the meta device, with the flash attention core (and the MoE graph spread evenly), and its
+    inputs: (block, x [b, S, D], cos, sin)."""
+    from shardfit.models.decoder import DecoderBlock, is_moe_layer
+
+    head_dim = m.head_dim or m.dim // m.n_heads
+    with torch.device("meta"):
+        block = DecoderBlock(m, layer).to(dtype)
+        x = torch.empty(micro_batch, S, m.dim, dtype=dtype, requires_grad=True)
+        cos = torch.empty(micro_batch, S, head_dim, dtype=dtype)
+        sin = torch.empty_like(cos)
+    block.self_attn.core = _flash_core
+    if is_moe_layer(m, layer):
+        block.mlp.forward = lambda h, _moe=block.mlp: _moe_meta_forward(_moe, h)
+    return block, x, cos, sin
 
 
 def _moe_meta_forward(moe, x: torch.Tensor) -> torch.Tensor:
@@ -103,26 +131,19 @@ class _SavedOps(TorchDispatchMode):
 
 def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0) -> dict[str, int]:
     """Bytes one block keeps for backward per checkpointing mode, for micro_batch sequences on one rank."""
-    from shardfit.models.decoder import DecoderBlock, is_moe_layer
+    from shardfit.models.decoder import is_moe_layer
     from shardfit.parallel.parallelize import _SAVE_OPS
 
     dtype = torch.bfloat16 if cfg.parallel.param_dtype in ("auto", "bfloat16") else torch.float32
     S = cfg.data.seq_len // cfg.parallel.sequence_parallel  # Ulysses: each rank keeps S/P tokens
     m = cfg.model
-    head_dim = m.head_dim or m.dim // m.n_heads
-    with torch.device("meta"):
-        block = DecoderBlock(m, layer).to(dtype)
-        x = torch.empty(micro_batch, S, m.dim, dtype=dtype, requires_grad=True)
-        cos = torch.empty(micro_batch, S, head_dim, dtype=dtype)
-        sin = torch.empty_like(cos)
-    block.self_attn.core = _flash_core
-    if is_moe_layer(m, layer):
-        block.mlp.forward = lambda h, _moe=block.mlp: _moe_meta_forward(_moe, h)
+    block, x, cos, sin = _meta_block(m, layer, micro_batch, S, dtype)
     # compiled dense blocks: what the partitioner saves; MoE layers are counted as eager (their routed graph is
     # data-dependent on the GPU, so the compiled trace would not be the one that runs)
     compiled = None
     if cfg.parallel.compile and not is_moe_layer(m, layer):
-        compiled = _compiled_saved_bytes(block, x, cos, sin)
+        first, per_sequence = _compiled_line(tuple(dataclasses.asdict(m).items()), S, dtype, layer)
+        compiled = first + per_sequence * (micro_batch - 1)
     params = {p.untyped_storage()._cdata for p in block.parameters()}
     seen: dict[int, int] = {}
 
@@ -225,8 +246,6 @@ def choose_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: i
 def auto_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: int) -> tuple[Estimate, str]:
     """choose_micro_batch, and the line the trainer prints: the choice, and what freeing the gradients between steps
     (memory.keep_grads=false) would allow instead, when that is more."""
-    import dataclasses
-
     e = choose_micro_batch(cfg, world, budget_bytes, per_rank)
     line = (f"train.micro_batch=0: chose {e.micro_batch}, predicted peak {e.peak / GiB:.1f} GiB of a "
             f"{budget_bytes / GiB:.1f} GiB budget per GPU (shardfit plan)")
@@ -241,8 +260,6 @@ def auto_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: int
 
 def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
     """The report of `shardfit plan`: the configured micro-batch's peak, then the largest micro-batch per mode."""
-    import dataclasses
-
     budget = allocation_budget(gpu_gib * GiB)
     m = cfg.model
     lines = [f"shardfit plan: {m.name}, {world} GPU(s) of {gpu_gib:.0f} GiB, seq {cfg.data.seq_len}"
