@@ -85,7 +85,7 @@ Predict a rank's peak GPU memory before launch and pick the largest micro-batch 
 
 The same config keys as `shardfit train` (model, data.seq_len, parallel.*, memory.keep_grads). --nproc is the
 number of GPUs the model is sharded over; --gpu-memory the memory of one GPU in GiB (default: this machine's GPU,
-else 80). Predictions are for eager blocks (compiled ones use less).
+else 80). With --parallel.compile=true dense blocks are counted as the compiled graph saves them.
 """
 
 

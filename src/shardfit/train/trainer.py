@@ -1,8 +1,9 @@
 """The training loop.
 
 Collectives of one optimizer step, identical on every rank and in this order:
-  FSDP's own all-gathers and reduce-scatters (gradient sync only on the last micro-batch), and with sequence
-  parallelism the attention all-to-alls (the same on every rank of a group, in forward, recompute and backward),
+  FSDP's own all-gathers and reduce-scatters (gradients reduced after every micro-batch, or with
+  parallel.reduce_every_micro_batch=false after the last one only), and with sequence parallelism the attention
+  all-to-alls (the same on every rank of a group, in forward, recompute and backward),
   then exactly one all-gather of a small stats vector per rank, after all micro-batches.
 That one collective carries each rank's local squared gradient norm, summed loss, token count, a non-finite flag and
 its memory figures. From it every rank derives the same global token count, gradient norm, skip decision and
