@@ -117,12 +117,13 @@ class StepProfiler:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         raw = self.out_dir / f".step{self.step}_rank0.json"
         prof.export_chrome_trace(str(raw))
-        events = json.loads(raw.read_text()).get("traceEvents", [])
+        data = raw.read_bytes()  # read once: compressed below, parsed for the summary
+        raw.unlink()
+        events = json.loads(data).get("traceEvents", [])
         trace = self.out_dir / f"step{self.step}_rank0.json.gz"
         with gzip.open(f"{trace}.tmp", "wb") as f:  # temp name, then rename: never a half-written trace
-            f.write(raw.read_bytes())
+            f.write(data)
         os.replace(f"{trace}.tmp", trace)
-        raw.unlink()
         s = summarize_trace(events)
         if not s:
             ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:8]
