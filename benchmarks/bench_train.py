@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,6 +113,11 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
             "--logging.profile_step=8"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
+    # session 4's first call: the best configuration profiled (the trace is kept: matmul time under communication)
+    "profile": [
+        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                                  "--parallel.reduce_dtype=bfloat16", "--logging.profile_step=8"]),
+    ],
     # session 3's closing comparison: the best configurations with the anchor in the same call
     "final": [
         ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]),
@@ -154,7 +160,7 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
 }
 
 
-for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "final"):
+for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "final", "profile"):
     SUITES[_suite] = [(k, label, FREED + args if k == "shardfit" else args) for k, label, args in SUITES[_suite]]
 
 
@@ -193,6 +199,9 @@ def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:
     profiles = sorted((run_dir / "profile").glob("step*_summary.json"))  # --logging.profile_step
     if profiles:
         out["profile"] = json.loads(profiles[-1].read_text())
+        keep = os.environ.get("BENCH_KEEP_TRACES")  # a folder: the rank-0 trace is copied there, named by case
+        if keep:
+            shutil.copy(out["profile"]["trace"], Path(keep) / (label.replace(" ", "_") + ".json.gz"))
     doctor = sorted((run_dir / "snapshots").glob("doctor_step*.txt"))
     if doctor:
         out["doctor"] = doctor[-1].read_text()

@@ -9,6 +9,8 @@
 #   load-variants  the loader at 8/16 threads x 16/64 MiB pinned buffers (after load)
 #   heads   compile mbs4 from .old/src (an earlier commit's src, carried) then from src: one change, one call
 #   curve   50 steps of the fastest configuration against the plain one (1 GPU, 1B shape): loss curves compared
+#   gemm    the step's GEMMs alone (1 GPU) and beside a looping NCCL all-gather (2 GPUs): the matmul ceiling
+#   profile the best configuration profiled, its trace kept under $OUT/traces
 #   levers  bench_train --suite levers on 2 GPUs (issue 5); levers2, levers3 likewise
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -55,6 +57,12 @@ for stage in "$@"; do
       env $two python3 benchmarks/bench_train.py --suite long --nproc 2 --timeout 560 --out "$OUT/long_x2.json" 2>&1 | tail -4 ;;
     curve) python3 benchmarks/bench_train.py --suite curve --nproc 1 --timeout 400 --out "$OUT/curve_x1.json" 2>&1 | tail -9 ;;
     single) python3 benchmarks/bench_train.py --suite single --nproc 1 --out "$OUT/single_x1.json" 2>&1 | tail -6 ;;
+    gemm)  # the step's GEMMs alone on one GPU, then on 2 with an NCCL all-gather looping beside them (default
+      # channels, then 4): the matmul ceiling against the profile's in-step rate
+      python3 benchmarks/bench_gemm.py --out "$OUT/gemm_x1.json"
+      env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_gemm.py --comm --out "$OUT/gemm_comm_x2.json" 2>&1 | grep -v Warn
+      env $two NCCL_MAX_NCHANNELS=4 python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_gemm.py --comm --out "$OUT/gemm_comm4_x2.json" 2>&1 | grep -v Warn ;;
+    profile) mkdir -p "$OUT/traces"; env $two BENCH_KEEP_TRACES="$OUT/traces" python3 benchmarks/bench_train.py --suite profile --nproc 2 --out "$OUT/profile_x2.json" 2>&1 | tail -3 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
