@@ -118,6 +118,17 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
                                                   "--parallel.reduce_dtype=bfloat16", "--logging.profile_step=8"]),
     ],
+    # session 4: FP8 matmuls (torchao), reported apart from bf16; each from the bf16 best (compile mbs4 bf16-reduce)
+    "fp8": [
+        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                                  "--parallel.reduce_dtype=bfloat16"]),
+        ("shardfit", "fp8 tensorwise mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                             "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=tensorwise",
+                                             "--logging.profile_step=8"]),
+        ("shardfit", "fp8 rowwise mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                          "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=rowwise"]),
+        ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
+    ],
     # session 3's closing comparison: the best configurations with the anchor in the same call
     "final": [
         ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]),
@@ -134,6 +145,14 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                         "--parallel.activation_checkpoint=full",
                                                         "--parallel.loss_chunk=512"]),
         ("shardfit", "fast: compiled, no AC, mbs4", [*CURVE, "--train.micro_batch=4", "--parallel.compile=true"]),
+    ],
+    # FP8 against bf16 over 50 steps, same data (one GPU, Llama-3.2-1B shape)
+    "curve8": [
+        ("shardfit", "fast bf16: compiled, no AC, mbs4", [*CURVE, "--train.micro_batch=4", "--parallel.compile=true"]),
+        ("shardfit", "fast fp8 tensorwise", [*CURVE, "--train.micro_batch=4", "--parallel.compile=true",
+                                             "--parallel.fp8=tensorwise"]),
+        ("shardfit", "fast fp8 rowwise", [*CURVE, "--train.micro_batch=4", "--parallel.compile=true",
+                                          "--parallel.fp8=rowwise"]),
     ],
     # capacity: one 262,144-token sequence split over 2 ranks (Ulysses), full checkpointing, 2 steps (the second
     # is measured); the data file must hold more than 262,145 tokens (device_run.sh makes one)
@@ -160,7 +179,7 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
 }
 
 
-for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "final", "profile"):
+for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "final", "profile", "fp8"):
     SUITES[_suite] = [(k, label, FREED + args if k == "shardfit" else args) for k, label, args in SUITES[_suite]]
 
 

@@ -10,6 +10,8 @@
 #   heads   compile mbs4 from .old/src (an earlier commit's src, carried) then from src: one change, one call
 #   curve   50 steps of the fastest configuration against the plain one (1 GPU, 1B shape): loss curves compared
 #   gemm    the step's GEMMs alone (1 GPU) and beside a looping NCCL all-gather (2 GPUs): the matmul ceiling
+#   fp8     FP8 tensorwise and rowwise (torchao, carried in .whl) against the bf16 best and the Liger anchor
+#   curve8  50 steps: bf16 fast against FP8 tensorwise and rowwise (1 GPU, 1B shape)
 #   profile the best configuration profiled, its trace kept under $OUT/traces
 #   levers  bench_train --suite levers on 2 GPUs (issue 5); levers2, levers3 likewise
 set -u
@@ -62,6 +64,8 @@ for stage in "$@"; do
       python3 benchmarks/bench_gemm.py --out "$OUT/gemm_x1.json"
       env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_gemm.py --comm --out "$OUT/gemm_comm_x2.json" 2>&1 | grep -v Warn
       env $two NCCL_MAX_NCHANNELS=4 python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_gemm.py --comm --out "$OUT/gemm_comm4_x2.json" 2>&1 | grep -v Warn ;;
+    fp8) mkdir -p "$OUT/traces"; env $two BENCH_KEEP_TRACES="$OUT/traces" python3 benchmarks/bench_train.py --suite fp8 --nproc 2 --out "$OUT/fp8_x2.json" 2>&1 | tail -7 ;;
+    curve8) python3 benchmarks/bench_train.py --suite curve8 --nproc 1 --timeout 400 --out "$OUT/curve8_x1.json" 2>&1 | tail -9 ;;
     profile) mkdir -p "$OUT/traces"; env $two BENCH_KEEP_TRACES="$OUT/traces" python3 benchmarks/bench_train.py --suite profile --nproc 2 --out "$OUT/profile_x2.json" 2>&1 | tail -3 ;;
     *) echo "unknown stage $stage" ;;
   esac

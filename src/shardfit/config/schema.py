@@ -109,6 +109,12 @@ class ParallelConfig:
                                 "1.8% faster than Liger's on 2 x H200, benchmarks/NOTES.md), liger (Liger-Kernel's "
                                 "Triton kernel, CUDA, optional extra); auto: liger when installed and on CUDA",
                        choices=("auto", "liger", "torch"))
+    fp8: str = opt("none", "FP8 matmuls in the blocks' linear layers through torchao (optional extra; CUDA compute "
+                           "capability >= 8.9): tensorwise (fastest; weights all-gathered in FP8) or rowwise (finer "
+                           "scales); changes numerics slightly, see parallel/fp8.py",
+                   choices=("none", "tensorwise", "rowwise"))
+    fp8_all_gather: bool = opt(True, "with fp8=tensorwise: FSDP all-gathers the converted weights in FP8 (half the "
+                                     "bytes), their scales refreshed by one all-reduce after each optimizer step")
     loss_chunk: int = opt(1024, "tokens per chunk of the fused linear cross-entropy (never full fp32 logits)", gt=0)
 
 

@@ -1,8 +1,10 @@
 """Apply activation checkpointing, compilation and FSDP2 to a model built on the meta device.
 
 The order is fixed and each step relies on the previous ones:
-  0. Ulysses sequence parallelism (if asked) wraps each attention kernel, so the all-to-alls sit inside the block
-     forward that checkpointing and compile see next;
+  0. FP8 (if asked) swaps the blocks' chosen nn.Linear layers for torchao's Float8Linear: a module swap on the meta
+     model, so that checkpointing, compile and FSDP (its FP8 all-gather hooks live on the weights) all see the final
+     modules; then Ulysses sequence parallelism (if asked) wraps each attention kernel, so the all-to-alls sit
+     inside the block forward that checkpointing and compile see next;
   1. activation checkpointing wraps each block's forward in a non-reentrant checkpoint (parameter names stay the
      Hugging Face ones: no wrapper module);
   2. torch.compile of each block's forward, checkpoint included (dynamo traces the checkpointed region, and the
@@ -27,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardfit.config.schema import ParallelConfig
+from shardfit.parallel.fp8 import apply_fp8
 from shardfit.parallel.ulysses import apply_sequence_parallel
 
 # Selective checkpointing keeps the outputs of the expensive ops (matmuls and attention) and recomputes the cheap
@@ -131,8 +134,11 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
     """
     blocks = list(model.model.layers)
+    capability = None
     if device.type == "cuda":
         select_attention_kernel(cfg.attention)
+        capability = torch.cuda.get_device_capability(device)
+    model.fp8_layers = apply_fp8(model, cfg, device.type, capability)  # 0
     sp = cfg.sequence_parallel
     if sp > 1:
         # Ranks r with the same r // sp form one sequence-parallel group (neighbours: one node, the fastest links).

@@ -4,7 +4,9 @@ Collectives of one optimizer step, identical on every rank and in this order:
   FSDP's own all-gathers and reduce-scatters (gradients reduced after every micro-batch, or with
   parallel.reduce_every_micro_batch=false after the last one only), and with sequence parallelism the attention
   all-to-alls (the same on every rank of a group, in forward, recompute and backward),
-  then exactly one all-gather of a small stats vector per rank, after all micro-batches.
+  then exactly one all-gather of a small stats vector per rank, after all micro-batches,
+  and with tensorwise FP8 all-gather, after an applied optimizer update, one all-reduce of the weights' amaxes (the
+  next step's FP8 scales; every rank takes the same branch, decided by the stats collective).
 That one collective carries each rank's local squared gradient norm, summed loss, token count, a non-finite flag and
 its memory figures. From it every rank derives the same global token count, gradient norm, skip decision and
 metrics, so no rank can take a different branch. It is also the step's only host-device sync.
@@ -33,6 +35,7 @@ from shardfit.memory.record import SnapshotRecorder
 from shardfit.models import build_model, count_params
 from shardfit.models.loss import liger_available
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
+from shardfit.parallel.fp8 import refresh_fp8_scales
 from shardfit.parallel.ulysses import check_sequence_parallel, local_slice
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
 from shardfit.train.metrics import (
@@ -150,6 +153,10 @@ class Trainer:
         from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
         self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed,
                                  init=not from_hf)
+        if cfg.parallel.fp8 != "none":
+            gather = "FP8" if cfg.parallel.fp8 == "tensorwise" and cfg.parallel.fp8_all_gather else "bf16"
+            self.notices.append(f"fp8 {cfg.parallel.fp8}: {self.model.fp8_layers} linear layers run FP8 matmuls "
+                                f"(weights all-gathered in {gather})")
         if from_hf:
             from shardfit.hf import load_hf_checkpoint
 
@@ -160,6 +167,7 @@ class Trainer:
         self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
                                      self.model])
         self.progress: Progress | None = None  # made by fit()
+        refresh_fp8_scales(self.model, cfg.parallel)  # again after a resume below: the weights it loads
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.n_params = count_params(self.model)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
@@ -171,6 +179,7 @@ class Trainer:
             self.step, self.skipped = state["step"], state.get("skipped", 0)
             self.tokens_seen = state.get("tokens_seen", 0)
             self.resumed_from = resume
+            refresh_fp8_scales(self.model, cfg.parallel)
 
         seq = cfg.data.seq_len
         self.capacity = self.accum * cfg.train.micro_batch * seq // self.sp  # C: this rank's tokens per step
@@ -276,6 +285,7 @@ class Trainer:
             torch._foreach_mul_(grads, scale * coef)
             set_lr(self.optimizer, lr)
             self.optimizer.step()
+            refresh_fp8_scales(self.model, self.cfg.parallel)
         else:
             self.skipped += 1
         # keep_grads: zeroed, not freed (see memory.keep_grads: freed sharded gradients become another stream's idle

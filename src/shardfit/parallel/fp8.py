@@ -1,0 +1,116 @@
+"""FP8 matmuls for the blocks' linear layers (`--parallel.fp8=tensorwise|rowwise`), through torchao's float8 training.
+
+Why torchao: its Float8Linear is the maintained implementation of dynamic-scaled FP8 training for FSDP2 and
+torch.compile (torchtitan uses it), including FP8 all-gather of the weights; writing our own would mean re-deriving
+its scaled-matmul layouts and its FSDP pre/post all-gather hooks. It is an optional extra (`shardfit[fp8]`, or a
+local wheel on machines with no network); without it, asking for fp8 is a one-line error, and everything else runs.
+
+What is converted: the nn.Linear layers inside the decoder blocks whose two dims are multiples of 16 (the FP8
+tensor cores' rule) and, on GPUs, which are large enough to gain, by torchao's measured H100 thresholds: tensorwise
+skips layers with in <= 4096 and out <= 1024 (Llama-3-8B's k/v projections), rowwise those with out <= 2048,
+in <= 1024 or both <= 4096/2048. Never converted: the output head (the loss reads its logits in full precision),
+the embedding, MoE routers and experts (the router's logits decide the routing; the experts are one grouped tensor,
+not linears).
+On the CPU the matmuls are emulated (FP8-rounded operands, high-precision products): slow, but the same numerics,
+which is what the CPU tests check; there every eligible layer is converted.
+
+Numerics: forward matmuls take e4m3 inputs and weights, backward gradients e5m2 (tensorwise) or e4m3 (rowwise);
+every scale is dynamic (the amax of the tensor, or of each row, at that moment); accumulation stays fp32 and the
+master weights, gradients and optimizer states are unchanged. So FP8 changes the loss curve slightly: the figures
+are reported apart from bf16 (benchmarks/README.md).
+
+FP8 all-gather (tensorwise only, on by default): FSDP all-gathers each converted weight already cast to e4m3 (half
+the bytes of bf16) with one scale per weight. The scales are computed for all weights at once after every optimizer
+step by `refresh_fp8_scales`: a max all-reduce over the weights' amaxes, one collective that every rank issues at
+the same point of every step (skipped steps too), never inside backward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from shardfit.config.schema import ParallelConfig
+from shardfit.errors import ShardfitError
+
+
+def fp8_available() -> bool:
+    # torchao logs a warning for each of its optional C++ kernels that does not load with this torch (none of them
+    # is used here: the FP8 matmul is torch's own _scaled_mm); quiet during the import only. Its pytree
+    # registration also trips a deprecation warning of newer torch's.
+    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception:  # ImportError, or a torchao built for another torch failing at import
+        return False
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+    return True
+
+
+def _worth_converting(mod: nn.Module, fqn: str, recipe: str, on_gpu: bool) -> bool:
+    if type(mod) is not nn.Linear or ".layers." not in f".{fqn}" or fqn.endswith("mlp.gate"):
+        return False  # subclasses (the output head), anything outside the blocks, MoE routers
+    out_f, in_f = mod.weight.shape
+    if in_f % 16 or out_f % 16:
+        return False
+    if not on_gpu:  # emulated (CPU): no speed to weigh, so every eligible layer takes the FP8 numerics
+        return True
+    if recipe == "tensorwise":
+        return not (in_f <= 4096 and out_f <= 1024)
+    return not (out_f <= 2048 or in_f <= 1024 or (out_f <= 4096 and in_f <= 2048))
+
+
+def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capability: tuple[int, int] | None) -> int:
+    """Swap the chosen linear layers for torchao's Float8Linear (on the meta model, before checkpointing, compile and
+    FSDP). Returns how many were converted."""
+    if cfg.fp8 == "none":
+        return 0
+    if not fp8_available():
+        raise ShardfitError("needs torchao, which is not installed or does not import with this torch",
+                            where=f"parallel.fp8={cfg.fp8}",
+                            fix="pip install 'shardfit[fp8]' (or a local torchao wheel), or set parallel.fp8=none")
+    if device_type == "cuda" and capability is not None and capability < (8, 9):
+        raise ShardfitError(f"needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); "
+                            f"this GPU has {capability[0]}.{capability[1]}", where=f"parallel.fp8={cfg.fp8}",
+                            fix="set parallel.fp8=none")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    if cfg.fp8 == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.fp8_all_gather,
+                                    emulate=device_type != "cuda")
+    else:  # rowwise: torchao's recipe (power-of-two scales, e4m3 everywhere); its all-gather stays bf16
+        config = Float8LinearConfig.from_recipe_name(cfg.fp8)
+        if device_type != "cuda":
+            config = _with_emulation(config)
+    chosen: list[str] = []
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        ok = _worth_converting(mod, fqn, cfg.fp8, device_type == "cuda")
+        if ok:
+            chosen.append(fqn)
+        return ok
+
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    return len(chosen)
+
+
+def _with_emulation(config):
+    """The same recipe, its matmuls emulated in high precision (CPU runs: the CPU has no FP8 matmul of this kind)."""
+    import dataclasses
+
+    return dataclasses.replace(config, emulate=True)
+
+
+def refresh_fp8_scales(model: nn.Module, cfg: ParallelConfig) -> None:
+    """After each optimizer step: the FP8 all-gather's per-weight scales from the updated weights (one all-reduce,
+    issued by every rank at the same point; see the module docstring). A no-op unless tensorwise FP8 all-gather."""
+    if cfg.fp8 == "tensorwise" and cfg.fp8_all_gather:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)

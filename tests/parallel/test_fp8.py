@@ -1,0 +1,89 @@
+"""FP8 matmuls (`parallel.fp8`, torchao): which layers convert, sharded FP8 training equals single-process FP8
+training, FP8 really changes the numerics (a little), and checkpoints and exports hold plain weights."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardfit.config import load_config
+from shardfit.errors import ShardfitError
+from shardfit.models import build_model
+from shardfit.parallel import fp8 as fp8_mod
+from shardfit.train import Trainer
+from tests._dist import run_ranks
+from tests.helpers import full_state, reference_train, small_config
+
+pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
+
+
+def _converted(model) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_on_gpus_only_the_blocks_large_linears_convert(recipe):
+    cfg = load_config(None, ["--model.name=llama3-8b", "--model.n_layers=2", f"--parallel.fp8={recipe}"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    n = fp8_mod.apply_fp8(model, cfg.parallel, "cuda", (9, 0))
+    names = _converted(model)
+    assert n == len(names) == 10  # q, o, gate, up, down of 2 blocks
+    assert not any(x.endswith(("k_proj", "v_proj")) for x in names)  # [4096 -> 1024]: too small to gain
+    assert type(model.lm_head).__name__ == "OutputHead"  # the loss reads the head's logits in full precision
+
+
+def test_moe_routers_and_experts_stay_and_cpu_converts_every_eligible_layer():
+    cfg = small_config("--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32",
+                       "--parallel.fp8=tensorwise")
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    names = _converted(model)
+    assert names == []
+    fp8_mod.apply_fp8(model, cfg.parallel, "cpu", None)
+    names = _converted(model)
+    assert sorted({x.split(".")[-1] for x in names}) == ["k_proj", "o_proj", "q_proj", "v_proj"]  # emulated: all
+    assert not any(x.endswith("mlp.gate") for x in names)
+
+
+def test_clear_errors(monkeypatch):
+    cfg = small_config("--parallel.fp8=tensorwise")
+    with pytest.raises(ShardfitError, match=r"parallel.fp8=tensorwise: needs FP8 tensor cores .* has 8.0"):
+        fp8_mod.apply_fp8(build_model(cfg.model), cfg.parallel, "cuda", (8, 0))
+    monkeypatch.setattr(fp8_mod, "fp8_available", lambda: False)
+    with pytest.raises(ShardfitError, match=r"needs torchao.*fix: pip install 'shardfit\[fp8\]'"):
+        fp8_mod.apply_fp8(build_model(cfg.model), cfg.parallel, "cpu", None)
+
+
+def _train_fp8(rank, world, overrides, run_dir):
+    trainer = Trainer(small_config(*overrides, run_dir=run_dir))
+    history = trainer.fit()
+    # FP8 weights are torchao's wrapper subclass around the high-precision tensor (its FSDP all-gather hooks)
+    state = {k: getattr(v, "_tensor", v).tolist() for k, v in full_state(trainer.model).items()}
+    return {"losses": [h["loss"] for h in history], "state": state if rank == 0 else None,
+            "layers": trainer.model.fp8_layers}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_two_rank_fp8_training_matches_one_rank(tmp_path, recipe):
+    """Tensorwise all-gathers the weights in FP8 with scales from one all-reduce: the same casts as one rank. The
+    micro-batches are the same on 1 and 2 ranks (dynamic scales depend on them); only the gradients' reduction order
+    differs."""
+    overrides = [f"--parallel.fp8={recipe}", "--train.micro_batch=2", f"--checkpoint.export_hf={tmp_path}/hf",
+                 "--checkpoint.export_dtype=float32"]
+    two = run_ranks(_train_fp8, 2, overrides, str(tmp_path))
+    one = run_ranks(_train_fp8, 1, overrides[:-2], str(tmp_path / "one"))[0]
+    assert two[0]["losses"] == two[1]["losses"] and two[0]["layers"] == one["layers"] == 14
+    torch.testing.assert_close(torch.tensor(two[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-5)
+    for k, v in two[0]["state"].items():
+        torch.testing.assert_close(torch.tensor(v), torch.tensor(one["state"][k]), rtol=1e-4, atol=1e-4, msg=k)
+    # FP8 is not a no-op: the same run without it lands elsewhere, but close
+    _, plain = reference_train(small_config("--train.micro_batch=2"))
+    assert two[0]["losses"] != pytest.approx(plain, rel=1e-4)
+    assert two[0]["losses"] == pytest.approx(plain, rel=0.05)
+    # the export holds plain tensors under the Hugging Face names, equal to the trained weights
+    exported = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(f))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert type(exported[name]) is torch.Tensor
+    torch.testing.assert_close(exported[name], torch.tensor(two[0]["state"][name]))
