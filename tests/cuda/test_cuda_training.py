@@ -140,13 +140,18 @@ def test_profiled_step_sorts_gpu_time_by_kernel_kind(tmp_path):
     assert abs(sum(s["compute_kinds_ms"].values()) - s["compute_busy_ms"]) < 0.05 * s["span_ms"]
 
 
-FP8_MODEL = ["--model.dim=1152", "--model.n_heads=9", "--model.n_kv_heads=3", "--model.ffn_dim=3072",
-             "--model.n_layers=2", "--data.seq_len=64", "--train.steps=30", "--parallel.compile=true"]
+# Large enough that torchao's size thresholds convert layers under both recipes (rowwise needs out > 2048 and in >
+# 2048 at these sizes); a learning rate at which bf16 itself trains smoothly, so the two curves can be compared.
+FP8_RUN = ["--model.dim=2560", "--model.n_heads=20", "--model.n_kv_heads=4", "--model.ffn_dim=6912",
+           "--model.n_layers=2", "--data.seq_len=64", "--train.steps=30", "--train.lr=1e-3", "--train.warmup_steps=5",
+           "--parallel.compile=true"]
 
 
 def _train_fp8(rank, world, extra, run_dir):
-    out = _train(rank, world, extra, run_dir)
-    return {**out, "state": None}
+    trainer = Trainer(small_config("--train.device=cuda", *extra, run_dir=run_dir))
+    history = trainer.fit()
+    return {"losses": [h["loss"] for h in history], "layers": getattr(trainer.model, "fp8_layers", 0),
+            "peak_alloc": torch.cuda.max_memory_allocated(), "retries": torch.cuda.memory_stats()["num_alloc_retries"]}
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -156,9 +161,10 @@ def test_fp8_compiled_training_tracks_bf16(tmp_path, recipe):
     pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability 8.9")
-    fp8 = run_ranks(_train_fp8, _world(), [*FP8_MODEL, f"--parallel.fp8={recipe}"], str(tmp_path / "fp8"),
+    fp8 = run_ranks(_train_fp8, _world(), [*FP8_RUN, f"--parallel.fp8={recipe}"], str(tmp_path / "fp8"),
                     backend="nccl")
-    bf16 = run_ranks(_train_fp8, _world(), FP8_MODEL, str(tmp_path / "bf16"), backend="nccl")
+    bf16 = run_ranks(_train_fp8, _world(), FP8_RUN, str(tmp_path / "bf16"), backend="nccl")
+    assert fp8[0]["layers"] == 10  # q, o, gate, up, down of 2 blocks (k, v [2560 -> 512] stay bf16)
     a, b = torch.tensor(fp8[0]["losses"]), torch.tensor(bf16[0]["losses"])
     assert not torch.equal(a, b)  # FP8 really ran
     assert a[-1] < 0.7 * a[0]
