@@ -141,9 +141,10 @@ def test_profiled_step_sorts_gpu_time_by_kernel_kind(tmp_path):
 
 
 # Large enough that torchao's size thresholds convert layers under both recipes (rowwise needs out > 2048 and in >
-# 2048 at these sizes); a learning rate at which bf16 itself trains smoothly, so the two curves can be compared.
+# 2048 at these sizes); a learning rate at which bf16 itself trains smoothly (at 1e-3 this width spiked from 6 to 15
+# in bf16 alone; 1e-4 checked smooth on the CPU), so that the two curves can be compared.
 FP8_RUN = ["--model.dim=2560", "--model.n_heads=20", "--model.n_kv_heads=4", "--model.ffn_dim=6912",
-           "--model.n_layers=2", "--data.seq_len=64", "--train.steps=30", "--train.lr=1e-3", "--train.warmup_steps=5",
+           "--model.n_layers=2", "--data.seq_len=64", "--train.steps=30", "--train.lr=1e-4", "--train.warmup_steps=5",
            "--parallel.compile=true"]
 
 
@@ -168,6 +169,7 @@ def test_fp8_compiled_training_tracks_bf16(tmp_path, recipe):
     a, b = torch.tensor(fp8[0]["losses"]), torch.tensor(bf16[0]["losses"])
     assert not torch.equal(a, b)  # FP8 really ran
     assert a[-1] < 0.7 * a[0]
-    assert ((a - b).abs() / b).max() < 0.03, (a, b)
+    rel = (a - b).abs() / b
+    assert rel.max() < 0.05 and rel[-5:].max() < 0.02, (a, b)
     peaks = [r["peak_alloc"] for r in fp8]
     assert max(peaks) <= 1.02 * min(peaks) and all(r["retries"] == 0 for r in fp8)

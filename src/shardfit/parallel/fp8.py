@@ -66,9 +66,11 @@ def _worth_converting(mod: nn.Module, fqn: str, recipe: str, on_gpu: bool) -> bo
     return not (out_f <= 2048 or in_f <= 1024 or (out_f <= 4096 and in_f <= 2048))
 
 
-def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capability: tuple[int, int] | None) -> int:
+def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capability: tuple[int, int] | None,
+              prefix: str = "") -> int:
     """Swap the chosen linear layers for torchao's Float8Linear (on the meta model, before checkpointing, compile and
-    FSDP). Returns how many were converted."""
+    FSDP). Returns how many were converted. prefix: the module's own name in the model, when it is a part of it (one
+    block, as `shardfit plan` traces it: "model.layers.0.")."""
     if cfg.fp8 == "none":
         return 0
     if not fp8_available():
@@ -91,7 +93,7 @@ def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capabilit
     chosen: list[str] = []
 
     def keep(mod: nn.Module, fqn: str) -> bool:
-        ok = _worth_converting(mod, fqn, cfg.fp8, device_type == "cuda")
+        ok = _worth_converting(mod, prefix + fqn, cfg.fp8, device_type == "cuda")
         if ok:
             chosen.append(fqn)
         return ok

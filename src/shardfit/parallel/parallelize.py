@@ -41,6 +41,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_mm.default,  # FP8 matmuls (parallel.fp8): as expensive to recompute as the bf16 ones
 }
 _CUDNN_SDPA = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
 if _CUDNN_SDPA is not None:
