@@ -130,6 +130,18 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
                                           "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=rowwise"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
+    # session 4's closing comparison: bf16 best, FP8 best and larger FP8 micro-batches (FP8 frees ~13 GiB), anchor
+    "final4": [
+        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                                  "--parallel.reduce_dtype=bfloat16"]),
+        ("shardfit", "fp8 tensorwise mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
+                                             "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=tensorwise"]),
+        ("shardfit", "fp8 tensorwise mbs5", [*COMPILED, "--train.micro_batch=5", "--train.global_batch={5n}",
+                                             "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=tensorwise"]),
+        ("shardfit", "fp8 tensorwise mbs6", [*COMPILED, "--train.micro_batch=6", "--train.global_batch={6n}",
+                                             "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=tensorwise"]),
+        ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
+    ],
     # session 3's closing comparison: the best configurations with the anchor in the same call
     "final": [
         ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]),
@@ -184,12 +196,12 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
 }
 
 
-for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "final", "profile", "fp8"):
+for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "final", "profile", "fp8", "final4"):
     SUITES[_suite] = [(k, label, FREED + args if k == "shardfit" else args) for k, label, args in SUITES[_suite]]
 
 
 def _fill(args: list[str], nproc: int) -> list[str]:
-    for k in (2, 4, 6, 8):
+    for k in (2, 4, 5, 6, 8):
         args = [a.replace(f"{{{k}n}}", str(k * nproc)) for a in args]
     return args
 
