@@ -184,6 +184,7 @@ class Estimate:
     fsdp: int
     activations: int
     working: int
+    idle_cache: int = 0  # freed gradients cached in the reduce-scatter stream's pool (see fits); not in the peak
 
     @property
     def peak(self) -> int:
@@ -206,11 +207,13 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     root_params = n_params - sum(block_params)
     per_param = 4 + 8 + (4 if cfg.memory.keep_grads else 0)  # fp32 weights, Adam moments, kept fp32 gradients
     states = n_params * per_param // world
+    idle_cache = 0 if cfg.memory.keep_grads else n_params * 4 // world  # freed gradients, cached (see fits)
     if cfg.train.global_batch > micro_batch * (world // cfg.parallel.sequence_parallel):  # accumulation
         if not cfg.parallel.reduce_every_micro_batch:
             states += n_params * 4  # gradients accumulated unsharded in fp32 between micro-batches, on every GPU
         elif not cfg.memory.keep_grads:
             states += n_params * 4 // world  # the sharded fp32 gradients live from the first micro-batch on
+            idle_cache = 0  # allocated then, not idle: counted in states
     big_block = max(block_params)
     # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
     # converted weights at 1 byte each
@@ -237,15 +240,16 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # backward of one block: gradients of its input and output, of the gate and up projections' outputs, and
     # under checkpointing the block's recomputed tensors on top
     backward = 2 * worst["block_input"] + worst["ffn_grads"] + (worst["none"] if mode != "none" else 0)
-    return Estimate(micro_batch, states, fsdp, acts, max(loss, backward))
+    return Estimate(micro_batch, states, fsdp, acts, max(loss, backward), idle_cache)
 
 
-def largest_micro_batch(cfg: Config, world: int, budget_bytes: float, limit: int = 64) -> Estimate | None:
+def largest_micro_batch(cfg: Config, world: int, budget_bytes: float, limit: int = 64,
+                        device_bytes: float | None = None) -> Estimate | None:
     """The largest micro-batch (1, 2, 3, ...) whose predicted peak fits the budget; None if even 1 does not."""
     best = None
     for mb in range(1, limit + 1):
         e = estimate(cfg, world, mb)
-        if e.peak > budget_bytes:
+        if not fits(e, budget_bytes, device_bytes):
             break
         best = e
     return best
@@ -257,28 +261,42 @@ def allocation_budget(device_bytes: float) -> float:
     return 0.95 * device_bytes - 0.5 * GiB
 
 
-def choose_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: int) -> Estimate:
+def fits(e: Estimate, budget_bytes: float, device_bytes: float | None = None) -> bool:
+    """Within the allocation budget, and (device size given) with freed gradients' idle cache besides: FSDP2 allocates
+    the sharded gradients in its reduce-scatter stream's pool, so once freed (memory.keep_grads=false) they stay
+    cached there, idle for the compute stream. Measured on 2 x H200, Llama-3-8B (15.0 GiB of gradients per GPU):
+    reserved was allocated + 16.9 GiB (bf16 and FP8 at micro-batch 4) and + 18.0 GiB (FP8 at 5, no retries); FP8 at
+    6 (132.8 GiB allocated, inside the allocation budget) hit the device's memory and retried 29 times a step. So
+    allocated + that cache + 3 GiB must stay 1.5 GiB under the device's memory."""
+    if e.peak > budget_bytes:
+        return False
+    return device_bytes is None or e.peak + e.idle_cache <= device_bytes - 4.5 * GiB
+
+
+def choose_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: int,
+                       device_bytes: float | None = None) -> Estimate:
     """The largest divisor of the per-rank batch whose predicted peak fits (train.micro_batch=0)."""
     from shardfit.errors import ShardfitError
 
     for mb in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
         e = estimate(cfg, world, mb)
-        if e.peak <= budget_bytes:
+        if fits(e, budget_bytes, device_bytes):
             return e
     raise ShardfitError(f"even micro-batch 1 is predicted to need {e.peak / GiB:.1f} GiB per GPU, more than the "
                         f"{budget_bytes / GiB:.1f} GiB budget", where="train.micro_batch=0",
                         fix="set parallel.activation_checkpoint=selective or full, shorten data.seq_len, or add GPUs")
 
 
-def auto_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: int) -> tuple[Estimate, str]:
-    """choose_micro_batch, and the line the trainer prints: the choice, and what freeing the gradients between steps
-    (memory.keep_grads=false) would allow instead, when that is more."""
-    e = choose_micro_batch(cfg, world, budget_bytes, per_rank)
+def auto_micro_batch(cfg: Config, world: int, device_bytes: float, per_rank: int) -> tuple[Estimate, str]:
+    """choose_micro_batch on a GPU of device_bytes, and the line the trainer prints: the choice, and what freeing the
+    gradients between steps (memory.keep_grads=false) would allow instead, when that is more."""
+    budget = allocation_budget(device_bytes)
+    e = choose_micro_batch(cfg, world, budget, per_rank, device_bytes)
     line = (f"train.micro_batch=0: chose {e.micro_batch}, predicted peak {e.peak / GiB:.1f} GiB of a "
-            f"{budget_bytes / GiB:.1f} GiB budget per GPU (shardfit plan)")
+            f"{budget / GiB:.1f} GiB budget per GPU (shardfit plan)")
     if cfg.memory.keep_grads:
         freed = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_grads=False))
-        alt = choose_micro_batch(freed, world, budget_bytes, per_rank)
+        alt = choose_micro_batch(freed, world, budget, per_rank, device_bytes)
         if alt.micro_batch > e.micro_batch:
             line += (f"; with --memory.keep_grads=false {alt.micro_batch} would fit ({alt.peak / GiB:.1f} GiB), "
                      f"reserved memory then running ~1.15x allocated")
@@ -304,11 +322,11 @@ def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
                 f"{e.activations / GiB:>11.1f} {e.working / GiB:>8.1f}{note}")
 
     mine = estimate(cfg, world, cfg.train.micro_batch or 1)
-    fits = "fits" if mine.peak <= budget else "DOES NOT FIT"
-    lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {fits}"))
+    verdict = "fits" if fits(mine, budget, gpu_gib * GiB) else "DOES NOT FIT"
+    lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {verdict}"))
     for mode in ("none", "selective", "full"):
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpoint=mode))
-        best = largest_micro_batch(c, world, budget)
+        best = largest_micro_batch(c, world, budget, device_bytes=gpu_gib * GiB)
         lines.append(row(mode, best, "  (largest tried: 64; more may fit)" if best and best.micro_batch == 64
                          else "  (largest that fits)"))
     return "\n".join(lines)

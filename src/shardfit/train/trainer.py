@@ -415,7 +415,7 @@ class Trainer:
     def _choose_micro_batch(self) -> None:
         """train.micro_batch=0: the largest micro-batch dividing this rank's batch that shardfit plan predicts to fit
         (every rank computes the same, from the config alone: no collective). Saved in the resolved config."""
-        from shardfit.memory.plan import allocation_budget, auto_micro_batch
+        from shardfit.memory.plan import auto_micro_batch
 
         cfg = self.cfg
         per_rank = accumulation_steps(cfg.train.global_batch, 1, self.dp_size)  # sequences per rank per step
@@ -424,8 +424,7 @@ class Trainer:
             self.notices.append(f"train.micro_batch=0 on the CPU: {per_rank} (no accumulation)")
         else:
             total = torch.cuda.get_device_properties(self.device).total_memory * (cfg.memory.max_fraction or 1.0)
-            budget = allocation_budget(total)
-            e, notice = auto_micro_batch(cfg, self.dist.world_size, budget, per_rank)
+            e, notice = auto_micro_batch(cfg, self.dist.world_size, total, per_rank)
             cfg.train.micro_batch = e.micro_batch
             self.notices.append(notice)
         self.config_toml = config_to_toml(cfg)
