@@ -87,3 +87,46 @@ def test_two_rank_fp8_training_matches_one_rank(tmp_path, recipe):
     name = "model.layers.0.self_attn.q_proj.weight"
     assert type(exported[name]) is torch.Tensor
     torch.testing.assert_close(exported[name], torch.tensor(two[0]["state"][name]))
+
+
+def _load_hf_fp8(rank, world, path, recipe):
+    from shardfit.config import load_config
+    from shardfit.hf import load_hf_checkpoint
+    from shardfit.parallel import parallelize
+
+    cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=32", f"--parallel.fp8={recipe}"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    parallelize(model, cfg.parallel, torch.device("cpu"), world, seed=0, init=False)
+    load_hf_checkpoint(model, path)
+    fp8_mod.refresh_fp8_scales(model, cfg.parallel)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(ids)
+    state = {k: getattr(v, "_tensor", v).tolist() for k, v in full_state(model).items()}
+    return {"state": state, "layers": model.fp8_layers, "logits": logits.tolist()}
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_hugging_face_weights_load_into_fp8_layers(tmp_path, kind):
+    """A Hugging Face checkpoint loads into the FP8 model's sharded weights (torchao's subclass) exactly, q/k/v
+    biases and MoE layers included, and its logits stay near the model's own."""
+    from shardfit.config import load_config
+    from shardfit.hf import load_hf_checkpoint
+    from tests.hf.test_hf_checkpoints import _save
+
+    path, hf = _save(kind, tmp_path)
+    res = run_ranks(_load_hf_fp8, 2, str(path), "tensorwise")[0]
+    assert res["layers"] > 0
+    plain = build_model(load_config(None, [f"--model.path={path}", "--data.seq_len=32"]).model)
+    load_hf_checkpoint(plain, path)  # one process, no FP8: the reference tensors
+    ref = plain.state_dict()
+    assert set(res["state"]) == {k for k in ref if not k.endswith("inv_freq")}
+    for k, v in res["state"].items():
+        assert torch.equal(torch.tensor(v), ref[k]), k
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = torch.tensor(res["logits"])
+    assert not torch.equal(got, want)  # FP8 rounding is there ...
+    assert ((got - want).norm() / want.norm()).item() < 0.1  # ... and small

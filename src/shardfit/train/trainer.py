@@ -167,7 +167,7 @@ class Trainer:
         self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
                                      self.model])
         self.progress: Progress | None = None  # made by fit()
-        refresh_fp8_scales(self.model, cfg.parallel)  # again after a resume below: the weights it loads
+        refresh_fp8_scales(self.model, cfg.parallel)  # FP8 scales of the initialised or loaded weights
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.n_params = count_params(self.model)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
