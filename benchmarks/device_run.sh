@@ -12,6 +12,7 @@
 #   gemm    the step's GEMMs alone (1 GPU) and beside a looping NCCL all-gather (2 GPUs): the matmul ceiling
 #   fp8     FP8 tensorwise and rowwise (torchao, carried in .whl) against the bf16 best and the Liger anchor
 #   final4  session 4's closing comparison: bf16 best, FP8 at micro-batch 4/5/6, the Liger anchor
+#   fp8x24  FP8 tensorwise mbs 5 on 2 then 4 GPUs (scaling)
 #   curve8  50 steps: bf16 fast against FP8 tensorwise and rowwise (1 GPU, 1B shape)
 #   profile the best configuration profiled, its trace kept under $OUT/traces
 #   levers  bench_train --suite levers on 2 GPUs (issue 5); levers2, levers3 likewise
@@ -66,6 +67,9 @@ for stage in "$@"; do
       env $two python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_gemm.py --comm --out "$OUT/gemm_comm_x2.json" 2>&1 | grep -v Warn
       env $two NCCL_MAX_NCHANNELS=4 python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_gemm.py --comm --out "$OUT/gemm_comm4_x2.json" 2>&1 | grep -v Warn ;;
     fp8) mkdir -p "$OUT/traces"; env $two BENCH_KEEP_TRACES="$OUT/traces" python3 benchmarks/bench_train.py --suite fp8 --nproc 2 --out "$OUT/fp8_x2.json" 2>&1 | tail -7 ;;
+    fp8x24)  # FP8 tensorwise mbs 5 on 2 then 4 GPUs, in one call (scaling)
+      env $two python3 benchmarks/bench_train.py --suite final4 --nproc 2 --only "fp8 tensorwise mbs5" --out "$OUT/fp8_mbs5_x2.json" 2>&1 | tail -2
+      python3 benchmarks/bench_train.py --suite final4 --nproc 4 --only "fp8 tensorwise mbs5" --out "$OUT/fp8_mbs5_x4.json" 2>&1 | tail -2 ;;
     final4) env $two python3 benchmarks/bench_train.py --suite final4 --nproc 2 --out "$OUT/final4_x2.json" 2>&1 | tail -8 ;;
     curve8) python3 benchmarks/bench_train.py --suite curve8 --nproc 1 --timeout 400 --out "$OUT/curve8_x1.json" 2>&1 | tail -9 ;;
     profile) mkdir -p "$OUT/traces"; env $two BENCH_KEEP_TRACES="$OUT/traces" python3 benchmarks/bench_train.py --suite profile --nproc 2 --out "$OUT/profile_x2.json" 2>&1 | tail -3 ;;
