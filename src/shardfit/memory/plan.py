@@ -311,6 +311,7 @@ def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
              + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
              + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
              + (", compiled blocks" if cfg.parallel.compile else ", eager blocks")
+             + (f", FP8 {cfg.parallel.fp8}" if cfg.parallel.fp8 != "none" else "")
              + f"; budget for allocated memory {budget / GiB:.1f} GiB",
              "", f"{'checkpointing':13} {'micro-batch':>11} {'peak GiB':>9} {'states':>7} {'fsdp':>6} "
              f"{'activations':>11} {'working':>8}"]
@@ -322,6 +323,9 @@ def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
                 f"{e.activations / GiB:>11.1f} {e.working / GiB:>8.1f}{note}")
 
     mine = estimate(cfg, world, cfg.train.micro_batch or 1)
+    if mine.idle_cache:
+        lines[0] += (f", and allocated + the freed gradients' {mine.idle_cache / GiB:.1f} GiB cache under "
+                     f"{gpu_gib - 4.5:.1f} GiB")
     verdict = "fits" if fits(mine, budget, gpu_gib * GiB) else "DOES NOT FIT"
     lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {verdict}"))
     for mode in ("none", "selective", "full"):
