@@ -35,6 +35,8 @@ FREED = ["--memory.keep_grads=false"]
 CURVE = ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=50", "--train.warmup_steps=5",
          "--train.lr=3e-4", "--train.global_batch=4"]
 CURVE8 = [*CURVE, "--train.lr=1e-4", "--train.warmup_steps=10"]
+SINGLE_1B = ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=14", "--train.warmup_steps=2",
+             "--train.lr=1e-4", "--parallel.compile=true", "--train.micro_batch=4", "--train.global_batch=4"]
 LIGER_ANCHOR = ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger", "--ac", "none"]
 SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     "tiny": [
@@ -179,6 +181,13 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
             "--data.path=/tmp/long.txt", "--train.steps=2",
             "--train.warmup_steps=1", "--train.lr=1e-5", "--train.micro_batch=1", "--train.global_batch=1",
             "--parallel.sequence_parallel=2", "--parallel.activation_checkpoint=full", *FREED]),
+    ],
+    # one GPU (H100): FP8 on the 1B shape against bf16 and the Liger anchor
+    "single8": [
+        ("shardfit", "llama3-1b compile mbs4", [*SINGLE_1B]),
+        ("shardfit", "llama3-1b compile mbs4 fp8 tensorwise", [*SINGLE_1B, "--parallel.fp8=tensorwise"]),
+        ("anchor", "anchor 1b liger no-AC mbs4", ["--size", "1b", "--seq", "4096", "--mbs", "4", "--liger",
+                                                 "--ac", "none"]),
     ],
     # one GPU (H100): a model that fits, against the anchor at the same size
     "single": [

@@ -12,6 +12,7 @@
 #   gemm    the step's GEMMs alone (1 GPU) and beside a looping NCCL all-gather (2 GPUs): the matmul ceiling
 #   fp8     FP8 tensorwise and rowwise (torchao, carried in .whl) against the bf16 best and the Liger anchor
 #   final4  session 4's closing comparison: bf16 best, FP8 at micro-batch 4/5/6, the Liger anchor
+#   single8 1 GPU (H100), 1B shape: bf16, FP8 tensorwise, the Liger anchor
 #   fp8x24  FP8 tensorwise mbs 5 on 2 then 4 GPUs (scaling)
 #   curve8  50 steps: bf16 fast against FP8 tensorwise and rowwise (1 GPU, 1B shape)
 #   profile the best configuration profiled, its trace kept under $OUT/traces
@@ -60,6 +61,7 @@ for stage in "$@"; do
       for i in $(seq 30); do cat src/shardfit/data/corpus/field_guide.txt; done > /tmp/long.txt
       env $two python3 benchmarks/bench_train.py --suite long --nproc 2 --timeout 560 --out "$OUT/long_x2.json" 2>&1 | tail -4 ;;
     curve) python3 benchmarks/bench_train.py --suite curve --nproc 1 --timeout 400 --out "$OUT/curve_x1.json" 2>&1 | tail -9 ;;
+    single8) python3 benchmarks/bench_train.py --suite single8 --nproc 1 --out "$OUT/single8_x1.json" 2>&1 | tail -5 ;;
     single) python3 benchmarks/bench_train.py --suite single --nproc 1 --out "$OUT/single_x1.json" 2>&1 | tail -6 ;;
     gemm)  # the step's GEMMs alone on one GPU, then on 2 with an NCCL all-gather looping beside them (default
       # channels, then 4): the matmul ceiling against the profile's in-step rate
