@@ -63,6 +63,19 @@ def _train_fp8(rank, world, overrides, run_dir):
             "layers": trainer.model.fp8_layers}
 
 
+def test_two_rank_fp8_moe_training_matches_one_rank(tmp_path):
+    """An MoE model with FP8 attention projections: ranks route differently, the experts stay high precision, and
+    2 ranks still equal 1."""
+    overrides = ["--parallel.fp8=tensorwise", "--model.n_experts=8", "--model.experts_per_token=2",
+                 "--model.moe_ffn_dim=32", "--train.micro_batch=2", "--parallel.activation_checkpoint=selective"]
+    two = run_ranks(_train_fp8, 2, overrides, str(tmp_path))
+    one = run_ranks(_train_fp8, 1, overrides, str(tmp_path / "one"))[0]
+    assert two[0]["layers"] == one["layers"] == 8  # q, k, v, o of 2 blocks; routers and experts not
+    torch.testing.assert_close(torch.tensor(two[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-5)
+    for k, v in two[0]["state"].items():
+        torch.testing.assert_close(torch.tensor(v), torch.tensor(one["state"][k]), rtol=1e-4, atol=1e-4, msg=k)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_two_rank_fp8_training_matches_one_rank(tmp_path, recipe):
     """Tensorwise all-gathers the weights in FP8 with scales from one all-reduce: the same casts as one rank. The
