@@ -22,11 +22,13 @@ are reported apart from bf16 (benchmarks/README.md).
 FP8 all-gather (tensorwise only, on by default): FSDP all-gathers each converted weight already cast to e4m3 (half
 the bytes of bf16) with one scale per weight. The scales are computed for all weights at once after every optimizer
 step by `refresh_fp8_scales`: a max all-reduce over the weights' amaxes, one collective that every rank issues at
-the same point of every step (skipped steps too), never inside backward.
+the same point (after every applied update: all ranks take the same branch), and after init, load and resume; never
+inside FSDP's gather hooks or backward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from torch import nn
@@ -84,12 +86,11 @@ def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capabilit
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if cfg.fp8 == "tensorwise":
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.fp8_all_gather,
-                                    emulate=device_type != "cuda")
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.fp8_all_gather)
     else:  # rowwise: torchao's recipe (power-of-two scales, e4m3 everywhere); its all-gather stays bf16
         config = Float8LinearConfig.from_recipe_name(cfg.fp8)
-        if device_type != "cuda":
-            config = _with_emulation(config)
+    if device_type != "cuda":  # FP8-rounded operands, high-precision products: not every supported torch has a CPU
+        config = dataclasses.replace(config, emulate=True)  # _scaled_mm, and CPU runs are for checking numerics
     chosen: list[str] = []
 
     def keep(mod: nn.Module, fqn: str) -> bool:
@@ -100,13 +101,6 @@ def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capabilit
 
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     return len(chosen)
-
-
-def _with_emulation(config):
-    """The same recipe, its matmuls emulated in high precision (CPU runs: the CPU has no FP8 matmul of this kind)."""
-    import dataclasses
-
-    return dataclasses.replace(config, emulate=True)
 
 
 def refresh_fp8_scales(model: nn.Module, cfg: ParallelConfig) -> None:
