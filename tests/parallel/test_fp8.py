@@ -45,6 +45,16 @@ def test_moe_routers_and_experts_stay_and_cpu_converts_every_eligible_layer():
     assert not any(x.endswith("mlp.gate") for x in names)
 
 
+def test_start_line_says_what_runs_in_fp8():
+    cfg = small_config("--parallel.fp8=tensorwise").parallel
+    assert fp8_mod.fp8_notice(cfg, 0, "cuda").endswith("every matmul runs in bf16")
+    assert "set --parallel.compile=true" in fp8_mod.fp8_notice(cfg, 10, "cuda")
+    compiled = small_config("--parallel.fp8=tensorwise", "--parallel.compile=true").parallel
+    assert fp8_mod.fp8_notice(compiled, 10, "cuda") == ("fp8 tensorwise: 10 linear layers run FP8 matmuls (weights "
+                                                        "all-gathered in FP8)")
+    assert "emulated on the CPU" in fp8_mod.fp8_notice(cfg, 10, "cpu")
+
+
 def test_clear_errors(monkeypatch):
     cfg = small_config("--parallel.fp8=tensorwise")
     with pytest.raises(ShardfitError, match=r"parallel.fp8=tensorwise: needs FP8 tensor cores .* has 8.0"):

@@ -110,3 +110,18 @@ def refresh_fp8_scales(model: nn.Module, cfg: ParallelConfig) -> None:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def fp8_notice(cfg: ParallelConfig, layers: int, device_type: str) -> str:
+    """The line the trainer prints at start: what runs in FP8, and what would keep it from paying."""
+    if layers == 0:
+        return (f"fp8 {cfg.fp8}: no linear layer is large enough to gain by torchao's thresholds (see "
+                f"parallel/fp8.py): every matmul runs in bf16")
+    gather = "FP8" if cfg.fp8 == "tensorwise" and cfg.fp8_all_gather else "bf16"
+    line = f"fp8 {cfg.fp8}: {layers} linear layers run FP8 matmuls (weights all-gathered in {gather})"
+    if device_type != "cuda":
+        line += "; emulated on the CPU (same numerics, no speed-up)"
+    elif not cfg.compile:
+        line += ("; without parallel.compile each cast is a separate pass over its tensor and FP8 gains little or "
+                 "nothing: set --parallel.compile=true")
+    return line

@@ -35,7 +35,7 @@ from shardfit.memory.record import SnapshotRecorder
 from shardfit.models import build_model, count_params
 from shardfit.models.loss import liger_available
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
-from shardfit.parallel.fp8 import refresh_fp8_scales
+from shardfit.parallel.fp8 import fp8_notice, refresh_fp8_scales
 from shardfit.parallel.ulysses import check_sequence_parallel, local_slice
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
 from shardfit.train.metrics import (
@@ -154,9 +154,7 @@ class Trainer:
         self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed,
                                  init=not from_hf)
         if cfg.parallel.fp8 != "none":
-            gather = "FP8" if cfg.parallel.fp8 == "tensorwise" and cfg.parallel.fp8_all_gather else "bf16"
-            self.notices.append(f"fp8 {cfg.parallel.fp8}: {self.model.fp8_layers} linear layers run FP8 matmuls "
-                                f"(weights all-gathered in {gather})")
+            self.notices.append(fp8_notice(cfg.parallel, self.model.fp8_layers, self.device.type))
         if from_hf:
             from shardfit.hf import load_hf_checkpoint
 
