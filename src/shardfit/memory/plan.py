@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardfit.config.schema import Config, ModelConfig
+from shardfit.config.schema import Config, ModelConfig, ParallelConfig
+from shardfit.parallel.fp8 import apply_fp8, gathers_in_fp8
 
 GiB = 1 << 30
 
@@ -98,9 +99,7 @@ def _compiled_line(model: tuple, S: int, dtype: torch.dtype, layer: int, fp8: st
 def _meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torch.dtype, fp8: str = "none"):
     """One decoder block on the meta device, with the flash attention core (and the MoE graph spread evenly), its
     chosen linear layers FP8 if asked, and its inputs: (block, x [b, S, D], cos, sin)."""
-    from shardfit.config.schema import ParallelConfig
     from shardfit.models.decoder import DecoderBlock, is_moe_layer
-    from shardfit.parallel.fp8 import apply_fp8
 
     head_dim = m.head_dim or m.dim // m.n_heads
     with torch.device("meta"):
@@ -191,10 +190,6 @@ class Estimate:
         return self.states + self.fsdp + self.activations + self.working
 
 
-def fp8_all_gather(p) -> bool:
-    return p.fp8 == "tensorwise" and p.fp8_all_gather
-
-
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     from shardfit.models import build_model
     from shardfit.models.decoder import is_moe_layer
@@ -218,9 +213,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
     # converted weights at 1 byte each
     fp8_bytes = 0
-    if fp8_all_gather(cfg.parallel):
-        from shardfit.parallel.fp8 import apply_fp8
-
+    if gathers_in_fp8(cfg.parallel):
         apply_fp8(model, cfg.parallel, "cuda", None)
         fp8_bytes = max(sum(mod.weight.numel() for mod in b.modules() if type(mod).__name__ == "Float8Linear")
                         for b in model.model.layers)

@@ -55,6 +55,11 @@ def fp8_available() -> bool:
     return True
 
 
+def gathers_in_fp8(cfg: ParallelConfig) -> bool:
+    """FSDP all-gathers the converted weights in FP8 (tensorwise only; their scales come from refresh_fp8_scales)."""
+    return cfg.fp8 == "tensorwise" and cfg.fp8_all_gather
+
+
 def _worth_converting(mod: nn.Module, fqn: str, recipe: str, on_gpu: bool) -> bool:
     if type(mod) is not nn.Linear or ".layers." not in f".{fqn}" or fqn.endswith("mlp.gate"):
         return False  # subclasses (the output head), anything outside the blocks, MoE routers
@@ -106,7 +111,7 @@ def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capabilit
 def refresh_fp8_scales(model: nn.Module, cfg: ParallelConfig) -> None:
     """After each optimizer step: the FP8 all-gather's per-weight scales from the updated weights (one all-reduce,
     issued by every rank at the same point; see the module docstring). A no-op unless tensorwise FP8 all-gather."""
-    if cfg.fp8 == "tensorwise" and cfg.fp8_all_gather:
+    if gathers_in_fp8(cfg):
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
@@ -117,7 +122,7 @@ def fp8_notice(cfg: ParallelConfig, layers: int, device_type: str) -> str:
     if layers == 0:
         return (f"fp8 {cfg.fp8}: no linear layer is large enough to gain by torchao's thresholds (see "
                 f"parallel/fp8.py): every matmul runs in bf16")
-    gather = "FP8" if cfg.fp8 == "tensorwise" and cfg.fp8_all_gather else "bf16"
+    gather = "FP8" if gathers_in_fp8(cfg) else "bf16"
     line = f"fp8 {cfg.fp8}: {layers} linear layers run FP8 matmuls (weights all-gathered in {gather})"
     if device_type != "cuda":
         line += "; emulated on the CPU (same numerics, no speed-up)"
