@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardfit.config.schema import Config, ModelConfig, ParallelConfig
-from shardfit.parallel.fp8 import apply_fp8, gathers_in_fp8
+from shardfit.parallel.fp8 import apply_fp8, fp8_linears, gathers_in_fp8
 
 GiB = 1 << 30
 
@@ -214,9 +214,9 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # converted weights at 1 byte each
     fp8_bytes = 0
     if gathers_in_fp8(cfg.parallel):
-        apply_fp8(model, cfg.parallel, "cuda", None)
-        fp8_bytes = max(sum(mod.weight.numel() for mod in b.modules() if type(mod).__name__ == "Float8Linear")
-                        for b in model.model.layers)
+        fp8_bytes = max(sum(mod.weight.numel() for _, mod in fp8_linears(b, cfg.parallel.fp8, True,
+                                                                          f"model.layers.{i}."))
+                        for i, b in enumerate(model.model.layers))
     fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
     mode = cfg.parallel.activation_checkpoint
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}

@@ -73,6 +73,12 @@ def _worth_converting(mod: nn.Module, fqn: str, recipe: str, on_gpu: bool) -> bo
     return not (out_f <= 2048 or in_f <= 1024 or (out_f <= 4096 and in_f <= 2048))
 
 
+def fp8_linears(model: nn.Module, recipe: str, on_gpu: bool, prefix: str = "") -> list[tuple[str, nn.Linear]]:
+    """(name, module) of the linear layers apply_fp8 converts, without converting anything (`shardfit plan` counts
+    their weights)."""
+    return [(fqn, mod) for fqn, mod in model.named_modules() if _worth_converting(mod, prefix + fqn, recipe, on_gpu)]
+
+
 def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capability: tuple[int, int] | None,
               prefix: str = "") -> int:
     """Swap the chosen linear layers for torchao's Float8Linear (on the meta model, before checkpointing, compile and
@@ -96,15 +102,8 @@ def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capabilit
         config = Float8LinearConfig.from_recipe_name(cfg.fp8)
     if device_type != "cuda":  # FP8-rounded operands, high-precision products: not every supported torch has a CPU
         config = dataclasses.replace(config, emulate=True)  # _scaled_mm, and CPU runs are for checking numerics
-    chosen: list[str] = []
-
-    def keep(mod: nn.Module, fqn: str) -> bool:
-        ok = _worth_converting(mod, prefix + fqn, cfg.fp8, device_type == "cuda")
-        if ok:
-            chosen.append(fqn)
-        return ok
-
-    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    chosen = {fqn for fqn, _ in fp8_linears(model, cfg.fp8, device_type == "cuda", prefix)}
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in chosen)
     return len(chosen)
 
 
