@@ -165,7 +165,6 @@ class Trainer:
         self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
                                      self.model])
         self.progress: Progress | None = None  # made by fit()
-        refresh_fp8_scales(self.model, cfg.parallel)  # FP8 scales of the initialised or loaded weights
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.n_params = count_params(self.model)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
@@ -177,7 +176,7 @@ class Trainer:
             self.step, self.skipped = state["step"], state.get("skipped", 0)
             self.tokens_seen = state.get("tokens_seen", 0)
             self.resumed_from = resume
-            refresh_fp8_scales(self.model, cfg.parallel)
+        refresh_fp8_scales(self.model, cfg.parallel)  # FP8 scales of the weights in place: initialised, loaded, resumed
 
         seq = cfg.data.seq_len
         self.capacity = self.accum * cfg.train.micro_batch * seq // self.sp  # C: this rank's tokens per step
