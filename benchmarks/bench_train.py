@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA8B_4K = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=14", "--train.warmup_steps=2",
               "--train.lr=1e-4"]
 COMPILED = [*LLAMA8B_4K, "--parallel.compile=true"]
+MBS4 = [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]  # the compiled baseline of sessions 3-4
+BF16_BEST = [*MBS4, "--parallel.reduce_dtype=bfloat16"]  # session 4's best bf16 configuration
 # The levers, best, long and single suites were measured before memory.keep_grads existed (gradients were freed
 # between steps); FREED reproduces that. At the edge of memory (mbs 4, seq 262,144) kept gradients cause retries.
 # FREED goes first, so that a case's own --memory.keep_grads wins.
@@ -60,56 +62,44 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                "--parallel.kernels=liger"]),
         ("shardfit", "compile mbs2 liger-CE cudnn", [*COMPILED, "--train.micro_batch=2", "--train.global_batch={2n}",
                                                      "--parallel.kernels=liger", "--parallel.attention=cudnn"]),
-        ("shardfit", "compile mbs4 liger-CE", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                               "--parallel.kernels=liger"]),
+        ("shardfit", "compile mbs4 liger-CE", [*MBS4, "--parallel.kernels=liger"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
     # the best 2-GPU configuration, for scaling (run with --nproc 2 and 4) and one more lever on it
     "best": [
-        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]),
-        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                  "--parallel.reduce_dtype=bfloat16"]),
+        ("shardfit", "compile mbs4", MBS4),
+        ("shardfit", "compile mbs4 bf16-reduce", BF16_BEST),
     ],
     # memory.keep_grads (on by default since session 2): reserved vs allocated, eager defaults and the best config
     "honest": [
         ("shardfit", "eager mbs2 (defaults)", [*LLAMA8B_4K, "--train.micro_batch=2", "--train.global_batch={2n}"]),
-        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]),
+        ("shardfit", "compile mbs4", MBS4),
     ],
     # next levers (written in session 2, not yet run; predictions in NOTES.md): each from "compile mbs4"
     "levers2": [
-        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]),
-        ("shardfit", "compile mbs4 loss-chunk 4096", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                      "--parallel.loss_chunk=4096"]),
-        ("shardfit", "compile mbs4 prefetch 2", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                 "--parallel.prefetch=2"]),
+        ("shardfit", "compile mbs4", MBS4),
+        ("shardfit", "compile mbs4 loss-chunk 4096", [*MBS4, "--parallel.loss_chunk=4096"]),
+        ("shardfit", "compile mbs4 prefetch 2", [*MBS4, "--parallel.prefetch=2"]),
         ("shardfit", "compile mbs6 selective-AC", [*COMPILED, "--train.micro_batch=6", "--train.global_batch={6n}",
                                                    "--parallel.activation_checkpoint=selective"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
     # session 3's levers, each from "compile mbs4" (NOTES.md has the predictions); the first two are profiled
     "levers3": [
-        ("shardfit", "compile mbs4 eager-loss", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                 "--parallel.compile_loss=false", "--logging.profile_step=8"]),
-        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                      "--logging.profile_step=8"]),
-        ("shardfit", "compile mbs4 loss-chunk 4096", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                      "--parallel.loss_chunk=4096"]),
-        ("shardfit", "compile mbs4 prefetch 2", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                 "--parallel.prefetch=2"]),
-        ("shardfit", "compile mbs4 cudnn", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                            "--parallel.attention=cudnn", "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4 eager-loss", [*MBS4, "--parallel.compile_loss=false", "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4", [*MBS4, "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4 loss-chunk 4096", [*MBS4, "--parallel.loss_chunk=4096"]),
+        ("shardfit", "compile mbs4 prefetch 2", [*MBS4, "--parallel.prefetch=2"]),
+        ("shardfit", "compile mbs4 cudnn", [*MBS4, "--parallel.attention=cudnn", "--logging.profile_step=8"]),
         ("shardfit", "compile mbs6 selective-AC", [*COMPILED, "--train.micro_batch=6", "--train.global_batch={6n}",
                                                    "--parallel.activation_checkpoint=selective"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
-        ("shardfit", "compile mbs4 keep-grads", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                 "--memory.keep_grads=true"]),
+        ("shardfit", "compile mbs4 keep-grads", [*MBS4, "--memory.keep_grads=true"]),
     ],
     # session 3, after levers3: the compiled loss is on; amortising the optimizer and FSDP's fp32 reduce copy
     "levers4": [
-        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                      "--logging.profile_step=8"]),
-        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                  "--parallel.reduce_dtype=bfloat16"]),
+        ("shardfit", "compile mbs4", [*MBS4, "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4 bf16-reduce", BF16_BEST),
         ("shardfit", "compile mbs4 accum2", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={8n}"]),
         ("shardfit", "compile mbs4 accum2 bf16-reduce", [
             *COMPILED, "--train.micro_batch=4", "--train.global_batch={8n}", "--parallel.reduce_dtype=bfloat16",
@@ -118,26 +108,20 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
     # session 4's first call: the best configuration profiled (the trace is kept: matmul time under communication)
     "profile": [
-        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                  "--parallel.reduce_dtype=bfloat16", "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4 bf16-reduce", [*BF16_BEST, "--logging.profile_step=8"]),
     ],
     # session 4: FP8 matmuls (torchao), reported apart from bf16; each from the bf16 best (compile mbs4 bf16-reduce)
     "fp8": [
-        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                  "--parallel.reduce_dtype=bfloat16"]),
-        ("shardfit", "fp8 tensorwise mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                             "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=tensorwise",
+        ("shardfit", "compile mbs4 bf16-reduce", BF16_BEST),
+        ("shardfit", "fp8 tensorwise mbs4", [*BF16_BEST, "--parallel.fp8=tensorwise",
                                              "--logging.profile_step=8"]),
-        ("shardfit", "fp8 rowwise mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                          "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=rowwise"]),
+        ("shardfit", "fp8 rowwise mbs4", [*BF16_BEST, "--parallel.fp8=rowwise"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
     # session 4's closing comparison: bf16 best, FP8 best and larger FP8 micro-batches (FP8 frees ~13 GiB), anchor
     "final4": [
-        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                  "--parallel.reduce_dtype=bfloat16"]),
-        ("shardfit", "fp8 tensorwise mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                             "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=tensorwise"]),
+        ("shardfit", "compile mbs4 bf16-reduce", BF16_BEST),
+        ("shardfit", "fp8 tensorwise mbs4", [*BF16_BEST, "--parallel.fp8=tensorwise"]),
         ("shardfit", "fp8 tensorwise mbs5", [*COMPILED, "--train.micro_batch=5", "--train.global_batch={5n}",
                                              "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=tensorwise"]),
         ("shardfit", "fp8 tensorwise mbs6", [*COMPILED, "--train.micro_batch=6", "--train.global_batch={6n}",
@@ -146,9 +130,8 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
     # session 3's closing comparison: the best configurations with the anchor in the same call
     "final": [
-        ("shardfit", "compile mbs4", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]),
-        ("shardfit", "compile mbs4 bf16-reduce", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}",
-                                                  "--parallel.reduce_dtype=bfloat16"]),
+        ("shardfit", "compile mbs4", MBS4),
+        ("shardfit", "compile mbs4 bf16-reduce", BF16_BEST),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
     # correctness does not move: 50 steps of the fastest configuration against the plain one on the same data (one
