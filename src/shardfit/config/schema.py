@@ -60,6 +60,15 @@ class DataConfig:
     tokenizer: str = opt("byte", "'byte' for the built-in byte tokenizer, or a path to a tokenizer.json")
     seq_len: int = opt(256, "tokens per training sequence", gt=0)
     seed: int = opt(1234, "seed of the sample order")
+    document_mask: bool = opt(True, "packed rows: a token attends only to earlier tokens of its own document and RoPE "
+                                    "positions restart at each document start; false: attention crosses document "
+                                    "boundaries inside a row (shardfit 0.1's behaviour)")
+    pack: bool = opt(True, "fine-tuning: pack examples into rows of data.seq_len tokens as separate documents (no "
+                           "padding beyond a row's tail); false: one example per row, padded")
+    val_path: str = opt("", "held-out data for the validation loss (same formats as data.path); empty: none, or "
+                            "data.val_fraction")
+    val_fraction: float = opt(0.0, "with no data.val_path: hold out this fraction of the training items (windows or "
+                                   "examples) for the validation loss", ge=0)
 
 
 @dataclass
@@ -69,6 +78,12 @@ class TrainConfig:
     micro_batch: int = opt(8, "sequences per rank per forward/backward; 0: on CUDA the largest that divides the "
                               "per-rank batch and fits the GPU by shardfit plan's estimate (no accumulation on CPU)",
                            ge=0)
+    micro_batch_tokens: int = opt(0, "token-budget micro-batches: each forward/backward is one row of exactly this many "
+                                     "tokens, filled with whole examples (document-masked, padding only at the end), "
+                                     "and train.global_batch counts examples; 0: micro-batches of train.micro_batch "
+                                     "sequences", ge=0)
+    eval_every: int = opt(0, "steps between validation-loss evaluations (also after the last step); 0: never", ge=0)
+    eval_batches: int = opt(0, "micro-batches per rank per evaluation; 0: the whole validation set", ge=0)
     lr: float = opt(3e-3, "peak learning rate", gt=0)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)", ge=0)
     warmup_steps: int = opt(15, "linear warm-up steps", ge=0)
@@ -105,6 +120,11 @@ class ParallelConfig:
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
     attention: str = opt("auto", "SDPA kernel on CUDA: flash, cudnn, efficient; auto lets PyTorch pick per call",
                          choices=("auto", "flash", "cudnn", "efficient"))
+    doc_attention: str = opt("auto", "kernel of document-masked attention on CUDA: varlen (FlashAttention over "
+                                     "cumulative sequence lengths), flex (FlexAttention with a document block mask), "
+                                     "sdpa (SDPA with a dense boolean mask: the CPU reference); auto: chosen by "
+                                     "measurement (benchmarks/NOTES.md)",
+                             choices=("auto", "varlen", "flex", "sdpa"))
     kernels: str = opt("torch", "fused linear cross-entropy kernel: torch (chunked pure PyTorch, any device; measured "
                                 "1.8% faster than Liger's on 2 x H200, benchmarks/NOTES.md), liger (Liger-Kernel's "
                                 "Triton kernel, CUDA, optional extra); auto: liger when installed and on CUDA",
