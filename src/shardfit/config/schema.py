@@ -78,10 +78,10 @@ class TrainConfig:
     micro_batch: int = opt(8, "sequences per rank per forward/backward; 0: on CUDA the largest that divides the "
                               "per-rank batch and fits the GPU by shardfit plan's estimate (no accumulation on CPU)",
                            ge=0)
-    micro_batch_tokens: int = opt(0, "token-budget micro-batches: each forward/backward is one row of exactly this many "
-                                     "tokens, filled with whole examples (document-masked, padding only at the end), "
-                                     "and train.global_batch counts examples; 0: micro-batches of train.micro_batch "
-                                     "sequences", ge=0)
+    micro_batch_tokens: int = opt(0, "token-budget micro-batches: each forward/backward is one row of exactly this "
+                                     "many tokens, filled with whole examples (document-masked, padding only at the "
+                                     "end), and train.global_batch counts examples; 0: micro-batches of "
+                                     "train.micro_batch sequences", ge=0)
     eval_every: int = opt(0, "steps between validation-loss evaluations (also after the last step); 0: never", ge=0)
     eval_batches: int = opt(0, "micro-batches per rank per evaluation; 0: the whole validation set", ge=0)
     lr: float = opt(3e-3, "peak learning rate", gt=0)

@@ -40,9 +40,10 @@ from shardfit.parallel.fp8 import apply_fp8, fp8_linears, gathers_in_fp8
 GiB = 1 << 30
 
 
-def _flash_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _flash_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
     """The attention core as the flash kernel runs it (it has a meta implementation; its autograd saves q, k, v, the
-    output and a [B, H, S] fp32 log-sum-exp). q [B, S, H, Dh], k/v [B, S, K, Dh] -> [B, S, H, Dh]."""
+    output and a [B, H, S] fp32 log-sum-exp). q [B, S, H, Dh], k/v [B, S, K, Dh] -> [B, S, H, Dh]. Document-masked
+    kernels (varlen, flex) save the same tensors: the plan counts packed rows alike."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0].transpose(1, 2)
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardfit.config.schema import ModelConfig
+from shardfit.models.attention import DocumentMask, sdpa_attention
 from shardfit.models.init import seeded_normal_
 from shardfit.models.loss import fused_linear_cross_entropy
 from shardfit.models.moe import MoE, router_aux_loss
@@ -63,16 +64,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention. q [B, S, H, Dh], k/v [B, S, K, Dh] -> [B, S, H, Dh].
-
-    enable_gqa lets SDPA's flash/cuDNN kernels read the K heads directly: no [B, H, S, Dh] copy of k and v.
-    """
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|K, S, Dh]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-    return out.transpose(1, 2)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -87,11 +78,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # The attention kernel proper, on [B, S, heads, Dh] tensors. A plain function here; parallelize() may put a
-        # sequence-parallel wrapper in its place (Ulysses), which sees the same local q, k, v and returns local rows.
+        # The attention kernel proper, core(q, k, v, mask) on [B, S, heads, Dh] tensors (models/attention.py). A plain
+        # function here; parallelize() may put a sequence-parallel wrapper in its place (Ulysses), which sees the same
+        # local q, k, v and the micro-batch's document mask, and returns local rows.
         self.core = sdpa_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: DocumentMask | None = None) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, Dh]
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)  # [B, S, K, Dh]
@@ -99,7 +92,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v)  # [B, S, H, Dh]
+        out = self.core(q, k, v, mask)  # [B, S, H, Dh]
         return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
 
 
@@ -137,8 +130,9 @@ class DecoderBlock(nn.Module):
         else:
             self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -158,13 +152,16 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, Dh]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        """position_ids [B, S] restart at 0 at each document of a packed row; mask says where the documents are
+        (DocumentMask.build, from the full position ids). Both None: one document per row."""
         h = self.embed_tokens(input_ids)  # [B, S, D]
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         return self.norm(h)
 
 
@@ -194,13 +191,15 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.model(input_ids, position_ids)  # [B, S, D]
+                position_ids: torch.Tensor | None = None, mask: DocumentMask | None = None,
+                router_aux: bool = True) -> torch.Tensor:
+        """router_aux=False leaves the MoE load-balancing term out (validation reports the cross-entropy alone)."""
+        h = self.model(input_ids, position_ids, mask)  # [B, S, D]
         if labels is None:
             return self.lm_head(h)  # logits [B, S, V]
         # Sum over labels != -100; the trainer divides by the global token count once per step.
         loss = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, self.loss_impl, self.loss_compiled)
-        if self.cfg.router_aux_coef > 0:
+        if self.cfg.router_aux_coef > 0 and router_aux:
             # MoE only. Weighted by this micro-batch's loss tokens, so that after the trainer's division by the
             # global count it is the token-weighted mean of the micro-batches' auxiliary losses (for one
             # micro-batch: cross-entropy mean + coef x aux, as transformers reports). A device tensor: no sync.

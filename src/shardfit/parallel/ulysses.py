@@ -67,12 +67,14 @@ class UlyssesAttention:
         P = dist.get_world_size(group)
         self.kv_repeat = 1 if n_kv_heads % P == 0 else n_heads // n_kv_heads
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        # mask (a DocumentMask) describes the full S tokens of the micro-batch: every rank of the group built the same
+        # one from the full position ids, and the kernel below runs on all S tokens of this rank's heads.
         if self.kv_repeat > 1:
             k = k.repeat_interleave(self.kv_repeat, dim=2)
             v = v.repeat_interleave(self.kv_repeat, dim=2)
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))  # [B, S, heads/P, Dh]
-        return heads_to_seq(self.core(q, k, v), self.group)  # [B, S/P, H, Dh]
+        return heads_to_seq(self.core(q, k, v, mask), self.group)  # [B, S/P, H, Dh]
 
 
 def check_sequence_parallel(P: int, world: int, seq_len: int, n_heads: int) -> None:
