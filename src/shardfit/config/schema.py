@@ -116,6 +116,9 @@ class ParallelConfig:
                            choices=("auto", "float32", "bfloat16"))
     reduce_dtype: str = opt("float32", "dtype of gradient reduce-scatter", choices=("float32", "bfloat16"))
     numa_bind: bool = opt(True, "bind each rank's CPU threads to its GPU's NUMA node (CUDA runs)")
+    replicate: int = opt(1, "HSDP: parameters sharded within groups of world/replicate ranks and replicated across "
+                            "the replicate groups (gradients all-reduced across them); 1: shard over every rank",
+                         gt=0)
     sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
     attention: str = opt("auto", "SDPA kernel on CUDA: flash, cudnn, efficient; auto lets PyTorch pick per call",

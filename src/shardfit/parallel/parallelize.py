@@ -43,9 +43,13 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_mm.default,  # FP8 matmuls (parallel.fp8): as expensive to recompute as the bf16 ones
 }
-_CUDNN_SDPA = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
-if _CUDNN_SDPA is not None:
-    _SAVE_OPS.add(_CUDNN_SDPA.default)
+# Document-masked attention (models/attention.py): FlashAttention's varlen forward, called directly or through
+# torch.nn.attention.varlen's custom op (the op selective checkpointing sees depends on the release).
+_SAVE_OPS.add(torch.ops.aten._flash_attention_forward.default)
+for _ns, _name in (("aten", "_scaled_dot_product_cudnn_attention"), ("torch_attn", "_varlen_attn")):
+    _op = getattr(getattr(torch.ops, _ns), _name, None)
+    if _op is not None:
+        _SAVE_OPS.add(_op.default)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
