@@ -92,6 +92,20 @@ class Progress:
         elif self.mode == "lines":
             print(format_line(rec), flush=True)
 
+    def log_eval(self, rec: dict) -> None:
+        """A validation record ({"step", "val_loss", "val_tokens", ...}): metrics.jsonl (with "eval": true, so that
+        step records and evaluations are told apart), TensorBoard, and one printed line."""
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({**rec, "eval": True}) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, rec["step"])
+        self.message(f"eval step {rec['step']}: val_loss {rec['val_loss']:.4f} over {rec['val_tokens']:,} tokens "
+                     f"({rec['val_s']:.1f} s)")
+
     def message(self, text: str) -> None:
         if not self.enabled:
             return
