@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from shardfit.config import load_config
 from shardfit.data import build_dataset
+from shardfit.data.packing import stack_rows
 from shardfit.models import build_model
+from shardfit.models.attention import DocumentMask
 from shardfit.train.optim import build_optimizer, lr_at, set_lr
 
 SMALL = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
@@ -38,10 +39,15 @@ def reference_train(cfg, steps: int | None = None, device: str = "cpu"):
     G = cfg.train.global_batch
     losses = []
     for step in range(steps):
-        pairs = [ds.pair(k) for k in range(step * G, (step + 1) * G)]
-        inputs = torch.tensor(np.stack([p[0] for p in pairs]), dtype=torch.long, device=device)
-        labels = torch.tensor(np.stack([p[1] for p in pairs]), dtype=torch.long, device=device)
-        logits = model(inputs)
+        mb = stack_rows([ds.row(k) for k in range(step * G, (step + 1) * G)])
+        inputs, labels = mb.input_ids.to(device), mb.labels.to(device)
+        positions, mask = mb.position_ids, None
+        if positions is not None and cfg.data.document_mask:  # packed documents: the dense-mask reference
+            mask = DocumentMask.build(positions, "sdpa", torch.device(device))
+            positions = positions.to(device) if mask is not None else None
+        else:
+            positions = None
+        logits = model(inputs, position_ids=positions, mask=mask)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)  # mean over valid tokens
         loss.backward()
         if cfg.train.grad_clip:

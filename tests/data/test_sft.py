@@ -19,7 +19,8 @@ def _write(path, rows):
 
 
 def _ds(path, *extra):
-    cfg = load_config(None, [f"--data.path={path}", "--data.seq_len=24", *extra])
+    """One padded example per row (data.pack=false): the layout these tests read; packing is tested below."""
+    cfg = load_config(None, [f"--data.path={path}", "--data.seq_len=24", "--data.pack=false", *extra])
     return build_dataset(cfg.data, cfg.model.vocab_size)[0]
 
 
@@ -65,7 +66,7 @@ def test_tokenizer_chat_template(tmp_path):
     data = _write(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                        {"role": "assistant", "content": "hello there"}]}])
     cfg = load_config(None, [f"--data.path={data}", f"--data.tokenizer={tmp_path / 'tokenizer.json'}",
-                             "--data.seq_len=64", "--model.vocab_size=300"])
+                             "--data.seq_len=64", "--model.vocab_size=300", "--data.pack=false"])
     ds, tok = build_dataset(cfg.data, cfg.model.vocab_size)
     inputs, labels = ds.pair(0)
     trained = [int(t) for t in labels if t != -100]

@@ -21,8 +21,9 @@ from shardfit.data.tokenizer import build_tokenizer
 from shardfit.errors import ShardfitError
 
 
-def tokenize_corpus(spec: str, fmt: str, field: str, tokenizer) -> np.ndarray:
-    """All documents as one uint32 token stream with EOS after each document."""
+def tokenize_documents(spec: str, fmt: str, field: str, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """All documents as one uint32 token stream with EOS after each document, and the offset of each document's
+    first token in it (int64, ascending): where document masking starts a new document."""
     eos = tokenizer.eos_id
     parts: list[np.ndarray] = []
     batch: list[str] = []
@@ -43,33 +44,71 @@ def tokenize_corpus(spec: str, fmt: str, field: str, tokenizer) -> np.ndarray:
     if not parts:
         raise ShardfitError("the dataset holds no text", where=spec or "embedded corpus",
                             fix="check data.path and data.text_field")
-    return np.concatenate(parts)
+    starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])[:-1]]).astype(np.int64)
+    return np.concatenate(parts), starts
+
+
+def tokenize_corpus(spec: str, fmt: str, field: str, tokenizer) -> np.ndarray:
+    """The token stream of tokenize_documents alone."""
+    return tokenize_documents(spec, fmt, field, tokenizer)[0]
 
 
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [b, S] int64
     labels: torch.Tensor  # [b, S] int64, -100 where no loss is taken
+    position_ids: torch.Tensor | None = None  # [b, S] int64, 0 where a document starts; None: 0..S-1 in every row
+    real_tokens: int = 0  # tokens that are not padding (host count)
+
+
+def stack_rows(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]]) -> MicroBatch:
+    """Rows (inputs [S], labels [S], positions [S] or None, real tokens) of one length into a MicroBatch. Position
+    ids are kept only if some row has documents that start after its first token."""
+    S = len(rows[0][0])
+    pos = None
+    if any(r[2] is not None for r in rows):
+        pos = torch.from_numpy(np.stack([r[2] if r[2] is not None else np.arange(S) for r in rows]).astype(np.int64))
+    return MicroBatch(torch.from_numpy(np.stack([r[0] for r in rows]).astype(np.int64)),
+                      torch.from_numpy(np.stack([r[1] for r in rows]).astype(np.int64)), pos,
+                      sum(r[3] for r in rows))
 
 
 class ShuffledDataset:
-    """A fixed number of items, visited in a seeded permutation per epoch. Subclasses give (inputs, labels)."""
+    """A fixed number of items, visited in a seeded permutation per epoch (or in order, for validation). Subclasses
+    give each item as a padded row (`row`) and unpadded (`item`, for token-budget micro-batches)."""
 
     num_windows: int
     seed: int
+    seq_len: int
+    ordered: bool = False  # validation: items in their own order, every epoch
+    pad_id: int = 0  # the input id of padding (labels -100 there)
     _perm_epoch: int = -1
     _perm: np.ndarray | None = None
 
     def _item(self, k: int) -> int:
         """Item index of sample k of the run (k counts across epochs)."""
         epoch, pos = divmod(k, self.num_windows)
+        if self.ordered:
+            return pos
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
             self._perm_epoch = epoch
         return int(self._perm[pos])
 
-    def pair(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def row(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+        """Sample k as one row of seq_len: (inputs, labels, position ids or None, real tokens)."""
         raise NotImplementedError
+
+    def pair(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.row(k)[:2]
+
+    def item(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sample k unpadded: (inputs [L], labels [L], positions [L]) with L = item_length(k)."""
+        inputs, labels, pos, real = self.row(k)
+        return inputs[:real], labels[:real], (pos if pos is not None else np.arange(len(inputs)))[:real]
+
+    def item_length(self, k: int) -> int:
+        return self.row(k)[3]
 
     def step_batches(self, step: int, global_batch: int, micro_batch: int, rank: int, world: int) -> list[MicroBatch]:
         """This rank's micro-batches of optimizer step `step` (0-based).
@@ -81,43 +120,104 @@ class ShuffledDataset:
         out = []
         for m in range(accumulation_steps(global_batch, micro_batch, world)):
             first = step * global_batch + m * per_round + rank * micro_batch
-            pairs = [self.pair(k) for k in range(first, first + micro_batch)]
-            out.append(MicroBatch(torch.from_numpy(np.stack([p[0] for p in pairs]).astype(np.int64)),
-                                  torch.from_numpy(np.stack([p[1] for p in pairs]).astype(np.int64))))
+            out.append(stack_rows([self.row(k) for k in range(first, first + micro_batch)]))
         return out
 
 
 class PackedDataset(ShuffledDataset):
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, where: str = "dataset"):
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
-        self.num_windows = (len(tokens) - 1) // seq_len
-        if self.num_windows < 1:
+    """Windows of seq_len + 1 tokens cut from the token stream. With doc_starts (document masking) each window also
+    carries position ids that restart at every document start inside it (and at the window's first token)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, where: str = "dataset",
+                 doc_starts: np.ndarray | None = None, windows: np.ndarray | None = None):
+        self.tokens, self.seq_len, self.seed, self.doc_starts = tokens, seq_len, seed, doc_starts
+        total = (len(tokens) - 1) // seq_len
+        if total < 1:
             raise ShardfitError(f"the dataset has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}",
                                 where=where, fix="add data or lower data.seq_len")
+        self.windows = np.arange(total) if windows is None else windows  # the windows this dataset visits
+        self.num_windows = len(self.windows)
+        self.where = where
 
-    def _window(self, k: int) -> np.ndarray:
-        start = self._item(k) * self.seq_len
-        return self.tokens[start:start + self.seq_len + 1]
+    def _window(self, k: int) -> tuple[int, np.ndarray]:
+        start = int(self.windows[self._item(k)]) * self.seq_len
+        return start, self.tokens[start:start + self.seq_len + 1]
 
-    def pair(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        w = self._window(k)
-        return w[:-1], w[1:]
+    def row(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+        start, w = self._window(k)
+        return w[:-1], w[1:], self._positions(start), self.seq_len
+
+    def _positions(self, start: int) -> np.ndarray | None:
+        """Position of each of the window's tokens in its document (the window's first token counts as a start)."""
+        if self.doc_starts is None:
+            return None
+        t = start + np.arange(self.seq_len)
+        last = np.searchsorted(self.doc_starts, t, side="right") - 1  # the document each token belongs to
+        return t - np.maximum(self.doc_starts[np.maximum(last, 0)], start)
 
     def samples(self, first: int, count: int) -> np.ndarray:
         """Windows first..first+count-1 of the run's sample order: [count, S + 1]."""
-        return np.stack([self._window(k) for k in range(first, first + count)]).astype(np.int64)
+        return np.stack([self._window(k)[1] for k in range(first, first + count)]).astype(np.int64)
+
+    def holdout(self, fraction: float) -> tuple[PackedDataset, PackedDataset]:
+        """(training, validation): the last `fraction` of the windows (the end of the corpus) are held out."""
+        n_val = max(1, int(round(self.num_windows * fraction)))
+        if n_val >= self.num_windows:
+            raise ShardfitError(f"data.val_fraction={fraction} leaves no training window of {self.num_windows}",
+                                where="data.val_fraction", fix="use a smaller fraction")
+        make = lambda w: PackedDataset(self.tokens, self.seq_len, self.seed, self.where, self.doc_starts, w)  # noqa
+        return make(self.windows[:-n_val]), make(self.windows[-n_val:])
 
 
-def build_dataset(data_cfg, vocab_size: int) -> tuple[ShuffledDataset, object]:
+def build_dataset(data_cfg, vocab_size: int, token_budget: bool = False) -> tuple[ShuffledDataset, object]:
+    """The training set alone (see build_datasets)."""
+    train, _val, tokenizer = build_datasets(data_cfg, vocab_size, token_budget)
+    return train, tokenizer
+
+
+def build_datasets(data_cfg, vocab_size: int,
+                   token_budget: bool = False) -> tuple[ShuffledDataset, ShuffledDataset | None, object]:
+    """(training set, validation set or None, tokenizer).
+
+    Fine-tuning items are examples: packed into rows (data.pack), one padded example per row, or, for token-budget
+    micro-batches, unpadded examples that the batcher lays end to end. Pretraining items are windows of the token
+    stream, with document starts when data.document_mask is on. Validation comes from data.val_path (read like
+    data.path) or holds out data.val_fraction of the training items; it is visited in order."""
     tokenizer = build_tokenizer(data_cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ShardfitError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is {vocab_size}",
                             where="model.vocab_size", fix=f"set model.vocab_size >= {tokenizer.vocab_size}")
     if data_cfg.path and data_cfg.mode != "pretrain":
-        from shardfit.data.sft import build_sft_dataset, is_sft_file
+        from shardfit.data.sft import ExampleDataset, is_sft_file, read_examples
+        from shardfit.data.sft_packed import PackedExamples
 
         files = resolve_files(data_cfg.path)
         if data_cfg.mode == "sft" or all(is_sft_file(f) for f in files):
-            return build_sft_dataset(files, data_cfg, tokenizer), tokenizer
-    tokens = tokenize_corpus(data_cfg.path, data_cfg.format, data_cfg.text_field, tokenizer)
-    return PackedDataset(tokens, data_cfg.seq_len, data_cfg.seed, where=data_cfg.path or "embedded corpus"), tokenizer
+            examples, truncated, pad = read_examples(files, data_cfg, tokenizer)
+            cls = PackedExamples if data_cfg.pack and not token_budget else ExampleDataset
+            make = lambda ex, trunc, where, ordered=False: cls(ex, data_cfg.seq_len, data_cfg.seed, pad,  # noqa
+                                                               trunc, where, ordered)
+            val = None
+            if data_cfg.val_path:
+                val_ex, val_trunc, _ = read_examples(resolve_files(data_cfg.val_path), data_cfg, tokenizer)
+                val = make(val_ex, val_trunc, data_cfg.val_path, True)
+            elif data_cfg.val_fraction > 0:
+                examples, val_ex = ExampleDataset(examples, data_cfg.seq_len, data_cfg.seed, pad, 0,
+                                                  str(files[0])).holdout(data_cfg.val_fraction)
+                val = make(val_ex, 0, f"{files[0]} (held out)", True)
+            return make(examples, truncated, str(files[0])), val, tokenizer
+
+    def stream(path: str, where: str) -> PackedDataset:
+        tokens, starts = tokenize_documents(path, data_cfg.format, data_cfg.text_field, tokenizer)
+        return PackedDataset(tokens, data_cfg.seq_len, data_cfg.seed, where=where,
+                             doc_starts=starts if data_cfg.document_mask else None)
+
+    train = stream(data_cfg.path, data_cfg.path or "embedded corpus")
+    val = None
+    if data_cfg.val_path:
+        val = stream(data_cfg.val_path, data_cfg.val_path)
+    elif data_cfg.val_fraction > 0:
+        train, val = train.holdout(data_cfg.val_fraction)
+    if val is not None:
+        val.ordered = True
+    return train, val, tokenizer

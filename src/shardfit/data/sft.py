@@ -104,28 +104,57 @@ def is_sft_file(path: Path) -> bool:
 
 
 class ExampleDataset(ShuffledDataset):
+    """One example per item: a padded row of seq_len (data.pack=false), or unpadded for token-budget micro-batches.
+    An example longer than seq_len + 1 tokens is truncated (counted in `truncated`)."""
+
     def __init__(self, examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, seed: int, pad_id: int,
-                 truncated: int, where: str):
+                 truncated: int, where: str, ordered: bool = False):
         if not examples:
             raise ShardfitError("no fine-tuning examples", where=where, fix="check data.path")
         self.examples, self.seq_len, self.seed, self.pad_id = examples, seq_len, seed, pad_id
         self.num_windows = len(examples)
-        self.truncated = truncated
+        self.truncated, self.where, self.ordered = truncated, where, ordered
         self.tokens = np.concatenate([e[0] for e in examples])  # for the size report only
 
-    def pair(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        ids, trained = self.examples[self._item(k)]
-        S = self.seq_len
-        inputs = np.full(S, self.pad_id, dtype=np.int64)
-        labels = np.full(S, IGNORE, dtype=np.int64)
-        n = min(len(ids) - 1, S)
-        inputs[:n] = ids[:n]
-        target = np.where(trained[1:n + 1], ids[1:n + 1], IGNORE)  # label t is token t+1
-        labels[:n] = target
-        return inputs, labels
+    def item(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return example_tokens(*self.examples[self._item(k)], self.seq_len)
+
+    def item_length(self, k: int) -> int:
+        return min(len(self.examples[self._item(k)][0]) - 1, self.seq_len)
+
+    def row(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+        inputs, labels, _ = self.item(k)
+        n = len(inputs)
+        return (pad_to(inputs, self.seq_len, self.pad_id), pad_to(labels, self.seq_len, IGNORE), None, n)
+
+    def holdout(self, fraction: float) -> tuple[list, list]:
+        """(training, validation) examples: a seeded `fraction` of them held out, each list in file order."""
+        n = len(self.examples)
+        n_val = max(1, int(round(n * fraction)))
+        if n_val >= n:
+            raise ShardfitError(f"data.val_fraction={fraction} leaves no training example of {n}",
+                                where="data.val_fraction", fix="use a smaller fraction")
+        val = set(np.random.default_rng([self.seed, 7919]).permutation(n)[:n_val].tolist())
+        return ([e for i, e in enumerate(self.examples) if i not in val],
+                [e for i, e in enumerate(self.examples) if i in val])
 
 
-def build_sft_dataset(files: list[Path], data_cfg, tokenizer) -> ExampleDataset:
+def example_tokens(ids: np.ndarray, trained: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An example as (inputs [L], labels [L], positions [L]), L = min(len - 1, limit): label t is token t + 1 where
+    that token is trained, else -100."""
+    n = min(len(ids) - 1, limit)
+    labels = np.where(trained[1:n + 1], ids[1:n + 1], IGNORE)
+    return ids[:n], labels, np.arange(n)
+
+
+def pad_to(x: np.ndarray, length: int, value: int) -> np.ndarray:
+    out = np.full(length, value, dtype=np.int64)
+    out[:len(x)] = x
+    return out
+
+
+def read_examples(files: list[Path], data_cfg, tokenizer) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, int]:
+    """Every example of the files as (token ids, trained mask); the number longer than seq_len + 1; the pad id."""
     renderer = ChatRenderer(_chat_template(data_cfg.tokenizer))
     eos_id = tokenizer.eos_id
     examples, truncated = [], 0
@@ -158,4 +187,4 @@ def build_sft_dataset(files: list[Path], data_cfg, tokenizer) -> ExampleDataset:
                 truncated += len(ids) - 1 > data_cfg.seq_len
                 examples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
     pad = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else (eos_id or 0)
-    return ExampleDataset(examples, data_cfg.seq_len, data_cfg.seed, pad, truncated, str(files[0]))
+    return examples, truncated, pad

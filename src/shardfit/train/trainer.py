@@ -5,16 +5,20 @@ Collectives of one optimizer step, identical on every rank and in this order:
   parallel.reduce_every_micro_batch=false after the last one only), and with sequence parallelism the attention
   all-to-alls (the same on every rank of a group, in forward, recompute and backward),
   then exactly one all-gather of a small stats vector per rank, after all micro-batches,
+  (every train.eval_every steps: the validation forwards, the same count on every rank, and one all-gather of their
+  summed loss and token count),
   and with tensorwise FP8 all-gather, after an applied optimizer update, one all-reduce of the weights' amaxes (the
   next step's FP8 scales; every rank takes the same branch, decided by the stats collective).
-That one collective carries each rank's local squared gradient norm, summed loss, token count, a non-finite flag and
-its memory figures. From it every rank derives the same global token count, gradient norm, skip decision and
-metrics, so no rank can take a different branch. It is also the step's only host-device sync.
+That one collective carries each rank's local squared gradient norm, summed loss, token count, a non-finite flag,
+its real (non-padding) token count and its memory figures. From it every rank derives the same global token count,
+gradient norm, skip decision and metrics, so no rank can take a different branch. It is also the step's only
+host-device sync.
 
-Loss scaling: each micro-batch backpropagates (summed token loss) / C, with C = this rank's token capacity per
-step (a Python constant), and FSDP averages over ranks. After the stats collective the gradients are multiplied by
-world x C / N (N = valid tokens of the whole global batch) and by the clip coefficient, in one pass: the result is
-exactly the gradient of the mean loss over the global batch, whatever the per-rank token counts.
+Loss scaling: each micro-batch backpropagates (summed token loss) / C, with C = this rank's token capacity per step
+(a Python number from the micro-batches' shapes: the same on every rank, since every rank runs the same number of
+micro-batches of the same shape), and FSDP averages over ranks. After the stats collective the gradients are
+multiplied by world x C / N (N = valid tokens of the whole global batch) and by the clip coefficient, in one pass:
+the result is exactly the gradient of the mean loss over the global batch, whatever the per-rank token counts.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 
 from shardfit.config import Config, accumulation_steps, config_to_toml
-from shardfit.data import build_dataset
+from shardfit.data.packing import build_datasets
 from shardfit.errors import ShardfitError
 from shardfit.fsutil import write_atomic
 from shardfit.memory import MemoryMonitor
@@ -36,8 +40,10 @@ from shardfit.models import build_model, count_params
 from shardfit.models.loss import liger_available
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
 from shardfit.parallel.fp8 import fp8_notice, refresh_fp8_scales
-from shardfit.parallel.ulysses import check_sequence_parallel, local_slice
+from shardfit.parallel.ulysses import check_sequence_parallel
+from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
+from shardfit.train.evaluate import evaluate
 from shardfit.train.metrics import (
     MEMORY_FIELDS,
     flops_per_token,
@@ -53,7 +59,7 @@ from shardfit.train.timing import PHASES, StepTimer
 from shardfit.train.watchdog import EXIT_CODE as WATCHDOG_EXIT
 from shardfit.train.watchdog import Watchdog
 
-_STAT_SQNORM, _STAT_LOSS, _STAT_TOKENS, _STAT_NONFINITE, _STAT_MEM = 0, 1, 2, 3, 4
+_STAT_SQNORM, _STAT_LOSS, _STAT_TOKENS, _STAT_NONFINITE, _STAT_REAL, _STAT_MEM = 0, 1, 2, 3, 4, 5
 
 
 class TrainingHalted(ShardfitError):
@@ -93,11 +99,15 @@ class _Window:
 
     def __init__(self):
         self.seconds, self.steps = 0.0, 0
+        self.capacity = self.loss_tokens = self.real_tokens = 0.0  # this rank's capacity; the world's token counts
         self.phases: dict[str, list[float]] = {}
 
     def add(self, rec: dict) -> None:
         self.seconds += rec["time_s"]
         self.steps += 1
+        self.capacity += rec["capacity"]
+        self.loss_tokens += rec["loss_tokens"]
+        self.real_tokens += rec["real_tokens"]
         for k, v in rec["phases"].items():
             self.phases.setdefault(k, []).append(v)
 
@@ -130,7 +140,8 @@ class Trainer:
 
     def _set_up(self, cfg: Config) -> None:
         """Data, sequence-parallel layout, model (sharded, initialised or loaded), optimizer, checkpoint resume."""
-        self.dataset, self.tokenizer = build_dataset(cfg.data, cfg.model.vocab_size)
+        self.dataset, self.val_set, self.tokenizer = build_datasets(cfg.data, cfg.model.vocab_size,
+                                                                    token_budget=cfg.train.micro_batch_tokens > 0)
         # Ulysses: ranks r with the same r // sp share every sample and take S/sp of its tokens each; the batch is
         # split over the world // sp data-parallel ranks.
         self.sp = cfg.parallel.sequence_parallel
@@ -138,9 +149,19 @@ class Trainer:
         self.dp_rank, self.sp_rank = divmod(self.dist.rank, self.sp)
         self.dp_size = self.dist.world_size // self.sp
         self.notices: list[str] = []  # printed by rank 0 when fit() starts
-        if cfg.train.micro_batch == 0:
-            self._choose_micro_batch()
-        self.accum = accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, self.dp_size)
+        if cfg.train.micro_batch_tokens:
+            self.accum = None  # micro-batches per step follow from the step's lengths (data/batching.py)
+        else:
+            if cfg.train.micro_batch == 0:
+                self._choose_micro_batch()
+            self.accum = accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, self.dp_size)
+        self.batches = BatchSource(cfg, self.dataset, self.val_set, self.dp_rank, self.dp_size, self.sp_rank,
+                                   self.sp, self.device)
+        if self.batches.describe():
+            self.notices.append(self.batches.describe())
+        if cfg.train.eval_every and self.val_set is None:
+            raise ShardfitError("train.eval_every is set but there is no validation data", where="train.eval_every",
+                                fix="set data.val_path or data.val_fraction, or train.eval_every=0")
 
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
@@ -179,7 +200,7 @@ class Trainer:
         refresh_fp8_scales(self.model, cfg.parallel)  # FP8 scales of the weights in place: initialised, loaded, resumed
 
         seq = cfg.data.seq_len
-        self.capacity = self.accum * cfg.train.micro_batch * seq // self.sp  # C: this rank's tokens per step
+        self.capacity = 0  # C: this rank's tokens of the current step (set by _forward_backward)
         self.flops_per_token = flops_per_token(cfg.model, self.n_params, seq)
         self.peak = peak_flops(self.device, cfg.logging.peak_tflops)
         self.recorder = SnapshotRecorder(cfg.memory.snapshot_steps, self.run_dir / "snapshots", self.dist.rank,
@@ -188,12 +209,15 @@ class Trainer:
                                      self.device)
 
     # ------------------------------------------------------------------ one step
-    def _forward_backward(self) -> tuple[torch.Tensor, int]:
-        batches = [self._local_part(mb) for mb in self.dataset.step_batches(
-            self.step, self.cfg.train.global_batch, self.cfg.train.micro_batch, self.dp_rank, self.dp_size)]
-        tokens = sum(int((labels != -100).sum()) for _, labels, _ in batches)  # counted on the host: no sync
+    def _forward_backward(self) -> tuple[torch.Tensor, int, float]:
+        batches = self.batches.step(self.step)
+        # The same on every rank: the same number of micro-batches, of the same shapes (train/batches.py).
+        self.capacity = sum(b.capacity for b in batches)
+        tokens = sum(b.loss_tokens for b in batches)  # counted on the host: no sync
+        real = sum(b.real_tokens for b in batches)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, (ids, labels, positions) in enumerate(batches):
+        for i, b in enumerate(batches):
+            ids, labels, positions = b.input_ids, b.labels, b.position_ids
             self.watchdog.beat(f"step {self.step + 1} micro-batch {i + 1}/{len(batches)} (forward/backward)")
             if self.progress is not None:
                 self.progress.micro_batch(self.step + 1, i, len(batches))
@@ -205,25 +229,15 @@ class Trainer:
             if positions is not None:
                 positions = positions.to(self.device, non_blocking=True)
             self.timer.start("forward")
-            loss = self.model(ids, labels, positions)  # summed token loss, fp32 scalar
+            loss = self.model(ids, labels, positions, b.mask)  # summed token loss, fp32 scalar
             self.timer.stop("forward")
             self.timer.start("backward")
             (loss / self.capacity).backward()
             self.timer.stop("backward")
             loss_sum += loss.detach()
-        return loss_sum, tokens
+        return loss_sum, tokens, real
 
-    def _local_part(self, mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(input ids, labels, position ids) of this rank's tokens of a micro-batch, on the host.
-
-        Under sequence parallelism the full [b, S] position ids are made here, once per micro-batch, before the model
-        and outside any checkpointed region, then cut like the tokens: no rank ever asks a peer for them."""
-        if self.sp == 1:
-            return mb.input_ids, mb.labels, None
-        positions = torch.arange(mb.input_ids.shape[1]).expand_as(mb.input_ids)  # [b, S]
-        return tuple(local_slice(t, self.sp_rank, self.sp) for t in (mb.input_ids, mb.labels, positions))
-
-    def _reduce_step(self, loss_sum: torch.Tensor, tokens: int) -> torch.Tensor:
+    def _reduce_step(self, loss_sum: torch.Tensor, tokens: int, real: float) -> torch.Tensor:
         """The step's single collective: stats of every rank, [world, k], on the host."""
         self.watchdog.beat(f"step {self.step + 1} stats collective (after all micro-batches)")
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
@@ -232,7 +246,8 @@ class Trainer:
         else:
             sq = torch.zeros((), dtype=torch.float64, device=self.device)
         head = torch.stack([sq, loss_sum.double(), torch.tensor(float(tokens), dtype=torch.float64, device=self.device),
-                            (~torch.isfinite(loss_sum)).double()])
+                            (~torch.isfinite(loss_sum)).double(),
+                            torch.tensor(float(real), dtype=torch.float64, device=self.device)])
         mem = torch.tensor(memory_vector(self.device), dtype=torch.float64, device=self.device)
         return all_gather_rows(torch.cat([head, mem])).cpu()  # the one host-device sync of the step
 
@@ -259,10 +274,10 @@ class Trainer:
         t0 = time.perf_counter()
         self.recorder.before_step(self.step + 1)
         try:
-            loss_sum, tokens = self._forward_backward()
+            loss_sum, tokens, real = self._forward_backward()
         except torch.OutOfMemoryError as err:
             self._on_oom(err)
-        rows = self._reduce_step(loss_sum, tokens)
+        rows = self._reduce_step(loss_sum, tokens, real)
         # Everything recorded so far (this step's passes, the previous step's optimizer) finished before that sync.
         timings = self.timer.collect()
         world = self.dist.world_size
@@ -294,7 +309,8 @@ class Trainer:
         self.tokens_seen += int(n_tokens)
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
                 "bad_ranks": bad_ranks, "no_tokens": n_tokens == 0, "time_s": time.perf_counter() - t0,
-                "phases": timings,
+                "phases": timings, "capacity": self.capacity, "loss_tokens": n_tokens,
+                "real_tokens": float(rows[:, _STAT_REAL].sum()),
                 "memory": rows[:, _STAT_MEM:_STAT_MEM + len(MEMORY_FIELDS)]}
 
     # ------------------------------------------------------------------ the loop
@@ -334,6 +350,10 @@ class Trainer:
                 if self.step % cfg.logging.log_every == 0 or self.step in (1, total):
                     self._log(rec, window, progress, monitor)
                     window = _Window()
+                if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == total):
+                    self.watchdog.beat(f"step {self.step} validation")
+                    progress.log_eval({"step": self.step, **evaluate(self.model, self.batches.validation(),
+                                                                     self.device)})
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < total:
                     self.save()
@@ -398,10 +418,13 @@ class Trainer:
 
     def _log(self, rec: dict, window: _Window, progress: Progress, monitor: MemoryMonitor) -> None:
         mem = summarize_memory(rec["memory"])
-        tps = self.capacity * window.steps / window.seconds  # this rank's tokens per second
+        tps = window.capacity / window.seconds  # this rank's tokens per second, padding included
+        world = self.dist.world_size
         progress.log({"step": self.step, "total_steps": self.cfg.train.steps, "device": self.device.type,
                       "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
                       "tokens_per_s_per_gpu": tps,
+                      "real_tokens_per_s_per_gpu": window.real_tokens / world / window.seconds,
+                      "loss_tokens_per_s_per_gpu": window.loss_tokens / world / window.seconds,
                       "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
                       "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped,
                       "eta_s": progress.eta(self.step), **window.phase_means(), **mem})
@@ -449,8 +472,14 @@ class Trainer:
                                                           if self.device.type == "cuda" else "")
         resumed = f", resumed from {self.resumed_from}" if self.resumed_from else ""
         resumed += f", Ulysses sequence parallel over {self.sp} ranks" if self.sp > 1 else ""
+        if c.train.micro_batch_tokens:
+            batch = (f"global batch {c.train.global_batch} items in micro-batches of {c.train.micro_batch_tokens:,} "
+                     f"tokens")
+        else:
+            batch = (f"global batch {c.train.global_batch} x {c.data.seq_len} = "
+                     f"{c.train.global_batch * c.data.seq_len:,} tokens (micro-batch {c.train.micro_batch}, "
+                     f"accumulation {self.accum})")
+        masked = f", document-masked attention ({self.batches.kernel})" if c.data.document_mask else ""
         return (f"shardfit: {c.model.name} model, {self.n_params / 1e6:.1f}M params, {where}, "
-                f"{len(self.dataset.tokens):,} tokens of data, global batch {c.train.global_batch} x "
-                f"{c.data.seq_len} = {c.train.global_batch * c.data.seq_len:,} tokens "
-                f"(micro-batch {c.train.micro_batch}, accumulation {self.accum}), loss kernel {self.model.loss_impl}, "
+                f"{len(self.dataset.tokens):,} tokens of data, {batch}, loss kernel {self.model.loss_impl}{masked}, "
                 f"run dir {self.run_dir}{resumed}")

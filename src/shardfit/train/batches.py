@@ -1,0 +1,108 @@
+"""The data side of a step: this rank's micro-batches, cut for sequence parallelism, with their document masks.
+
+Everything here runs on the host before the model sees a micro-batch, outside any checkpointed or compiled region:
+the full [b, S] position ids of a micro-batch become its DocumentMask (models/attention.py) here, once, and only then
+are tokens, labels and positions cut into this rank's S/sp columns. Recomputation under checkpointing reads the same
+mask object, and every rank of a sequence-parallel group builds the same one: no exchange is needed for it.
+
+Two ways to fill a step (both give every rank the same number of micro-batches, see data/batching.py):
+  rows     train.micro_batch rows of data.seq_len per micro-batch (packed pretraining windows, packed or padded
+           fine-tuning examples), train.global_batch rows per step;
+  budget   train.micro_batch_tokens: train.global_batch items per step laid into [1, T] rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardfit.config import Config
+from shardfit.data.batching import budget_batches, eval_row_batches
+from shardfit.data.packing import MicroBatch, ShuffledDataset
+from shardfit.errors import ShardfitError
+from shardfit.models.attention import DocumentMask, choose_doc_kernel
+from shardfit.parallel.ulysses import local_slice
+
+
+@dataclass
+class LocalBatch:
+    """This rank's part of one micro-batch, on the host (tensors) and the device (mask)."""
+
+    input_ids: torch.Tensor  # [b, S/sp]
+    labels: torch.Tensor  # [b, S/sp]
+    position_ids: torch.Tensor | None  # [b, S/sp]; None: 0..S-1 (one document per row, no sequence parallelism)
+    mask: DocumentMask | None  # over the full [b, S]; None: plain causal attention
+    capacity: int  # b x S / sp: the tokens this rank computes, padding included
+    real_tokens: int  # of those, not padding (this rank's share)
+    loss_tokens: int  # labels that carry loss
+
+
+class BatchSource:
+    def __init__(self, cfg: Config, train: ShuffledDataset, val: ShuffledDataset | None, dp_rank: int,
+                 dp_size: int, sp_rank: int, sp: int, device: torch.device):
+        self.cfg, self.train, self.val = cfg, train, val
+        self.dp_rank, self.dp_size, self.sp_rank, self.sp = dp_rank, dp_size, sp_rank, sp
+        self.device = device
+        self.budget = cfg.train.micro_batch_tokens
+        self.masked = cfg.data.document_mask
+        self.kernel = choose_doc_kernel(cfg.parallel.doc_attention, device)
+        if self.budget:
+            if self.budget < cfg.data.seq_len:
+                raise ShardfitError(f"train.micro_batch_tokens={self.budget} is below data.seq_len="
+                                    f"{cfg.data.seq_len}: an item of seq_len tokens would not fit",
+                                    where="train.micro_batch_tokens", fix=f"use at least {cfg.data.seq_len}")
+            if self.budget % sp:
+                raise ShardfitError(f"train.micro_batch_tokens={self.budget} is not a multiple of "
+                                    f"parallel.sequence_parallel={sp}", where="train.micro_batch_tokens",
+                                    fix=f"use a multiple of {sp}")
+
+    def step(self, step: int) -> list[LocalBatch]:
+        t = self.cfg.train
+        if self.budget:
+            mbs = budget_batches(self.train, step * t.global_batch, t.global_batch, self.budget, self.dp_rank,
+                                 self.dp_size)
+        else:
+            mbs = self.train.step_batches(step, t.global_batch, t.micro_batch, self.dp_rank, self.dp_size)
+        return [self._local(mb) for mb in mbs]
+
+    def validation(self) -> list[LocalBatch]:
+        """The whole validation set (or train.eval_batches micro-batches of it), the same count on every rank."""
+        limit = self.cfg.train.eval_batches
+        if self.budget:
+            mbs = budget_batches(self.val, 0, self.val.num_windows, self.budget, self.dp_rank, self.dp_size, limit)
+        else:
+            mbs = eval_row_batches(self.val, self.cfg.train.micro_batch, self.dp_rank, self.dp_size, limit)
+        return [self._local(mb) for mb in mbs]
+
+    def _local(self, mb: MicroBatch) -> LocalBatch:
+        positions = mb.position_ids if self.masked else None
+        mask = DocumentMask.build(positions, self.kernel, self.device) if positions is not None else None
+        if mask is None:
+            positions = None  # every row is one document: the model's own 0..S-1
+        ids, labels = mb.input_ids, mb.labels
+        b, S = ids.shape
+        if self.sp > 1:
+            if positions is None:
+                positions = torch.arange(S).expand_as(ids)  # [b, S], made here, cut like the tokens
+            ids, labels, positions = (local_slice(x, self.sp_rank, self.sp) for x in (ids, labels, positions))
+        # Real tokens are counted for the whole micro-batch and shared evenly over the sequence-parallel group, so
+        # that the sum over ranks counts each token once.
+        return LocalBatch(ids, labels, positions, mask, b * S // self.sp, mb.real_tokens / self.sp,
+                          int((labels != -100).sum()))
+
+    def describe(self) -> str | None:
+        """The start-up line about how examples became rows (fine-tuning), or None."""
+        ds = self.train
+        if not hasattr(ds, "examples"):
+            return None
+        n = len(ds.examples)
+        trunc = f", {ds.truncated:,} truncated to data.seq_len" if ds.truncated else ""
+        if self.budget:
+            return (f"fine-tuning: {n:,} examples in token-budget micro-batches of {self.budget:,} tokens, "
+                    f"{self.cfg.train.global_batch} examples per step{trunc}")
+        if hasattr(ds, "fill"):
+            return (f"fine-tuning: {n:,} examples packed into {ds.num_windows:,} rows of {ds.seq_len} tokens "
+                    f"(epoch 0), fill {ds.fill:.1%}, document-masked: {self.masked}{trunc}")
+        mean_fill = sum(ds.item_length(k) for k in range(min(n, 4096))) / (min(n, 4096) * ds.seq_len)
+        return f"fine-tuning: {n:,} examples, one padded example per row, fill {mean_fill:.1%}{trunc}"
