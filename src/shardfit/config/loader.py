@@ -192,7 +192,9 @@ def validate(cfg: Config) -> None:
         raise ShardfitError(f"seq_len={cfg.data.seq_len} is longer than the model's sliding window "
                             f"{m.sliding_window}, which shardfit does not implement", where="data.seq_len",
                             fix=f"use data.seq_len <= {m.sliding_window}")
-    if cfg.train.micro_batch:  # the world size is known at launch, where the same check runs with it
+    # The world size is known at launch, where the same check runs with it. Token-budget micro-batches
+    # (train.micro_batch_tokens) split the global batch by tokens instead (data/batching.py).
+    if cfg.train.micro_batch and not cfg.train.micro_batch_tokens:
         accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, 1)
 
 
