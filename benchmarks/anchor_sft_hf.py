@@ -34,6 +34,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 SIZES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8),
 }
@@ -70,7 +72,7 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     mesh = init_device_mesh("cuda", (ws,))
     cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=a.seq, rope_theta=500000.0,
-                      tie_word_embeddings=False, **SIZES[a.size])
+                      tie_word_embeddings=a.size != "8b", **SIZES[a.size])  # Llama 3.2 1B/3B tie, 8B not
     cfg._attn_implementation = "sdpa"
     if a.liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA8B = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.warmup_steps=2", "--train.lr=1e-5",
+LLAMA8B = ["--data.seq_len=4096", "--train.warmup_steps=2", "--train.lr=1e-5",
            "--parallel.compile=true", "--memory.keep_grads=false", "--logging.log_every=1"]
 ROWS4 = ["--train.micro_batch=4", "--train.global_batch={4n}"]  # the compiled mbs-4 layout of sessions 3-4
 LLAMA1B = ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.warmup_steps=5", "--train.lr=1e-5",
@@ -96,24 +96,26 @@ def run_anchor(args: list[str], nproc: int, gpus: str, timeout: int) -> dict:
     return res
 
 
-def suites(data: Path) -> dict[str, list[tuple[str, str, list[str]]]]:
+def suites(data: Path, size: str) -> dict[str, list[tuple[str, str, list[str]]]]:
+    """size: the Llama-3 shape of the sft8b and docmask8b suites (8b on 2 GPUs; 3b where one GPU is all there is)."""
     sft, docs = f"--data.path={data}/sft.jsonl", f"--data.path={data}/docs.jsonl"
     anchor = ["--data", f"{data}/sft.jsonl", "--seq", "4096"]
+    LLAMA = [f"--model.name=llama3-{size}", *LLAMA8B]
     return {
         "sft8b": [
-            ("shardfit", "padded (data.pack=false)", [*LLAMA8B, *ROWS4, sft, "--data.pack=false", "--train.steps=12"]),
-            ("shardfit", "packed", [*LLAMA8B, *ROWS4, sft, "--train.steps=12"]),
-            ("shardfit", "token budget 16384", [*LLAMA8B, sft, "--train.micro_batch_tokens=16384",
+            ("shardfit", "padded (data.pack=false)", [*LLAMA, *ROWS4, sft, "--data.pack=false", "--train.steps=12"]),
+            ("shardfit", "packed", [*LLAMA, *ROWS4, sft, "--train.steps=12"]),
+            ("shardfit", "token budget 16384", [*LLAMA, sft, "--train.micro_batch_tokens=16384",
                                                 "--train.global_batch=48", "--train.steps=12"]),
-            ("anchor", "HF + Liger, padded, no AC, mbs 2", [*anchor, "--size", "8b", "--mbs", "2", "--liger",
+            ("anchor", "HF + Liger, padded, no AC, mbs 2", [*anchor, "--size", size, "--mbs", "2", "--liger",
                                                             "--ac", "none", "--pad", "max", "--steps", "12"]),
         ],
         "docmask8b": [
-            ("shardfit", "packed, no document mask", [*LLAMA8B, *ROWS4, docs, "--data.mode=pretrain",
+            ("shardfit", "packed, no document mask", [*LLAMA, *ROWS4, docs, "--data.mode=pretrain",
                                                       "--data.document_mask=false", "--train.steps=12"]),
-            ("shardfit", "packed, document mask (varlen)", [*LLAMA8B, *ROWS4, docs, "--data.mode=pretrain",
+            ("shardfit", "packed, document mask (varlen)", [*LLAMA, *ROWS4, docs, "--data.mode=pretrain",
                                                             "--parallel.doc_attention=varlen", "--train.steps=12"]),
-            ("shardfit", "packed, document mask (flex)", [*LLAMA8B, *ROWS4, docs, "--data.mode=pretrain",
+            ("shardfit", "packed, document mask (flex)", [*LLAMA, *ROWS4, docs, "--data.mode=pretrain",
                                                           "--parallel.doc_attention=flex", "--train.steps=12"]),
         ],
         "flat300": [
@@ -149,6 +151,7 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--gpus", default="")
     ap.add_argument("--only", default="")
+    ap.add_argument("--size", default="8b", choices=("1b", "3b", "8b"))
     ap.add_argument("--timeout", type=int, default=420)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -157,7 +160,7 @@ def main() -> int:
         return 0
     gpus = a.gpus or ",".join(str(i) for i in range(a.nproc))
     results = []
-    for kind, label, args in suites(Path(a.data))[a.suite]:
+    for kind, label, args in suites(Path(a.data), a.size)[a.suite]:
         if a.only and a.only not in label:
             continue
         run = run_shardfit if kind == "shardfit" else run_anchor
@@ -166,7 +169,7 @@ def main() -> int:
             r["flatness"] = flatness(r["per_step"])
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("per_step", "args")}), flush=True)
-    out = {"suite": a.suite, "results": results}
+    out = {"suite": a.suite, "size": a.size, "nproc": a.nproc, "results": results}
     by = {r["label"]: r for r in results if "error" not in r}
     if a.suite == "sft8b" and "packed" in by and "padded (data.pack=false)" in by:
         out["packed_vs_padded"] = by["packed"]["loss_tok_s_gpu"] / by["padded (data.pack=false)"]["loss_tok_s_gpu"]
