@@ -6,9 +6,11 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
+from shardfit.memory.cap import CapSettings, device_total, fraction_of
 from shardfit.memory.replay import Layout, Replay, phase_at
 
 GiB, MiB = 1 << 30, 1 << 20
+NO_CAP = CapSettings()  # the caller knows nothing about a per-process cap
 
 
 def gib(n: float) -> str:
@@ -23,12 +25,15 @@ class Finding:
     evidence: list[str] = field(default_factory=list)
     fix: list[str] = field(default_factory=list)
     rank: int | None = None
+    figures: dict = field(default_factory=dict)  # the numbers behind the evidence, per code (see report.py)
 
 
 @dataclass
 class RankResult:
     rank: int
     replay: Replay
+    memory_fraction: float | None = None  # the per-process cap's fraction, when known (memory/cap.py)
+    memory_fraction_source: str | None = None
 
     @property
     def path(self) -> str:
@@ -52,6 +57,10 @@ def fragmentation(rank: int, r: Replay) -> list[Finding]:
     unused = p.reserved - p.allocated - p.pending_free
     if p.reserved == 0 or unused < 256 * MiB or unused / p.reserved < 0.2:
         return []
+    fig = {"allocated": p.allocated, "reserved": p.reserved, "pending_free": p.pending_free, "unused": unused,
+           "unused_fraction": unused / p.reserved, "free_in_split_segments": p.free_in_split_segments,
+           "largest_free": p.largest_free, "peak_reserved": r.peak_reserved,
+           "expandable_segments": r.snapshot.expandable}
     evidence = [f"at the allocated peak ({gib(p.allocated)}) the cache reserved {gib(p.reserved)}: {gib(unused)} "
                 f"({unused / p.reserved:.0%}) reserved but unused",
                 f"{gib(p.free_in_split_segments)} of it is free space inside segments that also hold live tensors "
@@ -60,12 +69,13 @@ def fragmentation(rank: int, r: Replay) -> list[Finding]:
     if r.snapshot.expandable:
         return [Finding("fragmentation", "warning", "fragmentation even with expandable segments", evidence,
                         ["vary tensor shapes less (bucket sequence lengths, fixed micro-batch size)",
-                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,garbage_collection_threshold:0.8"], rank)]
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,garbage_collection_threshold:0.8"], rank,
+                        fig)]
     return [Finding("fragmentation", "warning",
                     f"fragmentation: {unused / p.reserved:.0%} of reserved memory unused at the peak", evidence,
                     ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (segments grow in place and freed pages are "
                      "reused for any size; shardfit train sets it by default)",
-                     "or keep shapes steady: pad sequences to a few bucket lengths"], rank)]
+                     "or keep shapes steady: pad sequences to a few bucket lengths"], rank, fig)]
 
 
 def pending_free(rank: int, r: Replay) -> list[Finding]:
@@ -74,6 +84,8 @@ def pending_free(rank: int, r: Replay) -> list[Finding]:
         return []
     when = "at dump time" if worst is r.end else "at the peak"
     live = worst.allocated
+    fig = {"when": "dump" if worst is r.end else "peak", "pending_free": worst.pending_free,
+           "pending_blocks": worst.pending_blocks, "allocated": live, "reserved": worst.reserved}
     return [Finding("pending_free", "warning",
                     f"{gib(worst.pending_free)} held for other streams (record_stream) {when}",
                     [f"{worst.pending_blocks} blocks freed by Python are still 'active_pending_free': another stream "
@@ -84,35 +96,115 @@ def pending_free(rank: int, r: Replay) -> list[Finding]:
                      "that stream has completed, instead of tensor.record_stream()",
                      "torch < 2.8 with NCCL collectives: TORCH_NCCL_AVOID_RECORD_STREAMS=1",
                      "FSDP2: leave _set_unshard_async_op off with explicit prefetch (it goes through c10d's "
-                     "record_stream)"], rank)]
+                     "record_stream)"], rank, fig)]
 
 
-def oom(rank: int, r: Replay) -> list[Finding]:
+def segment_request(asked: int) -> int:
+    """What the allocator asks the driver for a request that no cached block holds (c10 CUDACachingAllocator: up to
+    1 MiB from a 2 MiB small segment, up to 10 MiB from a 20 MiB one, else rounded up to 2 MiB)."""
+    if asked <= MiB:
+        return 2 * MiB
+    if asked < 10 * MiB:
+        return 20 * MiB
+    return -(-asked // (2 * MiB)) * 2 * MiB
+
+
+def oom_figures(r: Replay, ev: dict, lay: Layout, given: CapSettings) -> dict:
+    """The numbers behind one OOM, and which single change would have let the request through.
+
+    releasable: free bytes in segments that hold nothing (c10 releases them and retries before it reports an OOM, so
+    at a real OOM this is ~0). headroom: how far the cache could still grow: the driver's free memory plus the
+    releasable bytes, and with a per-process cap at most cap - (reserved - releasable) (c10 refuses
+    `reserved + size > cap` before asking the driver). A request fits with expandable segments when the split holes
+    (free bytes in segments that also hold live tensors) plus the headroom cover it, once pending frees complete when
+    pending + headroom do, without the cap when driver-free + releasable do."""
+    asked, stream = ev.get("size", 0), ev.get("stream", 0)
+    device_free = ev.get("device_free", ev.get("addr", 0))
+    st = lay.per_stream.get(stream, {})
+    fraction, fraction_source = fraction_of(r.snapshot, given)
+    releasable = lay.free_in_segments - lay.free_in_split_segments
+    fig = {"asked": asked, "stream": stream, "stream_largest_free": st.get("largest_free", 0),
+           "stream_free": st.get("free", 0), "largest_free": lay.largest_free, "free_in_segments": lay.free_in_segments,
+           "free_in_split_segments": lay.free_in_split_segments, "releasable": releasable,
+           "pending_free": lay.pending_free, "allocated": lay.allocated, "reserved": lay.reserved,
+           "device_free": device_free, "memory_fraction": fraction, "memory_fraction_source": fraction_source,
+           "device_total": None, "device_total_source": None, "memory_cap": None, "headroom": device_free + releasable}
+    if fraction is not None:
+        total, total_source = device_total(r.snapshot, given, lay.reserved, device_free)
+        cap = int(fraction * total)
+        fig.update(device_total=total, device_total_source=total_source, memory_cap=cap,
+                   headroom=max(0, min(device_free + releasable, cap - (lay.reserved - releasable))))
+    head, split, pend, request = fig["headroom"], lay.free_in_split_segments, lay.pending_free, segment_request(asked)
+    fig["would_fit"] = {
+        "expandable_segments": not r.snapshot.expandable and split + head >= asked,
+        "pending_completed": pend > 0 and pend + head >= asked,
+        "expandable_segments_and_pending_completed": not r.snapshot.expandable and split + pend + head >= asked,
+        "no_memory_cap": fraction is not None and device_free + releasable >= request > head}
+    fits = fig["would_fit"]
+    # The cache could have grown by a fresh segment for the request: c10 would have got it, so something the figures
+    # do not show refused it: without a known cap most likely set_per_process_memory_fraction (snapshots do not
+    # record it; the would_fit answers then assume no cap), with one another process taking memory meanwhile.
+    unexplained = head >= request
+    fig["cause"] = ("unrecorded_memory_cap" if unexplained and fraction is None else "unexplained" if unexplained
+                    else "fragmentation" if fits["expandable_segments"]
+                    else "pending_free" if fits["pending_completed"]
+                    else "fragmentation_and_pending_free" if fits["expandable_segments_and_pending_completed"]
+                    else "memory_cap" if fits["no_memory_cap"] else "capacity")
+    return fig
+
+
+def _oom_advice(f: dict) -> tuple[str, list[str]]:
+    """(verdict, fix) for one OOM's figures."""
+    asked, split, pend = gib(f["asked"]), gib(f["free_in_split_segments"]), gib(f["pending_free"])
+    room = gib(f["headroom"]) + (" the cap allowed" if f["memory_cap"] is not None else " free on the device")
+    cause = f["cause"]
+    if cause == "fragmentation":
+        return "fragmentation: the bytes were there, but not in one block", [
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would have let this request through: "
+            f"{split} free in split segments + {room} >= {asked}"]
+    if cause == "pending_free":
+        return "memory held for another stream", [
+            "see the record_stream finding: free on the using stream or wait on an event"]
+    if cause == "fragmentation_and_pending_free":
+        return "fragmentation and memory held for another stream", [
+            f"expandable_segments:True and no record_stream together: {split} in split segments + {pend} pending + "
+            f"{room} >= {asked}"]
+    if cause == "memory_cap":
+        need = (f["reserved"] - f["releasable"] + segment_request(f["asked"])) / f["device_total"]
+        return "the per-process memory cap refused it", [
+            f"raise the fraction given to torch.cuda.set_per_process_memory_fraction to at least {need:.3f}, or remove "
+            f"it: the device had {gib(f['device_free'])} free"]
+    if cause == "unrecorded_memory_cap":
+        return "the device had room: a limit the snapshot does not record refused it", [
+            f"the cache could have grown by {room}, enough for {asked}: most likely "
+            "torch.cuda.set_per_process_memory_fraction, which snapshots do not record; rerun the doctor with "
+            "--memory-fraction to check"]
+    if cause == "unexplained":
+        return "the figures say it should have fit (another process took memory meanwhile?)", [
+            f"the cache could have grown by {room} >= {asked}: check other processes on this GPU (nvidia-smi)"]
+    return "too many live tensors for this GPU", [
+        "lower the micro-batch or the sequence length",
+        "enable activation checkpointing (--parallel.activation_checkpoint=selective or full)", "shard over more GPUs"]
+
+
+def oom(rank: int, r: Replay, given: CapSettings) -> list[Finding]:
     out = []
     for ev, lay in r.ooms:
-        asked, stream = ev.get("size", 0), ev.get("stream", 0)
-        device_free = ev.get("device_free", ev.get("addr", 0))
-        st = lay.per_stream.get(stream, {})
-        stream_free, stream_big = st.get("free", 0), st.get("largest_free", 0)
-        evidence = [f"asked {gib(asked)} on stream {stream}; largest free block in that stream {gib(stream_big)}, "
-                    f"free inside its segments {gib(stream_free)}, free in all segments {gib(lay.free_in_segments)}",
+        f = oom_figures(r, ev, lay, given)
+        asked, cap = f["asked"], f["memory_cap"]
+        evidence = [f"asked {gib(asked)} on stream {f['stream']}; largest free block in that stream "
+                    f"{gib(f['stream_largest_free'])}, free inside its segments {gib(f['stream_free'])}, free in all "
+                    f"segments {gib(lay.free_in_segments)} (in split segments {gib(lay.free_in_split_segments)})",
                     f"live tensors {gib(lay.allocated)}, reserved {gib(lay.reserved)}, pending free "
-                    f"{gib(lay.pending_free)}, driver reported {gib(device_free)} free on the device",
+                    f"{gib(lay.pending_free)}, driver reported {gib(f['device_free'])} free on the device",
                     "live memory: " + ", ".join(f"{k} {gib(v)}" for k, v in list(lay.categories.items())[:5])]
-        stuck = lay.free_in_split_segments + lay.pending_free
-        if not r.snapshot.expandable and stuck + device_free >= asked:
-            verdict, fix = ("fragmentation: the bytes were there, but not in one block", [
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would have let this request through: "
-                f"{gib(stuck)} stuck in split segments or pending + {gib(device_free)} free on the device "
-                f">= {gib(asked)}"])
-        elif lay.pending_free and lay.pending_free + device_free >= asked:
-            verdict, fix = ("memory held for another stream", ["see the record_stream finding: free on the "
-                                                                "using stream or wait on an event"])
-        else:
-            verdict, fix = ("too many live tensors for this GPU", [
-                "lower the micro-batch or the sequence length", "enable activation checkpointing "
-                "(--parallel.activation_checkpoint=selective or full)", "shard over more GPUs"])
-        out.append(Finding("oom", "error", f"out of memory asking {gib(asked)}: {verdict}", evidence, fix, rank))
+        if cap is not None:
+            estimated = ", estimated" if f["device_total_source"] == "estimate" else ""
+            evidence.append(f"per-process memory cap {gib(cap)} (fraction {f['memory_fraction']:g} of "
+                            f"{gib(f['device_total'])}{estimated}; fraction from {f['memory_fraction_source']}): "
+                            f"the cache could grow by {gib(f['headroom'])} more")
+        verdict, fix = _oom_advice(f)
+        out.append(Finding("oom", "error", f"out of memory asking {gib(asked)}: {verdict}", evidence, fix, rank, f))
     return out
 
 
@@ -128,22 +220,26 @@ def side_stream_cache(rank: int, r: Replay) -> list[Finding]:
     total = sum(idle.values())
     if total < max(1 * GiB, 0.05 * p.reserved):
         return []
-    evidence = [f"at the peak the compute stream ({main}) holds {gib(p.per_stream[main]['allocated'])} of tensors; "
+    fig = {"compute_stream": main, "compute_allocated": p.per_stream[main]["allocated"], "idle": total,
+           "idle_fraction": total / p.reserved, "reserved": p.reserved,
+           "streams": [{"stream": s, "reserved": p.per_stream[s]["reserved"], "free": free}
+                       for s, free in sorted(idle.items(), key=lambda kv: -kv[1])]}
+    evidence = [f"at the peak the compute stream ({main}) holds {gib(fig['compute_allocated'])} of tensors; "
                 f"{gib(total)} more is reserved by other streams with nothing in it "
                 f"({total / p.reserved:.0%} of reserved)"]
-    evidence += [f"stream {s}: reserved {gib(p.per_stream[s]['reserved'])}, free {gib(free)}"
-                 for s, free in sorted(idle.items(), key=lambda kv: -kv[1])[:3]]
+    evidence += [f"stream {x['stream']}: reserved {gib(x['reserved'])}, free {gib(x['free'])}"
+                 for x in fig["streams"][:3]]
     return [Finding("side_stream_cache", "warning", f"{gib(total)} cached by side streams at the peak", evidence,
                     ["FSDP2: the reduce-scatter outputs become the sharded gradients, allocated in that stream's "
                      "pool; zero_grad(set_to_none=True) frees them into it before the next forward, where the compute "
                      "stream cannot use them. Keep gradients allocated with zero_grad(set_to_none=False) (shardfit: "
                      "memory.keep_grads=true, the default)",
                      "allocate long-lived buffers on the stream that uses them, or release a side stream's cache "
-                     "with torch.cuda.empty_cache() after its work (costs a re-allocation)"], rank)]
+                     "with torch.cuda.empty_cache() after its work (costs a re-allocation)"], rank, fig)]
 
 
-def single(rank: int, r: Replay) -> list[Finding]:
-    return oom(rank, r) + pending_free(rank, r) + side_stream_cache(rank, r) + fragmentation(rank, r)
+def single(rank: int, r: Replay, given: CapSettings = NO_CAP) -> list[Finding]:
+    return oom(rank, r, given) + pending_free(rank, r) + side_stream_cache(rank, r) + fragmentation(rank, r)
 
 
 def across_ranks(results: list[RankResult]) -> list[Finding]:
@@ -151,9 +247,11 @@ def across_ranks(results: list[RankResult]) -> list[Finding]:
         return []
     peaks = {x.rank: x.replay.peak.allocated for x in results}
     hi, lo = max(peaks.values()), min(peaks.values())
+    per_rank = [{"rank": k, "peak_allocated": v} for k, v in sorted(peaks.items())]
     if lo > 0 and hi / lo <= 1.10:
         return [Finding("balanced", "info", f"ranks balanced: peak allocated within {hi / lo - 1:.1%} "
-                        f"({gib(lo)} to {gib(hi)})")]
+                        f"({gib(lo)} to {gib(hi)})", figures={"peaks": per_rank, "min": lo, "max": hi,
+                                                               "spread": hi / lo - 1})]
     med = statistics.median(peaks.values())
     if len(results) == 2:
         outlier = min(peaks, key=peaks.get)
@@ -177,7 +275,10 @@ def across_ranks(results: list[RankResult]) -> list[Finding]:
                  "never reached its GPU (FSDP1 meta-device init without sync_module_states)")
         fix = ["FSDP1: pass sync_module_states=True and device_id=torch.cuda.current_device() so rank 0's weights "
                "are broadcast to every rank", "or use FSDP2 with meta-device init (shardfit train does)"]
-    return [Finding("imbalance", "warning", title, evidence, fix, outlier)]
+    fig = {"peaks": per_rank, "outlier_rank": outlier, "others_median": ref, "ratio": peaks[outlier] / max(ref, 1),
+           "category": cat, "category_difference": diffs[cat],
+           "categories": {c: out_r.replay.peak.categories.get(c, 0) for c in sorted(cats)}}
+    return [Finding("imbalance", "warning", title, evidence, fix, outlier, fig)]
 
 
 def fsdp_buffers(results: list[RankResult]) -> list[Finding]:
@@ -186,11 +287,12 @@ def fsdp_buffers(results: list[RankResult]) -> list[Finding]:
     if not (ag or rs):
         return []
     return [Finding("fsdp_buffers", "info", f"FSDP2 communication buffers: all-gather up to {gib(ag)}, "
-                    f"reduce-scatter up to {gib(rs)} live at once (rank {results[0].rank})")]
+                    f"reduce-scatter up to {gib(rs)} live at once (rank {results[0].rank})",
+                    figures={"all_gather": ag, "reduce_scatter": rs, "rank": results[0].rank})]
 
 
-def diagnose(results: list[RankResult]) -> list[Finding]:
-    findings = [f for x in results for f in single(x.rank, x.replay)]
+def diagnose(results: list[RankResult], given: CapSettings = NO_CAP) -> list[Finding]:
+    findings = [f for x in results for f in single(x.rank, x.replay, given)]
     findings += across_ranks(results) + fsdp_buffers(results)
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(findings, key=lambda f: order[f.severity])

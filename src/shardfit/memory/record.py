@@ -4,11 +4,16 @@
 and dumps `<run_dir>/snapshots/step000003_rank<r>.pickle` after each listed step (written under a temporary name,
 then renamed). On a CUDA OOM the rank that failed dumps `oom_step<N>_rank<r>.pickle` whether or not history was on:
 the segment layout alone already shows what filled the GPU.
+
+Each file is what `torch.cuda.memory._dump_snapshot` writes plus one key PyTorch does not record:
+{"shardfit": {"device_total": bytes, "memory_fraction": the per-process cap's fraction}}, so the doctor can tell
+whether a cap refused an OOM's request (see memory/cap.py).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -28,6 +33,14 @@ def parse_steps(spec: str) -> set[int]:
     return steps
 
 
+def device_facts() -> dict:
+    """The current device's total memory and per-process memory fraction (1.0: no cap)."""
+    facts = {"device_total": torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory}
+    if hasattr(torch.cuda, "get_per_process_memory_fraction"):  # absent from older PyTorch
+        facts["memory_fraction"] = float(torch.cuda.get_per_process_memory_fraction())
+    return facts
+
+
 class SnapshotRecorder:
     def __init__(self, spec: str, out_dir: Path, rank: int, device: torch.device, max_entries: int):
         self.steps = parse_steps(spec)
@@ -40,7 +53,10 @@ class SnapshotRecorder:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / name
         tmp = path.with_suffix(".tmp")
-        torch.cuda.memory._dump_snapshot(str(tmp))
+        snap = torch.cuda.memory._snapshot()  # what _dump_snapshot pickles, plus the cap it leaves out
+        snap["shardfit"] = device_facts()
+        with open(tmp, "wb") as f:
+            pickle.dump(snap, f)
         os.replace(tmp, path)
         return path
 

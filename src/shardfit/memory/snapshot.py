@@ -26,6 +26,7 @@ class Snapshot:
     device: int = 0
     allocator_settings: dict = field(default_factory=dict)
     annotations: list[dict] = field(default_factory=list)
+    shardfit: dict = field(default_factory=dict)  # what shardfit's recorder adds: memory_fraction, device_total
 
     def stacks(self) -> list[list[dict]]:
         """Every distinct stack of the trace's events (once each when the trace is compact)."""
@@ -106,8 +107,9 @@ def load_snapshot(path: str | Path) -> Snapshot:
         for ev in trace:
             ev.setdefault("frames", [])
             ev.setdefault("stream", 0)
+    extra = data.get("shardfit")
     return Snapshot(str(path), segments, trace, device, data.get("allocator_settings") or {},
-                    data.get("external_annotations") or [])
+                    data.get("external_annotations") or [], extra if isinstance(extra, dict) else {})
 
 
 def collect_paths(specs: list[str]) -> list[Path]:

@@ -1,0 +1,74 @@
+"""The per-process memory cap (`torch.cuda.set_per_process_memory_fraction`) and where the doctor learns it.
+
+With a cap, c10's caching allocator refuses to grow its segments past `allowed_memory_maximum = fraction x device
+total memory`: `alloc_block` fails when `reserved + size > allowed_memory_maximum`, however much the driver still has
+free. So whether another setting would have let an OOM's request through depends on the cap, not only on the free
+memory the driver reported.
+
+PyTorch does not record the cap itself in a snapshot (checked for 2.11's files and 2.13's source): the snapshot's
+`allocator_settings` holds max_split_size, garbage_collection_threshold, expandable_segments, ... and the
+PYTORCH_CUDA_ALLOC_CONF string, but neither the fraction set through `set_per_process_memory_fraction()` (it changes
+only the allocator's in-memory maximum) nor the device's total memory. The doctor takes the fraction from, first
+found wins:
+  1. its caller: `examine(..., memory_fraction=F)` (`shardfit doctor --memory-fraction F`); source "given"
+  2. shardfit's own snapshots, where record.py stores {"shardfit": {"memory_fraction", "device_total"}}; "recorded"
+  3. `per_process_memory_fraction:F` in the recorded PYTORCH_CUDA_ALLOC_CONF string (the allocator reads that key
+     from the environment, PyTorch 2.13); source "allocator_settings"
+and the device total from the caller (`device_memory`), shardfit's record, or else, at an OOM, reserved plus what the
+driver reported free: a lower bound (other processes' memory and the CUDA context are not seen), so the cap it
+gives is at most a little low.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from shardfit.errors import ShardfitError
+from shardfit.memory.snapshot import Snapshot
+
+_CONF_KEY = re.compile(r"(?:^|,)\s*per_process_memory_fraction\s*:\s*([^,\]\s]+)")
+
+
+@dataclass(frozen=True)
+class CapSettings:
+    """What the doctor's caller knows about the cap: both optional."""
+
+    memory_fraction: float | None = None
+    device_memory: int | None = None  # bytes
+
+    def __post_init__(self):
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ShardfitError(f"memory fraction {self.memory_fraction} is outside (0, 1]", where="--memory-fraction",
+                                fix="pass the value given to torch.cuda.set_per_process_memory_fraction, e.g. 0.5")
+        if self.device_memory is not None and self.device_memory <= 0:
+            raise ShardfitError(f"device memory {self.device_memory} is not positive", where="--device-memory",
+                                fix="pass the GPU's total memory, e.g. 139 (GiB) for an H200")
+
+
+def fraction_of(snap: Snapshot, given: CapSettings) -> tuple[float | None, str | None]:
+    """(fraction, source) or (None, None) when no cap is known; a fraction of 1 is no cap."""
+    if given.memory_fraction is not None:
+        return given.memory_fraction, "given"
+    recorded = snap.shardfit.get("memory_fraction")
+    if isinstance(recorded, (int, float)) and 0 < recorded < 1:
+        return float(recorded), "recorded"
+    m = _CONF_KEY.search(str(snap.allocator_settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""))
+    if m:
+        try:
+            value = float(m.group(1))
+        except ValueError:
+            return None, None
+        if 0 < value < 1:
+            return value, "allocator_settings"
+    return None, None
+
+
+def device_total(snap: Snapshot, given: CapSettings, reserved: int, device_free: int) -> tuple[int, str]:
+    """(bytes, source): "given", "recorded", or "estimate" (reserved + driver-free at the OOM, a lower bound)."""
+    if given.device_memory is not None:
+        return given.device_memory, "given"
+    recorded = snap.shardfit.get("device_total")
+    if isinstance(recorded, int) and recorded > 0:
+        return recorded, "recorded"
+    return reserved + device_free, "estimate"
