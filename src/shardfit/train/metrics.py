@@ -1,7 +1,8 @@
 """Throughput, MFU and per-rank memory figures.
 
-MFU uses the formula the anchors use (torchtitan's): per token 6 x non-embedding parameters + 12 x layers x hidden
-x sequence (attention counted as full, not causal). Peak FLOP/s are dense bf16 datasheet figures.
+MFU counts the FLOPs of the parameters each token actually multiplies by (see flops_per_token): for a dense model the
+anchors' (torchtitan's) formula, for an MoE model only the routed top-k experts, as the MoE anchor
+(anchors/hf_fsdp2_qwen3moe.py, mfu_active) does. Peak FLOP/s are dense bf16 datasheet figures.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import resource
 import sys
 
 import torch
+
+from shardfit.models.decoder import is_moe_layer
 
 # Dense bf16 peak FLOP/s by device-name substring (first match wins).
 PEAK_FLOPS = [
@@ -34,14 +37,35 @@ def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | No
     return None
 
 
-def flops_per_token(model_cfg, n_params: int, seq_len: int) -> float:
-    """The anchors' (torchtitan's) formula: 6 x non-embedding parameters + 12 x layers x hidden x sequence.
+def active_params(model_cfg) -> int:
+    """Weights one token multiplies by, as the MoE anchor counts them: per layer q/k/v/o ([dim, heads x head_dim],
+    two [dim, kv_heads x head_dim], [heads x head_dim, dim]) and either the router [dim, experts] plus the top-k
+    experts' three [dim, moe_ffn] matrices (MoE layer) or the dense MLP's three [dim, ffn] (dense layer); plus the
+    output head [vocab, dim]. Norm weights and biases are left out (under 0.01% of a real model)."""
+    c = model_cfg
+    width = c.n_heads * (c.head_dim or c.dim // c.n_heads)  # attention width: heads x head_dim, not always dim
+    kv = c.n_kv_heads * (c.head_dim or c.dim // c.n_heads)
+    attn = 2 * c.dim * width + 2 * c.dim * kv
+    moe = c.dim * c.n_experts + c.experts_per_token * 3 * c.dim * c.moe_ffn_dim
+    mlp = 3 * c.dim * c.ffn_dim
+    return sum(attn + (moe if is_moe_layer(c, i) else mlp) for i in range(c.n_layers)) + c.vocab_size * c.dim
 
-    The input embedding is a lookup and costs no FLOPs; the output head is a matmul. A tied model counts the shared
-    weight once in n_params, so only an untied model subtracts the embedding: tied and untied models of one shape
-    then report the same FLOPs per token, as they do the same work."""
-    embedding = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.dim
-    return 6 * (n_params - embedding) + 12 * model_cfg.n_layers * model_cfg.dim * seq_len
+
+def flops_per_token(model_cfg, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x the parameters a token multiplies by + 12 x layers x heads x head_dim x sequence
+    (attention scores and values, counted as full, not causal).
+
+    MoE models: 6 x active_params, the MoE anchor's formula exactly (every expert's parameters would overstate the
+    work by experts / top-k: MFU above 1 on Qwen3-30B-A3B). Dense models keep the anchors' (torchtitan's) count,
+    6 x non-embedding parameters: active_params plus the norm weights and biases. The input embedding is a lookup and
+    costs no FLOPs; the output head is a matmul. A tied model counts the shared weight once in n_params, so only an
+    untied model subtracts the embedding: tied and untied models of one shape report the same FLOPs per token."""
+    c = model_cfg
+    attention = 12 * c.n_layers * c.n_heads * (c.head_dim or c.dim // c.n_heads) * seq_len
+    if c.n_experts:
+        return 6 * active_params(c) + attention
+    embedding = 0 if c.tie_embeddings else c.vocab_size * c.dim
+    return 6 * (n_params - embedding) + attention
 
 
 def memory_vector(device: torch.device) -> list[float]:
