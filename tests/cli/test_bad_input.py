@@ -57,6 +57,12 @@ def _setup(case, tmp_path):
     if case == "world size does not divide batch":
         return ["train", "--nproc=2", "--train.global_batch=6", "--train.micro_batch=2"], \
             "not a multiple of micro_batch x world size = 2 x 2"
+    if case == "zero processes":
+        return ["train", "--nproc=0"], "--nproc: 0 is out of range; fix: give 1 or more processes"
+    if case == "recipe without weights":
+        return ["train", "--config=recipe:llama3-8b-sft-8gpu"], "recipe 'llama3-8b-sft-8gpu' needs model.path"
+    if case == "unknown recipe":
+        return ["train", "--config=recipe:llama-8b"], "--config: unknown recipe 'llama-8b'"
     if case == "not a snapshot":
         (tmp_path / "x.pickle").write_bytes(pickle.dumps({"hello": 1}))
         return ["doctor", f"{tmp_path}/x.pickle"], "x.pickle: not a CUDA memory snapshot"
@@ -65,7 +71,8 @@ def _setup(case, tmp_path):
 
 CASES = ["malformed toml", "unknown key", "wrong type", "out of range", "missing model dir", "unreadable model dir",
          "truncated safetensors", "shape mismatch", "empty dataset", "undecodable document",
-         "sequence above model limit", "world size does not divide batch", "not a snapshot"]
+         "sequence above model limit", "world size does not divide batch", "not a snapshot", "zero processes",
+         "recipe without weights", "unknown recipe"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -44,8 +44,19 @@ def test_nproc_launches_torchrun(tmp_path):
 
 def test_help_lists_keys():
     p = _run("train", "--help")
-    assert p.returncode == 0 and "--parallel.activation_checkpoint=" in p.stdout and "--train.lr=" in p.stdout
+    assert p.returncode == 0 and "--parallel.activation_checkpoint=" in p.stdout and "--train.lr=0.003 " in p.stdout
     assert _run("--help").returncode == 0
+    p = _run("train", "--model.name=llama3-8b", "--data.seq_len=4096", "--help")  # that model's defaults
+    assert p.returncode == 0 and "--train.lr=0.0003 " in p.stdout and "Training defaults by model size" in p.stdout
+
+
+def test_recipes_are_listed_and_planned():
+    p = _run("recipes")
+    assert p.returncode == 0 and "llama3-8b-sft-8gpu" in p.stdout and "qwen3-30b-a3b-sft" in p.stdout
+    p = _run("plan", "--config", "recipe:llama3-8b-sft-8gpu", "--nproc", "8", "--gpu-memory", "79")
+    assert p.returncode == 0 and "as configured: fits" in p.stdout, p.stderr
+    p = _run("plan", "--config", "recipe:llama3-70b-sft", "--nproc", "8", "--gpu-memory", "139")
+    assert p.returncode == 0 and "as configured: DOES NOT FIT" in p.stdout  # as the recipe's comment says
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -11,8 +11,11 @@ from shardfit.errors import ShardfitError
 TRAIN_HELP = """\
 Train a decoder model with FSDP2. With no arguments: the embedded tiny model on the embedded corpus.
 
-  shardfit train [--config FILE.toml] [--section.key=value ...] [--nproc N]
+  shardfit train [--config FILE.toml | --config recipe:NAME] [--section.key=value ...] [--nproc N]
   torchrun --nproc_per_node N -m shardfit train [...]     (multi-node: torchrun's flags as usual)
+
+Ready-made configs: shardfit recipes. Defaults below are those of the model on the command line (add
+--model.name=... or --model.path=... before --help to see another model's).
 
 Every key (TOML table [section], or --section.key=value on the command line):
 """
@@ -21,16 +24,22 @@ Every key (TOML table [section], or --section.key=value on the command line):
 def _train(argv: list[str]) -> int:
     from shardfit.config.loader import config_help
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(TRAIN_HELP + config_help())
-        return 0
     opts, rest = _take_options(argv, ("--config", "--nproc"))
     config_path = opts.get("--config")
-    nproc = _number(opts.get("--nproc", "0"), "--nproc", int)
+    nproc = _count(opts["--nproc"], "--nproc", "processes (omit --nproc for one)") if "--nproc" in opts else 1
 
     from shardfit.config import accumulation_steps, load_config
 
+    if any(a in ("-h", "--help") for a in rest):
+        print(TRAIN_HELP + config_help(load_config(config_path, [a for a in rest if a not in ("-h", "--help")])))
+        return 0
     cfg = load_config(config_path, rest)  # validate before starting any process
+    if config_path:
+        from shardfit.config.recipes import check_needs, read
+
+        recipe = read(config_path)
+        if recipe is not None:
+            check_needs(recipe, cfg)
     if nproc > 1:
         from shardfit.parallel.ulysses import check_sequence_parallel
 
@@ -81,7 +90,7 @@ def _doctor(argv: list[str]) -> int:
 PLAN_HELP = """\
 Predict a rank's peak GPU memory before launch and pick the largest micro-batch that fits.
 
-  shardfit plan [--config FILE.toml] [--section.key=value ...] --nproc N [--gpu-memory GIB]
+  shardfit plan [--config FILE.toml | --config recipe:NAME] [--section.key=value ...] --nproc N [--gpu-memory GIB]
 
 The same config keys as `shardfit train` (model, data.seq_len, parallel.*, memory.keep_grads). --nproc is the
 number of GPUs the model is sharded over; --gpu-memory the memory of one GPU in GiB (default: this machine's GPU,
@@ -98,7 +107,7 @@ def _plan(argv: list[str]) -> int:
     from shardfit.memory.plan import plan_table
 
     cfg = load_config(opts.get("--config"), rest)
-    world = _number(opts.get("--nproc", "1"), "--nproc", int)
+    world = _count(opts.get("--nproc", "1"), "--nproc", "GPUs")
     gpu = opts.get("--gpu-memory")
     if gpu is None:
         import torch
@@ -106,6 +115,9 @@ def _plan(argv: list[str]) -> int:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     else:
         gpu_gib = _number(gpu, "--gpu-memory", float)
+        if not gpu_gib > 0:
+            raise ShardfitError(f"{gpu} GiB is out of range", where="--gpu-memory",
+                                fix="give one GPU's memory in GiB, e.g. 79 (80 GB H100) or 139 (H200)")
     print(plan_table(cfg, world, gpu_gib))
     return 0
 
@@ -115,6 +127,26 @@ def _number(value: str, name: str, kind):
         return kind(value)
     except ValueError:
         raise ShardfitError(f"'{value}' is not a number", where=name, fix=f"give {name} a number") from None
+
+
+def _count(value: str, name: str, what: str) -> int:
+    """A launcher count (--nproc): a whole number of at least 1."""
+    n = _number(value, name, int)
+    if n < 1:
+        raise ShardfitError(f"{n} is out of range", where=name, fix=f"give 1 or more {what}")
+    return n
+
+
+def _recipes(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print("shardfit recipes: list the ready-made configs shipped with shardfit; use one with --config recipe:NAME")
+        return 0
+    if argv:
+        raise ShardfitError(f"unexpected argument '{argv[0]}'", where="shardfit recipes", fix="give no arguments")
+    from shardfit.config.recipes import listing
+
+    print(listing())
+    return 0
 
 
 def _take_options(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
@@ -146,22 +178,33 @@ def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str]) -> in
     return 0
 
 
+def _generate(argv: list[str]) -> int:
+    from shardfit.generate import main as generate_main
+
+    return generate_main(argv)
+
+
+COMMANDS = {"train": _train, "doctor": _doctor, "plan": _plan, "recipes": _recipes, "generate": _generate}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="shardfit", description="FSDP2 LLM training that fits, runs fast, and "
                                      "explains its memory.")
     parser.add_argument("--version", action="version", version=f"shardfit {__version__}")
-    parser.add_argument("command", choices=["train", "doctor", "plan"], help="train: sharded training (shardfit "
-                        "train --help); doctor: explain CUDA memory snapshots (shardfit doctor --help); plan: predict "
-                        "peak memory and the largest micro-batch that fits (shardfit plan --help)")
+    parser.add_argument("command", choices=list(COMMANDS), help="train: sharded training (shardfit train --help); "
+                        "doctor: explain CUDA memory snapshots (shardfit doctor --help); plan: predict peak memory and "
+                        "the largest micro-batch that fits (shardfit plan --help); recipes: the ready-made configs "
+                        "(--config recipe:NAME); generate: text from a trained model or checkpoint (shardfit generate "
+                        "--help)")
     if not argv or argv[0] in ("-h", "--help", "--version"):
         parser.parse_args(argv or ["--help"])
         return 0
     command, rest = argv[0], argv[1:]
-    if command not in ("train", "doctor", "plan"):
+    if command not in COMMANDS:
         parser.parse_args([command])  # prints the choices and exits 2
     try:
-        return {"train": _train, "doctor": _doctor, "plan": _plan}[command](rest)
+        return COMMANDS[command](rest)
     except ShardfitError as e:
         print(f"shardfit: error: {e}", file=sys.stderr)
         return e.exit_code

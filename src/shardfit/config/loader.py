@@ -1,18 +1,21 @@
 """Build a `Config` from a TOML file plus `--section.key=value` overrides, check it, and write it back out.
 
-Precedence, lowest first: dataclass defaults, the preset named by `model.name`, the TOML file, CLI overrides.
-Every error names the file or flag, the key, and the closest valid key or the accepted values.
+Precedence, lowest first: dataclass defaults, the preset named by `model.name` (or `model.path`'s config.json) and
+the training defaults of that model's size (schema.SIZE_DEFAULTS), the TOML file, CLI overrides. `--config` also takes
+`recipe:NAME`, a TOML file shipped in shardfit/config/recipes. Every error names the file or flag, the key, and the
+closest valid key or the accepted values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from shardfit.config.schema import PRESETS, Config
+from shardfit.config.schema import PRESETS, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
 from shardfit.errors import ShardfitError
 
 if sys.version_info >= (3, 11):
@@ -106,13 +109,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     explicit: set[str] = set()
     if path:
-        path = Path(path)
+        from shardfit.config.recipes import resolve
+
+        path = resolve(str(path))  # recipe:NAME -> the shipped file
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ShardfitError("config file not found", where=str(path), fix="check the path") from None
         except tomllib.TOMLDecodeError as e:
             raise ShardfitError(f"malformed TOML ({e})", where=str(path), fix="fix the TOML syntax") from None
+        data.pop("recipe", None)  # a recipe's description and GPU layout (config/recipes), not training keys
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ShardfitError(f"'{section}' must be a table like [{section}]", where=str(path),
@@ -123,6 +129,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for section, key, value in parse_overrides(overrides or []):
         _set(cfg, section, key, value, f"--{section}.{key}", explicit, from_text=True)
     _apply_preset(cfg, explicit)
+    _apply_training_defaults(cfg, explicit)
     validate(cfg)
     return cfg
 
@@ -159,6 +166,68 @@ def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
     tok = Path(cfg.model.path) / "tokenizer.json"
     if "data.tokenizer" not in explicit and tok.is_file():
         cfg.data.tokenizer = str(tok)
+
+
+def training_regime(cfg: Config) -> tuple[bool, bool]:
+    """(starts from pretrained weights: model.path, fine-tuning data). data.mode=auto decides as the data loader does,
+    from the files' first lines; data that cannot be read yet count as pretraining data (the data loader reports
+    them when training starts, and `shardfit plan` needs none)."""
+    mode = cfg.data.mode
+    if mode == "auto" and cfg.data.path:
+        from shardfit.data.sft import is_sft_file
+        from shardfit.data.sources import resolve_files
+
+        try:
+            mode = "sft" if all(is_sft_file(f) for f in resolve_files(cfg.data.path)) else "pretrain"
+        except (ShardfitError, OSError):
+            mode = "pretrain"
+    return bool(cfg.model.path), mode == "sft"
+
+
+def training_defaults(n_params: int, pretrained: bool, sft: bool, seq_len: int, steps: int) -> dict[str, Any]:
+    """The train.* defaults of a model of n_params parameters (schema.SIZE_DEFAULTS): the weights decide the rate and
+    the warm-up (from scratch or fine-tuning), the data the batch (tokens per step, or fine-tuning examples)."""
+    _, _, scratch_lr, tune_lr, tokens = next(row for row in SIZE_DEFAULTS if n_params < row[0])
+    out: dict[str, Any] = {"lr": tune_lr if pretrained else scratch_lr,
+                           "warmup_steps": max(1, round(WARMUP_FRACTION["pretrained" if pretrained else "scratch"]
+                                                        * steps))}
+    if not tokens:  # the embedded tiny model's own setting, whatever the data
+        out.update(global_batch=16, micro_batch=8)
+    else:
+        sequences = SFT_GLOBAL_BATCH if sft else max(8, 1 << round(math.log2(max(1, tokens / seq_len))))
+        out.update(global_batch=sequences, micro_batch=0)
+    return out
+
+
+def _apply_training_defaults(cfg: Config, explicit: set[str]) -> None:
+    """Fill the train.* keys the user left unset with the defaults of this model's size, weights and data."""
+    import torch
+
+    from shardfit.models import build_model, count_params
+
+    with torch.device("meta"):  # counted as built (tied weights once, every expert): no memory, ~0.1 s at 70B
+        n_params = count_params(build_model(cfg.model))
+    values = training_defaults(n_params, *training_regime(cfg), cfg.data.seq_len, cfg.train.steps)
+    for key, value in values.items():
+        if f"train.{key}" not in explicit:
+            setattr(cfg.train, key, value)
+
+
+def defaults_table() -> str:
+    """SIZE_DEFAULTS as `shardfit train --help` prints them."""
+    lines = ["Training defaults by model size (total parameters) for the train.* keys you leave unset; "
+             "the resolved values are saved in <run_dir>/config.toml. Scratch: no model.path; fine-tuning: "
+             "model.path weights; sft data: prompt/completion or chat JSON lines (data.mode).",
+             f"  {'size':9} {'lr scratch':>10} {'lr fine-tuning':>14} {'global_batch, pretraining data':>31} "
+             f"{'sft data':>8} {'micro_batch':>11}"]
+    for _, label, scratch, tune, tokens in SIZE_DEFAULTS:
+        batch = "16 sequences" if not tokens else f"{tokens // 1024}K tokens / data.seq_len"
+        sft = 16 if not tokens else SFT_GLOBAL_BATCH
+        lines.append(f"  {label:9} {scratch:>10.1e} {tune:>14.1e} {batch:>31} {sft:>8} "
+                     f"{'8' if not tokens else '0 (auto)':>11}")
+    lines.append(f"  warmup_steps: {WARMUP_FRACTION['scratch']:.0%} of train.steps from scratch, "
+                 f"{WARMUP_FRACTION['pretrained']:.0%} fine-tuning, at least 1")
+    return "\n".join(lines)
 
 
 def validate(cfg: Config) -> None:
@@ -230,9 +299,12 @@ def config_to_toml(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def config_help() -> str:
-    """Every key with its type, default and help, for `shardfit train --help`."""
-    cfg = Config()
+def config_help(cfg: Config | None = None) -> str:
+    """Every key with its type, default and help, for `shardfit train --help`: the defaults of `cfg` when given (the
+    model and overrides on the command line), else those of the embedded tiny model."""
+    cfg = cfg or load_config()
+    base = Config()
+    sized = {f"train.{k}" for k in training_defaults(0, False, False, 1, 1)}
     out = []
     for sname, section in _sections(cfg).items():
         out.append(f"[{sname}]")
@@ -240,5 +312,8 @@ def config_help() -> str:
             ftype = f.type if isinstance(f.type, str) else f.type.__name__
             choices = f" {{{'|'.join(f.metadata['choices'])}}}" if f.metadata.get("choices") else ""
             default = _toml_value(getattr(section, name))
-            out.append(f"  --{sname}.{name}={default}  ({ftype}{choices}) {f.metadata.get('help', '')}")
-    return "\n".join(out)
+            note = " (by model size: see below)" if f"{sname}.{name}" in sized else ""
+            if getattr(section, name) != getattr(getattr(base, sname), name) and not note:
+                note = " (from the command line or the model)"
+            out.append(f"  --{sname}.{name}={default}  ({ftype}{choices}) {f.metadata.get('help', '')}{note}")
+    return "\n".join(out) + "\n\n" + defaults_table()

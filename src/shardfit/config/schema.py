@@ -208,4 +208,30 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "tie_embeddings": False},
     "llama3-70b": {**_LLAMA3, "dim": 8192, "n_layers": 80, "n_heads": 64, "ffn_dim": 28672, "rope_factor": 8.0,
                    "tie_embeddings": False},
+    # Qwen3-30B-A3B's config.json: 128 experts, 8 routed per token (3.3B of its 30.5B parameters active)
+    "qwen3-30b-a3b": {"vocab_size": 151936, "dim": 2048, "n_layers": 48, "n_heads": 32, "n_kv_heads": 4,
+                      "head_dim": 128, "ffn_dim": 6144, "max_seq_len": 40960, "rope_theta": 1000000.0,
+                      "norm_eps": 1e-6, "tie_embeddings": False, "qk_norm": True, "n_experts": 128,
+                      "experts_per_token": 8, "moe_ffn_dim": 768, "norm_topk_prob": True},
 }
+
+# Training defaults by model size (total parameters, as built) for the train.* keys a user leaves unset; applied by
+# the loader once the preset or config.json is known, and printed by `shardfit train --help`. The weights decide the
+# rate and warm-up: from scratch (no model.path) or fine-tuning (model.path weights, whatever the data); the data
+# decide the batch: tokens per step for pretraining data, a number of examples for fine-tuning data.
+# Rates are those of published recipes for these sizes: from scratch Llama 2/3 (3e-4 at 7-8B, 1.5e-4 at 70B),
+# OLMo/TinyLlama 1B (4e-4); fine-tuning torchtune's and axolotl's full fine-tunes (2e-5; 1e-5 at 30B and up).
+# The embedded tiny model keeps its own measured setting (3e-3, 16 sequences, micro-batch 8: loss 5.6 -> 1.7);
+# 3e-3 is what sank a Llama-3-8B run (loss 12.8 -> 15.4 in 14 steps) before these defaults existed.
+# Warm-up is a fraction of train.steps; the pretraining batch a number of tokens per step (in sequences: that over
+# data.seq_len, rounded to a power of two, at least 8); micro_batch 0 lets shardfit plan choose it on CUDA.
+WARMUP_FRACTION = {"scratch": 0.1, "pretrained": 0.03}
+SFT_GLOBAL_BATCH = 32  # examples (or packed rows) per step on fine-tuning data, at 100M parameters and up
+SIZE_DEFAULTS: tuple[tuple[float, str, float, float, int], ...] = (
+    # (below this many parameters, label, from-scratch lr, fine-tuning lr, pretraining tokens per step; 0: the
+    #  tiny model's fixed 16 sequences and micro-batch 8)
+    (100e6, "< 100M", 3e-3, 3e-4, 0),
+    (2e9, "100M-2B", 4e-4, 2e-5, 1 << 18),
+    (20e9, "2B-20B", 3e-4, 2e-5, 1 << 19),
+    (float("inf"), ">= 20B", 1.5e-4, 1e-5, 1 << 20),
+)

@@ -1,0 +1,125 @@
+"""Training defaults that follow the model: its size, where its weights come from, and the data."""
+
+import json
+
+import pytest
+
+from shardfit.config import config_to_toml, load_config
+from shardfit.config.loader import config_help
+from shardfit.config.schema import Config
+
+# A Llama config.json of ~1.2B parameters (the 100M-2B row): load_config reads only this file, never weights.
+ONE_B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+         "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 500000.0}
+
+
+def _train(cfg) -> tuple:
+    t = cfg.train
+    return t.lr, t.warmup_steps, t.global_batch, t.micro_batch
+
+
+def test_the_tiny_model_keeps_its_measured_setting():
+    base = Config().train
+    assert _train(load_config()) == (base.lr, base.warmup_steps, base.global_batch, base.micro_batch)
+
+
+def test_presets_bring_rates_of_their_size():
+    eight = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096"])
+    seventy = load_config(None, ["--model.name=llama3-70b", "--data.seq_len=4096"])
+    one = load_config(None, ["--model.name=llama3-1b", "--data.seq_len=4096"])
+    assert seventy.train.lr < eight.train.lr < one.train.lr < Config().train.lr  # larger models, smaller rates
+    assert eight.train.lr <= 3e-4  # 3e-3 (the tiny model's) made Llama-3-8B diverge
+    # the pretraining batch is a number of tokens: longer sequences, fewer of them
+    short = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=1024"])
+    assert short.train.global_batch * 1024 == eight.train.global_batch * 4096
+    assert eight.train.micro_batch == 0  # shardfit plan chooses on CUDA
+    assert eight.train.warmup_steps == round(0.1 * eight.train.steps)
+    moe = load_config(None, ["--model.name=qwen3-30b-a3b", "--data.seq_len=4096"])
+    assert moe.train.lr == seventy.train.lr  # sized by total parameters (30.5B), not the 3.3B active
+
+
+def test_user_settings_win(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[train]\nlr = 1e-3\n[model]\nname = "llama3-8b"\n')
+    cfg = load_config(f, ["--train.warmup_steps=7", "--train.micro_batch=2", "--train.global_batch=8"])
+    assert _train(cfg) == (1e-3, 7, 8, 2)
+    # the resolved config holds the model's defaults and reads back as the same config
+    sized = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096"])
+    (tmp_path / "resolved.toml").write_text(config_to_toml(sized))
+    assert load_config(tmp_path / "resolved.toml") == sized
+    assert "lr = 0.0003" in config_to_toml(sized)
+
+
+def _model_dir(tmp_path):
+    d = tmp_path / "one_b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(ONE_B))
+    return d
+
+
+def test_pretrained_weights_take_fine_tuning_rates_and_the_data_picks_the_batch(tmp_path):
+    d = _model_dir(tmp_path)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    text = tmp_path / "notes.txt"
+    text.write_text("plain text for continued pretraining\n")
+    scratch = load_config(None, ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=1000"])
+    sft = load_config(None, [f"--model.path={d}", f"--data.path={chats}", "--data.seq_len=4096",
+                             "--train.steps=1000"])
+    cont = load_config(None, [f"--model.path={d}", f"--data.path={text}", "--data.seq_len=4096",
+                              "--train.steps=1000"])
+    assert sft.train.lr == cont.train.lr < scratch.train.lr / 10  # fine-tuning: an order of magnitude lower
+    assert sft.train.warmup_steps == cont.train.warmup_steps == 30 < scratch.train.warmup_steps == 100
+    assert cont.train.global_batch == scratch.train.global_batch  # pretraining data: tokens per step
+    assert sft.train.global_batch == 32  # fine-tuning data: examples per step
+    # data.mode says so without reading the file (auto reads its first line, as the data loader does)
+    forced = load_config(None, [f"--model.path={d}", f"--data.path={text}", "--data.mode=sft", "--data.seq_len=4096"])
+    assert forced.train.global_batch == 32
+
+
+def test_help_shows_the_defaults_of_the_model_given():
+    tiny = config_help()
+    big = config_help(load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096"]))
+    assert "--train.lr=0.003 " in tiny and "--train.lr=0.0003 " in big
+    assert "--train.global_batch=128 " in big and "(by model size: see below)" in big
+    assert "Training defaults by model size" in big and "2B-20B" in big
+
+
+@pytest.mark.parametrize("kind", ["scratch", "sft", "continued"])
+def test_defaults_only_the_loss_falls(tmp_path, kind):
+    """A small model of each kind trained with the training defaults (rate, warm-up, batch) learns. Only the length
+    of the run and of its sequences are set, for the test's time."""
+    from shardfit.parallel import shutdown_distributed
+    from shardfit.train import Trainer
+
+    args = ["--data.seq_len=64", "--train.steps=25", "--train.device=cpu", "--logging.progress=none",
+            "--checkpoint.final=false", f"--logging.run_dir={tmp_path / 'run'}"]
+    if kind == "scratch":
+        args += ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+                 "--model.ffn_dim=128"]
+    else:
+        transformers = pytest.importorskip("transformers")
+        import torch
+
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128))
+        hf.save_pretrained(tmp_path / "hf")
+        data = tmp_path / ("data.jsonl" if kind == "sft" else "data.txt")
+        if kind == "sft":
+            data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "completion": f"{a + b}"}) + "\n"
+                                    for a in range(20) for b in range(10)))
+        else:
+            data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+        args += [f"--model.path={tmp_path / 'hf'}", f"--data.path={data}"]
+    cfg = load_config(None, args)
+    assert cfg.train.lr == (3e-3 if kind == "scratch" else 3e-4)  # the < 100M row: defaults, not settings
+    try:
+        history = Trainer(cfg).fit()
+    finally:
+        shutdown_distributed()
+    losses = [h["loss"] for h in history]
+    # fine-tuning rates move a randomly initialised "pretrained" model slowly: a fall of 10% in 25 steps, no divergence
+    assert sum(losses[-5:]) / 5 < 0.9 * losses[0] and max(losses) <= losses[0] + 0.05, losses
