@@ -165,3 +165,22 @@ def test_compiled_count_is_linear_in_the_micro_batch():
     m = load_config(None, ["--model.name=tiny"]).model
     first, per_sequence = _compiled_line(tuple(dataclasses.asdict(m).items()), 256, torch.bfloat16, 0)
     assert _compiled_saved_bytes(*_meta_block(m, 0, 5, 256, torch.bfloat16)) == first + 4 * per_sequence
+
+
+def test_hsdp_shards_states_over_one_replica_group():
+    """HSDP on 4 GPUs as 2 replicas of 2: each GPU holds 1/2 of the states, as plain FSDP on 2 GPUs does, not 1/4;
+    what one micro-batch needs (gathered blocks, activations, backward) does not depend on the sharding."""
+    from shardfit.errors import ShardfitError
+    from shardfit.memory.plan import plan_table
+
+    base = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=2", "--train.global_batch=8"]
+    hsdp = estimate(load_config(None, [*base, "--parallel.replicate=2"]), 4, 2)
+    fsdp4 = estimate(load_config(None, base), 4, 2)
+    fsdp2 = estimate(load_config(None, [*base, "--train.global_batch=4"]), 2, 2)  # the same per-rank batch
+    n_params = 8_030_261_248  # Llama-3-8B
+    assert hsdp.states == fsdp2.states == n_params * 16 // 2 == 2 * fsdp4.states  # fp32 weights, moments, gradients
+    assert (hsdp.fsdp, hsdp.activations, hsdp.working) == (fsdp4.fsdp, fsdp4.activations, fsdp4.working)
+    table = plan_table(load_config(None, [*base, "--parallel.replicate=2"]), 4, 139)
+    assert "HSDP: 2 replicas of 2-GPU shard groups" in table.splitlines()[0]
+    with pytest.raises(ShardfitError, match="parallel.replicate=3 does not divide the world size 4"):
+        estimate(load_config(None, [*base, "--parallel.replicate=3"]), 4, 2)

@@ -5,8 +5,9 @@ device (shapes only, no data, no compute) and every tensor autograd saves for ba
 the selective-checkpointing policy applied to the same operations the training run uses. The rest is arithmetic:
 
   states       fp32 parameters, Adam's two moments and the fp32 gradients (kept, or with accumulation live from the
-               first micro-batch on), each 1/world; with parallel.reduce_every_micro_batch=false and accumulation, the
-               whole model's fp32 gradients unsharded instead
+               first micro-batch on), each 1/world, or under HSDP (parallel.replicate = R) 1/(world/R): a shard
+               group's share, every replica holding its own copy; with parallel.reduce_every_micro_batch=false and
+               accumulation, the whole model's fp32 gradients unsharded instead
   fsdp         bf16 unsharded parameters in flight: the root group (embedding, head, final norm) for the whole
                forward and backward, plus two blocks (the one running and the one prefetched), plus one block's
                fp32 reduce-scatter input in backward
@@ -194,7 +195,10 @@ class Estimate:
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     from shardfit.models import build_model
     from shardfit.models.decoder import is_moe_layer
+    from shardfit.parallel.parallelize import check_replicate
 
+    check_replicate(cfg.parallel.replicate, world)
+    shard = world // cfg.parallel.replicate  # ranks the states are sharded over (HSDP: one replica's group)
     m = cfg.model
     with torch.device("meta"):
         model = build_model(m)
@@ -202,13 +206,13 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     block_params = [sum(p.numel() for p in b.parameters()) for b in model.model.layers]
     root_params = n_params - sum(block_params)
     per_param = 4 + 8 + (4 if cfg.memory.keep_grads else 0)  # fp32 weights, Adam moments, kept fp32 gradients
-    states = n_params * per_param // world
-    idle_cache = 0 if cfg.memory.keep_grads else n_params * 4 // world  # freed gradients, cached (see fits)
+    states = n_params * per_param // shard
+    idle_cache = 0 if cfg.memory.keep_grads else n_params * 4 // shard  # freed gradients, cached (see fits)
     if cfg.train.global_batch > micro_batch * (world // cfg.parallel.sequence_parallel):  # accumulation
         if not cfg.parallel.reduce_every_micro_batch:
             states += n_params * 4  # gradients accumulated unsharded in fp32 between micro-batches, on every GPU
         elif not cfg.memory.keep_grads:
-            states += n_params * 4 // world  # the sharded fp32 gradients live from the first micro-batch on
+            states += n_params * 4 // shard  # the sharded fp32 gradients live from the first micro-batch on
             idle_cache = 0  # allocated then, not idle: counted in states
     big_block = max(block_params)
     # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
@@ -303,6 +307,8 @@ def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
     m = cfg.model
     lines = [f"shardfit plan: {m.name}, {world} GPU(s) of {gpu_gib:.0f} GiB, seq {cfg.data.seq_len}"
              + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
+             + (f", HSDP: {cfg.parallel.replicate} replicas of {world // cfg.parallel.replicate}-GPU shard groups"
+                if cfg.parallel.replicate > 1 else "")
              + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
              + (", compiled blocks" if cfg.parallel.compile else ", eager blocks")
              + (f", FP8 {cfg.parallel.fp8}" if cfg.parallel.fp8 != "none" else "")

@@ -12,7 +12,9 @@ The order is fixed and each step relies on the previous ones:
      added next, run outside the compiled graph;
   3. fully_shard each block, the embedding and the output head (untied: groups of their own, so that their
      collectives overlap compute), then the root (the final norm; tied embeddings stay one parameter in the root
-     group because both users are in that one group);
+     group because both users are in that one group), over a 1-D mesh of every rank, or with parallel.replicate = R
+     over a 2-D (replicate R, shard world/R) mesh: HSDP, each parameter sharded within a group of world/R
+     neighbouring ranks and replicated across the R groups;
   4. explicit prefetch, if asked;
   5. to_empty on the target device: each rank allocates only its own shards (no rank ever holds the full model);
   6. init_weights / init_buffers on the shards (RoPE frequencies are non-persistent and rebuilt on every rank).
@@ -29,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardfit.config.schema import ParallelConfig
+from shardfit.errors import ShardfitError
 from shardfit.parallel.fp8 import apply_fp8
 from shardfit.parallel.ulysses import apply_sequence_parallel
 
@@ -132,12 +135,32 @@ def select_attention_kernel(kind: str) -> None:
     b.enable_math_sdp(False)
 
 
+def check_replicate(R: int, world: int) -> None:
+    """HSDP's replica count must split the ranks into equal shard groups; checked before any group is built."""
+    if world % R:
+        raise ShardfitError(f"parallel.replicate={R} does not divide the world size {world}",
+                            where="parallel.replicate", fix=f"use a divisor of {world}")
+
+
+def fsdp_mesh(device_type: str, world_size: int, replicate: int):
+    """The mesh fully_shard shards over: [world] (FSDP), or [R, world/R] with dims (replicate, shard) (HSDP).
+
+    Rank r sits in replica r // (world/R) and shard position r % (world/R): each shard group is world/R neighbouring
+    ranks (one node where it fits: the per-layer all-gathers and reduce-scatters take the fastest links), and only
+    the gradient all-reduce across replicas crosses groups. FSDP2 then reduce-scatters within the shard group,
+    all-reduces across replicas and divides by R x world/R = world, so the gradient is the FSDP one."""
+    if replicate == 1:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(device_type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
+
+
 def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, world_size: int, seed: int,
                 init: bool = True) -> nn.Module:
     """Meta model in, sharded and initialised model out. See the module docstring for the order.
 
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
     """
+    check_replicate(cfg.replicate, world_size)
     blocks = list(model.model.layers)
     capability = None
     if device.type == "cuda":
@@ -152,8 +175,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
     if cfg.compile:
         apply_compile(model, blocks, cfg.compile_loss)  # 2
-    # FSDP shards over every rank, sequence-parallel peers included: each holds 1/world of the parameters.
-    mesh = init_device_mesh(device.type, (world_size,))
+    # FSDP shards over every rank, sequence-parallel peers included: each holds 1/world of the parameters (HSDP:
+    # 1/(world/R)). The sequence-parallel groups above and the data each rank reads do not depend on R.
+    mesh = fsdp_mesh(device.type, world_size, cfg.replicate)
     apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg)  # 3, 4
     model.to_empty(device=device)  # 5
     if init:
