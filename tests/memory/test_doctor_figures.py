@@ -161,3 +161,31 @@ def test_device_total_estimated_and_bad_fraction_refused(tmp_path):
     assert f["memory_cap"] == 4 * GB and f["cause"] == "memory_cap"
     with pytest.raises(ShardfitError, match="--memory-fraction"):
         examine([str(path)], memory_fraction=1.5)
+
+
+def test_shardfit_snapshots_record_the_cap_pytorch_leaves_out(tmp_path, monkeypatch):
+    """record.py adds the device total and the per-process fraction to what _dump_snapshot would write; the doctor
+    reads them back (CUDA calls stubbed: this runs on CPU)."""
+    import types
+
+    import torch
+
+    from shardfit.memory.record import SnapshotRecorder
+
+    blocks = [(0, 3 * GB, "active_allocated", FWD)]
+    snap = {"segments": [seg(A, 3 * GB, blocks)], "device_traces": [[ev("oom", 0, 2 * GB, device_free=60 * GB)]],
+            "allocator_settings": {"expandable_segments": False, "PYTORCH_CUDA_ALLOC_CONF": ""}}
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: dict(snap))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * GB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: 0.05, raising=False)
+    path = SnapshotRecorder("", tmp_path, 0, torch.device("cpu"), 10).dump_oom(7)
+    assert path is None  # not a CUDA run: nothing dumped
+    rec = SnapshotRecorder("", tmp_path, 0, torch.device("cuda", 0), 10)
+    path = rec.dump_oom(7)
+    assert path.name == "oom_step000007_rank0.pickle" and not list(tmp_path.glob("*.tmp"))
+    (res,), findings = examine([str(path)])
+    f = next(x for x in findings if x.code == "oom").figures
+    assert (res.memory_fraction, res.memory_fraction_source) == (0.05, "recorded")
+    assert (f["device_total"], f["device_total_source"], f["memory_cap"]) == (80 * GB, "recorded", 4 * GB)
+    assert f["headroom"] == GB and f["cause"] == "memory_cap"  # 3 GiB reserved under a 4 GiB cap; 2 GiB asked
