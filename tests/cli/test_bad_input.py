@@ -63,6 +63,8 @@ def _setup(case, tmp_path):
         return ["train", "--config=recipe:llama3-8b-sft-8gpu"], "recipe 'llama3-8b-sft-8gpu' needs model.path"
     if case == "unknown recipe":
         return ["train", "--config=recipe:llama-8b"], "--config: unknown recipe 'llama-8b'"
+    if case == "generate without a checkpoint":
+        return ["generate", "--checkpoint", f"{tmp_path}/nope", "--prompt", "hi"], "nope: checkpoint not found"
     if case == "not a snapshot":
         (tmp_path / "x.pickle").write_bytes(pickle.dumps({"hello": 1}))
         return ["doctor", f"{tmp_path}/x.pickle"], "x.pickle: not a CUDA memory snapshot"
@@ -72,7 +74,7 @@ def _setup(case, tmp_path):
 CASES = ["malformed toml", "unknown key", "wrong type", "out of range", "missing model dir", "unreadable model dir",
          "truncated safetensors", "shape mismatch", "empty dataset", "undecodable document",
          "sequence above model limit", "world size does not divide batch", "not a snapshot", "zero processes",
-         "recipe without weights", "unknown recipe"]
+         "recipe without weights", "unknown recipe", "generate without a checkpoint"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -64,6 +64,46 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for decoding one token at a time (shardfit.generate).
+
+    Preallocated [B, max_len, K, Dh] per layer; `length` tokens are filled. Each layer's attention appends its new
+    keys and values (after RoPE, so they are never recomputed) and attends over everything stored; the decoder
+    advances `length` once all layers have run. Training never passes one.
+    """
+
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        shape = (batch, max_len, n_kv, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B, S, K, Dh] after the cached tokens; return every token's [B, length + S, K, Dh]."""
+        end = self.length + k.shape[1]
+        if end > self.k[layer].shape[1]:
+            raise ValueError(f"KV cache holds {self.k[layer].shape[1]} tokens, {end} needed")
+        self.k[layer][:, self.length:end] = k
+        self.v[layer][:, self.length:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the S newest tokens q [B, S, H, Dh] over all T >= S cached tokens k/v [B, T, K, Dh]:
+    query i sits at position T - S + i. One new token (decoding) attends to everything; a prompt into an empty
+    cache is plain causal attention; otherwise an explicit mask."""
+    S, T = q.shape[1], k.shape[1]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|K, S|T, Dh]
+    gqa = k.shape[1] != q.shape[1]
+    if S == 1 or S == T:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa)
+    else:
+        allowed = torch.ones(S, T, dtype=torch.bool, device=q.device).tril_(T - S)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -84,7 +124,8 @@ class Attention(nn.Module):
         self.core = sdpa_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: DocumentMask | None = None) -> torch.Tensor:
+                mask: DocumentMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
+        """cache: (the KV cache, this layer's index) when decoding; None in training."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, Dh]
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)  # [B, S, K, Dh]
@@ -92,7 +133,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v, mask)  # [B, S, H, Dh]
+        if cache is not None:
+            out = cached_attention(q, *cache[0].append(cache[1], k, v))
+        else:
+            out = self.core(q, k, v, mask)  # [B, S, H, Dh]
         return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
 
 
@@ -131,8 +175,8 @@ class DecoderBlock(nn.Module):
             self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: DocumentMask | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+                mask: DocumentMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -153,15 +197,20 @@ class Decoder(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                mask: DocumentMask | None = None) -> torch.Tensor:
+                mask: DocumentMask | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """position_ids [B, S] restart at 0 at each document of a packed row; mask says where the documents are
-        (DocumentMask.build, from the full position ids). Both None: one document per row."""
+        (DocumentMask.build, from the full position ids). Both None: one document per row. With a KV cache (decoding)
+        input_ids are the tokens after the cached ones, positioned after them."""
         h = self.embed_tokens(input_ids)  # [B, S, D]
+        start = cache.length if cache is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            position_ids = torch.arange(start, start + input_ids.shape[1],
+                                        device=input_ids.device).expand_as(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, (cache, i))
+        if cache is not None:
+            cache.length += input_ids.shape[1]
         return self.norm(h)
 
 

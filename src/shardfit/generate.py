@@ -1,0 +1,199 @@
+"""`shardfit generate`: a look at what a model learned, from a Hugging Face directory or a shardfit checkpoint.
+
+One process, no sharding: the model is built whole on one device (CPU or one GPU), so this is for looking at the
+models one GPU holds, not for serving. Greedy decoding (the default) or temperature + top-p sampling, with a KV
+cache (models.decoder.KVCache: the prompt runs once, then one token per step). When the tokenizer has a chat
+template (tokenizer_config.json "chat_template") the prompt is sent as a user message with the assistant's turn
+opened, as the model was fine-tuned to see it (--raw sends the text as it is). Decoding stops at the tokenizer's
+EOS or any EOS id in generation_config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from shardfit.config.schema import ModelConfig
+from shardfit.errors import ShardfitError
+from shardfit.models import build_model
+from shardfit.models.decoder import CausalLM, KVCache
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+def load_hf(path: str, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
+    """A Hugging Face model directory (or a shardfit export): (model, tokenizer spec)."""
+    from shardfit.hf import load_hf_checkpoint
+    from shardfit.models.families import read_hf_config
+
+    family, fields = read_hf_config(path)
+    model = _build(ModelConfig(**{**fields, "name": family.model_type}), device)
+    load_hf_checkpoint(model, path)
+    tok = Path(path) / "tokenizer.json"
+    return model.to(dtype).eval(), str(tok) if tok.is_file() else "byte"
+
+
+def load_dcp(path: str, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
+    """A shardfit checkpoint (step_XXXXXXXX), a checkpoints directory or a run directory (the newest complete
+    checkpoint in it): the model part only, on one device, whatever the number of ranks that wrote it."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardfit.train.checkpoint import COMPLETE, resolve_resume
+
+    root = Path(path)
+    if not root.exists():
+        raise ShardfitError("checkpoint not found", where=path,
+                            fix="give a step_XXXXXXXX, checkpoints or run directory")
+    if not (root / COMPLETE).is_file() and (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    # checked whole (the DCP metadata pickle with an allowlist) before DCP reads it
+    ckpt = resolve_resume(str(root) if (root / COMPLETE).is_file() else "auto", root)
+    if ckpt is None:
+        raise ShardfitError("no complete checkpoint here", where=path, fix="train with checkpoint.final=true or "
+                            "checkpoint.every, or give a step_XXXXXXXX directory")
+    cfg = tomllib.loads((ckpt / "config.toml").read_text(encoding="utf-8"))
+    known = set(ModelConfig.__dataclass_fields__)
+    model = _build(ModelConfig(**{k: v for k, v in cfg["model"].items() if k in known}), device)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(ckpt))  # no process group: every shard is read into these full tensors
+    model.load_state_dict(state["model"])
+    return model.to(dtype).eval(), cfg.get("data", {}).get("tokenizer", "byte")
+
+
+def _build(m: ModelConfig, device: torch.device) -> CausalLM:
+    with torch.device(device):
+        model = build_model(m)
+    model.init_buffers()  # RoPE frequencies; every weight is loaded next
+    return model
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits [V] with every token outside the nucleus set to -inf: the smallest set of most likely tokens whose
+    probabilities add up to at least top_p (the most likely token always stays)."""
+    if top_p >= 1.0:
+        return logits
+    probs, order = torch.sort(torch.softmax(logits, -1), descending=True)
+    outside = probs.cumsum(-1) - probs >= top_p  # the mass before this token already reaches top_p
+    return logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+
+
+@torch.no_grad()
+def generate(model: CausalLM, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, eos_ids: set[int] = frozenset(), seed: int = 0, use_cache: bool = True) -> list[int]:
+    """The new tokens after `prompt`: greedy when temperature is 0, else sampled from softmax(logits / temperature)
+    restricted to the top_p nucleus. Without the cache every step runs the whole sequence again (the reference)."""
+    if not prompt:
+        raise ShardfitError("the prompt is empty", where="--prompt", fix="give some text")
+    m = model.cfg
+    total = len(prompt) + max_new_tokens
+    if total > m.max_seq_len:
+        raise ShardfitError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed the model's "
+                            f"max_seq_len={m.max_seq_len}", where="--max-new-tokens",
+                            fix=f"ask for at most {max(0, m.max_seq_len - len(prompt))} new tokens")
+    device = model.lm_head.weight.device
+    dtype = model.lm_head.weight.dtype
+    cache = KVCache(m.n_layers, 1, total, m.n_kv_heads, model.model.head_dim, dtype, device) if use_cache else None
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tokens, new = list(prompt), []
+    step = torch.tensor([tokens], device=device)
+    for _ in range(max_new_tokens):
+        h = model.model(step, cache=cache) if use_cache else model.model(torch.tensor([tokens], device=device))
+        logits = model.lm_head(h[0, -1]).float()  # [V]: only the last position's logits
+        if temperature > 0:
+            probs = torch.softmax(top_p_filter(logits / temperature, top_p), -1)
+            token = int(torch.multinomial(probs, 1, generator=gen))
+        else:
+            token = int(logits.argmax())
+        tokens.append(token)
+        new.append(token)
+        if token in eos_ids:
+            break
+        step = torch.tensor([[token]], device=device)
+    return new
+
+
+def eos_ids(tokenizer, model_dir: Path | None) -> set[int]:
+    """The tokenizer's EOS and generation_config.json's eos_token_id (an int or a list: chat models end a turn with
+    their own token, e.g. Llama-3's <|eot_id|>)."""
+    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    gen_cfg = model_dir / "generation_config.json" if model_dir else None
+    if gen_cfg is not None and gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else {eos} if isinstance(eos, int) else set()
+    return ids
+
+
+def prompt_ids(tokenizer, tokenizer_spec: str, text: str, raw: bool) -> list[int]:
+    """The prompt's tokens: through the tokenizer's chat template as one user message when it has one."""
+    from shardfit.data.sft import ChatRenderer, _chat_template
+
+    template = None if raw else _chat_template(tokenizer_spec)
+    if template is None:
+        return tokenizer.encode(text)
+    spec = Path(tokenizer_spec)
+    settings = json.loads(((spec if spec.is_dir() else spec.parent) / "tokenizer_config.json").read_text("utf-8"))
+    special = {}
+    for key in ("bos_token", "eos_token"):  # templates often write {{ bos_token }}
+        value = settings.get(key)
+        special[key] = value.get("content", "") if isinstance(value, dict) else value or ""
+    rendered = ChatRenderer(template).template.render(messages=[{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, **special)
+    return tokenizer.encode(rendered)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other input error
+        raise ShardfitError(message, where="shardfit generate", fix="see shardfit generate --help")
+
+
+def main(argv: list[str]) -> int:
+    p = _Parser(prog="shardfit generate", description="Generate text from a Hugging Face model directory "
+                "(--model.path, e.g. a --checkpoint.export_hf output) or a shardfit checkpoint (--checkpoint), on "
+                "one device. Greedy by default; --temperature > 0 samples, within --top-p.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model.path", dest="model_path", help="Hugging Face model directory")
+    src.add_argument("--checkpoint", help="a step_XXXXXXXX directory, or a checkpoints/run directory (newest)")
+    p.add_argument("--prompt", action="append", required=True, help="text to continue (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="tokenizer.json or 'byte' (default: the model's or the run's)")
+    p.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    a = p.parse_args(argv)
+    if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
+        raise ShardfitError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]",
+                            where="shardfit generate", fix="check those values")
+    device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    dtype = getattr(torch, a.dtype) if a.dtype != "auto" else (torch.bfloat16 if device.type == "cuda"
+                                                              else torch.float32)
+    if a.model_path:
+        model, tok_spec = load_hf(a.model_path, device, dtype)
+    else:
+        model, tok_spec = load_dcp(a.checkpoint, device, dtype)
+    tok_spec = a.tokenizer or tok_spec
+    from shardfit.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(tok_spec)
+    stops = eos_ids(tokenizer, Path(a.model_path) if a.model_path else None)
+    for text in a.prompt:
+        ids = prompt_ids(tokenizer, tok_spec, text, a.raw)
+        out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, eos_ids=stops,
+                       seed=a.seed, use_cache=not a.no_cache)
+        print(tokenizer.decode([t for t in out if t not in stops]), flush=True)
+    return 0
