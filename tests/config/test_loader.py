@@ -66,3 +66,14 @@ def test_help_lists_every_key():
     for section in ("model", "data", "train", "parallel", "checkpoint", "logging", "memory"):
         for key in vars(getattr(cfg, section)):
             assert f"--{section}.{key}=" in text
+
+
+@pytest.mark.parametrize("key", ["tensorboard", "wandb"])
+def test_a_tracker_without_its_package_is_refused_before_launch(monkeypatch, key):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == key else real(name, *a))
+    with pytest.raises(ShardfitError, match=rf"logging.{key}: logging.{key}=true needs the {key} package; "
+                                            rf"fix: pip install 'shardfit\[{key}\]'"):
+        load_config(None, [f"--logging.{key}=true"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -261,6 +262,11 @@ def validate(cfg: Config) -> None:
         raise ShardfitError(f"seq_len={cfg.data.seq_len} is longer than the model's sliding window "
                             f"{m.sliding_window}, which shardfit does not implement", where="data.seq_len",
                             fix=f"use data.seq_len <= {m.sliding_window}")
+    for key in ("tensorboard", "wandb"):  # the package, and shardfit's extra, of the same name
+        # checked before any process starts or any model is built, not at the first log line
+        if getattr(cfg.logging, key) and importlib.util.find_spec(key) is None:
+            raise ShardfitError(f"logging.{key}=true needs the {key} package", where=f"logging.{key}",
+                                fix=f"pip install 'shardfit[{key}]', or set logging.{key}=false")
     # The world size is known at launch, where the same check runs with it. Token-budget micro-batches
     # (train.micro_batch_tokens) split the global batch by tokens instead (data/batching.py).
     if cfg.train.micro_batch and not cfg.train.micro_batch_tokens:

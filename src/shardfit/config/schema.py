@@ -158,7 +158,15 @@ class LoggingConfig:
     run_dir: str = opt("", "where metrics, the resolved config and checkpoints go; empty: runs/<model.name>")
     log_every: int = opt(10, "steps between metric lines (memory and throughput are reduced across ranks then)", gt=0)
     progress: str = opt("auto", "rank-0 progress display", choices=("auto", "bar", "lines", "none"))
-    tensorboard: bool = opt(False, "also write TensorBoard events (needs the tensorboard package)")
+    tensorboard: bool = opt(False, "also write every metrics.jsonl record's numbers as TensorBoard scalars into "
+                                   "<run_dir>/tensorboard (rank 0; pip install 'shardfit[tensorboard]')")
+    wandb: bool = opt(False, "also send every metrics.jsonl record's numbers to Weights & Biases, with the resolved "
+                             "config (rank 0; pip install 'shardfit[wandb]')")
+    wandb_project: str = opt("shardfit", "Weights & Biases project")
+    wandb_name: str = opt("", "Weights & Biases run name; empty: the run directory's name (a resumed run continues "
+                              "the same W&B run)")
+    wandb_mode: str = opt("online", "online, or offline: written under <run_dir>/wandb with no network, uploaded "
+                                    "later with `wandb sync`", choices=("online", "offline"))
     level: str = opt("info", "debug adds a rank-0 line per micro-batch with its ETA", choices=("info", "debug"))
     step_timing: bool = opt(True, "time forward, backward, optimizer and exposed FSDP communication per step "
                                   "(CUDA events read after the step's existing sync: no extra host syncs)")

@@ -1,8 +1,16 @@
-"""Rank-0 progress: a live bar on a terminal, one line per log step elsewhere, and metrics.jsonl always."""
+"""Rank-0 progress: a live bar on a terminal, one line per log step elsewhere, and metrics.jsonl always.
+
+Trackers receive the same records as metrics.jsonl, every numeric field of them, at the record's step: TensorBoard
+(logging.tensorboard) and Weights & Biases (logging.wandb). Only rank 0 makes a Progress that is enabled, so only
+rank 0 ever opens a tracker. The W&B settings and the run config it shows come from <run_dir>/config.toml, the
+resolved config the trainer writes before it makes the Progress (or from the `logging` argument).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,15 +42,50 @@ def format_line(rec: dict) -> str:
     return " | ".join(parts)
 
 
+def scalars(rec: dict) -> dict[str, float]:
+    """The numeric fields of a record, as trackers take them (the step is their x axis; None and text are left out)."""
+    return {k: v for k, v in rec.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+
+
+def _read_config(run_dir: Path) -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised only on Python 3.10
+        import tomli as tomllib
+    path = run_dir / "config.toml"
+    return tomllib.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def open_wandb(run_dir: Path, logging: dict, config: dict):
+    """A W&B run for this run directory: the same id every time (a resumed run continues it), files under
+    <run_dir>/wandb, the resolved config attached."""
+    try:
+        import wandb
+    except ImportError:
+        from shardfit.errors import ShardfitError
+
+        raise ShardfitError("logging.wandb needs the wandb package", where="logging.wandb",
+                            fix="pip install 'shardfit[wandb]', or logging.wandb=false") from None
+    name = logging.get("wandb_name") or run_dir.resolve().name
+    run_id = re.sub(r"[^A-Za-z0-9_-]", "-", name)[:48] + "-" + \
+        hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return wandb.init(project=logging.get("wandb_project", "shardfit"), name=name, id=run_id, resume="allow",
+                      dir=str(run_dir), mode=logging.get("wandb_mode", "online"), config=config)
+
+
 class Progress:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, mode: str, enabled: bool,
-                 tensorboard: bool = False, debug: bool = False):
+                 tensorboard: bool = False, debug: bool = False, logging: dict | None = None):
+        """logging: the [logging] settings (wandb, wandb_project, wandb_name, wandb_mode); None reads them from
+        <run_dir>/config.toml."""
         self.enabled, self.debug = enabled, debug
         self.total, self.start = total_steps, start_step
         self.t0 = time.perf_counter()
         self.file = None
         self.bar = None
         self.tb = None
+        self.wandb = None
         if not enabled:
             return
         self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -61,6 +104,19 @@ class Progress:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        config = _read_config(run_dir) if logging is None else {"logging": logging}
+        settings = config.get("logging", {})
+        if settings.get("wandb"):
+            self.wandb = open_wandb(run_dir, settings, config)
+
+    def _track(self, rec: dict) -> None:
+        values = scalars(rec)
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, rec["step"])
+            self.tb.flush()  # a reader (TensorBoard, a test) sees every record by the time it is printed
+        if self.wandb is not None:
+            self.wandb.log(values, step=rec["step"])
 
     def eta(self, step: float) -> float:
         """Seconds left once `step` steps are done (a fraction counts the micro-batches of the current step)."""
@@ -83,10 +139,7 @@ class Progress:
             return
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, rec["step"])
+        self._track(rec)
         if self.bar is not None:
             self.bar.update(self.task, completed=rec["step"], status=format_line(rec).split(" | ", 1)[1])
         elif self.mode == "lines":
@@ -99,10 +152,7 @@ class Progress:
             return
         self.file.write(json.dumps({**rec, "eval": True}) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, rec["step"])
+        self._track(rec)
         self.message(f"eval step {rec['step']}: val_loss {rec['val_loss']:.4f} over {rec['val_tokens']:,} tokens "
                      f"({rec['val_s']:.1f} s)")
 
@@ -121,3 +171,5 @@ class Progress:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
