@@ -17,6 +17,19 @@
 #   curve8  50 steps: bf16 fast against FP8 tensorwise and rowwise (1 GPU, 1B shape)
 #   profile the best configuration profiled, its trace kept under $OUT/traces
 #   levers  bench_train --suite levers on 2 GPUs (issue 5); levers2, levers3 likewise
+# Issue 12, variable-length training (bench_train.py's VARLEN_SUITES; the fine-tuning set of gen_sft_data.py is
+# made in /tmp/sft_varlen on first use, ~3 s). Each stage runs under a time cap (`timeout`; bench_train.py then ends
+# the running case and keeps the JSON of those done) so that two calls of <= 10 minutes hold all four:
+#   call 1: benchmarks/device_run.sh setup varlen8b docmask8b      (~4 + ~4 min)
+#   call 2: benchmarks/device_run.sh setup flat300 attn            (~5.5 + ~2.5 min)
+#   sftdata    the data set alone (/tmp/sft_varlen: sft.jsonl, docs.jsonl, summary.json)
+#   varlen8b   2 GPUs, Llama-3-8B seq 4096 compiled: shardfit padded, packed, token-budget; HF + Liger anchor padded
+#              (cap 290 s); JSON summary: packed_vs_padded (loss-bearing tokens/s/GPU), packed_vs_anchor
+#   docmask8b  2 GPUs, packed pretraining on docs.jsonl: unmasked against document masks, varlen and flex (cap 280 s)
+#   flat300    1 GPU, Llama-3.2-1B shape, 300 steps each: shardfit packed, token-budget, padded; the anchor with
+#              dynamic padding and padded to 4096; memory-flatness table after step 20 (cap 380 s)
+#   attn       1 GPU, bench_attention.py: causal SDPA against varlen, flex, dense-mask SDPA at the 8B attention
+#              shape, 4/2/1 packed rows of 4096, and DocumentMask.build's cost (cap 190 s)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -75,6 +88,11 @@ for stage in "$@"; do
     final4) env $two python3 benchmarks/bench_train.py --suite final4 --nproc 2 --out "$OUT/final4_x2.json" 2>&1 | tail -8 ;;
     curve8) python3 benchmarks/bench_train.py --suite curve8 --nproc 1 --timeout 400 --out "$OUT/curve8_x1.json" 2>&1 | tail -9 ;;
     profile) mkdir -p "$OUT/traces"; env $two BENCH_KEEP_TRACES="$OUT/traces" python3 benchmarks/bench_train.py --suite profile --nproc 2 --out "$OUT/profile_x2.json" 2>&1 | tail -3 ;;
+    sftdata) python3 benchmarks/gen_sft_data.py --out /tmp/sft_varlen | tee "$OUT/sftdata.txt"; cp /tmp/sft_varlen/summary.json "$OUT/sft_summary.json" ;;
+    varlen8b) env $two timeout 290 python3 benchmarks/bench_train.py --suite varlen8b --nproc 2 --timeout 200 --out "$OUT/varlen8b_x2.json" 2>&1 | tee "$OUT/varlen8b.log" | grep -v '^{' | tail -14 ;;
+    docmask8b) env $two timeout 280 python3 benchmarks/bench_train.py --suite docmask8b --nproc 2 --timeout 200 --out "$OUT/docmask8b_x2.json" 2>&1 | tee "$OUT/docmask8b.log" | grep -v '^{' | tail -10 ;;
+    flat300) env CUDA_VISIBLE_DEVICES=0 timeout 380 python3 benchmarks/bench_train.py --suite flat300 --nproc 1 --timeout 130 --out "$OUT/flat300_x1.json" 2>&1 | tee "$OUT/flat300.log" | grep -v '^{' | tail -22 ;;
+    attn) env CUDA_VISIBLE_DEVICES=0 timeout 190 python3 benchmarks/bench_attention.py --out "$OUT/attn_x1.json" 2>&1 | tee "$OUT/attn.log" | grep -v '^{' | tail -16 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
