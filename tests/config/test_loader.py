@@ -33,6 +33,8 @@ def test_resolved_config_round_trips(tmp_path):
     (["--trian.lr=1"], "did you mean 'train'"),
     (["--train.steps=ten"], "--train.steps train.steps: 'ten' is not a valid int"),
     (["--train.steps=0"], "train.steps: 0 is out of range; fix: give a value > 0"),
+    (["--model.n_heads=0"], "model.n_heads: 0 is out of range"),  # before the model is built to size the defaults
+    (["--model.dim=-5"], "model.dim: -5 is out of range"),
     (["--parallel.activation_checkpoint=some"], "choose one of none, full, selective"),
     (["--model.name=llama9"], "unknown model preset"),
     (["--data.seq_len=4096"], "above the model's limit"),

@@ -130,6 +130,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for section, key, value in parse_overrides(overrides or []):
         _set(cfg, section, key, value, f"--{section}.{key}", explicit, from_text=True)
     _apply_preset(cfg, explicit)
+    _check_keys(cfg)
     _apply_training_defaults(cfg, explicit)
     validate(cfg)
     return cfg
@@ -233,6 +234,12 @@ def defaults_table() -> str:
 
 def validate(cfg: Config) -> None:
     """Per-key checks from the schema's metadata, then the rules that tie keys together."""
+    _check_keys(cfg)
+    _check_rules(cfg)
+
+
+def _check_keys(cfg: Config) -> None:
+    """Each key's choices and range (schema metadata): run before the model is built to count its parameters."""
     for sname, section in _sections(cfg).items():
         for name, f in _fields(section).items():
             value = getattr(section, name)
@@ -245,6 +252,9 @@ def validate(cfg: Config) -> None:
                 raise ShardfitError(f"{value} is out of range", where=where, fix=f"give a value >= {meta['ge']}")
             if meta.get("gt") is not None and value <= meta["gt"]:
                 raise ShardfitError(f"{value} is out of range", where=where, fix=f"give a value > {meta['gt']}")
+
+
+def _check_rules(cfg: Config) -> None:
     m = cfg.model
     if m.n_heads % m.n_kv_heads:
         raise ShardfitError(f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}",
