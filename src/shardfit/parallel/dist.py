@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +23,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pick_device(kind: str, local_rank: int) -> torch.device:
@@ -57,18 +50,20 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 1800.0) -> Di
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `shardfit train`: a group of one, so the code path is the same
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        # Under torchrun --max-restarts, each attempt's keys live under their own prefix, so a restarted worker can
-        # never read an address the previous attempt's (dead) workers published.
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"shardfit/attempt{attempt}/", store)
+        if "RANK" not in os.environ:
+            # Plain `shardfit train`: a group of one (so the code path is the same) over an in-process store. No port
+            # and no environment variables: a process that trains twice, or starts a child that trains, must not
+            # hand a port it still holds to the next group (EADDRINUSE).
+            store, rank, world = dist.HashStore(), 0, 1
+        else:
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            # Under torchrun --max-restarts, each attempt's keys live under their own prefix, so a restarted worker
+            # can never read an address the previous attempt's (dead) workers published.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"shardfit/attempt{attempt}/", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
 
