@@ -70,8 +70,6 @@ def test_hsdp_with_ulysses_matches_single_process(tmp_path):
     _check_against_reference(res, overrides)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the trainer to sum the squared gradient norm over one replica's "
-                   "ranks only (rows[:world // R]); trainer.py is not this change's file")
 def test_gradient_norm_counts_each_shard_once(tmp_path):
     """2 ranks, R=2: every rank holds every parameter; the logged norm must be the 1-process one, not sqrt(2) x."""
     hsdp = run_ranks(_train_hsdp, 2, ["--parallel.replicate=2"], str(tmp_path / "hsdp"), timeout=240)

@@ -284,7 +284,10 @@ class Trainer:
         n_tokens = float(rows[:, _STAT_TOKENS].sum())
         bad_ranks = [r for r in range(world) if rows[r, _STAT_NONFINITE] > 0]
         scale = world * self.capacity / n_tokens if n_tokens > 0 else math.nan
-        grad_norm = math.sqrt(float(rows[:, _STAT_SQNORM].sum())) * scale
+        # HSDP: the R replica groups hold the same shards, so the squared norm is summed over one group's ranks
+        # (the first world/R: parallel/parallelize.py lays the shard groups out as neighbouring ranks).
+        one_replica = world // self.cfg.parallel.replicate
+        grad_norm = math.sqrt(float(rows[:one_replica, _STAT_SQNORM].sum())) * scale
         loss = float(rows[:, _STAT_LOSS].sum()) / n_tokens if n_tokens > 0 else math.nan
         lr = lr_at(self.step, self.cfg.train)
         # Every rank reads the same rows, so every rank takes the same branch.
