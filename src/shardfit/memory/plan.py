@@ -4,10 +4,13 @@ No GPU and no weights are needed. Activation bytes are not guessed from formulas
 device (shapes only, no data, no compute) and every tensor autograd saves for backward is counted, by storage, with
 the selective-checkpointing policy applied to the same operations the training run uses. The rest is arithmetic:
 
-  states       fp32 parameters, Adam's two moments and the fp32 gradients (kept, or with accumulation live from the
-               first micro-batch on), each 1/world, or under HSDP (parallel.replicate = R) 1/(world/R): a shard
-               group's share, every replica holding its own copy; with parallel.reduce_every_micro_batch=false and
-               accumulation, the whole model's fp32 gradients unsharded instead
+  states       fp32 parameters (4 B/param), Adam's two moments (8 B) and the fp32 gradients (4 B: kept, or with
+               accumulation live from the first micro-batch on), each 1/world, or under HSDP (parallel.replicate =
+               R) 1/(world/R): a shard group's share, every replica holding its own copy; with
+               parallel.reduce_every_micro_batch=false and accumulation, the whole model's fp32 gradients unsharded
+               instead. CPU offload moves states to host memory (the `host` term, per rank): optimizer = the
+               moments (8 B/param/shard; parameters and gradients stay), all = FSDP2's CPUOffloadPolicy, the
+               sharded parameters, gradients and moments (16 B/param/shard), the step on the CPU
   fsdp         bf16 unsharded parameters in flight: the root group (embedding, head, final norm) for the whole
                forward and backward, plus two blocks (the one running and the one prefetched), plus one block's
                fp32 reduce-scatter input in backward
@@ -146,18 +149,31 @@ class _SavedOps(TorchDispatchMode):
 
 def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0) -> dict[str, int]:
     """Bytes one block keeps for backward per checkpointing mode, for micro_batch sequences on one rank."""
+    dtype = torch.bfloat16 if cfg.parallel.param_dtype in ("auto", "bfloat16") else torch.float32
+    S = cfg.data.seq_len // cfg.parallel.sequence_parallel  # Ulysses: each rank keeps S/P tokens
+    return dict(_block_bytes(_key(cfg.model), micro_batch, S, dtype, layer, cfg.parallel.compile, cfg.parallel.fp8))
+
+
+def _key(m: ModelConfig) -> tuple:
+    """The model config as a hashable key of the caches below."""
+    return tuple(dataclasses.asdict(m).items())
+
+
+@functools.lru_cache(maxsize=512)
+def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, layer: int, compile: bool,
+                 fp8: str) -> tuple[tuple[str, int], ...]:
+    """block_activation_bytes, cached: it does not depend on the world size, the sharding or the offload, so the
+    proposals' many layouts (shardfit plan --propose) trace each (micro-batch, tokens) once (~6 ms at 70B)."""
     from shardfit.models.decoder import is_moe_layer
     from shardfit.parallel.parallelize import _SAVE_OPS
 
-    dtype = torch.bfloat16 if cfg.parallel.param_dtype in ("auto", "bfloat16") else torch.float32
-    S = cfg.data.seq_len // cfg.parallel.sequence_parallel  # Ulysses: each rank keeps S/P tokens
-    m = cfg.model
+    m = ModelConfig(**dict(model))
     block, x, cos, sin = _meta_block(m, layer, micro_batch, S, dtype)
     # compiled dense blocks: what the partitioner saves; MoE layers are counted as eager (their routed graph is
     # data-dependent on the GPU, so the compiled trace would not be the one that runs)
     compiled = None
-    if cfg.parallel.compile and not is_moe_layer(m, layer):
-        first, per_sequence = _compiled_line(tuple(dataclasses.asdict(m).items()), S, dtype, layer, cfg.parallel.fp8)
+    if compile and not is_moe_layer(m, layer):
+        first, per_sequence = _compiled_line(model, S, dtype, layer, fp8)
         compiled = first + per_sequence * (micro_batch - 1)
     params = {p.untyped_storage()._cdata for p in block.parameters()}
     seen: dict[int, int] = {}
@@ -174,18 +190,43 @@ def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0) -> dic
     block_input = x.nbytes  # selective: the attention kernel's outputs (out, log-sum-exp) are among saved_ops' bytes
     ffn = m.moe_ffn_dim * m.experts_per_token if is_moe_layer(m, layer) else m.ffn_dim
     none = sum(seen.values()) if compiled is None else compiled
-    return {"none": none, "selective": block_input + saved_ops.nbytes, "full": block_input,
-            "block_input": block_input, "ffn_grads": 2 * micro_batch * S * ffn * x.element_size()}
+    return (("none", none), ("selective", block_input + saved_ops.nbytes), ("full", block_input),
+            ("block_input", block_input), ("ffn_grads", 2 * micro_batch * S * ffn * x.element_size()))
+
+
+@functools.lru_cache(maxsize=16)
+def _param_counts(model: tuple, fp8: str, fp8_all_gather: bool) -> tuple[int, tuple[int, ...], int]:
+    """(parameters, parameters of each block, the largest block's weights all-gathered in FP8) of the model as built
+    on meta: building it takes 0.04 s at 70B, and the proposals ask for hundreds of estimates."""
+    from shardfit.models import build_model
+
+    with torch.device("meta"):
+        built = build_model(ModelConfig(**dict(model)))
+    blocks = tuple(sum(p.numel() for p in b.parameters()) for b in built.model.layers)
+    fp8_bytes = 0
+    if gathers_in_fp8(ParallelConfig(fp8=fp8, fp8_all_gather=fp8_all_gather)):
+        fp8_bytes = max(sum(mod.weight.numel() for _, mod in fp8_linears(b, fp8, True, f"model.layers.{i}."))
+                        for i, b in enumerate(built.model.layers))
+    return sum(p.numel() for p in built.parameters()), blocks, fp8_bytes
 
 
 @dataclass
 class Estimate:
+    """One rank's predicted memory in bytes, term by term (a measured peak can be compared with each term)."""
+
     micro_batch: int
-    states: int
+    weights: int  # fp32 sharded parameters on the GPU (0 with parallel.offload=all)
+    grads: int  # fp32 gradients on the GPU: sharded (kept, or live during accumulation), or the unsharded model's
+    moments: int  # Adam's exp_avg and exp_avg_sq on the GPU (0 with any parallel.offload)
     fsdp: int
     activations: int
     working: int
     idle_cache: int = 0  # freed gradients cached in the reduce-scatter stream's pool (see fits); not in the peak
+    host: int = 0  # states this rank keeps in host memory (parallel.offload); not in the peak
+
+    @property
+    def states(self) -> int:
+        return self.weights + self.grads + self.moments
 
     @property
     def peak(self) -> int:
@@ -193,52 +234,57 @@ class Estimate:
 
 
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
-    from shardfit.models import build_model
     from shardfit.models.decoder import is_moe_layer
     from shardfit.parallel.parallelize import check_replicate
 
     check_replicate(cfg.parallel.replicate, world)
     shard = world // cfg.parallel.replicate  # ranks the states are sharded over (HSDP: one replica's group)
-    m = cfg.model
-    with torch.device("meta"):
-        model = build_model(m)
-    n_params = sum(p.numel() for p in model.parameters())
-    block_params = [sum(p.numel() for p in b.parameters()) for b in model.model.layers]
+    m, par = cfg.model, cfg.parallel
+    n_params, block_params, fp8_bytes = _param_counts(_key(m), par.fp8, par.fp8_all_gather)
     root_params = n_params - sum(block_params)
-    per_param = 4 + 8 + (4 if cfg.memory.keep_grads else 0)  # fp32 weights, Adam moments, kept fp32 gradients
-    states = n_params * per_param // shard
-    idle_cache = 0 if cfg.memory.keep_grads else n_params * 4 // shard  # freed gradients, cached (see fits)
-    if cfg.train.global_batch > micro_batch * (world // cfg.parallel.sequence_parallel):  # accumulation
-        if not cfg.parallel.reduce_every_micro_batch:
-            states += n_params * 4  # gradients accumulated unsharded in fp32 between micro-batches, on every GPU
+    weights, moments = 4 * n_params // shard, 8 * n_params // shard  # fp32 weights, Adam's two fp32 moments
+    sharded_grads = 4 * n_params // shard
+    grads = sharded_grads if cfg.memory.keep_grads else 0
+    idle_cache = 0 if cfg.memory.keep_grads else sharded_grads  # freed gradients, cached (see fits)
+    unsharded = 0
+    if cfg.train.global_batch > micro_batch * (world // par.sequence_parallel):  # accumulation
+        if not par.reduce_every_micro_batch:
+            unsharded = 4 * n_params  # accumulated unsharded in fp32 between micro-batches, on every GPU
         elif not cfg.memory.keep_grads:
-            states += n_params * 4 // shard  # the sharded fp32 gradients live from the first micro-batch on
-            idle_cache = 0  # allocated then, not idle: counted in states
+            grads, idle_cache = sharded_grads, 0  # live from the first micro-batch on: allocated, not idle
+    host = 0
+    if par.offload == "optimizer":  # the moments and the step on the CPU; parameters and gradients stay
+        host, moments = moments, 0
+    elif par.offload == "all":  # FSDP2's CPUOffloadPolicy: every sharded state in pinned host memory
+        host = weights + moments + sharded_grads  # gradients copied there after each reduce-scatter
+        weights = moments = grads = idle_cache = 0
+    grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
     big_block = max(block_params)
     # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
-    # converted weights at 1 byte each
-    fp8_bytes = 0
-    if gathers_in_fp8(cfg.parallel):
-        fp8_bytes = max(sum(mod.weight.numel() for _, mod in fp8_linears(b, cfg.parallel.fp8, True,
-                                                                          f"model.layers.{i}."))
-                        for i, b in enumerate(model.model.layers))
+    # converted weights at 1 byte each. The same with offload=all: only the sharded copies live on the host.
     fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
-    mode = cfg.parallel.activation_checkpoint
+    mode = par.activation_checkpoint
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
     per_block = {k: block_activation_bytes(cfg, micro_batch, layer=next(
         i for i in range(m.n_layers) if is_moe_layer(m, i) == k)) for k in kinds}
     acts = 0
     for i in range(m.n_layers):
         b = per_block[is_moe_layer(m, i)]
-        checkpointed = mode == "selective" or (mode == "full" and i % cfg.parallel.ac_every == 0)
+        checkpointed = mode == "selective" or (mode == "full" and i % par.ac_every == 0)
         acts += b[mode] if checkpointed else b["none"]
-    tokens = micro_batch * cfg.data.seq_len // cfg.parallel.sequence_parallel
-    loss = tokens * m.dim * 2 + m.vocab_size * m.dim * 2 + cfg.parallel.loss_chunk * m.vocab_size * 10
+    tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
+    loss = tokens * m.dim * 2 + m.vocab_size * m.dim * 2 + par.loss_chunk * m.vocab_size * 10
     worst = max(per_block.values(), key=lambda b: b["none"])
     # backward of one block: gradients of its input and output, of the gate and up projections' outputs, and
     # under checkpointing the block's recomputed tensors on top
     backward = 2 * worst["block_input"] + worst["ffn_grads"] + (worst["none"] if mode != "none" else 0)
-    return Estimate(micro_batch, states, fsdp, acts, max(loss, backward), idle_cache)
+    return Estimate(micro_batch, weights, grads, moments, fsdp, acts, max(loss, backward), idle_cache, host)
+
+
+def host_per_node(e: Estimate, world: int, gpus_per_node: int = 8) -> int:
+    """Host memory the offloaded states of one node's ranks take: FSDP2 pins the sharded parameters and gradients
+    (page-locked, so the OS cannot swap or share them), and the moments live beside them."""
+    return e.host * min(world, gpus_per_node)
 
 
 def largest_micro_batch(cfg: Config, world: int, budget_bytes: float, limit: int = 64,
@@ -301,7 +347,33 @@ def auto_micro_batch(cfg: Config, world: int, device_bytes: float, per_rank: int
     return e, line
 
 
-def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
+MODES = ("none", "selective", "full")  # activation checkpointing, from the least recomputation to the most
+
+
+def with_mode(cfg: Config, mode: str) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpoint=mode))
+
+
+def largest_per_mode(cfg: Config, world: int, gpu_gib: float) -> dict[str, Estimate | None]:
+    """The largest micro-batch that fits a GPU of gpu_gib, per checkpointing mode (None: not even 1)."""
+    return {mode: largest_micro_batch(with_mode(cfg, mode), world, allocation_budget(gpu_gib * GiB),
+                                      device_bytes=gpu_gib * GiB) for mode in MODES}
+
+
+def host_line(e: Estimate, cfg: Config, world: int, gpus_per_node: int, host_gib: float | None) -> str:
+    """What parallel.offload asks of each node's host memory, and whether it exceeds --host-memory."""
+    ranks = min(world, gpus_per_node)
+    what = "Adam moments" if cfg.parallel.offload == "optimizer" else "fp32 parameters, gradients and Adam moments"
+    line = (f"host memory per node: {host_per_node(e, world, gpus_per_node) / GiB:.1f} GiB ({what} of {ranks} "
+            f"rank(s), {e.host / GiB:.1f} GiB each, pinned)")
+    if host_gib is not None:
+        over = host_per_node(e, world, gpus_per_node) > host_gib * GiB
+        line += f": EXCEEDS the host's {host_gib:.0f} GiB" if over else f": within the host's {host_gib:.0f} GiB"
+    return line
+
+
+def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
+               gpus_per_node: int = 8) -> str:
     """The report of `shardfit plan`: the configured micro-batch's peak, then the largest micro-batch per mode."""
     budget = allocation_budget(gpu_gib * GiB)
     m = cfg.model
@@ -309,6 +381,7 @@ def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
              + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
              + (f", HSDP: {cfg.parallel.replicate} replicas of {world // cfg.parallel.replicate}-GPU shard groups"
                 if cfg.parallel.replicate > 1 else "")
+             + (f", CPU offload of {cfg.parallel.offload}" if cfg.parallel.offload != "none" else "")
              + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
              + (", compiled blocks" if cfg.parallel.compile else ", eager blocks")
              + (f", FP8 {cfg.parallel.fp8}" if cfg.parallel.fp8 != "none" else "")
@@ -328,9 +401,9 @@ def plan_table(cfg: Config, world: int, gpu_gib: float) -> str:
                      f"{gpu_gib - 4.5:.1f} GiB")
     verdict = "fits" if fits(mine, budget, gpu_gib * GiB) else "DOES NOT FIT"
     lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {verdict}"))
-    for mode in ("none", "selective", "full"):
-        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpoint=mode))
-        best = largest_micro_batch(c, world, budget, device_bytes=gpu_gib * GiB)
+    for mode, best in largest_per_mode(cfg, world, gpu_gib).items():
         lines.append(row(mode, best, "  (largest tried: 64; more may fit)" if best and best.micro_batch == 64
                          else "  (largest that fits)"))
+    if cfg.parallel.offload != "none":
+        lines += ["", host_line(mine, cfg, world, gpus_per_node, host_gib)]
     return "\n".join(lines)
