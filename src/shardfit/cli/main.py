@@ -12,6 +12,7 @@ TRAIN_HELP = """\
 Train a decoder model with FSDP2. With no arguments: the embedded tiny model on the embedded corpus.
 
   shardfit train [--config FILE.toml | --config recipe:NAME] [--section.key=value ...] [--nproc N]
+  shardfit train [...] --nproc N --nnodes M --rdzv-endpoint HOST:PORT [--rdzv-id ID]   (on each of M nodes)
   torchrun --nproc_per_node N -m shardfit train [...]     (multi-node: torchrun's flags as usual)
 
 Ready-made configs: shardfit recipes. Defaults below are those of the model on the command line (add
@@ -24,9 +25,11 @@ Every key (TOML table [section], or --section.key=value on the command line):
 def _train(argv: list[str]) -> int:
     from shardfit.config.loader import config_help
 
-    opts, rest = _take_options(argv, ("--config", "--nproc"))
+    opts, rest = _take_options(argv, ("--config", "--nproc", *_RDZV_FLAGS))
     config_path = opts.get("--config")
     nproc = _count(opts["--nproc"], "--nproc", "processes (omit --nproc for one)") if "--nproc" in opts else 1
+    launcher = _rendezvous_flags(opts)  # multi-node: torchrun's rendezvous flags, passed through
+    nnodes = int(opts.get("--nnodes", 1))
 
     from shardfit.config import accumulation_steps, load_config
 
@@ -40,14 +43,14 @@ def _train(argv: list[str]) -> int:
         recipe = read(config_path)
         if recipe is not None:
             check_needs(recipe, cfg)
-    if nproc > 1:
+    if nproc > 1 or launcher:
         from shardfit.parallel.ulysses import check_sequence_parallel
 
         # Checked before starting processes: the sequence-parallel split, then the batch over data-parallel ranks.
-        sp = cfg.parallel.sequence_parallel
-        check_sequence_parallel(sp, nproc, cfg.data.seq_len, cfg.model.n_heads)
-        accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch or 1, nproc // sp)  # 0: chosen later
-        return _launch_torchrun(nproc, config_path, rest)
+        sp, world = cfg.parallel.sequence_parallel, nproc * nnodes
+        check_sequence_parallel(sp, world, cfg.data.seq_len, cfg.model.n_heads)
+        accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch or 1, world // sp)  # 0: chosen later
+        return _launch_torchrun(nproc, config_path, rest, launcher)
 
     from shardfit.parallel import shutdown_distributed
     from shardfit.train import Trainer, apply_alloc_conf
@@ -167,11 +170,32 @@ def _take_options(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, st
     return opts, rest
 
 
-def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str]) -> int:
-    """`--nproc N`: start N local processes through torchrun, the same launcher users run by hand."""
+# torchrun's multi-node flags that `shardfit train` passes through (either spelling; docs/multinode.md).
+_RDZV_FLAGS = ("--nnodes", "--node-rank", "--node_rank", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",
+               "--rdzv_endpoint", "--rdzv-id", "--rdzv_id")
+
+
+def _rendezvous_flags(opts: dict[str, str]) -> list[str]:
+    """torchrun flags for a multi-node launch (empty: one node, --standalone)."""
+    given = {name.replace("_", "-"): value for name, value in opts.items() if name in _RDZV_FLAGS}
+    if not given:
+        return []
+    nnodes = _count(given.get("--nnodes", "1"), "--nnodes", "nodes (torchrun's elastic MIN:MAX: run torchrun "
+                    "directly)")
+    if nnodes > 1 and "--rdzv-endpoint" not in given:
+        raise ShardfitError(f"--nnodes={nnodes} needs the rendezvous address", where="--rdzv-endpoint",
+                            fix="add --rdzv-endpoint=HOST:PORT (the first node's address, the same on every node)")
+    given["--nnodes"] = str(nnodes)
+    given.setdefault("--rdzv-backend", "c10d")
+    return [f"{name}={value}" for name, value in given.items()]
+
+
+def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str], launcher: list[str] = ()) -> int:
+    """`--nproc N`: start N local processes through torchrun, the same launcher users run by hand; on several
+    nodes (launcher: --nnodes, --rdzv-*), this node's N processes of the job."""
     from torch.distributed.run import main as torchrun_main
 
-    args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "shardfit", "train"]
+    args = [*(launcher or ["--standalone"]), f"--nproc_per_node={nproc}", "-m", "shardfit", "train"]
     if config_path:
         args.append(f"--config={config_path}")
     torchrun_main(args + rest)
