@@ -14,7 +14,8 @@ Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
           flattened sequence of B*S tokens cut at every document start; no mask in memory, no masked tiles;
   flex    FlexAttention with a document block mask (torch.nn.attention.flex_attention, compiled): tiles that
           cross documents are skipped.
-Which is faster on a GPU is measured (benchmarks/bench_attention.py); parallel.doc_attention=auto takes the winner.
+Which is faster on a GPU is measured (benchmarks/bench_attention.py, bench_train.py's docmask8b); parallel.doc_attention=auto
+takes the winner: flex.
 """
 
 from __future__ import annotations
@@ -144,5 +145,17 @@ def choose_doc_kernel(kind: str, device: torch.device) -> str:
     if device.type != "cuda":
         return "sdpa"
     if kind == "auto":
-        return "varlen" if varlen_available() else "flex"
+        # Measured (benchmarks/NOTES.md, session 6, Llama-3-8B packed pretraining, compiled, 2 x H200): flex at
+        # micro-batch 4 ran 1.02x the unmasked step with its memory; varlen 0.83x, because torch 2.11's varlen has
+        # no grouped-query heads, so K/V are repeated to all 32 heads and saved for backward (+6 GiB, over the
+        # edge: allocator retries). varlen stays the choice where FlexAttention is missing.
+        return "flex" if flex_available() else "varlen"
     return kind
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401
+    except ImportError:
+        return False
+    return True
