@@ -17,6 +17,8 @@ of shardfit packed over shardfit padded; masked_vs_unmasked) and, for flat300, t
   python benchmarks/bench_train.py --suite docmask8b --nproc 2 --out docmask8b.json    # 2 GPUs, ~3-4 min
   python benchmarks/bench_train.py --suite flat300   --nproc 1 --out flat300.json      # 1 GPU, ~5-6 min
   python benchmarks/bench_train.py --suite varlen_cpu --nproc 2                        # CPU check of the above
+Issue 13, CPU offload (SUITES["offload8b"]): Llama-3-8B, seq 4096, parallel.offload=all on one GPU, ~6 min.
+  python benchmarks/bench_train.py --suite offload8b --nproc 1 --timeout 270 --out offload8b.json
 """
 
 from __future__ import annotations
@@ -203,6 +205,24 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
 
 for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "final", "profile", "fp8", "final4"):
     SUITES[_suite] = [(k, label, FREED + args if k == "shardfit" else args) for k, label, args in SUITES[_suite]]
+
+# Issue 13: Llama-3-8B full fine-tuning on ONE GPU (H100, 80 GB) with parallel.offload=all. Its fp32 states (weights,
+# gradients, Adam moments: 16 bytes x 8.03B = 120 GiB) live in host memory; the GPU holds the gathered bf16 groups,
+# activations and transient fp32 copies. Full checkpointing keeps 1 GiB of block inputs per sequence, so the
+# micro-batch can be large: `shardfit plan` gives 3.6 GiB FSDP + 16.0 activations + 13.0 working set at mbs 16,
+# compiled (~33 GiB; offload adds ~6 GiB of fp32 staging and gradient copies). A large micro-batch and no
+# accumulation: every micro-batch copies all fp32 shards to the GPU (~59 GB: forward, and backward for the resharded
+# blocks) and the gradients back (32 GB); the CPU step (one per step, ~225 GB of host memory traffic) is amortised
+# over 65,536 tokens; accumulation would add the host adds of FSDP's offloaded gradient accumulation inside backward.
+# The second case (16 of the 32 layers, 4.5B parameters, 68 GiB of states) still runs where the host's memory
+# cannot hold the full model's 120 GiB plus the pinned allocator's rounding.
+OFFLOAD8B = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=8", "--train.warmup_steps=2",
+             "--train.lr=1e-5", "--parallel.compile=true", "--parallel.offload=all",
+             "--parallel.activation_checkpoint=full", "--train.micro_batch=16", "--train.global_batch=16"]
+SUITES["offload8b"] = [
+    ("shardfit", "8B offload=all full-AC mbs16", OFFLOAD8B),
+    ("shardfit", "8B shape 16 layers offload=all mbs16", [*OFFLOAD8B, "--model.n_layers=16"]),
+]
 
 # Issue 12: variable-length training. Cases are (kind, label, args[, fallback cases]); kinds "sf" (`shardfit
 # train`, --logging.log_every=1 added) and "anchor-sft" (benchmarks/anchor_sft.py). A case whose run fails (an OOM

@@ -30,6 +30,10 @@
 #              dynamic padding and padded to 4096; memory-flatness table after step 20 (cap 380 s)
 #   attn       1 GPU, bench_attention.py: causal SDPA against varlen, flex, dense-mask SDPA at the 8B attention
 #              shape, 4/2/1 packed rows of 4096, and DocumentMask.build's cost (cap 190 s)
+# Issue 13, CPU offload:
+#   offload8b  1 GPU (nvidia-h100-x1), Llama-3-8B seq 4096 compiled, parallel.offload=all, full checkpointing, mbs 16,
+#              8 steps, then the 16-layer shape (cap 470 s); host MemAvailable sampled every second
+#              ($OUT/offload8b_hostmem.txt, the lowest printed): the states alone are 120 GiB
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -93,6 +97,10 @@ for stage in "$@"; do
     docmask8b) env $two timeout 280 python3 benchmarks/bench_train.py --suite docmask8b --nproc 2 --timeout 200 --out "$OUT/docmask8b_x2.json" 2>&1 | tee "$OUT/docmask8b.log" | grep -v '^{' | tail -10 ;;
     flat300) env CUDA_VISIBLE_DEVICES=0 timeout 380 python3 benchmarks/bench_train.py --suite flat300 --nproc 1 --timeout 130 --out "$OUT/flat300_x1.json" 2>&1 | tee "$OUT/flat300.log" | grep -v '^{' | tail -22 ;;
     attn) env CUDA_VISIBLE_DEVICES=0 timeout 190 python3 benchmarks/bench_attention.py --out "$OUT/attn_x1.json" 2>&1 | tee "$OUT/attn.log" | grep -v '^{' | tail -16 ;;
+    offload8b)  # one compile worker: the host's memory is for the offloaded states
+      (while sleep 1; do echo "$(date +%T) $(grep MemAvailable /proc/meminfo)"; done) > "$OUT/offload8b_hostmem.txt" & sampler=$!
+      env CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=1 timeout 470 python3 benchmarks/bench_train.py --suite offload8b --nproc 1 --timeout 270 --out "$OUT/offload8b_x1.json" 2>&1 | tee "$OUT/offload8b.log" | grep -v '^{' | tail -5
+      kill $sampler; echo "lowest host MemAvailable: $(sort -k3 -n "$OUT/offload8b_hostmem.txt" | head -1)" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

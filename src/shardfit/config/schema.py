@@ -119,10 +119,11 @@ class ParallelConfig:
     replicate: int = opt(1, "HSDP: parameters sharded within groups of world/replicate ranks and replicated across "
                             "the replicate groups (gradients all-reduced across them); 1: shard over every rank",
                          gt=0)
-    offload: str = opt("none", "CPU offload: optimizer (Adam moments and the optimizer step in host memory, 8 bytes per "
-                               "parameter off the GPU), all (FSDP2's CPU offload: sharded parameters, gradients and "
-                               "optimizer states in pinned host memory, the step on the CPU; the GPU holds only "
-                               "gathered blocks and activations)", choices=("none", "optimizer", "all"))
+    offload: str = opt("none", "CPU offload: all (FSDP2's CPU offload: sharded fp32 parameters and gradients in pinned "
+                               "host memory, Adam moments in host memory, fused AdamW on the CPU; the GPU holds only "
+                               "gathered groups and activations; 16 bytes per parameter of host memory per node); "
+                               "optimizer is refused (FSDP2 has no optimizer-only offload: see parallel/offload.py)",
+                       choices=("none", "optimizer", "all"))
     sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
     attention: str = opt("auto", "SDPA kernel on CUDA: flash, cudnn, efficient; auto lets PyTorch pick per call",

@@ -18,6 +18,9 @@ The order is fixed and each step relies on the previous ones:
   4. explicit prefetch, if asked;
   5. to_empty on the target device: each rank allocates only its own shards (no rank ever holds the full model);
   6. init_weights / init_buffers on the shards (RoPE frequencies are non-persistent and rebuilt on every rank).
+With parallel.offload=all (parallel/offload.py) step 3 gives every group FSDP2's CPU offload policy, step 5 puts the
+shards in host memory and the buffers on the device, and step 6 draws the initial values on the device (the same
+weights as without offload) and copies them into the host shards.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import functools
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardfit.config.schema import ParallelConfig
 from shardfit.errors import ShardfitError
 from shardfit.parallel.fp8 import apply_fp8
+from shardfit.parallel.offload import check_offload, materialize_offloaded, offload_policy, step_threads
 from shardfit.parallel.ulysses import apply_sequence_parallel
 
 # Selective checkpointing keeps the outputs of the expensive ops (matmuls and attention) and recomputes the cheap
@@ -97,21 +101,25 @@ def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecision
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=getattr(torch, cfg.reduce_dtype))
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisionPolicy, cfg: ParallelConfig):
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisionPolicy, cfg: ParallelConfig,
+               offload: OffloadPolicy | None = None):
+    # One offload policy for every group (parallel.offload=all): FSDP2 then keeps every shard on the host.
+    off = {"offload_policy": offload if offload is not None else OffloadPolicy()}
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keeping them gathered saves one
-        # all-gather per step at the cost of one block's unsharded weights.
+        # all-gather per step (with offload, also one host-to-device copy of its shard) at the cost of one block's
+        # unsharded weights.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **off)
     if not model.cfg.tie_embeddings:
         # Untied, the embedding and the output head are groups of their own (tied, one parameter with two users, they
         # stay in the root group). The step's first all-gather is then the embedding alone; the head's is issued
         # while the last blocks still compute; and the head's reduce-scatter starts as soon as the loss's backward
         # is done, under the blocks' backward, instead of with the root group's at the very end, exposed. Neither is
         # resharded after forward, as the root group is not: the memory is what it was in the root group.
-        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **off)
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **off)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, **off)
     if cfg.prefetch > 0:
         for i, block in enumerate(blocks):
             after = blocks[i + 1:i + 1 + cfg.prefetch]
@@ -161,6 +169,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
     """
     check_replicate(cfg.replicate, world_size)
+    check_offload(cfg)
     blocks = list(model.model.layers)
     capability = None
     if device.type == "cuda":
@@ -178,7 +187,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     # FSDP shards over every rank, sequence-parallel peers included: each holds 1/world of the parameters (HSDP:
     # 1/(world/R)). The sequence-parallel groups above and the data each rank reads do not depend on R.
     mesh = fsdp_mesh(device.type, world_size, cfg.replicate)
-    apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg)  # 3, 4
+    apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg, offload_policy(cfg, device))  # 3, 4
+    model.offload_notice = None
+    if cfg.offload == "all":
+        materialize_offloaded(model, device, seed, init)  # 5, 6
+        model.offload_notice = step_threads(device)
+        return model
     model.to_empty(device=device)  # 5
     if init:
         model.init_weights(seed)  # 6

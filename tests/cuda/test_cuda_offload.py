@@ -1,0 +1,71 @@
+"""GPU test of parallel.offload=all: shards pinned on the host, less GPU memory, the no-offload losses (bf16)."""
+
+import pytest
+import torch
+
+from shardfit.errors import ShardfitError
+from shardfit.train import Trainer
+from tests._dist import run_ranks
+from tests.helpers import full_state, small_config
+
+pytestmark = pytest.mark.cuda
+SIZE = ["--train.device=cuda", "--model.dim=512", "--model.n_layers=4", "--model.n_heads=8", "--model.ffn_dim=1536",
+        "--data.seq_len=64", "--train.steps=6", "--train.micro_batch=2", "--train.warmup_steps=2",
+        "--train.lr=1e-3", "--logging.log_every=100", "--checkpoint.every=3"]
+
+
+def _train(rank, world, off, root):
+    run_dir = f"{root}/{off}"
+    cfg = small_config(*SIZE, f"--parallel.offload={off}", run_dir=run_dir)
+    trainer = Trainer(cfg)
+    start = full_state(trainer.model)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    history = trainer.fit()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    end = full_state(trainer.model)
+    locals_ = [p.to_local() for p in trainer.model.parameters()]
+    moments = [t for s in trainer.optimizer.state.values() for k, t in s.items() if k != "step"]
+    out = {"losses": [h["loss"] for h in history], "peak": peak,
+           "on_host": all(t.device.type == "cpu" for t in locals_),
+           "pinned": all(t.is_pinned() for t in locals_),
+           "moments_on_host": all(t.to_local().device.type == "cpu" for t in moments),
+           "buffers_on_gpu": all(b.device.type == "cuda" for b in trainer.model.buffers())}
+    if rank == 0:
+        torch.save({"start": start, "end": end}, f"{root}/{off}_state.pt")
+    if off == "all":
+        # resume the offloaded run's step-3 checkpoint (DCP over NCCL, host shards) in a new run directory
+        resumed = Trainer(small_config(*SIZE, "--parallel.offload=all",
+                                       f"--checkpoint.resume={run_dir}/checkpoints/step_00000003",
+                                       run_dir=f"{root}/resumed"))
+        out["resumed"] = [h["loss"] for h in resumed.fit()]
+        try:  # export gathers shards with NCCL: refused up front under offload (parallel/offload.py)
+            Trainer(small_config(*SIZE, "--parallel.offload=all", "--checkpoint.export_hf=/tmp/x",
+                                 run_dir=f"{root}/export"))
+            out["export_refused"] = False
+        except ShardfitError:
+            out["export_refused"] = True
+    return out
+
+
+def test_offload_all_trains_like_no_offload_with_less_gpu_memory(tmp_path):
+    world = min(2, torch.cuda.device_count())
+    ref = run_ranks(_train, world, "none", str(tmp_path), backend="nccl")
+    off = run_ranks(_train, world, "all", str(tmp_path), backend="nccl")
+    for r in off:
+        assert r["on_host"] and r["pinned"] and r["moments_on_host"] and r["buffers_on_gpu"]
+        assert r["export_refused"]
+    assert not any(r["on_host"] for r in ref)
+    # fp32 weights, gradients and Adam moments (16 bytes per parameter, /world) left the GPU
+    assert max(r["peak"] for r in off) < 0.5 * min(r["peak"] for r in ref), ([r["peak"] for r in off],
+                                                                           [r["peak"] for r in ref])
+    a, b = torch.load(tmp_path / "all_state.pt"), torch.load(tmp_path / "none_state.pt")
+    for k in b["start"]:  # initial values drawn on the GPU, copied into the host shards: the same weights
+        assert torch.equal(a["start"][k], b["start"][k]), k
+    # bf16 compute on identical weights; the steps differ only in the CPU's fused AdamW and the scale's rounding
+    torch.testing.assert_close(torch.tensor(off[0]["losses"]), torch.tensor(ref[0]["losses"]), rtol=1e-2, atol=1e-2)
+    for k in b["end"]:
+        diff = (a["end"][k].float() - b["end"][k].float()).norm() / b["end"][k].float().norm()
+        assert diff < 2e-2, (k, diff.item())
+    assert off[0]["resumed"] == off[0]["losses"][3:]  # the checkpoint written with offload resumes exactly
