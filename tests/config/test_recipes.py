@@ -32,15 +32,24 @@ def test_recipe_fits_every_layout_it_names(name):
         assert fits(e, allocation_budget(gib * GiB), gib * GiB), (name, gpus, gib, e.peak / GiB)
 
 
-def test_70b_says_truthfully_that_one_node_does_not_fit():
-    """The 70B recipe names two nodes because one node of 8 x H200 does not fit full fine-tuning, even with
-    gradients freed between steps (its comment gives these figures)."""
+def test_70b_says_truthfully_that_one_node_fits_only_with_cpu_offload():
+    """The 70B recipe names two and three nodes because one node of 8 GPUs does not fit full fine-tuning without
+    offload, even of H200s with gradients freed between steps; with parallel.offload=all, shardfit plan proposes a
+    layout for one node of 8 x 80 GB (its comment gives these figures and the flags)."""
+    from shardfit.memory.propose import proposals
+
     cfg = load_config("recipe:llama3-70b-sft")
     assert min(n for n, _ in read("recipe:llama3-70b-sft").layouts) > 8
     for extra in ([], ["--memory.keep_grads=false", "--train.global_batch=8"]):
         one_node = load_config("recipe:llama3-70b-sft", extra)
         assert not fits(estimate(one_node, 8, 1), allocation_budget(139 * GiB), 139 * GiB)
     assert cfg.parallel.activation_checkpoint == "full"
+    props, _ = proposals(cfg, 8, 79)
+    offload = next(p for p in props if p.world == 8)
+    assert offload.flags == ["--parallel.offload=all", "--parallel.activation_checkpoint=full", "--train.micro_batch=6"]
+    assert round(offload.estimate.peak / GiB, 1) == 53.6 and round(offload.host_per_node / GiB) == 1051
+    text = resolve("recipe:llama3-70b-sft").read_text()
+    assert "53.6 GiB per GPU at micro-batch 6" in text and "1,051 GiB of host memory" in text
 
 
 def test_recipes_take_the_size_defaults_and_overrides_win():

@@ -91,37 +91,67 @@ def _doctor(argv: list[str]) -> int:
 
 
 PLAN_HELP = """\
-Predict a rank's peak GPU memory before launch and pick the largest micro-batch that fits.
+Predict a rank's peak GPU memory before launch, pick the largest micro-batch that fits, and when the configuration
+does not fit, propose configurations that do.
 
   shardfit plan [--config FILE.toml | --config recipe:NAME] [--section.key=value ...] --nproc N [--gpu-memory GIB]
+                [--host-memory GIB] [--gpus-per-node G] [--propose] [--json]
 
 The same config keys as `shardfit train` (model, data.seq_len, parallel.*, memory.keep_grads). --nproc is the
-number of GPUs the model is sharded over; --gpu-memory the memory of one GPU in GiB (default: this machine's GPU,
-else 80). With --parallel.compile=true dense blocks are counted as the compiled graph saves them.
+number of GPUs the model is sharded over, all nodes together; --gpu-memory the memory of one GPU in GiB (default:
+this machine's GPU, else 80). With --parallel.compile=true dense blocks are counted as the compiled graph saves them.
+With --parallel.offload=all the host memory each node needs is printed; --host-memory (one node's, GiB) checks it.
+
+Proposals, printed when the configuration does not fit or always with --propose, cheapest first: checkpointing and
+micro-batch, sequence parallelism, CPU offload, more GPUs, HSDP with shard groups of whole nodes (--gpus-per-node,
+default 8). Each is the flags to add, re-planned with them; --nproc=N in a proposal is the world size (on several
+nodes: shardfit train --nproc G --nnodes N/G). --json prints the plan and the proposals as JSON, every figure in
+bytes (schema shardfit.plan/1, described in src/shardfit/memory/propose.py).
 """
+
+
+def _gib(value: str, name: str, fix: str) -> float:
+    """A memory size in GiB given on the command line: a number above 0."""
+    gib = _number(value, name, float)
+    if not gib > 0:
+        raise ShardfitError(f"{value} GiB is out of range", where=name, fix=fix)
+    return gib
 
 
 def _plan(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_HELP)
         return 0
-    opts, rest = _take_options(argv, ("--config", "--nproc", "--gpu-memory"))
+    switches = {a for a in argv if a in ("--propose", "--json")}
+    opts, rest = _take_options([a for a in argv if a not in switches],
+                               ("--config", "--nproc", "--gpu-memory", "--host-memory", "--gpus-per-node"))
     from shardfit.config import load_config
-    from shardfit.memory.plan import plan_table
+    from shardfit.memory.plan import configured, plan_table
+    from shardfit.memory.propose import accepted, plan_json, proposals, proposals_text
 
     cfg = load_config(opts.get("--config"), rest)
     world = _count(opts.get("--nproc", "1"), "--nproc", "GPUs")
+    per_node = _count(opts.get("--gpus-per-node", "8"), "--gpus-per-node", "GPUs per node")
     gpu = opts.get("--gpu-memory")
     if gpu is None:
         import torch
 
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     else:
-        gpu_gib = _number(gpu, "--gpu-memory", float)
-        if not gpu_gib > 0:
-            raise ShardfitError(f"{gpu} GiB is out of range", where="--gpu-memory",
-                                fix="give one GPU's memory in GiB, e.g. 79 (80 GB H100) or 139 (H200)")
-    print(plan_table(cfg, world, gpu_gib))
+        gpu_gib = _gib(gpu, "--gpu-memory", "give one GPU's memory in GiB, e.g. 79 (80 GB H100) or 139 (H200)")
+    host_gib = (_gib(opts["--host-memory"], "--host-memory", "give one node's host memory in GiB, e.g. 1900")
+                if "--host-memory" in opts else None)
+    propose = ("--propose" in switches or not configured(cfg, world, gpu_gib, host_gib, per_node)[1]
+               or not accepted(cfg, world))  # e.g. parallel.offload=optimizer: counted, but refused by the trainer
+    props, short = proposals(cfg, world, gpu_gib, host_gib, per_node) if propose else ([], [])
+    if "--json" in switches:
+        import json
+
+        print(json.dumps(plan_json(cfg, world, gpu_gib, host_gib, per_node, props, short), indent=1))
+        return 0
+    print(plan_table(cfg, world, gpu_gib, host_gib, per_node))
+    if propose:
+        print("\n" + proposals_text(props, short, gpu_gib, host_gib))
     return 0
 
 
@@ -202,13 +232,36 @@ def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str], launc
     return 0
 
 
+def _tokenize(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shardfit tokenize", description=(
+        "Tokenize text, JSON lines or Parquet once into token shards that `shardfit train --data.path DIR` "
+        "memory-maps. Runs over CPU cores; a re-run after an interruption resumes; DIR is usable once it has "
+        "manifest.json."))
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs (as data.path)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the shard directory to write (new or empty)")
+    parser.add_argument("--tokenizer", default="byte", help="'byte' or the path of a tokenizer.json (default: byte)")
+    parser.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet"),
+                        help="input format; auto picks by extension")
+    parser.add_argument("--text-field", default="text", help="JSON key or Parquet column of the text")
+    parser.add_argument("--workers", help="processes (default: the CPU cores available)")
+    args = parser.parse_args(argv)
+    from shardfit.data.token_shards import tokenize_to_shards
+
+    workers = _count(args.workers, "--workers", "worker processes") if args.workers else None
+    m = tokenize_to_shards(args.inputs, args.out, args.tokenizer, args.format, args.text_field, workers)
+    print(f"{args.out}: {m['tokens']:,} tokens ({m['dtype']}) in {m['documents']:,} documents, "
+          f"{len(m['pieces'])} shards; train with --data.path={args.out} --data.tokenizer={args.tokenizer}")
+    return 0
+
+
 def _generate(argv: list[str]) -> int:
     from shardfit.generate import main as generate_main
 
     return generate_main(argv)
 
 
-COMMANDS = {"train": _train, "doctor": _doctor, "plan": _plan, "recipes": _recipes, "generate": _generate}
+COMMANDS = {"train": _train, "doctor": _doctor, "plan": _plan, "recipes": _recipes, "generate": _generate,
+            "tokenize": _tokenize}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                         "doctor: explain CUDA memory snapshots (shardfit doctor --help); plan: predict peak memory and "
                         "the largest micro-batch that fits (shardfit plan --help); recipes: the ready-made configs "
                         "(--config recipe:NAME); generate: text from a trained model or checkpoint (shardfit generate "
-                        "--help)")
+                        "--help); tokenize: text to token shards for data.path (shardfit tokenize --help)")
     if not argv or argv[0] in ("-h", "--help", "--version"):
         parser.parse_args(argv or ["--help"])
         return 0

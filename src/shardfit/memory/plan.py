@@ -8,12 +8,15 @@ the selective-checkpointing policy applied to the same operations the training r
                accumulation live from the first micro-batch on), each 1/world, or under HSDP (parallel.replicate =
                R) 1/(world/R): a shard group's share, every replica holding its own copy; with
                parallel.reduce_every_micro_batch=false and accumulation, the whole model's fp32 gradients unsharded
-               instead. CPU offload moves states to host memory (the `host` term, per rank): optimizer = the
-               moments (8 B/param/shard; parameters and gradients stay), all = FSDP2's CPUOffloadPolicy, the
-               sharded parameters, gradients and moments (16 B/param/shard), the step on the CPU
+               instead. CPU offload moves states to host memory (the `host` term, per rank): all = FSDP2's
+               CPUOffloadPolicy, the sharded parameters, gradients and moments (16 B/param/shard), the step on the
+               CPU; optimizer = the moments (8 B/param/shard; parameters and gradients stay), counted for
+               comparison only: the trainer refuses it (parallel/offload.py)
   fsdp         bf16 unsharded parameters in flight: the root group (embedding, head, final norm) for the whole
                forward and backward, plus two blocks (the one running and the one prefetched), plus one block's
                fp32 reduce-scatter input in backward
+  offload      with offload=all, shards in transit: one block's fp32 shard copied to the GPU for its all-gather, and
+               one reduced gradient shard waiting for its copy to the host (shown with fsdp in the table)
   activations  per block: none = everything saved; selective = the block input and the outputs of matmuls and
                attention; full = the block input; times the number of blocks
   working      the larger of: the fused loss (its saved gradients and one fp32 logits chunk), or one block's backward
@@ -221,6 +224,7 @@ class Estimate:
     fsdp: int
     activations: int
     working: int
+    offload_copies: int = 0  # offload=all: shards in transit between host and GPU (see estimate)
     idle_cache: int = 0  # freed gradients cached in the reduce-scatter stream's pool (see fits); not in the peak
     host: int = 0  # states this rank keeps in host memory (parallel.offload); not in the peak
 
@@ -230,7 +234,7 @@ class Estimate:
 
     @property
     def peak(self) -> int:
-        return self.states + self.fsdp + self.activations + self.working
+        return self.states + self.fsdp + self.offload_copies + self.activations + self.working
 
 
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
@@ -252,12 +256,16 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
             unsharded = 4 * n_params  # accumulated unsharded in fp32 between micro-batches, on every GPU
         elif not cfg.memory.keep_grads:
             grads, idle_cache = sharded_grads, 0  # live from the first micro-batch on: allocated, not idle
-    host = 0
+    host = copies = 0
     if par.offload == "optimizer":  # the moments and the step on the CPU; parameters and gradients stay
         host, moments = moments, 0
     elif par.offload == "all":  # FSDP2's CPUOffloadPolicy: every sharded state in pinned host memory
         host = weights + moments + sharded_grads  # gradients copied there after each reduce-scatter
         weights = moments = grads = idle_cache = 0
+        # FSDP2 copies a group's fp32 shard to the GPU before its all-gather (the prefetched block's, while one
+        # computes), and each reduced gradient shard sits on the GPU until its copy to the host is done: one block's
+        # shard of each, 4 B/param/shard twice (0.8 GiB for 70B on 8 GPUs)
+        copies = 2 * 4 * max(block_params) // shard
     grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
     big_block = max(block_params)
     # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
@@ -278,12 +286,13 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # backward of one block: gradients of its input and output, of the gate and up projections' outputs, and
     # under checkpointing the block's recomputed tensors on top
     backward = 2 * worst["block_input"] + worst["ffn_grads"] + (worst["none"] if mode != "none" else 0)
-    return Estimate(micro_batch, weights, grads, moments, fsdp, acts, max(loss, backward), idle_cache, host)
+    return Estimate(micro_batch, weights, grads, moments, fsdp, acts, max(loss, backward), offload_copies=copies,
+                    idle_cache=idle_cache, host=host)
 
 
 def host_per_node(e: Estimate, world: int, gpus_per_node: int = 8) -> int:
     """Host memory the offloaded states of one node's ranks take: FSDP2 pins the sharded parameters and gradients
-    (page-locked, so the OS cannot swap or share them), and the moments live beside them."""
+    (page-locked: the OS cannot swap them), the moments are plain host memory the CPU step reads in place."""
     return e.host * min(world, gpus_per_node)
 
 
@@ -363,13 +372,25 @@ def largest_per_mode(cfg: Config, world: int, gpu_gib: float) -> dict[str, Estim
 def host_line(e: Estimate, cfg: Config, world: int, gpus_per_node: int, host_gib: float | None) -> str:
     """What parallel.offload asks of each node's host memory, and whether it exceeds --host-memory."""
     ranks = min(world, gpus_per_node)
-    what = "Adam moments" if cfg.parallel.offload == "optimizer" else "fp32 parameters, gradients and Adam moments"
-    line = (f"host memory per node: {host_per_node(e, world, gpus_per_node) / GiB:.1f} GiB ({what} of {ranks} "
-            f"rank(s), {e.host / GiB:.1f} GiB each, pinned)")
+    what = ("Adam moments" if cfg.parallel.offload == "optimizer"
+            else "fp32 parameters and gradients, pinned, and Adam moments")
+    line = (f"host memory per node: {host_per_node(e, world, gpus_per_node) / GiB:.1f} GiB ({what}, of {ranks} "
+            f"rank(s), {e.host / GiB:.1f} GiB each)")
+    if cfg.parallel.offload == "optimizer":
+        line += "; counted for comparison: shardfit train refuses parallel.offload=optimizer"
     if host_gib is not None:
         over = host_per_node(e, world, gpus_per_node) > host_gib * GiB
         line += f": EXCEEDS the host's {host_gib:.0f} GiB" if over else f": within the host's {host_gib:.0f} GiB"
     return line
+
+
+def configured(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
+               gpus_per_node: int = 8) -> tuple[Estimate, bool]:
+    """The config as given (its micro-batch; 1 when chosen at launch) and whether it fits the GPU and, host memory
+    given, the offloaded states fit one node's host memory."""
+    e = estimate(cfg, world, cfg.train.micro_batch or 1)
+    host_ok = host_gib is None or host_per_node(e, world, gpus_per_node) <= host_gib * GiB
+    return e, fits(e, allocation_budget(gpu_gib * GiB), gpu_gib * GiB) and host_ok
 
 
 def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
@@ -392,14 +413,15 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
     def row(mode: str, e: Estimate | None, note: str = "") -> str:
         if e is None:
             return f"{mode:13} {'-':>11} {'does not fit even at micro-batch 1':>45}"
-        return (f"{mode:13} {e.micro_batch:>11} {e.peak / GiB:>9.1f} {e.states / GiB:>7.1f} {e.fsdp / GiB:>6.1f} "
+        fsdp = e.fsdp + e.offload_copies
+        return (f"{mode:13} {e.micro_batch:>11} {e.peak / GiB:>9.1f} {e.states / GiB:>7.1f} {fsdp / GiB:>6.1f} "
                 f"{e.activations / GiB:>11.1f} {e.working / GiB:>8.1f}{note}")
 
-    mine = estimate(cfg, world, cfg.train.micro_batch or 1)
+    mine, ok = configured(cfg, world, gpu_gib, host_gib, gpus_per_node)
     if mine.idle_cache:
         lines[0] += (f", and allocated + the freed gradients' {mine.idle_cache / GiB:.1f} GiB cache under "
                      f"{gpu_gib - 4.5:.1f} GiB")
-    verdict = "fits" if fits(mine, budget, gpu_gib * GiB) else "DOES NOT FIT"
+    verdict = "fits" if ok else "DOES NOT FIT" if not fits(mine, budget, gpu_gib * GiB) else "DOES NOT FIT the host"
     lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {verdict}"))
     for mode, best in largest_per_mode(cfg, world, gpu_gib).items():
         lines.append(row(mode, best, "  (largest tried: 64; more may fit)" if best and best.micro_batch == 64

@@ -1,0 +1,253 @@
+"""`shardfit plan` proposals: when a configuration does not fit (or with --propose), configurations that would.
+
+One proposal per kind, in the order of what the user gives up, least first:
+
+  checkpointing      the same layout with heavier activation checkpointing or a smaller micro-batch (recomputation:
+                     selective a few percent more compute, full about a third more)
+  sequence_parallel  Ulysses over the smallest P that fits (P divides the world, data.seq_len and model.n_heads):
+                     activations shrink by P, two all-to-alls per attention layer, world/P data-parallel ranks
+  offload_optimizer  Adam's moments (8 B/param/shard) and the optimizer step in host memory (never proposed while
+                     the trainer refuses it: parallel/offload.py)
+  offload_all        FSDP2's CPU offload: the sharded parameters, gradients and moments (16 B/param/shard) in host
+                     memory; every block's weights cross PCIe each forward and backward
+  more_gpus          the smallest power of two below 8, or multiple of 8, of GPUs at which plain FSDP fits without
+                     offload
+  hsdp               a multi-node world as R replicas of shard groups of whole nodes: the per-block all-gathers and
+                     reduce-scatters stay inside the group, only the gradient all-reduce crosses groups
+
+Each kind's proposal takes the lightest checkpointing at which some micro-batch fits, and there the largest
+micro-batch that divides each data-parallel rank's share of the global batch (raised to the next multiple of the
+data-parallel ranks when they do not split it). A proposal is a set of config keys and a world size: it is applied
+to the config, checked as the loader, the launcher and parallelize check it, and re-planned by the same estimate,
+so what is printed is what `shardfit plan` with those flags predicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from shardfit.config.schema import Config
+from shardfit.errors import ShardfitError
+from shardfit.memory.plan import (
+    MODES,
+    Estimate,
+    GiB,
+    allocation_budget,
+    configured,
+    estimate,
+    fits,
+    host_per_node,
+    largest_per_mode,
+)
+
+SCHEMA = "shardfit.plan/1"
+MAX_GPUS = 4096  # more_gpus gives up beyond this
+CHECKPOINTING = {"none": "no recomputation", "selective": "selective checkpointing recomputes the elementwise work "
+                 "(a few percent more compute)", "full": "full checkpointing recomputes each block's forward in "
+                 "backward (about 1/3 more compute)"}
+
+
+@dataclass
+class Proposal:
+    kind: str
+    changes: dict[str, Any]  # config key ("section.key") -> value
+    world: int
+    new_world: bool  # the world size differs from --nproc
+    estimate: Estimate
+    host_per_node: int  # bytes of host memory the offloaded states take on one node
+    note: str
+
+    @property
+    def flags(self) -> list[str]:
+        """The exact arguments to add to the command (`--nproc=N` first when the world changes)."""
+        def text(v: Any) -> str:
+            return str(v).lower() if isinstance(v, bool) else str(v)
+
+        return ([f"--nproc={self.world}"] if self.new_world else []) + \
+            [f"--{k}={text(v)}" for k, v in self.changes.items()]
+
+
+def apply(cfg: Config, changes: dict[str, Any]) -> Config:
+    """cfg with changes ("section.key" -> value) applied, as the same flags on the command line would set them."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()})
+
+
+def accepted(cfg: Config, world: int) -> bool:
+    """What the config loader, the launcher and parallelize accept: the keys' rules, the offload layouts the trainer
+    implements, Ulysses' divisibility (world, data.seq_len, model.n_heads), HSDP's replica count dividing the world,
+    and the global batch splitting over the data-parallel ranks and micro-batches."""
+    from shardfit.config.loader import accumulation_steps, validate
+    from shardfit.parallel.offload import check_offload
+    from shardfit.parallel.parallelize import check_replicate
+    from shardfit.parallel.ulysses import check_sequence_parallel
+
+    try:
+        check_offload(cfg.parallel)  # offload=optimizer, and offload=all with FP8, are refused before launch
+        validate(cfg)
+        sp = cfg.parallel.sequence_parallel
+        check_sequence_parallel(sp, world, cfg.data.seq_len, cfg.model.n_heads)
+        check_replicate(cfg.parallel.replicate, world)
+        if not cfg.train.micro_batch_tokens:
+            accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, world // sp)
+    except ShardfitError:
+        return False
+    return True
+
+
+def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any]) -> tuple[dict, Estimate] | None:
+    """changes completed with the lightest checkpointing and the largest micro-batch that fit, and their estimate;
+    None when nothing fits or the loader would refuse the layout."""
+    budget, device = allocation_budget(gpu_gib * GiB), gpu_gib * GiB
+    base = apply(cfg, changes)
+    sp = base.parallel.sequence_parallel
+    if world % sp or world % base.parallel.replicate:
+        return None
+    dp = world // sp
+    extra: dict[str, Any] = {}
+    if base.train.global_batch % dp:  # the data-parallel ranks must split it: the next multiple up
+        extra["train.global_batch"] = -(-base.train.global_batch // dp) * dp
+    per_rank = extra.get("train.global_batch", base.train.global_batch) // dp
+    if base.train.micro_batch_tokens:  # token-budget micro-batches: the row size is the user's, not proposed
+        sizes = [base.train.micro_batch or 1]
+    else:
+        sizes = [d for d in range(min(per_rank, 64), 0, -1) if per_rank % d == 0]
+    for mode in MODES:
+        for mb in sizes:
+            ch = {**changes, "parallel.activation_checkpoint": mode, **extra}
+            if not base.train.micro_batch_tokens:
+                ch["train.micro_batch"] = mb
+            c = apply(cfg, ch)
+            if accepted(c, world):
+                e = estimate(c, world, mb)
+                if fits(e, budget, device):
+                    return ch, e
+    return None
+
+
+def _gpu_counts(world: int):
+    """World sizes above world: powers of two below 8, then multiples of 8 (whole nodes)."""
+    n = world + 1
+    while n <= MAX_GPUS:
+        if (n < 8 and n & (n - 1) == 0) or n % 8 == 0:
+            yield n
+        n += 1
+
+
+def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_node: int) -> str:
+    host = host_per_node(e, world, gpus_per_node) / GiB
+    mode = ch["parallel.activation_checkpoint"]
+    P, R = ch.get("parallel.sequence_parallel", 1), ch.get("parallel.replicate", 1)
+    notes = {
+        "checkpointing": CHECKPOINTING[mode],
+        "sequence_parallel": f"each sequence split over {P} GPUs (two all-to-alls per attention layer), "
+                             f"{world // P} data-parallel ranks",
+        "offload_optimizer": f"optimizer step on the CPU, Adam moments in host memory ({host:.0f} GiB per node): "
+                             "slower steps, not measured yet",
+        "offload_all": f"parameters, gradients and the optimizer step on the CPU ({host:.0f} GiB of host memory per "
+                       "node), every block's weights copied over PCIe: much slower, not measured yet",
+        "more_gpus": f"{world} GPUs, no offload" + (
+            f", {world // gpus_per_node} nodes of {gpus_per_node} (shardfit train --nproc {gpus_per_node} "
+            f"--nnodes {world // gpus_per_node} on each)" if world > gpus_per_node else ""),
+        "hsdp": f"{R} replicas of {world // R}-GPU shard groups ("
+                + ("one node" if world // R == gpus_per_node else f"{world // R // gpus_per_node} nodes") + " each): "
+                "all-gathers and reduce-scatters stay inside a group, traffic across groups is only the gradient "
+                "all-reduce",
+    }
+    note = notes[kind]
+    if kind != "checkpointing" and mode != "none":
+        note += f"; {mode} checkpointing"
+    if "train.global_batch" in ch:
+        note += f"; global batch {cfg.train.global_batch} -> {ch['train.global_batch']} to split evenly"
+    return note
+
+
+def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
+              gpus_per_node: int = 8) -> tuple[list[Proposal], list[Proposal]]:
+    """(the proposals that fit, those left out because their host memory exceeds host_gib), cheapest first."""
+    found: list[Proposal] = []
+    par = cfg.parallel
+
+    def propose(kind: str, changes: dict[str, Any], w: int = world) -> bool:
+        got = fitting(cfg, w, gpu_gib, changes)
+        if got is None:
+            return False
+        ch, e = got
+        if w == world and apply(cfg, ch) == cfg:
+            return True  # the configuration as given: nothing to change
+        found.append(Proposal(kind, ch, w, w != world, e, host_per_node(e, w, gpus_per_node),
+                              _note(kind, ch, e, w, cfg, gpus_per_node)))
+        return True
+
+    fits_here = propose("checkpointing", {}) and par.offload == "none"
+    for P in range(par.sequence_parallel + 1, world + 1):
+        if world % P == 0 and propose("sequence_parallel", {"parallel.sequence_parallel": P}):
+            break
+    if par.offload == "none":
+        propose("offload_optimizer", {"parallel.offload": "optimizer"})
+    if par.offload != "all":
+        propose("offload_all", {"parallel.offload": "all"})
+    plain = {**({"parallel.offload": "none"} if par.offload != "none" else {}),
+             **({"parallel.replicate": 1} if par.replicate > 1 else {})}
+    # more GPUs only when this world does not fit without offload
+    more = None if fits_here else next((n for n in _gpu_counts(world) if propose("more_gpus", plain, n)), None)
+    # HSDP on the multi-node world given, else on the one more_gpus found: shard groups of the fewest whole nodes
+    for w in (world, more):
+        if w and w > gpus_per_node and w % gpus_per_node == 0 and any(
+                propose("hsdp", {**plain, "parallel.replicate": w // g}, w)
+                for g in range(gpus_per_node, w, gpus_per_node) if w % g == 0):
+            break
+    short = [p for p in found if host_gib is not None and p.host_per_node > host_gib * GiB]
+    return [p for p in found if p not in short], short
+
+
+def proposals_text(props: list[Proposal], short: list[Proposal], gpu_gib: float, host_gib: float | None) -> str:
+    budget = allocation_budget(gpu_gib * GiB) / GiB
+    if not props:
+        lines = ["no proposal fits: not even with CPU offload of every state, sequence parallelism or "
+                 f"{MAX_GPUS} GPUs"]
+    else:
+        lines = ["proposals, each predicted to fit (add the flags to the command; what is given up grows down the "
+                 "list):"]
+    for i, p in enumerate(props, 1):
+        host = f", host memory {p.host_per_node / GiB:.1f} GiB per node" if p.host_per_node else ""
+        lines += [f"  {i}. {p.kind}: peak {p.estimate.peak / GiB:.1f} of {budget:.1f} GiB{host}",
+                  "     " + " ".join(p.flags), "     " + p.note]
+    for p in short:
+        lines.append(f"  left out: {p.kind} ({' '.join(p.flags)}) needs {p.host_per_node / GiB:.0f} GiB of host "
+                     f"memory per node, more than --host-memory {host_gib:.0f}")
+    return "\n".join(lines)
+
+
+def _terms(e: Estimate | None) -> dict[str, int] | None:
+    """An estimate's terms in bytes, with its states and peak."""
+    return None if e is None else {**dataclasses.asdict(e), "states": e.states, "peak": e.peak}
+
+
+def plan_json(cfg: Config, world: int, gpu_gib: float, host_gib: float | None, gpus_per_node: int,
+              props: list[Proposal], short: list[Proposal]) -> dict[str, Any]:
+    """`shardfit plan --json` (schema shardfit.plan/1): every figure in bytes.
+
+    configured: the config as given (its micro-batch, 1 when chosen at launch): terms, fits, host_per_node
+    largest: per checkpointing mode, the terms of the largest micro-batch that fits (null: none fits)
+    proposals, left_out (host memory short): kind, flags (arguments to add), changes (config key -> value), world,
+    micro_batch, terms, host_per_node, note"""
+    mine, ok = configured(cfg, world, gpu_gib, host_gib, gpus_per_node)
+
+    def proposal(p: Proposal) -> dict[str, Any]:
+        return {"kind": p.kind, "flags": p.flags, "changes": p.changes, "world": p.world,
+                "micro_batch": p.estimate.micro_batch, "terms": _terms(p.estimate),
+                "host_per_node": p.host_per_node, "note": p.note}
+
+    return {"schema": SCHEMA, "model": cfg.model.name, "world": world, "seq_len": cfg.data.seq_len,
+            "gpu_memory_gib": gpu_gib, "budget": int(allocation_budget(gpu_gib * GiB)), "host_memory_gib": host_gib,
+            "gpus_per_node": gpus_per_node,
+            "configured": {"terms": _terms(mine), "fits": ok,
+                           "host_per_node": host_per_node(mine, world, gpus_per_node)},
+            "largest": {m: _terms(e) for m, e in largest_per_mode(cfg, world, gpu_gib).items()},
+            "proposals": [proposal(p) for p in props], "left_out": [proposal(p) for p in short]}

@@ -1,0 +1,138 @@
+"""shardfit plan's CPU-offload and HSDP counts, and its proposals: each one fits when re-planned from its flags, and
+none is a layout the loader, the launcher or the trainer would refuse."""
+
+import json
+
+import pytest
+
+from shardfit.config import accumulation_steps, load_config
+from shardfit.memory.plan import GiB, allocation_budget, estimate, fits, host_per_node
+from shardfit.memory.propose import SCHEMA, accepted, apply, proposals
+from shardfit.parallel.parallelize import check_replicate
+from shardfit.parallel.ulysses import check_sequence_parallel
+
+N_8B = 8_030_261_248  # Llama-3-8B's parameters
+BLOCK_8B = 218_112_000  # one of its blocks: q/k/v/o 4096 x (4096 + 2 x 1024 + 4096), MLP 3 x 4096 x 14336, 2 norms
+BASE_8B = ["--model.name=llama3-8b", "--data.seq_len=4096"]
+
+
+def test_offload_moves_exactly_the_counted_states_to_the_host():
+    """offload=optimizer takes the moments (8 B/param/shard) off the GPU, offload=all every sharded state (16 B):
+    the GPU's states drop by exactly the bytes the host gains; offload=all adds only the shards in transit (one
+    block's fp32 shard in, one gradient shard out); what a micro-batch needs is unchanged."""
+    base = [*BASE_8B, "--train.micro_batch=2", "--train.global_batch=4"]  # 2 ranks, no accumulation
+    none, opt, off = (estimate(load_config(None, [*base, f"--parallel.offload={o}"]), 2, 2)
+                      for o in ("none", "optimizer", "all"))
+    assert none.host == 0 and none.states == 16 * N_8B // 2
+    assert opt.host == none.moments == 8 * N_8B // 2 and opt.moments == 0
+    assert (opt.weights, opt.grads) == (none.weights, none.grads)
+    assert none.peak - opt.peak == opt.host
+    assert off.host == none.states and off.states == 0
+    assert off.offload_copies == 2 * 4 * BLOCK_8B // 2
+    assert none.peak - off.peak == off.host - off.offload_copies
+    for e in (opt, off):
+        assert (e.fsdp, e.activations, e.working) == (none.fsdp, none.activations, none.working)
+    assert host_per_node(off, 16, 8) == 8 * off.host and host_per_node(off, 2, 8) == 2 * off.host
+    # gradients freed between steps: FSDP2 still allocates them on the host for the step; no GPU cache idles
+    freed = estimate(load_config(None, [*base, "--parallel.offload=all", "--memory.keep_grads=false"]), 2, 2)
+    assert freed.host == off.host and freed.idle_cache == 0 and freed.peak == off.peak
+
+
+def test_hsdp_divides_states_and_host_memory_by_the_shard_group():
+    """16 GPUs as 2 replicas of 8: states 1/8 each, on the GPU or (offload=all) on the host."""
+    base = [*BASE_8B, "--train.micro_batch=1", "--train.global_batch=16"]
+    for offload in ("none", "all"):
+        hsdp = estimate(load_config(None, [*base, "--parallel.replicate=2", f"--parallel.offload={offload}"]), 16, 1)
+        assert hsdp.states + hsdp.host == 16 * N_8B // 8
+
+
+def _replan(base: list[str], p, world: int):
+    """The proposal's flags on the command line, loaded and planned as `shardfit plan` would."""
+    flags = [f for f in p.flags if not f.startswith("--nproc=")]
+    nproc = next((int(f.split("=")[1]) for f in p.flags if f.startswith("--nproc=")), world)
+    cfg = load_config(None, [*base, *flags])
+    return cfg, nproc, estimate(cfg, nproc, cfg.train.micro_batch)
+
+
+SCENARIOS = [  # (base flags, world, GPU GiB, --propose): each proposal is re-planned from its flags
+    (["--model.name=llama3-70b", "--data.seq_len=4096"], 8, 80, False),  # the issue's case
+    ([*BASE_8B], 1, 80, False),
+    ([*BASE_8B, "--train.micro_batch=2"], 16, 80, True),  # fits: alternatives, HSDP on 2 nodes among them
+    (["--model.name=llama3-1b", "--data.seq_len=65536", "--train.global_batch=12"], 12, 80, False),  # Ulysses
+]
+
+
+@pytest.mark.parametrize("base,world,gib,_", SCENARIOS, ids=["70b-8x80", "8b-1x80", "8b-16x80", "1b-seq64k-12"])
+def test_every_proposal_fits_when_replanned_from_its_flags(base, world, gib, _):
+    cfg = load_config(None, base)
+    props, _short = proposals(cfg, world, gib)
+    assert props
+    for p in props:
+        got, nproc, e = _replan(base, p, world)
+        assert nproc == p.world and e == p.estimate
+        assert e.peak <= allocation_budget(gib * GiB) and fits(e, allocation_budget(gib * GiB), gib * GiB)
+        # what the launcher checks before starting processes (the loader already accepted the flags)
+        sp = got.parallel.sequence_parallel
+        check_sequence_parallel(sp, nproc, got.data.seq_len, got.model.n_heads)
+        check_replicate(got.parallel.replicate, nproc)
+        accumulation_steps(got.train.global_batch, got.train.micro_batch, nproc // sp)
+        assert accepted(got, nproc) and apply(cfg, p.changes) == got
+    kinds = [p.kind for p in props]
+    order = ["checkpointing", "sequence_parallel", "offload_optimizer", "offload_all", "more_gpus", "hsdp"]
+    assert kinds == sorted(kinds, key=order.index)  # what the user gives up grows down the list
+
+
+def test_ulysses_is_proposed_only_where_it_divides():
+    """12 GPUs, Llama-3.2-1B (32 heads) at 65,536 tokens: 3, 6 and 12 do not divide the heads (nor the sequence);
+    the proposal is the smallest degree that does and fits."""
+    cfg = load_config(None, SCENARIOS[3][0])
+    props, _ = proposals(cfg, 12, 80)
+    sp = [p for p in props if p.kind == "sequence_parallel"]
+    assert [p.changes["parallel.sequence_parallel"] for p in sp] == [2]
+    assert not accepted(apply(cfg, {"parallel.sequence_parallel": 3, "train.micro_batch": 1}), 12)
+    hsdp = [p for p in proposals(load_config(None, SCENARIOS[2][0]), 16, 80)[0] if p.kind == "hsdp"]
+    assert [(p.world, p.changes["parallel.replicate"]) for p in hsdp] == [(16, 2)]  # 2 nodes: one shard group each
+    assert "traffic across groups is only the gradient all-reduce" in hsdp[0].note
+
+
+def test_70b_on_one_node_of_80_gb_and_8b_on_one_gpu_have_a_proposal_that_fits():
+    """The issue: Llama-3-70B on 8 x 80 GB fits with CPU offload of every state; Llama-3-8B on one 80 GB GPU too."""
+    big = load_config(None, SCENARIOS[0][0])
+    props, _ = proposals(big, 8, 80)
+    one_node = [p for p in props if p.world == 8]
+    assert [p.kind for p in one_node] == ["offload_all"]
+    assert next(p for p in props if p.kind == "more_gpus").world == 24  # without offload: three nodes
+    small = load_config(None, BASE_8B)
+    offload = next(p for p in proposals(small, 1, 80)[0] if p.kind == "offload_all")
+    assert {"parallel.offload", "parallel.activation_checkpoint", "train.micro_batch"} <= set(offload.changes)
+    assert offload.host_per_node == 16 * N_8B  # the whole model's states in one host
+
+
+def test_host_memory_short_leaves_offload_out():
+    props, short = proposals(load_config(None, BASE_8B), 1, 80, host_gib=100)  # 120 GiB needed
+    assert [p.kind for p in short] == ["offload_all"] and "offload_all" not in [p.kind for p in props]
+
+
+def test_plan_json_carries_the_proposals_as_numbers(capsys):
+    from shardfit.cli.main import main
+
+    assert main(["plan", *BASE_8B, "--nproc", "1", "--gpu-memory", "80", "--host-memory", "512", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schema"] == SCHEMA and out["configured"]["fits"] is False and out["largest"]["full"] is None
+    assert out["configured"]["terms"]["peak"] > out["budget"]
+    for p in out["proposals"]:
+        assert p["terms"]["peak"] <= out["budget"] and isinstance(p["micro_batch"], int) and p["flags"]
+    offload = next(p for p in out["proposals"] if p["kind"] == "offload_all")
+    assert offload["host_per_node"] == offload["terms"]["host"] == 16 * N_8B
+    assert offload["changes"]["parallel.offload"] == "all"
+
+
+def test_plan_text_lists_flags_and_host_memory(capsys):
+    from shardfit.cli.main import main
+
+    assert main(["plan", *BASE_8B, "--nproc", "1", "--gpu-memory", "80", "--parallel.offload=all",
+                 "--parallel.activation_checkpoint=full", "--train.micro_batch=1", "--host-memory", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "as configured: DOES NOT FIT the host" in out and "host memory per node: 119.7 GiB" in out
+    assert "EXCEEDS the host's 100 GiB" in out
+    assert "--nproc=2 --parallel.offload=none" in out  # more GPUs, without offload
