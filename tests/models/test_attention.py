@@ -111,3 +111,15 @@ def test_document_mask_under_ulysses(family):
     with torch.no_grad():
         for r, start, doc in docs:
             torch.testing.assert_close(logits[r, start:start + doc.shape[1]], model(doc)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_auto_kernel_takes_flex_on_cuda_except_for_short_rows():
+    from shardfit.models.attention import FLEX_MIN_TOKENS, choose_doc_kernel, flex_available, varlen_available
+
+    cuda = torch.device("cuda", 0)  # only the device's type is read: no GPU needed
+    assert choose_doc_kernel("auto", torch.device("cpu"), 4096) == "sdpa"
+    if flex_available():
+        assert choose_doc_kernel("auto", cuda, 4096) == "flex"
+    short = choose_doc_kernel("auto", cuda, FLEX_MIN_TOKENS - 1)
+    assert short == ("varlen" if varlen_available() else "sdpa")
+    assert choose_doc_kernel("flex", cuda, 64) == "flex"  # an explicit choice is kept

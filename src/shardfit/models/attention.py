@@ -139,11 +139,19 @@ def _flex(q, k, v, mask: DocumentMask) -> torch.Tensor:
 KERNELS = {"sdpa": _dense_masked, "varlen": _varlen, "flex": _flex}
 
 
-def choose_doc_kernel(kind: str, device: torch.device) -> str:
-    """parallel.doc_attention resolved for this device. The CPU always uses the dense reference (FlashAttention's
-    varlen kernel is CUDA-only; FlexAttention would compile a CPU kernel per shape)."""
+# Below this many tokens a row, Inductor lowers FlexAttention to its decoding kernel, which in torch 2.11 has no
+# kernel for training (CUDA tests at sequence 64: "NoValidChoicesError"); auto then takes varlen.
+FLEX_MIN_TOKENS = 128
+
+
+def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MIN_TOKENS) -> str:
+    """parallel.doc_attention resolved for this device and row length (tokens per row of a micro-batch). The CPU
+    always uses the dense reference (FlashAttention's varlen kernel is CUDA-only; FlexAttention would compile a CPU
+    kernel per shape)."""
     if device.type != "cuda":
         return "sdpa"
+    if kind == "auto" and row_tokens < FLEX_MIN_TOKENS:
+        return "varlen" if varlen_available() else "sdpa"
     if kind == "auto":
         # Measured (benchmarks/NOTES.md, session 6, Llama-3-8B packed pretraining, compiled, 2 x H200): flex at
         # micro-batch 4 ran 1.02x the unmasked step with its memory; varlen 0.83x, because torch 2.11's varlen has

@@ -46,7 +46,7 @@ class BatchSource:
         self.device = device
         self.budget = cfg.train.micro_batch_tokens
         self.masked = cfg.data.document_mask
-        self.kernel = choose_doc_kernel(cfg.parallel.doc_attention, device)
+        self.kernel = choose_doc_kernel(cfg.parallel.doc_attention, device, self.budget or cfg.data.seq_len)
         if self.budget:
             if self.budget < cfg.data.seq_len:
                 raise ShardfitError(f"train.micro_batch_tokens={self.budget} is below data.seq_len="
