@@ -232,13 +232,36 @@ def _launch_torchrun(nproc: int, config_path: str | None, rest: list[str], launc
     return 0
 
 
+def _tokenize(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shardfit tokenize", description=(
+        "Tokenize text, JSON lines or Parquet once into token shards that `shardfit train --data.path DIR` "
+        "memory-maps. Runs over CPU cores; a re-run after an interruption resumes; DIR is usable once it has "
+        "manifest.json."))
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs (as data.path)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the shard directory to write (new or empty)")
+    parser.add_argument("--tokenizer", default="byte", help="'byte' or the path of a tokenizer.json (default: byte)")
+    parser.add_argument("--format", default="auto", choices=("auto", "text", "jsonl", "parquet"),
+                        help="input format; auto picks by extension")
+    parser.add_argument("--text-field", default="text", help="JSON key or Parquet column of the text")
+    parser.add_argument("--workers", help="processes (default: the CPU cores available)")
+    args = parser.parse_args(argv)
+    from shardfit.data.token_shards import tokenize_to_shards
+
+    workers = _count(args.workers, "--workers", "worker processes") if args.workers else None
+    m = tokenize_to_shards(args.inputs, args.out, args.tokenizer, args.format, args.text_field, workers)
+    print(f"{args.out}: {m['tokens']:,} tokens ({m['dtype']}) in {m['documents']:,} documents, "
+          f"{len(m['pieces'])} shards; train with --data.path={args.out} --data.tokenizer={args.tokenizer}")
+    return 0
+
+
 def _generate(argv: list[str]) -> int:
     from shardfit.generate import main as generate_main
 
     return generate_main(argv)
 
 
-COMMANDS = {"train": _train, "doctor": _doctor, "plan": _plan, "recipes": _recipes, "generate": _generate}
+COMMANDS = {"train": _train, "doctor": _doctor, "plan": _plan, "recipes": _recipes, "generate": _generate,
+            "tokenize": _tokenize}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                         "doctor: explain CUDA memory snapshots (shardfit doctor --help); plan: predict peak memory and "
                         "the largest micro-batch that fits (shardfit plan --help); recipes: the ready-made configs "
                         "(--config recipe:NAME); generate: text from a trained model or checkpoint (shardfit generate "
-                        "--help)")
+                        "--help); tokenize: text to token shards for data.path (shardfit tokenize --help)")
     if not argv or argv[0] in ("-h", "--help", "--version"):
         parser.parse_args(argv or ["--help"])
         return 0

@@ -17,35 +17,22 @@ import torch
 
 from shardfit.config.loader import accumulation_steps
 from shardfit.data.sources import read_documents, resolve_files
+from shardfit.data.token_shards import encode_batches, join_documents, open_token_shards, shard_dir_state
 from shardfit.data.tokenizer import build_tokenizer
 from shardfit.errors import ShardfitError
 
 
 def tokenize_documents(spec: str, fmt: str, field: str, tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """All documents as one uint32 token stream with EOS after each document, and the offset of each document's
-    first token in it (int64, ascending): where document masking starts a new document."""
-    eos = tokenizer.eos_id
-    parts: list[np.ndarray] = []
-    batch: list[str] = []
-
-    def flush():
-        for ids in tokenizer.encode_batch(batch):
-            if eos is not None:
-                ids = [*ids, eos]
-            parts.append(np.asarray(ids, dtype=np.uint32))
-        batch.clear()
-
-    for text, _where in read_documents(spec, fmt, field):
-        if text:
-            batch.append(text)
-        if len(batch) >= 1024:
-            flush()
-    flush()
+    first token in it (int64, ascending): where document masking starts a new document. `shardfit tokenize` writes
+    the same stream to disk (data/token_shards.py), through the same encode_batches."""
+    texts = (text for text, _where in read_documents(spec, fmt, field))
+    parts = [ids for batch in encode_batches(texts, tokenizer) for ids in batch]
     if not parts:
         raise ShardfitError("the dataset holds no text", where=spec or "embedded corpus",
                             fix="check data.path and data.text_field")
-    starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])[:-1]]).astype(np.int64)
-    return np.concatenate(parts), starts
+    tokens, starts = join_documents(parts, np.uint32)
+    return tokens, starts
 
 
 def tokenize_corpus(spec: str, fmt: str, field: str, tokenizer) -> np.ndarray:
@@ -135,7 +122,9 @@ class PackedDataset(ShuffledDataset):
         if total < 1:
             raise ShardfitError(f"the dataset has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}",
                                 where=where, fix="add data or lower data.seq_len")
-        self.windows = np.arange(total) if windows is None else windows  # the windows this dataset visits
+        # The windows this dataset visits. A range, not an array: at 2B tokens and seq_len 256 an arange would be
+        # 7.8M int64 = 62 MB per rank for nothing; a range slices (holdout) and indexes like one.
+        self.windows = range(total) if windows is None else windows
         self.num_windows = len(self.windows)
         self.where = where
 
@@ -187,7 +176,7 @@ def build_datasets(data_cfg, vocab_size: int,
     if tokenizer.vocab_size > vocab_size:
         raise ShardfitError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is {vocab_size}",
                             where="model.vocab_size", fix=f"set model.vocab_size >= {tokenizer.vocab_size}")
-    if data_cfg.path and data_cfg.mode != "pretrain":
+    if data_cfg.path and data_cfg.mode != "pretrain" and shard_dir_state(data_cfg.path) is None:
         from shardfit.data.sft import ExampleDataset, is_sft_file, read_examples
         from shardfit.data.sft_packed import PackedExamples
 
@@ -208,7 +197,13 @@ def build_datasets(data_cfg, vocab_size: int,
             return make(examples, truncated, str(files[0])), val, tokenizer
 
     def stream(path: str, where: str) -> PackedDataset:
-        tokens, starts = tokenize_documents(path, data_cfg.format, data_cfg.text_field, tokenizer)
+        if shard_dir_state(path) is not None:  # `shardfit tokenize` output: memory-mapped, nothing read whole
+            if data_cfg.mode == "sft":
+                raise ShardfitError("token shards hold a pretraining token stream, not fine-tuning examples",
+                                    where=path, fix="use data.mode=pretrain (or auto) with token shards")
+            tokens, starts, _manifest = open_token_shards(path, data_cfg.tokenizer, tokenizer)
+        else:
+            tokens, starts = tokenize_documents(path, data_cfg.format, data_cfg.text_field, tokenizer)
         return PackedDataset(tokens, data_cfg.seq_len, data_cfg.seed, where=where,
                              doc_starts=starts if data_cfg.document_mask else None)
 

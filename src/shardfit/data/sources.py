@@ -66,9 +66,17 @@ def _read_text(path: Path) -> Iterator[tuple[str, str]]:
     yield "".join(lines), str(path)
 
 
-def _read_jsonl(path: Path, field: str) -> Iterator[tuple[str, str]]:
+def _read_jsonl(path: Path, field: str, start: int = 0, end: int | None = None,
+                first_line: int = 1) -> Iterator[tuple[str, str]]:
+    """The lines that start in bytes [start, end) (`shardfit tokenize` splits large files at line boundaries);
+    first_line is the number of the line at byte `start`, so errors still name the file's own line."""
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        f.seek(start)
+        pos = start
+        for lineno, raw in enumerate(f, first_line):
+            if end is not None and pos >= end:
+                return
+            pos += len(raw)
             where = f"{path}:{lineno}"
             if not raw.strip():
                 continue

@@ -1,0 +1,506 @@
+"""Token shards: a corpus tokenized once (`shardfit tokenize`), then memory-mapped by every training rank.
+
+Layout of a shard directory (every file is written under a `.tmp` name and renamed, so each is complete or absent):
+
+  plan.json         written first: the inputs, options and pieces; a re-run checks it and resumes
+  tokens_00007.npy  piece 7's token stream (uint16 when the vocabulary fits, else uint32), EOS after each document
+  starts_00007.npy  piece 7's document starts, relative to the piece (int64)
+  done_00007.json   piece 7 is complete (its token and document counts): a re-run skips it
+  doc_starts.npy    every document's start in the whole stream (int64), written once all pieces are done
+  manifest.json     written last: a directory with a manifest is complete, one without is refused
+
+A piece is a run of consecutive input segments (a text file, a line-aligned byte range of a JSON-lines file, a
+Parquet file) of about `piece_bytes` of input. Pieces are tokenized in parallel, but piece i's tokens are the tokens
+of exactly the documents that precede piece i+1's, so the pieces laid end to end are the stream that
+packing.tokenize_documents makes from the same files: same documents, same order, same EOS.
+
+Reading: the pieces are not joined into one file (that would copy every token once more at the end: 4 GB at 2B
+tokens of uint16). TokenStream maps each piece and answers a slice of the logical concatenation with a view into
+one map; only a window that straddles two pieces is copied, and it is seq_len + 1 tokens. Document starts are few
+(8 bytes per document), so they are written once, globally, into doc_starts.npy and mapped as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import numpy as np
+
+from shardfit.errors import ShardfitError
+from shardfit.fsutil import write_atomic
+
+FORMAT = "shardfit.tokens/1"
+MANIFEST, PLAN = "manifest.json", "plan.json"
+UINT16_VOCAB = 1 << 16  # ids 0..65535 fit uint16: half the disk and page cache of uint32
+ENCODE_BATCH = 1024  # documents per tokenizer call (HF tokenizers parallelise inside a batch)
+
+
+def encode_batches(texts: Iterable[str], tokenizer, dtype=np.uint32) -> Iterator[list[np.ndarray]]:
+    """Each non-empty document as token ids followed by EOS (when the tokenizer has one), ENCODE_BATCH documents at
+    a time. The one place that decides how text becomes the token stream: tokenize_documents (on the fly) and the
+    shard writer both use it, so shards and on-the-fly tokenization cannot drift apart."""
+    eos = tokenizer.eos_id
+    batch: list[str] = []
+
+    def encode() -> list[np.ndarray]:
+        out = []
+        for ids in tokenizer.encode_batch(batch):
+            if eos is not None:
+                ids = [*ids, eos]
+            arr = np.asarray(ids, dtype=np.uint32)
+            if dtype != np.uint32 and len(arr) and int(arr.max()) > np.iinfo(dtype).max:
+                raise ShardfitError(f"token id {int(arr.max())} does not fit {np.dtype(dtype).name}",
+                                    where="tokenizer", fix="the tokenizer's vocab_size is wrong; check it")
+            out.append(arr.astype(dtype, copy=False))
+        batch.clear()
+        return out
+
+    for text in texts:
+        if text:
+            batch.append(text)
+        if len(batch) >= ENCODE_BATCH:
+            yield encode()
+    if batch:
+        yield encode()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= UINT16_VOCAB else np.uint32)
+
+
+def tokenizer_identity(spec: str, tokenizer) -> dict:
+    """What decides the ids: the byte tokenizer, or the tokenizer.json's bytes and the EOS id. The spec (a path)
+    is kept for messages only: the same file elsewhere is the same tokenizer."""
+    if spec == "byte":
+        return {"spec": "byte", "kind": "byte", "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+    path = Path(spec)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    return {"spec": str(spec), "kind": "tokenizer.json", "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading a shard directory
+
+
+def shard_dir_state(path: str) -> str | None:
+    """'complete' (a manifest), 'partial' (tokenize's files but no manifest) or None (not a shard directory)."""
+    d = Path(path) if path else None
+    if d is None or not d.is_dir():
+        return None
+    if (d / MANIFEST).is_file():
+        return "complete"
+    if (d / PLAN).is_file() or any(d.glob("tokens_*.npy")) or any(d.glob("done_*.json")):
+        return "partial"
+    return None
+
+
+class TokenStream:
+    """The pieces' token arrays as one logical 1-D stream: len() and slices, like the array it stands for."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = [a for a in arrays if len(a)]
+        self.ends = np.cumsum([len(a) for a in self.arrays], dtype=np.int64)  # a few entries: one per piece
+        self.dtype = self.arrays[0].dtype if self.arrays else np.dtype(np.uint16)
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("TokenStream takes contiguous slices only")
+        a, b, _ = key.indices(len(self))
+        if b <= a:
+            return np.zeros(0, self.dtype)
+        i = int(np.searchsorted(self.ends, a, side="right"))
+        parts = []
+        while a < b:
+            first = int(self.ends[i - 1]) if i else 0
+            take = min(b, int(self.ends[i])) - a
+            parts.append(np.asarray(self.arrays[i][a - first:a - first + take]))  # a view, not a copy
+            a += take
+            i += 1
+        # Within one piece: the view itself. Across a boundary: only these few tokens are copied.
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _load_npy(path: Path, dtype, length: int, where: str) -> np.ndarray:
+    """Memory-map one array and check it against the manifest (a stat and a header read: no token is touched)."""
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ShardfitError(f"cannot map {path.name} ({e})", where=where,
+                            fix="re-run shardfit tokenize into an empty --out directory") from None
+    if arr.ndim != 1 or arr.dtype != np.dtype(dtype) or len(arr) != length:
+        raise ShardfitError(f"{path.name} holds {arr.dtype}[{len(arr)}], the manifest says {np.dtype(dtype)}"
+                            f"[{length}]", where=where, fix="re-run shardfit tokenize into an empty --out directory")
+    return arr
+
+
+def open_token_shards(path: str, tokenizer_spec: str, tokenizer) -> tuple[TokenStream, np.ndarray, dict]:
+    """(token stream, document starts, manifest) of a complete shard directory, memory-mapped: opening it reads
+    the manifest and the .npy headers only, so start-up costs the same at 2 million or 2 billion tokens."""
+    d = Path(path)
+    if shard_dir_state(path) == "partial":
+        raise ShardfitError("unfinished token shard directory (no manifest.json)", where=path,
+                            fix="re-run the same `shardfit tokenize` command to finish it")
+    try:
+        manifest = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardfitError(f"unreadable manifest.json ({e})", where=path,
+                            fix="re-run shardfit tokenize into an empty --out directory") from None
+    if manifest.get("format") != FORMAT:
+        raise ShardfitError(f"manifest format {manifest.get('format')!r}, expected {FORMAT!r}", where=path,
+                            fix="re-run shardfit tokenize with this version of shardfit")
+    want, have = tokenizer_identity(tokenizer_spec, tokenizer), manifest["tokenizer"]
+    if {k: v for k, v in want.items() if k != "spec"} != {k: v for k, v in have.items() if k != "spec"}:
+        raise ShardfitError(f"the shards were made with tokenizer {have['spec']!r}, but data.tokenizer is "
+                            f"{tokenizer_spec!r} (a different tokenizer)", where=path,
+                            fix=f"set --data.tokenizer={have['spec']}, or re-tokenize with --tokenizer "
+                                f"{tokenizer_spec}")
+    arrays = [_load_npy(d / f"tokens_{p['index']:05d}.npy", manifest["dtype"], p["tokens"], path)
+              for p in manifest["pieces"] if p["tokens"]]
+    starts = _load_npy(d / "doc_starts.npy", np.int64, manifest["documents"], path)
+    return TokenStream(arrays), starts, manifest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Planning: inputs -> segments -> pieces
+
+
+def _jsonl_ranges(path: Path, size: int, target: int) -> list[tuple[int, int, int]]:
+    """(start, end, first line) byte ranges of about `target` bytes, cut after a newline. Reads the file once to
+    number the lines (bytes.count runs at memory speed; no JSON is parsed here)."""
+    ranges, start, line = [], 0, 1
+    with open(path, "rb") as f:
+        while start < size:
+            end = size
+            if start + target < size:
+                f.seek(start + target - 1)
+                f.readline()  # to the end of the line that holds byte start+target-1
+                end = f.tell()
+            f.seek(start)
+            newlines, left = 0, end - start
+            while left:
+                block = f.read(min(left, 16 << 20))
+                newlines += block.count(b"\n")
+                left -= len(block)
+            ranges.append((start, end, line))
+            start, line = end, line + newlines
+    return ranges
+
+
+def plan_pieces(inputs: list[str], fmt: str, piece_bytes: int) -> list[dict]:
+    """Consecutive segments grouped into pieces of about piece_bytes of input each, in the order tokenize_documents
+    reads them (inputs in order, each resolved like data.path)."""
+    from shardfit.data.sources import _format, resolve_files
+
+    segments = []
+    for spec in inputs:
+        for path in resolve_files(spec):
+            kind, size = _format(path, fmt), path.stat().st_size
+            if kind == "jsonl" and size > piece_bytes:
+                segments += [{"file": str(path), "kind": kind, "start": a, "end": b, "first_line": line,
+                              "bytes": b - a} for a, b, line in _jsonl_ranges(path, size, piece_bytes)]
+            else:  # a text file is one document; a Parquet file is one segment (row groups are not split)
+                segments.append({"file": str(path), "kind": kind, "bytes": size})
+    pieces: list[dict] = []
+    for seg in segments:
+        if not pieces or pieces[-1]["bytes"] >= piece_bytes:
+            pieces.append({"index": len(pieces), "bytes": 0, "segments": []})
+        pieces[-1]["segments"].append(seg)
+        pieces[-1]["bytes"] += seg["bytes"]
+    return pieces
+
+
+def default_piece_bytes(total_bytes: int) -> int:
+    """~64 pieces for a small corpus (work for every core), at most 64 MiB each: a worker holds one piece's tokens
+    in memory (64M byte-tokens: 128 MB as uint16, plus the batch being encoded)."""
+    return int(min(64 << 20, max(1 << 20, total_bytes // 64)))
+
+
+def _segment_texts(segment: dict, field: str) -> Iterator[str]:
+    from shardfit.data.sources import _read_jsonl, _read_parquet, _read_text
+
+    path = Path(segment["file"])
+    if segment["kind"] == "text":
+        reader = _read_text(path)
+    elif segment["kind"] == "jsonl":
+        reader = _read_jsonl(path, field, segment.get("start", 0), segment.get("end"), segment.get("first_line", 1))
+    else:
+        reader = _read_parquet(path, field)
+    for text, _where in reader:
+        yield text
+
+
+def join_documents(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Documents (each with its EOS) laid end to end, and where each starts (int64): the stream's two arrays."""
+    if not parts:
+        return np.zeros(0, dtype), np.zeros(0, np.int64)
+    starts = np.zeros(len(parts), np.int64)
+    np.cumsum([len(p) for p in parts[:-1]], out=starts[1:])
+    return np.concatenate(parts).astype(dtype, copy=False), starts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _save_npy(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, arr, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Writes pieces into `out` in any order, over any number of runs, then the global starts and the manifest.
+
+    `plan` (inputs, options, tokenizer, dtype, pieces) is stored first. A piece's done_ file records a key of its
+    definition (its segments, their sizes and mtimes, and the options), so a re-run reuses exactly the pieces whose
+    input and options are unchanged and redoes the rest: after a kill, everything finished is kept; after an input
+    was fixed (a bad line), only its pieces are redone. A complete directory (manifest) is never rewritten."""
+
+    def __init__(self, out: str | Path, plan: dict):
+        self.out, self.plan = Path(out), json.loads(json.dumps({"format": FORMAT, **plan}))  # as stored in JSON
+        state = shard_dir_state(str(self.out))
+        self.complete = state == "complete"
+        if self.complete:
+            try:
+                stored = json.loads((self.out / PLAN).read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                stored = None
+            if stored != self.plan:
+                raise ShardfitError("the directory holds finished token shards of other inputs or options",
+                                    where=str(out), fix="pick a new --out directory (or delete this one)")
+            return
+        if state is None and self.out.exists() and any(self.out.iterdir()):
+            raise ShardfitError("--out directory is not empty and holds no token shards", where=str(out),
+                                fix="pick a new or empty --out directory")
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.out / PLAN, json.dumps(self.plan, indent=1))
+
+    @classmethod
+    def reopen(cls, out: str | Path, plan: dict) -> ShardWriter:
+        """In a worker process: the directory and plan its parent has already checked."""
+        self = cls.__new__(cls)
+        self.out, self.plan, self.complete = Path(out), plan, False
+        return self
+
+    def _name(self, kind: str, index: int, ext: str = "npy") -> Path:
+        return self.out / f"{kind}_{index:05d}.{ext}"
+
+    def _key(self, index: int) -> str:
+        options = {k: v for k, v in self.plan.items() if k not in ("pieces", "inputs")}
+        text = json.dumps({"piece": self.plan["pieces"][index], "options": options}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def done(self, index: int) -> dict | None:
+        """The piece's counts if it was finished with today's definition (by this run or an earlier one)."""
+        try:
+            counts = json.loads(self._name("done", index, "json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return None  # absent, or (impossible with write_atomic) torn: the piece is redone
+        return counts if counts.get("key") == self._key(index) else None
+
+    def write_piece(self, index: int, tokens: np.ndarray, starts: np.ndarray) -> dict:
+        """Both arrays under .tmp names, renamed, then the done_ file: a piece killed half-way has no done_ file."""
+        if tokens.dtype != np.dtype(self.plan["dtype"]) or starts.dtype != np.int64:
+            raise TypeError(f"piece arrays must be {self.plan['dtype']} and int64")
+        self._name("done", index, "json").unlink(missing_ok=True)  # a stale piece of an older plan
+        _save_npy(self._name("tokens", index), tokens)
+        _save_npy(self._name("starts", index), starts)
+        counts = {"tokens": int(len(tokens)), "documents": int(len(starts)), "key": self._key(index)}
+        write_atomic(self._name("done", index, "json"), json.dumps(counts))
+        return counts
+
+    def finish(self) -> dict:
+        """doc_starts.npy (each piece's starts shifted by the tokens before it), then manifest.json, last."""
+        if self.complete:
+            return json.loads((self.out / MANIFEST).read_text(encoding="utf-8"))
+        counts = [self.done(p["index"]) for p in self.plan["pieces"]]
+        missing = [p["index"] for p, c in zip(self.plan["pieces"], counts) if c is None]
+        if missing:
+            raise RuntimeError(f"pieces {missing[:5]} are not finished")
+        total_docs = sum(c["documents"] for c in counts)
+        if not total_docs:
+            raise ShardfitError("the inputs hold no text", where=", ".join(self.plan["inputs"]),
+                                fix="check the inputs and --text-field")
+        tmp = self.out / "doc_starts.npy.tmp"
+        # Filled piece by piece through a map of the output: memory stays one piece's starts, whatever the corpus.
+        starts = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(total_docs,))
+        offset, first = 0, 0
+        for p, c in zip(self.plan["pieces"], counts):
+            local = np.load(self._name("starts", p["index"]), allow_pickle=False)
+            starts[first:first + len(local)] = local + offset
+            offset, first = offset + c["tokens"], first + len(local)
+        starts.flush()
+        del starts
+        os.replace(tmp, self.out / "doc_starts.npy")
+        manifest = {**self.plan, "tokens": offset, "documents": total_docs,
+                    "pieces": [{**p, "tokens": c["tokens"], "documents": c["documents"]}
+                               for p, c in zip(self.plan["pieces"], counts)]}
+        write_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1))
+        for p in self.plan["pieces"]:  # now redundant with doc_starts.npy and the manifest
+            for leftover in (self._name("starts", p["index"]), self._name("done", p["index"], "json")):
+                leftover.unlink(missing_ok=True)
+        self.complete = True
+        return manifest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `shardfit tokenize`: pieces over worker processes, progress on stderr
+
+_WORKER: dict = {}
+
+
+def _init_worker(out: str, plan: dict, tokenizer_spec: str, field: str, counters, quiet_tokenizers: bool) -> None:
+    if quiet_tokenizers:  # N worker processes each with all-core Rust threads would oversubscribe the CPU
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from shardfit.data.tokenizer import build_tokenizer
+
+    _WORKER.update(writer=ShardWriter.reopen(out, plan), tokenizer=build_tokenizer(tokenizer_spec), field=field,
+                   plan=plan, counters=counters)
+
+
+def _tokenize_piece(index: int) -> tuple[int, dict]:
+    w = _WORKER
+    piece, (docs, tokens, chars) = w["plan"]["pieces"][index], w["counters"]
+    seen = [0]
+
+    def texts():
+        for seg in piece["segments"]:
+            for text in _segment_texts(seg, w["field"]):
+                seen[0] += len(text)
+                yield text
+
+    parts, counted = [], 0
+    for batch in encode_batches(texts(), w["tokenizer"], np.dtype(w["plan"]["dtype"])):
+        parts += batch
+        with docs.get_lock(), tokens.get_lock(), chars.get_lock():  # one update per 1,024 documents
+            docs.value += len(batch)
+            tokens.value += sum(len(a) for a in batch)
+            chars.value += seen[0] - counted
+        counted = seen[0]
+    counts = w["writer"].write_piece(index, *join_documents(parts, np.dtype(w["plan"]["dtype"])))
+    with chars.get_lock():
+        chars.value -= counted  # the parent now counts the piece's exact input bytes
+    return index, counts
+
+
+def _fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class _Progress(threading.Thread):
+    """Documents, tokens, tokens/s and ETA on stderr, once a second (rewritten in place on a terminal)."""
+
+    def __init__(self, counters, total_bytes: int, stream, interval: float = 1.0):
+        super().__init__(daemon=True)
+        self.counters, self.total_bytes, self.stream, self.interval = counters, total_bytes, stream, interval
+        self.finished_bytes = self.skipped_bytes = self.skipped_tokens = self.skipped_docs = 0
+        self.t0, self.stop_event = time.perf_counter(), threading.Event()
+        self.tty = getattr(stream, "isatty", lambda: False)()
+
+    def line(self) -> str:
+        docs, tokens, chars = (c.value for c in self.counters)
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        done = self.finished_bytes + chars
+        rate_bytes = max(done - self.skipped_bytes, 0) / elapsed
+        left = max(self.total_bytes - done, 0)
+        eta = _fmt_time(left / rate_bytes) if rate_bytes > 0 else "?"
+        return (f"tokenize: {docs + self.skipped_docs:,} documents, {tokens + self.skipped_tokens:,} tokens, "
+                f"{tokens / elapsed / 1e6:.2f}M tokens/s, {min(done / max(self.total_bytes, 1), 1):.0%} of input, "
+                f"ETA {eta}")
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.interval):
+            self.stream.write(("\r" + self.line()) if self.tty else self.line() + "\n")
+            self.stream.flush()
+
+    def stop(self, finished: bool) -> None:
+        """The last line on success; on failure only a newline after an in-place line, so the error reads alone."""
+        self.stop_event.set()
+        self.join()
+        if finished:
+            self.stream.write(("\r" if self.tty else "") + self.line() +
+                              f", {_fmt_time(time.perf_counter() - self.t0)} elapsed\n")
+        elif self.tty:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def tokenize_to_shards(inputs: list[str], out: str, tokenizer_spec: str = "byte", fmt: str = "auto",
+                       field: str = "text", workers: int | None = None, piece_bytes: int | None = None,
+                       progress=None, stop_after: int | None = None) -> dict | None:
+    """`shardfit tokenize`: the manifest of the finished directory. progress: a text stream (default stderr).
+    stop_after=k (tests) returns None after k pieces, as if the run had been killed there."""
+    import multiprocessing as mp
+
+    from shardfit.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(tokenizer_spec)
+    if not inputs:
+        raise ShardfitError("no input files", where="shardfit tokenize", fix="give text, JSONL or Parquet inputs")
+    if piece_bytes is None:
+        from shardfit.data.sources import resolve_files
+
+        piece_bytes = default_piece_bytes(sum(p.stat().st_size for s in inputs for p in resolve_files(s)))
+    pieces = plan_pieces(inputs, fmt, piece_bytes)
+    for piece in pieces:  # an input rewritten since an interrupted run must not resume into it
+        for seg in piece["segments"]:
+            seg["mtime_ns"] = Path(seg["file"]).stat().st_mtime_ns
+    writer = ShardWriter(out, {"inputs": list(inputs), "input_format": fmt, "text_field": field,
+                               "tokenizer": tokenizer_identity(tokenizer_spec, tokenizer),
+                               "dtype": token_dtype(tokenizer.vocab_size).name, "pieces": pieces})
+    if writer.complete:
+        return writer.finish()
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    ctx = mp.get_context("spawn")  # fresh workers: no inherited tokenizer threads, no torch
+    counters = tuple(ctx.Value("q", 0) for _ in range(3))
+    bar = _Progress(counters, sum(p["bytes"] for p in pieces), progress or sys.stderr)
+    todo = []
+    for p in pieces:
+        counts = writer.done(p["index"])
+        if counts is None:
+            todo.append(p["index"])
+        else:
+            bar.finished_bytes += p["bytes"]
+            bar.skipped_bytes += p["bytes"]
+            bar.skipped_tokens += counts["tokens"]
+            bar.skipped_docs += counts["documents"]
+    init = (str(writer.out), writer.plan, tokenizer_spec, field, counters, workers > 1)
+    bar.start()
+    ok = False
+    try:
+        if workers == 1 or len(todo) <= 1:
+            _init_worker(*init[:-1], False)
+            results: Iterable = map(_tokenize_piece, todo)
+            pool = None
+        else:
+            # An executor, not multiprocessing.Pool: a worker that dies (killed, out of memory) fails the run with
+            # BrokenProcessPool instead of being replaced forever.
+            pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx, initializer=_init_worker,
+                                       initargs=init)
+            results = (f.result() for f in as_completed([pool.submit(_tokenize_piece, i) for i in todo]))
+        try:
+            for finished, (index, _counts) in enumerate(results, 1):
+                bar.finished_bytes += pieces[index]["bytes"]
+                if stop_after is not None and finished >= stop_after:
+                    return None
+            ok = True
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+    finally:
+        bar.stop(ok)
+    return writer.finish()
