@@ -53,13 +53,17 @@ def encode_batches(texts: Iterable[str], tokenizer, dtype=np.uint32) -> Iterator
     def encode() -> list[np.ndarray]:
         out = []
         for ids in tokenizer.encode_batch(batch):
+            # Filled straight in the target dtype (no list copy for the EOS, no uint32 then astype): numpy refuses
+            # a Python int that does not fit, so a tokenizer whose ids exceed its vocab_size cannot wrap silently.
+            arr = np.empty(len(ids) + (eos is not None), dtype)
+            try:
+                arr[:len(ids)] = ids
+            except OverflowError as e:
+                raise ShardfitError(f"{e}: a token id does not fit {np.dtype(dtype).name}", where="tokenizer",
+                                    fix="the tokenizer's vocab_size is below its largest id; check it") from None
             if eos is not None:
-                ids = [*ids, eos]
-            arr = np.asarray(ids, dtype=np.uint32)
-            if dtype != np.uint32 and len(arr) and int(arr.max()) > np.iinfo(dtype).max:
-                raise ShardfitError(f"token id {int(arr.max())} does not fit {np.dtype(dtype).name}",
-                                    where="tokenizer", fix="the tokenizer's vocab_size is wrong; check it")
-            out.append(arr.astype(dtype, copy=False))
+                arr[-1] = eos
+            out.append(arr)
         batch.clear()
         return out
 
@@ -430,7 +434,8 @@ class _Progress(threading.Thread):
     def stop(self, finished: bool) -> None:
         """The last line on success; on failure only a newline after an in-place line, so the error reads alone."""
         self.stop_event.set()
-        self.join()
+        if self.is_alive():
+            self.join()
         if finished:
             self.stream.write(("\r" if self.tty else "") + self.line() +
                               f", {_fmt_time(time.perf_counter() - self.t0)} elapsed\n")
@@ -465,7 +470,10 @@ def tokenize_to_shards(inputs: list[str], out: str, tokenizer_spec: str = "byte"
     if writer.complete:
         return writer.finish()
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    ctx = mp.get_context("spawn")  # fresh workers: no inherited tokenizer threads, no torch
+    # fork where there is one: a spawned worker re-imports the package, and `shardfit.data` imports torch (~3 s a
+    # worker on a 2-core box). Forking is safe here: the executor forks every worker at the first submit, before
+    # the progress thread starts, and the parent has built its tokenizer but never run it (no Rust thread pool).
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     counters = tuple(ctx.Value("q", 0) for _ in range(3))
     bar = _Progress(counters, sum(p["bytes"] for p in pieces), progress or sys.stderr)
     todo = []
@@ -479,19 +487,18 @@ def tokenize_to_shards(inputs: list[str], out: str, tokenizer_spec: str = "byte"
             bar.skipped_tokens += counts["tokens"]
             bar.skipped_docs += counts["documents"]
     init = (str(writer.out), writer.plan, tokenizer_spec, field, counters, workers > 1)
-    bar.start()
-    ok = False
+    ok, pool = False, None
     try:
         if workers == 1 or len(todo) <= 1:
             _init_worker(*init[:-1], False)
             results: Iterable = map(_tokenize_piece, todo)
-            pool = None
         else:
             # An executor, not multiprocessing.Pool: a worker that dies (killed, out of memory) fails the run with
             # BrokenProcessPool instead of being replaced forever.
             pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx, initializer=_init_worker,
                                        initargs=init)
             results = (f.result() for f in as_completed([pool.submit(_tokenize_piece, i) for i in todo]))
+        bar.start()
         try:
             for finished, (index, _counts) in enumerate(results, 1):
                 bar.finished_bytes += pieces[index]["bytes"]
