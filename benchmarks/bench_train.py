@@ -214,6 +214,8 @@ for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "fin
 # accumulation: every micro-batch copies all fp32 shards to the GPU (~59 GB: forward, and backward for the resharded
 # blocks) and the gradients back (32 GB); the CPU step (one per step, ~225 GB of host memory traffic) is amortised
 # over 65,536 tokens; accumulation would add the host adds of FSDP's offloaded gradient accumulation inside backward.
+# The CPU step runs group by group under the next forward (parallel/offload.py, OverlappedStep); the phases then show
+# ~0 s of optimizer and the waits inside forward. SHARDFIT_OFFLOAD_OVERLAP=0 in the environment runs it in place (A/B).
 # The second case (16 of the 32 layers, 4.5B parameters, 68 GiB of states) still runs where the host's memory
 # cannot hold the full model's 120 GiB plus the pinned allocator's rounding.
 OFFLOAD8B = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=8", "--train.warmup_steps=2",
@@ -223,6 +225,11 @@ SUITES["offload8b"] = [
     ("shardfit", "8B offload=all full-AC mbs16", OFFLOAD8B),
     ("shardfit", "8B shape 16 layers offload=all mbs16", [*OFFLOAD8B, "--model.n_layers=16"]),
 ]
+# The same on one H200 of a host with more memory (nvidia-h200-x2: 256 GiB), its GPU memory capped at an 80 GB
+# H100's 79.1 GiB (memory.max_fraction, of 139.8 GiB): for when the H100 host's 128 GiB cannot hold the 8B states
+# (parallel/offload.py counts 126 GiB with the pinned allocator's rounding).
+SUITES["offload8b_cap80"] = [(k, label + " cap80", [*args, "--memory.max_fraction=0.565"])
+                             for k, label, args in SUITES["offload8b"]]
 
 # Issue 12: variable-length training. Cases are (kind, label, args[, fallback cases]); kinds "sf" (`shardfit
 # train`, --logging.log_every=1 added) and "anchor-sft" (benchmarks/anchor_sft.py). A case whose run fails (an OOM

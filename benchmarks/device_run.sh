@@ -34,6 +34,7 @@
 #   offload8b  1 GPU (nvidia-h100-x1), Llama-3-8B seq 4096 compiled, parallel.offload=all, full checkpointing, mbs 16,
 #              8 steps, then the 16-layer shape (cap 470 s); host MemAvailable sampled every second
 #              ($OUT/offload8b_hostmem.txt, the lowest printed): the states alone are 120 GiB
+#   offload8b-cap80  the same on GPU 0 of nvidia-h200-x2 (256 GiB host), GPU memory capped at an H100's 79.1 GiB
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -101,6 +102,10 @@ for stage in "$@"; do
       (while sleep 1; do echo "$(date +%T) $(grep MemAvailable /proc/meminfo)"; done) > "$OUT/offload8b_hostmem.txt" & sampler=$!
       env CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=1 timeout 470 python3 benchmarks/bench_train.py --suite offload8b --nproc 1 --timeout 270 --out "$OUT/offload8b_x1.json" 2>&1 | tee "$OUT/offload8b.log" | grep -v '^{' | tail -5
       kill $sampler; echo "lowest host MemAvailable: $(sort -k3 -n "$OUT/offload8b_hostmem.txt" | head -1)" ;;
+    offload8b-cap80)
+      (while sleep 1; do echo "$(date +%T) $(grep MemAvailable /proc/meminfo)"; done) > "$OUT/offload8b_cap80_hostmem.txt" & sampler=$!
+      env CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=1 timeout 470 python3 benchmarks/bench_train.py --suite offload8b_cap80 --nproc 1 --timeout 270 --out "$OUT/offload8b_cap80_x1.json" 2>&1 | tee "$OUT/offload8b_cap80.log" | grep -v '^{' | tail -5
+      kill $sampler; echo "lowest host MemAvailable: $(sort -k3 -n "$OUT/offload8b_cap80_hostmem.txt" | head -1)" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

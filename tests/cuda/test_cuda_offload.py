@@ -27,7 +27,7 @@ def _train(rank, world, off, root):
     end = full_state(trainer.model)
     locals_ = [p.to_local() for p in trainer.model.parameters()]
     moments = [t for s in trainer.optimizer.state.values() for k, t in s.items() if k != "step"]
-    out = {"losses": [h["loss"] for h in history], "peak": peak,
+    out = {"losses": [h["loss"] for h in history], "peak": peak, "overlapped": trainer.overlap is not None,
            "on_host": all(t.device.type == "cpu" for t in locals_),
            "pinned": all(t.is_pinned() for t in locals_),
            "moments_on_host": all(t.to_local().device.type == "cpu" for t in moments),
@@ -56,6 +56,7 @@ def test_offload_all_trains_like_no_offload_with_less_gpu_memory(tmp_path):
     for r in off:
         assert r["on_host"] and r["pinned"] and r["moments_on_host"] and r["buffers_on_gpu"]
         assert r["export_refused"]
+        assert r["overlapped"]  # the CPU step ran under the next forward
     assert not any(r["on_host"] for r in ref)
     # fp32 weights, gradients and Adam moments (16 bytes per parameter, /world) left the GPU
     assert max(r["peak"] for r in off) < 0.5 * min(r["peak"] for r in ref), ([r["peak"] for r in off],

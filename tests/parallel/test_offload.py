@@ -8,6 +8,8 @@ gradient scale as grad_scale. Pinning, the real transfers and the device-drawn i
 """
 
 import math
+import os
+import threading
 
 import pytest
 import torch
@@ -42,20 +44,29 @@ def _nan_step(t, rank, world, before):
             "grads_freed": all(p.grad is None for p in t.model.parameters())}
 
 
-def _both(rank, world, run_dir):
-    """Offload and no offload in one process group, from the same seed; plus the device-twin initialisation."""
+def _both(rank, world, run_dir, sync_too):
+    """Offload (the CPU step overlapped with the next forward, and with sync_too also in place) and no offload in
+    one process group, from the same seed; plus the device-twin initialisation."""
     out = {}
-    for off in ("all", "none"):
-        t = Trainer(small_config(*ARGS, f"--parallel.offload={off}", run_dir=f"{run_dir}/{off}"))
+    for key in ("all", "all_sync", "none") if sync_too else ("all", "none"):
+        off = key.split("_")[0]
+        os.environ["SHARDFIT_OFFLOAD_OVERLAP"] = "0" if key == "all_sync" else "1"
+        t = Trainer(small_config(*ARGS, f"--parallel.offload={off}", run_dir=f"{run_dir}/{key}"))
+        overlapped = t.overlap is not None
+        threads, step = [], t.optimizer.step
+        t.optimizer.step = lambda *a, _t=threads, _s=step, **k: (_t.append(threading.current_thread().name),
+                                                                  _s(*a, **k))[1]
         blocks = [*t.model.model.layers, t.model]
         history = t.fit()
         state = full_state(t.model)  # a collective: every rank
-        out[off] = {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
+        out[key] = {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
+                    "overlapped": overlapped, "step_threads": threads,
+                    "groups": len(t.overlap.groups) if overlapped else 0,
                     "offloaded": [offloaded(m) for m in blocks],
                     "host": all(p.to_local().device.type == "cpu" for p in t.model.parameters()),
                     "grads_freed": all(p.grad is None for p in t.model.parameters()),
                     "state": _tolist(state) if rank == 0 else None}
-        if off == "all":
+        if key == "all":
             out["nan"] = _nan_step(t, rank, world, state)
     # Step 6 with offload on a device draws each parameter into a device twin and copies it into the host shard;
     # with the CPU as "device" the twins go through the same DTensor path and must give model.init_weights' values.
@@ -75,11 +86,19 @@ def _both(rank, world, run_dir):
 @pytest.mark.parametrize("world", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_offload_trains_like_no_offload(tmp_path, world):
     """Same losses and parameters after 4 steps with accumulation (2 micro-batches per rank on 2 ranks, 4 on one)
-    and clipping active at every step; shards on the host, gradients freed after each step. Then a step with a NaN
-    on the last rank is skipped on every rank and leaves the host shards and Adam's moments untouched."""
-    res = run_ranks(_both, world, str(tmp_path), timeout=240)
+    and clipping active at every step; shards on the host, gradients freed after each step; the CPU step run under
+    the next forward equals it run in place. Then a step with a NaN on the last rank is skipped on every rank and
+    leaves the host shards and Adam's moments untouched."""
+    res = run_ranks(_both, world, str(tmp_path), world == 2, timeout=240)
     r = res[0]
     off, ref = r["all"], r["none"]
+    assert off["overlapped"] and not ref["overlapped"]
+    # one optimizer.step per FSDP group per training step, all on the worker thread
+    assert len(off["step_threads"]) == 4 * off["groups"] and off["groups"] >= 3
+    assert all(n.startswith("shardfit-cpu-step") for n in off["step_threads"])
+    if world == 2:  # the overlapped step is the in-place step, bit for bit
+        assert not r["all_sync"]["overlapped"]
+        assert r["all_sync"]["losses"] == off["losses"] and r["all_sync"]["state"] == off["state"]
     assert all(off["offloaded"]) and not any(ref["offloaded"])
     assert off["host"] and off["grads_freed"]
     assert all(n > CLIP for n in ref["norms"])  # clipping acted at every step

@@ -42,6 +42,7 @@ from shardfit.models import build_model, count_params
 from shardfit.models.loss import liger_available
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
 from shardfit.parallel.fp8 import fp8_notice, refresh_fp8_scales
+from shardfit.parallel.offload import OverlappedStep
 from shardfit.parallel.ulysses import check_sequence_parallel
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
@@ -210,6 +211,12 @@ class Trainer:
             self.tokens_seen = state.get("tokens_seen", 0)
             self.resumed_from = resume
         refresh_fp8_scales(self.model, cfg.parallel)  # FP8 scales of the weights in place: initialised, loaded, resumed
+        # offload=all: the CPU step runs group by group under the next forward (parallel/offload.py);
+        # SHARDFIT_OFFLOAD_OVERLAP=0 runs it in place instead (the same results, bit for bit; for measurements).
+        self.overlap = None
+        if self.offload and os.environ.get("SHARDFIT_OFFLOAD_OVERLAP", "1") != "0":
+            self.overlap = OverlappedStep(self.model, self.optimizer, list(self.model.model.layers),
+                                          cfg.parallel.prefetch)
 
         seq = cfg.data.seq_len
         self.capacity = 0  # C: this rank's tokens of the current step (set by _forward_backward)
@@ -244,6 +251,8 @@ class Trainer:
             loss = self.model(ids, labels, positions, b.mask)  # summed token loss, fp32 scalar
             self.timer.stop("forward")
             self.timer.start("backward")
+            if self.overlap is not None:
+                self.overlap.wait()  # backward writes new gradients: the last step must be done (it is: see offload)
             (loss / self.capacity).backward()
             self.timer.stop("backward")
             loss_sum += loss.detach()
@@ -313,10 +322,14 @@ class Trainer:
             set_lr(self.optimizer, lr)
             if self.offload:
                 # The CPU step is memory-bound: fused AdamW divides each gradient by grad_scale as it reads it, so
-                # the scale costs no pass of its own over the host gradients (measured: 20% of the step).
+                # the scale costs no pass of its own over the host gradients (measured: 20% of the step). lr and
+                # grad_scale are read by the worker until the next forward has waited for it; they change only
+                # after that.
                 self.optimizer.grad_scale = torch.tensor(1.0 / (scale * coef), dtype=torch.float32)
-                self.optimizer.step()
-                self.optimizer.grad_scale = None
+                if self.overlap is not None:
+                    self.overlap.launch()  # takes the gradients; the worker frees them group by group
+                else:
+                    self.optimizer.step()
             else:
                 grads = [_local(p.grad) for p in self.params if p.grad is not None]
                 torch._foreach_mul_(grads, scale * coef)
@@ -329,7 +342,9 @@ class Trainer:
         # gradients are host tensors and always freed: a kept one makes FSDP copy each reduce-scatter output to the
         # host synchronously and add it on the CPU inside backward (the host thread then stalls once per group,
         # the GPU waiting for its next kernels); the reduce-scatter pool keep_grads is about holds no gradients then.
-        self.optimizer.zero_grad(set_to_none=not self.cfg.memory.keep_grads or self.offload)
+        # A launched overlapped step owns the gradients (already taken out of the parameters): not touched here.
+        if not (ok and self.overlap is not None):
+            self.optimizer.zero_grad(set_to_none=not self.cfg.memory.keep_grads or self.offload)
         self.timer.stop("optimizer")
         self.step += 1
         self.recorder.after_step(self.step)
@@ -341,8 +356,15 @@ class Trainer:
                 "memory": rows[:, _STAT_MEM:_STAT_MEM + len(MEMORY_FIELDS)]}
 
     # ------------------------------------------------------------------ the loop
+    def finish_step(self) -> None:
+        """Wait for an overlapped CPU optimizer step (offload=all): the parameters and the optimizer are then those
+        after the last train_step. fit() does it itself; callers of train_step() who read them must call it."""
+        if self.overlap is not None:
+            self.overlap.wait()
+
     def save(self) -> Path:
         self.watchdog.beat(f"step {self.step} checkpoint save")
+        self.finish_step()
         return save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer,
                                {"skipped": self.skipped, "tokens_seen": self.tokens_seen}, self.config_toml,
                                self.device, keep=self.cfg.checkpoint.keep)
@@ -384,6 +406,7 @@ class Trainer:
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < total:
                     self.save()
+            self.finish_step()
             done = [h["loss"] for h in history if not h["skipped"]]
             if done:
                 progress.message(f"done: {len(history)} steps, loss {done[0]:.3f} -> {done[-1]:.3f}, "
@@ -406,6 +429,7 @@ class Trainer:
         from shardfit.hf import export_hf
 
         self.watchdog.beat(f"step {self.step} Hugging Face export")
+        self.finish_step()
         source = self.cfg.model.path or (str(Path(self.cfg.data.tokenizer).parent)
                                          if self.cfg.data.tokenizer != "byte" else None)
         export_hf(self.model, out, self.cfg.checkpoint.export_dtype, source)
