@@ -165,11 +165,11 @@ class OverlappedStep:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, blocks: list[nn.Module],
-                 prefetch: int = 0):
+                 prefetch: int = 0, device: torch.device | None = None):
         import threading
         from concurrent.futures import ThreadPoolExecutor
 
-        self.optimizer = optimizer
+        self.optimizer, self.device = optimizer, device
         # Forward order: the root group first (its pre-forward runs first; it holds the final norm, and the embedding
         # when tied), then the groups as modules() lists them: embedding, blocks 0..L-1, head.
         modules = [model] + [m for m in model.modules() if m is not model and hasattr(m, "_get_fsdp_state")]
@@ -213,6 +213,10 @@ class OverlappedStep:
         self.future = self.pool.submit(self._run, grads)
 
     def _run(self, grads: list[list[torch.Tensor | None]]) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            # The current device is per thread and a new thread's is GPU 0: optimizer.step() asks whether the
+            # current stream is capturing a CUDA graph, which on rank r != 0 would create a context on GPU 0.
+            torch.cuda.set_device(self.device)
         try:
             for i, (params, gs) in enumerate(zip(self.groups, grads)):
                 for p, g in zip(params, gs):

@@ -216,7 +216,7 @@ class Trainer:
         self.overlap = None
         if self.offload and os.environ.get("SHARDFIT_OFFLOAD_OVERLAP", "1") != "0":
             self.overlap = OverlappedStep(self.model, self.optimizer, list(self.model.model.layers),
-                                          cfg.parallel.prefetch)
+                                          cfg.parallel.prefetch, self.device)
 
         seq = cfg.data.seq_len
         self.capacity = 0  # C: this rank's tokens of the current step (set by _forward_backward)
