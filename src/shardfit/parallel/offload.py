@@ -11,7 +11,9 @@ Per micro-batch FSDP2 copies each group's fp32 shard to the GPU before its all-g
 backward for the groups resharded after forward: 4P/N bytes each time) and each reduced gradient shard back to
 pinned host memory (4P/N, asynchronously in the reduce-scatter stream; the host waits for those copies once, at the
 end of backward, in FSDP's finalize_backward). The optimizer step then runs on the CPU (fused AdamW: one pass over
-parameter, gradient and both moments per element; train/optim.py), one per rank, on this rank's share of the cores.
+parameter, gradient and both moments per element; train/optim.py), one per rank, on this rank's share of the cores,
+group by group on a worker thread while the next forward runs (OverlappedStep below): the GPU waits only where a
+group's step is not done when its forward needs it.
 
 Host memory per node: 16 bytes per parameter of this node's shards, plus PyTorch's pinned-allocator rounding: FSDP2
 pins each parameter shard and each gradient shard copied back as an allocation of its own, rounded up to a power of
@@ -131,12 +133,14 @@ def step_threads(device: torch.device) -> str | None:
     which the ranks of this node (LOCAL_WORLD_SIZE) share os.cpu_count() (NUMA binding, parallel.numa_bind, already
     narrowed the affinity to the GPU's node, shared by that node's ranks). torchrun sets OMP_NUM_THREADS=1 for more
     than one process per node, which would leave the step, memory-bound on ~16 bytes read and 12 written per
-    parameter, on one core. CPU training (device cpu) keeps the threads it was given: the compute uses them."""
+    parameter, on one core. One of the rank's cores is left to the main thread: it launches the GPU work of the next
+    forward while the step runs (OverlappedStep). CPU training (device cpu) keeps the threads it was given: the
+    compute uses them."""
     if device.type == "cpu":
         return None
     local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, min(usable, (os.cpu_count() or 1) // local_world))
+    threads = max(1, min(usable, (os.cpu_count() or 1) // local_world) - 1)
     torch.set_num_threads(threads)
     return (f"parallel.offload=all: sharded parameters, gradients and Adam states in host memory; the optimizer "
             f"step runs on the CPU with {threads} threads per rank ({local_world} rank(s) on this node)")
