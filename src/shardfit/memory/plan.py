@@ -242,6 +242,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     from shardfit.parallel.parallelize import check_replicate
 
     check_replicate(cfg.parallel.replicate, world)
+    cfg = as_rows(cfg)  # token budgets: micro_batch counts [1, micro_batch_tokens] rows
     shard = world // cfg.parallel.replicate  # ranks the states are sharded over (HSDP: one replica's group)
     m, par = cfg.model, cfg.parallel
     n_params, block_params, fp8_bytes = _param_counts(_key(m), par.fp8, par.fp8_all_gather)
@@ -388,9 +389,20 @@ def configured(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
                gpus_per_node: int = 8) -> tuple[Estimate, bool]:
     """The config as given (its micro-batch; 1 when chosen at launch) and whether it fits the GPU and, host memory
     given, the offloaded states fit one node's host memory."""
-    e = estimate(cfg, world, cfg.train.micro_batch or 1)
+    e = estimate(cfg, world, 1 if cfg.train.micro_batch_tokens else cfg.train.micro_batch or 1)
     host_ok = host_gib is None or host_per_node(e, world, gpus_per_node) <= host_gib * GiB
     return e, fits(e, allocation_budget(gpu_gib * GiB), gpu_gib * GiB) and host_ok
+
+
+def as_rows(cfg: Config) -> Config:
+    """Token-budget micro-batches (train.micro_batch_tokens = T) as the plan counts them: each forward/backward is
+    one [1, T] row of whole examples (document-masked kernels save what a plain row of T tokens saves), so the
+    configured case is micro-batch 1 at sequence T, and "micro-batch k" in the table means k such rows. The global
+    batch (examples) stays: above one row per rank it counts as accumulation, which keeps gradients live."""
+    if not cfg.train.micro_batch_tokens:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.train.micro_batch_tokens),
+                               train=dataclasses.replace(cfg.train, micro_batch=1, micro_batch_tokens=0))
 
 
 def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
@@ -398,7 +410,10 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
     """The report of `shardfit plan`: the configured micro-batch's peak, then the largest micro-batch per mode."""
     budget = allocation_budget(gpu_gib * GiB)
     m = cfg.model
+    budget_rows = cfg.train.micro_batch_tokens
+    cfg = as_rows(cfg)
     lines = [f"shardfit plan: {m.name}, {world} GPU(s) of {gpu_gib:.0f} GiB, seq {cfg.data.seq_len}"
+             + (" (token-budget rows: micro-batch k is k rows)" if budget_rows else "")
              + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
              + (f", HSDP: {cfg.parallel.replicate} replicas of {world // cfg.parallel.replicate}-GPU shard groups"
                 if cfg.parallel.replicate > 1 else "")

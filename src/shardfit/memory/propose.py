@@ -114,7 +114,7 @@ def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any]) ->
         extra["train.global_batch"] = -(-base.train.global_batch // dp) * dp
     per_rank = extra.get("train.global_batch", base.train.global_batch) // dp
     if base.train.micro_batch_tokens:  # token-budget micro-batches: the row size is the user's, not proposed
-        sizes = [base.train.micro_batch or 1]
+        sizes = [1]  # one [1, micro_batch_tokens] row per forward/backward (memory/plan.py: as_rows)
     else:
         sizes = [d for d in range(min(per_rank, 64), 0, -1) if per_rank % d == 0]
     for mode in MODES:
