@@ -26,6 +26,7 @@
 #   varlen8b   2 GPUs, Llama-3-8B seq 4096 compiled: shardfit padded, packed, token-budget; HF + Liger anchor padded
 #              (cap 290 s); JSON summary: packed_vs_padded (loss-bearing tokens/s/GPU), packed_vs_anchor
 #   docmask8b  2 GPUs, packed pretraining on docs.jsonl: unmasked against document masks, varlen and flex (cap 280 s)
+#   flat300a   flat300's two anchor cases alone (session 6: the shardfit cases filled flat300's cap)
 #   flat300    1 GPU, Llama-3.2-1B shape, 300 steps each: shardfit packed, token-budget, padded; the anchor with
 #              dynamic padding and padded to 4096; memory-flatness table after step 20 (cap 380 s)
 #   attn       1 GPU, bench_attention.py: causal SDPA against varlen, flex, dense-mask SDPA at the 8B attention
@@ -96,6 +97,7 @@ for stage in "$@"; do
     sftdata) python3 benchmarks/gen_sft_data.py --out /tmp/sft_varlen | tee "$OUT/sftdata.txt"; cp /tmp/sft_varlen/summary.json "$OUT/sft_summary.json" ;;
     varlen8b) env $two timeout 290 python3 benchmarks/bench_train.py --suite varlen8b --nproc 2 --timeout 200 --out "$OUT/varlen8b_x2.json" 2>&1 | tee "$OUT/varlen8b.log" | grep -v '^{' | tail -14 ;;
     docmask8b) env $two timeout 280 python3 benchmarks/bench_train.py --suite docmask8b --nproc 2 --timeout 200 --out "$OUT/docmask8b_x2.json" 2>&1 | tee "$OUT/docmask8b.log" | grep -v '^{' | tail -10 ;;
+    flat300a) env CUDA_VISIBLE_DEVICES=0 timeout 380 python3 benchmarks/bench_train.py --suite flat300_anchors --nproc 1 --timeout 180 --out "$OUT/flat300a_x1.json" 2>&1 | tee "$OUT/flat300a.log" | grep -v '^{' | tail -12 ;;
     flat300) env CUDA_VISIBLE_DEVICES=0 timeout 380 python3 benchmarks/bench_train.py --suite flat300 --nproc 1 --timeout 130 --out "$OUT/flat300_x1.json" 2>&1 | tee "$OUT/flat300.log" | grep -v '^{' | tail -22 ;;
     attn) env CUDA_VISIBLE_DEVICES=0 timeout 190 python3 benchmarks/bench_attention.py --out "$OUT/attn_x1.json" 2>&1 | tee "$OUT/attn.log" | grep -v '^{' | tail -16 ;;
     offload8b)  # one compile worker: the host's memory is for the offloaded states
