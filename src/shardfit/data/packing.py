@@ -78,7 +78,12 @@ class ShuffledDataset:
         if self.ordered:
             return pos
         if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            # Generator.permutation(n) is arange(n) shuffled; shuffling an int32 arange in place draws the same
+            # swaps (they depend on the length only), so the order is unchanged and the array is half the size:
+            # 33 MB instead of 66 MB per rank for 8.2M windows (2B tokens at seq_len 256).
+            perm = np.arange(self.num_windows, dtype=np.int32 if self.num_windows < 2**31 else np.int64)
+            np.random.default_rng([self.seed, epoch]).shuffle(perm)
+            self._perm = perm
             self._perm_epoch = epoch
         return int(self._perm[pos])
 
