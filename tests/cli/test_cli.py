@@ -60,10 +60,11 @@ def test_recipes_are_listed_and_planned():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--train.lrr=1"], "did you mean 'train.lr'"),
+    pytest.param(["--train.lrr=1"], "did you mean 'train.lr'", marks=pytest.mark.slow),  # also test_bad_input
     (["--data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl: no such file"),
     (["--data.tokenizer=/nonexistent/tok.json"], "tokenizer file not found"),
-    (["--train.global_batch=6", "--train.micro_batch=4"], "train.global_batch"),
+    pytest.param(["--train.global_batch=6", "--train.micro_batch=4"], "train.global_batch",
+                 marks=pytest.mark.slow),  # also test_bad_input
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     p = _run("train", "--train.device=cpu", *args, f"--logging.run_dir={tmp_path}/r")

@@ -79,6 +79,7 @@ def _moe_losses(rank, world, overrides, run_dir):
     return {"losses": [h["loss"] for h in history], "state": state if rank == 0 else None}
 
 
+@pytest.mark.slow  # ~12 s; MoE parity with checkpointing stays in test_moe_ranks_route_differently...
 def test_moe_auxiliary_loss_two_ranks_equal_one_with_checkpointing(tmp_path):
     """The load-balancing loss on ranks that route differently, recomputed under full checkpointing, trains the
     same weights as one process (the same micro-batches: 4 sequences each)."""

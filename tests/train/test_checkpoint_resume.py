@@ -35,6 +35,7 @@ def _resume_on_one_rank(rank, world, root):
     return {"losses": [h["loss"] for h in t.fit()]}
 
 
+@pytest.mark.slow  # ~7 s; plain resume parity stays in the default run
 def test_fp8_resume_equals_uninterrupted(tmp_path):
     """FP8 weights (torchao's subclass, all-gathered in FP8) save and load through DCP; the scales are refreshed from
     the loaded weights, so the resumed run repeats the uninterrupted one bit for bit."""
