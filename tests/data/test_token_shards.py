@@ -185,3 +185,32 @@ def test_train_runs_on_a_shard_directory(corpus, tmp_path, capsys):
     assert p.returncode == 0, p.stderr
     tokens = json.loads((tmp_path / "shards" / "manifest.json").read_text())["tokens"]
     assert f"{tokens:,} tokens of data" in p.stdout and "step 2/2" in p.stdout
+
+
+def test_parquet_and_a_tokenizer_json_give_the_on_the_fly_stream(corpus, tmp_path):
+    """The writer's other input and tokenizer kinds: Parquet rows and a Hugging Face tokenizer.json (uint16 ids)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from shardfit.data.tokenizer import build_tokenizer
+
+    texts = [json.loads(line)["text"] for line in (corpus / "a.jsonl").read_text(encoding="utf-8").splitlines()
+             if line.strip()]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<|eot|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.decoder = decoders.ByteLevel()
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    tk.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>"}))
+    spec = str(tok_dir / "tokenizer.json")
+    _shards([tmp_path / "docs.parquet"], tmp_path / "out", tokenizer_spec=spec)
+    tokens, starts, _ = open_token_shards(str(tmp_path / "out"), spec, build_tokenizer(spec))
+    want_tokens, want_starts = tokenize_documents(str(tmp_path / "docs.parquet"), "auto", "text",
+                                                  build_tokenizer(spec))
+    assert len(starts) == len([t for t in texts if t]) and tokens.dtype == np.uint16
+    assert np.array_equal(tokens[0:len(tokens)], want_tokens) and np.array_equal(starts, want_starts)
