@@ -1,8 +1,20 @@
-"""Data: tokenizers, document readers, packing and the resumable sampler."""
+"""Data: tokenizers, document readers, packing and the resumable sampler, token shards.
 
-from shardfit.data.packing import MicroBatch, PackedDataset, build_dataset, tokenize_corpus
-from shardfit.data.sources import read_documents
-from shardfit.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+The names below load on first use: `shardfit tokenize` and its worker processes import shardfit.data.token_shards,
+which needs numpy and the tokenizers but not torch (packing imports it: ~1-3 s a process).
+"""
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "MicroBatch", "PackedDataset", "build_dataset", "build_tokenizer",
-           "read_documents", "tokenize_corpus"]
+import importlib
+
+_EXPORTS = {
+    "MicroBatch": "packing", "PackedDataset": "packing", "build_dataset": "packing", "tokenize_corpus": "packing",
+    "read_documents": "sources",
+    "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'shardfit.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"shardfit.data.{_EXPORTS[name]}"), name)
