@@ -309,7 +309,8 @@ VARLEN_DATA = {"varlen_cpu": {"n": 400}}  # gen_sft_data arguments other than th
 # The anchors of flat300 alone: the 380 s cap of one device stage held only shardfit's three cases (~90 s each on an
 # H100 with compile), so the two anchor cases run as a stage of their own.
 VARLEN_SUITES["flat300_anchors"] = [c for c in VARLEN_SUITES["flat300"] if c[0] == "anchor-sft"]
-VARLEN_WARM = {"flat300": 20, "flat300_anchors": 20, "varlen_cpu": 2}  # steps before the memory-flatness window (others: no table)
+# steps before the memory-flatness window (others: no table)
+VARLEN_WARM = {"flat300": 20, "flat300_anchors": 20, "varlen_cpu": 2}
 
 
 def _fill(args: list[str], nproc: int) -> list[str]:

@@ -471,8 +471,9 @@ def tokenize_to_shards(inputs: list[str], out: str, tokenizer_spec: str = "byte"
         return writer.finish()
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     # fork where there is one: a spawned worker re-imports the parent's main module (the CLI's imports, torch
-    # among them when the caller loaded it: ~3 s a worker on a 2-core box). Forking is safe here: the executor forks every worker at the first submit, before
-    # the progress thread starts, and the parent has built its tokenizer but never run it (no Rust thread pool).
+    # among them when the caller loaded it: ~3 s a worker on a 2-core box). Forking is safe here: the executor
+    # forks every worker at the first submit, before the progress thread starts, and the parent has built its
+    # tokenizer but never run it (no Rust thread pool).
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     counters = tuple(ctx.Value("q", 0) for _ in range(3))
     bar = _Progress(counters, sum(p["bytes"] for p in pieces), progress or sys.stderr)

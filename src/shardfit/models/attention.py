@@ -14,8 +14,8 @@ Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
           flattened sequence of B*S tokens cut at every document start; no mask in memory, no masked tiles;
   flex    FlexAttention with a document block mask (torch.nn.attention.flex_attention, compiled): tiles that
           cross documents are skipped.
-Which is faster on a GPU is measured (benchmarks/bench_attention.py, bench_train.py's docmask8b); parallel.doc_attention=auto
-takes the winner: flex.
+Which is faster on a GPU is measured (benchmarks/bench_attention.py, bench_train.py's docmask8b);
+parallel.doc_attention=auto takes the winner: flex.
 """
 
 from __future__ import annotations
