@@ -87,3 +87,14 @@ def test_validation_holdout_is_disjoint_and_ordered(tmp_path):
     assert train.num_windows == 40 and val.num_windows == 10 and val.ordered
     key = lambda e: e[0].tobytes()  # noqa: E731
     assert not {key(e) for e in train.examples} & {key(e) for e in val.examples}
+
+
+def test_bins_use_the_count_best_fit_finds_when_balanced_placement_needs_more():
+    from shardfit.data.batching import assign_bins
+
+    # least-filled placement alone needs 3 bins here (40 lands beside a 50); best-fit packs [50, 50] and [40, 30, 30]
+    assert [len(r) for r in assign_bins([50, 50, 40, 30, 30], 1, 100)] == [2]
+    # items that each fill most of a bin: one per bin, every rank the same count (the old search grew M by one per
+    # try from the lower bound, and planned a 16,384-item validation set in minutes)
+    plan = assign_bins([1024] * 2000, 2, 1536)
+    assert [len(r) for r in plan] == [1000, 1000] and all(len(m) == 1 for r in plan for m in r)

@@ -9,18 +9,52 @@ step and a compiled block never meets a new shape.
 Why every rank runs the same number of micro-batches (FSDP issues collectives in every pass): M is computed on
 every rank from the same input, the lengths of the step's G items, which every host reads from its own copy of the
 dataset given only the step number, by the same deterministic procedure. So every rank derives the same M and the
-same bins, with no collective. M starts at the lower bound ceil(sum / (world x T)) and grows by one until
-longest-first placement into the least-filled bin fits every item.
+same bins, with no collective. M is the smallest number of micro-batches per rank at which longest-first placement
+into the least-filled bin (balanced bins) fits every item, found by bisection between the lower bound
+ceil(sum / (world x T)) and the count best-fit-decreasing packing needs (which always fits); where balanced placement
+fits at no M up to that count, the best-fit bins are used. O(N log N log N) for N items: the whole validation set
+is planned at once.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 
 from shardfit.data.packing import MicroBatch, ShuffledDataset, stack_rows
 from shardfit.data.sft_packed import concat_documents
 from shardfit.errors import ShardfitError
+
+
+def _balanced(order: list[int], lengths: list[int], bins: int, budget: int) -> list[list[int]] | None:
+    """Longest first into the least-filled of `bins` bins; None when an item does not fit."""
+    out: list[list[int]] = [[] for _ in range(bins)]
+    heap = [(0, b) for b in range(bins)]  # (fill, bin): the least-filled bin on top
+    for i in order:
+        fill, b = heapq.heappop(heap)
+        if fill + lengths[i] > budget:  # the least-filled bin is too full: so is every other
+            return None
+        out[b].append(i)
+        heapq.heappush(heap, (fill + lengths[i], b))
+    return out
+
+
+def _best_fit(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Best-fit decreasing: each item (longest first) into the bin it fills most, a new bin when none has room.
+    Always succeeds (items are at most `budget`); uses at most 11/9 of the fewest bins possible, plus one."""
+    room: list[tuple[int, int]] = []  # (free tokens, bin), ascending
+    out: list[list[int]] = []
+    for i in order:
+        j = bisect.bisect_left(room, (lengths[i], -1))
+        if j == len(room):
+            out.append([i])
+            bisect.insort(room, (budget - lengths[i], len(out) - 1))
+        else:
+            free, b = room.pop(j)
+            out[b].append(i)
+            bisect.insort(room, (free - lengths[i], b))
+    return out
 
 
 def assign_bins(lengths: list[int], world: int, budget: int) -> list[list[list[int]]]:
@@ -31,20 +65,22 @@ def assign_bins(lengths: list[int], world: int, budget: int) -> list[list[list[i
         raise ShardfitError(f"an item of {max(too_long)} tokens exceeds train.micro_batch_tokens={budget}",
                             where="train.micro_batch_tokens", fix="set it to at least data.seq_len")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # longest first, ties by index
-    M = max(1, math.ceil(sum(lengths) / (world * budget)))
-    while True:
-        bins: list[list[int]] = [[] for _ in range(world * M)]
-        heap = [(0, b) for b in range(world * M)]  # (fill, bin): the least-filled bin on top
-        for i in order:
-            fill, b = heapq.heappop(heap)
-            if fill + lengths[i] > budget:  # the least-filled bin is too full: so is every other
-                break
-            bins[b].append(i)
-            heapq.heappush(heap, (fill + lengths[i], b))
+    fitted = _best_fit(order, lengths, budget)
+    lo, hi = max(1, math.ceil(sum(lengths) / (world * budget))), max(1, math.ceil(len(fitted) / world))
+    best = _balanced(order, lengths, world * hi, budget)
+    while lo < hi:  # the smallest M at which balanced placement fits (bisection: every rank takes the same path)
+        mid = (lo + hi) // 2
+        bins = _balanced(order, lengths, world * mid, budget)
+        if bins is None:
+            lo = mid + 1
         else:
-            # Bin b goes to rank b % world: the fullest bins are spread over the ranks, not stacked on one.
-            return [[sorted(bins[m * world + r]) for m in range(M)] for r in range(world)]
-        M += 1
+            hi, best = mid, bins
+    M = hi
+    if best is None or len(best) != world * M:  # no balanced placement up to best-fit's count: its bins, fullest
+        by_fill = sorted(fitted, key=lambda b: (-sum(lengths[i] for i in b), b))  # first, padded with empty ones
+        best = by_fill + [[] for _ in range(world * M - len(by_fill))]
+    # Bin b goes to rank b % world: the fullest bins are spread over the ranks, not stacked on one.
+    return [[sorted(best[m * world + r]) for m in range(M)] for r in range(world)]
 
 
 def budget_batches(dataset: ShuffledDataset, first: int, count: int, budget: int, rank: int, world: int,
