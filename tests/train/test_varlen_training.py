@@ -107,3 +107,17 @@ def test_packed_sft_and_token_budget_resume_exactly(tmp_path):
                                [f"--data.path={data}", "--train.micro_batch_tokens=64", "--train.global_batch=12"])):
         r = run_ranks(_uninterrupted_then_resumed, 2, str(tmp_path / str(i)), extra)[0]
         assert r["b"] == r["a"][3:] and r["same_params"]
+
+
+def test_token_budget_rows_are_masked_even_without_data_document_mask(tmp_path):
+    """Examples laid end to end in a [1, T] row are unrelated: their mask and restarting positions do not depend on
+    data.document_mask (which governs packed pretraining windows)."""
+    from shardfit.train.batches import BatchSource
+
+    data = _write_sft(tmp_path / "sft.jsonl")
+    cfg = load_config(None, [*SMALL, f"--data.path={data}", "--data.seq_len=32", "--train.micro_batch_tokens=64",
+                             "--train.global_batch=8", "--data.document_mask=false", "--train.device=cpu"])
+    train, val, _ = build_datasets(cfg.data, cfg.model.vocab_size, token_budget=True)
+    batches = BatchSource(cfg, train, val, 0, 1, 0, 1, torch.device("cpu")).step(0)
+    assert batches and all(b.mask is not None and b.position_ids is not None for b in batches)
+    assert all(int((b.position_ids == 0).sum()) > 1 for b in batches)  # several examples a row, each from 0

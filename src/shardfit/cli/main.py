@@ -31,7 +31,7 @@ def _train(argv: list[str]) -> int:
     launcher = _rendezvous_flags(opts)  # multi-node: torchrun's rendezvous flags, passed through
     nnodes = int(opts.get("--nnodes", 1))
 
-    from shardfit.config import accumulation_steps, load_config
+    from shardfit.config import load_config
 
     if any(a in ("-h", "--help") for a in rest):
         print(TRAIN_HELP + config_help(load_config(config_path, [a for a in rest if a not in ("-h", "--help")])))
@@ -44,12 +44,9 @@ def _train(argv: list[str]) -> int:
         if recipe is not None:
             check_needs(recipe, cfg)
     if nproc > 1 or launcher:
-        from shardfit.parallel.ulysses import check_sequence_parallel
+        from shardfit.parallel.layout import check_layout
 
-        # Checked before starting processes: the sequence-parallel split, then the batch over data-parallel ranks.
-        sp, world = cfg.parallel.sequence_parallel, nproc * nnodes
-        check_sequence_parallel(sp, world, cfg.data.seq_len, cfg.model.n_heads)
-        accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch or 1, world // sp)  # 0: chosen later
+        check_layout(cfg, nproc * nnodes)  # before starting processes: one line, not a traceback per rank
         return _launch_torchrun(nproc, config_path, rest, launcher)
 
     from shardfit.parallel import shutdown_distributed

@@ -62,7 +62,8 @@ class DataConfig:
     seed: int = opt(1234, "seed of the sample order")
     document_mask: bool = opt(True, "packed rows: a token attends only to earlier tokens of its own document and RoPE "
                                     "positions restart at each document start; false: attention crosses document "
-                                    "boundaries inside a row (shardfit 0.1's behaviour)")
+                                    "boundaries inside a row (shardfit 0.1's behaviour); token-budget rows "
+                                    "(train.micro_batch_tokens) are always masked")
     pack: bool = opt(True, "fine-tuning: pack examples into rows of data.seq_len tokens as separate documents (no "
                            "padding beyond a row's tail); false: one example per row, padded")
     val_path: str = opt("", "held-out data for the validation loss (same formats as data.path); empty: none, or "

@@ -82,19 +82,12 @@ def accepted(cfg: Config, world: int) -> bool:
     """What the config loader, the launcher and parallelize accept: the keys' rules, the offload layouts the trainer
     implements, Ulysses' divisibility (world, data.seq_len, model.n_heads), HSDP's replica count dividing the world,
     and the global batch splitting over the data-parallel ranks and micro-batches."""
-    from shardfit.config.loader import accumulation_steps, validate
-    from shardfit.parallel.offload import check_offload
-    from shardfit.parallel.parallelize import check_replicate
-    from shardfit.parallel.ulysses import check_sequence_parallel
+    from shardfit.config.loader import validate
+    from shardfit.parallel.layout import check_layout
 
     try:
-        check_offload(cfg.parallel)  # offload=optimizer, and offload=all with FP8, are refused before launch
         validate(cfg)
-        sp = cfg.parallel.sequence_parallel
-        check_sequence_parallel(sp, world, cfg.data.seq_len, cfg.model.n_heads)
-        check_replicate(cfg.parallel.replicate, world)
-        if not cfg.train.micro_batch_tokens:
-            accumulation_steps(cfg.train.global_batch, cfg.train.micro_batch, world // sp)
+        check_layout(cfg, world)
     except ShardfitError:
         return False
     return True

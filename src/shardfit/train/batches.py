@@ -20,7 +20,6 @@ import torch
 from shardfit.config import Config
 from shardfit.data.batching import budget_batches, eval_row_batches
 from shardfit.data.packing import MicroBatch, ShuffledDataset
-from shardfit.errors import ShardfitError
 from shardfit.models.attention import DocumentMask, choose_doc_kernel
 from shardfit.parallel.ulysses import local_slice
 
@@ -47,15 +46,6 @@ class BatchSource:
         self.budget = cfg.train.micro_batch_tokens
         self.masked = cfg.data.document_mask
         self.kernel = choose_doc_kernel(cfg.parallel.doc_attention, device, self.budget or cfg.data.seq_len)
-        if self.budget:
-            if self.budget < cfg.data.seq_len:
-                raise ShardfitError(f"train.micro_batch_tokens={self.budget} is below data.seq_len="
-                                    f"{cfg.data.seq_len}: an item of seq_len tokens would not fit",
-                                    where="train.micro_batch_tokens", fix=f"use at least {cfg.data.seq_len}")
-            if self.budget % sp:
-                raise ShardfitError(f"train.micro_batch_tokens={self.budget} is not a multiple of "
-                                    f"parallel.sequence_parallel={sp}", where="train.micro_batch_tokens",
-                                    fix=f"use a multiple of {sp}")
 
     def step(self, step: int) -> list[LocalBatch]:
         t = self.cfg.train
@@ -76,7 +66,9 @@ class BatchSource:
         return [self._local(mb) for mb in mbs]
 
     def _local(self, mb: MicroBatch) -> LocalBatch:
-        positions = mb.position_ids if self.masked else None
+        # Token-budget rows are always masked: their examples are unrelated (data.document_mask governs packed
+        # pretraining windows, where attention across documents was shardfit 0.1's behaviour).
+        positions = mb.position_ids if self.masked or self.budget else None
         mask = DocumentMask.build(positions, self.kernel, self.device) if positions is not None else None
         if mask is None:
             positions = None  # every row is one document: the model's own 0..S-1

@@ -42,8 +42,8 @@ from shardfit.models import build_model, count_params
 from shardfit.models.loss import liger_available
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
 from shardfit.parallel.fp8 import fp8_notice, refresh_fp8_scales
+from shardfit.parallel.layout import check_layout
 from shardfit.parallel.offload import OverlappedStep
-from shardfit.parallel.ulysses import check_sequence_parallel
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
 from shardfit.train.evaluate import evaluate
@@ -154,7 +154,7 @@ class Trainer:
         # Ulysses: ranks r with the same r // sp share every sample and take S/sp of its tokens each; the batch is
         # split over the world // sp data-parallel ranks.
         self.sp = cfg.parallel.sequence_parallel
-        check_sequence_parallel(self.sp, self.dist.world_size, cfg.data.seq_len, cfg.model.n_heads)
+        check_layout(cfg, self.dist.world_size)
         self.dp_rank, self.sp_rank = divmod(self.dist.rank, self.sp)
         self.dp_size = self.dist.world_size // self.sp
         self.notices: list[str] = []  # printed by rank 0 when fit() starts
@@ -168,9 +168,6 @@ class Trainer:
                                    self.sp, self.device)
         if self.batches.describe():
             self.notices.append(self.batches.describe())
-        if cfg.train.eval_every and self.val_set is None:
-            raise ShardfitError("train.eval_every is set but there is no validation data", where="train.eval_every",
-                                fix="set data.val_path or data.val_fraction, or train.eval_every=0")
 
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
