@@ -41,6 +41,17 @@ def test_greedy_tokens_match_transformers_generate(tmp_path, kind):
     assert len(set(ours)) > 1  # a real sequence, not one repeated token that any bug could also produce
 
 
+def test_bf16_generation_keeps_fp32_rope_frequencies(tmp_path):
+    """Training casts parameters only; a bf16 copy of inv_freq would move angles by ~0.7 rad at position 4,000."""
+    from shardfit.models.decoder import rope_inv_freq
+
+    path, _ = _save("llama", tmp_path)
+    model, _ = load_hf(str(path), CPU, torch.bfloat16)
+    inv = model.model.inv_freq
+    assert inv.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(inv, rope_inv_freq(model.cfg, model.model.head_dim))
+
+
 def test_kv_cache_changes_nothing():
     """Prompt in one go, then in two chunks (the masked branch), then token by token: the logits of the full forward."""
     from shardfit.config.schema import ModelConfig

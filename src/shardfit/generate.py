@@ -38,7 +38,7 @@ def load_hf(path: str, device: torch.device, dtype: torch.dtype) -> tuple[Causal
     model = _build(ModelConfig(**{**fields, "name": family.model_type}), device)
     load_hf_checkpoint(model, path)
     tok = Path(path) / "tokenizer.json"
-    return model.to(dtype).eval(), str(tok) if tok.is_file() else "byte"
+    return _in_dtype(model, dtype), str(tok) if tok.is_file() else "byte"
 
 
 def load_dcp(path: str, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
@@ -67,7 +67,15 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype) -> tuple[Causa
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(state, checkpoint_id=str(ckpt))  # no process group: every shard is read into these full tensors
     model.load_state_dict(state["model"])
-    return model.to(dtype).eval(), cfg.get("data", {}).get("tokenizer", "byte")
+    return _in_dtype(model, dtype), cfg.get("data", {}).get("tokenizer", "byte")
+
+
+def _in_dtype(model: CausalLM, dtype: torch.dtype) -> CausalLM:
+    """The weights in `dtype`, the RoPE frequencies in fp32 as in training (FSDP's mixed precision casts parameters
+    only): a bf16 inv_freq turns positions into angles off by ~0.7 rad at position 4,000."""
+    model.to(dtype).eval()
+    model.init_buffers_fp32()
+    return model
 
 
 def _build(m: ModelConfig, device: torch.device) -> CausalLM:
@@ -135,20 +143,13 @@ def eos_ids(tokenizer, model_dir: Path | None) -> set[int]:
 
 def prompt_ids(tokenizer, tokenizer_spec: str, text: str, raw: bool) -> list[int]:
     """The prompt's tokens: through the tokenizer's chat template as one user message when it has one."""
-    from shardfit.data.sft import ChatRenderer, _chat_template
+    from shardfit.data.sft import chat_renderer
 
-    template = None if raw else _chat_template(tokenizer_spec)
-    if template is None:
+    renderer = None if raw else chat_renderer(tokenizer_spec)
+    if renderer is None or renderer.template is None:
         return tokenizer.encode(text)
-    spec = Path(tokenizer_spec)
-    settings = json.loads(((spec if spec.is_dir() else spec.parent) / "tokenizer_config.json").read_text("utf-8"))
-    special = {}
-    for key in ("bos_token", "eos_token"):  # templates often write {{ bos_token }}
-        value = settings.get(key)
-        special[key] = value.get("content", "") if isinstance(value, dict) else value or ""
-    rendered = ChatRenderer(template).template.render(messages=[{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, **special)
-    return tokenizer.encode(rendered)
+    # the same renderer, special tokens included, as fine-tuning's (data/sft.py)
+    return tokenizer.encode(renderer.render([{"role": "user", "content": text}], add_generation_prompt=True))
 
 
 class _Parser(argparse.ArgumentParser):

@@ -118,3 +118,19 @@ def test_two_rank_sft_matches_single_process_with_uneven_token_counts(tmp_path):
     ref = ref_model.state_dict()
     for k, v in res[0]["state"].items():
         torch.testing.assert_close(torch.tensor(v), ref[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_fine_tuning_renders_the_templates_special_tokens_as_generate_does(tmp_path):
+    """A template that writes {{ bos_token }} (Llama-3's does) gets it in training as at inference."""
+    from shardfit.data.sft import chat_renderer
+
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>",
+                                                                "eos_token": {"content": "</s>"}}))
+    renderer = chat_renderer(str(tmp_path / "tokenizer.json"))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    pieces = renderer.segments(chat)
+    assert "".join(t for t, _ in pieces) == "<s><user>hi</s><assistant>yo</s>"
+    assert [t for t, trained in pieces if trained] == ["yo</s>"]
+    assert renderer.render(chat[:1], add_generation_prompt=True) == "<s><user>hi</s><assistant>"

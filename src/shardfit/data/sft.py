@@ -22,28 +22,38 @@ from shardfit.errors import ShardfitError
 IGNORE = -100
 
 
-def _chat_template(tokenizer_spec: str) -> str | None:
+def chat_renderer(tokenizer_spec: str) -> ChatRenderer:
+    """The tokenizer's chat template (tokenizer_config.json beside tokenizer.json) with its special tokens, or the
+    plain template when it has none: fine-tuning and `shardfit generate` render chats through this one object."""
     if tokenizer_spec == "byte":
-        return None
+        return ChatRenderer(None)
     path = Path(tokenizer_spec)
     cfg = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
     if not cfg.is_file():
-        return None
+        return ChatRenderer(None)
     try:
-        template = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+        settings = json.loads(cfg.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ShardfitError(f"invalid JSON ({e.msg})", where=str(cfg)) from None
-    return template if isinstance(template, str) else None
+    template = settings.get("chat_template")
+    special = {}
+    for key in ("bos_token", "eos_token"):  # templates often write {{ bos_token }}
+        value = settings.get(key)
+        special[key] = value.get("content", "") if isinstance(value, dict) else value or ""
+    return ChatRenderer(template if isinstance(template, str) else None, special)
 
 
 class ChatRenderer:
-    def __init__(self, template: str | None):
-        self.template = None
+    def __init__(self, template: str | None, special: dict[str, str] | None = None):
+        self.template, self.special = None, special or {}
         if template:
             from jinja2.sandbox import ImmutableSandboxedEnvironment  # a template must not run code either
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self.template = env.from_string(template)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
     def segments(self, messages: list[dict]) -> list[tuple[str, bool]]:
         """(text, trained) pieces whose concatenation is the rendered chat; trained marks assistant output."""
@@ -57,9 +67,9 @@ class ChatRenderer:
                 else:
                     out.append((head + msg["content"] + "\n", False))
                 continue
-            full = self.template.render(messages=messages[:i + 1], add_generation_prompt=False)
+            full = self.render(messages[:i + 1], add_generation_prompt=False)
             if msg["role"] == "assistant":
-                prefix = self.template.render(messages=messages[:i], add_generation_prompt=True)
+                prefix = self.render(messages[:i], add_generation_prompt=True)
                 if not full.startswith(prefix) or not prefix.startswith(done):
                     raise ShardfitError("the chat template does not render conversations incrementally",
                                         where="tokenizer_config.json chat_template",
@@ -155,7 +165,7 @@ def pad_to(x: np.ndarray, length: int, value: int) -> np.ndarray:
 
 def read_examples(files: list[Path], data_cfg, tokenizer) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, int]:
     """Every example of the files as (token ids, trained mask); the number longer than seq_len + 1; the pad id."""
-    renderer = ChatRenderer(_chat_template(data_cfg.tokenizer))
+    renderer = chat_renderer(data_cfg.tokenizer)
     eos_id = tokenizer.eos_id
     examples, truncated = [], 0
     for path in files:

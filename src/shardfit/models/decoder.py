@@ -263,6 +263,11 @@ class CausalLM(nn.Module):
         if device.type != "meta":
             self.model.inv_freq.copy_(rope_inv_freq(self.cfg, self.model.head_dim, device))
 
+    def init_buffers_fp32(self) -> None:
+        """The RoPE frequencies rebuilt in fp32 after a cast of the whole module (model.to(bf16) casts buffers too,
+        and copying fp32 values into a bf16 buffer would round them again)."""
+        self.model.inv_freq = rope_inv_freq(self.cfg, self.model.head_dim, self.model.inv_freq.device)
+
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every parameter in place, on any device, sharded or not.
