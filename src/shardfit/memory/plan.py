@@ -213,6 +213,24 @@ def _param_counts(model: tuple, fp8: str, fp8_all_gather: bool) -> tuple[int, tu
     return sum(p.numel() for p in built.parameters()), blocks, fp8_bytes
 
 
+@functools.lru_cache(maxsize=64)
+def _pinned_shard_bytes(model: tuple, shard: int) -> int:
+    """Pinned host bytes of one rank's fp32 parameter shards under offload=all: FSDP2 pins each shard (dim 0 split
+    over `shard` ranks, padded to a whole row count) as an allocation of its own, and PyTorch's pinned allocator rounds
+    each up to a power of two (Llama-3-8B on one rank: a 224 MiB MLP matrix takes 256 MiB; 33 GiB for 29.9). The
+    gradient shards copied back are pinned the same way: the same bytes again."""
+    from shardfit.models import build_model
+
+    with torch.device("meta"):
+        built = build_model(ModelConfig(**dict(model)))
+    total = 0
+    for p in built.parameters():
+        rows = -(-p.shape[0] // shard) if p.dim() else 1
+        nbytes = 4 * rows * (p[0].numel() if p.dim() else 1)
+        total += 1 << max(0, (nbytes - 1).bit_length())  # the next power of two
+    return total
+
+
 @dataclass
 class Estimate:
     """One rank's predicted memory in bytes, term by term (a measured peak can be compared with each term)."""
@@ -261,7 +279,9 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     if par.offload == "optimizer":  # the moments and the step on the CPU; parameters and gradients stay
         host, moments = moments, 0
     elif par.offload == "all":  # FSDP2's CPUOffloadPolicy: every sharded state in pinned host memory
-        host = weights + moments + sharded_grads  # gradients copied there after each reduce-scatter
+        # gradients copied there after each reduce-scatter; parameters and gradients pinned, each shard rounded up
+        # to a power of two by the pinned allocator; the moments are plain host memory
+        host = 2 * _pinned_shard_bytes(_key(m), shard) + moments
         weights = moments = grads = idle_cache = 0
         # FSDP2 copies a group's fp32 shard to the GPU before its all-gather (the prefetched block's, while one
         # computes), and each reduced gradient shard sits on the GPU until its copy to the host is done: one block's

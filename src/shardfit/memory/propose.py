@@ -6,8 +6,6 @@ One proposal per kind, in the order of what the user gives up, least first:
                      selective a few percent more compute, full about a third more)
   sequence_parallel  Ulysses over the smallest P that fits (P divides the world, data.seq_len and model.n_heads):
                      activations shrink by P, two all-to-alls per attention layer, world/P data-parallel ranks
-  offload_optimizer  Adam's moments (8 B/param/shard) and the optimizer step in host memory (never proposed while
-                     the trainer refuses it: parallel/offload.py)
   offload_all        FSDP2's CPU offload: the sharded parameters, gradients and moments (16 B/param/shard) in host
                      memory; every block's weights cross PCIe each forward and backward
   more_gpus          the smallest power of two below 8, or multiple of 8, of GPUs at which plain FSDP fits without
@@ -103,7 +101,8 @@ def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any]) ->
         return None
     dp = world // sp
     extra: dict[str, Any] = {}
-    if base.train.global_batch % dp:  # the data-parallel ranks must split it: the next multiple up
+    if not base.train.micro_batch_tokens and base.train.global_batch % dp:  # rows: the data-parallel ranks must
+        # split the global batch, the next multiple up (token budgets count examples: any number splits)
         extra["train.global_batch"] = -(-base.train.global_batch // dp) * dp
     per_rank = extra.get("train.global_batch", base.train.global_batch) // dp
     if base.train.micro_batch_tokens:  # token-budget micro-batches: the row size is the user's, not proposed
@@ -140,8 +139,6 @@ def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_no
         "checkpointing": CHECKPOINTING[mode],
         "sequence_parallel": f"each sequence split over {P} GPUs (two all-to-alls per attention layer), "
                              f"{world // P} data-parallel ranks",
-        "offload_optimizer": f"optimizer step on the CPU, Adam moments in host memory ({host:.0f} GiB per node): "
-                             "slower steps, not measured yet",
         "offload_all": f"parameters, gradients and the optimizer step on the CPU ({host:.0f} GiB of host memory per "
                        "node), every block's weights copied over PCIe: much slower, not measured yet",
         "more_gpus": f"{world} GPUs, no offload" + (
@@ -181,8 +178,6 @@ def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = 
     for P in range(par.sequence_parallel + 1, world + 1):
         if world % P == 0 and propose("sequence_parallel", {"parallel.sequence_parallel": P}):
             break
-    if par.offload == "none":
-        propose("offload_optimizer", {"parallel.offload": "optimizer"})
     if par.offload != "all":
         propose("offload_all", {"parallel.offload": "all"})
     plain = {**({"parallel.offload": "none"} if par.offload != "none" else {}),

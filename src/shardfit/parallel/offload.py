@@ -10,7 +10,10 @@ Where everything lives with offload=all (P parameters, N ranks; fp32 states; bf1
 Per micro-batch FSDP2 copies each group's fp32 shard to the GPU before its all-gather (forward, and again in
 backward for the groups resharded after forward: 4P/N bytes each time) and each reduced gradient shard back to
 pinned host memory (4P/N, asynchronously in the reduce-scatter stream; the host waits for those copies once, at the
-end of backward, in FSDP's finalize_backward). The optimizer step then runs on the CPU (fused AdamW: one pass over
+end of backward, in FSDP's finalize_backward). That holds for a step of one micro-batch: from the second micro-batch
+on, FSDP2 (torch 2.11-2.13) copies each gradient shard to the host synchronously and adds it to the accumulated one
+on the CPU, inside backward, so the trainer says so at start-up and one larger micro-batch (full checkpointing lets
+it grow) is the layout to use. The optimizer step then runs on the CPU (fused AdamW: one pass over
 parameter, gradient and both moments per element; train/optim.py), one per rank, on this rank's share of the cores,
 group by group on a worker thread while the next forward runs (OverlappedStep below): the GPU waits only where a
 group's step is not done when its forward needs it.
@@ -154,7 +157,8 @@ class OverlappedStep:
     the groups in forward order (root, embedding, blocks, head) and each group's forward pre-hook, registered before
     FSDP's, waits until the worker has stepped that group and the `prefetch` groups after it (explicit forward
     prefetch unshards them from this hook). The host-to-device copy of a shard is enqueued after that wait, so the
-    DMA reads updated weights; the worker's own work is CPU-only (no CUDA calls, no streams). While one block
+    DMA reads updated weights; the worker's own work is CPU-only (no kernels, no streams: it only sets its thread's
+current device, see _run). While one block
     computes, the next one is stepped: a block's step (~6 GB of host traffic at 8B) takes about as long as its
     forward at micro-batch 16.
 

@@ -186,6 +186,11 @@ class Trainer:
         self.offload = cfg.parallel.offload == "all"
         if self.model.offload_notice:
             self.notices.append(self.model.offload_notice)
+        if self.offload and self.accum != 1:
+            self.notices.append("parallel.offload=all with several micro-batches per step: FSDP2 copies the gradients "
+                                "of every micro-batch after the first to the host synchronously and adds them on the "
+                                "CPU inside backward; one larger micro-batch (full checkpointing lets it grow) is "
+                                "faster (parallel/offload.py)")
         if from_hf:
             from shardfit.hf import load_hf_checkpoint
 
