@@ -10,8 +10,8 @@ from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.helpers import full_state, reference_train, small_config
 
-# grad_clip=0: the trainer's gradient norm still sums every rank's shard, R copies of each under HSDP (see
-# test_gradient_norm_counts_each_shard_once); without clipping the norm does not touch the weights.
+# grad_clip=0: the parity tests compare weights with the reference trainer's; the norm that clipping would use is
+# checked on its own (test_gradient_norm_counts_each_shard_once).
 NO_CLIP = ["--train.grad_clip=0"]
 
 
@@ -71,8 +71,10 @@ def test_hsdp_with_ulysses_matches_single_process(tmp_path):
 
 
 def test_gradient_norm_counts_each_shard_once(tmp_path):
-    """2 ranks, R=2: every rank holds every parameter; the logged norm must be the 1-process one, not sqrt(2) x."""
-    hsdp = run_ranks(_train_hsdp, 2, ["--parallel.replicate=2"], str(tmp_path / "hsdp"), timeout=240)
+    """4 ranks as 2 replicas of 2-rank shard groups: the norm sums one group's shards (ranks 0-1), once each; summing
+    every rank would read sqrt(2) x the 1-process norm, and the wrong ranks (0 and 2) half of the rows."""
+    hsdp = run_ranks(_train_hsdp, 4, ["--parallel.replicate=2", "--train.micro_batch=2"], str(tmp_path / "hsdp"),
+                     timeout=240)
     one = run_ranks(_train_hsdp, 1, [], str(tmp_path / "one"), timeout=240)
     torch.testing.assert_close(torch.tensor(hsdp[0]["grad_norms"]), torch.tensor(one[0]["grad_norms"]), rtol=1e-5,
                                atol=1e-6)
