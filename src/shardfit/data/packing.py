@@ -130,6 +130,7 @@ class PackedDataset(ShuffledDataset):
         # The windows this dataset visits. A range, not an array: at 2B tokens and seq_len 256 an arange would be
         # 7.8M int64 = 62 MB per rank for nothing; a range slices (holdout) and indexes like one.
         self.windows = range(total) if windows is None else windows
+        self.n_tokens = len(tokens)  # the start-up line's size
         self.num_windows = len(self.windows)
         self.where = where
 

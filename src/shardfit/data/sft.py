@@ -124,7 +124,7 @@ class ExampleDataset(ShuffledDataset):
         self.examples, self.seq_len, self.seed, self.pad_id = examples, seq_len, seed, pad_id
         self.num_windows = len(examples)
         self.truncated, self.where, self.ordered = truncated, where, ordered
-        self.tokens = np.concatenate([e[0] for e in examples])  # for the size report only
+        self.n_tokens = sum(len(e[0]) for e in examples)  # the start-up line's size (no copy of the examples)
 
     def item(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return example_tokens(*self.examples[self._item(k)], self.seq_len)

@@ -61,27 +61,32 @@ class PackedExamples(ShuffledDataset):
         self.examples, self.seq_len, self.seed, self.pad_id = examples, seq_len, seed, pad_id
         self.truncated, self.where, self.ordered = truncated, where, ordered
         self.lengths = np.array([min(len(ids) - 1, seq_len) for ids, _ in examples], dtype=np.int64)
-        self.tokens = np.concatenate([e[0] for e in examples])  # for the size report only
-        self._rows: list[list[list[int]]] = []  # rows of each packed epoch (example indices)
+        self.n_tokens = sum(len(e[0]) for e in examples)  # the start-up line's size (no copy of the examples)
+        # Rows (example indices) of the two epochs used last: packing depends only on (seed, epoch), so an epoch
+        # is repacked when asked again instead of every epoch's rows being kept for the whole run.
+        self._rows: dict[int, list[list[int]]] = {}
         self._ends: list[int] = []  # rows in epochs 0..e together
         self.num_windows = len(self._epoch_rows(0))
         self.fill = float(self.lengths.sum()) / (self.num_windows * seq_len)
 
     def _epoch_rows(self, epoch: int) -> list[list[int]]:
-        while len(self._rows) <= epoch:
-            e = len(self._rows)
+        rows = self._rows.get(epoch)
+        if rows is None:
             order = (np.arange(len(self.examples)) if self.ordered
-                     else np.random.default_rng([self.seed, e]).permutation(len(self.examples)))
-            self._rows.append([[int(order[i]) for i in row] for row in pack_rows(self.lengths[order], self.seq_len)])
-            self._ends.append((self._ends[-1] if self._ends else 0) + len(self._rows[-1]))
-        return self._rows[epoch]
+                     else np.random.default_rng([self.seed, epoch]).permutation(len(self.examples)))
+            rows = [[int(order[i]) for i in row] for row in pack_rows(self.lengths[order], self.seq_len)]
+            self._rows[epoch] = rows
+            while len(self._rows) > 2:
+                self._rows.pop(next(iter(self._rows)))  # the oldest entry
+        return rows
 
     def _locate(self, k: int) -> list[int]:
         """Example indices of row k of the run."""
         while not self._ends or k >= self._ends[-1]:
-            self._epoch_rows(len(self._rows))
+            e = len(self._ends)
+            self._ends.append((self._ends[-1] if self._ends else 0) + len(self._epoch_rows(e)))
         epoch = bisect.bisect_right(self._ends, k)
-        return self._rows[epoch][k - (self._ends[epoch - 1] if epoch else 0)]
+        return self._epoch_rows(epoch)[k - (self._ends[epoch - 1] if epoch else 0)]
 
     def row(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
         parts = [example_tokens(*self.examples[i], self.seq_len) for i in self._locate(k)]

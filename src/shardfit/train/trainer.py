@@ -534,5 +534,5 @@ class Trainer:
                      f"accumulation {self.accum})")
         masked = f", document-masked attention ({self.batches.kernel})" if c.data.document_mask else ""
         return (f"shardfit: {c.model.name} model, {self.n_params / 1e6:.1f}M params, {where}, "
-                f"{len(self.dataset.tokens):,} tokens of data, {batch}, loss kernel {self.model.loss_impl}{masked}, "
+                f"{self.dataset.n_tokens:,} tokens of data, {batch}, loss kernel {self.model.loss_impl}{masked}, "
                 f"run dir {self.run_dir}{resumed}")
