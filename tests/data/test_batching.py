@@ -74,7 +74,7 @@ def test_packed_rows_are_documents_deterministic_per_seed_and_epoch(tmp_path):
 def test_token_budget_batches_have_one_shape_and_every_example(tmp_path):
     cfg = _sft(tmp_path, 40)
     ds, _, _ = build_datasets(cfg.data, cfg.model.vocab_size, token_budget=True)
-    per_rank = [budget_batches(ds, 0, 40, 128, r, 2) for r in range(2)]
+    per_rank = [list(budget_batches(ds, 0, 40, 128, r, 2)) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1])
     assert all(tuple(mb.input_ids.shape) == (1, 128) for r in per_rank for mb in r)
     real = sum(mb.real_tokens for r in per_rank for mb in r)

@@ -97,7 +97,7 @@ def test_training_batches_from_shards_equal_those_from_text(corpus, tmp_path):
     assert any(mb.position_ids is not None for mb in shard_train.step_batches(0, 8, 8, 0, 1))  # documents inside
     for k in range(text_val.num_windows):  # the hold-out: the same windows, in order
         assert all(np.array_equal(a, b) for a, b in zip(text_val.row(k)[:3], shard_val.row(k)[:3]))
-    assert same(budget_batches(text_train, 16, 8, 64, 0, 1), budget_batches(shard_train, 16, 8, 64, 0, 1))
+    assert same(list(budget_batches(text_train, 16, 8, 64, 0, 1)), list(budget_batches(shard_train, 16, 8, 64, 0, 1)))
 
 
 def test_interrupted_tokenize_resumes_to_the_same_shards(corpus, tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections.abc import Iterator
 
 from shardfit.data.packing import MicroBatch, ShuffledDataset, stack_rows
 from shardfit.data.sft_packed import concat_documents
@@ -84,30 +85,26 @@ def assign_bins(lengths: list[int], world: int, budget: int) -> list[list[list[i
 
 
 def budget_batches(dataset: ShuffledDataset, first: int, count: int, budget: int, rank: int, world: int,
-                   limit: int = 0) -> list[MicroBatch]:
-    """Rank `rank`'s micro-batches of samples first..first+count-1, each [1, budget] (at most `limit` if > 0)."""
-    ks = list(range(first, first + count))
+                   limit: int = 0) -> Iterator[MicroBatch]:
+    """Rank `rank`'s micro-batches of samples first..first+count-1, each [1, budget] (at most `limit` if > 0), made
+    one at a time as they are iterated (the plan, item lengths only, is made first: every rank knows its count)."""
+    ks = range(first, first + count)
     plan = assign_bins([dataset.item_length(k) for k in ks], world, budget)[rank]
-    if limit:
-        plan = plan[:limit]
-    out = []
-    for items in plan:
+    for items in plan[:limit] if limit else plan:
         parts = [dataset.item(ks[i]) for i in items]
-        out.append(stack_rows([concat_documents(parts, budget, dataset.pad_id)]))
-    return out
+        yield stack_rows([concat_documents(parts, budget, dataset.pad_id)])
 
 
 def eval_row_batches(dataset: ShuffledDataset, micro_batch: int, rank: int, world: int,
-                     limit: int = 0) -> list[MicroBatch]:
+                     limit: int = 0) -> Iterator[MicroBatch]:
     """The validation rows, in order, in rounds of world x micro_batch: every rank runs the same number of
-    forwards (FSDP all-gathers in each); rows past the end are empty (padding, no labels)."""
+    forwards (FSDP all-gathers in each); rows past the end are empty (padding, no labels). Made one round at a time
+    as they are iterated: a large validation set is never held whole."""
     n = dataset.num_windows
     rounds = math.ceil(n / (world * micro_batch))
     if limit:
         rounds = min(rounds, limit)
     empty = concat_documents([], dataset.seq_len, dataset.pad_id)
-    out = []
     for m in range(rounds):
         first = m * world * micro_batch + rank * micro_batch
-        out.append(stack_rows([dataset.row(k) if k < n else empty for k in range(first, first + micro_batch)]))
-    return out
+        yield stack_rows([dataset.row(k) if k < n else empty for k in range(first, first + micro_batch)])

@@ -13,6 +13,7 @@ Two ways to fill a step (both give every rank the same number of micro-batches, 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,20 +51,21 @@ class BatchSource:
     def step(self, step: int) -> list[LocalBatch]:
         t = self.cfg.train
         if self.budget:
-            mbs = budget_batches(self.train, step * t.global_batch, t.global_batch, self.budget, self.dp_rank,
-                                 self.dp_size)
+            mbs = list(budget_batches(self.train, step * t.global_batch, t.global_batch, self.budget, self.dp_rank,
+                                      self.dp_size))
         else:
             mbs = self.train.step_batches(step, t.global_batch, t.micro_batch, self.dp_rank, self.dp_size)
         return [self._local(mb) for mb in mbs]
 
-    def validation(self) -> list[LocalBatch]:
-        """The whole validation set (or train.eval_batches micro-batches of it), the same count on every rank."""
+    def validation(self) -> Iterator[LocalBatch]:
+        """The whole validation set (or train.eval_batches micro-batches of it), the same count on every rank, one
+        micro-batch (and its document mask) at a time as evaluate() iterates."""
         limit = self.cfg.train.eval_batches
         if self.budget:
             mbs = budget_batches(self.val, 0, self.val.num_windows, self.budget, self.dp_rank, self.dp_size, limit)
         else:
             mbs = eval_row_batches(self.val, self.cfg.train.micro_batch, self.dp_rank, self.dp_size, limit)
-        return [self._local(mb) for mb in mbs]
+        return (self._local(mb) for mb in mbs)
 
     def _local(self, mb: MicroBatch) -> LocalBatch:
         # Token-budget rows are always masked: their examples are unrelated (data.document_mask governs packed

@@ -8,6 +8,7 @@ rank the same mean. The MoE load-balancing term is left out: the figure is the c
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -16,7 +17,7 @@ from shardfit.train.batches import LocalBatch
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[LocalBatch], device: torch.device) -> dict:
+def evaluate(model: torch.nn.Module, batches: Iterable[LocalBatch], device: torch.device) -> dict:
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
