@@ -50,7 +50,8 @@ class MicroBatch:
 
 def stack_rows(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]]) -> MicroBatch:
     """Rows (inputs [S], labels [S], positions [S] or None, real tokens) of one length into a MicroBatch. Position
-    ids are kept only if some row has documents that start after its first token."""
+    ids are kept when any row has them (rows without get 0..S-1); whether a mask is needed at all is decided by
+    DocumentMask.build (a micro-batch whose rows are each one document needs none)."""
     S = len(rows[0][0])
     pos = None
     if any(r[2] is not None for r in rows):
