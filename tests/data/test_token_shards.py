@@ -15,7 +15,8 @@ from shardfit.cli.main import main
 from shardfit.config import load_config
 from shardfit.data.batching import budget_batches
 from shardfit.data.packing import build_datasets, tokenize_documents
-from shardfit.data.token_shards import TokenStream, open_token_shards, shard_dir_state, token_dtype, tokenize_to_shards
+from shardfit.data.token_shards import TokenStream, open_token_shards, shard_dir_state, token_dtype
+from shardfit.data.tokenize import tokenize_to_shards
 from shardfit.data.tokenizer import ByteTokenizer
 from shardfit.errors import ShardfitError
 

@@ -242,7 +242,7 @@ def _tokenize(argv: list[str]) -> int:
     parser.add_argument("--text-field", default="text", help="JSON key or Parquet column of the text")
     parser.add_argument("--workers", help="processes (default: the CPU cores available)")
     args = parser.parse_args(argv)
-    from shardfit.data.token_shards import tokenize_to_shards
+    from shardfit.data.tokenize import tokenize_to_shards
 
     workers = _count(args.workers, "--workers", "worker processes") if args.workers else None
     m = tokenize_to_shards(args.inputs, args.out, args.tokenizer, args.format, args.text_field, workers)
