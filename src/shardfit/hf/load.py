@@ -147,6 +147,25 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path) -> LoadResult:
     return LoadResult(read, len(plan), len(runs), threads, t1 - t0, time.perf_counter() - t1)
 
 
+def load_report(path: str, seconds: float, loaded: LoadResult, device: torch.device) -> str:
+    """One all-gather (every rank, right after loading): load time, device memory and peak host RSS per rank;
+    rank 0's split of its time."""
+    import resource
+
+    from shardfit.parallel import all_gather_rows
+
+    dev_gib = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) / 2**30
+    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    rows = all_gather_rows(torch.tensor([seconds, dev_gib, rss_gib], dtype=torch.float64, device=device)).cpu().tolist()
+    dev = [r[1] for r in rows]
+    spread = (max(dev) - min(dev)) / max(dev) * 100 if max(dev) > 0 else 0.0
+    return (f"loaded {path} in {max(r[0] for r in rows):.2f} s (slowest rank; rank 0: planning {loaded.plan_s:.2f} "
+            f"s, reading {loaded.read_s:.2f} s, {loaded.tensors:,} tensors in {loaded.reads:,} reads over "
+            f"{loaded.threads} threads); device memory after load per "
+            f"rank: {' / '.join(f'{d:.2f}' for d in dev)} GiB ({spread:.1f}% apart); peak host RSS per rank: "
+            f"{' / '.join(f'{r[2]:.1f}' for r in rows)} GiB")
+
+
 class _Item(NamedTuple):
     file: Path
     key: str  # the checkpoint's tensor name

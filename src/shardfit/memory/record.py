@@ -81,3 +81,27 @@ class SnapshotRecorder:
             return self._dump(f"oom_step{step:06d}_rank{self.rank}.pickle")
         except Exception:  # the dump itself can fail when memory is exhausted; the OOM report goes on without it
             return None
+
+    def diagnose_last(self, is_main: bool, say) -> None:
+        """After the run: the doctor on the last recorded step of every rank; rank 0 writes the report beside the
+        snapshots and says its first line and findings. A barrier first (every rank, the same call): every rank's
+        snapshot is on disk."""
+        if not self.files:
+            return
+        import torch.distributed as dist
+
+        from shardfit.memory import examine
+        from shardfit.memory.report import to_text
+
+        dist.barrier()
+        if not is_main:
+            return
+        last = max(self.files)
+        files = [str(p) for p in sorted(self.files[last].parent.glob(f"step{last:06d}_rank*.pickle"))]
+        results, findings = examine(files)
+        report = to_text(results, findings)
+        out = self.out_dir / f"doctor_step{last:06d}.txt"
+        out.write_text(report)
+        say(report.splitlines()[0] + f" (full report: {out})")
+        for f in findings:
+            say(f"  {f.severity}: {f.title}")

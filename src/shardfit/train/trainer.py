@@ -192,11 +192,11 @@ class Trainer:
                                 "CPU inside backward; one larger micro-batch (full checkpointing lets it grow) is "
                                 "faster (parallel/offload.py)")
         if from_hf:
-            from shardfit.hf import load_hf_checkpoint
+            from shardfit.hf.load import load_hf_checkpoint, load_report
 
             t0 = time.perf_counter()
             loaded = load_hf_checkpoint(self.model, cfg.model.path)
-            self.notices.append(self._load_report(cfg.model.path, time.perf_counter() - t0, loaded))
+            self.notices.append(load_report(cfg.model.path, time.perf_counter() - t0, loaded, self.device))
         self.timer = StepTimer(self.device, cfg.logging.step_timing)
         self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
                                      self.model])
@@ -417,7 +417,7 @@ class Trainer:
                 progress.message(f"saved checkpoint {self.save()}")
             if cfg.checkpoint.export_hf:
                 progress.message(f"exported Hugging Face model to {self.export_hf(cfg.checkpoint.export_hf)}")
-            self._doctor_summary(progress)
+            self.recorder.diagnose_last(self.dist.is_main, progress.message)
         except Exception:
             if self.watchdog.fired.is_set():  # the hang is already reported; a peer's exit broke the collective
                 os._exit(WATCHDOG_EXIT)
@@ -436,27 +436,6 @@ class Trainer:
                                          if self.cfg.data.tokenizer != "byte" else None)
         export_hf(self.model, out, self.cfg.checkpoint.export_dtype, source)
         return Path(out)
-
-    def _doctor_summary(self, progress: Progress) -> None:
-        """After the run: the doctor on the last recorded step of every rank (rank 0 prints)."""
-        if not self.recorder.files:
-            return
-        import torch.distributed as dist
-
-        dist.barrier()  # every rank's snapshot is on disk
-        if not self.dist.is_main:
-            return
-        from shardfit.memory import examine
-        from shardfit.memory.report import to_text
-
-        last = max(self.recorder.files)
-        files = [str(p) for p in sorted(self.recorder.files[last].parent.glob(f"step{last:06d}_rank*.pickle"))]
-        results, findings = examine(files)
-        report = to_text(results, findings)
-        (self.run_dir / "snapshots" / f"doctor_step{last:06d}.txt").write_text(report)
-        progress.message(report.splitlines()[0] + f" (full report: {self.run_dir}/snapshots/doctor_step{last:06d}.txt)")
-        for f in findings:
-            progress.message(f"  {f.severity}: {f.title}")
 
     def _on_skip(self, rec: dict, progress: Progress) -> None:
         limit = self.cfg.train.max_skipped_steps
@@ -502,23 +481,6 @@ class Trainer:
             self.notices.append(notice)
         self.config_toml = config_to_toml(cfg)
 
-    def _load_report(self, path: str, seconds: float, loaded) -> str:
-        """One all-gather (every rank, right after loading): load time, device memory and peak host RSS per rank;
-        rank 0's split of its time (hf.load.LoadResult)."""
-        import resource
-
-        dev_gib = (torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0) / 2**30
-        rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-        rows = all_gather_rows(torch.tensor([seconds, dev_gib, rss_gib], dtype=torch.float64,
-                                            device=self.device)).cpu().tolist()
-        dev = [r[1] for r in rows]
-        spread = (max(dev) - min(dev)) / max(dev) * 100 if max(dev) > 0 else 0.0
-        return (f"loaded {path} in {max(r[0] for r in rows):.2f} s (slowest rank; rank 0: planning {loaded.plan_s:.2f} "
-                f"s, reading {loaded.read_s:.2f} s, {loaded.tensors:,} tensors in {loaded.reads:,} reads over "
-                f"{loaded.threads} threads); device memory after load per "
-                f"rank: {' / '.join(f'{d:.2f}' for d in dev)} GiB ({spread:.1f}% apart); peak host RSS per rank: "
-                f"{' / '.join(f'{r[2]:.1f}' for r in rows)} GiB")
-
     def _banner(self) -> str:
         c, d = self.cfg, self.dist
         where = f"{d.world_size} x {self.device.type}" + (f" ({torch.cuda.get_device_name(self.device)})"
@@ -532,7 +494,8 @@ class Trainer:
             batch = (f"global batch {c.train.global_batch} x {c.data.seq_len} = "
                      f"{c.train.global_batch * c.data.seq_len:,} tokens (micro-batch {c.train.micro_batch}, "
                      f"accumulation {self.accum})")
-        masked = f", document-masked attention ({self.batches.kernel})" if c.data.document_mask else ""
+        masked = (f", document-masked attention ({self.batches.kernel})"
+                  if c.data.document_mask or c.train.micro_batch_tokens else "")
         return (f"shardfit: {c.model.name} model, {self.n_params / 1e6:.1f}M params, {where}, "
                 f"{self.dataset.n_tokens:,} tokens of data, {batch}, loss kernel {self.model.loss_impl}{masked}, "
                 f"run dir {self.run_dir}{resumed}")
