@@ -57,6 +57,8 @@ def _setup(case, tmp_path):
     if case == "world size does not divide batch":
         return ["train", "--nproc=2", "--train.global_batch=6", "--train.micro_batch=2"], \
             "not a multiple of micro_batch x world size = 2 x 2"
+    if case == "replicas that do not divide the world":  # found by the launcher before any process starts
+        return ["train", "--nproc=2", "--parallel.replicate=3"], "parallel.replicate=3 does not divide the world size 2"
     if case == "zero processes":
         return ["train", "--nproc=0"], "--nproc: 0 is out of range; fix: give 1 or more processes"
     if case == "recipe without weights":
@@ -76,8 +78,9 @@ def _setup(case, tmp_path):
 CASES = ["malformed toml", "unknown key", "wrong type", "out of range", "missing model dir", "unreadable model dir",
          pytest.param("truncated safetensors", marks=pytest.mark.slow),
          pytest.param("shape mismatch", marks=pytest.mark.slow), "empty dataset", "undecodable document",
-         "sequence above model limit", "world size does not divide batch", "not a snapshot", "zero processes",
-         "recipe without weights", "unknown recipe", "generate without a checkpoint"]
+         "sequence above model limit", "world size does not divide batch", "replicas that do not divide the world",
+         "not a snapshot", "zero processes", "recipe without weights", "unknown recipe",
+         "generate without a checkpoint"]
 
 
 @pytest.mark.parametrize("case", CASES)
