@@ -189,7 +189,8 @@ def test_train_runs_on_a_shard_directory(corpus, tmp_path, capsys):
 
 
 def test_parquet_and_a_tokenizer_json_give_the_on_the_fly_stream(corpus, tmp_path):
-    """The writer's other input and tokenizer kinds: Parquet rows and a Hugging Face tokenizer.json (uint16 ids)."""
+    """The writer's other input and tokenizer kinds: Parquet rows (a file of several row groups, cut into pieces of
+    whole row groups) and a Hugging Face tokenizer.json (uint16 ids)."""
     pq = pytest.importorskip("pyarrow.parquet")
     pa = pytest.importorskip("pyarrow")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -198,7 +199,7 @@ def test_parquet_and_a_tokenizer_json_give_the_on_the_fly_stream(corpus, tmp_pat
 
     texts = [json.loads(line)["text"] for line in (corpus / "a.jsonl").read_text(encoding="utf-8").splitlines()
              if line.strip()]
-    pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet", row_group_size=40)
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<|eot|>"],
@@ -210,6 +211,8 @@ def test_parquet_and_a_tokenizer_json_give_the_on_the_fly_stream(corpus, tmp_pat
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>"}))
     spec = str(tok_dir / "tokenizer.json")
     _shards([tmp_path / "docs.parquet"], tmp_path / "out", tokenizer_spec=spec)
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert len(plan["pieces"]) > 2 and all("row_groups" in s for p in plan["pieces"] for s in p["segments"])
     tokens, starts, _ = open_token_shards(str(tmp_path / "out"), spec, build_tokenizer(spec))
     want_tokens, want_starts = tokenize_documents(str(tmp_path / "docs.parquet"), "auto", "text",
                                                   build_tokenizer(spec))

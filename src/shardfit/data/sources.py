@@ -98,7 +98,10 @@ def _read_jsonl(path: Path, field: str, start: int = 0, end: int | None = None,
             yield obj[field], where
 
 
-def _read_parquet(path: Path, field: str) -> Iterator[tuple[str, str]]:
+def _read_parquet(path: Path, field: str, row_groups: tuple[int, int] | None = None,
+                  first_row: int = 0) -> Iterator[tuple[str, str]]:
+    """Rows of the text column; with row_groups=(a, b) only row groups a..b-1, whose first row is number
+    first_row + 1 of the file (error messages name the file's own row)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -112,8 +115,9 @@ def _read_parquet(path: Path, field: str) -> Iterator[tuple[str, str]]:
     if field not in names:
         raise ShardfitError(f"no column '{field}' (columns: {', '.join(names)})", where=str(path),
                             fix="set data.text_field to the column that holds the text")
-    row = 0
-    for batch in pf.iter_batches(columns=[field]):
+    row = first_row
+    groups = list(range(*row_groups)) if row_groups is not None else None
+    for batch in pf.iter_batches(columns=[field], row_groups=groups):
         for value in batch.column(0).to_pylist():
             row += 1
             if value is None:

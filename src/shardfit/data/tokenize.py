@@ -47,6 +47,30 @@ def _jsonl_ranges(path: Path, size: int, target: int) -> list[tuple[int, int, in
     return ranges
 
 
+def _parquet_ranges(path: Path, size: int, target: int) -> list[dict]:
+    """Runs of consecutive row groups of about `target` bytes of the file each (a row group is the smallest unit
+    Parquet reads), from the footer alone. Each segment's bytes are its share of the file by uncompressed size, so
+    the progress line still adds up to the file's size."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception:  # unreadable: one segment, and the reader names the file with the fix
+        return [{"file": str(path), "kind": "parquet", "bytes": size}]
+    sizes = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
+    total = max(1, sum(sizes))
+    out: list[dict] = []
+    first, row, acc = 0, 0, 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if acc * size / total >= target or i == len(sizes) - 1:
+            rows = sum(meta.row_group(g).num_rows for g in range(first, i + 1))
+            out.append({"file": str(path), "kind": "parquet", "row_groups": [first, i + 1], "first_row": row,
+                        "bytes": round(acc * size / total)})
+            first, row, acc = i + 1, row + rows, 0
+    return out
+
+
 def plan_pieces(inputs: list[str], fmt: str, piece_bytes: int) -> list[dict]:
     """Consecutive segments grouped into pieces of about piece_bytes of input each, in the order tokenize_documents
     reads them (inputs in order, each resolved like data.path)."""
@@ -59,7 +83,9 @@ def plan_pieces(inputs: list[str], fmt: str, piece_bytes: int) -> list[dict]:
             if kind == "jsonl" and size > piece_bytes:
                 segments += [{"file": str(path), "kind": kind, "start": a, "end": b, "first_line": line,
                               "bytes": b - a} for a, b, line in _jsonl_ranges(path, size, piece_bytes)]
-            else:  # a text file is one document; a Parquet file is one segment (row groups are not split)
+            elif kind == "parquet" and size > piece_bytes:
+                segments += _parquet_ranges(path, size, piece_bytes)
+            else:  # a text file is one document; a small Parquet file one segment
                 segments.append({"file": str(path), "kind": kind, "bytes": size})
     pieces: list[dict] = []
     for seg in segments:
@@ -85,7 +111,8 @@ def _segment_texts(segment: dict, field: str) -> Iterator[str]:
     elif segment["kind"] == "jsonl":
         reader = _read_jsonl(path, field, segment.get("start", 0), segment.get("end"), segment.get("first_line", 1))
     else:
-        reader = _read_parquet(path, field)
+        groups = segment.get("row_groups")
+        reader = _read_parquet(path, field, tuple(groups) if groups else None, segment.get("first_row", 0))
     for text, _where in reader:
         yield text
 
