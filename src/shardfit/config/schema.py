@@ -122,8 +122,9 @@ class ParallelConfig:
                          gt=0)
     offload: str = opt("none", "CPU offload: all (FSDP2's CPU offload: sharded fp32 parameters and gradients in pinned "
                                "host memory, Adam moments in host memory, fused AdamW on the CPU; the GPU holds only "
-                               "gathered groups and activations; 16 bytes per parameter of host memory per node); "
-                               "optimizer is refused (FSDP2 has no optimizer-only offload: see parallel/offload.py)",
+                               "gathered groups and activations; 16 bytes per parameter of host memory per node, "
+                               "plus the pinned allocator's rounding: shardfit plan counts it); optimizer is refused "
+                               "(FSDP2 has no optimizer-only offload: see parallel/offload.py)",
                        choices=("none", "optimizer", "all"))
     sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)

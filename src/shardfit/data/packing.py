@@ -31,8 +31,7 @@ def tokenize_documents(spec: str, fmt: str, field: str, tokenizer) -> tuple[np.n
     if not parts:
         raise ShardfitError("the dataset holds no text", where=spec or "embedded corpus",
                             fix="check data.path and data.text_field")
-    tokens, starts = join_documents(parts, np.uint32)
-    return tokens, starts
+    return join_documents(parts, np.uint32)
 
 
 def tokenize_corpus(spec: str, fmt: str, field: str, tokenizer) -> np.ndarray:

@@ -9,10 +9,11 @@ Layout of a shard directory (every file is written under a `.tmp` name and renam
   doc_starts.npy    every document's start in the whole stream (int64), written once all pieces are done
   manifest.json     written last: a directory with a manifest is complete, one without is refused
 
-A piece is a run of consecutive input segments (a text file, a line-aligned byte range of a JSON-lines file, a
-Parquet file) of about `piece_bytes` of input. Pieces are tokenized in parallel, but piece i's tokens are the tokens
-of exactly the documents that precede piece i+1's, so the pieces laid end to end are the stream that
-packing.tokenize_documents makes from the same files: same documents, same order, same EOS.
+A piece is a run of consecutive input segments (a text file, a line-aligned byte range of a JSON-lines file, a run
+of whole row groups of a Parquet file) of about `piece_bytes` of input (data/tokenize.py plans them). Pieces are
+tokenized in parallel, but piece i's tokens are the tokens of exactly the documents that precede piece i+1's, so the
+pieces laid end to end are the stream that packing.tokenize_documents makes from the same files: same documents,
+same order, same EOS.
 
 Reading: the pieces are not joined into one file (that would copy every token once more at the end: 4 GB at 2B
 tokens of uint16). TokenStream maps each piece and answers a slice of the logical concatenation with a view into

@@ -197,14 +197,20 @@ def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, lay
             ("block_input", block_input), ("ffn_grads", 2 * micro_batch * S * ffn * x.element_size()))
 
 
-@functools.lru_cache(maxsize=16)
-def _param_counts(model: tuple, fp8: str, fp8_all_gather: bool) -> tuple[int, tuple[int, ...], int]:
-    """(parameters, parameters of each block, the largest block's weights all-gathered in FP8) of the model as built
-    on meta: building it takes 0.04 s at 70B, and the proposals ask for hundreds of estimates."""
+@functools.lru_cache(maxsize=4)
+def _meta_model(model: tuple) -> torch.nn.Module:
+    """The model built on meta (shapes only), once per model config: building it takes 0.04 s at 70B, and the
+    proposals ask for hundreds of estimates."""
     from shardfit.models import build_model
 
     with torch.device("meta"):
-        built = build_model(ModelConfig(**dict(model)))
+        return build_model(ModelConfig(**dict(model)))
+
+
+@functools.lru_cache(maxsize=16)
+def _param_counts(model: tuple, fp8: str, fp8_all_gather: bool) -> tuple[int, tuple[int, ...], int]:
+    """(parameters, parameters of each block, the largest block's weights all-gathered in FP8)."""
+    built = _meta_model(model)
     blocks = tuple(sum(p.numel() for p in b.parameters()) for b in built.model.layers)
     fp8_bytes = 0
     if gathers_in_fp8(ParallelConfig(fp8=fp8, fp8_all_gather=fp8_all_gather)):
@@ -219,12 +225,8 @@ def _pinned_shard_bytes(model: tuple, shard: int) -> int:
     over `shard` ranks, padded to a whole row count) as an allocation of its own, and PyTorch's pinned allocator rounds
     each up to a power of two (Llama-3-8B on one rank: a 224 MiB MLP matrix takes 256 MiB; 33 GiB for 29.9). The
     gradient shards copied back are pinned the same way: the same bytes again."""
-    from shardfit.models import build_model
-
-    with torch.device("meta"):
-        built = build_model(ModelConfig(**dict(model)))
     total = 0
-    for p in built.parameters():
+    for p in _meta_model(model).parameters():
         rows = -(-p.shape[0] // shard) if p.dim() else 1
         nbytes = 4 * rows * (p[0].numel() if p.dim() else 1)
         total += 1 << max(0, (nbytes - 1).bit_length())  # the next power of two
@@ -409,7 +411,8 @@ def configured(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
                gpus_per_node: int = 8) -> tuple[Estimate, bool]:
     """The config as given (its micro-batch; 1 when chosen at launch) and whether it fits the GPU and, host memory
     given, the offloaded states fit one node's host memory."""
-    e = estimate(cfg, world, 1 if cfg.train.micro_batch_tokens else cfg.train.micro_batch or 1)
+    cfg = as_rows(cfg)  # token budgets: one [1, micro_batch_tokens] row
+    e = estimate(cfg, world, cfg.train.micro_batch or 1)
     host_ok = host_gib is None or host_per_node(e, world, gpus_per_node) <= host_gib * GiB
     return e, fits(e, allocation_budget(gpu_gib * GiB), gpu_gib * GiB) and host_ok
 

@@ -158,9 +158,8 @@ class OverlappedStep:
     FSDP's, waits until the worker has stepped that group and the `prefetch` groups after it (explicit forward
     prefetch unshards them from this hook). The host-to-device copy of a shard is enqueued after that wait, so the
     DMA reads updated weights; the worker's own work is CPU-only (no kernels, no streams: it only sets its thread's
-current device, see _run). While one block
-    computes, the next one is stepped: a block's step (~6 GB of host traffic at 8B) takes about as long as its
-    forward at micro-batch 16.
+    current device, see _run). While one block computes, the next one is stepped: a block's step (~6 GB of host
+    traffic at 8B) takes about as long as its forward at micro-batch 16.
 
     The results are those of one optimizer.step(): AdamW is elementwise per tensor and its state is per parameter,
     so stepping the parameters in slices changes nothing (tested bit for bit against the synchronous step). The
