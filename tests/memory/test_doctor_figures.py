@@ -58,11 +58,17 @@ def test_fixture_figures_match_ground_truth(fixtures):
     assert f["outlier_rank"] == 0 and f["others_median"] == peaks[1]
     assert f["ratio"] == pytest.approx(peaks[0] / peaks[1])
     assert f["category"] == "parameters" and f["category_difference"] < 0  # rank 0's parameters never reached its GPU
+    by_rank = {p["rank"]: p for p in f["peaks"]}
+    assert all(by_rank[r]["peak_reserved"] == TRUTH[f"fsdp1_meta_nosync_rank{r}"][1] for r in (0, 1))
+    assert by_rank[0]["category_bytes"] == 0 < by_rank[1]["category_bytes"]
+    assert f["category_difference"] == by_rank[0]["category_bytes"] - by_rank[1]["category_bytes"]
 
     doc = _doctor_json(fixtures / "fsdp2_train_rank0.pickle", fixtures / "fsdp2_train_rank1.pickle")
     f = _figures(doc, "balanced")
     assert _close(f["min"], TRUTH["fsdp2_train_rank0"][0]) and _close(f["max"], TRUTH["fsdp2_train_rank1"][0])
     assert 0 <= f["spread"] < 0.1
+    assert [(p["rank"], p["peak_reserved"]) for p in f["peaks"]] == [(r, TRUTH[f"fsdp2_train_rank{r}"][1])
+                                                                      for r in (0, 1)]
     f = _figures(doc, "fsdp_buffers")
     cm = doc["snapshots"][0]["category_max"]
     assert f["rank"] == 0 and f["all_gather"] == cm["fsdp_all_gather"] > 0

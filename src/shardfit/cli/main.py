@@ -65,7 +65,15 @@ def _doctor(argv: list[str]) -> int:
         "Explain CUDA memory snapshots (torch.cuda.memory._dump_snapshot), one per rank: fragmentation, memory "
         "held for other streams, per-rank imbalance, what the peak is made of, why an OOM happened."))
     parser.add_argument("snapshots", nargs="+", help=".pickle / .pickle.gz files, or one directory of them")
-    parser.add_argument("--json", action="store_true", help="print the JSON report (schema shardfit.doctor/1)")
+    parser.add_argument("--json", action="store_true", help="print the JSON report (schema shardfit.doctor/1; "
+                        "findings[].figures holds each finding's numbers in bytes: src/shardfit/memory/report.py)")
+    parser.add_argument("--memory-fraction", type=float, metavar="F", help=(
+        "the fraction given to torch.cuda.set_per_process_memory_fraction in the run, which PyTorch's snapshots do "
+        "not record: an OOM's verdict then counts the cap (default: shardfit's own record, else "
+        "per_process_memory_fraction in the recorded PYTORCH_CUDA_ALLOC_CONF, else unknown)"))
+    parser.add_argument("--gpu-memory", type=float, metavar="GIB", help=(
+        "the GPU's total memory in GiB, which the cap is a fraction of (default: shardfit's record, else reserved "
+        "plus the driver's free memory at the OOM, a lower bound)"))
     parser.add_argument("--png", help="write the timeline and per-rank chart as a PNG here (needs matplotlib)")
     parser.add_argument("--html", help="write a self-contained HTML report with the pictures here")
     args = parser.parse_args(argv)
@@ -74,7 +82,8 @@ def _doctor(argv: list[str]) -> int:
     from shardfit.memory import examine
     from shardfit.memory.report import to_json, to_text
 
-    results, findings = examine(args.snapshots)
+    gpu_bytes = None if args.gpu_memory is None else int(args.gpu_memory * (1 << 30))
+    results, findings = examine(args.snapshots, args.memory_fraction, gpu_bytes)
     print(json.dumps(to_json(results, findings), indent=1) if args.json else to_text(results, findings), end="")
     if args.png or args.html:
         from shardfit.fsutil import write_atomic

@@ -14,9 +14,13 @@ found wins:
   2. shardfit's own snapshots, where record.py stores {"shardfit": {"memory_fraction", "device_total"}}; "recorded"
   3. `per_process_memory_fraction:F` in the recorded PYTORCH_CUDA_ALLOC_CONF string (the allocator reads that key
      from the environment, PyTorch 2.13); source "allocator_settings"
-and the device total from the caller (`device_memory`), shardfit's record, or else, at an OOM, reserved plus what the
-driver reported free: a lower bound (other processes' memory and the CUDA context are not seen), so the cap it
-gives is at most a little low.
+and the device total from the caller (`device_memory`; `--gpu-memory GIB`), shardfit's record, or else, at an OOM,
+reserved plus what the driver reported free: a lower bound (other processes' memory and the CUDA context are not
+seen), so the cap it gives is at most a little low.
+A fraction of 1 is a known absence of a cap (shardfit records 1.0 when none was set): the cap is then the device
+total, and an OOM that the device had room for is "unexplained", not blamed on an unrecorded cap. The recorded
+PYTORCH_CUDA_ALLOC_CONF is the environment's: a later set_per_process_memory_fraction() call overrides it unseen,
+which is why shardfit's own record (read from the allocator at dump time) comes first.
 """
 
 from __future__ import annotations
@@ -42,16 +46,16 @@ class CapSettings:
             raise ShardfitError(f"memory fraction {self.memory_fraction} is outside (0, 1]", where="--memory-fraction",
                                 fix="pass the value given to torch.cuda.set_per_process_memory_fraction, e.g. 0.5")
         if self.device_memory is not None and self.device_memory <= 0:
-            raise ShardfitError(f"device memory {self.device_memory} is not positive", where="--device-memory",
+            raise ShardfitError(f"device memory {self.device_memory} is not positive", where="--gpu-memory",
                                 fix="pass the GPU's total memory, e.g. 139 (GiB) for an H200")
 
 
 def fraction_of(snap: Snapshot, given: CapSettings) -> tuple[float | None, str | None]:
-    """(fraction, source) or (None, None) when no cap is known; a fraction of 1 is no cap."""
+    """(fraction, source) or (None, None) when nothing is known; 1.0 when it is known that no cap was set."""
     if given.memory_fraction is not None:
         return given.memory_fraction, "given"
     recorded = snap.shardfit.get("memory_fraction")
-    if isinstance(recorded, (int, float)) and 0 < recorded < 1:
+    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and 0 < recorded <= 1:
         return float(recorded), "recorded"
     m = _CONF_KEY.search(str(snap.allocator_settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""))
     if m:
@@ -59,7 +63,7 @@ def fraction_of(snap: Snapshot, given: CapSettings) -> tuple[float | None, str |
             value = float(m.group(1))
         except ValueError:
             return None, None
-        if 0 < value < 1:
+        if 0 < value <= 1:
             return value, "allocator_settings"
     return None, None
 

@@ -126,8 +126,9 @@ def oom_figures(r: Replay, ev: dict, lay: Layout, given: CapSettings) -> dict:
     fig = {"asked": asked, "stream": stream, "stream_largest_free": st.get("largest_free", 0),
            "stream_free": st.get("free", 0), "largest_free": lay.largest_free, "free_in_segments": lay.free_in_segments,
            "free_in_split_segments": lay.free_in_split_segments, "releasable": releasable,
-           "pending_free": lay.pending_free, "allocated": lay.allocated, "reserved": lay.reserved,
-           "device_free": device_free, "memory_fraction": fraction, "memory_fraction_source": fraction_source,
+           "pending_free": lay.pending_free, "pending_blocks": lay.pending_blocks, "allocated": lay.allocated,
+           "reserved": lay.reserved, "categories": dict(lay.categories), "device_free": device_free,
+           "memory_fraction": fraction, "memory_fraction_source": fraction_source,
            "device_total": None, "device_total_source": None, "memory_cap": None, "headroom": device_free + releasable}
     if fraction is not None:
         total, total_source = device_total(r.snapshot, given, lay.reserved, device_free)
@@ -156,7 +157,8 @@ def oom_figures(r: Replay, ev: dict, lay: Layout, given: CapSettings) -> dict:
 def _oom_advice(f: dict) -> tuple[str, list[str]]:
     """(verdict, fix) for one OOM's figures."""
     asked, split, pend = gib(f["asked"]), gib(f["free_in_split_segments"]), gib(f["pending_free"])
-    room = gib(f["headroom"]) + (" the cap allowed" if f["memory_cap"] is not None else " free on the device")
+    capped = f["memory_cap"] is not None and f["memory_fraction"] < 1  # a fraction of 1 is no cap
+    room = gib(f["headroom"]) + (" the cap allowed" if capped else " free on the device")
     cause = f["cause"]
     if cause == "fragmentation":
         return "fragmentation: the bytes were there, but not in one block", [
@@ -192,12 +194,13 @@ def oom(rank: int, r: Replay, given: CapSettings) -> list[Finding]:
     for ev, lay in r.ooms:
         f = oom_figures(r, ev, lay, given)
         asked, cap = f["asked"], f["memory_cap"]
+        # Written from the figures only, so that the JSON holds every number the sentences quote
         evidence = [f"asked {gib(asked)} on stream {f['stream']}; largest free block in that stream "
                     f"{gib(f['stream_largest_free'])}, free inside its segments {gib(f['stream_free'])}, free in all "
-                    f"segments {gib(lay.free_in_segments)} (in split segments {gib(lay.free_in_split_segments)})",
-                    f"live tensors {gib(lay.allocated)}, reserved {gib(lay.reserved)}, pending free "
-                    f"{gib(lay.pending_free)}, driver reported {gib(f['device_free'])} free on the device",
-                    "live memory: " + ", ".join(f"{k} {gib(v)}" for k, v in list(lay.categories.items())[:5])]
+                    f"segments {gib(f['free_in_segments'])} (in split segments {gib(f['free_in_split_segments'])})",
+                    f"live tensors {gib(f['allocated'])}, reserved {gib(f['reserved'])}, pending free "
+                    f"{gib(f['pending_free'])}, driver reported {gib(f['device_free'])} free on the device",
+                    "live memory: " + ", ".join(f"{k} {gib(v)}" for k, v in list(f["categories"].items())[:5])]
         if cap is not None:
             estimated = ", estimated" if f["device_total_source"] == "estimate" else ""
             evidence.append(f"per-process memory cap {gib(cap)} (fraction {f['memory_fraction']:g} of "
@@ -247,7 +250,9 @@ def across_ranks(results: list[RankResult]) -> list[Finding]:
         return []
     peaks = {x.rank: x.replay.peak.allocated for x in results}
     hi, lo = max(peaks.values()), min(peaks.values())
-    per_rank = [{"rank": k, "peak_allocated": v} for k, v in sorted(peaks.items())]
+    ranked = sorted(results, key=lambda x: x.rank)
+    per_rank = [{"rank": x.rank, "peak_allocated": x.replay.peak.allocated, "peak_reserved": x.replay.peak_reserved}
+                for x in ranked]
     if lo > 0 and hi / lo <= 1.10:
         return [Finding("balanced", "info", f"ranks balanced: peak allocated within {hi / lo - 1:.1%} "
                         f"({gib(lo)} to {gib(hi)})", figures={"peaks": per_rank, "min": lo, "max": hi,
@@ -260,10 +265,11 @@ def across_ranks(results: list[RankResult]) -> list[Finding]:
     out_r = next(x for x in results if x.rank == outlier)
     others = [x for x in results if x.rank != outlier]
     cats = set(out_r.replay.peak.categories) | {c for x in others for c in x.replay.peak.categories}
-    diffs = {c: out_r.replay.peak.categories.get(c, 0) - statistics.median(
-        [x.replay.peak.categories.get(c, 0) for x in others]) for c in cats}
+    # Medians of an even count are halves: rounded down, so every size in the figures stays a whole byte count
+    diffs = {c: out_r.replay.peak.categories.get(c, 0) - int(statistics.median(
+        [x.replay.peak.categories.get(c, 0) for x in others])) for c in cats}
     cat = max(diffs, key=lambda c: abs(diffs[c]))
-    ref = statistics.median([peaks[x.rank] for x in others])
+    ref = int(statistics.median([peaks[x.rank] for x in others]))
     evidence = ["peak allocated per rank: " + ", ".join(f"rank {k} {gib(v)}" for k, v in sorted(peaks.items())),
                 f"rank {outlier} holds {peaks[outlier] / max(ref, 1):.0%} of the others' median; the category that "
                 f"differs most at the peak is {cat} ({'+' if diffs[cat] > 0 else ''}{gib(diffs[cat])} "
@@ -275,6 +281,8 @@ def across_ranks(results: list[RankResult]) -> list[Finding]:
                  "never reached its GPU (FSDP1 meta-device init without sync_module_states)")
         fix = ["FSDP1: pass sync_module_states=True and device_id=torch.cuda.current_device() so rank 0's weights "
                "are broadcast to every rank", "or use FSDP2 with meta-device init (shardfit train does)"]
+    for p, x in zip(per_rank, ranked):  # the differing category's bytes at each rank's peak
+        p["category_bytes"] = x.replay.peak.categories.get(cat, 0)
     fig = {"peaks": per_rank, "outlier_rank": outlier, "others_median": ref, "ratio": peaks[outlier] / max(ref, 1),
            "category": cat, "category_difference": diffs[cat],
            "categories": {c: out_r.replay.peak.categories.get(c, 0) for c in sorted(cats)}}

@@ -4,7 +4,7 @@ JSON schema, version 1 (fields are only ever added within a version; a consumer 
   {"schema": "shardfit.doctor/1",
    "verdict": str,                                   one line: the most important finding, or "no problems found"
    "snapshots": [{"path", "rank", "device", "events", "expandable_segments",
-                  "memory_fraction": float | null,   the per-process cap when known (memory/cap.py), else null
+                  "memory_fraction": float | null,   the per-process cap when known (memory/cap.py; 1.0: none) or null
                   "memory_fraction_source": "given" | "recorded" | "allocator_settings" | null,
                   "peak": LAYOUT, "end": LAYOUT, "peak_reserved", "peak_phase",
                   "category_max": {category: bytes}}],
@@ -17,9 +17,11 @@ JSON schema, version 1 (fields are only ever added within a version; a consumer 
   dump as "when" says):
     oom: {"asked", "stream", "stream_largest_free", "stream_free", "largest_free", "free_in_segments",
           "free_in_split_segments", "releasable" (free bytes in segments holding nothing: c10 releases them before
-          an OOM, so ~0 at a real one), "pending_free", "allocated", "reserved", "device_free" (the driver's report),
-          "memory_fraction", "memory_fraction_source", "device_total", "device_total_source" ("given" | "recorded" |
-          "estimate": reserved + device_free, a lower bound), "memory_cap" (bytes, null without a known cap),
+          an OOM, so ~0 at a real one), "pending_free", "pending_blocks" (count), "allocated", "reserved",
+          "categories": {category: live bytes}, "device_free" (the driver's report),
+          "memory_fraction" (1.0: known to be uncapped), "memory_fraction_source", "device_total",
+          "device_total_source" ("given" | "recorded" | "estimate": reserved + device_free, a lower bound),
+          "memory_cap" (bytes, null without a known cap),
           "headroom" (bytes the cache could still grow: device_free + releasable, at most
                       memory_cap - (reserved - releasable)),
           "would_fit": {"expandable_segments", "pending_completed", "expandable_segments_and_pending_completed",
@@ -32,10 +34,13 @@ JSON schema, version 1 (fields are only ever added within a version; a consumer 
     pending_free: {"when": "peak" | "dump", "pending_free", "pending_blocks", "allocated", "reserved"}
     side_stream_cache (at the peak): {"compute_stream", "compute_allocated", "idle", "idle_fraction", "reserved",
           "streams": [{"stream", "reserved", "free"}]}
-    imbalance: {"peaks": [{"rank", "peak_allocated"}], "outlier_rank", "others_median", "ratio", "category",
-          "category_difference" (outlier minus the others' median, signed), "categories": {category: outlier bytes}}
-    balanced: {"peaks": [{"rank", "peak_allocated"}], "min", "max", "spread" (max / min - 1)}
+    imbalance: {"peaks": [{"rank", "peak_allocated", "peak_reserved", "category_bytes" (that rank's bytes of
+          "category" at its peak)}], "outlier_rank", "others_median" (of peak_allocated, rounded down), "ratio",
+          "category" (the one that differs most), "category_difference" (outlier minus the others' median, signed),
+          "categories": {category: outlier bytes}}
+    balanced: {"peaks": [{"rank", "peak_allocated", "peak_reserved"}], "min", "max", "spread" (max / min - 1)}
     fsdp_buffers: {"all_gather", "reduce_scatter", "rank"}
+    Every "X GiB" or "X MiB" in a finding's title, evidence and fix is one of its figures (tests/memory check it).
 All sizes are bytes (integers); fractions are floats in [0, 1]. Categories: see
 shardfit.memory.attribution.CATEGORIES.
 """
