@@ -1,7 +1,8 @@
 """Document-masked attention kernels at the Llama-3-8B attention shape, forward + backward (issue 12).
 
   python benchmarks/bench_attention.py --out attn.json                       # GPU: bf16, seq 4096, rows 4,2,1
-  python benchmarks/bench_attention.py --device cpu --seq 256 --reps 2       # CPU smoke run (fp32, small)
+  python benchmarks/bench_attention.py --device cpu --seq 256 --reps 2 --mask-seqs 2048   # CPU smoke run (fp32)
+  python benchmarks/bench_attention.py --rows "" --out mask.json             # GPU: the mask-build memory case only
 
 Shape: q [B, S, 32, 128], k/v [B, S, 8, 128] (grouped-query, Llama-3-8B), bf16 on CUDA. A micro-batch of B rows is
 made the way shardfit packs fine-tuning examples: document lengths drawn from the benchmark set's distribution
@@ -21,6 +22,15 @@ micro-batch; the median is reported. `DocumentMask.build` is timed separately pe
 returns) and total (until the device has finished: host + device), median. Peak allocated memory per kernel is
 the largest over its runs. "work" is sum(len^2) / (B x S^2) of the micro-batches: the share of a causal row's
 score tiles that document masking leaves (plus what the kernels' tile edges add).
+
+Mask-build memory (--mask-seqs, default 16384,32768 on CUDA): FlexAttention's block mask for --mask-rows rows of
+each length, built both ways: "create_block_mask" (document_block_mask_reference, shardfit's build before: it
+evaluates the mask_mod on every (query, key) pair: ~10 bytes per pair live at once, measured on the CPU: the S^2
+bool mask, its padded copy and that copy's int64 cast for the per-block sums; 2.5 GiB a 16,384-token row, 10 GiB at
+32,768) and "from_blocks"
+(document_block_mask, what DocumentMask.build does now: [S/128, S/128] tables, ~1 MiB a row). Reported per way:
+peak device memory allocated during the build above what was allocated before it (torch.cuda.max_memory_allocated;
+the CPU run reports time only), what the mask keeps, host + device ms; and whether both gave the same blocks.
 
 Prints a table; --out writes everything as JSON.
 """
@@ -44,7 +54,14 @@ sys.path.insert(0, str(HERE.parent / "src"))  # shardfit, when it is not install
 from gen_sft_data import sample_lengths  # noqa: E402
 
 from shardfit.data.sft_packed import concat_documents, pack_rows  # noqa: E402
-from shardfit.models.attention import DocumentMask, choose_doc_kernel, sdpa_attention  # noqa: E402
+from shardfit.models.attention import (  # noqa: E402
+    DocumentMask,
+    choose_doc_kernel,
+    document_block_mask,
+    document_block_mask_reference,
+    document_ids,
+    sdpa_attention,
+)
 
 KERNELS = ("causal", "varlen", "flex", "sdpa")
 
@@ -106,6 +123,41 @@ def time_kernel(q, k, v, g, mask, dev: torch.device) -> tuple[float, float]:
     out.backward(g)
     t2 = time.perf_counter()
     return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+
+MASK_BUILDS = {"create_block_mask": document_block_mask_reference, "from_blocks": document_block_mask}
+BLOCK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
+def bench_mask_memory(seq: int, a, dev: torch.device, rng: np.random.Generator) -> dict:
+    """Peak memory and time of building one micro-batch's FlexAttention block mask, each way (MASK_BUILDS)."""
+    pos, stats = packed_position_ids(a.mask_rows, seq, rng, a.median, a.sigma)
+    doc = document_ids(pos)
+    out = {"seq": seq, "rows": a.mask_rows, "docs_per_row": stats["docs"] / a.mask_rows, "builds": {}}
+    masks = {}
+    for name, build in MASK_BUILDS.items():
+        rec: dict = {}
+        try:
+            build(doc[:, :256], dev)  # warm-up: imports, the first kernels' launch overheads
+            _sync(dev)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+                base = torch.cuda.memory_allocated(dev)
+            t0 = time.perf_counter()
+            mask = build(doc, dev)
+            _sync(dev)
+            rec["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+            if dev.type == "cuda":
+                rec["peak_GiB"] = round((torch.cuda.max_memory_allocated(dev) - base) / 2**30, 4)
+                rec["kept_MiB"] = round((torch.cuda.memory_allocated(dev) - base) / 2**20, 3)
+            masks[name] = mask
+        except Exception as e:  # e.g. out of memory for create_block_mask at a long row: say so, go on
+            rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        out["builds"][name] = rec
+    if len(masks) == 2:
+        a_, b_ = masks.values()
+        out["same_blocks"] = all(torch.equal(getattr(a_, f), getattr(b_, f)) for f in BLOCK_FIELDS)
+    return out
 
 
 def bench(rows: int, a, dev: torch.device, dtype: torch.dtype, rng: np.random.Generator) -> dict:
@@ -177,6 +229,9 @@ def main() -> int:
     ap.add_argument("--median", type=float, default=400.0, help="document length distribution (gen_sft_data.py)")
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mask-seqs", default=None, help="row lengths of the mask-build memory case, comma-separated "
+                    "(default 16384,32768 on CUDA, 2048 on the CPU; empty: skip it)")
+    ap.add_argument("--mask-rows", type=int, default=1, help="rows of the mask-build memory case's micro-batch")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     a.kernels = [x for x in a.kernels.split(",") if x]
@@ -192,13 +247,24 @@ def main() -> int:
            "dtype": str(dtype).removeprefix("torch."), "seq": a.seq, "heads": a.heads, "kv_heads": a.kv_heads,
            "head_dim": a.head_dim, "batches": a.batches, "reps": a.reps,
            "auto_kernel": choose_doc_kernel("auto", dev)}
-    results = []
+    if a.mask_seqs is None:
+        a.mask_seqs = "16384,32768" if dev.type == "cuda" else "2048"
+    results, mask_results = [], []
+
+    def save():  # after each case: a run cut short keeps what it measured
+        if a.out:
+            Path(a.out).write_text(json.dumps({"env": env, "results": results, "mask_memory": mask_results},
+                                              indent=1) + "\n")
+
+    for seq in [int(x) for x in a.mask_seqs.split(",") if x]:
+        mask_results.append(bench_mask_memory(seq, a, dev, rng))
+        print(json.dumps(mask_results[-1]), flush=True)
+        save()
     for rows in [int(x) for x in a.rows.split(",") if x]:
         r = bench(rows, a, dev, dtype, rng)
         results.append(r)
         print(json.dumps(r), flush=True)
-        if a.out:  # after each size: a run cut short keeps what it measured
-            Path(a.out).write_text(json.dumps({"env": env, "results": results}, indent=1) + "\n")
+        save()
     print(f"\n{env['device']}, torch {env['torch']}, {env['dtype']}, q [B, {a.seq}, {a.heads}, {a.head_dim}], "
           f"k/v {a.kv_heads} heads; parallel.doc_attention=auto -> {env['auto_kernel']}")
     print(f"{'B':>2} {'docs/row':>8} {'work':>5} {'kernel':>7} {'fwd ms':>8} {'fwd+bwd ms':>10} {'vs causal':>9} "
@@ -215,8 +281,14 @@ def main() -> int:
                 if k.get("layouts_without_mask") else ""
             print(f"{r['rows']:>2} {r['docs_per_row']:>8.1f} {r['work']:>5.2f} {name:>7} {k['fwd_ms']:>8.3f} "
                   f"{k['fwd_bwd_ms']:>10.3f} {vs:>9} {build:>20} {k.get('peak_extra_GiB', '-'):>9}{note}")
-    if a.out:
-        Path(a.out).write_text(json.dumps({"env": env, "results": results}, indent=1) + "\n")
+    if mask_results:
+        print(f"\nFlexAttention block mask build, {a.mask_rows} row(s): peak GiB above the start / kept MiB / ms")
+        for m in mask_results:
+            cells = [f"{n}: {r['error'][:60]}" if "error" in r else
+                     f"{n}: {r.get('peak_GiB', '-')} / {r.get('kept_MiB', '-')} / {r['ms']}"
+                     for n, r in m["builds"].items()]
+            print(f"S={m['seq']:>6}  " + "   ".join(cells) + f"   same blocks: {m.get('same_blocks', '-')}")
+    save()
     return 0
 
 

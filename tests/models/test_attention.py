@@ -8,7 +8,13 @@ import torch.distributed as dist
 from shardfit.config import load_config
 from shardfit.config.schema import ParallelConfig
 from shardfit.models import build_model
-from shardfit.models.attention import DocumentMask
+from shardfit.models.attention import (
+    DocumentMask,
+    document_block_mask,
+    document_block_mask_reference,
+    document_ids,
+    sdpa_attention,
+)
 from tests._dist import run_ranks
 
 BASE = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=96",
@@ -69,12 +75,88 @@ def test_flex_block_mask_equals_the_dense_reference():
     torch.manual_seed(0)
     _, positions, _ = _packed(300)
     q, k, v = torch.randn(2, 36, 4, 16), torch.randn(2, 36, 2, 16), torch.randn(2, 36, 2, 16)
-    from shardfit.models.attention import sdpa_attention
-
     cpu = torch.device("cpu")
     ref = sdpa_attention(q, k, v, DocumentMask.build(positions, "sdpa", cpu))
     flex = sdpa_attention(q, k, v, DocumentMask.build(positions, "flex", cpu))
     torch.testing.assert_close(flex, ref, rtol=1e-5, atol=1e-5)
+
+
+def _doc_ids(rows):
+    """document_ids [B, S] of rows given as document lengths (every row the same total)."""
+    return document_ids(torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows]))
+
+
+def _random_rows(B, S, longest, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        row = []
+        while sum(row) < S:
+            row.append(min(int(torch.randint(1, longest + 1, (1,), generator=g)), S - sum(row)))
+        rows.append(row)
+    return rows
+
+
+# Document lengths per row. The block mask's cases: one document (full blocks below the diagonal), many tiny ones
+# (every block partial, none shared beyond the diagonal), boundaries on and across 128-token block edges, S not a
+# multiple of 128 (a short last block: never full), S under one block, several rows with different layouts.
+LAYOUTS = {
+    "one document": [[300]],
+    "tiny documents": _random_rows(2, 260, 3, seed=1),
+    "block-aligned": [[128, 128, 256], [256, 256]],
+    "crossing edges": [[100, 200, 37], [5, 128, 130, 74], [337]],
+    "short row": [[3, 4]],
+    "one long one short": [[1000, 24]],
+    **{f"random {i}": _random_rows(1 + i % 3, (130, 384, 517, 1000)[i % 4], (4, 60, 300, 900)[i], seed=i)
+       for i in range(4)},
+}
+FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_block_mask_from_document_ids_equals_create_block_mask(layout):
+    doc = _doc_ids(LAYOUTS[layout])
+    cpu = torch.device("cpu")
+    ours, ref = document_block_mask(doc, cpu), document_block_mask_reference(doc, cpu)
+    assert ours.seq_lengths == ref.seq_lengths == (doc.shape[1],) * 2 and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+    for f in FIELDS:  # the same blocks, listed in the same order: not only the same sets
+        assert torch.equal(getattr(ours, f), getattr(ref, f)), f
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+
+
+def test_block_mask_layouts_cover_full_partial_and_short_blocks():
+    """The layouts above reach every case of document_block_mask (otherwise its test could pass vacuously)."""
+    masks = {name: document_block_mask(_doc_ids(rows), torch.device("cpu")) for name, rows in LAYOUTS.items()}
+    full = {n: int(m.full_kv_num_blocks.sum()) for n, m in masks.items()}
+    below = {n: int(m.kv_num_blocks.sum()) - m.kv_num_blocks.numel() for n, m in masks.items()}  # partial, j < i
+    # [300]: blocks 0, 1 and a short 2; (1, 0) full; (2, 0) and (2, 1) partial only because block 2 is short
+    assert (full["one document"], below["one document"]) == (1, 2)
+    # boundaries on block edges: (3, 2) of row 0, (1, 0) and (3, 2) of row 1 full, no partial block below the diagonal
+    assert (full["block-aligned"], below["block-aligned"]) == (3, 0)
+    assert full["crossing edges"] > 0 and below["crossing edges"] > 0 and full["tiny documents"] == 0
+
+
+def test_compiled_flex_with_the_block_mask_equals_the_dense_reference():
+    """The compiled kernel reads the block lists (the eager one does not): with them it gives the dense-mask
+    attention, on a layout with full, partial and empty blocks and a short last block."""
+    import shutil
+
+    from shardfit.models.attention import _compiled_flex
+
+    if not shutil.which("g++"):
+        pytest.skip("Inductor's CPU FlexAttention needs a C++ compiler")
+    torch.manual_seed(0)
+    rows = LAYOUTS["crossing edges"]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+    B, S = positions.shape
+    q, k, v = torch.randn(B, 4, S, 16), torch.randn(B, 2, S, 16), torch.randn(B, 2, S, 16)  # [B, H|K, S, Dh]
+    cpu = torch.device("cpu")
+    mask = DocumentMask.build(positions, "flex", cpu).block_mask
+    assert int(mask.full_kv_num_blocks.sum()) > 0
+    out = _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=True)
+    ref = sdpa_attention(*(t.transpose(1, 2) for t in (q, k, v)), DocumentMask.build(positions, "sdpa", cpu))
+    torch.testing.assert_close(out.transpose(1, 2), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_one_document_per_row_needs_no_mask():
@@ -83,6 +165,9 @@ def test_one_document_per_row_needs_no_mask():
     positions[1, 9] = 0
     m = DocumentMask.build(positions, "varlen", torch.device("cpu"))
     assert m.cu_seqlens.tolist() == [0, 16, 25, 32, 48] and m.max_seqlen == 16
+    positions[2] = torch.cat([torch.arange(7, 12), torch.arange(11)])  # begins inside a document; one starts at 5
+    m = DocumentMask.build(positions, "varlen", torch.device("cpu"))
+    assert m.cu_seqlens.tolist() == [0, 16, 25, 32, 37, 48] and m.max_seqlen == 16
 
 
 def _ulysses_logits(rank, world, extra):

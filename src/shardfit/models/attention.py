@@ -13,7 +13,8 @@ Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
   varlen  FlashAttention over cumulative sequence lengths (torch.nn.attention.varlen): the B rows are one
           flattened sequence of B*S tokens cut at every document start; no mask in memory, no masked tiles;
   flex    FlexAttention with a document block mask (torch.nn.attention.flex_attention, compiled): tiles that
-          cross documents are skipped.
+          cross documents are skipped. The mask is made from per-block document ids (document_block_mask, O(S^2 / 128^2)
+          memory), never from the [S, S] element mask create_block_mask evaluates.
 Which is faster on a GPU is measured (benchmarks/bench_attention.py, bench_train.py's docmask8b);
 parallel.doc_attention=auto takes the winner: flex.
 """
@@ -53,31 +54,101 @@ class DocumentMask:
 
     @staticmethod
     def build(position_ids: torch.Tensor, kernel: str, device: torch.device) -> DocumentMask | None:
-        """From the full position ids [B, S] of a micro-batch (a document starts where they are 0). None when every
-        row is one document from its first token: plain causal attention is then exactly the masked one."""
-        starts = position_ids == 0
-        starts[:, 0] = True  # a row always starts a document (a window may begin inside one: positions restart)
-        if int(starts.sum()) == starts.shape[0]:
+        """From the full position ids [B, S] of a micro-batch, on the host. None when every row is one document
+        from its first token: plain causal attention is then exactly the masked one."""
+        doc = document_ids(position_ids)
+        if not bool(doc[:, -1].any()):  # the last token of every row is in the row's first document
             return None
-        B, S = position_ids.shape
+        B, S = doc.shape
         if kernel == "varlen":
-            # Offsets of every document in the flattened [B*S] tokens, then the end.
-            flat = torch.nonzero(starts.reshape(-1)).flatten()
-            cu = torch.cat([flat, torch.tensor([B * S])]).to(torch.int32)
-            max_len = int((cu[1:] - cu[:-1]).max())
-            return DocumentMask("varlen", cu_seqlens=cu.to(device, non_blocking=True), max_seqlen=max_len)
-        doc = (starts.cumsum(1) - 1).to(torch.int32).to(device)  # [B, S] document index within the row
+            # Number the documents of the flattened [B*S] tokens consecutively (row b's first one after all of the
+            # earlier rows'): their lengths are then a bincount, their offsets its running sum from 0.
+            per_row = doc[:, -1] + 1
+            lengths = torch.bincount((doc + (per_row.cumsum(0) - per_row)[:, None]).flatten())
+            cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+            return DocumentMask("varlen", cu_seqlens=cu.to(device, non_blocking=True), max_seqlen=int(lengths.max()))
         if kernel == "flex":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            def same_document_causal(b, h, q_idx, kv_idx):
-                return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
-
-            return DocumentMask("flex", block_mask=create_block_mask(same_document_causal, B, None, S, S,
-                                                                     device=str(device)))
+            return DocumentMask("flex", block_mask=document_block_mask(doc, device))
+        doc = doc.to(device)
         causal = torch.ones(S, S, dtype=torch.bool, device=device).tril_()
         dense = (doc[:, :, None] == doc[:, None, :]) & causal  # [B, S, S]
         return DocumentMask("sdpa", dense=dense[:, None])
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] int32: each token's document within its row, counted from 0 and non-decreasing along the row. A
+    document starts where the position ids are 0, and at every row's first token (a window may begin inside a
+    document: its positions restart there)."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    return (starts.cumsum(1) - 1).to(torch.int32)
+
+
+# FlexAttention's tile: a BlockMask describes the [S, S] scores in blocks of FLEX_BLOCK queries x FLEX_BLOCK keys
+# (torch's default sparse block size, the one its kernels are tuned for). A last block of a row whose S is not a
+# multiple of it is short.
+FLEX_BLOCK = 128
+
+
+def _same_document_causal(doc: torch.Tensor):
+    """The element mask FlexAttention evaluates inside partial blocks: same document, key not after the query."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return mask_mod
+
+
+def document_block_mask(doc: torch.Tensor, device: torch.device):
+    """FlexAttention's BlockMask over [B, 1, S, S] for document ids doc [B, S] (document_ids: host, sorted rows),
+    made from the blocks' first and last document ids alone, never from the [S, S] element mask.
+
+    Query block i against key block j (n = ceil(S / 128) blocks a row):
+      j > i  every key is after every query: empty;
+      j = i  the diagonal is allowed, the keys above it are not: partial;
+      j < i  every key precedes every query, so only "same document" is left to decide. Ids are sorted, so every
+             key's document <= last[j] <= first[i] <= every query's: some pair shares a document iff
+             last[j] == first[i] (partial at least), every pair does iff first[j] == last[i] as well (all four
+             equal: full). create_block_mask pads the scores to whole blocks with masked entries, so a short last
+             query block is never full; key blocks j < i are always whole.
+    The same blocks as create_block_mask(mask_mod) (document_block_mask_reference) lists, in the same order. Memory:
+    [B, n, n] tables (n = 128 at a 16,384-token row, 256 at 32,768: 64 Ki entries, under 1 MiB a row with the int64
+    sort indices) instead of its [B, 1, S, S] element mask and the mask_mod's intermediates of that size.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, S = doc.shape
+    n = -(-S // FLEX_BLOCK)
+    begin = torch.arange(n) * FLEX_BLOCK  # [n] first token of each block
+    first = doc[:, begin]  # [B, n] document of each block's first token: the block's smallest id
+    last = doc[:, (begin + FLEX_BLOCK - 1).clamp_(max=S - 1)]  # [B, n] of its last real token: its largest id
+    below = torch.ones(n, n, dtype=torch.bool).tril_(-1)  # [query block i, key block j]: j < i
+    shared = below & (last[:, None, :] == first[:, :, None])  # [B, n, n]
+    whole_q = begin + FLEX_BLOCK <= S  # [n] query blocks of FLEX_BLOCK real tokens
+    full = shared & (first[:, None, :] == last[:, :, None]) & whole_q[:, None]
+    partial = (shared & ~full) | torch.eye(n, dtype=torch.bool)
+
+    def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, n, n] bool -> kv_num_blocks [B, 1, n] and kv_indices [B, 1, n, n] (int32, on device): each query
+        block's key blocks in ascending order, then the unlisted ones (a stable sort of the row, True first)."""
+        order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+        count = blocks.sum(-1, dtype=torch.int32)
+        return count[:, None].to(device), order.to(torch.int32)[:, None].to(device)
+
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=_same_document_causal(doc.to(device)), seq_lengths=(S, S))
+
+
+def document_block_mask_reference(doc: torch.Tensor, device: torch.device):
+    """The BlockMask as create_block_mask builds it from the element mask (what shardfit did before
+    document_block_mask): it evaluates the mask_mod on all B x S x S (query, key) pairs at once, so its transients
+    grow with S^2 (the benchmark's mask-memory case measures them). Kept as the tests' and the benchmark's
+    reference. (Its _compile=True is, in torch 2.13, a deprecated spelling of torch.compile(create_block_mask): one
+    compilation per micro-batch shape, where the construction above needs none.)"""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, S = doc.shape
+    return create_block_mask(_same_document_causal(doc.to(device)), B, None, S, S, device=str(device))
 
 
 def _dense_masked(q, k, v, mask: DocumentMask) -> torch.Tensor:
@@ -130,7 +201,8 @@ def _flex(q, k, v, mask: DocumentMask) -> torch.Tensor:
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|K, S, Dh]
     if q.is_cuda:
         fn = _compiled_flex()
-    else:  # eager: the dense reference FlexAttention falls back to (the CPU tests check the block mask with it)
+    else:  # eager: FlexAttention's dense reference, which applies the mask_mod to every score and never reads the
+        # block lists (the CPU tests compare those with create_block_mask's and run the compiled kernel on them)
         from torch.nn.attention.flex_attention import flex_attention as fn
     out = fn(q, k, v, block_mask=mask.block_mask, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
