@@ -126,6 +126,14 @@ class ParallelConfig:
                                "plus the pinned allocator's rounding: shardfit plan counts it); optimizer is refused "
                                "(FSDP2 has no optimizer-only offload: see parallel/offload.py)",
                        choices=("none", "optimizer", "all"))
+    offload_gpu_blocks: int = opt(0, "with offload=all: the first N blocks keep their fp32 shards, gradients and Adam "
+                                     "states on the GPU (stepped there), the rest go to host memory; for a model "
+                                     "whose states exceed the host's memory but whose GPUs have room left "
+                                     "(shardfit plan proposes N)", ge=0)
+    expert_parallel: int = opt(1, "MoE expert parallelism: groups of E neighbouring ranks split each layer's experts "
+                                  "(each holds n_experts/E, tokens exchanged by all-to-all); expert weights are "
+                                  "FSDP-sharded over the world/E ranks holding the same experts; 1: every rank "
+                                  "gathers every expert", gt=0)
     sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
     attention: str = opt("auto", "SDPA kernel on CUDA: flash, cudnn, efficient; auto lets PyTorch pick per call",

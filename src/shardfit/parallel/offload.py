@@ -60,7 +60,7 @@ def check_offload(cfg: ParallelConfig) -> None:
                             fix="set parallel.fp8=none, or parallel.offload=none")
 
 
-def offload_policy(cfg: ParallelConfig, device: torch.device) -> OffloadPolicy:
+def offload_policy(cfg: ParallelConfig, device: torch.device, block: int | None = None) -> OffloadPolicy:
     """FSDP2's policy for every group. Pinned host memory on CUDA: the per-group host-to-device copies before each
     all-gather and the gradient copies back are then asynchronous DMA transfers that overlap compute (pageable memory
     would make each a synchronous staged copy on the host thread). Without CUDA there is nothing to pin (and pinning

@@ -26,6 +26,7 @@ weights as without offload) and copies them into the host shards.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -102,15 +103,16 @@ def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecision
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisionPolicy, cfg: ParallelConfig,
-               offload: OffloadPolicy | None = None):
-    # One offload policy for every group (parallel.offload=all): FSDP2 then keeps every shard on the host.
-    off = {"offload_policy": offload if offload is not None else OffloadPolicy()}
+               offload: Callable[[int | None], OffloadPolicy] = lambda block: OffloadPolicy()):
+    # offload(i) is block i's offload policy, offload(None) that of the other groups (parallel/offload.py: with
+    # offload=all every group's shards live on the host, but for the first offload_gpu_blocks blocks).
+    off = {"offload_policy": offload(None)}
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keeping them gathered saves one
         # all-gather per step (with offload, also one host-to-device copy of its shard) at the cost of one block's
         # unsharded weights.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **off)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload(i))
     if not model.cfg.tie_embeddings:
         # Untied, the embedding and the output head are groups of their own (tied, one parameter with two users, they
         # stay in the root group). The step's first all-gather is then the embedding alone; the head's is issued
@@ -187,7 +189,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     # FSDP shards over every rank, sequence-parallel peers included: each holds 1/world of the parameters (HSDP:
     # 1/(world/R)). The sequence-parallel groups above and the data each rank reads do not depend on R.
     mesh = fsdp_mesh(device.type, world_size, cfg.replicate)
-    apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg, offload_policy(cfg, device))  # 3, 4
+    policy = functools.partial(offload_policy, cfg, device)
+    apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg, policy)  # 3, 4
     model.offload_notice = None
     if cfg.offload == "all":
         materialize_offloaded(model, device, seed, init)  # 5, 6
