@@ -36,6 +36,22 @@
 #              8 steps, then the 16-layer shape (cap 470 s); host MemAvailable sampled every second
 #              ($OUT/offload8b_hostmem.txt, the lowest printed): the states alone are 120 GiB
 #   offload8b-cap80  the same on GPU 0 of nvidia-h200-x2 (256 GiB host), GPU memory capped at an H100's 79.1 GiB
+# Issue 15, mixture of experts (bench_moe.py: shardfit against benchmarks/anchor_hf_qwen3moe.py, the HF FSDP2 recipe,
+# and torchtitan 0.2.2 through benchmarks/anchor_torchtitan_launch.py; torchtitan's wheels and torchao's are in .whl,
+# installed by setup). Cases in priority order, each under a cap cut to what is left of --budget; the JSON keeps the
+# cases done when a later one fails or the stage's `timeout` ends it. One call each (carry .whl):
+#   call (nvidia-h200-x2): benchmarks/device_run.sh setup ttsetup moe2     (~10 + ~15 + <= 540 s)
+#   ttsetup  torchtitan's offline assets in /tmp/ttassets (word tokenizers of the exact vocab sizes, random-word set;
+#            ~3 s) and an import check of torchtitan and torchao (installs the wheels itself when setup did not run)
+#   moe2     2 GPUs, Qwen3-30B-A3B shape with 12 of its 48 layers, seq 4096, mbs 2: HF grouped_mm (full AC), shardfit
+#            no-AC compile, torchtitan no-AC compile, both with expert parallelism 2, shardfit full AC and no AC eager
+#            (~45 s + ~100 s a compiled case: the last eager case may be skipped by the budget, 525 s)
+#   moe4     4 GPUs, all 48 layers, every case with full checkpointing: the states fit only so. 16 bytes a parameter
+#            (fp32 weights, gradients, two Adam moments) x 30.5B / 4 = 113.7 GiB a GPU, plus 5.8 GiB of FSDP buffers,
+#            ~6 GiB of activations and ~2 GiB working set at mbs 2: 123 GiB of the 132.5 GiB `shardfit plan
+#            --nproc 4 --gpu-memory 140.4` allows on an H200 (no AC: 193 GiB; expert parallelism moves expert
+#            shards, not their size). Cases: HF, shardfit compile, torchtitan compile, shardfit EP 4 and 2, torchtitan
+#            EP 2, shardfit eager; what the 525 s budget holds (~130 s a compiled case)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -108,6 +124,12 @@ for stage in "$@"; do
       (while sleep 1; do echo "$(date +%T) $(grep MemAvailable /proc/meminfo)"; done) > "$OUT/offload8b_cap80_hostmem.txt" & sampler=$!
       env CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=1 timeout 470 python3 benchmarks/bench_train.py --suite offload8b_cap80 --nproc 1 --timeout 270 --out "$OUT/offload8b_cap80_x1.json" 2>&1 | tee "$OUT/offload8b_cap80.log" | grep -v '^{' | tail -5
       kill $sampler; echo "lowest host MemAvailable: $(sort -k3 -n "$OUT/offload8b_cap80_hostmem.txt" | head -1)" ;;
+    ttsetup)
+      [ -d /tmp/site/torchtitan ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      python3 benchmarks/anchor_torchtitan_assets.py /tmp/ttassets
+      python3 -c "import importlib.metadata as m, torchtitan.train, torchao; print({p: m.version(p) for p in ('torchtitan', 'torchdata', 'tyro', 'datasets', 'torchao', 'transformers', 'torch')})" 2>&1 | tail -2 ;;
+    moe2) env $two timeout 540 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 525 --out "$OUT/moe2_x2.json" 2>&1 | tee "$OUT/moe2.log" | grep -v '^{' | tail -16 ;;
+    moe4) timeout 540 python3 benchmarks/bench_moe.py --nproc 4 --layers 48 --ac full --budget 525 --out "$OUT/moe4_x4.json" 2>&1 | tee "$OUT/moe4.log" | grep -v '^{' | tail -16 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
