@@ -4,6 +4,8 @@ Streaming: parameters are gathered one at a time (`full_tensor()`, a collective 
 order), cast, moved to rank 0's host memory and written in safetensors shards of at most `max_shard_bytes`; no rank
 ever holds more than one full parameter on its GPU, and rank 0's host holds at most one shard. Everything is written
 into <out>.tmp and renamed to <out> at the end, so a crash never leaves a half-written model under the final name.
+With parallel.offload=all on CUDA the shards live in pinned host memory but the gather runs over NCCL, which takes
+device tensors only: each shard is copied to the GPU just before its gather (`_gatherable`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardfit.hf.load import STACKED, expert_key
 from shardfit.models.families import hf_config_json
@@ -47,7 +50,7 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
         shards[0], sizes[0] = {}, 0
 
     for name, p in model.named_parameters():  # same order on every rank: the gathers line up
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full = _gatherable(p).full_tensor() if isinstance(p, DTensor) else p
         if rank == 0:
             t = full.detach().to(getattr(torch, dtype)).cpu()
             # stacked experts are written per expert, as Hugging Face checkpoints store them
@@ -64,6 +67,27 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
     if dist.is_initialized():
         dist.barrier()
     return out if rank == 0 else None
+
+
+def _gatherable(p: DTensor) -> DTensor:
+    """p, or where its local shard is not on its mesh's device the same DTensor with the shard copied there.
+
+    FSDP2's CPUOffloadPolicy keeps each shard in (pinned) host memory while the parameter's mesh stays the one
+    fully_shard was given: device type "cuda", process group NCCL (FSDP copies the shard to the GPU itself before
+    each of its own all-gathers; _fsdp_param.py). full_tensor() would hand NCCL the host tensor. The copy is one
+    shard (numel / world elements of the parameter dtype), freed with the returned DTensor once the caller's
+    full_tensor() is done: the GPU holds one full parameter and one shard at a time.
+    """
+    mesh = p.device_mesh
+    with torch.no_grad():
+        local = p.to_local()
+        if local.device.type == mesh.device_type:
+            return p
+        device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+        # The shard may be the short last one of an uneven split (FSDP pads only its own buffer): shape and stride
+        # give from_local the global layout rather than inferring it from this rank's shard.
+        return DTensor.from_local(local.to(device), mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                  run_check=False)
 
 
 def _umask() -> int:
