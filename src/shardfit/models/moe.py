@@ -25,21 +25,28 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))  # [E, I, H]
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))  # [E, H, I]
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [E, I, H], up [E, I, H], down [E, H, I]) as the computation reads them (expert parallelism,
+        parallel/expert.py, swaps in a subclass whose weights are this rank's experts)."""
+        return self.gate_proj, self.up_proj, self.down_proj
+
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """xs [T*k, H] sorted by expert, counts [E] rows per expert -> [T*k, H] in the same order."""
+        """xs [N, H] sorted by expert, counts [E] rows per expert -> [N, H] in the same order."""
+        gate, up, down = self.weights()
         if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             offs = counts.cumsum(0).to(torch.int32)  # stays on the device: no host sync
-            g = torch._grouped_mm(xs, self.gate_proj.transpose(-2, -1), offs=offs)
-            u = torch._grouped_mm(xs, self.up_proj.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(F.silu(g) * u, self.down_proj.transpose(-2, -1), offs=offs)
+            g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)
+            u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
         return self.run_split(xs, counts.tolist())
 
     def run_split(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Every expert, every call, on its `sizes[e]` rows of xs (the path off CUDA/bf16, and shardfit plan's)."""
+        gate, up, down = self.weights()
         outs = []
         for e, part in enumerate(xs.split(sizes)):
-            h = F.silu(F.linear(part, self.gate_proj[e])) * F.linear(part, self.up_proj[e])
-            outs.append(F.linear(h, self.down_proj[e]))
+            h = F.silu(F.linear(part, gate[e])) * F.linear(part, up[e])
+            outs.append(F.linear(h, down[e]))
         return torch.cat(outs)
 
 
@@ -55,6 +62,10 @@ class MoE(nn.Module):
         # the loss already holds the forward's tensors, whose backward runs inside this block's backward.
         self.track_router = track_router
         self.router_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        # How the sorted rows reach their experts: None runs them here; expert parallelism (parallel/expert.py)
+        # sets a callable (rows [N, H], counts [E], experts) -> [N, H] that exchanges them with the ranks holding
+        # the other experts.
+        self.exchange = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
@@ -73,7 +84,8 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.experts.gate_proj.shape[0])  # [E]
-        ys = self.experts(h[order // self.top_k], counts)  # [T*k, H]
+        xs = h[order // self.top_k]  # [T*k, H]
+        ys = self.experts(xs, counts) if self.exchange is None else self.exchange(xs, counts, self.experts)
         out = torch.empty_like(ys)
         out[order] = ys  # back to (token, slot) order
         return self.combine(out, weights, x.shape)

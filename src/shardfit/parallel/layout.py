@@ -9,6 +9,7 @@ from __future__ import annotations
 from shardfit.config.loader import accumulation_steps
 from shardfit.config.schema import Config
 from shardfit.errors import ShardfitError
+from shardfit.parallel.expert import check_expert_parallel
 from shardfit.parallel.offload import check_offload
 from shardfit.parallel.parallelize import check_replicate
 from shardfit.parallel.ulysses import check_sequence_parallel
@@ -25,12 +26,15 @@ def check_token_budget(budget: int, seq_len: int, sp: int) -> None:
 
 
 def check_layout(cfg: Config, world: int) -> None:
-    """Ulysses' divisibility, HSDP's replica count, what offload supports, and how the batch splits over the
-    data-parallel ranks: row micro-batches must divide each rank's share of the global batch (micro_batch 0 is
-    chosen at launch: checked with 1), token budgets (global_batch counts examples) must hold a whole item."""
+    """Ulysses' divisibility, HSDP's replica count, expert parallelism's group size, what offload supports, and
+    how the batch splits over the data-parallel ranks: row micro-batches must divide each rank's share of the global
+    batch (micro_batch 0 is chosen at launch: checked with 1), token budgets (global_batch counts examples) must
+    hold a whole item."""
     sp = cfg.parallel.sequence_parallel
     check_sequence_parallel(sp, world, cfg.data.seq_len, cfg.model.n_heads)
     check_replicate(cfg.parallel.replicate, world)
+    check_expert_parallel(cfg.parallel.expert_parallel, world, cfg.model.n_experts, cfg.parallel.replicate,
+                          cfg.parallel.offload)
     check_offload(cfg.parallel)
     if cfg.train.micro_batch_tokens:
         check_token_budget(cfg.train.micro_batch_tokens, cfg.data.seq_len, sp)

@@ -4,7 +4,9 @@ The order is fixed and each step relies on the previous ones:
   0. FP8 (if asked) swaps the blocks' chosen nn.Linear layers for torchao's Float8Linear: a module swap on the meta
      model, so that checkpointing, compile and FSDP (its FP8 all-gather hooks live on the weights) all see the final
      modules; then Ulysses sequence parallelism (if asked) wraps each attention kernel, so the all-to-alls sit
-     inside the block forward that checkpointing and compile see next;
+     inside the block forward that checkpointing and compile see next; then expert parallelism (if asked) makes
+     the expert weights DTensors sharded over the EP group and gives each MoE layer its all-to-all exchange
+     (parallel/expert.py), so that the same recomputation and graph breaks apply;
   1. activation checkpointing wraps each block's forward in a non-reentrant checkpoint (parameter names stay the
      Hugging Face ones: no wrapper module);
   2. torch.compile of each block's forward, checkpoint included (dynamo traces the checkpointed region, and the
@@ -14,7 +16,8 @@ The order is fixed and each step relies on the previous ones:
      collectives overlap compute), then the root (the final norm; tied embeddings stay one parameter in the root
      group because both users are in that one group), over a 1-D mesh of every rank, or with parallel.replicate = R
      over a 2-D (replicate R, shard world/R) mesh: HSDP, each parameter sharded within a group of world/R
-     neighbouring ranks and replicated across the R groups;
+     neighbouring ranks and replicated across the R groups; with expert parallelism each block's experts first
+     form a group of their own over the ranks that hold the same experts;
   4. explicit prefetch, if asked;
   5. to_empty on the target device: each rank allocates only its own shards (no rank ever holds the full model);
   6. init_weights / init_buffers on the shards (RoPE frequencies are non-persistent and rebuilt on every rank).
@@ -36,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from shardfit.config.schema import ParallelConfig
 from shardfit.errors import ShardfitError
+from shardfit.parallel.expert import apply_expert_parallel, expert_mesh, shard_experts
 from shardfit.parallel.fp8 import apply_fp8
 from shardfit.parallel.offload import check_offload, materialize_offloaded, offload_policy, step_threads
 from shardfit.parallel.ulysses import apply_sequence_parallel
@@ -103,7 +107,7 @@ def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecision
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisionPolicy, cfg: ParallelConfig,
-               offload: Callable[[int | None], OffloadPolicy] = lambda block: OffloadPolicy()):
+               offload: Callable[[int | None], OffloadPolicy] = lambda block: OffloadPolicy(), ep_mesh=None):
     # offload(i) is block i's offload policy, offload(None) that of the other groups (parallel/offload.py: with
     # offload=all every group's shards live on the host, but for the first offload_gpu_blocks blocks).
     off = {"offload_policy": offload(None)}
@@ -112,6 +116,8 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisi
         # all-gather per step (with offload, also one host-to-device copy of its shard) at the cost of one block's
         # unsharded weights.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
+        if ep_mesh is not None:
+            shard_experts(block, ep_mesh, mesh.size(), mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload(i))
     if not model.cfg.tie_embeddings:
         # Untied, the embedding and the output head are groups of their own (tied, one parameter with two users, they
@@ -183,6 +189,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
         # Ranks r with the same r // sp form one sequence-parallel group (neighbours: one node, the fastest links).
         groups = init_device_mesh(device.type, (world_size // sp, sp), mesh_dim_names=("dp", "sp"))
         apply_sequence_parallel(model, groups["sp"].get_group())  # 0
+    ep_mesh = None
+    if cfg.expert_parallel > 1:
+        ep_mesh = expert_mesh(device.type, world_size, cfg.expert_parallel)
+        apply_expert_parallel(model, ep_mesh)  # 0
     apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
     if cfg.compile:
         apply_compile(model, blocks, cfg.compile_loss)  # 2
@@ -190,7 +200,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     # 1/(world/R)). The sequence-parallel groups above and the data each rank reads do not depend on R.
     mesh = fsdp_mesh(device.type, world_size, cfg.replicate)
     policy = functools.partial(offload_policy, cfg, device)
-    apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg, policy)  # 3, 4
+    apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg, policy, ep_mesh)  # 3, 4
     model.offload_notice = None
     if cfg.offload == "all":
         materialize_offloaded(model, device, seed, init)  # 5, 6

@@ -1,0 +1,139 @@
+"""Expert parallelism (parallel.expert_parallel = E): each rank of a group of E neighbouring ranks holds n_experts/E
+of every MoE layer's experts, and the routed rows travel to the rank of their expert and back by all-to-all.
+
+Layout, W ranks: a 2-D mesh (efsdp = W/E, ep = E); rank r is EP position r % E and efsdp position r // E, so an EP
+group is E neighbouring ranks (one node: the all-to-alls take the fastest links). Each expert weight [n_experts, ...]
+is a DTensor sharded along the experts over "ep" (rank p holds experts p*n/E .. (p+1)*n/E - 1), and FSDP shards that
+slice again over "efsdp", the W/E ranks that hold the same experts (parallelize step 3); the global shape stays
+[n_experts, ...], so seeded init, Hugging Face load and export, and DCP checkpoints see the plain model's tensors
+(and resume across layouts). Every other weight is FSDP-sharded over all W ranks as without EP.
+
+Gradients. A rank's expert gradient holds the contributions of every token its EP group routed to its experts (the
+all-to-all's backward carries them home), so summing over the efsdp ranks already sums over all W ranks' tokens:
+FSDP's reduce-scatter there must divide by W (the plain gradient's mean over ranks), not by its own W/E.
+
+The exchange, per MoE layer and micro-batch (ExpertExchange):
+  1. counts [n] (rows per global expert, sorted order) go to every peer: all-to-all of E x n/E int64;
+  2. ONE host sync: the split sizes of step 3 (rows to and from each peer) must be known on the host to size the
+     all-to-all. It waits for step 1, i.e. for every peer to have routed this layer: the exchange needs that
+     anyway, and nothing else in the step waits on another rank's host;
+  3. the rows [N, H] (sorted by global expert, hence grouped by peer) go to their experts' ranks: all-to-all with
+     those splits; the received rows [M, H] come ordered (source peer, local expert) and are regrouped by local
+     expert (a stable permutation), run through this rank's experts (one grouped GEMM on CUDA), put back in
+     arrival order and returned by the reverse all-to-all.
+Every rank issues the same collectives in the same order whatever its routing (a peer sending nothing sends an
+empty split; an expert receiving nothing is an empty group). Under checkpointing the recomputation routes the same
+inputs to the same experts and repeats these exchanges with the same splits (its early stop is at the same op on
+every rank: the graph is the same); the all-to-alls are functional collectives, so selective checkpointing sees
+them as ops to recompute, and their backward (the reverse all-to-alls) runs inside the layer's backward.
+The exchange is left out of torch.compile (data-dependent split sizes): a compiled block breaks its graph around it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from shardfit.errors import ShardfitError
+from shardfit.models.moe import Experts, MoE
+
+
+def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, offload: str) -> None:
+    """Refuse a layout EP cannot run, before any group is built (one line, exit 2)."""
+    if ep == 1:
+        return
+    where = "parallel.expert_parallel"
+    if n_experts == 0:
+        raise ShardfitError(f"{where}={ep} needs a mixture-of-experts model (model.n_experts is 0)", where=where,
+                            fix="set parallel.expert_parallel=1")
+    if world % ep:
+        raise ShardfitError(f"{where}={ep} does not divide the world size {world}", where=where,
+                            fix=f"use a divisor of {world}")
+    if n_experts % ep:
+        raise ShardfitError(f"{where}={ep} does not divide model.n_experts={n_experts}", where=where,
+                            fix=f"use a divisor of {n_experts}")
+    if replicate > 1:
+        raise ShardfitError(f"{where}={ep} does not combine with parallel.replicate={replicate} (HSDP) yet",
+                            where=where, fix="set one of them to 1")
+    if offload != "none":
+        raise ShardfitError(f"{where}={ep} does not combine with parallel.offload={offload} yet", where=where,
+                            fix="set one of them off")
+
+
+class _LocalExperts(Experts):
+    """Experts whose weights are DTensors sharded over the EP group: the computation reads this rank's slice
+    [n/E, ...] (to_local is differentiable: the gradient arrives as a DTensor of the same placement)."""
+
+    def weights(self):
+        return tuple(w.to_local() for w in (self.gate_proj, self.up_proj, self.down_proj))
+
+
+class ExpertExchange:
+    """MoE.exchange under EP: (rows [N, H] sorted by global expert, counts [n], experts) -> outputs [N, H] in the
+    same order, each row computed by the rank holding its expert. See the module docstring for the steps."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int, n_experts: int):
+        self.group, self.ep, self.local = group, ep, n_experts // ep
+
+    @torch.compiler.disable
+    def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        ep, local = self.ep, self.local
+        # 1. received[p, j]: rows peer p sends to this rank's local expert j
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        received = received.view(ep, local)
+        # 2. the only host sync: rows to and from each peer
+        send, recv = torch.stack([counts.view(ep, local).sum(1), received.sum(1)]).tolist()
+        # 3. rows out, ordered (source peer, local expert) on arrival; regrouped by local expert for the GEMM
+        rows = all_to_all_single_autograd(xs, recv, send, self.group)  # [M, H]
+        expert_of_row = torch.arange(local, device=xs.device).repeat(ep).repeat_interleave(received.reshape(-1))
+        order = torch.argsort(expert_of_row, stable=True)
+        ys = experts(rows[order], received.sum(0))  # FSDP's hooks (efsdp gather) run on this call
+        back = torch.empty_like(ys)
+        back[order] = ys
+        return all_to_all_single_autograd(back, send, recv, self.group)  # [N, H], the rows' original order
+
+
+def expert_mesh(device_type: str, world: int, ep: int):
+    """(efsdp = world/ep, ep) mesh: EP groups of neighbouring ranks; efsdp the ranks holding the same experts."""
+    return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+
+
+def apply_expert_parallel(model: nn.Module, mesh) -> list[MoE]:
+    """On the meta model (parallelize step 0): expert weights become DTensors sharded over mesh["ep"] along the
+    experts, and each MoE layer exchanges its rows through the EP group. Returns the MoE layers."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep_mesh = mesh["ep"]
+    ep, pos = ep_mesh.size(), ep_mesh.get_local_rank()
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in layers:
+        experts = moe.experts
+        n = experts.gate_proj.shape[0]
+        for name, p in list(experts.named_parameters(recurse=False)):
+            local = p.detach()[pos * n // ep:(pos + 1) * n // ep]  # meta: a view, no memory
+            d = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+            experts.register_parameter(name, nn.Parameter(d, requires_grad=p.requires_grad))
+        experts.__class__ = _LocalExperts
+        moe.exchange = ExpertExchange(ep_mesh.get_group(), ep, n)
+    return layers
+
+
+def shard_experts(block: nn.Module, mesh, world: int, **fsdp_kwargs) -> None:
+    """parallelize step 3, before the block's own fully_shard: the block's experts form an FSDP group of their own
+    over mesh["efsdp"], whose gradient reduction divides by the world size (module docstring: Gradients)."""
+    moe = getattr(block, "mlp", None)
+    if not isinstance(moe, MoE) or moe.exchange is None:
+        return
+    fully_shard(moe.experts, mesh=mesh["efsdp"], **fsdp_kwargs)
+    moe.experts.set_gradient_divide_factor(float(world))
+    if mesh["efsdp"].size() > 1 and dist.get_backend(mesh["efsdp"].get_group()) == "gloo":
+        # A divide factor other than the group's size is NCCL's PREMUL_SUM, which gloo lacks: FSDP then sums and
+        # divides by the factor itself (the CPU runs: one pass more, no numerical difference in fp32). Not for a
+        # group of one rank: FSDP skips the collective and divides by the factor as it copies, and forcing the
+        # sum there divides twice (tests/parallel/test_expert_parallel.py compares the gradient norms).
+        moe.experts.set_force_sum_reduction_for_comms(True)
