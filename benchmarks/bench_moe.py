@@ -213,7 +213,14 @@ def parse_hf(row: dict, stdout: str, stderr: str) -> None:
 
 
 def parse_torchtitan(row: dict, stdout: str, stderr: str) -> None:
-    recs = [json.loads(x[7:]) for x in stdout.splitlines() if x.startswith("TTJSON ")]
+    # Two ranks print to one pipe: their lines can interleave mid-line, so every JSON object after each "TTJSON "
+    # marker is decoded on its own and a cut one is skipped.
+    decoder, recs = json.JSONDecoder(), []
+    for piece in stdout.split("TTJSON ")[1:]:
+        try:
+            recs.append(decoder.raw_decode(piece)[0])
+        except ValueError:
+            continue
     by_step: dict[int, list[dict]] = {}
     for r in recs:
         by_step.setdefault(r["step"], []).append(r)
