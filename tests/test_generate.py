@@ -155,3 +155,39 @@ def test_dcp_checkpoint_generates_what_its_export_does(tmp_path, capsys):
     a = capsys.readouterr().out
     assert main(["--model.path", str(tmp_path / "export"), *args, "--tokenizer", "byte"]) == 0
     assert capsys.readouterr().out == a and len(a) > 1  # some text, whatever a 3-step model says
+
+
+def test_cli_on_a_chat_model_answers_as_transformers_does(tmp_path, capsys):
+    """`shardfit generate --model.path DIR --prompt TEXT` on a Hugging Face directory with a tokenizer and a chat
+    template: the text transformers gives for apply_chat_template + greedy generate + decode, stopping at the same
+    EOS ids (the tokenizer's <|im_end|> and generation_config.json's)."""
+    path, hf = _save("llama", tmp_path)
+    _chat_tokenizer(path)
+    template = json.loads((path / "tokenizer_config.json").read_text())["chat_template"]
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), chat_template=template)
+    eos = sorted({hf_tok.convert_tokens_to_ids("<|im_end|>"), hf.generation_config.eos_token_id})
+    for prompt in ("how are you?", "hello there"):
+        ids = hf_tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        new = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=eos,
+                          pad_token_id=eos[0])[0, len(ids):].tolist()
+        want = hf_tok.decode([t for t in new if t not in eos], skip_special_tokens=True)
+        capsys.readouterr()
+        assert main(["--model.path", str(path), "--prompt", prompt, "--max-new-tokens", "24", "--device", "cpu"]) == 0
+        assert capsys.readouterr().out == want + "\n"
+
+
+@pytest.mark.parametrize("args, where", [
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "0.9"], "--top-p"),  # greedy would ignore it: sampling needs --temperature
+    (["--top-p", "0.9", "--temperature", "0.7", "--model.path", "x"], "shardfit generate"),  # two sources
+])
+def test_cli_refuses_bad_flags_before_loading(tmp_path, args, where):
+    from shardfit.errors import ShardfitError
+
+    with pytest.raises(ShardfitError) as e:
+        main(["--checkpoint", str(tmp_path / "missing"), "--prompt", "hi", *args])
+    assert str(e.value).startswith(f"{where}: ")

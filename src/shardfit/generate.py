@@ -164,11 +164,14 @@ def main(argv: list[str]) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model.path", dest="model_path", help="Hugging Face model directory")
     src.add_argument("--checkpoint", help="a step_XXXXXXXX directory, or a checkpoints/run directory (newest)")
-    p.add_argument("--prompt", action="append", required=True, help="text to continue (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", action="append", required=True, help="text to continue, or the user's message when "
+                   "the tokenizer has a chat template (repeatable: one answer each)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens (default 128); "
+                   "decoding stops earlier at an EOS token")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample within the most likely tokens of this total "
+                   "probability (needs --temperature > 0; default 1: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--tokenizer", help="tokenizer.json or 'byte' (default: the model's or the run's)")
     p.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
@@ -176,9 +179,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="auto: bfloat16 on CUDA, float32 on the CPU")
     a = p.parse_args(argv)
-    if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
-        raise ShardfitError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]",
-                            where="shardfit generate", fix="check those values")
+    for name, ok, fix in (("--max-new-tokens", a.max_new_tokens >= 1, "give 1 or more"),
+                          ("--temperature", a.temperature >= 0, "give 0 (greedy) or more"),
+                          ("--top-p", 0 < a.top_p <= 1, "give a value in (0, 1]")):
+        if not ok:
+            raise ShardfitError(f"{getattr(a, name[2:].replace('-', '_'))} is out of range", where=name, fix=fix)
+    if a.top_p < 1 and a.temperature == 0:  # greedy decoding would ignore it
+        raise ShardfitError(f"{a.top_p} needs sampling, but --temperature is 0 (greedy)", where="--top-p",
+                            fix="add --temperature (e.g. 0.7) to sample, or drop --top-p")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ShardfitError("no CUDA device is available", where="--device", fix="use --device cpu (or auto)")
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else (torch.bfloat16 if device.type == "cuda"
@@ -191,7 +201,9 @@ def main(argv: list[str]) -> int:
     from shardfit.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(tok_spec)
-    stops = eos_ids(tokenizer, Path(a.model_path) if a.model_path else None)
+    # generation_config.json sits beside config.json, and beside the tokenizer.json a checkpoint's run used
+    where = Path(a.model_path) if a.model_path else Path(tok_spec).parent if tok_spec != "byte" else None
+    stops = eos_ids(tokenizer, where)
     for text in a.prompt:
         ids = prompt_ids(tokenizer, tok_spec, text, a.raw)
         out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, eos_ids=stops,

@@ -71,3 +71,47 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("shardfit: error:")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nproc", "-1"], "--nproc: -1 is out of range; fix: give 1 or more processes"),
+    (["--nproc=abc"], "--nproc: 'abc' is not a number"),
+    (["--nproc", "1.5"], "--nproc: '1.5' is not a number"),
+    (["--nproc", "2", "--nnodes=0"], "--nnodes: 0 is out of range"),
+    (["--nproc"], "--nproc needs a value"),
+])
+def test_launcher_values_out_of_range_are_one_line(args, needle, capsys):
+    """Checked before the config is read and before any process starts (in-process: no torchrun is reached)."""
+    from shardfit.cli.main import main
+
+    assert main(["train", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardfit: error: ") and needle in lines[0], lines
+
+
+def test_trackers_get_rank_0_records_only(tmp_path, monkeypatch):
+    """--nproc 2 with TensorBoard (and W&B offline, when installed): one writer, rank 0's, holding the numbers of
+    metrics.jsonl, which rank 0 alone writes."""
+    import importlib.util
+
+    pytest.importorskip("tensorboard")
+    from tests.train.test_progress import _jsonl_numbers, _tensorboard_numbers, _wandb_offline_records
+
+    wandb = importlib.util.find_spec("wandb") is not None
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run = tmp_path / "run"
+    extra = ["--logging.wandb=true", "--logging.wandb_mode=offline"] if wandb else []
+    p = _run("train", *TINY, "--train.steps=3", "--nproc=2", "--logging.tensorboard=true",
+             "--checkpoint.final=false", f"--logging.run_dir={run}", *extra)
+    assert p.returncode == 0, p.stderr
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3  # one record a step, not one a rank
+    assert len(list((run / "tensorboard").iterdir())) == 1  # one event file
+    want = _jsonl_numbers(run)
+    got = _tensorboard_numbers(run)
+    assert {s for s, k in want if k == "loss"} == {1, 2, 3} and set(got) == set(want)
+    assert all(got[k] == pytest.approx(v, rel=1e-6) for k, v in want.items())
+    if wandb:
+        assert len(list((run / "wandb").glob("offline-run-*"))) == 1
+        history, config = _wandb_offline_records(run)
+        assert history == pytest.approx(want) and config

@@ -86,36 +86,59 @@ def test_help_shows_the_defaults_of_the_model_given():
     assert "Training defaults by model size" in big and "2B-20B" in big
 
 
-@pytest.mark.parametrize("kind", ["scratch", "sft", "continued"])
-def test_defaults_only_the_loss_falls(tmp_path, kind):
+# (weights, data, family): from scratch on text, and fine-tuning Hugging Face checkpoints of each family on
+# prompt/completion examples and (continued pretraining) on text
+KINDS = [("scratch", "text", "llama"), ("scratch", "text", "qwen3_moe"), ("pretrained", "sft", "llama"),
+         ("pretrained", "text", "llama"), ("pretrained", "sft", "qwen3"), ("pretrained", "sft", "qwen3_moe")]
+
+
+def _hf_model(family: str, path) -> None:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    if family == "llama":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    elif family == "qwen3":
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**sizes, head_dim=16))
+    else:
+        hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **sizes, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    hf.save_pretrained(path)
+
+
+@pytest.mark.parametrize("weights, data, family", KINDS, ids=["-".join(k) for k in KINDS])
+def test_defaults_only_the_loss_falls(tmp_path, weights, data, family):
     """A small model of each kind trained with the training defaults (rate, warm-up, batch) learns. Only the length
-    of the run and of its sequences are set, for the test's time."""
+    of the run and of its sequences are set, for the test's time (and the shape of the model from scratch)."""
     from shardfit.parallel import shutdown_distributed
     from shardfit.train import Trainer
 
     args = ["--data.seq_len=64", "--train.steps=25", "--train.device=cpu", "--logging.progress=none",
             "--checkpoint.final=false", f"--logging.run_dir={tmp_path / 'run'}"]
-    if kind == "scratch":
+    if weights == "scratch":
         args += ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
                  "--model.ffn_dim=128"]
+        if family == "qwen3_moe":
+            args += ["--model.qk_norm=true", "--model.n_experts=4", "--model.experts_per_token=2",
+                     "--model.moe_ffn_dim=32"]
     else:
-        transformers = pytest.importorskip("transformers")
-        import torch
-
-        torch.manual_seed(0)
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128))
-        hf.save_pretrained(tmp_path / "hf")
-        data = tmp_path / ("data.jsonl" if kind == "sft" else "data.txt")
-        if kind == "sft":
-            data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "completion": f"{a + b}"}) + "\n"
+        _hf_model(family, tmp_path / "hf")
+        args.append(f"--model.path={tmp_path / 'hf'}")
+    if data == "sft":
+        examples = tmp_path / "data.jsonl"
+        examples.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "completion": f"{a + b}"}) + "\n"
                                     for a in range(20) for b in range(10)))
-        else:
-            data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-        args += [f"--model.path={tmp_path / 'hf'}", f"--data.path={data}"]
+        args.append(f"--data.path={examples}")
+    elif weights == "pretrained":
+        text = tmp_path / "data.txt"
+        text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+        args.append(f"--data.path={text}")
     cfg = load_config(None, args)
-    assert cfg.train.lr == (3e-3 if kind == "scratch" else 3e-4)  # the < 100M row: defaults, not settings
+    assert cfg.train.lr == (3e-3 if weights == "scratch" else 3e-4)  # the < 100M row: defaults, not settings
+    assert cfg.model.n_experts == (4 if family == "qwen3_moe" else 0)
     try:
         history = Trainer(cfg).fit()
     finally:

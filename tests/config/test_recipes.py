@@ -1,5 +1,9 @@
 """Shipped recipes: each loads, fits the GPUs it names by shardfit plan, and says what the user must add."""
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from shardfit.config import load_config
@@ -8,6 +12,7 @@ from shardfit.errors import ShardfitError
 from shardfit.memory.plan import GiB, allocation_budget, estimate, fits
 
 RECIPES = names()
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_the_common_cases_are_shipped():
@@ -15,21 +20,88 @@ def test_the_common_cases_are_shipped():
             "llama3-8b-long-context", "llama3-8b-fp8-pretrain"} <= set(RECIPES)
     text = listing()
     assert all(name in text for name in RECIPES) and "needs: --model.path" in text
+    # every recipe says whether it was measured
+    assert text.count("measured: ") == len(RECIPES) and "measured: not yet (planned only)" in text
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_fits_every_layout_it_names(name):
-    """What `shardfit plan --config recipe:NAME --nproc N --gpu-memory G` checks, for each layout of the recipe."""
+def test_recipe_fits_every_layout_it_names(name, capsys):
+    """`shardfit plan --config recipe:NAME --nproc N --gpu-memory G` says "as configured: fits" (and the launcher's
+    layout checks pass: the batch splits over the data-parallel ranks) for each layout the recipe names."""
+    from shardfit.cli.main import main
+    from shardfit.memory.propose import accepted
+
     recipe = read(f"recipe:{name}")
     cfg = load_config(f"recipe:{name}")
     if cfg.parallel.fp8 != "none":
         pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
     assert recipe.layouts and cfg.train.micro_batch > 0  # a fixed micro-batch, planned here
     for gpus, gib in recipe.layouts:
-        dp = gpus // cfg.parallel.sequence_parallel
-        assert cfg.train.global_batch % (cfg.train.micro_batch * dp) == 0, (gpus, cfg.train.global_batch)
-        e = estimate(cfg, gpus, cfg.train.micro_batch)
-        assert fits(e, allocation_budget(gib * GiB), gib * GiB), (name, gpus, gib, e.peak / GiB)
+        assert accepted(cfg, gpus), (name, gpus)
+        capsys.readouterr()
+        assert main(["plan", "--config", f"recipe:{name}", "--nproc", str(gpus), "--gpu-memory", str(gib)]) == 0
+        out = capsys.readouterr().out
+        assert "<- as configured: fits" in out, (name, gpus, gib, out)
+        assert f"{gpus} GPU(s) of {gib:.0f} GiB" in out
+
+
+def test_measured_figures_are_in_benchmarks():
+    """A recipe's `measured` names the benchmarks/ files that hold its figures, and each figure (1,422 or 3.55) is in
+    one of them; the others say they were not measured."""
+    if not BENCHMARKS.is_dir():
+        pytest.skip("benchmarks/ is in the source tree only")
+    measured = {n: read(f"recipe:{n}").measured for n in RECIPES}
+    assert {n for n, m in measured.items() if m} == {"llama3-8b-fp8-pretrain", "llama3-8b-long-context",
+                                                    "qwen3-30b-a3b-sft"}
+    for name, text in measured.items():
+        if not text:
+            assert "not measured" in resolve(f"recipe:{name}").read_text().lower(), name
+            continue
+        files = re.findall(r"benchmarks/[\w./-]*\w", text)
+        assert files and all((BENCHMARKS.parent / f).is_file() for f in files), (name, files)
+        held = "".join((BENCHMARKS.parent / f).read_text(encoding="utf-8") for f in files)
+        figures = re.findall(r"\d{1,3}(?:,\d{3})+|\d+\.\d+", text)
+        assert figures and all(f in held for f in figures), (name, [f for f in figures if f not in held])
+
+
+# The config.json of the checkpoints the recipes need (the Hugging Face hub's, without the keys shardfit ignores)
+_LLAMA31 = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+            "max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}, "tie_word_embeddings": False}
+CHECKPOINTS = {
+    "llama3-8b": {**_LLAMA31, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32},
+    "llama3-70b": {**_LLAMA31, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64},
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+                      "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                      "rope_scaling": None, "tie_word_embeddings": False, "num_experts": 128,
+                      "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
+                      "output_router_logits": False, "sliding_window": None, "use_sliding_window": False},
+}
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if "model.path" in read(f"recipe:{n}").needs])
+def test_recipe_with_its_checkpoint_is_the_model_it_planned(name, tmp_path):
+    """A recipe names a preset so that it plans without the weights; with the --model.path it needs, the model (from
+    config.json), the plan and the training defaults it shows (fine-tuning rates, before the weights are given) are
+    the same."""
+    from shardfit.config.schema import SIZE_DEFAULTS
+
+    planned = load_config(f"recipe:{name}")
+    (tmp_path / "config.json").write_text(json.dumps(CHECKPOINTS[planned.model.name]))
+    real = load_config(f"recipe:{name}", [f"--model.path={tmp_path}"])
+    skip = {"name", "path", "router_aux_coef"}  # router_aux_coef: Qwen3's 0.001, used only with output_router_logits
+    assert {k: v for k, v in vars(real.model).items() if k not in skip} == \
+        {k: v for k, v in vars(planned.model).items() if k not in skip}
+    assert real.train == planned.train
+    assert planned.train.lr in {row[3] for row in SIZE_DEFAULTS}  # a fine-tuning rate (2e-5, 1e-5), not 3e-4
+    gpus, gib = read(f"recipe:{name}").layouts[0]
+    assert estimate(real, gpus, real.train.micro_batch).peak == estimate(planned, gpus, planned.train.micro_batch).peak
 
 
 def test_70b_says_truthfully_that_one_node_fits_only_with_cpu_offload():

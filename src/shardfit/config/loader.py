@@ -109,6 +109,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     cfg = Config()
     explicit: set[str] = set()
+    weights = False
     if path:
         from shardfit.config.recipes import resolve
 
@@ -119,7 +120,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ShardfitError("config file not found", where=str(path), fix="check the path") from None
         except tomllib.TOMLDecodeError as e:
             raise ShardfitError(f"malformed TOML ({e})", where=str(path), fix="fix the TOML syntax") from None
-        data.pop("recipe", None)  # a recipe's description and GPU layout (config/recipes), not training keys
+        recipe = data.pop("recipe", None)  # a recipe's description and GPU layout (config/recipes), not training keys
+        # a recipe that needs model.path fine-tunes: its help and plan show the rates training will use
+        weights = isinstance(recipe, dict) and "model.path" in (recipe.get("needs") or {})
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ShardfitError(f"'{section}' must be a table like [{section}]", where=str(path),
@@ -131,7 +134,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set(cfg, section, key, value, f"--{section}.{key}", explicit, from_text=True)
     _apply_preset(cfg, explicit)
     _check_keys(cfg)
-    _apply_training_defaults(cfg, explicit)
+    _apply_training_defaults(cfg, explicit, weights)
     validate(cfg)
     return cfg
 
@@ -201,15 +204,17 @@ def training_defaults(n_params: int, pretrained: bool, sft: bool, seq_len: int, 
     return out
 
 
-def _apply_training_defaults(cfg: Config, explicit: set[str]) -> None:
-    """Fill the train.* keys the user left unset with the defaults of this model's size, weights and data."""
+def _apply_training_defaults(cfg: Config, explicit: set[str], weights: bool = False) -> None:
+    """Fill the train.* keys the user left unset with the defaults of this model's size, weights and data. weights:
+    the config (a recipe's [recipe.needs]) requires model.path, so it fine-tunes even before model.path is given."""
     import torch
 
     from shardfit.models import build_model, count_params
 
     with torch.device("meta"):  # counted as built (tied weights once, every expert): no memory, ~0.1 s at 70B
         n_params = count_params(build_model(cfg.model))
-    values = training_defaults(n_params, *training_regime(cfg), cfg.data.seq_len, cfg.train.steps)
+    pretrained, sft = training_regime(cfg)
+    values = training_defaults(n_params, pretrained or weights, sft, cfg.data.seq_len, cfg.train.steps)
     for key, value in values.items():
         if f"train.{key}" not in explicit:
             setattr(cfg.train, key, value)

@@ -6,7 +6,8 @@ A recipe is an ordinary config file plus a `[recipe]` table the loader skips:
   description = "one line for `shardfit recipes`"
   layouts = [[8, 79]]       # [GPUs, GiB each] it was planned for (`shardfit plan --nproc 8 --gpu-memory 79`); GiB
                             # as torch reports them: 79 for an 80 GB H100/A100, 139 for a 141 GB H200
-  measured = "..."          # where its figures are in benchmarks/, or "" when not measured
+  measured = "..."          # the benchmarks/ files that hold its figures, and the figures (a test finds them there),
+                            # or "" when not measured
   [recipe.needs]            # keys the user must give, with what to give; `shardfit train` refuses to start without
   "model.path" = "a Llama-3-8B Hugging Face directory"
 
@@ -103,8 +104,7 @@ def listing() -> str:
         lines += [f"{r.name:{width}}  {r.description}", f"{'':{width}}  planned for: {gpus}"]
         if r.needs:
             lines.append(f"{'':{width}}  needs: " + ", ".join(f"--{k} ({v})" for k, v in r.needs.items()))
-        if r.measured:
-            lines.append(f"{'':{width}}  measured: {r.measured}")
+        lines.append(f"{'':{width}}  measured: {r.measured or 'not yet (planned only)'}")
     lines += ["", f"use:   shardfit train --config {PREFIX}NAME [--section.key=value ...]",
               f"check: shardfit plan --config {PREFIX}NAME --nproc GPUS --gpu-memory GIB",
               f"files: {DIR} (copy one to edit it)"]
