@@ -35,3 +35,40 @@ def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac):
         torch.testing.assert_close(torch.tensor(res[0][key]), torch.tensor(one[0][key]), rtol=1e-5, atol=1e-5)
     for k, v in res[0]["state"].items():
         torch.testing.assert_close(torch.tensor(v), torch.tensor(one[0]["state"][k]), rtol=1e-4, atol=1e-4, msg=k)
+
+
+RESUME = [*MOE, "--train.steps=6", "--parallel.activation_checkpoint=full", "--checkpoint.export_dtype=float32"]
+
+
+def _run(rank, world, extra, run_dir):
+    t = Trainer(small_config(*RESUME, *extra, run_dir=run_dir))
+    return {"start": t.step, "losses": [h["loss"] for h in t.fit()]}
+
+
+def _exported(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_expert_parallel_checkpoint_and_export_are_the_plain_models(tmp_path):
+    """Saved and exported by 4 ranks under EP 2 (experts FSDP-sharded over 2 ranks each), the Hugging Face export
+    holds the tensors one plain process exports, and the checkpoint resumes under EP 2 on 2 ranks (another layout:
+    DCP reshards the experts) to end where the plain run ends."""
+    ep_dir, plain_dir = tmp_path / "ep_hf", tmp_path / "plain_hf"
+    run_ranks(_run, 4, ["--parallel.expert_parallel=2", "--train.steps=3", "--checkpoint.final=true",
+                        f"--checkpoint.export_hf={ep_dir}"], str(tmp_path / "a"), timeout=300)
+    run_ranks(_run, 1, ["--train.steps=3", f"--checkpoint.export_hf={plain_dir}"], str(tmp_path / "p3"))
+    got, want = _exported(ep_dir), _exported(plain_dir)
+    assert set(got) == set(want) and any(".experts.7.down_proj." in k for k in got)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+    step3 = f"--checkpoint.resume={tmp_path}/a/checkpoints/step_00000003"
+    resumed = run_ranks(_run, 2, ["--parallel.expert_parallel=2", step3], str(tmp_path / "b"), timeout=300)[0]
+    plain = run_ranks(_run, 1, [], str(tmp_path / "p6"))[0]
+    assert resumed["start"] == 3
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(plain["losses"][3:]), rtol=1e-5,
+                               atol=1e-5)
