@@ -114,3 +114,57 @@ def _check_export(tmp_path, device, world):
     (a, _), (b, _) = runs["all"], runs["none"]
     for k in b:
         assert (a[k] - b[k]).norm() / b[k].norm() < 2e-2, k
+
+
+def _train_kept(rank, world, root, overlap):
+    """offload=all keeping the first 2 of 4 blocks on the GPU (parallel.offload_gpu_blocks): where each block's
+    shards and moments live, and the run's losses and weights; the overlapped run also resumes its step-3 checkpoint."""
+    import os
+
+    os.environ["SHARDFIT_OFFLOAD_OVERLAP"] = "1" if overlap else "0"
+    keep = [*SIZE, "--parallel.offload=all", "--parallel.offload_gpu_blocks=2"]
+    run_dir = f"{root}/kept{int(overlap)}"
+    trainer = Trainer(small_config(*keep, run_dir=run_dir))
+    start = full_state(trainer.model)
+    history = trainer.fit()
+    end = full_state(trainer.model)
+    opt = trainer.optimizer
+    blocks = [[p.to_local() for p in b.parameters()] for b in trainer.model.model.layers]
+    out = {"losses": [h["loss"] for h in history], "overlapped": trainer.overlap is not None,
+           "devices": [sorted({t.device.type for t in b}) for b in blocks],
+           "pinned": [all(t.is_pinned() for t in b) for b in blocks],
+           "moments": [sorted({opt.state[p]["exp_avg"].to_local().device.type for p in b.parameters()})
+                       for b in trainer.model.model.layers],
+           "embedding_on_host": trainer.model.model.embed_tokens.weight.to_local().device.type == "cpu"}
+    if rank == 0:
+        torch.save({"start": start, "end": end}, f"{root}/kept{int(overlap)}_state.pt")
+    if overlap:
+        resumed = Trainer(small_config(*keep, f"--checkpoint.resume={run_dir}/checkpoints/step_00000003",
+                                       run_dir=f"{root}/kept_resumed"))
+        out["resumed"] = [h["loss"] for h in resumed.fit()]
+    return out
+
+
+def test_offload_gpu_blocks_keep_the_first_blocks_on_the_gpu(tmp_path):
+    """The first 2 blocks' shards and Adam moments on the GPU (not pinned host memory), the others' on the host; one
+    optimizer over both devices (torch's fused AdamW groups by device): the overlapped step (kept groups on the main
+    thread, the rest on the worker) equals the synchronous one bit for bit, resumes exactly, and starts from the
+    no-offload weights."""
+    world = min(2, torch.cuda.device_count())
+    ref = run_ranks(_train, world, "none", str(tmp_path), backend="nccl")  # writes none_state.pt
+    kept = run_ranks(_train_kept, world, str(tmp_path), True, backend="nccl")
+    sync = run_ranks(_train_kept, world, str(tmp_path), False, backend="nccl")
+    for r in kept:
+        assert r["overlapped"] and r["embedding_on_host"]
+        assert r["devices"] == [["cuda"], ["cuda"], ["cpu"], ["cpu"]] and r["pinned"] == [False, False, True, True]
+        assert r["moments"] == [["cuda"], ["cuda"], ["cpu"], ["cpu"]]
+    assert not sync[0]["overlapped"] and sync[0]["losses"] == kept[0]["losses"]
+    a, s, b = (torch.load(tmp_path / f"{k}_state.pt") for k in ("kept1", "kept0", "none"))
+    for k in b["start"]:  # kept blocks drawn in place on the GPU, the others through device twins: the same weights
+        assert torch.equal(a["start"][k], b["start"][k]), k
+    for k in a["end"]:  # the overlapped step is the synchronous one; both within bf16 noise of no offload
+        assert torch.equal(a["end"][k], s["end"][k]), k
+        diff = (a["end"][k].float() - b["end"][k].float()).norm() / b["end"][k].float().norm()
+        assert diff < 2e-2, (k, diff.item())
+    torch.testing.assert_close(torch.tensor(kept[0]["losses"]), torch.tensor(ref[0]["losses"]), rtol=1e-2, atol=1e-2)
+    assert kept[0]["resumed"] == kept[0]["losses"][3:]

@@ -6,7 +6,17 @@ import json
 import pytest
 
 from shardfit.config import accumulation_steps, load_config
-from shardfit.memory.plan import GiB, _key, _pinned_shard_bytes, allocation_budget, estimate, fits, host_per_node
+from shardfit.memory.plan import (
+    GiB,
+    _key,
+    _pinned_shard_bytes,
+    allocation_budget,
+    configured,
+    estimate,
+    fits,
+    host_budget,
+    host_per_node,
+)
 from shardfit.memory.propose import SCHEMA, accepted, apply, proposals
 from shardfit.parallel.parallelize import check_replicate
 from shardfit.parallel.ulysses import check_sequence_parallel
@@ -121,8 +131,75 @@ def test_70b_on_one_node_of_80_gb_and_8b_on_one_gpu_have_a_proposal_that_fits():
 
 
 def test_host_memory_short_leaves_offload_out():
-    props, short = proposals(load_config(None, BASE_8B), 1, 80, host_gib=100)  # 126 GiB needed
+    """A host too small for any number of GPU-kept blocks that the GPU can also hold (30 GiB: 27 usable, 29 blocks
+    kept would be needed, their weights and moments 71 GiB on the GPU): offload of every block is shown with what
+    it needs."""
+    props, short = proposals(load_config(None, BASE_8B), 1, 80, host_gib=30)
     assert [p.kind for p in short] == ["offload_all"] and "offload_all" not in [p.kind for p in props]
+    assert "parallel.offload_gpu_blocks" not in short[0].changes and short[0].host_per_node == _host_8b(1)
+
+
+# One Llama-3-8B block's pinned fp32 shard on one rank: q and o 64 MiB, k and v 16 MiB, the three 224 MiB MLP matrices
+# rounded up to 256 MiB each, two 16 KiB norms
+BLOCK_PINNED_8B = (2 * 64 + 2 * 16 + 3 * 256 << 20) + (2 * 16 << 10)
+ISSUE_8B = [*BASE_8B, "--parallel.offload=all", "--parallel.activation_checkpoint=full", "--train.micro_batch=16",
+            "--train.global_batch=16", "--parallel.compile=true"]  # issue 13: full fine-tuning on one 80 GB H100
+
+
+@pytest.mark.parametrize("kept", [3, 32])
+def test_gpu_kept_blocks_move_their_states_from_the_host_to_the_gpu(kept):
+    """parallel.offload_gpu_blocks=k: the host loses exactly the k blocks' pinned parameter and gradient shards and
+    their moments; the GPU gains their fp32 weights and moments (12 B/param) at the peak and their freed gradients
+    (4 B/param) in the reduce-scatter pool's cache, or live with accumulation; what a micro-batch needs is the same.
+    All 32 kept: no block's shard crosses PCIe any more."""
+    base = [*ISSUE_8B, "--train.micro_batch=2"]  # 8 micro-batches: accumulation
+    off0 = estimate(load_config(None, ISSUE_8B), 1, 16)
+    offk = estimate(load_config(None, [*ISSUE_8B, f"--parallel.offload_gpu_blocks={kept}"]), 1, 16)
+    assert off0.host - offk.host == kept * (2 * BLOCK_PINNED_8B + 8 * BLOCK_8B)
+    assert (offk.weights, offk.moments, offk.grads) == (4 * kept * BLOCK_8B, 8 * kept * BLOCK_8B, 0)
+    assert offk.idle_cache == 4 * kept * BLOCK_8B and off0.idle_cache == 0
+    assert offk.peak - off0.peak == 12 * kept * BLOCK_8B - off0.offload_copies * (kept == 32)
+    assert offk.offload_copies == (0 if kept == 32 else off0.offload_copies)
+    assert (offk.fsdp, offk.activations, offk.working) == (off0.fsdp, off0.activations, off0.working)
+    accum = estimate(load_config(None, [*base, f"--parallel.offload_gpu_blocks={kept}"]), 1, 2)
+    assert (accum.grads, accum.idle_cache) == (4 * kept * BLOCK_8B, 0)  # live from the first micro-batch on
+
+
+def test_offload_proposal_keeps_the_fewest_blocks_that_fit_the_host():
+    """Issue 13 on the H100 machine (123 GiB host, killed at ~120 GiB resident): all states offloaded need 125.8
+    GiB; the proposal keeps the first 5 blocks on the GPU (host 108.6 GiB, under the 110.7 usable; 4 would need
+    112.0), with the configured full checkpointing and one micro-batch of 16, peak 46.4 GiB of the GPU's 75.5 GiB
+    budget. Re-planned from its flags it fits both."""
+    cfg = load_config(None, ISSUE_8B)
+    assert not configured(cfg, 1, 80, 123)[1]  # as configured: the host is short
+    props, short = proposals(cfg, 1, 80, host_gib=123)
+    offload = next(p for p in props if p.kind == "offload_all")
+    assert offload.changes == {"parallel.offload_gpu_blocks": 5, "parallel.offload": "all",
+                               "parallel.activation_checkpoint": "full", "train.micro_batch": 16}
+    assert "the first 5 blocks' states stay on the GPU" in offload.note
+    got, nproc, e = _replan(ISSUE_8B, offload, 1)
+    assert e == offload.estimate and configured(got, 1, 80, 123)[1]
+    assert round(e.peak / GiB, 1) == 46.4 and round(e.host / GiB, 1) == 108.6
+    fewer = estimate(apply(got, {"parallel.offload_gpu_blocks": 4}), 1, 16)
+    assert host_budget(123) < fewer.host and e.host <= host_budget(123) == 0.9 * 123 * GiB
+    assert all(p.kind != "offload_all" for p in short)
+    # no host size: nothing to keep on the GPU, the configuration fits as it is
+    assert configured(cfg, 1, 80)[1] and "offload_all" not in [p.kind for p in proposals(cfg, 1, 80)[0]]
+
+
+def test_plan_text_says_which_blocks_stay_on_the_gpu(capsys):
+    from shardfit.cli.main import main
+
+    assert main(["plan", *ISSUE_8B, "--nproc", "1", "--gpu-memory", "80", "--host-memory", "123"]) == 0
+    out = capsys.readouterr().out
+    assert "EXCEEDS the host's 123 GiB (110.7 GiB usable" in out
+    assert "--parallel.offload=all --parallel.offload_gpu_blocks=5 --parallel.activation_checkpoint=full" in out
+    assert main(["plan", *ISSUE_8B, "--parallel.offload_gpu_blocks=5", "--nproc", "1", "--gpu-memory", "80",
+                 "--host-memory", "123"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU offload of all but the first 5 blocks" in out and "as configured: fits" in out
+    assert ("108.6 GiB (fp32 parameters and gradients, pinned, and Adam moments, the first 5 blocks' on the GPU "
+            "instead" in out)
 
 
 def test_plan_json_carries_the_proposals_as_numbers(capsys):

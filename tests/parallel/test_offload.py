@@ -18,7 +18,7 @@ from shardfit.config import load_config
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model
 from shardfit.parallel import parallelize
-from shardfit.parallel.offload import _DeviceTwins, check_offload, offloaded, step_threads
+from shardfit.parallel.offload import _DeviceTwins, check_offload, offload_policy, offloaded, step_threads
 from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.helpers import full_state, small_config
@@ -44,14 +44,17 @@ def _nan_step(t, rank, world, before):
             "grads_freed": all(p.grad is None for p in t.model.parameters())}
 
 
-def _both(rank, world, run_dir, sync_too):
+def _both(rank, world, run_dir, sync_too, kept=0):
     """Offload (the CPU step overlapped with the next forward, and with sync_too also in place) and no offload in
-    one process group, from the same seed; plus the device-twin initialisation."""
+    one process group, from the same seed; plus the device-twin initialisation. kept: parallel.offload_gpu_blocks,
+    of 4 blocks (2 without)."""
     out = {}
+    layers = ["--model.n_layers=4"] if kept else []
     for key in ("all", "all_sync", "none") if sync_too else ("all", "none"):
         off = key.split("_")[0]
         os.environ["SHARDFIT_OFFLOAD_OVERLAP"] = "0" if key == "all_sync" else "1"
-        t = Trainer(small_config(*ARGS, f"--parallel.offload={off}", run_dir=f"{run_dir}/{key}"))
+        keep = [f"--parallel.offload_gpu_blocks={kept}"] if off == "all" else []
+        t = Trainer(small_config(*ARGS, *layers, f"--parallel.offload={off}", *keep, run_dir=f"{run_dir}/{key}"))
         overlapped = t.overlap is not None
         threads, step = [], t.optimizer.step
         t.optimizer.step = lambda *a, _t=threads, _s=step, **k: (_t.append(threading.current_thread().name),
@@ -70,7 +73,7 @@ def _both(rank, world, run_dir, sync_too):
             out["nan"] = _nan_step(t, rank, world, state)
     # Step 6 with offload on a device draws each parameter into a device twin and copies it into the host shard;
     # with the CPU as "device" the twins go through the same DTensor path and must give model.init_weights' values.
-    cfg = small_config(*ARGS, "--parallel.offload=all")
+    cfg = small_config(*ARGS, *layers, "--parallel.offload=all", f"--parallel.offload_gpu_blocks={kept}")
     models = []
     for twins in (False, True):
         with torch.device("meta"):
@@ -83,23 +86,27 @@ def _both(rank, world, run_dir, sync_too):
     return out
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(1, marks=pytest.mark.slow)])
-def test_offload_trains_like_no_offload(tmp_path, world):
+@pytest.mark.parametrize("world,kept", [(2, 0), (2, 2), (1, 2), pytest.param(1, 0, marks=pytest.mark.slow)])
+def test_offload_trains_like_no_offload(tmp_path, world, kept):
     """Same losses and parameters after 4 steps with accumulation (2 micro-batches per rank on 2 ranks, 4 on one)
     and clipping active at every step; shards on the host, gradients freed after each step; the CPU step run under
     the next forward equals it run in place. Then a step with a NaN on the last rank is skipped on every rank and
-    leaves the host shards and Adam's moments untouched."""
-    res = run_ranks(_both, world, str(tmp_path), world == 2, timeout=240)
+    leaves the host shards and Adam's moments untouched. kept=2: the first 2 of 4 blocks are not offloaded (FSDP's
+    own state says so) and are stepped on the main thread, the rest on the worker, with the same results."""
+    res = run_ranks(_both, world, str(tmp_path), world == 2, kept, timeout=240)
     r = res[0]
     off, ref = r["all"], r["none"]
     assert off["overlapped"] and not ref["overlapped"]
-    # one optimizer.step per FSDP group per training step, all on the worker thread
-    assert len(off["step_threads"]) == 4 * off["groups"] and off["groups"] >= 3
-    assert all(n.startswith("shardfit-cpu-step") for n in off["step_threads"])
+    # one optimizer.step per offloaded FSDP group per training step on the worker thread, and one on the main thread
+    # for the kept blocks' groups together
+    worker = [n for n in off["step_threads"] if n.startswith("shardfit-cpu-step")]
+    assert len(worker) == 4 * (off["groups"] - kept) and off["groups"] >= 3
+    assert len(off["step_threads"]) - len(worker) == (4 if kept else 0)
     if world == 2:  # the overlapped step is the in-place step, bit for bit
         assert not r["all_sync"]["overlapped"]
         assert r["all_sync"]["losses"] == off["losses"] and r["all_sync"]["state"] == off["state"]
-    assert all(off["offloaded"]) and not any(ref["offloaded"])
+    n_blocks = len(off["offloaded"]) - 1  # the blocks, then the whole model (offloaded only if every group is)
+    assert off["offloaded"] == [i >= kept for i in range(n_blocks)] + [kept == 0] and not any(ref["offloaded"])
     assert off["host"] and off["grads_freed"]
     assert all(n > CLIP for n in ref["norms"])  # clipping acted at every step
     assert all(x["all"]["losses"] == off["losses"] for x in res)  # every rank derives the same metrics
@@ -116,11 +123,14 @@ def test_offload_trains_like_no_offload(tmp_path, world):
         assert nan["same"] and nan["same_opt"] and nan["grads_freed"]
 
 
-def test_offload_resume_equals_uninterrupted(tmp_path):
-    """A checkpoint written with offload (DCP reads the host shards and host moments) resumes bit for bit."""
+@pytest.mark.parametrize("kept", [0, 2])
+def test_offload_resume_equals_uninterrupted(tmp_path, kept):
+    """A checkpoint written with offload (DCP reads the host shards and host moments, and with kept blocks the
+    device ones, through one optimizer) resumes bit for bit."""
     from tests.train.test_checkpoint_resume import _uninterrupted_then_resumed
 
-    r = run_ranks(_uninterrupted_then_resumed, 2, str(tmp_path), ["--parallel.offload=all",
+    keep = ["--model.n_layers=4", f"--parallel.offload_gpu_blocks={kept}"] if kept else []
+    r = run_ranks(_uninterrupted_then_resumed, 2, str(tmp_path), ["--parallel.offload=all", *keep,
                                                                   f"--train.grad_clip={CLIP}"], timeout=240)[0]
     assert r["b"] == r["a"][3:], "resumed losses must equal the uninterrupted run's, bit for bit"
     assert r["same_params"]
@@ -183,6 +193,24 @@ def test_optimizer_offload_is_refused_with_one_line():
     with pytest.raises(ShardfitError, match="fp8"):
         check_offload(small_config("--parallel.offload=all", "--parallel.fp8=tensorwise").parallel)
     check_offload(small_config("--parallel.offload=all").parallel)  # accepted
+    # blocks kept on the GPU: only out of offload=all, and at most every block
+    for args, match in ((["--parallel.offload_gpu_blocks=2"], "parallel.offload=none"),
+                        (["--parallel.offload=all", "--parallel.offload_gpu_blocks=3"], "more than the model's 2")):
+        with pytest.raises(ShardfitError, match=match) as e:
+            check_offload(small_config(*args).parallel, n_layers=2)
+        assert e.value.exit_code == 2 and "\n" not in str(e.value)
+        assert str(e.value).startswith("parallel.offload_gpu_blocks: ")
+    check_offload(small_config("--parallel.offload=all", "--parallel.offload_gpu_blocks=2").parallel, n_layers=2)
+
+
+def test_offload_policy_keeps_the_first_blocks():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    par = small_config("--parallel.offload=all", "--parallel.offload_gpu_blocks=2", "--model.n_layers=4").parallel
+    cpu = torch.device("cpu")
+    assert [isinstance(offload_policy(par, cpu, i), CPUOffloadPolicy) for i in (0, 1, 2, 3, None)] == [
+        False, False, True, True, True]  # the embedding, head and root groups (None) stay offloaded
+    assert not isinstance(offload_policy(small_config().parallel, cpu, None), CPUOffloadPolicy)
 
 
 def test_step_threads_share_the_cores_between_local_ranks(monkeypatch):

@@ -10,8 +10,10 @@ the selective-checkpointing policy applied to the same operations the training r
                parallel.reduce_every_micro_batch=false and accumulation, the whole model's fp32 gradients unsharded
                instead. CPU offload moves states to host memory (the `host` term, per rank): all = FSDP2's
                CPUOffloadPolicy, the sharded parameters, gradients and moments (16 B/param/shard), the step on the
-               CPU; optimizer = the moments (8 B/param/shard; parameters and gradients stay), counted for
-               comparison only: the trainer refuses it (parallel/offload.py)
+               CPU, but for the first parallel.offload_gpu_blocks blocks, whose states stay on the GPU (their
+               gradients freed after each step like memory.keep_grads=false's); optimizer = the moments
+               (8 B/param/shard; parameters and gradients stay), counted for comparison only: the trainer refuses
+               it (parallel/offload.py)
   fsdp         bf16 unsharded parameters in flight: the root group (embedding, head, final norm) for the whole
                forward and backward, plus two blocks (the one running and the one prefetched), plus one block's
                fp32 reduce-scatter input in backward
@@ -219,14 +221,17 @@ def _param_counts(model: tuple, fp8: str, fp8_all_gather: bool) -> tuple[int, tu
     return sum(p.numel() for p in built.parameters()), blocks, fp8_bytes
 
 
-@functools.lru_cache(maxsize=64)
-def _pinned_shard_bytes(model: tuple, shard: int) -> int:
+@functools.lru_cache(maxsize=256)
+def _pinned_shard_bytes(model: tuple, shard: int, gpu_blocks: int = 0) -> int:
     """Pinned host bytes of one rank's fp32 parameter shards under offload=all: FSDP2 pins each shard (dim 0 split
     over `shard` ranks, padded to a whole row count) as an allocation of its own, and PyTorch's pinned allocator rounds
     each up to a power of two (Llama-3-8B on one rank: a 224 MiB MLP matrix takes 256 MiB; 33 GiB for 29.9). The
-    gradient shards copied back are pinned the same way: the same bytes again."""
+    gradient shards copied back are pinned the same way: the same bytes again. The first gpu_blocks blocks'
+    shards stay on the GPU (parallel.offload_gpu_blocks): not counted."""
+    built = _meta_model(model)
+    kept = {id(p) for b in built.model.layers[:gpu_blocks] for p in b.parameters()}
     total = 0
-    for p in _meta_model(model).parameters():
+    for p in (p for p in built.parameters() if id(p) not in kept):
         rows = -(-p.shape[0] // shard) if p.dim() else 1
         nbytes = 4 * rows * (p[0].numel() if p.dim() else 1)
         total += 1 << max(0, (nbytes - 1).bit_length())  # the next power of two
@@ -267,28 +272,32 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     m, par = cfg.model, cfg.parallel
     n_params, block_params, fp8_bytes = _param_counts(_key(m), par.fp8, par.fp8_all_gather)
     root_params = n_params - sum(block_params)
-    weights, moments = 4 * n_params // shard, 8 * n_params // shard  # fp32 weights, Adam's two fp32 moments
-    sharded_grads = 4 * n_params // shard
-    grads = sharded_grads if cfg.memory.keep_grads else 0
-    idle_cache = 0 if cfg.memory.keep_grads else sharded_grads  # freed gradients, cached (see fits)
+    # offload=all keeps only the first offload_gpu_blocks blocks' states on the GPU (parallel/offload.py)
+    kept = par.offload_gpu_blocks
+    on_gpu = sum(block_params[:kept]) if par.offload == "all" else n_params
+    weights, moments = 4 * on_gpu // shard, 8 * on_gpu // shard  # fp32 weights, Adam's two fp32 moments
+    sharded_grads = 4 * on_gpu // shard
+    # under offload=all the trainer frees every gradient after the step, the GPU-kept blocks' too
+    keep = cfg.memory.keep_grads and par.offload != "all"
+    grads = sharded_grads if keep else 0
+    idle_cache = 0 if keep else sharded_grads  # freed gradients, cached (see fits)
     unsharded = 0
     if cfg.train.global_batch > micro_batch * (world // par.sequence_parallel):  # accumulation
         if not par.reduce_every_micro_batch:
             unsharded = 4 * n_params  # accumulated unsharded in fp32 between micro-batches, on every GPU
-        elif not cfg.memory.keep_grads:
+        elif not keep:
             grads, idle_cache = sharded_grads, 0  # live from the first micro-batch on: allocated, not idle
     host = copies = 0
     if par.offload == "optimizer":  # the moments and the step on the CPU; parameters and gradients stay
         host, moments = moments, 0
-    elif par.offload == "all":  # FSDP2's CPUOffloadPolicy: every sharded state in pinned host memory
+    elif par.offload == "all":  # FSDP2's CPUOffloadPolicy: the other groups' sharded states in host memory
         # gradients copied there after each reduce-scatter; parameters and gradients pinned, each shard rounded up
         # to a power of two by the pinned allocator; the moments are plain host memory
-        host = 2 * _pinned_shard_bytes(_key(m), shard) + moments
-        weights = moments = grads = idle_cache = 0
+        host = 2 * _pinned_shard_bytes(_key(m), shard, kept) + 8 * (n_params - on_gpu) // shard
         # FSDP2 copies a group's fp32 shard to the GPU before its all-gather (the prefetched block's, while one
-        # computes), and each reduced gradient shard sits on the GPU until its copy to the host is done: one block's
-        # shard of each, 4 B/param/shard twice (0.8 GiB for 70B on 8 GPUs)
-        copies = 2 * 4 * max(block_params) // shard
+        # computes), and each reduced gradient shard sits on the GPU until its copy to the host is done: one
+        # offloaded block's shard of each, 4 B/param/shard twice (0.8 GiB for 70B on 8 GPUs)
+        copies = 2 * 4 * max(block_params[kept:], default=0) // shard
     grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
     big_block = max(block_params)
     # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
@@ -317,6 +326,22 @@ def host_per_node(e: Estimate, world: int, gpus_per_node: int = 8) -> int:
     """Host memory the offloaded states of one node's ranks take: FSDP2 pins the sharded parameters and gradients
     (page-locked: the OS cannot swap them), the moments are plain host memory the CPU step reads in place."""
     return e.host * min(world, gpus_per_node)
+
+
+HOST_USABLE = 0.9  # of a node's host memory, for the offloaded states
+
+
+def host_budget(host_gib: float) -> float:
+    """Bytes of a host of host_gib the offloaded states may take: 10% is left to the processes themselves (CUDA
+    context, libraries, Python, data loading: a few GiB per rank) and to the kernel and page cache (dataset reads,
+    checkpoint writes). Measured: Llama-3-8B offloaded on one H100 of a 123 GiB host was killed by the OOM killer at
+    ~120 GiB resident (59 GB of moments, 70 GB of pinned shards still growing), 3 GiB short of the total."""
+    return HOST_USABLE * host_gib * GiB
+
+
+def host_fits(e: Estimate, world: int, gpus_per_node: int, host_gib: float | None) -> bool:
+    """Whether one node's offloaded states fit host_budget (True when no host size is given)."""
+    return host_gib is None or host_per_node(e, world, gpus_per_node) <= host_budget(host_gib)
 
 
 def largest_micro_batch(cfg: Config, world: int, budget_bytes: float, limit: int = 64,
@@ -395,15 +420,18 @@ def largest_per_mode(cfg: Config, world: int, gpu_gib: float) -> dict[str, Estim
 def host_line(e: Estimate, cfg: Config, world: int, gpus_per_node: int, host_gib: float | None) -> str:
     """What parallel.offload asks of each node's host memory, and whether it exceeds --host-memory."""
     ranks = min(world, gpus_per_node)
+    kept = cfg.parallel.offload_gpu_blocks
     what = ("Adam moments" if cfg.parallel.offload == "optimizer"
-            else "fp32 parameters and gradients, pinned, and Adam moments")
+            else "fp32 parameters and gradients, pinned, and Adam moments"
+            + (f", the first {kept} blocks' on the GPU instead" if kept else ""))
     line = (f"host memory per node: {host_per_node(e, world, gpus_per_node) / GiB:.1f} GiB ({what}, of {ranks} "
             f"rank(s), {e.host / GiB:.1f} GiB each)")
     if cfg.parallel.offload == "optimizer":
         line += "; counted for comparison: shardfit train refuses parallel.offload=optimizer"
     if host_gib is not None:
-        over = host_per_node(e, world, gpus_per_node) > host_gib * GiB
-        line += f": EXCEEDS the host's {host_gib:.0f} GiB" if over else f": within the host's {host_gib:.0f} GiB"
+        usable = f"{host_budget(host_gib) / GiB:.1f} GiB usable: 10% left to the processes and the page cache"
+        line += (f": {'within' if host_fits(e, world, gpus_per_node, host_gib) else 'EXCEEDS'} the host's "
+                 f"{host_gib:.0f} GiB ({usable})")
     return line
 
 
@@ -413,8 +441,7 @@ def configured(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
     given, the offloaded states fit one node's host memory."""
     cfg = as_rows(cfg)  # token budgets: one [1, micro_batch_tokens] row
     e = estimate(cfg, world, cfg.train.micro_batch or 1)
-    host_ok = host_gib is None or host_per_node(e, world, gpus_per_node) <= host_gib * GiB
-    return e, fits(e, allocation_budget(gpu_gib * GiB), gpu_gib * GiB) and host_ok
+    return e, fits(e, allocation_budget(gpu_gib * GiB), gpu_gib * GiB) and host_fits(e, world, gpus_per_node, host_gib)
 
 
 def as_rows(cfg: Config) -> Config:
@@ -441,6 +468,7 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
              + (f", HSDP: {cfg.parallel.replicate} replicas of {world // cfg.parallel.replicate}-GPU shard groups"
                 if cfg.parallel.replicate > 1 else "")
              + (f", CPU offload of {cfg.parallel.offload}" if cfg.parallel.offload != "none" else "")
+             + (f" but the first {cfg.parallel.offload_gpu_blocks} blocks" if cfg.parallel.offload_gpu_blocks else "")
              + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
              + (", compiled blocks" if cfg.parallel.compile else ", eager blocks")
              + (f", FP8 {cfg.parallel.fp8}" if cfg.parallel.fp8 != "none" else "")

@@ -7,7 +7,10 @@ One proposal per kind, in the order of what the user gives up, least first:
   sequence_parallel  Ulysses over the smallest P that fits (P divides the world, data.seq_len and model.n_heads):
                      activations shrink by P, two all-to-alls per attention layer, world/P data-parallel ranks
   offload_all        FSDP2's CPU offload: the sharded parameters, gradients and moments (16 B/param/shard) in host
-                     memory; every block's weights cross PCIe each forward and backward
+                     memory; every block's weights cross PCIe each forward and backward. With --host-memory, the
+                     fewest blocks kept on the GPU (parallel.offload_gpu_blocks) whose host memory fits 90% of it
+                     (memory/plan.py: host_budget), if the GPU holds their states too; else offload of every block,
+                     left out for its host memory
   more_gpus          the smallest power of two below 8, or multiple of 8, of GPUs at which plain FSDP fits without
                      offload
   hsdp               a multi-node world as R replicas of shard groups of whole nodes: the per-block all-gathers and
@@ -15,9 +18,12 @@ One proposal per kind, in the order of what the user gives up, least first:
 
 Each kind's proposal takes the lightest checkpointing at which some micro-batch fits, and there the largest
 micro-batch that divides each data-parallel rank's share of the global batch (raised to the next multiple of the
-data-parallel ranks when they do not split it). A proposal is a set of config keys and a world size: it is applied
-to the config, checked as the loader, the launcher and parallelize check it, and re-planned by the same estimate,
-so what is printed is what `shardfit plan` with those flags predicts.
+data-parallel ranks when they do not split it). offload_all takes the largest micro-batch first, and there the
+lightest checkpointing: under offload every micro-batch after the first copies its gradients to the host
+synchronously and adds them on the CPU inside backward (parallel/offload.py), so one micro-batch per step wins.
+A proposal is a set of config keys and a world size: it is applied to the config, checked as the loader, the
+launcher and parallelize check it, and re-planned by the same estimate, so what is printed is what `shardfit plan`
+with those flags predicts.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from shardfit.memory.plan import (
     configured,
     estimate,
     fits,
+    host_fits,
     host_per_node,
     largest_per_mode,
 )
@@ -91,9 +98,11 @@ def accepted(cfg: Config, world: int) -> bool:
     return True
 
 
-def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any]) -> tuple[dict, Estimate] | None:
-    """changes completed with the lightest checkpointing and the largest micro-batch that fit, and their estimate;
-    None when nothing fits or the loader would refuse the layout."""
+def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any],
+            largest_first: bool = False) -> tuple[dict, Estimate] | None:
+    """changes completed with the lightest checkpointing and the largest micro-batch that fit (largest_first: the
+    largest micro-batch, and there the lightest checkpointing), and their estimate; None when nothing fits or the
+    loader would refuse the layout."""
     budget, device = allocation_budget(gpu_gib * GiB), gpu_gib * GiB
     base = apply(cfg, changes)
     sp = base.parallel.sequence_parallel
@@ -109,16 +118,29 @@ def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any]) ->
         sizes = [1]  # one [1, micro_batch_tokens] row per forward/backward (memory/plan.py: as_rows)
     else:
         sizes = [d for d in range(min(per_rank, 64), 0, -1) if per_rank % d == 0]
-    for mode in MODES:
-        for mb in sizes:
-            ch = {**changes, "parallel.activation_checkpoint": mode, **extra}
-            if not base.train.micro_batch_tokens:
-                ch["train.micro_batch"] = mb
-            c = apply(cfg, ch)
-            if accepted(c, world):
-                e = estimate(c, world, mb)
-                if fits(e, budget, device):
-                    return ch, e
+    order = ([(mode, mb) for mb in sizes for mode in MODES] if largest_first
+             else [(mode, mb) for mode in MODES for mb in sizes])
+    for mode, mb in order:
+        ch = {**changes, "parallel.activation_checkpoint": mode, **extra}
+        if not base.train.micro_batch_tokens:
+            ch["train.micro_batch"] = mb
+        c = apply(cfg, ch)
+        if accepted(c, world):
+            e = estimate(c, world, mb)
+            if fits(e, budget, device):
+                return ch, e
+    return None
+
+
+def gpu_blocks_for_host(cfg: Config, world: int, host_gib: float | None, gpus_per_node: int) -> int | None:
+    """parallel.offload_gpu_blocks for offload=all: the fewest blocks kept on the GPU whose host memory fits the
+    host's budget (memory/plan.py: host_budget, 90% of host_gib); 0 without a host size, None when not even every
+    block kept on the GPU brings it under. The host term does not depend on the micro-batch or the checkpointing;
+    each block kept takes its 16 B/param/shard (pinned rounding included) off the host."""
+    for n in range(cfg.model.n_layers + 1) if host_gib is not None else [0]:
+        c = apply(cfg, {"parallel.offload": "all", "parallel.offload_gpu_blocks": n})
+        if host_fits(estimate(c, world, 1), world, gpus_per_node, host_gib):
+            return n
     return None
 
 
@@ -135,12 +157,15 @@ def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_no
     host = host_per_node(e, world, gpus_per_node) / GiB
     mode = ch["parallel.activation_checkpoint"]
     P, R = ch.get("parallel.sequence_parallel", 1), ch.get("parallel.replicate", 1)
+    kept = ch.get("parallel.offload_gpu_blocks", cfg.parallel.offload_gpu_blocks)
     notes = {
         "checkpointing": CHECKPOINTING[mode],
         "sequence_parallel": f"each sequence split over {P} GPUs (two all-to-alls per attention layer), "
                              f"{world // P} data-parallel ranks",
         "offload_all": f"parameters, gradients and the optimizer step on the CPU ({host:.0f} GiB of host memory per "
-                       "node), every block's weights copied over PCIe: much slower, not measured yet",
+                       "node), every block's weights copied over PCIe: much slower, not measured yet" + (
+                           f"; the first {kept} blocks' states stay on the GPU (the fewest whose host memory fits "
+                           "90% of --host-memory)" if kept else ""),
         "more_gpus": f"{world} GPUs, no offload" + (
             f", {world // gpus_per_node} nodes of {gpus_per_node} (shardfit train --nproc {gpus_per_node} "
             f"--nnodes {world // gpus_per_node} on each)" if world > gpus_per_node else ""),
@@ -164,7 +189,7 @@ def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = 
     par = cfg.parallel
 
     def propose(kind: str, changes: dict[str, Any], w: int = world) -> bool:
-        got = fitting(cfg, w, gpu_gib, changes)
+        got = fitting(cfg, w, gpu_gib, changes, largest_first=kind == "offload_all")
         if got is None:
             return False
         ch, e = got
@@ -178,9 +203,16 @@ def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = 
     for P in range(par.sequence_parallel + 1, world + 1):
         if world % P == 0 and propose("sequence_parallel", {"parallel.sequence_parallel": P}):
             break
-    if par.offload != "all":
-        propose("offload_all", {"parallel.offload": "all"})
+    # offload with the fewest GPU-kept blocks whose host memory fits; failing that (the host or the GPU short) of
+    # every block, which a short host leaves out and so shows what it needs. The configuration as given is not one.
+    for n in dict.fromkeys((gpu_blocks_for_host(cfg, world, host_gib, gpus_per_node), 0)):
+        if n is None or (par.offload == "all" and n == par.offload_gpu_blocks):
+            continue
+        kept = {"parallel.offload_gpu_blocks": n} if n != par.offload_gpu_blocks else {}
+        if propose("offload_all", {"parallel.offload": "all", **kept}):
+            break
     plain = {**({"parallel.offload": "none"} if par.offload != "none" else {}),
+             **({"parallel.offload_gpu_blocks": 0} if par.offload_gpu_blocks else {}),
              **({"parallel.replicate": 1} if par.replicate > 1 else {})}
     # more GPUs only when this world does not fit without offload
     more = None if fits_here else next((n for n in _gpu_counts(world) if propose("more_gpus", plain, n)), None)
@@ -190,7 +222,7 @@ def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = 
                 propose("hsdp", {**plain, "parallel.replicate": w // g}, w)
                 for g in range(gpus_per_node, w, gpus_per_node) if w % g == 0):
             break
-    short = [p for p in found if host_gib is not None and p.host_per_node > host_gib * GiB]
+    short = [p for p in found if not host_fits(p.estimate, p.world, gpus_per_node, host_gib)]
     return [p for p in found if p not in short], short
 
 
@@ -208,7 +240,7 @@ def proposals_text(props: list[Proposal], short: list[Proposal], gpu_gib: float,
                   "     " + " ".join(p.flags), "     " + p.note]
     for p in short:
         lines.append(f"  left out: {p.kind} ({' '.join(p.flags)}) needs {p.host_per_node / GiB:.0f} GiB of host "
-                     f"memory per node, more than --host-memory {host_gib:.0f}")
+                     f"memory per node, more than 90% of --host-memory {host_gib:.0f}")
     return "\n".join(lines)
 
 

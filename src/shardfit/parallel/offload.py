@@ -33,6 +33,24 @@ through every path that writes parameters (initialisation, Hugging Face load, DC
 state DCP maps back to the model's parameters, and 8 bytes per parameter over PCIe each step with the GPU idle during
 the CPU step unless it is pipelined by chunks. It would keep 8 bytes per parameter on the GPU (fp32 weights and
 gradients): Llama-3-8B would still not fit one 80 GB GPU, which offload=all does.
+
+parallel.offload_gpu_blocks = N keeps the first N blocks' groups as without offload: their fp32 shards, gradients
+and moments on the GPU (16 B/param/shard), stepped there by the fused CUDA AdamW. It is for a host too small for
+every state but a GPU with room left: Llama-3-8B on one 80 GB H100 whose host has 123 GiB was killed by the host's
+OOM killer at ~120 GiB (the plan counts 125.8) with the GPU at 34 GiB of 80; every block kept takes 3.4 GiB off the
+host and puts 2.4 GiB on the GPU's peak (plus its 0.8 GiB of freed gradients cached in the reduce-scatter pool:
+memory/plan.py). The embedding, the head and the root group stay on the host (offload_policy(block=None)).
+
+Why the FIRST blocks, checked against OverlappedStep (c: one host block's CPU step, f: one block's forward, e and h:
+the embedding's and the head's steps, ~2.4 c each at 8B): the worker steps the host groups in forward order and each
+forward pre-hook waits for its own group. Kept first, blocks 0..N-1 compute right after the embedding's step while
+the worker steps blocks N.. ahead of their forwards: the forward ends at about e + max(L f, (L-N) c + h). Kept last,
+the worker steps blocks 0..L-N-1 just in time and the head's step overlaps only the kept blocks' forward: e +
+max(L f, (L-N) c + max(N f, h)). So the first blocks are never worse and gain up to N f - h when the CPU is the
+bottleneck (c > f); the CPU's total work (L-N) c + e + h is the same either way, and the embedding's step e stays
+exposed at the start of every forward whichever blocks are kept. In backward the first blocks' gradients are
+reduced last: kept ones are not copied to the host, so fewer copies remain when FSDP's finalize_backward waits for
+them (the embedding's, reduced after block 0, still is). The steps' results do not depend on any of this.
 """
 
 from __future__ import annotations
@@ -47,8 +65,9 @@ from shardfit.config.schema import ParallelConfig
 from shardfit.errors import ShardfitError
 
 
-def check_offload(cfg: ParallelConfig) -> None:
-    """Refuse what offload cannot do, before any process group or module is built (one line, exit 2)."""
+def check_offload(cfg: ParallelConfig, n_layers: int | None = None) -> None:
+    """Refuse what offload cannot do, before any process group or module is built (one line, exit 2). n_layers
+    (model.n_layers) bounds parallel.offload_gpu_blocks; unchecked when not given."""
     if cfg.offload == "optimizer":
         raise ShardfitError("parallel.offload=optimizer is not supported: FSDP2 offloads parameters, gradients and "
                             "optimizer states together or not at all (parallel/offload.py says why)",
@@ -58,24 +77,66 @@ def check_offload(cfg: ParallelConfig) -> None:
         # and all-gather through torchao's own pre-all-gather hook: neither is built for host-resident shards.
         raise ShardfitError("parallel.offload=all does not combine with parallel.fp8", where="parallel.offload",
                             fix="set parallel.fp8=none, or parallel.offload=none")
+    if cfg.offload_gpu_blocks and cfg.offload != "all":
+        raise ShardfitError(f"parallel.offload_gpu_blocks={cfg.offload_gpu_blocks} keeps blocks on the GPU out of "
+                            f"an offload, but parallel.offload={cfg.offload}", where="parallel.offload_gpu_blocks",
+                            fix="set parallel.offload=all, or parallel.offload_gpu_blocks=0")
+    if n_layers is not None and cfg.offload_gpu_blocks > n_layers:
+        raise ShardfitError(f"parallel.offload_gpu_blocks={cfg.offload_gpu_blocks} is more than the model's "
+                            f"{n_layers} blocks", where="parallel.offload_gpu_blocks",
+                            fix=f"use at most {n_layers} (all blocks on the GPU; shardfit plan proposes one)")
 
 
 def offload_policy(cfg: ParallelConfig, device: torch.device, block: int | None = None) -> OffloadPolicy:
-    """FSDP2's policy for every group. Pinned host memory on CUDA: the per-group host-to-device copies before each
-    all-gather and the gradient copies back are then asynchronous DMA transfers that overlap compute (pageable memory
-    would make each a synchronous staged copy on the host thread). Without CUDA there is nothing to pin (and pinning
-    needs a CUDA runtime): the CPU run takes the same FSDP code paths (host shards, gradients moved to the host after
-    each reduce-scatter, host accumulation) with the copies being no-ops."""
-    if cfg.offload != "all":
+    """FSDP2's policy for block `block`'s group (None: the embedding, head and root groups). The first
+    parallel.offload_gpu_blocks blocks get no offload: their states stay on the device. Pinned host memory on CUDA:
+    the per-group host-to-device copies before each all-gather and the gradient copies back are then asynchronous
+    DMA transfers that overlap compute (pageable memory would make each a synchronous staged copy on the host
+    thread). Without CUDA there is nothing to pin (and pinning needs a CUDA runtime): the CPU run takes the same FSDP
+    code paths (host shards, gradients moved to the host after each reduce-scatter, host accumulation) with the
+    copies being no-ops."""
+    if cfg.offload != "all" or (block is not None and block < cfg.offload_gpu_blocks):
         return OffloadPolicy()
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
-def offloaded(model: nn.Module) -> bool:
-    """Whether FSDP2 keeps this model's shards on the host (read from FSDP's own state, for tests and notices)."""
-    state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
-    group = getattr(state, "_fsdp_param_group", None)
-    return bool(group and group.fsdp_params and all(p.offload_to_cpu for p in group.fsdp_params))
+def _param_group(module: nn.Module):
+    """The FSDP2 parameter group of a module passed to fully_shard (None for other modules)."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    return getattr(state, "_fsdp_param_group", None)
+
+
+def _group_on_host(module: nn.Module) -> bool | None:
+    """Whether the module's own FSDP group is offloaded (its policy: CPUOffloadPolicy); None without a group."""
+    group = _param_group(module)
+    if group is None or not group.fsdp_params:
+        return None
+    return all(p.offload_to_cpu for p in group.fsdp_params)
+
+
+def offloaded(module: nn.Module) -> bool:
+    """Whether FSDP2 keeps every parameter of this module in host shards, read from FSDP's own state (for tests and
+    notices): the groups of the module and of the modules under it (a block, the embedding, the head, or the whole
+    model: False there when offload_gpu_blocks keeps blocks on the device). A module whose parameters belong to a
+    group above it (a layer inside a block) has none of its own: False."""
+    flags = {id(p.sharded_param): p.offload_to_cpu for m in module.modules() if (g := _param_group(m)) is not None
+             for p in g.fsdp_params}
+    params = list(module.parameters())
+    return bool(params) and all(flags.get(id(p), False) for p in params)
+
+
+def grad_sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Squared L2 norm of the gradients (local tensors), fp64 on `device`. With offload the gradients are host
+    tensors (complete: FSDP's finalize_backward waited for their copies), and with offload_gpu_blocks some are device
+    tensors: each device's norm is computed where its gradients are and only the scalar moves (foreach kernels and
+    torch.stack take one device). With a single device the result is that of one stack, bit for bit (0 + x = x)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for gs in by_device.values():
+        sq = sq + torch.stack(torch._foreach_norm(gs, 2)).double().pow(2).sum().to(device)
+    return sq
 
 
 class _DeviceTwins:
@@ -86,7 +147,8 @@ class _DeviceTwins:
     so drawing them into host shards directly would start offload=all from other weights than offload=none. Each
     parameter is lent out as a device twin (a DTensor of the same global shape, mesh and placements, so the seeded
     init finds the same global rows), and once init has filled it, copied into the host shard: one parameter's shard
-    is on the device at a time (at 8B on one rank, the largest is the 2 GiB fp32 embedding)."""
+    is on the device at a time (at 8B on one rank, the largest is the 2 GiB fp32 embedding). The shards of blocks
+    kept on the device (offload_gpu_blocks) are lent as they are and initialised in place."""
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.model, self.device, self.cfg = model, device, model.cfg
@@ -96,6 +158,9 @@ class _DeviceTwins:
 
         for name, p in self.model.named_parameters(*args, **kwargs):
             host = p.to_local() if isinstance(p, DTensor) else p.data
+            if host.device.type != "cpu":  # a kept block's shard, already on the device
+                yield name, p
+                continue
             twin_local = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             twin = (DTensor.from_local(twin_local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                        stride=p.stride()) if isinstance(p, DTensor) else twin_local)
@@ -109,13 +174,13 @@ class _DeviceTwins:
 
 
 def materialize_offloaded(model: nn.Module, device: torch.device, seed: int, init: bool) -> None:
-    """Steps 5 and 6 of parallelize for offload=all: shards in host memory, buffers on the device, weights drawn on
-    the device (or left for a checkpoint to fill: init=False).
+    """Steps 5 and 6 of parallelize for offload=all: shards in host memory (those of the blocks kept on the device
+    there), buffers on the device, weights drawn on the device (or left for a checkpoint to fill: init=False).
 
     FSDP2 requires offloaded shards to be materialised on the CPU (it checks at the first forward) and pins them
     itself (CPUOffloadPolicy.pin_memory) when they are set; the buffers are not FSDP's and must sit where the
     compute runs (the RoPE frequencies multiply device tensors)."""
-    model.to_empty(device="cpu")
+    _to_empty(model, device, torch.device("cpu"))
     if device.type != "cpu":
         for module in model.modules():
             for key, buf in module._buffers.items():
@@ -127,6 +192,18 @@ def materialize_offloaded(model: nn.Module, device: torch.device, seed: int, ini
         model.init_weights(seed)
     else:
         type(model).init_weights(_DeviceTwins(model, device), seed)
+
+
+def _to_empty(module: nn.Module, device: torch.device, where: torch.device) -> None:
+    """to_empty group by group: each FSDP group's shards where its policy keeps them (offloaded: the host, else
+    `device`), a module without a group of its own where its group's module is (`where`). Children first, then the
+    module's own tensors and, for a group's module, FSDP's re-registration of its shards (FSDPModule._apply), as
+    to_empty(recurse=True) orders them. Nothing is allocated twice: the kept blocks' shards never touch the host."""
+    if (on_host := _group_on_host(module)) is not None:
+        where = torch.device("cpu") if on_host else device
+    for child in module.children():
+        _to_empty(child, device, where)
+    module.to_empty(device=where, recurse=False)
 
 
 def step_threads(device: torch.device) -> str | None:
@@ -161,6 +238,13 @@ class OverlappedStep:
     current device, see _run). While one block computes, the next one is stepped: a block's step (~6 GB of host
     traffic at 8B) takes about as long as its forward at micro-batch 16.
 
+    The groups kept on the device (offload_gpu_blocks) are stepped by launch() itself, on the main thread, before the
+    worker starts: their step only enqueues the fused AdamW's kernels on the current stream (the next forward's
+    all-gathers are ordered after them as without offload), and the optimizer is never stepped from two threads at
+    once (step() takes the parameters that have a gradient: a concurrent step would see the other's). One optimizer
+    holds both devices' parameters: torch's fused AdamW groups its tensors by device and copies grad_scale to each
+    (torch/optim/adam.py, _fused_adam), so DCP's optimizer state dict and the synchronous step need nothing else.
+
     The results are those of one optimizer.step(): AdamW is elementwise per tensor and its state is per parameter,
     so stepping the parameters in slices changes nothing (tested bit for bit against the synchronous step). The
     gradients are taken out of the parameters when the step is handed over (param.grad = None on the main thread),
@@ -183,11 +267,12 @@ class OverlappedStep:
         owned = set()
         self.groups: list[list[nn.Parameter]] = []
         for m in modules:
-            group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+            group = _param_group(m)
             params = [p.sharded_param for p in group.fsdp_params] if group is not None else []
             params = [p for p in params if id(p) not in owned]
             owned.update(id(p) for p in params)
             self.groups.append(params)
+        self.on_host = [_group_on_host(m) is not False for m in modules]  # False: kept on the device
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if owned != stepped:  # a parameter outside every group would be stepped once per group
             raise RuntimeError("the overlapped CPU step needs every optimized parameter in an FSDP group")
@@ -210,13 +295,21 @@ class OverlappedStep:
             self.wait()  # re-raises a failure of the worker on the main thread
 
     def launch(self) -> None:
-        """Hand the step over: take the gradients out of the parameters, start the worker, return at once."""
-        grads = [[p.grad for p in params] for params in self.groups]
-        for params in self.groups:
+        """Hand the step over: step the groups kept on the device here, take the host groups' gradients out of the
+        parameters, start the worker on them, return at once."""
+        grads = [[p.grad if host else None for p in params] for params, host in zip(self.groups, self.on_host)]
+        for params, host in zip(self.groups, self.on_host):
             for p in params:
+                if host:
+                    p.grad = None
+        kept = [p for params, host in zip(self.groups, self.on_host) if not host for p in params]
+        if any(p.grad is not None for p in kept):
+            self.optimizer.step()  # only the kept parameters have a gradient now
+            for p in kept:
                 p.grad = None
-        for e in self.events:
-            e.clear()
+        for e, host in zip(self.events, self.on_host):
+            if host:  # a kept group's forward has nothing to wait for
+                e.clear()
         self.future = self.pool.submit(self._run, grads)
 
     def _run(self, grads: list[list[torch.Tensor | None]]) -> None:
@@ -226,12 +319,12 @@ class OverlappedStep:
             torch.cuda.set_device(self.device)
         try:
             for i, (params, gs) in enumerate(zip(self.groups, grads)):
-                for p, g in zip(params, gs):
-                    p.grad = g
                 if any(g is not None for g in gs):
+                    for p, g in zip(params, gs):
+                        p.grad = g
                     self.optimizer.step()  # steps exactly the parameters that have a gradient: this group's
-                for p in params:
-                    p.grad = None
+                    for p in params:
+                        p.grad = None
                 self.events[i].set()
         finally:
             for e in self.events:  # a failure must not leave the main thread waiting on a hook forever

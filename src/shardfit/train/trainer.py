@@ -19,8 +19,9 @@ Loss scaling: each micro-batch backpropagates (summed token loss) / C, with C = 
 micro-batches of the same shape), and FSDP averages over ranks. After the stats collective the gradients are
 multiplied by world x C / N (N = valid tokens of the whole global batch) and by the clip coefficient, in one pass:
 the result is exactly the gradient of the mean loss over the global batch, whatever the per-rank token counts.
-With parallel.offload=all the gradients are host tensors and that factor is handed to the CPU's fused AdamW as its
-grad_scale (it divides each gradient by it as it reads it) instead of a pass of its own.
+With parallel.offload=all the gradients are host tensors (and device tensors for the blocks parallel.offload_gpu_blocks
+keeps on the GPU) and that factor is handed to the fused AdamW as its grad_scale (it divides each gradient by it as
+it reads it, on either device) instead of a pass of its own.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from shardfit.models.loss import liger_available
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
 from shardfit.parallel.fp8 import fp8_notice, refresh_fp8_scales
 from shardfit.parallel.layout import check_layout
-from shardfit.parallel.offload import OverlappedStep
+from shardfit.parallel.offload import OverlappedStep, grad_sq_norm
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
 from shardfit.train.evaluate import evaluate
@@ -263,13 +264,8 @@ class Trainer:
     def _reduce_step(self, loss_sum: torch.Tensor, tokens: int, real: float) -> torch.Tensor:
         """The step's single collective: stats of every rank, [world, k], on the host."""
         self.watchdog.beat(f"step {self.step + 1} stats collective (after all micro-batches)")
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        if grads:
-            # With offload the gradients are host tensors (complete: FSDP's finalize_backward waited for their
-            # copies): the norm is computed where they are and only the scalar goes to the device.
-            sq = torch.stack(torch._foreach_norm(grads, 2)).double().pow(2).sum().to(self.device)
-        else:
-            sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        # offload=all: host gradients, and with offload_gpu_blocks device ones too: a norm per device, where they are
+        sq = grad_sq_norm([_local(p.grad) for p in self.params if p.grad is not None], self.device)
         head = torch.stack([sq, loss_sum.double(), torch.tensor(float(tokens), dtype=torch.float64, device=self.device),
                             (~torch.isfinite(loss_sum)).double(),
                             torch.tensor(float(real), dtype=torch.float64, device=self.device)])
