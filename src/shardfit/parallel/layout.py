@@ -35,7 +35,7 @@ def check_layout(cfg: Config, world: int) -> None:
     check_replicate(cfg.parallel.replicate, world)
     check_expert_parallel(cfg.parallel.expert_parallel, world, cfg.model.n_experts, cfg.parallel.replicate,
                           cfg.parallel.offload)
-    check_offload(cfg.parallel)
+    check_offload(cfg.parallel, cfg.model.n_layers)
     if cfg.train.micro_batch_tokens:
         check_token_budget(cfg.train.micro_batch_tokens, cfg.data.seq_len, sp)
     else:

@@ -144,12 +144,6 @@ class Trainer:
 
     def _set_up(self, cfg: Config) -> None:
         """Data, sequence-parallel layout, model (sharded, initialised or loaded), optimizer, checkpoint resume."""
-        if cfg.parallel.offload == "all" and cfg.checkpoint.export_hf and self.device.type == "cuda":
-            # hf/export.py gathers each parameter with DTensor.full_tensor(), an NCCL all-gather of the local shard,
-            # which offload keeps on the host: refused before training rather than failing after it.
-            raise ShardfitError("checkpoint.export_hf does not work with parallel.offload=all on CUDA yet",
-                                where="checkpoint.export_hf",
-                                fix="export from the saved checkpoint in a run without offload")
         self.dataset, self.val_set, self.tokenizer = build_datasets(cfg.data, cfg.model.vocab_size,
                                                                     token_budget=cfg.train.micro_batch_tokens > 0)
         # Ulysses: ranks r with the same r // sp share every sample and take S/sp of its tokens each; the batch is
