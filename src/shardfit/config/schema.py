@@ -44,6 +44,9 @@ class ModelConfig:
     norm_topk_prob: bool = opt(True, "renormalise the top-k routing weights to sum to 1")
     router_aux_coef: float = opt(0.0, "weight of the routers' load-balancing loss (router_aux_loss_coef, used when "
                                       "output_router_logits is on); 0: none", ge=0)
+    router_bias_rate: float = opt(0.0, "auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias added to "
+                                       "the routing scores for the top-k choice only, moved by this rate towards "
+                                       "even load after every step (their gamma: 0.001); 0: off", ge=0)
     moe_every: int = opt(1, "every k-th layer is MoE (decoder_sparse_step)", gt=0)
     dense_layers: str = opt("", "comma-separated layer indices that stay dense (mlp_only_layers)")
 

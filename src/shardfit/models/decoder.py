@@ -170,7 +170,7 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         if is_moe_layer(cfg, layer):
             self.mlp = MoE(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.moe_ffn_dim, cfg.norm_topk_prob,
-                           track_router=cfg.router_aux_coef > 0)
+                           track_router=cfg.router_aux_coef > 0, balance_bias=cfg.router_bias_rate > 0)
         else:
             self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
@@ -262,6 +262,9 @@ class CausalLM(nn.Module):
         device = self.model.inv_freq.device
         if device.type != "meta":
             self.model.inv_freq.copy_(rope_inv_freq(self.cfg, self.model.head_dim, device))
+            for layer in self.model.layers:  # balancing biases start at zero (a resume loads them after this)
+                if getattr(layer.mlp, "balance_bias", None) is not None:
+                    layer.mlp.balance_bias.zero_()
 
     def init_buffers_fp32(self) -> None:
         """The RoPE frequencies rebuilt in fp32 after a cast of the whole module (model.to(bf16) casts buffers too,

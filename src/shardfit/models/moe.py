@@ -52,7 +52,7 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     def __init__(self, dim: int, n_experts: int, top_k: int, ffn_dim: int, norm_topk_prob: bool,
-                 track_router: bool = False):
+                 track_router: bool = False, balance_bias: bool = False):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(dim, n_experts, bias=False)  # the router
@@ -66,11 +66,26 @@ class MoE(nn.Module):
         # sets a callable (rows [N, H], counts [E], experts) -> [N, H] that exchanges them with the ranks holding
         # the other experts.
         self.exchange = None
+        # Rows routed to each expert [E] by the last forward (a recomputation writes the same values): the trainer
+        # sums them over the step's micro-batches and ranks for the load metrics and the balancing bias.
+        self.load: torch.Tensor | None = None
+        # Auxiliary-loss-free balancing (DeepSeek-V3, model.router_bias_rate): a bias [E] added to the routing
+        # probabilities for the choice of experts only (the weights stay the probabilities), raised for underloaded
+        # experts and lowered for overloaded ones after each step (update_balance_bias). A persistent buffer: saved
+        # and resumed with the model, equal on every rank because every rank applies the same global update.
+        if balance_bias:
+            self.register_buffer("balance_bias", torch.zeros(n_experts, dtype=torch.float32))
+        else:
+            self.balance_bias = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] -> (weights [T, k] in h's dtype, expert ids [T, k])."""
         probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.balance_bias is None:
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            ids = torch.topk(probs + self.balance_bias, self.top_k, dim=-1).indices
+            weights = probs.gather(-1, ids)
         if self.track_router:
             slots = F.one_hot(ids, probs.shape[-1]).float().mean(0)  # [k, E]
             self.router_stats = (slots.detach(), probs.mean(0))
@@ -84,6 +99,7 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.experts.gate_proj.shape[0])  # [E]
+        self.load = counts.detach()
         xs = h[order // self.top_k]  # [T*k, H]
         ys = self.experts(xs, counts) if self.exchange is None else self.exchange(xs, counts, self.experts)
         out = torch.empty_like(ys)
@@ -93,6 +109,14 @@ class MoE(nn.Module):
     def combine(self, ys: torch.Tensor, weights: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """ys [T*k, H] in (token, slot) order, weights [T, k] -> the routing-weighted sum per token, in `shape`."""
         return (ys.view(-1, self.top_k, shape[-1]) * weights[..., None]).sum(dim=1).view(shape)
+
+
+@torch.no_grad()
+def update_balance_bias(moe_layers: list[MoE], load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's update after a step: bias_e += rate x sign(mean load - load_e), per layer; load [L, E] is the
+    step's rows per expert summed over every micro-batch and rank (the same on every rank)."""
+    for moe, row in zip(moe_layers, load):
+        moe.balance_bias += rate * torch.sign(row.mean() - row).to(moe.balance_bias)
 
 
 def router_aux_loss(moe_layers: list[MoE]) -> torch.Tensor:

@@ -36,6 +36,8 @@ def format_line(rec: dict) -> str:
         parts.append(f"mem {rec['peak_allocated_max']:.2f}/{rec['peak_reserved_max']:.2f} GiB (alloc/resv, max rank)")
     if "time_forward_s" in rec:
         parts.append("fwd/bwd/opt/comm " + "/".join(f"{rec[f'time_{k}_s']:.3f}" for k in PHASES) + " s")
+    if "moe_load_max_over_mean" in rec:
+        parts.append(f"expert load max/mean {rec['moe_load_max_over_mean']:.2f} (layer {rec['moe_load_worst_layer']})")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     parts.append(f"eta {_fmt_eta(rec['eta_s'])}")

@@ -48,6 +48,7 @@ from shardfit.parallel.offload import OverlappedStep, grad_sq_norm
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
 from shardfit.train.evaluate import evaluate
+from shardfit.train.expert_load import ExpertLoad
 from shardfit.train.metrics import (
     MEMORY_FIELDS,
     flops_per_token,
@@ -177,6 +178,7 @@ class Trainer:
                                  init=not from_hf)
         if cfg.parallel.fp8 != "none":
             self.notices.append(fp8_notice(cfg.parallel, self.model.fp8_layers, self.device.type))
+        self.expert_load = ExpertLoad(self.model, self.device, cfg.model.router_bias_rate)
         # parallel.offload=all: shards, gradients and Adam states are host tensors (parallel/offload.py)
         self.offload = cfg.parallel.offload == "all"
         if self.model.offload_notice:
@@ -253,6 +255,7 @@ class Trainer:
             (loss / self.capacity).backward()
             self.timer.stop("backward")
             loss_sum += loss.detach()
+            self.expert_load.add_micro_batch()
         return loss_sum, tokens, real
 
     def _reduce_step(self, loss_sum: torch.Tensor, tokens: int, real: float) -> torch.Tensor:
@@ -264,7 +267,8 @@ class Trainer:
                             (~torch.isfinite(loss_sum)).double(),
                             torch.tensor(float(real), dtype=torch.float64, device=self.device)])
         mem = torch.tensor(memory_vector(self.device), dtype=torch.float64, device=self.device)
-        return all_gather_rows(torch.cat([head, mem])).cpu()  # the one host-device sync of the step
+        moe = self.expert_load.take()  # [L*E] rows per expert (MoE models; empty otherwise)
+        return all_gather_rows(torch.cat([head, mem, moe])).cpu()  # the one host-device sync of the step
 
     def _on_oom(self, err: BaseException) -> None:
         """Dump this rank's snapshot, diagnose it, and stop with one clear message. Peers blocked in a collective
@@ -312,19 +316,19 @@ class Trainer:
             clip = self.cfg.train.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             set_lr(self.optimizer, lr)
-            if self.offload:
-                # The CPU step is memory-bound: fused AdamW divides each gradient by grad_scale as it reads it, so
-                # the scale costs no pass of its own over the host gradients (measured: 20% of the step). lr and
-                # grad_scale are read by the worker until the next forward has waited for it; they change only
-                # after that.
-                self.optimizer.grad_scale = torch.tensor(1.0 / (scale * coef), dtype=torch.float32)
-                if self.overlap is not None:
-                    self.overlap.launch()  # takes the gradients; the worker frees them group by group
-                else:
-                    self.optimizer.step()
+            if self.optimizer.defaults.get("fused"):
+                # The step is memory-bound: fused AdamW divides each gradient by grad_scale as it reads it, so the
+                # scale costs no pass of its own over the gradients (measured: 20% of the CPU step under offload;
+                # on the GPU a read and write of every fp32 gradient shard, ~7 ms at 4B parameters per rank). Under
+                # offload lr and grad_scale are read by the worker until the next forward has waited for it; they
+                # change only after that. The host tensor serves both devices (fused AdamW copies it per device).
+                where = "cpu" if self.offload else self.device
+                self.optimizer.grad_scale = torch.tensor(1.0 / (scale * coef), dtype=torch.float32, device=where)
             else:
-                grads = [_local(p.grad) for p in self.params if p.grad is not None]
-                torch._foreach_mul_(grads, scale * coef)
+                torch._foreach_mul_([_local(p.grad) for p in self.params if p.grad is not None], scale * coef)
+            if self.overlap is not None:
+                self.overlap.launch()  # takes the gradients; the worker frees them group by group
+            else:
                 self.optimizer.step()
             refresh_fp8_scales(self.model, self.cfg.parallel)
         else:
@@ -345,7 +349,8 @@ class Trainer:
                 "bad_ranks": bad_ranks, "no_tokens": n_tokens == 0, "time_s": time.perf_counter() - t0,
                 "phases": timings, "capacity": self.capacity, "loss_tokens": n_tokens,
                 "real_tokens": float(rows[:, _STAT_REAL].sum()),
-                "memory": rows[:, _STAT_MEM:_STAT_MEM + len(MEMORY_FIELDS)]}
+                "memory": rows[:, _STAT_MEM:_STAT_MEM + len(MEMORY_FIELDS)],
+                "moe": self.expert_load.finish_step(rows[:, _STAT_MEM + len(MEMORY_FIELDS):], ok)}
 
     # ------------------------------------------------------------------ the loop
     def finish_step(self) -> None:
@@ -449,7 +454,7 @@ class Trainer:
                       "loss_tokens_per_s_per_gpu": window.loss_tokens / world / window.seconds,
                       "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
                       "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped,
-                      "eta_s": progress.eta(self.step), **window.phase_means(), **mem})
+                      "eta_s": progress.eta(self.step), **window.phase_means(), **mem, **rec["moe"]})
         for warning in monitor.update(mem):
             progress.message(warning)
         reset_peaks(self.device)
