@@ -19,8 +19,9 @@ MEASURED = [
     ("2026-11-21_h200x2_llama8b_eager.json", "shardfit 8B mbs4 selective-AC", ["--memory.keep_grads=false"]),
     ("2026-11-21_s2_h200x2_keep_grads.json", "eager mbs2 (defaults)", []),
     ("2026-11-21_s2_h200x2_seq262144.json", "seq 262144 ulysses-2 full-AC", ["--memory.keep_grads=false"]),
-    # compiled blocks: counted from the partitioned AOTAutograd graph
-    ("2026-11-21_s2_h200x2_levers.json", "compile mbs2 torch-CE", ["--memory.keep_grads=false"]),
+    # compiled blocks: counted from the partitioned AOTAutograd graph (this run predates the compiled loss chunk)
+    ("2026-11-21_s2_h200x2_levers.json", "compile mbs2 torch-CE",
+     ["--memory.keep_grads=false", "--parallel.compile_loss=false"]),
     ("2026-11-22_s3_h200x2_final.json", "compile mbs4", []),
     # FP8 (torchao): the traced block has the FP8 casts; tensorwise all-gathers the weights in FP8
     ("2026-11-22_s4_h200x2_fp8.json", "fp8 tensorwise mbs4", []),
@@ -28,6 +29,13 @@ MEASURED = [
     ("2026-11-22_s4_h200x2_final4.json", "fp8 tensorwise mbs5", []),
     # packed fine-tuning rows (document-masked, flex): counted as plain rows
     ("2026-11-23_s6_h200x2_varlen8b_flex.json", "8B packed mbs4", []),
+    # Qwen3-30B-A3B with 12 of its 48 layers, seq 4096, micro-batch 2, torch 2.11 (memory/plan_moe.py): compiled
+    # MoE blocks as the GPU compiles them (graph broken at bincount), expert parallelism's gathered n/E experts.
+    # Today: full AC -0.0%, no AC +3.0% (the eager block's count), compiled +2.4%, compiled EP 2 -0.1%
+    ("2026-11-23_s7_h200x2_moe2.json", "shardfit full-AC", []),
+    ("2026-11-23_s7_h200x2_moe2.json", "shardfit no-AC", []),
+    ("2026-11-23_s7_h200x2_moe2.json", "shardfit no-AC compile", []),
+    ("2026-11-23_s7_h200x2_moe2.json", "shardfit no-AC compile EP2", []),
 ]
 
 
@@ -201,3 +209,80 @@ def test_token_budget_rows_are_counted_as_rows_of_that_many_tokens():
     # which keeps the sharded gradients live from the first pass on (+4 B/param/rank)
     many = load_config(None, [*base, "--train.micro_batch_tokens=16384", "--train.global_batch=40"])
     assert estimate(many, 2, 1).grads == 4 * 8_030_261_248 // 2
+
+
+MOE = ["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_dim=64", "--data.seq_len=128"]
+
+
+def test_compiled_moe_block_recomputes_only_silu_and_expert_parallel_runs_its_experts_eagerly():
+    """A compiled MoE block (dynamo on meta, the bincount graph break of the GPU run, Inductor's partitioner per
+    graph) saves what the eager block saves but SiLU(g) [T*k, I], which the partitioner recomputes from g; the
+    attention half saves less too. Expert parallelism leaves the exchange, experts included, out of the compiled
+    graph: exactly SiLU(g) comes back."""
+    import dataclasses
+
+    import torch
+
+    from shardfit.memory import plan_moe
+    from shardfit.memory.plan import _compiled_line, _meta_block, block_activation_bytes
+
+    def saved(*extra):
+        return block_activation_bytes(load_config(None, [*MOE, *extra]), 2)["none"]
+
+    silu = 2 * 128 * 2 * 64 * 2  # micro-batch 2 x 128 tokens, top-2, I = 64, bf16
+    eager, compiled = saved(), saved("--parallel.compile=true")
+    assert compiled < eager - silu
+    assert saved("--parallel.compile=true", "--parallel.expert_parallel=2") - compiled == silu
+    assert saved("--parallel.expert_parallel=2") == eager  # eager either way
+    # traced at micro-batch 1 and 2 and extended linearly, as dense blocks are: a direct trace at 3 agrees
+    m = load_config(None, MOE).model
+    first, per_sequence = _compiled_line(tuple(dataclasses.asdict(m).items()), 128, torch.bfloat16, 0, ep=1)
+    assert plan_moe.compiled_saved_bytes(*_meta_block(m, 0, 3, 128, torch.bfloat16, ep=1)) == first + 2 * per_sequence
+
+
+def test_moe_trace_leaves_no_trace_behind():
+    """The plan's meta bincount is registered only while a block is traced, and its dynamo traces use private code
+    copies: the compile caches (and recompile counts) of the training run's DecoderBlock.forward and MoE.forward
+    gain nothing."""
+    import torch
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from shardfit.models.decoder import DecoderBlock
+    from shardfit.models.moe import MoE
+
+    def entries():
+        return [len(_debug_get_cache_entry_list(f.__code__)) for f in (MoE.forward, DecoderBlock.forward)]
+
+    before = entries()
+    estimate(load_config(None, [*MOE, "--parallel.compile=true", "--data.seq_len=96"]), 2, 1)
+    assert entries() == before
+    with pytest.raises(NotImplementedError):
+        torch.bincount(torch.zeros(3, dtype=torch.int64, device="meta"))
+
+
+def test_expert_parallel_gathers_a_ranks_experts_and_counts_the_exchange():
+    """EP 2 on 2 ranks: each block gathers (bf16) and reduce-scatters (fp32) half its experts, the states stay
+    16 B/param/W; a MoE block's backward adds the exchange's send, receive and regroup buffers [T*k, H] in bf16.
+    A layout the trainer refuses (EP with offload) is still counted, and left out of the proposals."""
+    from shardfit.memory.plan import block_activation_bytes
+    from shardfit.memory.propose import accepted
+
+    one, two = (load_config(None, [*MOE, f"--parallel.expert_parallel={e}"]) for e in (1, 2))
+    m = one.model
+    experts = 3 * 8 * 64 * m.dim  # per block
+    a, b = estimate(one, 2, 2), estimate(two, 2, 2)
+    assert a.states == b.states and a.activations == b.activations
+    assert a.fsdp - b.fsdp == (2 * 2 + 4) * experts // 2  # two gathered blocks in bf16, one fp32 reduce-scatter
+    assert block_activation_bytes(one, 2)["exchange"] == 0
+    assert block_activation_bytes(two, 2)["exchange"] == 3 * (2 * 128 * 2) * m.dim * 2
+    offloaded = load_config(None, [*MOE, "--parallel.expert_parallel=2", "--parallel.offload=all"])
+    assert estimate(offloaded, 2, 2).host > 0 and not accepted(offloaded, 2)
+
+
+def test_compiled_loss_keeps_no_fp32_logits_chunk():
+    """parallel.compile_loss (the default with compile): the fused loss's chunk is bf16 logits and their bf16
+    gradient (4 B a logit), not the eager chunk's bf16 logits, fp32 copy and fp32 temporary (10 B)."""
+    base = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=2", "--parallel.compile=true"]
+    eager = estimate(load_config(None, [*base, "--parallel.compile_loss=false"]), 2, 2)
+    fused = estimate(load_config(None, base), 2, 2)
+    assert eager.working - fused.working == 1024 * 128_256 * 6  # loss_chunk x vocabulary x 6 B

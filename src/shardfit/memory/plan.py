@@ -31,7 +31,7 @@ and split into forward and backward by the partitioner Inductor uses (it recompu
 of saving it), and the tensors the forward hands to the backward are counted, by storage, parameters excluded.
 On 2 x H200 this is within 0.5% of the measured peaks of compiled micro-batch 2 and 4; eager blocks save ~45% more.
 With parallel.fp8 the traced block has the FP8 layers a GPU run has (torchao's casts in the graph), and FP8
-all-gather halves the converted weights' gathered bytes.
+all-gather halves the converted weights' gathered bytes. MoE blocks and expert parallelism: see plan_moe.py.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardfit.config.schema import Config, ModelConfig, ParallelConfig
+from shardfit.memory import plan_moe
 from shardfit.parallel.fp8 import apply_fp8, fp8_linears, gathers_in_fp8
 
 GiB = 1 << 30
@@ -88,7 +89,8 @@ def _compiled_saved_bytes(block: torch.nn.Module, *inputs: torch.Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_line(model: tuple, S: int, dtype: torch.dtype, layer: int, fp8: str = "none") -> tuple[int, int]:
+def _compiled_line(model: tuple, S: int, dtype: torch.dtype, layer: int, fp8: str = "none",
+                   ep: int = 0) -> tuple[int, int]:
     """(bytes at micro-batch 1, bytes per further sequence) a compiled dense block saves, for the model config given
     as a tuple of its fields. Every saved tensor is [B, ...] except two RNG scalars of the attention (24 bytes), so
     the count is linear in B: traced once at micro-batch 1 and 2 per shape, not once per candidate micro-batch and
@@ -99,16 +101,19 @@ def _compiled_line(model: tuple, S: int, dtype: torch.dtype, layer: int, fp8: st
     counted. The casts of the weights are the traced graph's one other constant part, and they are not held from
     forward to backward in a run: FSDP gathers the weights again for backward (with FP8 all-gather, already cast).
     Measured on 2 x H200 at micro-batch 4 (tests/memory/test_plan.py): tensorwise 106.5 GiB, rowwise 103.2 GiB; with
-    that part dropped the plan is within 2% of both, with it rowwise would be 8% high."""
+    that part dropped the plan is within 2.5% of both, with it rowwise would be 8% high. ep > 0: an MoE block of
+    that expert-parallel degree, traced as the GPU compiles it, graph breaks included (plan_moe)."""
     m = ModelConfig(**dict(model))
-    first, second = (_compiled_saved_bytes(*_meta_block(m, layer, b, S, dtype, fp8)) for b in (1, 2))
+    count = plan_moe.compiled_saved_bytes if ep else _compiled_saved_bytes
+    first, second = (count(*_meta_block(m, layer, b, S, dtype, fp8, ep)) for b in (1, 2))
     per_sequence = second - first
     return (per_sequence if fp8 != "none" else first), per_sequence
 
 
-def _meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torch.dtype, fp8: str = "none"):
-    """One decoder block on the meta device, with the flash attention core (and the MoE graph spread evenly), its
-    chosen linear layers FP8 if asked, and its inputs: (block, x [b, S, D], cos, sin)."""
+def _meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torch.dtype, fp8: str = "none",
+                ep: int = 1):
+    """One decoder block on the meta device, with the flash attention core (and an MoE layer's CUDA expert path:
+    plan_moe.meta_moe), its chosen linear layers FP8 if asked, and its inputs: (block, x [b, S, D], cos, sin)."""
     from shardfit.models.decoder import DecoderBlock, is_moe_layer
 
     head_dim = m.head_dim or m.dim // m.n_heads
@@ -121,20 +126,8 @@ def _meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: tor
     apply_fp8(block, ParallelConfig(fp8=fp8, fp8_all_gather=False), "cuda", None, prefix=f"model.layers.{layer}.")
     block.self_attn.core = _flash_core
     if is_moe_layer(m, layer):
-        block.mlp.forward = lambda h, _moe=block.mlp: _moe_meta_forward(_moe, h)
+        plan_moe.meta_moe(block.mlp, ep)
     return block, x, cos, sin
-
-
-def _moe_meta_forward(moe, x: torch.Tensor) -> torch.Tensor:
-    """The MoE layer's graph with routing spread evenly over the experts: the meta device cannot count tokens per
-    expert (bincount is data-dependent), and the bytes saved depend on the total, not on the split."""
-    h = x.reshape(-1, x.shape[-1])  # [T, H]
-    weights, _ = moe.route(h)
-    E = moe.experts.gate_proj.shape[0]
-    xs = h.repeat_interleave(moe.top_k, 0)  # [T*k, H]: the gathered rows, as h[order // k] makes them
-    n = xs.shape[0]
-    ys = moe.experts.run_split(xs, [n // E + (i < n % E) for i in range(E)])
-    return moe.combine(ys, weights, x.shape)
 
 
 class _SavedOps(TorchDispatchMode):
@@ -156,7 +149,8 @@ def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0) -> dic
     """Bytes one block keeps for backward per checkpointing mode, for micro_batch sequences on one rank."""
     dtype = torch.bfloat16 if cfg.parallel.param_dtype in ("auto", "bfloat16") else torch.float32
     S = cfg.data.seq_len // cfg.parallel.sequence_parallel  # Ulysses: each rank keeps S/P tokens
-    return dict(_block_bytes(_key(cfg.model), micro_batch, S, dtype, layer, cfg.parallel.compile, cfg.parallel.fp8))
+    return dict(_block_bytes(_key(cfg.model), micro_batch, S, dtype, layer, cfg.parallel.compile, cfg.parallel.fp8,
+                             cfg.parallel.expert_parallel))
 
 
 def _key(m: ModelConfig) -> tuple:
@@ -166,19 +160,18 @@ def _key(m: ModelConfig) -> tuple:
 
 @functools.lru_cache(maxsize=512)
 def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, layer: int, compile: bool,
-                 fp8: str) -> tuple[tuple[str, int], ...]:
-    """block_activation_bytes, cached: it does not depend on the world size, the sharding or the offload, so the
-    proposals' many layouts (shardfit plan --propose) trace each (micro-batch, tokens) once (~6 ms at 70B)."""
+                 fp8: str, ep: int = 1) -> tuple[tuple[str, int], ...]:
+    """block_activation_bytes, cached: it does not depend on the world size, the sharding or the offload (EP: its
+    degree only), so the proposals' many layouts (shardfit plan --propose) trace each (micro-batch, tokens) once."""
     from shardfit.models.decoder import is_moe_layer
     from shardfit.parallel.parallelize import _SAVE_OPS
 
     m = ModelConfig(**dict(model))
-    block, x, cos, sin = _meta_block(m, layer, micro_batch, S, dtype)
-    # compiled dense blocks: what the partitioner saves; MoE layers are counted as eager (their routed graph is
-    # data-dependent on the GPU, so the compiled trace would not be the one that runs)
-    compiled = None
-    if compile and not is_moe_layer(m, layer):
-        first, per_sequence = _compiled_line(model, S, dtype, layer, fp8)
+    moe = is_moe_layer(m, layer)
+    block, x, cos, sin = _meta_block(m, layer, micro_batch, S, dtype, ep=ep)
+    compiled = None  # compiled blocks: what the partitioner saves (MoE: graph by graph, plan_moe)
+    if compile:
+        first, per_sequence = _compiled_line(model, S, dtype, layer, fp8, ep if moe else 0)
         compiled = first + per_sequence * (micro_batch - 1)
     params = {p.untyped_storage()._cdata for p in block.parameters()}
     seen: dict[int, int] = {}
@@ -190,13 +183,15 @@ def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, lay
         return t
 
     saved_ops = _SavedOps(_SAVE_OPS)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), saved_ops:
+    with plan_moe.meta_bincount(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), saved_ops:
         block(x, cos, sin)
     block_input = x.nbytes  # selective: the attention kernel's outputs (out, log-sum-exp) are among saved_ops' bytes
-    ffn = m.moe_ffn_dim * m.experts_per_token if is_moe_layer(m, layer) else m.ffn_dim
+    ffn = m.moe_ffn_dim * m.experts_per_token if moe else m.ffn_dim
     none = sum(seen.values()) if compiled is None else compiled
+    exchange = plan_moe.exchange_bytes(m, micro_batch * S, ep, x.element_size()) if moe else 0
     return (("none", none), ("selective", block_input + saved_ops.nbytes), ("full", block_input),
-            ("block_input", block_input), ("ffn_grads", 2 * micro_batch * S * ffn * x.element_size()))
+            ("block_input", block_input), ("ffn_grads", 2 * micro_batch * S * ffn * x.element_size()),
+            ("exchange", exchange))
 
 
 @functools.lru_cache(maxsize=4)
@@ -299,7 +294,9 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         # offloaded block's shard of each, 4 B/param/shard twice (0.8 GiB for 70B on 8 GPUs)
         copies = 2 * 4 * max(block_params[kept:], default=0) // shard
     grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
-    big_block = max(block_params)
+    # expert parallelism: a block gathers (and reduce-scatters) only its rank's n/E experts (plan_moe)
+    big_block = max(plan_moe.gathered_params(block_params, plan_moe.expert_params(_meta_model(_key(m))),
+                                             par.expert_parallel))
     # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
     # converted weights at 1 byte each. The same with offload=all: only the sharded copies live on the host.
     fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
@@ -313,11 +310,14 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         checkpointed = mode == "selective" or (mode == "full" and i % par.ac_every == 0)
         acts += b[mode] if checkpointed else b["none"]
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
-    loss = tokens * m.dim * 2 + m.vocab_size * m.dim * 2 + par.loss_chunk * m.vocab_size * 10
-    worst = max(per_block.values(), key=lambda b: b["none"])
-    # backward of one block: gradients of its input and output, of the gate and up projections' outputs, and
-    # under checkpointing the block's recomputed tensors on top
-    backward = 2 * worst["block_input"] + worst["ffn_grads"] + (worst["none"] if mode != "none" else 0)
+    # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16, and one logits chunk [c, V]: eager bf16
+    # logits, an fp32 copy, logsumexp's fp32 temporary (10 B); compiled (compile_loss) bf16 logits and gradient (4 B)
+    per_logit = 4 if par.compile and par.compile_loss and par.kernels != "liger" else 10
+    loss = tokens * m.dim * 2 + m.vocab_size * m.dim * 2 + par.loss_chunk * m.vocab_size * per_logit
+    # backward of one block: gradients of its input and output, of the gate and up projections' outputs, expert
+    # parallelism's exchange buffers, and under checkpointing the block's recomputed tensors on top
+    backward = max(2 * b["block_input"] + b["ffn_grads"] + b["exchange"] + (b["none"] if mode != "none" else 0)
+                   for b in per_block.values())
     return Estimate(micro_batch, weights, grads, moments, fsdp, acts, max(loss, backward), offload_copies=copies,
                     idle_cache=idle_cache, host=host)
 
@@ -468,6 +468,7 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
              + (f", HSDP: {cfg.parallel.replicate} replicas of {world // cfg.parallel.replicate}-GPU shard groups"
                 if cfg.parallel.replicate > 1 else "")
              + (f", CPU offload of {cfg.parallel.offload}" if cfg.parallel.offload != "none" else "")
+             + (f", expert parallel {cfg.parallel.expert_parallel}" if cfg.parallel.expert_parallel > 1 else "")
              + (f" but the first {cfg.parallel.offload_gpu_blocks} blocks" if cfg.parallel.offload_gpu_blocks else "")
              + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
              + (", compiled blocks" if cfg.parallel.compile else ", eager blocks")

@@ -1,0 +1,138 @@
+"""`shardfit plan` for mixture-of-experts blocks (models/moe.py), with and without expert parallelism.
+
+Shapes: T tokens of a rank's micro-batch, H hidden, k experts per token, I expert inner size, n experts, E the
+expert-parallel degree (parallel.expert_parallel), W ranks; bf16 activations (2 bytes an element).
+
+What an MoE layer saves for backward is counted by running the model's own MoE.forward on the meta device (see
+meta_moe): the router, the sort of (token, slot) pairs by expert, the gather h[order // k] -> xs [T*k, H], the
+scatter back to token order and the routing-weighted combine are the model's code; only the expert computation
+comes from here, as the model's MoE.exchange hook (the one expert parallelism uses), and it is the CUDA path of
+Experts.forward (one grouped GEMM per projection: the meta device cannot take that branch, whose test is
+`xs.is_cuda`, and the CPU's per-expert loop saves per-expert pieces and is what selective checkpointing would see
+as matmuls, which the grouped GEMM is not). Routing counts as spread evenly: the bytes depend on T*k, not the split.
+
+Per MoE layer, eager (Qwen3-30B-A3B, T = 8,192: T*k = 65,536, H = 2,048, I = 768):
+  xs [T*k, H] (256 MiB: the grouped GEMMs' input), g and u [T*k, I], SiLU(g) and SiLU(g)*u [T*k, I] (4 x 96 MiB),
+  the combine's input [T*k, H] (256 MiB), the router's input [T, H], its fp32 probabilities [T, n], indices.
+Compiled (parallel.compile): on the GPU dynamo breaks the block's graph at torch.bincount (data-dependent size),
+so the block is four graphs (attention and the second norm | router and sort | gather, experts, scatter, combine
+| residual add), each split by Inductor's min-cut partitioner on its own. compiled_saved_bytes traces the block
+that way (dynamo on the meta device, the same break) and counts what the forward graphs hand to their backward:
+in the MoE graph that is xs, g, u, SiLU(g)*u and the combine's input; only SiLU(g) is recomputed (-96 MiB a
+layer). With the attention part's savings a compiled block saves 1,156 MiB here, the eager one 1,524.
+Expert parallelism: the exchange (parallel/expert.py) is left out of torch.compile, so the experts run eagerly
+inside a compiled block (SiLU(g) saved again: 1,252 MiB); the rows a rank's experts receive, regrouped by local
+expert, are what its grouped GEMMs save: about T*k rows with balanced routing, as many as it sends.
+
+Measured on 2 x H200 (benchmarks/results/2026-11-23_s7_h200x2_moe2.json, 12 layers, micro-batch 2): full AC 68.6
+GiB (plan 68.6), no AC 83.6 (86.1, +3.0%), compiled 79.0 (80.9, +2.4%), compiled EP 2 79.8 (79.8, -0.1%). What is
+left over without EP (~2.5 GiB) is not the activations (eager - compiled: measured 4.6 GiB, counted 4.3): the plan
+adds two gathered blocks and one fp32 reduce-scatter input (3.5 GiB for a 623M-parameter block; 1.2 with EP 2) to
+every block's activations, a sum the dense blocks' peaks match but whose moments may not coincide here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+def _grouped_experts(xs: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
+    """Experts.forward's CUDA path: xs [N, H] sorted by expert, counts [n] -> [N, H]. grouped_mm saves its input
+    and the weights (parameters: not counted); SiLU(g) * u saves g, u and SiLU(g), the down projection its input."""
+    gate, up, down = experts.weights()
+    offs = counts.cumsum(0).to(torch.int32)
+    g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)  # [N, I]
+    u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)  # [N, I]
+    return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # [N, H]
+
+
+def meta_moe(moe, ep: int) -> None:
+    """Make a meta MoE layer run its own forward with the CUDA expert path; under expert parallelism (ep > 1) left
+    out of torch.compile as ExpertExchange is (the all-to-alls themselves save nothing for backward: their
+    backward is the reverse exchange). The exchange's buffers are exchange_bytes."""
+    moe.exchange = torch.compiler.disable(_grouped_experts) if ep > 1 else _grouped_experts
+    # a private copy of the code: dynamo keeps compiled graphs (and counts recompiles) per code object, so the
+    # plan's traces on meta tensors must not fill the cache that the training run's MoE.forward will use
+    moe.forward = types.MethodType(_fresh(type(moe).forward), moe)
+
+
+def _fresh(fn):
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+@contextlib.contextmanager
+def meta_bincount():
+    """torch.bincount on the meta device, as the plan's MoE.forward calls it: the rows per expert [n] (minlength;
+    every expert id is below it). Registered only while a block is traced. Under dynamo, fake tensors still refuse
+    it (its output size is data-dependent), so the compiled graph breaks there exactly as it does on the GPU."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("bincount", _bincount, "Meta")
+        yield
+    finally:
+        lib._destroy()
+
+
+@torch.compiler.disable  # runs in the graph break: not a frame for dynamo to compile
+def _bincount(x: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
+    return torch.empty(minlength, dtype=torch.int64, device="meta")
+
+
+def compiled_saved_bytes(block: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes a compiled MoE block saves for backward: torch.compile of the block's forward (dynamo, with the graph
+    breaks the GPU run has), each graph split by the partitioner Inductor uses, run on meta tensors; the tensors
+    the compiled forwards save are counted by storage, parameters (and views of them) excluded."""
+    compiled = torch.compile(types.MethodType(_fresh(type(block).forward), block), backend=_backend(), dynamic=False)
+    params = {p.untyped_storage()._cdata for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in params:
+            saved[st._cdata] = st.nbytes()
+        return t
+
+    with meta_bincount(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(*inputs)
+    return sum(saved.values())
+
+
+@functools.cache
+def _backend():
+    """AOTAutograd with Inductor's partitioner, its graphs run as they are (on meta tensors): what Inductor would
+    compile is split the same way, and only the split matters here."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                        bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+
+
+def expert_params(model: torch.nn.Module) -> tuple[int, ...]:
+    """Parameters of each block's experts (0 for dense blocks) of a (meta) model."""
+    from shardfit.models.moe import MoE
+
+    return tuple(sum(p.numel() for p in b.mlp.experts.parameters()) if isinstance(b.mlp, MoE) else 0
+                 for b in model.model.layers)
+
+
+def gathered_params(block_params: tuple[int, ...], experts: tuple[int, ...], ep: int) -> tuple[int, ...]:
+    """Parameters each block all-gathers in bf16 (and reduce-scatters in fp32) on one rank. Under expert
+    parallelism a rank computes only its n/E experts: their FSDP group spans the W/E ranks holding the same experts
+    (parallel/expert.py), so it gathers those whole, not all n (Qwen3-30B-A3B, E = 2: 321M of a block's 623M
+    parameters). The states stay 16 B/param/W: each rank holds a unique 1/W of every weight either way."""
+    return tuple(b - e + e // ep for b, e in zip(block_params, experts))
+
+
+def exchange_bytes(m, tokens: int, ep: int, element: int) -> int:
+    """Expert parallelism's buffers while one MoE layer's backward runs (the forward's are the same size, and
+    freed before the next layer): the gradient rows sent and received by the all-to-all, [T*k, H] each with
+    balanced routing, and the copy regrouping the received rows by local expert (or back to arrival order)."""
+    return 3 * tokens * m.experts_per_token * m.dim * element if ep > 1 and m.n_experts else 0
