@@ -38,17 +38,12 @@ import functools
 import types
 
 import torch
-import torch.nn.functional as F
 
 
 def _grouped_experts(xs: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
-    """Experts.forward's CUDA path: xs [N, H] sorted by expert, counts [n] -> [N, H]. grouped_mm saves its input
-    and the weights (parameters: not counted); SiLU(g) * u saves g, u and SiLU(g), the down projection its input."""
-    gate, up, down = experts.weights()
-    offs = counts.cumsum(0).to(torch.int32)
-    g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)  # [N, I]
-    u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)  # [N, I]
-    return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # [N, H]
+    """Experts.forward's CUDA path (the meta device cannot take its is_cuda branch): xs [N, H] sorted by expert,
+    counts [n] -> [N, H]."""
+    return experts.run_grouped(xs, counts)
 
 
 def meta_moe(moe, ep: int) -> None:

@@ -32,13 +32,18 @@ class Experts(nn.Module):
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """xs [N, H] sorted by expert, counts [E] rows per expert -> [N, H] in the same order."""
-        gate, up, down = self.weights()
         if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            offs = counts.cumsum(0).to(torch.int32)  # stays on the device: no host sync
-            g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)
-            u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
+            return self.run_grouped(xs, counts)
         return self.run_split(xs, counts.tolist())
+
+    def run_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One grouped GEMM per projection over every expert (the CUDA bf16 path, and shardfit plan's model of it):
+        grouped_mm saves its input for backward, SiLU(g) * u saves g and u."""
+        gate, up, down = self.weights()
+        offs = counts.cumsum(0).to(torch.int32)  # stays on the device: no host sync
+        g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)  # [N, I]
+        u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)  # [N, I]
+        return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # [N, H]
 
     def run_split(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Every expert, every call, on its `sizes[e]` rows of xs (the path off CUDA/bf16, and shardfit plan's)."""
