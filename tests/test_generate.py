@@ -191,3 +191,25 @@ def test_cli_refuses_bad_flags_before_loading(tmp_path, args, where):
     with pytest.raises(ShardfitError) as e:
         main(["--checkpoint", str(tmp_path / "missing"), "--prompt", "hi", *args])
     assert str(e.value).startswith(f"{where}: ")
+
+
+def test_chat_template_saved_by_transformers_in_its_own_file(tmp_path):
+    """transformers 5 saves the template as chat_template.jinja, not in tokenizer_config.json: it is found there."""
+    from shardfit.data.tokenizer import build_tokenizer
+
+    (tmp_path / "src").mkdir()
+    path, template = _chat_tokenizer(tmp_path / "src")
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), chat_template=template,
+                                                  eos_token="<|im_end|>")
+    hf_tok.save_pretrained(tmp_path / "saved")
+    saved = tmp_path / "saved"
+    config = json.loads((saved / "tokenizer_config.json").read_text())
+    if "chat_template" in config:  # an older transformers: make the case this test is about
+        (saved / "chat_template.jinja").write_text(config.pop("chat_template"))
+        (saved / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = prompt_ids(build_tokenizer(str(saved / "tokenizer.json")), str(saved / "tokenizer.json"), "how are you?",
+                      raw=False)
+    theirs = hf_tok.apply_chat_template([{"role": "user", "content": "how are you?"}], add_generation_prompt=True,
+                                        tokenize=True)
+    theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+    assert ours == list(theirs)

@@ -23,19 +23,27 @@ IGNORE = -100
 
 
 def chat_renderer(tokenizer_spec: str) -> ChatRenderer:
-    """The tokenizer's chat template (tokenizer_config.json beside tokenizer.json) with its special tokens, or the
-    plain template when it has none: fine-tuning and `shardfit generate` render chats through this one object."""
+    """The tokenizer's chat template (tokenizer_config.json's "chat_template", else chat_template.jinja, beside
+    tokenizer.json) with its special tokens, or the plain template when it has none: fine-tuning and `shardfit
+    generate` render chats through this one object."""
     if tokenizer_spec == "byte":
         return ChatRenderer(None)
     path = Path(tokenizer_spec)
-    cfg = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
-    if not cfg.is_file():
-        return ChatRenderer(None)
-    try:
-        settings = json.loads(cfg.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ShardfitError(f"invalid JSON ({e.msg})", where=str(cfg)) from None
+    folder = path if path.is_dir() else path.parent
+    cfg = folder / "tokenizer_config.json"
+    settings = {}
+    if cfg.is_file():
+        try:
+            settings = json.loads(cfg.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ShardfitError(f"invalid JSON ({e.msg})", where=str(cfg)) from None
     template = settings.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    jinja = folder / "chat_template.jinja"
+    if not template and jinja.is_file():
+        # transformers >= 4.43 saves the template in a file of its own, and 5.x only there
+        template = jinja.read_text(encoding="utf-8")
     special = {}
     for key in ("bos_token", "eos_token"):  # templates often write {{ bos_token }}
         value = settings.get(key)

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from shardfit.hf.load import STACKED, expert_key
 from shardfit.models.families import hf_config_json
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                    "tokenizer.model",
                     "generation_config.json", "vocab.json", "merges.txt")
 
 
