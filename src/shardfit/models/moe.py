@@ -16,6 +16,48 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class _PermuteRows(torch.autograd.Function):
+    """x [N, H] -> x[index], index a permutation of range(N) and inverse its inverse. The backward is the inverse
+    gather: no scatter with atomics and no zero-filled gradient buffer, which autograd's backward of x[index] (an
+    accumulating index_put) costs."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _DispatchRows(torch.autograd.Function):
+    """h [T, H] -> h[order // k] [T*k, H]: each token's row once per routing slot, in expert order. The backward puts
+    the rows' gradients back in (token, slot) order with the inverse permutation and sums each token's k slots:
+    a gather and a sum instead of an accumulating scatter."""
+
+    @staticmethod
+    def forward(ctx, h, order, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return h.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inverse[order[j]] = j, on the device (a scatter of N int64: no sort, no sync)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    return _PermuteRows.apply(x, index, inverse)
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as stacked weights; the checkpoint stores them per expert (see shardfit.hf)."""
 
@@ -105,10 +147,10 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.experts.gate_proj.shape[0])  # [E]
         self.load = counts.detach()
-        xs = h[order // self.top_k]  # [T*k, H]
+        inverse = inverse_permutation(order)
+        xs = _DispatchRows.apply(h, order, inverse, self.top_k)  # [T*k, H]
         ys = self.experts(xs, counts) if self.exchange is None else self.exchange(xs, counts, self.experts)
-        out = torch.empty_like(ys)
-        out[order] = ys  # back to (token, slot) order
+        out = permute_rows(ys, inverse, order)  # back to (token, slot) order: out[order[j]] = ys[j]
         return self.combine(out, weights, x.shape)
 
     def combine(self, ys: torch.Tensor, weights: torch.Tensor, shape: torch.Size) -> torch.Tensor:

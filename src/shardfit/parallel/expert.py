@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from shardfit.errors import ShardfitError
-from shardfit.models.moe import Experts, MoE
+from shardfit.models.moe import Experts, MoE, inverse_permutation, permute_rows
 
 
 def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, offload: str) -> None:
@@ -92,9 +92,9 @@ class ExpertExchange:
         rows = all_to_all_single_autograd(xs, recv, send, self.group)  # [M, H]
         expert_of_row = torch.arange(local, device=xs.device).repeat(ep).repeat_interleave(received.reshape(-1))
         order = torch.argsort(expert_of_row, stable=True)
-        ys = experts(rows[order], received.sum(0))  # FSDP's hooks (efsdp gather) run on this call
-        back = torch.empty_like(ys)
-        back[order] = ys
+        inverse = inverse_permutation(order)
+        ys = experts(permute_rows(rows, order, inverse), received.sum(0))  # FSDP's hooks (efsdp gather) run here
+        back = permute_rows(ys, inverse, order)  # arrival order again
         return all_to_all_single_autograd(back, send, recv, self.group)  # [N, H], the rows' original order
 
 
