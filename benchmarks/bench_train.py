@@ -53,6 +53,8 @@ FREED = ["--memory.keep_grads=false"]
 CURVE = ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=50", "--train.warmup_steps=5",
          "--train.lr=3e-4", "--train.global_batch=4"]
 CURVE8 = [*CURVE, "--train.lr=1e-4", "--train.warmup_steps=10"]
+MOE_CURVE = ["--model.name=qwen3-30b-a3b", "--model.n_layers=6", "--data.seq_len=4096", "--train.steps=50",
+             "--train.warmup_steps=10", "--train.lr=1e-4", "--train.micro_batch=2", "--train.global_batch=4"]
 SINGLE_1B = ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=14", "--train.warmup_steps=2",
              "--train.lr=1e-4", "--parallel.compile=true", "--train.micro_batch=4", "--train.global_batch=4"]
 LIGER_ANCHOR = ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger", "--ac", "none"]
@@ -159,6 +161,19 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                         "--parallel.activation_checkpoint=full",
                                                         "--parallel.loss_chunk=512"]),
         ("shardfit", "fast: compiled, no AC, mbs4", [*CURVE, "--train.micro_batch=4", "--parallel.compile=true"]),
+    ],
+    # Issue 15: 50 steps of the fastest MoE configuration (compiled, no AC, expert parallel 2) against the plain one
+    # (eager, full AC, no EP) on the same data, Qwen3-30B-A3B shape with 6 of its 48 layers on 2 GPUs; the plain one
+    # with another loss chunk is the bf16 noise yardstick; FP8 for attention and dense layers beside bf16 experts.
+    "moecurve": [
+        ("shardfit", "plain MoE: eager, full AC", [*MOE_CURVE, "--parallel.activation_checkpoint=full"]),
+        ("shardfit", "plain MoE, loss chunk 512 (noise)", [*MOE_CURVE, "--parallel.activation_checkpoint=full",
+                                                           "--parallel.loss_chunk=512"]),
+        ("shardfit", "fast MoE: compiled, no AC, EP 2", [*MOE_CURVE, "--parallel.compile=true",
+                                                         "--parallel.expert_parallel=2"]),
+        ("shardfit", "fast MoE + FP8 tensorwise (experts bf16)", [*MOE_CURVE, "--parallel.compile=true",
+                                                                  "--parallel.expert_parallel=2",
+                                                                  "--parallel.fp8=tensorwise"]),
     ],
     # FP8 against bf16 over 50 steps, same data (one GPU, Llama-3.2-1B shape). At CURVE's lr 3e-4 even bf16 spikes
     # in warm-up and the curves measure the spike's sensitivity (session 4, third call); curve8 trains at 1e-4 with

@@ -35,6 +35,9 @@
 #   offload8b  1 GPU (nvidia-h100-x1), Llama-3-8B seq 4096 compiled, parallel.offload=all, full checkpointing, mbs 16,
 #              8 steps, then the 16-layer shape (cap 470 s); host MemAvailable sampled every second
 #              ($OUT/offload8b_hostmem.txt, the lowest printed): the states alone are 120 GiB
+#   moecurve   issue 15: 50 steps, the fastest MoE configuration (compiled, EP 2) and FP8 beside bf16 experts against
+#              the plain one and a noise case (2 GPUs, 6 layers)
+#   tests-split  pytest -m cuda file by file (240 s cap each), the log under $OUT as it runs: a call of its own
 #   moeprof    bench_moe's EP2 compiled case with step 8 under torch.profiler (2 GPUs): kernel time by kind
 #   offload8b-cap80  the same on GPU 0 of nvidia-h200-x2 (256 GiB host), GPU memory capped at an H100's 79.1 GiB
 # Issue 15, mixture of experts (bench_moe.py: shardfit against benchmarks/anchor_hf_qwen3moe.py, the HF FSDP2 recipe,
@@ -131,6 +134,9 @@ for stage in "$@"; do
       python3 -c "import importlib.metadata as m, torchtitan.train, torchao; print({p: m.version(p) for p in ('torchtitan', 'torchdata', 'tyro', 'datasets', 'torchao', 'transformers', 'torch')})" 2>&1 | tail -2 ;;
     moe2) env $two timeout 540 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 525 --out "$OUT/moe2_x2.json" 2>&1 | tee "$OUT/moe2.log" | grep -v '^{' | tail -16 ;;
     moe4) timeout 540 python3 benchmarks/bench_moe.py --nproc 4 --layers 48 --ac full --budget 525 --out "$OUT/moe4_x4.json" 2>&1 | tee "$OUT/moe4.log" | grep -v '^{' | tail -16 ;;
+    moecurve) env $two timeout 560 python3 benchmarks/bench_train.py --suite moecurve --nproc 2 --timeout 200 --out "$OUT/moecurve_x2.json" 2>&1 | tail -9 ;;
+    tests-split)  # the CUDA suite file by file, each under its own cap, the whole log kept (call it alone)
+      for f in tests/cuda/test_*.py; do env $two timeout 240 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider "$f" 2>&1 | tee -a "$OUT/pytest_cuda.log" | tail -3; done ;;
     moeprof)  # shardfit's fastest MoE case (moe2's EP2 compiled) with step 8 profiled; summary JSON to $OUT
       python3 -c "import sys, argparse; sys.path.insert(0, 'benchmarks'); import bench_moe; bench_moe.ensure_data(argparse.Namespace(tokens='uniform', assets='/tmp/ttassets', dry_run=False))"
       cmd=$(python3 benchmarks/bench_moe.py --dry-run --only "shardfit no-AC compile EP2" | grep -o 'torchrun .*')
