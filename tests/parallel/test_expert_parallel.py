@@ -16,18 +16,24 @@ def _train_ep(rank, world, overrides, run_dir):
     layer = trainer.model.model.layers[0].mlp
     local = layer.experts.gate_proj.to_local().shape[0] if hasattr(layer.experts.gate_proj, "to_local") else None
     seen = []
-    layer.gate.register_forward_hook(lambda m, i, o: seen.append(torch.bincount(o.argmax(-1), minlength=8).tolist()))
+    layer.register_forward_hook(lambda m, i, o: seen.append(m.load.tolist()))  # rows per expert, this rank
     history = trainer.fit()
     state = {k: v.tolist() for k, v in full_state(trainer.model).items()}
     return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
             "state": state if rank == 0 else None, "local_rows": local, "routing": seen}
 
 
-@pytest.mark.parametrize("world,ep,ac", [(2, 2, "none"), (2, 2, "full"), (4, 2, "selective"), (4, 4, "full")])
-def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac):
-    overrides = [*MOE, f"--parallel.expert_parallel={ep}", f"--parallel.activation_checkpoint={ac}"]
+@pytest.mark.parametrize("world,ep,ac,extra", [
+    (2, 2, "none", []), (2, 2, "full", []), (4, 2, "selective", []), (4, 4, "full", []),
+    # 8 tokens a micro-batch, 16 routed rows over 8 experts: experts with no rows on a rank, every step
+    (2, 2, "full", ["--data.seq_len=8", "--train.micro_batch=1"]),
+], ids=["2x2-none", "2x2-full", "4x2-selective", "4x4-full", "2x2-full-sparse"])
+def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac, extra):
+    overrides = [*MOE, *extra, f"--parallel.expert_parallel={ep}", f"--parallel.activation_checkpoint={ac}"]
     res = run_ranks(_train_ep, world, overrides, str(tmp_path), timeout=300)
     assert res[0]["routing"] != res[1]["routing"]  # ranks send their tokens to different experts
+    if extra:
+        assert all(any(0 in load for load in r["routing"]) for r in res)  # empty experts on every rank
     assert all(r["local_rows"] == 8 // world for r in res)  # each rank holds its own slice of the experts
     one = run_ranks(_train_ep, 1, overrides[:-2] + [f"--parallel.activation_checkpoint={ac}"], str(tmp_path / "one"))
     # Adam hides a gradient off by a constant factor (it divides by the gradient's own scale): the norms show it.
