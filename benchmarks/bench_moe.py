@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import ROOT, _aggregate, _run_group  # noqa: E402  (bench_train's private helpers, on purpose)
+from bench_train import ROOT, _aggregate, _run_group, steady_summary  # noqa: E402  (bench_train's private helpers, on purpose)
 
 BENCH = ROOT / "benchmarks"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -185,15 +185,8 @@ def parse_shardfit(row: dict, run_dir: Path, stdout: str, stderr: str, n: int) -
     if not agg:
         row.setdefault("error", "fewer than 4 steps recorded" + (" (timeout)" if row["timed_out"] else ""))
         return
-    steady = [r for r in recs if r["step"] > 3]
     row.update(tok_s_gpu=agg["tok_s_gpu_median"], tok_s_gpu_timeweighted=agg["tok_s_gpu"], mfu_own=agg["mfu"],
-               measured_steps=agg["measured_steps"], steps_done=recs[-1]["step"], final_loss=round(recs[-1]["loss"], 4),
-               peak_alloc_GiB=round(max(r["peak_allocated_max"] for r in steady), 2),
-               peak_reserved_GiB=round(max(r["peak_reserved_max"] for r in steady), 2),
-               retries=int(max(r["alloc_retries_max"] for r in recs)))
-    if "time_forward_s" in steady[-1]:
-        row["phases_s"] = {k: round(statistics.median(r[f"time_{k}_s"] for r in steady), 4)
-                           for k in ("forward", "backward", "optimizer", "comm_wait")}
+               measured_steps=agg["measured_steps"], **steady_summary(recs))
     moe = {k: v for k, v in recs[-1].items() if any(w in k for w in ("expert", "moe", "load", "router", "aux"))}
     if moe:  # expert load and router metrics, when shardfit logs them (issue 15)
         row["moe_metrics_last"] = moe

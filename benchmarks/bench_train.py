@@ -482,6 +482,20 @@ def _aggregate(recs: list[dict], nproc: int, first: int = 3) -> dict:
             "measured_steps": len(steady)}
 
 
+def steady_summary(recs: list[dict]) -> dict:
+    """From a run's metrics.jsonl records: the last step and loss, the peaks after step 3, the allocator retries and
+    the median phase times (shardfit records them with logging.log_every=1)."""
+    steady = [r for r in recs if r["step"] > 3] or recs
+    out = dict(steps_done=recs[-1]["step"], final_loss=round(recs[-1]["loss"], 4),
+               peak_alloc_GiB=round(max(r["peak_allocated_max"] for r in steady), 2),
+               peak_reserved_GiB=round(max(r["peak_reserved_max"] for r in steady), 2),
+               retries=int(max(r["alloc_retries_max"] for r in recs)))
+    if "time_forward_s" in steady[-1]:
+        out["phases_s"] = {k: round(statistics.median(r[f"time_{k}_s"] for r in steady), 4)
+                           for k in ("forward", "backward", "optimizer", "comm_wait")}
+    return out
+
+
 def run_shardfit_vl(label: str, args: list[str], nproc: int, timeout: int) -> dict:
     """A variable-length case: `shardfit train` with one metrics record per step; figures from whatever steps
     were recorded (a run cut short by the timeout still reports them, flagged)."""
@@ -504,14 +518,7 @@ def run_shardfit_vl(label: str, args: list[str], nproc: int, timeout: int) -> di
         out.setdefault("error", "no metrics recorded" + (" (timeout)" if timed_out else ""))
         return out
     out.update(_aggregate(recs, nproc))
-    steady = [r for r in recs if r["step"] > 3] or recs
-    out.update(steps_done=recs[-1]["step"], final_loss=round(recs[-1]["loss"], 4),
-               peak_alloc_GiB=round(max(r["peak_allocated_max"] for r in steady), 2),
-               peak_reserved_GiB=round(max(r["peak_reserved_max"] for r in steady), 2),
-               retries=int(max(r["alloc_retries_max"] for r in recs)))
-    if "time_forward_s" in steady[-1]:
-        out["phases_s"] = {k: round(statistics.median(r[f"time_{k}_s"] for r in steady), 4)
-                           for k in ("forward", "backward", "optimizer", "comm_wait")}
+    out.update(steady_summary(recs))
     out["per_step"] = [{"step": r["step"], "reserved": round(r["peak_reserved_max"], 4),
                         "allocated": round(r["peak_allocated_max"], 4), "retries": int(r["alloc_retries_max"]),
                         "loss_tok_s_gpu": round(r["loss_tokens_per_s_per_gpu"])} for r in recs]

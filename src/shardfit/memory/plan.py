@@ -173,17 +173,8 @@ def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, lay
     if compile:
         first, per_sequence = _compiled_line(model, S, dtype, layer, fp8, ep if moe else 0)
         compiled = first + per_sequence * (micro_batch - 1)
-    params = {p.untyped_storage()._cdata for p in block.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st._cdata not in params:
-            seen[st._cdata] = st.nbytes()
-        return t
-
     saved_ops = _SavedOps(_SAVE_OPS)
-    with plan_moe.meta_bincount(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), saved_ops:
+    with plan_moe.meta_bincount(), plan_moe.saved_storages(block) as seen, saved_ops:
         block(x, cos, sin)
     block_input = x.nbytes  # selective: the attention kernel's outputs (out, log-sum-exp) are among saved_ops' bytes
     ffn = m.moe_ffn_dim * m.experts_per_token if moe else m.ffn_dim

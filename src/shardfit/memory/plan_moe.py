@@ -83,18 +83,26 @@ def compiled_saved_bytes(block: torch.nn.Module, *inputs: torch.Tensor) -> int:
     breaks the GPU run has), each graph split by the partitioner Inductor uses, run on meta tensors; the tensors
     the compiled forwards save are counted by storage, parameters (and views of them) excluded."""
     compiled = torch.compile(types.MethodType(_fresh(type(block).forward), block), backend=_backend(), dynamic=False)
-    params = {p.untyped_storage()._cdata for p in block.parameters()}
-    saved: dict[int, int] = {}
+    with meta_bincount(), saved_storages(block) as saved:
+        compiled(*inputs)
+    return sum(saved.values())
+
+
+@contextlib.contextmanager
+def saved_storages(module: torch.nn.Module):
+    """Within: every tensor autograd saves for backward, counted once per storage ({storage: bytes}, yielded), the
+    module's parameters and views of them excluded (they are counted as weights, not activations)."""
+    params = {p.untyped_storage()._cdata for p in module.parameters()}
+    seen: dict[int, int] = {}
 
     def pack(t):
         st = t.untyped_storage()
         if st._cdata not in params:
-            saved[st._cdata] = st.nbytes()
+            seen[st._cdata] = st.nbytes()
         return t
 
-    with meta_bincount(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        compiled(*inputs)
-    return sum(saved.values())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
 
 @functools.cache
