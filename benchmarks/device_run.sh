@@ -17,7 +17,7 @@
 #   curve8  50 steps: bf16 fast against FP8 tensorwise and rowwise (1 GPU, 1B shape)
 #   profile the best configuration profiled, its trace kept under $OUT/traces
 #   levers  bench_train --suite levers on 2 GPUs (issue 5); levers2, levers3 likewise
-# Issue 12, variable-length training (bench_train.py's VARLEN_SUITES; the fine-tuning set of gen_sft_data.py is
+# Issue 12, variable-length training (bench_suites.py's VARLEN_SUITES; the fine-tuning set of gen_sft_data.py is
 # made in /tmp/sft_varlen on first use, ~3 s). Each stage runs under a time cap (`timeout`; bench_train.py then ends
 # the running case and keeps the JSON of those done) so that two calls of <= 10 minutes hold all four:
 #   call 1: benchmarks/device_run.sh setup varlen8b docmask8b      (~4 + ~4 min)
