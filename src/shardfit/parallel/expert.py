@@ -90,7 +90,9 @@ class ExpertExchange:
         send, recv = torch.stack([counts.view(ep, local).sum(1), received.sum(1)]).tolist()
         # 3. rows out, ordered (source peer, local expert) on arrival; regrouped by local expert for the GEMM
         rows = all_to_all_single_autograd(xs, recv, send, self.group)  # [M, H]
-        expert_of_row = torch.arange(local, device=xs.device).repeat(ep).repeat_interleave(received.reshape(-1))
+        # output_size: without it repeat_interleave reads the repeats' sum on the host, a second sync
+        expert_of_row = torch.arange(local, device=xs.device).repeat(ep).repeat_interleave(received.reshape(-1),
+                                                                                            output_size=sum(recv))
         order = torch.argsort(expert_of_row, stable=True)
         inverse = inverse_permutation(order)
         ys = experts(permute_rows(rows, order, inverse), received.sum(0))  # FSDP's hooks (efsdp gather) run here
