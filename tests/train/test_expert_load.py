@@ -1,5 +1,5 @@
 """Expert load per step (max / mean rows per expert, summed over micro-batches and ranks) and the
-auxiliary-loss-free balancing bias (train/expert_load.py, models/moe.py)."""
+auxiliary-loss-free balancing bias (train/metrics.py ExpertLoad, models/moe.py)."""
 
 import json
 

@@ -48,9 +48,9 @@ from shardfit.parallel.offload import OverlappedStep, grad_sq_norm
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
 from shardfit.train.evaluate import evaluate
-from shardfit.train.expert_load import ExpertLoad
 from shardfit.train.metrics import (
     MEMORY_FIELDS,
+    ExpertLoad,
     flops_per_token,
     memory_vector,
     peak_flops,
