@@ -4,7 +4,11 @@ The expert computation is one fixed graph whatever the routing: tokens are sorte
 on its slice, empty or not (or one grouped matmul on CUDA in bf16). So a rank whose tokens go to different experts
 issues the same operations, and activation checkpointing's recomputation saves exactly the tensors the forward
 saved (a loop over only the experts that received tokens breaks both: the fourth seed report's crash).
-The results return to token order by a permutation, not atomics: the forward is deterministic.
+The results return to token order by a permutation, not atomics: the forward is deterministic, and so is the
+backward (each permutation's gradient is the inverse gather; the token dispatch sums each token's k slots).
+Host syncs: torch.bincount on CUDA reads the ids' maximum on the host to size its output (one local sync per layer
+and forward, no other rank involved; it is also where a compiled block's graph breaks); the CPU expert loop reads
+the counts. Expert parallelism adds the exchange's own sync (parallel/expert.py).
 
 Shapes: T tokens, H hidden, E experts, k experts per token, I expert inner size.
 """
