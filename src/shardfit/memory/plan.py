@@ -174,7 +174,7 @@ def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, lay
         first, per_sequence = _compiled_line(model, S, dtype, layer, fp8, ep if moe else 0)
         compiled = first + per_sequence * (micro_batch - 1)
     saved_ops = _SavedOps(_SAVE_OPS)
-    with plan_moe.meta_bincount(), plan_moe.saved_storages(block) as seen, saved_ops:
+    with plan_moe.saved_storages(block) as seen, saved_ops:
         block(x, cos, sin)
     block_input = x.nbytes  # selective: the attention kernel's outputs (out, log-sum-exp) are among saved_ops' bytes
     ffn = m.moe_ffn_dim * m.experts_per_token if moe else m.ffn_dim

@@ -14,7 +14,7 @@ as matmuls, which the grouped GEMM is not). Routing counts as spread evenly: the
 Per MoE layer, eager (Qwen3-30B-A3B, T = 8,192: T*k = 65,536, H = 2,048, I = 768):
   xs [T*k, H] (256 MiB: the grouped GEMMs' input), g and u [T*k, I], SiLU(g) and SiLU(g)*u [T*k, I] (4 x 96 MiB),
   the combine's input [T*k, H] (256 MiB), the router's input [T, H], its fp32 probabilities [T, n], indices.
-Compiled (parallel.compile): on the GPU dynamo breaks the block's graph at torch.bincount (data-dependent size),
+Compiled (parallel.compile): dynamo breaks the block's graph at the expert counts (models/moe.py expert_counts),
 so the block is four graphs (attention and the second norm | router and sort | gather, experts, scatter, combine
 | residual add), each split by Inductor's min-cut partitioner on its own. compiled_saved_bytes traces the block
 that way (dynamo on the meta device, the same break) and counts what the forward graphs hand to their backward:
@@ -60,30 +60,12 @@ def _fresh(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-@contextlib.contextmanager
-def meta_bincount():
-    """torch.bincount on the meta device, as the plan's MoE.forward calls it: the rows per expert [n] (minlength;
-    every expert id is below it). Registered only while a block is traced. Under dynamo, fake tensors still refuse
-    it (its output size is data-dependent), so the compiled graph breaks there exactly as it does on the GPU."""
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        lib.impl("bincount", _bincount, "Meta")
-        yield
-    finally:
-        lib._destroy()
-
-
-@torch.compiler.disable  # runs in the graph break: not a frame for dynamo to compile
-def _bincount(x: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
-    return torch.empty(minlength, dtype=torch.int64, device="meta")
-
-
 def compiled_saved_bytes(block: torch.nn.Module, *inputs: torch.Tensor) -> int:
     """Bytes a compiled MoE block saves for backward: torch.compile of the block's forward (dynamo, with the graph
     breaks the GPU run has), each graph split by the partitioner Inductor uses, run on meta tensors; the tensors
     the compiled forwards save are counted by storage, parameters (and views of them) excluded."""
     compiled = torch.compile(types.MethodType(_fresh(type(block).forward), block), backend=_backend(), dynamic=False)
-    with meta_bincount(), saved_storages(block) as saved:
+    with saved_storages(block) as saved:
         compiled(*inputs)
     return sum(saved.values())
 

@@ -6,9 +6,9 @@ issues the same operations, and activation checkpointing's recomputation saves e
 saved (a loop over only the experts that received tokens breaks both: the fourth seed report's crash).
 The results return to token order by a permutation, not atomics: the forward is deterministic, and so is the
 backward (each permutation's gradient is the inverse gather; the token dispatch sums each token's k slots).
-Host syncs: torch.bincount on CUDA reads the ids' maximum on the host to size its output (one local sync per layer
-and forward, no other rank involved; it is also where a compiled block's graph breaks); the CPU expert loop reads
-the counts. Expert parallelism adds the exchange's own sync (parallel/expert.py).
+Host syncs: none on the CUDA path (the counts per expert are a scatter-add, not torch.bincount, which reads the
+ids' maximum on the host); the CPU expert loop reads the counts. Expert parallelism adds the exchange's own sync
+(parallel/expert.py).
 
 Shapes: T tokens, H hidden, E experts, k experts per token, I expert inner size.
 """
@@ -51,6 +51,14 @@ class _DispatchRows(torch.autograd.Function):
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+
+
+@torch.compiler.disable  # the compiled block breaks here, where torch.bincount's data-dependent size broke it
+def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Rows per expert [E] of the routed ids [T*k]: a scatter-add of ones on the device. torch.bincount would read the
+    ids' maximum on the host to size its output (a host sync in every MoE layer's forward, recomputation included).
+    Left out of torch.compile so that the compiled graphs stay those measured (and counted by shardfit plan)."""
+    return torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -149,7 +157,7 @@ class MoE(nn.Module):
         weights, ids = self.route(h)
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.experts.gate_proj.shape[0])  # [E]
+        counts = expert_counts(flat, self.experts.gate_proj.shape[0])  # [E]
         self.load = counts.detach()
         inverse = inverse_permutation(order)
         xs = _DispatchRows.apply(h, order, inverse, self.top_k)  # [T*k, H]
