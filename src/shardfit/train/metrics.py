@@ -114,19 +114,13 @@ class ExpertLoad:
     read once per micro-batch, after its backward."""
 
     def __init__(self, model: nn.Module, device: torch.device, bias_rate: float = 0.0):
-        named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
-        self.layers = [m for _, m in named]
-        # the decoder's layer index of each MoE layer ("model.layers.7.mlp" -> 7), for the log
-        self.layer_ids = [int(name.split("layers.")[-1].split(".")[0]) for name, _ in named]
+        moe = [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoE)]
+        self.layer_ids = [i for i, _ in moe]  # the decoder's index of each MoE layer, for the log
+        self.layers = [m for _, m in moe]
         self.bias_rate = bias_rate
         n_experts = self.layers[0].experts.gate_proj.shape[0] if self.layers else 0
         self.shape = (len(self.layers), n_experts)
         self.total = torch.zeros(self.shape, dtype=torch.float64, device=device)
-
-    @property
-    def width(self) -> int:
-        """Columns this adds to each rank's stats row."""
-        return self.shape[0] * self.shape[1]
 
     def add_micro_batch(self) -> None:
         if self.layers:

@@ -17,11 +17,11 @@ host-device sync.
 Loss scaling: each micro-batch backpropagates (summed token loss) / C, with C = this rank's token capacity per step
 (a Python number from the micro-batches' shapes: the same on every rank, since every rank runs the same number of
 micro-batches of the same shape), and FSDP averages over ranks. After the stats collective the gradients are
-multiplied by world x C / N (N = valid tokens of the whole global batch) and by the clip coefficient, in one pass:
-the result is exactly the gradient of the mean loss over the global batch, whatever the per-rank token counts.
-With parallel.offload=all the gradients are host tensors (and device tensors for the blocks parallel.offload_gpu_blocks
-keeps on the GPU) and that factor is handed to the fused AdamW as its grad_scale (it divides each gradient by it as
-it reads it, on either device) instead of a pass of its own.
+scaled by world x C / N (N = valid tokens of the whole global batch) and by the clip coefficient: the result is
+exactly the gradient of the mean loss over the global batch, whatever the per-rank token counts. The fused AdamW
+(CUDA, and the CPU step of parallel.offload=all, whose gradients are host tensors and, for the blocks
+parallel.offload_gpu_blocks keeps on the GPU, device ones) takes that factor as its grad_scale and divides each
+gradient by it as it reads it; the foreach AdamW of CPU training gets the gradients multiplied in one pass first.
 """
 
 from __future__ import annotations
