@@ -36,6 +36,40 @@ def test_summary_counts_overlaps_once_and_finds_the_compute_stream():
     assert summarize_trace([events[-1]]) == {}
 
 
+def test_idle_time_is_split_into_cpu_late_launches_and_waits_on_other_streams():
+    def k(ts, dur, corr):
+        e = _k("nvjet_gemm", ts, dur, 7)
+        e["args"]["correlation"] = corr
+        return e
+
+    def host(name, ts, dur, cat="cpu_op", corr=None, tid=1):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": {}}
+        if corr is not None:
+            e["args"]["correlation"] = corr
+        return e
+
+    events = [
+        k(0, 100, 1), k(100, 100, 2),  # back to back: no gap
+        k(300, 100, 3),  # 100 us gap; launched at 50, before the stream ran dry at 200: a wait on another stream
+        k(700, 100, 4),  # 300 us gap; launched at 650, after: the CPU's, under the exchange's annotation
+        k(805, 10, 5),  # a 5 us gap: below the threshold, launched late but not counted
+        host("cudaLaunchKernel", 0, 5, "cuda_runtime", 1), host("cudaLaunchKernel", 10, 5, "cuda_runtime", 2),
+        host("cudaLaunchKernel", 50, 5, "cuda_runtime", 3),
+        host("exchange", 400, 400, "user_annotation"), host("aten::_local_scalar_dense", 410, 200),
+        host("cudaStreamSynchronize", 420, 180, "cuda_runtime"),  # the host sync inside .tolist()
+        host("aten::mm", 640, 20), host("cudaLaunchKernel", 650, 5, "cuda_runtime", 4),
+        host("cudaLaunchKernel", 790, 5, "cuda_runtime", 5),
+        host("cudaMemcpyAsync", 700, 5, "cuda_runtime"),  # asynchronous: not a sync
+    ]
+    s = summarize_trace(events)
+    assert s["compute_idle_ms"] == 0.41  # 815 us span - 410 us busy
+    idle = s["idle"]
+    assert idle["cpu_ms"] == 0.3 and idle["other_stream_ms"] == 0.1
+    assert idle["host_syncs"] == 1 and idle["host_sync_ms"] == 0.18
+    assert idle["cpu_by_launch_context_ms"] == [["exchange > aten::mm", 0.3]]
+    assert "CPU 0, other streams 0; 1 host syncs" in format_summary(3, s)
+
+
 def test_profiled_step_writes_trace_and_summary(tmp_path, capsys):
     Trainer(small_config("--train.micro_batch=2", "--train.steps=3", "--logging.profile_step=2",
                          "--logging.progress=lines", run_dir=str(tmp_path))).fit()

@@ -5,8 +5,10 @@ more than the others do); rank 0 writes its Chrome trace to <run_dir>/profile/st
 Perfetto) and a summary next to it. The summary sorts the GPU kernels into kinds by name (matmul, attention,
 compiled fusions, communication, optimizer, copies, other) and, on the compute stream (the stream with the most
 kernel time), reports how much of the step's span it was busy and how much it sat idle: idle compute-stream time is
-what the CPU (launch overhead, host syncs) or exposed communication cost. On a CPU run there are no kernels; the
-summary then lists the operators with the most self time.
+what the CPU (launch overhead, host syncs) or exposed communication cost, and `idle` splits it so: a gap whose next
+kernel the CPU had not yet launched when the stream ran dry is the CPU's (summed by the host operators that launched
+it, and by host syncs in the gap), any other gap is a wait on another stream (a collective, a copy). On a CPU run
+there are no kernels; the summary then lists the operators with the most self time.
 """
 
 from __future__ import annotations
@@ -49,6 +51,60 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_RUNTIME = ("cuda_runtime", "cuda_driver")
+
+
+def _launch_context(events: list[dict]) -> dict[int, str]:
+    """correlation id -> "outer > inner" names of the (at most 3 innermost) host operators or annotations open on the
+    launching thread when the CPU launched it: one sweep per thread with a stack of open events."""
+    by_tid: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", *_RUNTIME):
+            by_tid[(e.get("pid"), e.get("tid"))].append(e)
+    out: dict[int, str] = {}
+    for evs in by_tid.values():
+        stack: list[dict] = []
+        for e in sorted(evs, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if e["cat"] in _RUNTIME:
+                if "correlation" in e.get("args", {}):
+                    out[e["args"]["correlation"]] = " > ".join(x["name"][:60] for x in stack[-3:]) or e["name"]
+            else:
+                stack.append(e)
+    return out
+
+
+def explain_idle(events: list[dict], on_compute: list[dict], min_gap_us: float = 5.0) -> dict:
+    """The compute stream's idle time split into waits for the CPU and waits on other streams (module docstring),
+    the CPU's part by the host context that launched the kernel after each gap, and the host syncs (count, time)."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})}
+    context = _launch_context(events)
+    syncs = [e for e in events if e.get("ph") == "X" and e.get("cat") in _RUNTIME
+             and e["name"].startswith(_SYNCS) and "Async" not in e["name"]]
+    kernels = sorted(on_compute, key=lambda e: e["ts"])
+    cpu = wait = 0.0
+    by_context: dict[str, float] = defaultdict(float)
+    end = kernels[0]["ts"] + kernels[0]["dur"]
+    for k in kernels[1:]:
+        gap = k["ts"] - end
+        if gap > min_gap_us:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            if launch is not None and launch["ts"] >= end:  # the CPU launched it after the stream ran dry
+                cpu += gap
+                by_context[context.get(launch["args"]["correlation"], launch["name"])] += gap
+            else:
+                wait += gap
+        end = max(end, k["ts"] + k["dur"])
+    ms = 1e-3
+    return {"cpu_ms": round(cpu * ms, 2), "other_stream_ms": round(wait * ms, 2),
+            "host_syncs": len(syncs), "host_sync_ms": round(sum(e["dur"] for e in syncs) * ms, 2),
+            "cpu_by_launch_context_ms": [[c, round(v * ms, 2)] for c, v in
+                                         sorted(by_context.items(), key=lambda kv: -kv[1])[:15]]}
+
+
 def summarize_trace(events: list[dict]) -> dict:
     """GPU time by kernel kind, the compute stream's busy and idle time over the span of all GPU work, and the
     longest kernels; times in milliseconds (Chrome trace events carry microseconds)."""
@@ -81,6 +137,7 @@ def summarize_trace(events: list[dict]) -> dict:
         "top_kernels_ms": [[n[:120], round(v * ms, 2)] for n, v in by_time[:25]],
         "top_kernels_by_kind_ms": {k: [[n[:120], round(v * ms, 2)] for n, v in by_time if kind_of[n] == k][:6]
                                    for k in kinds},  # names the small kernels of each kind ("other" above all)
+        "idle": explain_idle(events, on_compute),
     }
 
 
@@ -89,7 +146,9 @@ def format_summary(step: int, s: dict) -> str:
         return f"profile of step {step}: " + ", ".join(f"{n} {t:.1f} ms" for n, t in s.get("top_ops_ms", []))
     kinds = ", ".join(f"{k} {v:.0f}" for k, v in s["compute_kinds_ms"].items())
     return (f"profile of step {step}: GPU span {s['span_ms']:.0f} ms, compute stream busy {s['compute_busy_ms']:.0f} "
-            f"ms, idle {s['compute_idle_ms']:.0f} ms ({s['kernels']} kernels); by kind (ms): {kinds}; "
+            f"ms, idle {s['compute_idle_ms']:.0f} ms (CPU {s['idle']['cpu_ms']:.0f}, other streams "
+            f"{s['idle']['other_stream_ms']:.0f}; {s['idle']['host_syncs']} host syncs) ({s['kernels']} kernels); "
+            f"by kind (ms): {kinds}; "
             f"communication {s['communication_ms']:.0f} ms on its own streams")
 
 
