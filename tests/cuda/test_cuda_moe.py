@@ -45,7 +45,8 @@ def _train_moe(rank, world, extra, run_dir):
     from tests.helpers import small_config
 
     trainer = Trainer(small_config("--train.device=cuda", "--model.n_experts=8", "--model.experts_per_token=2",
-                                   "--model.moe_ffn_dim=64", "--train.micro_batch=2", *extra, run_dir=run_dir))
+                                   "--model.moe_ffn_dim=64", "--train.micro_batch=2", "--train.watchdog_s=90", *extra,
+                                   run_dir=run_dir))  # a hang dumps every rank's stacks into run_dir in 90 s
     history = trainer.fit()
     return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history]}
 

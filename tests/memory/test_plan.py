@@ -35,11 +35,14 @@ MEASURED = [
     ("2026-11-23_s7_h200x2_moe2.json", "shardfit full-AC", []),
     ("2026-11-23_s7_h200x2_moe2.json", "shardfit no-AC", []),
     ("2026-11-23_s7_h200x2_moe2.json", "shardfit no-AC compile", []),
-    ("2026-11-23_s7_h200x2_moe2.json", "shardfit no-AC compile EP2", []),
+    pytest.param("2026-11-23_s7_h200x2_moe2.json", "shardfit no-AC compile EP2", [], marks=pytest.mark.xfail(
+        reason="measured before session 8 took E = W experts out of FSDP (+7.2 GiB held); moe2 measures it again",
+        strict=False)),
 ]
 
 
-@pytest.mark.parametrize("fname,label,extra", MEASURED, ids=[m[1] for m in MEASURED])
+@pytest.mark.parametrize("fname,label,extra", MEASURED, ids=[m.values[1] if hasattr(m, "values") else m[1]
+                                                              for m in MEASURED])
 def test_predicted_peak_within_3_percent_of_measured(fname, label, extra):
     if "fp8" in label:
         pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
@@ -215,10 +218,10 @@ MOE = ["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_di
 
 
 def test_compiled_moe_block_recomputes_only_silu_and_expert_parallel_runs_its_experts_eagerly():
-    """A compiled MoE block (dynamo on meta, the expert-count graph break of the GPU run, Inductor's partitioner per
-    graph) saves what the eager block saves but SiLU(g) [T*k, I], which the partitioner recomputes from g; the
-    attention half saves less too. Expert parallelism leaves the exchange, experts included, out of the compiled
-    graph: exactly SiLU(g) comes back."""
+    """A compiled MoE block (dynamo on meta, one graph without EP, Inductor's partitioner) saves what the eager block
+    saves but SiLU(g) [T*k, I], which the partitioner recomputes from g; the attention half saves less too. Expert
+    parallelism leaves the exchange, experts included, out of the compiled graphs (the block breaks in two around
+    it): SiLU(g) comes back, and the routing weights [T, k] in bf16, which the combine graph takes as an input."""
     import dataclasses
 
     import torch
@@ -232,7 +235,7 @@ def test_compiled_moe_block_recomputes_only_silu_and_expert_parallel_runs_its_ex
     silu = 2 * 128 * 2 * 64 * 2  # micro-batch 2 x 128 tokens, top-2, I = 64, bf16
     eager, compiled = saved(), saved("--parallel.compile=true")
     assert compiled < eager - silu
-    assert saved("--parallel.compile=true", "--parallel.expert_parallel=2") - compiled == silu
+    assert saved("--parallel.compile=true", "--parallel.expert_parallel=2") - compiled == silu + 256 * 2 * 2
     assert saved("--parallel.expert_parallel=2") == eager  # eager either way
     # traced at micro-batch 1 and 2 and extended linearly, as dense blocks are: a direct trace at 3 agrees
     m = load_config(None, MOE).model
@@ -242,33 +245,41 @@ def test_compiled_moe_block_recomputes_only_silu_and_expert_parallel_runs_its_ex
 
 def test_moe_trace_leaves_no_trace_behind():
     """The plan's dynamo traces use private code copies: the compile caches (and recompile counts) of the training
-    run's DecoderBlock.forward and MoE.forward gain nothing."""
+    run's DecoderBlock.forward, MoE.forward and MoE.run gain nothing."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from shardfit.models.decoder import DecoderBlock
     from shardfit.models.moe import MoE
 
     def entries():
-        return [len(_debug_get_cache_entry_list(f.__code__)) for f in (MoE.forward, DecoderBlock.forward)]
+        return [len(_debug_get_cache_entry_list(f.__code__)) for f in (MoE.forward, MoE.run, DecoderBlock.forward)]
 
     before = entries()
     estimate(load_config(None, [*MOE, "--parallel.compile=true", "--data.seq_len=96"]), 2, 1)
+    estimate(load_config(None, [*MOE, "--parallel.compile=true", "--parallel.expert_parallel=2"]), 2, 1)
     assert entries() == before
 
 
 def test_expert_parallel_gathers_a_ranks_experts_and_counts_the_exchange():
-    """EP 2 on 2 ranks: each block gathers (bf16) and reduce-scatters (fp32) half its experts, the states stay
-    16 B/param/W; a MoE block's backward adds the exchange's send, receive and regroup buffers [T*k, H] in bf16.
-    A layout the trainer refuses (EP with offload) is still counted, and left out of the proposals."""
+    """EP 2 on 2 ranks: each block gathers (bf16) and reduce-scatters (fp32) half its experts (E = W: casts them and
+    writes their fp32 gradients, the same sizes), the states stay 16 B/param/W; without checkpointing each block
+    holds its bf16 half of the experts until its backward (E = W: out of FSDP, nothing reshards them); a MoE
+    block's backward adds the exchange's send, receive and regroup buffers [T*k, H] in bf16. On 4 ranks (E < W,
+    FSDP over the experts' pairs) nothing is held. A layout the trainer refuses (EP with offload) is still counted,
+    and left out of the proposals."""
     from shardfit.memory.plan import block_activation_bytes
     from shardfit.memory.propose import accepted
+    from shardfit.parallel.expert import experts_outside_fsdp
 
     one, two = (load_config(None, [*MOE, f"--parallel.expert_parallel={e}"]) for e in (1, 2))
     m = one.model
     experts = 3 * 8 * 64 * m.dim  # per block
     a, b = estimate(one, 2, 2), estimate(two, 2, 2)
-    assert a.states == b.states and a.activations == b.activations
+    assert a.states == b.states
+    held = m.n_layers * 2 * experts // 2 if experts_outside_fsdp(2, 2) else 0
+    assert b.activations - a.activations == held
     assert a.fsdp - b.fsdp == (2 * 2 + 4) * experts // 2  # two gathered blocks in bf16, one fp32 reduce-scatter
+    assert estimate(two, 4, 2).activations == estimate(one, 4, 2).activations
     assert block_activation_bytes(one, 2)["exchange"] == 0
     assert block_activation_bytes(two, 2)["exchange"] == 3 * (2 * 128 * 2) * m.dim * 2
     offloaded = load_config(None, [*MOE, "--parallel.expert_parallel=2", "--parallel.offload=all"])

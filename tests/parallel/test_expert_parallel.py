@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from shardfit.parallel.expert import experts_outside_fsdp
 from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.helpers import full_state, small_config
@@ -15,12 +16,16 @@ def _train_ep(rank, world, overrides, run_dir):
     trainer = Trainer(cfg)
     layer = trainer.model.model.layers[0].mlp
     local = layer.experts.gate_proj.to_local().shape[0] if hasattr(layer.experts.gate_proj, "to_local") else None
+    from torch.distributed.fsdp import FSDPModule
+
+    in_fsdp = isinstance(layer.experts, FSDPModule)
     seen = []
-    layer.register_forward_hook(lambda m, i, o: seen.append(m.load.tolist()))  # rows per expert, this rank
+    block = trainer.model.model.layers[0]  # the block calls MoE's phases (models/decoder.py): hook the block
+    block.register_forward_hook(lambda m, i, o: seen.append(m.mlp.load.tolist()))  # rows per expert, this rank
     history = trainer.fit()
     state = {k: v.tolist() for k, v in full_state(trainer.model).items()}
     return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
-            "state": state if rank == 0 else None, "local_rows": local, "routing": seen}
+            "state": state if rank == 0 else None, "local_rows": local, "routing": seen, "experts_in_fsdp": in_fsdp}
 
 
 @pytest.mark.parametrize("world,ep,ac,extra", [
@@ -35,6 +40,9 @@ def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac, extra):
     if extra:
         assert all(any(0 in load for load in r["routing"]) for r in res)  # empty experts on every rank
     assert all(r["local_rows"] == 8 // world for r in res)  # each rank holds its own slice of the experts
+    # E = W: the experts stay out of FSDP (cast and gradient division in parallel/expert.py); E < W: their own group
+    assert res[0]["experts_in_fsdp"] == (not experts_outside_fsdp(ep, world))
+    assert experts_outside_fsdp(2, 2) == (torch.__version__ >= "2.7")
     one = run_ranks(_train_ep, 1, overrides[:-2] + [f"--parallel.activation_checkpoint={ac}"], str(tmp_path / "one"))
     # Adam hides a gradient off by a constant factor (it divides by the gradient's own scale): the norms show it.
     for key in ("losses", "norms"):
@@ -63,7 +71,7 @@ def _exported(path) -> dict[str, torch.Tensor]:
 def test_expert_parallel_checkpoint_and_export_are_the_plain_models(tmp_path):
     """Saved and exported by 4 ranks under EP 2 (experts FSDP-sharded over 2 ranks each), the Hugging Face export
     holds the tensors one plain process exports, and the checkpoint resumes under EP 2 on 2 ranks (another layout:
-    DCP reshards the experts) to end where the plain run ends."""
+    DCP reshards the experts, which are out of FSDP there) to end where the plain run ends, and export the same."""
     ep_dir, plain_dir = tmp_path / "ep_hf", tmp_path / "plain_hf"
     run_ranks(_run, 4, ["--parallel.expert_parallel=2", "--train.steps=3", "--checkpoint.final=true",
                         f"--checkpoint.export_hf={ep_dir}"], str(tmp_path / "a"), timeout=300)
@@ -73,8 +81,13 @@ def test_expert_parallel_checkpoint_and_export_are_the_plain_models(tmp_path):
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
     step3 = f"--checkpoint.resume={tmp_path}/a/checkpoints/step_00000003"
-    resumed = run_ranks(_run, 2, ["--parallel.expert_parallel=2", step3], str(tmp_path / "b"), timeout=300)[0]
-    plain = run_ranks(_run, 1, [], str(tmp_path / "p6"))[0]
+    resumed = run_ranks(_run, 2, ["--parallel.expert_parallel=2", step3, f"--checkpoint.export_hf={tmp_path}/b_hf"],
+                        str(tmp_path / "b"), timeout=300)[0]
+    plain = run_ranks(_run, 1, [f"--checkpoint.export_hf={tmp_path}/p6_hf"], str(tmp_path / "p6"))[0]
     assert resumed["start"] == 3
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(plain["losses"][3:]), rtol=1e-5,
                                atol=1e-5)
+    got, want = _exported(tmp_path / "b_hf"), _exported(tmp_path / "p6_hf")
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4, msg=k)

@@ -17,13 +17,14 @@ MOE = ["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_di
 def _counted(rank, world, extra, run_dir):
     """Train while counting each MoE layer's routing with a hook (checkpointing off: one forward per micro-batch)."""
     trainer = Trainer(small_config(*MOE, *extra, run_dir=run_dir))
-    moes = [m for m in trainer.model.modules() if isinstance(m, MoE)]
+    blocks = [b for b in trainer.model.model.layers if isinstance(b.mlp, MoE)]
+    moes = [b.mlp for b in blocks]
     counts = torch.zeros(len(moes), 8, dtype=torch.float64)
-    def count(mod, args, out, i):
-        counts[i] += mod.load.double().cpu()  # returns None: the hook leaves the output alone
+    def count(block, args, out, i):
+        counts[i] += block.mlp.load.double().cpu()  # returns None: the hook leaves the output alone
 
-    for i, m in enumerate(moes):
-        m.register_forward_hook(lambda mod, args, out, i=i: count(mod, args, out, i))
+    for i, b in enumerate(blocks):  # the block calls MoE's phases (models/decoder.py): hook the block
+        b.register_forward_hook(lambda mod, args, out, i=i: count(mod, args, out, i))
     rec = trainer.train_step()
     return {"mine": counts.tolist(), "moe": rec["moe"],
             "bias": [m.balance_bias.tolist() for m in moes if m.balance_bias is not None]}

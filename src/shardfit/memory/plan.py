@@ -286,8 +286,8 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         copies = 2 * 4 * max(block_params[kept:], default=0) // shard
     grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
     # expert parallelism: a block gathers (and reduce-scatters) only its rank's n/E experts (plan_moe)
-    big_block = max(plan_moe.gathered_params(block_params, plan_moe.expert_params(_meta_model(_key(m))),
-                                             par.expert_parallel))
+    experts = plan_moe.expert_params(_meta_model(_key(m)))
+    big_block = max(plan_moe.gathered_params(block_params, experts, par.expert_parallel))
     # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
     # converted weights at 1 byte each. The same with offload=all: only the sharded copies live on the host.
     fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
@@ -299,7 +299,8 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     for i in range(m.n_layers):
         b = per_block[is_moe_layer(m, i)]
         checkpointed = mode == "selective" or (mode == "full" and i % par.ac_every == 0)
-        acts += b[mode] if checkpointed else b["none"]
+        acts += b[mode] if checkpointed else b["none"] + plan_moe.held_expert_bytes(
+            experts[i], par.expert_parallel, world, 2 if par.param_dtype in ("auto", "bfloat16") else 4)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
     # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16, and one logits chunk [c, V]: eager bf16
     # logits, an fp32 copy, logsumexp's fp32 temporary (10 B); compiled (compile_loss) bf16 logits and gradient (4 B)

@@ -51,9 +51,11 @@ def meta_moe(moe, ep: int) -> None:
     out of torch.compile as ExpertExchange is (the all-to-alls themselves save nothing for backward: their
     backward is the reverse exchange). The exchange's buffers are exchange_bytes."""
     moe.exchange = torch.compiler.disable(_grouped_experts) if ep > 1 else _grouped_experts
-    # a private copy of the code: dynamo keeps compiled graphs (and counts recompiles) per code object, so the
-    # plan's traces on meta tensors must not fill the cache that the training run's MoE.forward will use
-    moe.forward = types.MethodType(_fresh(type(moe).forward), moe)
+    # private copies of the code: dynamo keeps compiled graphs (and counts recompiles) per code object, so the
+    # plan's traces on meta tensors must not fill the caches the training run's frames will use (MoE.run becomes a
+    # frame of its own when the exchange breaks the block's graph)
+    for name in ("forward", "run"):
+        setattr(moe, name, types.MethodType(_fresh(getattr(type(moe), name)), moe))
 
 
 def _fresh(fn):
@@ -114,6 +116,16 @@ def gathered_params(block_params: tuple[int, ...], experts: tuple[int, ...], ep:
     (parallel/expert.py), so it gathers those whole, not all n (Qwen3-30B-A3B, E = 2: 321M of a block's 623M
     parameters). The states stay 16 B/param/W: each rank holds a unique 1/W of every weight either way."""
     return tuple(b - e + e // ep for b, e in zip(block_params, experts))
+
+
+def held_expert_bytes(experts: int, ep: int, world: int, element: int) -> int:
+    """Expert weights an unrecomputed MoE block keeps from its forward to its backward. With E = W the experts are
+    out of FSDP and cast by the computation (parallel/expert.py): the grouped GEMMs save that [n/E, ...] copy, one
+    per block (Qwen3-30B-A3B, E = 2: 604 MiB a layer). Under FSDP the gathered copy is freed after the forward and
+    gathered again for the backward: nothing held."""
+    from shardfit.parallel.expert import experts_outside_fsdp
+
+    return experts // ep * element if experts and experts_outside_fsdp(ep, world) else 0
 
 
 def exchange_bytes(m, tokens: int, ep: int, element: int) -> int:

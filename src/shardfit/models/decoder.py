@@ -177,7 +177,15 @@ class DecoderBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: DocumentMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if not isinstance(self.mlp, MoE):
+            return x + self.mlp(h)
+        # MoE.forward's three phases, called from this frame: under torch.compile a graph break in MoE.run (the
+        # expert-parallel exchange is left out of compilation) then splits this block into two graphs (up to the
+        # dispatch | the combine and residual). Inside MoE.forward it would split the block, MoE.forward and its
+        # resumes into five, each a host-side entry (guards, runtime wrappers) on a path that bounds the EP forward.
+        r = self.mlp.dispatch(h)
+        return x + self.mlp.combine(self.mlp.run(r), r, h.shape)
 
 
 class Decoder(nn.Module):

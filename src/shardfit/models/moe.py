@@ -15,9 +15,22 @@ Shapes: T tokens, H hidden, E experts, k experts per token, I expert inner size.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class Routing(NamedTuple):
+    """One micro-batch's routing: xs [T*k, H] the tokens' rows sorted by expert, counts [E] rows per expert, weights
+    [T, k] the routing weights, order [T*k] the sort of (token, slot) pairs and inverse [T*k] its inverse."""
+
+    xs: torch.Tensor
+    counts: torch.Tensor
+    weights: torch.Tensor
+    order: torch.Tensor
+    inverse: torch.Tensor
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -53,11 +66,10 @@ class _DispatchRows(torch.autograd.Function):
         return grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
 
 
-@torch.compiler.disable  # the compiled block breaks here, where torch.bincount's data-dependent size broke it
 def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """Rows per expert [E] of the routed ids [T*k]: a scatter-add of ones on the device. torch.bincount would read the
-    ids' maximum on the host to size its output (a host sync in every MoE layer's forward, recomputation included).
-    Left out of torch.compile so that the compiled graphs stay those measured (and counted by shardfit plan)."""
+    ids' maximum on the host to size its output (a host sync in every MoE layer's forward, recomputation included,
+    and a graph break under torch.compile)."""
     return torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
@@ -152,7 +164,8 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(h.dtype), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def dispatch(self, x: torch.Tensor) -> Routing:
+        """x [..., H] -> its tokens' rows sorted by expert, with what run and combine need."""
         h = x.reshape(-1, x.shape[-1])  # [T, H]
         weights, ids = self.route(h)
         flat = ids.reshape(-1)  # [T*k]
@@ -161,13 +174,21 @@ class MoE(nn.Module):
         self.load = counts.detach()
         inverse = inverse_permutation(order)
         xs = _DispatchRows.apply(h, order, inverse, self.top_k)  # [T*k, H]
-        ys = self.experts(xs, counts) if self.exchange is None else self.exchange(xs, counts, self.experts)
-        out = permute_rows(ys, inverse, order)  # back to (token, slot) order: out[order[j]] = ys[j]
-        return self.combine(out, weights, x.shape)
+        return Routing(xs, counts, weights, order, inverse)
 
-    def combine(self, ys: torch.Tensor, weights: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """ys [T*k, H] in (token, slot) order, weights [T, k] -> the routing-weighted sum per token, in `shape`."""
-        return (ys.view(-1, self.top_k, shape[-1]) * weights[..., None]).sum(dim=1).view(shape)
+    def run(self, r: Routing) -> torch.Tensor:
+        """The experts on the sorted rows: [T*k, H] -> [T*k, H] in the same order (here, or through the exchange)."""
+        return self.experts(r.xs, r.counts) if self.exchange is None else self.exchange(r.xs, r.counts, self.experts)
+
+    def combine(self, ys: torch.Tensor, r: Routing, shape: torch.Size) -> torch.Tensor:
+        """ys [T*k, H] sorted by expert -> the routing-weighted sum per token, in `shape`."""
+        out = permute_rows(ys, r.inverse, r.order)  # back to (token, slot) order: out[order[j]] = ys[j]
+        return (out.view(-1, self.top_k, shape[-1]) * r.weights[..., None]).sum(dim=1).view(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The decoder block calls the three phases itself (models/decoder.py says why)
+        r = self.dispatch(x)
+        return self.combine(self.run(r), r, x.shape)
 
 
 @torch.no_grad()

@@ -12,6 +12,16 @@ Gradients. A rank's expert gradient holds the contributions of every token its E
 all-to-all's backward carries them home), so summing over the efsdp ranks already sums over all W ranks' tokens:
 FSDP's reduce-scatter there must divide by W (the plain gradient's mean over ranks), not by its own W/E.
 
+E = W (efsdp of one rank: every rank holds n/W experts and nobody else holds them) leaves the experts out of FSDP
+(`ignored_params`, torch >= 2.7): FSDP over one rank would still, per layer, cast the fp32 shard to bf16 and copy it
+into its "all-gather" output (forward, and again in backward after resharding) and copy the bf16 gradient into an
+fp32 reduce-scatter input, all on the compute stream, with ~5 ms of host time a layer in its hooks (measured on
+2 x H200: 25% of the EP step's host time, which bounds its forward). Here the computation casts each weight itself
+(_ComputeCast: one pass forward; the backward writes the fp32 gradient divided by W in one pass), the bf16 copy is
+what the grouped GEMMs save for backward (none is made again), and the fp32 gradient accumulates in place over
+micro-batches as FSDP's would. Optimizer, gradient norm, checkpoints and export see the same DTensors [n, ...]
+sharded over "ep".
+
 The exchange, per MoE layer and micro-batch (ExpertExchange):
   1. counts [n] (rows per global expert, sorted order) go to every peer: all-to-all of E x n/E int64;
   2. ONE host sync: the split sizes of step 3 (rows to and from each peer) must be known on the host to size the
@@ -30,6 +40,8 @@ The exchange is left out of torch.compile (data-dependent split sizes): a compil
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -64,12 +76,35 @@ def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, o
                             fix="set one of them off")
 
 
+class _ComputeCast(torch.autograd.Function):
+    """w [n/E, ...] (the fp32 shard) -> w in the compute dtype; backward: the gradient in w's dtype divided by
+    `divide` (the world size: FSDP's reduction would have divided by it), written in one pass."""
+
+    @staticmethod
+    def forward(ctx, w, dtype, divide):
+        ctx.dtype, ctx.divide = w.dtype, divide
+        return w.to(dtype) if w.dtype != dtype else w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # a stride-0 fp32 scale of grad's shape: type promotion makes mul write fp32 from bf16 in one kernel
+        scale = torch.full((), 1.0 / ctx.divide, dtype=ctx.dtype, device=grad.device).expand(grad.shape)
+        return torch.mul(grad, scale), None, None
+
+
 class _LocalExperts(Experts):
     """Experts whose weights are DTensors sharded over the EP group: the computation reads this rank's slice
-    [n/E, ...] (to_local is differentiable: the gradient arrives as a DTensor of the same placement)."""
+    [n/E, ...] (to_local is differentiable: the gradient arrives as a DTensor of the same placement). Outside FSDP
+    (E = W) compute_dtype is set and the slice is cast here (module docstring: E = W)."""
+
+    compute_dtype: torch.dtype | None = None
+    grad_divide: float = 1.0
 
     def weights(self):
-        return tuple(w.to_local() for w in (self.gate_proj, self.up_proj, self.down_proj))
+        local = tuple(w.to_local() for w in (self.gate_proj, self.up_proj, self.down_proj))
+        if self.compute_dtype is None:
+            return local
+        return tuple(_ComputeCast.apply(w, self.compute_dtype, self.grad_divide) for w in local)
 
 
 class ExpertExchange:
@@ -125,13 +160,24 @@ def apply_expert_parallel(model: nn.Module, mesh) -> list[MoE]:
     return layers
 
 
-def shard_experts(block: nn.Module, mesh, world: int, **fsdp_kwargs) -> None:
+def experts_outside_fsdp(ep: int, world: int) -> bool:
+    """E = W and a torch whose fully_shard takes ignored_params (2.7+): the experts stay out of FSDP (module
+    docstring); shardfit plan counts their memory accordingly."""
+    return 1 < ep == world and "ignored_params" in inspect.signature(fully_shard).parameters
+
+
+def shard_experts(block: nn.Module, mesh, world: int, mp_policy, **fsdp_kwargs) -> set[nn.Parameter]:
     """parallelize step 3, before the block's own fully_shard: the block's experts form an FSDP group of their own
-    over mesh["efsdp"], whose gradient reduction divides by the world size (module docstring: Gradients)."""
+    over mesh["efsdp"], whose gradient reduction divides by the world size (module docstring: Gradients); or, with
+    E = W, stay out of FSDP: returns the parameters the block's and the root's fully_shard must then ignore."""
     moe = getattr(block, "mlp", None)
     if not isinstance(moe, MoE) or moe.exchange is None:
-        return
-    fully_shard(moe.experts, mesh=mesh["efsdp"], **fsdp_kwargs)
+        return set()
+    if experts_outside_fsdp(mesh["ep"].size(), world):
+        moe.experts.compute_dtype = mp_policy.param_dtype or moe.experts.gate_proj.dtype
+        moe.experts.grad_divide = float(world)
+        return set(moe.experts.parameters())
+    fully_shard(moe.experts, mesh=mesh["efsdp"], mp_policy=mp_policy, **fsdp_kwargs)
     moe.experts.set_gradient_divide_factor(float(world))
     if mesh["efsdp"].size() > 1 and dist.get_backend(mesh["efsdp"].get_group()) == "gloo":
         # A divide factor other than the group's size is NCCL's PREMUL_SUM, which gloo lacks: FSDP then sums and
@@ -139,3 +185,4 @@ def shard_experts(block: nn.Module, mesh, world: int, **fsdp_kwargs) -> None:
         # group of one rank: FSDP skips the collective and divides by the factor as it copies, and forcing the
         # sum there divides twice (tests/parallel/test_expert_parallel.py compares the gradient norms).
         moe.experts.set_force_sum_reduction_for_comms(True)
+    return set()

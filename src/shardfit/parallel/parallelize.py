@@ -111,14 +111,16 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisi
     # offload(i) is block i's offload policy, offload(None) that of the other groups (parallel/offload.py: with
     # offload=all every group's shards live on the host, but for the first offload_gpu_blocks blocks).
     off = {"offload_policy": offload(None)}
+    ignored: set[nn.Parameter] = set()  # expert weights kept out of FSDP (parallel/expert.py: E = W)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keeping them gathered saves one
         # all-gather per step (with offload, also one host-to-device copy of its shard) at the cost of one block's
         # unsharded weights.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
-        if ep_mesh is not None:
-            shard_experts(block, ep_mesh, mesh.size(), mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload(i))
+        own = shard_experts(block, ep_mesh, mesh.size(), mp, reshard_after_forward=reshard) if ep_mesh else set()
+        ignored |= own
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload(i),
+                    **({"ignored_params": own} if own else {}))
     if not model.cfg.tie_embeddings:
         # Untied, the embedding and the output head are groups of their own (tied, one parameter with two users, they
         # stay in the root group). The step's first all-gather is then the embedding alone; the head's is issued
@@ -127,7 +129,8 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisi
         # resharded after forward, as the root group is not: the memory is what it was in the root group.
         fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **off)
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **off)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, **off)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, **off,
+                **({"ignored_params": ignored} if ignored else {}))
     if cfg.prefetch > 0:
         for i, block in enumerate(blocks):
             after = blocks[i + 1:i + 1 + cfg.prefetch]
