@@ -208,3 +208,17 @@ def test_auto_kernel_takes_flex_on_cuda_except_for_short_rows():
     short = choose_doc_kernel("auto", cuda, FLEX_MIN_TOKENS - 1)
     assert short == ("varlen" if varlen_available() else "sdpa")
     assert choose_doc_kernel("flex", cuda, 64) == "flex"  # an explicit choice is kept
+
+
+def test_fp32_compute_never_gets_flash_attention_varlen():
+    """FlashAttention has no fp32 kernel: auto takes the dense mask for short fp32 rows, and an explicit varlen with
+    fp32 is refused at start-up (one line, exit 2). Found on 2 GPUs: an fp32 run died on the rank whose micro-batch
+    held a document boundary, and its peer waited in the next collective until the watchdog fired."""
+    from shardfit.errors import ShardfitError
+    from shardfit.models.attention import FLEX_MIN_TOKENS, choose_doc_kernel
+
+    cuda = torch.device("cuda", 0)
+    assert choose_doc_kernel("auto", cuda, FLEX_MIN_TOKENS - 1, torch.float32) == "sdpa"
+    with pytest.raises(ShardfitError, match="doc_attention=varlen needs bf16"):
+        choose_doc_kernel("varlen", cuda, 4096, torch.float32)
+    assert choose_doc_kernel("varlen", torch.device("cpu"), 4096, torch.float32) == "sdpa"  # the CPU reference

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardfit.errors import ShardfitError
+
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: DocumentMask | None = None) -> torch.Tensor:
@@ -216,14 +218,22 @@ KERNELS = {"sdpa": _dense_masked, "varlen": _varlen, "flex": _flex}
 FLEX_MIN_TOKENS = 128
 
 
-def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MIN_TOKENS) -> str:
-    """parallel.doc_attention resolved for this device and row length (tokens per row of a micro-batch). The CPU
-    always uses the dense reference (FlashAttention's varlen kernel is CUDA-only; FlexAttention would compile a CPU
-    kernel per shape)."""
+def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MIN_TOKENS,
+                      dtype: torch.dtype = torch.bfloat16) -> str:
+    """parallel.doc_attention resolved for this device, row length (tokens per row of a micro-batch) and compute
+    dtype. The CPU always uses the dense reference (FlashAttention's varlen kernel is CUDA-only; FlexAttention would
+    compile a CPU kernel per shape). FlashAttention has no fp32 kernel: auto never picks varlen for fp32 compute, and
+    asking for it is refused before the first step (a rank whose micro-batch holds no document boundary would not
+    call it, and its peers would wait for it in their next collective)."""
     if device.type != "cuda":
         return "sdpa"
+    half = dtype in (torch.bfloat16, torch.float16)
+    if kind == "varlen" and not half:
+        raise ShardfitError(f"parallel.doc_attention=varlen needs bf16 or fp16 compute, not {dtype} (FlashAttention "
+                            "has no fp32 kernel)", where="parallel.doc_attention",
+                            fix="use parallel.doc_attention=flex or sdpa, or parallel.param_dtype=bfloat16")
     if kind == "auto" and row_tokens < FLEX_MIN_TOKENS:
-        return "varlen" if varlen_available() else "sdpa"
+        return "varlen" if varlen_available() and half else "sdpa"
     if kind == "auto":
         # Measured (benchmarks/NOTES.md, session 6, Llama-3-8B packed pretraining, compiled, 2 x H200): flex at
         # micro-batch 4 ran 1.02x the unmasked step with its memory; varlen 0.83x, because torch 2.11's varlen has
