@@ -14,18 +14,17 @@ as matmuls, which the grouped GEMM is not). Routing counts as spread evenly: the
 Per MoE layer, eager (Qwen3-30B-A3B, T = 8,192: T*k = 65,536, H = 2,048, I = 768):
   xs [T*k, H] (256 MiB: the grouped GEMMs' input), g and u [T*k, I], SiLU(g) and SiLU(g)*u [T*k, I] (4 x 96 MiB),
   the combine's input [T*k, H] (256 MiB), the router's input [T, H], its fp32 probabilities [T, n], indices.
-Compiled (parallel.compile): dynamo breaks the block's graph at the expert counts (models/moe.py expert_counts),
-so the block is four graphs (attention and the second norm | router and sort | gather, experts, scatter, combine
-| residual add), each split by Inductor's min-cut partitioner on its own. compiled_saved_bytes traces the block
-that way (dynamo on the meta device, the same break) and counts what the forward graphs hand to their backward:
-in the MoE graph that is xs, g, u, SiLU(g)*u and the combine's input; only SiLU(g) is recomputed (-96 MiB a
-layer). With the attention part's savings a compiled block saves 1,156 MiB here, the eager one 1,524.
-Expert parallelism: the exchange (parallel/expert.py) is left out of torch.compile, so the experts run eagerly
-inside a compiled block (SiLU(g) saved again: 1,252 MiB); the rows a rank's experts receive, regrouped by local
-expert, are what its grouped GEMMs save: about T*k rows with balanced routing, as many as it sends.
+Compiled (parallel.compile): the decoder block calls the MoE phases itself, so without EP a compiled block is one
+graph, split by Inductor's min-cut partitioner; compiled_saved_bytes traces it so (dynamo on the meta device) and
+counts what the forward graph hands to its backward: in the MoE part xs, g, u, SiLU(g)*u and the combine's input;
+SiLU(g) is recomputed (-96 MiB a layer). Expert parallelism: the exchange (parallel/expert.py) is left out of
+torch.compile, so the block is two graphs around it and the experts run eagerly (SiLU(g) saved again, and the
+routing weights, an input of the combine graph); the rows a rank's experts receive, regrouped by local expert, are
+what its grouped GEMMs save: about T*k rows with balanced routing, as many as it sends. With E = W the experts are
+out of FSDP and an unrecomputed block holds its bf16 copy of them until its backward (held_expert_bytes).
 
-Measured on 2 x H200 (benchmarks/results/2026-11-23_s7_h200x2_moe2.json, 12 layers, micro-batch 2): full AC 68.6
-GiB (plan 68.6), no AC 83.6 (86.1, +3.0%), compiled 79.0 (80.9, +2.4%), compiled EP 2 79.8 (79.8, -0.1%). What is
+Measured on 2 x H200 (benchmarks/results/2026-11-23_s8_h200x2_moe2.json, 12 layers, micro-batch 2): full AC 68.6
+GiB (plan 68.6), no AC 83.6 (86.1, +3.0%), compiled 79.0 (80.9, +2.4%), compiled EP 2 86.1 (86.5, +0.5%). What is
 left over without EP (~2.5 GiB) is not the activations (eager - compiled: measured 4.6 GiB, counted 4.3): the plan
 adds two gathered blocks and one fp32 reduce-scatter input (3.5 GiB for a 623M-parameter block; 1.2 with EP 2) to
 every block's activations, a sum the dense blocks' peaks match but whose moments may not coincide here.
