@@ -102,6 +102,10 @@ def cases(a, data: list[str]) -> list[dict]:
            dict(system="torchtitan", label=f"torchtitan {acl}-AC compile", args=tt, cap=CAPS["tt"])]
     out += [dict(system="shardfit", label=f"{fast_label} EP{e}", args=[*fast, f"--parallel.expert_parallel={e}"],
                  cap=CAPS["sf-compile"]) for e in eps]
+    # the optimizer step under the next forward (parallel/step_overlap.py): one change against the EP case above
+    out.append(dict(system="shardfit", label=f"{fast_label} EP{eps[0]} overlap-opt" if eps else f"{fast_label} "
+                    "overlap-opt", args=[*fast, *([f"--parallel.expert_parallel={eps[0]}"] if eps else []),
+                                         "--parallel.overlap_optimizer=true"], cap=CAPS["sf-compile"]))
     if n >= 2:
         out.append(dict(system="torchtitan", label=f"torchtitan {acl}-AC compile EP2",
                         args=[*tt, "--parallelism.expert_parallel_degree", "2"], cap=CAPS["tt"]))

@@ -38,7 +38,9 @@
 #   moecurve   issue 15: 50 steps, the fastest MoE configuration (compiled, EP 2) and FP8 beside bf16 experts against
 #              the plain one and a noise case (2 GPUs, 6 layers)
 #   tests-split  pytest -m cuda file by file (240 s cap each), the log under $OUT as it runs: a call of its own
-#   moeprof    bench_moe's EP2 compiled case with step 8 under torch.profiler (2 GPUs): kernel time by kind
+#   moeprof    bench_moe's EP2 compiled case with step 8 under torch.profiler (2 GPUs): kernel time by kind, the idle
+#              time split (late launches by host context, waits on other streams), the trace kept under $OUT
+#   tests-overlap  the CUDA test of parallel.overlap_optimizer alone (2 GPUs, ~2 min), before moe2 measures it
 #   offload8b-cap80  the same on GPU 0 of nvidia-h200-x2 (256 GiB host), GPU memory capped at an H100's 79.1 GiB
 # Issue 15, mixture of experts (bench_moe.py: shardfit against benchmarks/anchor_hf_qwen3moe.py, the HF FSDP2 recipe,
 # and torchtitan 0.2.2 through benchmarks/anchor_torchtitan_launch.py; torchtitan's wheels and torchao's are in .whl,
@@ -137,6 +139,7 @@ for stage in "$@"; do
     moecurve) env $two timeout 560 python3 benchmarks/bench_train.py --suite moecurve --nproc 2 --timeout 200 --out "$OUT/moecurve_x2.json" 2>&1 | tail -9 ;;
     tests-split)  # the CUDA suite file by file, each under its own cap, the whole log kept (call it alone)
       for f in tests/cuda/test_*.py; do env $two timeout 240 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider "$f" 2>&1 | tee -a "$OUT/pytest_cuda.log" | tail -3; done ;;
+    tests-overlap) env $two timeout 240 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_step_overlap.py 2>&1 | tee "$OUT/pytest_overlap.log" | grep -E "PASSED|FAILED|passed|failed|^E " | tail -12 ;;
     moeprof)  # shardfit's fastest MoE case (moe2's EP2 compiled) with step 8 profiled; summary JSON to $OUT
       python3 -c "import sys, argparse; sys.path.insert(0, 'benchmarks'); import bench_moe; bench_moe.ensure_data(argparse.Namespace(tokens='uniform', assets='/tmp/ttassets', dry_run=False))"
       cmd=$(python3 benchmarks/bench_moe.py --dry-run --only "shardfit no-AC compile EP2" | grep -o 'torchrun .*')

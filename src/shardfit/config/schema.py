@@ -133,6 +133,9 @@ class ParallelConfig:
                                      "states on the GPU (stepped there), the rest go to host memory; for a model "
                                      "whose states exceed the host's memory but whose GPUs have room left "
                                      "(shardfit plan proposes N)", ge=0)
+    overlap_optimizer: bool = opt(False, "CUDA: run the optimizer step on a side stream, FSDP group by group, each "
+                                         "group's next forward waiting only for its own (parallel/step_overlap.py); "
+                                         "for steps whose forward leaves the GPU idle (MoE with expert parallelism)")
     expert_parallel: int = opt(1, "MoE expert parallelism: groups of E neighbouring ranks split each layer's experts "
                                   "(each holds n_experts/E, tokens exchanged by all-to-all); expert weights are "
                                   "FSDP-sharded over the world/E ranks holding the same experts; 1: every rank "

@@ -63,6 +63,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from shardfit.config.schema import ParallelConfig
 from shardfit.errors import ShardfitError
+from shardfit.parallel.step_overlap import add_wait_hooks, forward_order_groups, param_group
 
 
 def check_offload(cfg: ParallelConfig, n_layers: int | None = None) -> None:
@@ -100,15 +101,9 @@ def offload_policy(cfg: ParallelConfig, device: torch.device, block: int | None 
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
-def _param_group(module: nn.Module):
-    """The FSDP2 parameter group of a module passed to fully_shard (None for other modules)."""
-    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-    return getattr(state, "_fsdp_param_group", None)
-
-
 def _group_on_host(module: nn.Module) -> bool | None:
     """Whether the module's own FSDP group is offloaded (its policy: CPUOffloadPolicy); None without a group."""
-    group = _param_group(module)
+    group = param_group(module)
     if group is None or not group.fsdp_params:
         return None
     return all(p.offload_to_cpu for p in group.fsdp_params)
@@ -119,7 +114,7 @@ def offloaded(module: nn.Module) -> bool:
     notices): the groups of the module and of the modules under it (a block, the embedding, the head, or the whole
     model: False there when offload_gpu_blocks keeps blocks on the device). A module whose parameters belong to a
     group above it (a layer inside a block) has none of its own: False."""
-    flags = {id(p.sharded_param): p.offload_to_cpu for m in module.modules() if (g := _param_group(m)) is not None
+    flags = {id(p.sharded_param): p.offload_to_cpu for m in module.modules() if (g := param_group(m)) is not None
              for p in g.fsdp_params}
     params = list(module.parameters())
     return bool(params) and all(flags.get(id(p), False) for p in params)
@@ -261,32 +256,14 @@ class OverlappedStep:
         from concurrent.futures import ThreadPoolExecutor
 
         self.optimizer, self.device = optimizer, device
-        # Forward order: the root group first (its pre-forward runs first; it holds the final norm, and the embedding
-        # when tied), then the groups as modules() lists them: embedding, blocks 0..L-1, head.
-        modules = [model] + [m for m in model.modules() if m is not model and hasattr(m, "_get_fsdp_state")]
-        owned = set()
-        self.groups: list[list[nn.Parameter]] = []
-        for m in modules:
-            group = _param_group(m)
-            params = [p.sharded_param for p in group.fsdp_params] if group is not None else []
-            params = [p for p in params if id(p) not in owned]
-            owned.update(id(p) for p in params)
-            self.groups.append(params)
+        modules, self.groups = forward_order_groups(model, optimizer)
         self.on_host = [_group_on_host(m) is not False for m in modules]  # False: kept on the device
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if owned != stepped:  # a parameter outside every group would be stepped once per group
-            raise RuntimeError("the overlapped CPU step needs every optimized parameter in an FSDP group")
         self.events = [threading.Event() for _ in modules]
         for e in self.events:
             e.set()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardfit-cpu-step")
         self.future = None
-        block_ids = {id(b) for b in blocks}
-        for i, m in enumerate(modules):
-            # a block's pre-forward also unshards the `prefetch` blocks after it (parallelize's explicit prefetch)
-            upto = min(len(modules), i + 1 + (prefetch if id(m) in block_ids else 0))
-            # prepend: before FSDP's own pre-forward hook, which enqueues the copy of the shard to the device
-            m.register_forward_pre_hook(lambda *_, _upto=upto: self._wait_groups(_upto), prepend=True)
+        add_wait_hooks(modules, blocks, prefetch, self._wait_groups)
 
     def _wait_groups(self, upto: int) -> None:
         for e in self.events[:upto]:

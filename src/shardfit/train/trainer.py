@@ -42,9 +42,10 @@ from shardfit.memory.record import SnapshotRecorder
 from shardfit.models import build_model, count_params
 from shardfit.models.loss import liger_available
 from shardfit.parallel import all_gather_rows, init_distributed, parallelize
-from shardfit.parallel.fp8 import fp8_notice, refresh_fp8_scales
+from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
 from shardfit.parallel.layout import check_layout
 from shardfit.parallel.offload import OverlappedStep, grad_sq_norm
+from shardfit.parallel.step_overlap import StreamOverlappedStep, local_tensor
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
 from shardfit.train.evaluate import evaluate
@@ -84,10 +85,6 @@ def apply_alloc_conf(alloc_conf: str) -> None:
     PYTORCH_CUDA_ALLOC_CONF always wins."""
     if alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def choose_loss_kernel(kind: str, device: torch.device) -> str:
@@ -216,6 +213,10 @@ class Trainer:
         if self.offload and os.environ.get("SHARDFIT_OFFLOAD_OVERLAP", "1") != "0":
             self.overlap = OverlappedStep(self.model, self.optimizer, list(self.model.model.layers),
                                           cfg.parallel.prefetch, self.device)
+        elif cfg.parallel.overlap_optimizer:
+            # the GPU step on a side stream, each group under the next forward (parallel/step_overlap.py)
+            self.overlap = StreamOverlappedStep(self.model, self.optimizer, list(self.model.model.layers),
+                                                cfg.parallel.prefetch, cfg.memory.keep_grads, self.device)
 
         seq = cfg.data.seq_len
         self.capacity = 0  # C: this rank's tokens of the current step (set by _forward_backward)
@@ -262,7 +263,7 @@ class Trainer:
         """The step's single collective: stats of every rank, [world, k], on the host."""
         self.watchdog.beat(f"step {self.step + 1} stats collective (after all micro-batches)")
         # offload=all: host gradients, and with offload_gpu_blocks device ones too: a norm per device, where they are
-        sq = grad_sq_norm([_local(p.grad) for p in self.params if p.grad is not None], self.device)
+        sq = grad_sq_norm([local_tensor(p.grad) for p in self.params if p.grad is not None], self.device)
         head = torch.stack([sq, loss_sum.double(), torch.tensor(float(tokens), dtype=torch.float64, device=self.device),
                             (~torch.isfinite(loss_sum)).double(),
                             torch.tensor(float(real), dtype=torch.float64, device=self.device)])
@@ -325,11 +326,13 @@ class Trainer:
                 where = "cpu" if self.offload else self.device
                 self.optimizer.grad_scale = torch.tensor(1.0 / (scale * coef), dtype=torch.float32, device=where)
             else:
-                torch._foreach_mul_([_local(p.grad) for p in self.params if p.grad is not None], scale * coef)
+                torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None], scale * coef)
             if self.overlap is not None:
                 self.overlap.launch()  # takes the gradients; the worker frees them group by group
             else:
                 self.optimizer.step()
+            if gathers_in_fp8(self.cfg.parallel) and self.overlap is not None:
+                self.overlap.wait()  # the FP8 scales are read from the updated weights, all of them, now
             refresh_fp8_scales(self.model, self.cfg.parallel)
         else:
             self.skipped += 1

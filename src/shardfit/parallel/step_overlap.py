@@ -1,0 +1,147 @@
+"""The optimizer step, group by group, under the next forward (parallel.overlap_optimizer, CUDA).
+
+Why: an MoE step under expert parallelism has a host-bound forward (benchmarks/NOTES.md, session 8: 120 ms of forward
+for 54 ms of GPU work on Qwen3-30B-A3B, 12 layers, 2 x H200), and the exchange's host sync in every layer keeps the
+host from running ahead into it; meanwhile the fused AdamW step (48 ms over 4 billion fp32 parameters a rank) runs
+alone before it. Here the step is enqueued on a side stream, one FSDP group at a time in forward order, and each
+group's forward waits (on the GPU, no host sync) only for its own group: block i computes while blocks i+1.. are
+stepped, and the AdamW kernels fill the forward's idle time.
+
+Ordering, all on the GPU (no host waits):
+  launch: side stream waits for the compute stream (backward, gradient scale, learning rate are done); for each
+          group in forward order: fused AdamW on the group's parameters, then its gradients zeroed (keep_grads) on
+          the same stream, then event[i] recorded;
+  forward: a pre-forward hook on group i's module, before FSDP's own (which enqueues the all-gather of the updated
+          shards), makes the compute stream wait for events[0..upto) (upto covers FSDP's explicit prefetch, as in
+          OverlappedStep). FSDP's all-gather streams wait for the compute stream when they are issued, so they read
+          updated shards. Expert weights kept out of FSDP (parallel/expert.py, E = W) belong to their block's group.
+  wait(): the compute stream waits for every event (before backward, checkpoints, export, eval and the end of fit).
+Memory: nothing is freed by another stream than the one that allocated it. Gradients are zeroed, not freed, on the
+side stream that read them (keep_grads); without keep_grads they are taken out of the parameters at launch and
+dropped in wait(), after the compute stream waited for the step, so that no stream reuses their blocks before it.
+The first step runs on the compute stream: AdamW's moments are allocated there, never on the side stream's pool.
+The results are one optimizer.step()'s: AdamW is elementwise per tensor and keeps its state per parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def param_group(module: nn.Module):
+    """The FSDP2 parameter group of a module passed to fully_shard (None for other modules)."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    return getattr(state, "_fsdp_param_group", None)
+
+
+def forward_order_groups(model: nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> tuple[list[nn.Module], list[list[nn.Parameter]]]:
+    """The modules passed to fully_shard in forward order (the root first: its pre-forward runs first; then as
+    modules() lists them: embedding, blocks 0..L-1, head) and the parameters each one's step covers: its FSDP
+    group's shards, and optimized parameters outside every group (experts kept out of FSDP) in the innermost listed
+    module holding them. Raises if an optimized parameter would be stepped twice or never."""
+    modules = [model] + [m for m in model.modules() if m is not model and hasattr(m, "_get_fsdp_state")]
+    owned: set[int] = set()
+    groups: list[list[nn.Parameter]] = []
+    for m in modules:
+        group = param_group(m)
+        params = [p.sharded_param for p in group.fsdp_params] if group is not None else []
+        params = [p for p in params if id(p) not in owned]
+        owned.update(id(p) for p in params)
+        groups.append(params)
+    stepped = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    for i in reversed(range(len(modules))):  # innermost first: a block before the root that contains it
+        for p in modules[i].parameters():
+            if id(p) in stepped and id(p) not in owned:
+                groups[i].append(p)
+                owned.add(id(p))
+    if owned != set(stepped):
+        raise RuntimeError("the overlapped step needs every optimized parameter in one group")
+    return modules, groups
+
+
+def add_wait_hooks(modules: list[nn.Module], blocks: list[nn.Module], prefetch: int,
+                   wait: Callable[[int], None]) -> None:
+    """Group i's forward pre-hook calls wait(upto) before FSDP's own pre-forward: upto = i + 1, plus the `prefetch`
+    groups after a block (parallelize's explicit prefetch unshards them from the block's pre-forward)."""
+    block_ids = {id(b) for b in blocks}
+    for i, m in enumerate(modules):
+        upto = min(len(modules), i + 1 + (prefetch if id(m) in block_ids else 0))
+        m.register_forward_pre_hook(lambda *_, _upto=upto: wait(_upto), prepend=True)
+
+
+class StreamOverlappedStep:
+    """The GPU optimizer step on a side stream, group by group, each group's forward waiting for its own (module
+    docstring). Same interface as the offload's OverlappedStep: launch() after the gradient scale and learning rate
+    are set, wait() before anything that reads the parameters or the optimizer."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, blocks: list[nn.Module], prefetch: int,
+                 keep_grads: bool, device: torch.device):
+        self.optimizer, self.keep_grads = optimizer, keep_grads
+        self.modules, self.groups = forward_order_groups(model, optimizer)
+        # Off CUDA there are no streams: the groups are stepped at once, in order (the same results; tested so)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.events: list[torch.cuda.Event | None] = [None] * len(self.groups)
+        self.taken: list[torch.Tensor] = []  # gradients taken out at launch (no keep_grads), dropped in wait()
+        add_wait_hooks(self.modules, blocks, prefetch, self._wait_groups)
+
+    def _wait_groups(self, upto: int) -> None:
+        if self.stream is None:
+            return
+        current = torch.cuda.current_stream()
+        for i in range(upto):
+            if self.events[i] is not None:
+                current.wait_event(self.events[i])
+                self.events[i] = None  # waited once: later forwards (eval, recomputation) need not wait again
+
+    def launch(self) -> None:
+        if not all(p in self.optimizer.state for g in self.groups for p in g if p.grad is not None):
+            # the first step: AdamW allocates its moments, which must belong to the compute stream's pool
+            self.optimizer.step()
+            self._zero([p for g in self.groups for p in g])
+            return
+        grads = [[p.grad for p in params] for params in self.groups]
+        for params in self.groups:
+            for p in params:
+                p.grad = None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for i, (params, gs) in enumerate(zip(self.groups, grads)):
+                if any(g is not None for g in gs):
+                    for p, g in zip(params, gs):
+                        p.grad = g
+                    self.optimizer.step()  # steps exactly the parameters that have a gradient: this group's
+                    for p in params:
+                        p.grad = None  # out of the next groups' steps
+                    if self.keep_grads:
+                        torch._foreach_zero_([local_tensor(g) for g in gs if g is not None])  # read here, zeroed here
+                    else:
+                        self.taken.extend(g for g in gs if g is not None)
+                if self.stream is not None:
+                    self.events[i] = self.stream.record_event()
+        if self.keep_grads:
+            for params, gs in zip(self.groups, grads):  # given back, already zeroed on the side stream
+                for p, g in zip(params, gs):
+                    p.grad = g
+
+    def _zero(self, params: list[nn.Parameter]) -> None:
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+        if self.keep_grads:
+            torch._foreach_zero_(grads)
+        else:
+            for p in params:
+                p.grad = None
+
+    def wait(self) -> None:
+        self._wait_groups(len(self.events))
+        self.taken.clear()  # the compute stream has waited for the step: these blocks may be reused now
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
