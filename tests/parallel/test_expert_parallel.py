@@ -91,3 +91,19 @@ def test_expert_parallel_checkpoint_and_export_are_the_plain_models(tmp_path):
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_regroup_destinations_are_the_stable_sort_by_local_expert():
+    """The exchange's arithmetic regroup (no sort) against its definition: arrival rows ordered (peer, expert) go
+    where a stable sort by local expert puts them, empty blocks and all-empty exchanges included."""
+    from shardfit.models.moe import inverse_permutation
+    from shardfit.parallel.expert import regroup_destinations
+
+    g = torch.Generator().manual_seed(0)
+    for ep, local in ((2, 4), (4, 2), (1, 8), (3, 5)):
+        for trial in range(10):
+            received = torch.randint(0, 5, (ep, local), generator=g) * (trial > 0)
+            rows = int(received.sum())
+            expert = torch.arange(local).repeat(ep).repeat_interleave(received.reshape(-1), output_size=rows)
+            want = inverse_permutation(torch.argsort(expert, stable=True))
+            assert torch.equal(regroup_destinations(received, rows), want), received

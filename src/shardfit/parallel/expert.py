@@ -125,14 +125,26 @@ class ExpertExchange:
         send, recv = torch.stack([counts.view(ep, local).sum(1), received.sum(1)]).tolist()
         # 3. rows out, ordered (source peer, local expert) on arrival; regrouped by local expert for the GEMM
         rows = all_to_all_single_autograd(xs, recv, send, self.group)  # [M, H]
-        # output_size: without it repeat_interleave reads the repeats' sum on the host, a second sync
-        expert_of_row = torch.arange(local, device=xs.device).repeat(ep).repeat_interleave(received.reshape(-1),
-                                                                                            output_size=sum(recv))
-        order = torch.argsort(expert_of_row, stable=True)
-        inverse = inverse_permutation(order)
-        ys = experts(permute_rows(rows, order, inverse), received.sum(0))  # FSDP's hooks (efsdp gather) run here
-        back = permute_rows(ys, inverse, order)  # arrival order again
+        dest = regroup_destinations(received, sum(recv))  # arrival row -> its row in local-expert order
+        order = inverse_permutation(dest)
+        ys = experts(permute_rows(rows, order, dest), received.sum(0))  # FSDP's hooks (efsdp gather) run here
+        back = permute_rows(ys, dest, order)  # arrival order again
         return all_to_all_single_autograd(back, send, recv, self.group)  # [N, H], the rows' original order
+
+
+def regroup_destinations(received: torch.Tensor, rows: int) -> torch.Tensor:
+    """received [E, n/E] rows from peer p for local expert j -> dest [rows]: where each arrival row (ordered peer,
+    then expert, then as sent) goes when the rows are ordered expert, then peer (the stable sort by local expert).
+    Arithmetic, not a sort: a block (p, j) moves by its start in the target order minus its start on arrival
+    (two exclusive cumsums over E x n/E counts), so each row's destination is its index plus its block's shift
+    (a few small kernels where the radix sort took about twenty launches a layer). rows = received.sum(), known on
+    the host after the exchange's sync: repeat_interleave would otherwise read it there again."""
+    flat = received.reshape(-1)  # (p, j) order
+    arrival = flat.cumsum(0) - flat
+    by_expert = received.t().reshape(-1)  # (j, p) order
+    target = (by_expert.cumsum(0) - by_expert).view(received.shape[1], received.shape[0]).t().reshape(-1)
+    shift = (target - arrival).repeat_interleave(flat, output_size=rows)
+    return torch.arange(rows, device=received.device) + shift
 
 
 def expert_mesh(device_type: str, world: int, ep: int):
