@@ -63,7 +63,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from shardfit.config.schema import ParallelConfig
 from shardfit.errors import ShardfitError
-from shardfit.parallel.step_overlap import add_wait_hooks, forward_order_groups, param_group
+from shardfit.parallel.step_overlap import add_wait_hooks, forward_order_groups, param_group, step_group
 
 
 def check_offload(cfg: ParallelConfig, n_layers: int | None = None) -> None:
@@ -296,12 +296,7 @@ class OverlappedStep:
             torch.cuda.set_device(self.device)
         try:
             for i, (params, gs) in enumerate(zip(self.groups, grads)):
-                if any(g is not None for g in gs):
-                    for p, g in zip(params, gs):
-                        p.grad = g
-                    self.optimizer.step()  # steps exactly the parameters that have a gradient: this group's
-                    for p in params:
-                        p.grad = None
+                step_group(self.optimizer, params, gs)
                 self.events[i].set()
         finally:
             for e in self.events:  # a failure must not leave the main thread waiting on a hook forever

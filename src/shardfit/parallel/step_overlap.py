@@ -64,6 +64,21 @@ def forward_order_groups(model: nn.Module, optimizer: torch.optim.Optimizer
     return modules, groups
 
 
+def step_group(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], grads: list[torch.Tensor | None]
+               ) -> bool:
+    """One group's share of optimizer.step(): the group's gradients put back, the step (it steps exactly the
+    parameters that have a gradient), the gradients taken out again (out of the next groups' steps). False when the
+    group has no gradient."""
+    if all(g is None for g in grads):
+        return False
+    for p, g in zip(params, grads):
+        p.grad = g
+    optimizer.step()
+    for p in params:
+        p.grad = None
+    return True
+
+
 def add_wait_hooks(modules: list[nn.Module], blocks: list[nn.Module], prefetch: int,
                    wait: Callable[[int], None]) -> None:
     """Group i's forward pre-hook calls wait(upto) before FSDP's own pre-forward: upto = i + 1, plus the `prefetch`
@@ -112,12 +127,7 @@ class StreamOverlappedStep:
             self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for i, (params, gs) in enumerate(zip(self.groups, grads)):
-                if any(g is not None for g in gs):
-                    for p, g in zip(params, gs):
-                        p.grad = g
-                    self.optimizer.step()  # steps exactly the parameters that have a gradient: this group's
-                    for p in params:
-                        p.grad = None  # out of the next groups' steps
+                if step_group(self.optimizer, params, gs):
                     if self.keep_grads:
                         torch._foreach_zero_([local_tensor(g) for g in gs if g is not None])  # read here, zeroed here
                     else:
