@@ -135,6 +135,9 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                            "--parallel.loss_chunk=512"]),
         ("shardfit", "fast MoE: compiled, no AC, EP 2", [*MOE_CURVE, "--parallel.compile=true",
                                                          "--parallel.expert_parallel=2"]),
+        # compiled without EP: against the EP case, what EP adds beyond compile's own reassociation (session 8: the
+        # EP case's max difference from the eager run was 1.6x the loss-chunk noise case's)
+        ("shardfit", "compiled, no AC, no EP (compile's own noise)", [*MOE_CURVE, "--parallel.compile=true"]),
         ("shardfit", "fast MoE + FP8 tensorwise (experts bf16)", [*MOE_CURVE, "--parallel.compile=true",
                                                                   "--parallel.expert_parallel=2",
                                                                   "--parallel.fp8=tensorwise"]),
