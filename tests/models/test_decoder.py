@@ -72,3 +72,20 @@ def test_builds_on_meta_without_memory():
         model = build_model(cfg)
     assert all(p.is_meta for p in model.parameters())
     assert 8.0e9 < sum(p.numel() for p in model.parameters()) < 8.1e9
+
+
+def test_moe_block_runs_its_phases_and_a_hooked_moe_layer_keeps_its_hooks():
+    """The block calls the MoE layer's dispatch/run/combine itself (for torch.compile's sake); a forward hook a user
+    puts on the layer still runs (the block then calls the layer as a module), and the output is the same."""
+    cfg = load_config(None, ["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_dim=32"])
+    model = build_model(cfg.model)
+    model.init_weights(0)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain = model(ids)
+    seen = []
+    moe = model.model.layers[0].mlp
+    handle = moe.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    hooked = model(ids)
+    handle.remove()
+    assert seen == [torch.Size([2, 16, cfg.model.dim])]
+    assert torch.equal(hooked, plain)

@@ -178,8 +178,8 @@ class DecoderBlock(nn.Module):
                 mask: DocumentMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         h = self.post_attention_layernorm(x)
-        if not isinstance(self.mlp, MoE):
-            return x + self.mlp(h)
+        if not isinstance(self.mlp, MoE) or self.mlp._forward_hooks or self.mlp._forward_pre_hooks:
+            return x + self.mlp(h)  # a hooked MoE layer is called as a module: its hooks run
         # MoE.forward's three phases, called from this frame: under torch.compile a graph break in MoE.run (the
         # expert-parallel exchange is left out of compilation) then splits this block into two graphs (up to the
         # dispatch | the combine and residual). Inside MoE.forward it would split the block, MoE.forward and its
