@@ -138,8 +138,8 @@ class ParallelConfig:
                                          "for steps whose forward leaves the GPU idle (MoE with expert parallelism)")
     expert_parallel: int = opt(1, "MoE expert parallelism: groups of E neighbouring ranks split each layer's experts "
                                   "(each holds n_experts/E, tokens exchanged by all-to-all); expert weights are "
-                                  "FSDP-sharded over the world/E ranks holding the same experts; 1: every rank "
-                                  "gathers every expert", gt=0)
+                                  "FSDP-sharded over the world/E ranks holding the same experts (E = world: kept "
+                                  "out of FSDP); 1: every rank gathers every expert", gt=0)
     sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
     attention: str = opt("auto", "SDPA kernel on CUDA: flash, cudnn, efficient; auto lets PyTorch pick per call",
