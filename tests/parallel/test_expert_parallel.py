@@ -107,3 +107,37 @@ def test_regroup_destinations_are_the_stable_sort_by_local_expert():
             expert = torch.arange(local).repeat(ep).repeat_interleave(received.reshape(-1), output_size=rows)
             want = inverse_permutation(torch.argsort(expert, stable=True))
             assert torch.equal(regroup_destinations(received, rows), want), received
+
+
+@pytest.mark.parametrize("world,ep,replicate", [
+    (4, 2, 2),
+    (8, 2, 2),  # experts HSDP-sharded over (replicate 2, efsdp 2)
+], ids=["hsdp2-ep2", "hsdp2-efsdp2-ep2"])
+def test_expert_parallel_inside_hsdp_replicas_matches_single_process(tmp_path, world, ep, replicate):
+    """EP with HSDP (multi-node MoE): each replica of world/R ranks holds every expert, split over its EP groups;
+    the experts are HSDP-sharded over (replicate, efsdp), so nothing of theirs is gathered across replicas and
+    their gradients are all-reduced across them. Trains what one process trains."""
+    batch = [f"--train.global_batch={2 * world}"]
+    overrides = [*MOE, *batch, f"--parallel.expert_parallel={ep}", f"--parallel.replicate={replicate}",
+                 "--parallel.activation_checkpoint=full"]
+    res = run_ranks(_train_ep, world, overrides, str(tmp_path), timeout=300)
+    assert all(r["local_rows"] == 8 // (world // replicate) for r in res)  # a replica's shard of the experts
+    one = run_ranks(_train_ep, 1, [*MOE, *batch, "--parallel.activation_checkpoint=full"], str(tmp_path / "one"))
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(res[0][key]), torch.tensor(one[0][key]), rtol=1e-5, atol=1e-5)
+    for k, v in res[0]["state"].items():
+        torch.testing.assert_close(torch.tensor(v), torch.tensor(one[0]["state"][k]), rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_hsdp_expert_parallel_checkpoint_resumes_under_another_layout(tmp_path):
+    """Saved by 4 ranks under HSDP 2 x EP 2 (expert DTensors over replicate, efsdp and ep), resumed by 2 ranks under
+    plain EP 2 (experts out of FSDP): ends where one plain process ends."""
+    run_ranks(_run, 4, ["--parallel.expert_parallel=2", "--parallel.replicate=2", "--train.steps=3",
+                        "--checkpoint.final=true", "--train.global_batch=8"], str(tmp_path / "a"), timeout=300)
+    step3 = f"--checkpoint.resume={tmp_path}/a/checkpoints/step_00000003"
+    resumed = run_ranks(_run, 2, ["--parallel.expert_parallel=2", step3, "--train.global_batch=8"],
+                        str(tmp_path / "b"), timeout=300)[0]
+    plain = run_ranks(_run, 1, ["--train.global_batch=8"], str(tmp_path / "p6"))[0]
+    assert resumed["start"] == 3
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(plain["losses"][3:]), rtol=1e-5,
+                               atol=1e-5)

@@ -26,6 +26,9 @@ def test_token_budgets_count_examples_so_any_global_batch_splits():
     (["--train.micro_batch_tokens=514", "--data.seq_len=256", "--parallel.sequence_parallel=4",
       "--model.n_heads=8"], 4, "micro_batch_tokens=514 is not a multiple of parallel.sequence_parallel=4"),
     (["--train.eval_every=10"], 1, "train.eval_every is set but there is no validation data"),
+    (["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_dim=32", "--parallel.replicate=2",
+      "--parallel.expert_parallel=8", "--train.global_batch=16"], 8,
+     "expert_parallel=8 does not divide the HSDP shard group of 4 ranks"),
 ])
 def test_bad_layouts_are_one_line_before_launch(args, world, needle):
     with pytest.raises(ShardfitError, match=needle) as e:

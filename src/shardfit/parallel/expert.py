@@ -7,6 +7,10 @@ is a DTensor sharded along the experts over "ep" (rank p holds experts p*n/E .. 
 slice again over "efsdp", the W/E ranks that hold the same experts (parallelize step 3); the global shape stays
 [n_experts, ...], so seeded init, Hugging Face load and export, and DCP checkpoints see the plain model's tensors
 (and resume across layouts). Every other weight is FSDP-sharded over all W ranks as without EP.
+With HSDP (parallel.replicate = R, multi-node): a 3-D mesh (replicate R, efsdp W/R/E, ep E) laid out as HSDP's, so
+each replica (a node) holds every expert, split over EP groups inside it; the experts are HSDP-sharded over
+(replicate, efsdp), like every other weight over (replicate, shard): no expert is gathered across replicas, and
+their gradients cross them once, in HSDP's all-reduce (expert_mesh).
 
 Gradients. A rank's expert gradient holds the contributions of every token its EP group routed to its experts (the
 all-to-all's backward carries them home), so summing over the efsdp ranks already sums over all W ranks' tokens:
@@ -68,9 +72,10 @@ def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, o
     if n_experts % ep:
         raise ShardfitError(f"{where}={ep} does not divide model.n_experts={n_experts}", where=where,
                             fix=f"use a divisor of {n_experts}")
-    if replicate > 1:
-        raise ShardfitError(f"{where}={ep} does not combine with parallel.replicate={replicate} (HSDP) yet",
-                            where=where, fix="set one of them to 1")
+    if replicate > 1 and (world // replicate) % ep:
+        raise ShardfitError(f"{where}={ep} does not divide the HSDP shard group of {world // replicate} ranks "
+                            f"(parallel.replicate={replicate})", where=where,
+                            fix=f"use a divisor of {world // replicate}: EP groups stay inside one replica")
     if offload != "none":
         raise ShardfitError(f"{where}={ep} does not combine with parallel.offload={offload} yet", where=where,
                             fix="set one of them off")
@@ -147,9 +152,16 @@ def regroup_destinations(received: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.arange(rows, device=received.device) + shift
 
 
-def expert_mesh(device_type: str, world: int, ep: int):
-    """(efsdp = world/ep, ep) mesh: EP groups of neighbouring ranks; efsdp the ranks holding the same experts."""
-    return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+def expert_mesh(device_type: str, world: int, ep: int, replicate: int = 1):
+    """(efsdp = world/ep, ep) mesh: EP groups of neighbouring ranks; efsdp the ranks holding the same experts.
+    With HSDP (replicate R > 1): (replicate R, efsdp world/R/ep, ep), laid out as parallelize's HSDP mesh (replica
+    r = rank // (world/R)): each replica (one node, typically) holds every expert, its EP groups inside it, and
+    the experts are HSDP-sharded over (replicate, efsdp): gathered within the replica, their gradients all-reduced
+    across replicas once per reduction, never gathered over the slow links."""
+    if replicate == 1:
+        return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    return init_device_mesh(device_type, (replicate, world // replicate // ep, ep),
+                            mesh_dim_names=("replicate", "efsdp", "ep"))
 
 
 def apply_expert_parallel(model: nn.Module, mesh) -> list[MoE]:
@@ -185,11 +197,13 @@ def shard_experts(block: nn.Module, mesh, world: int, mp_policy, **fsdp_kwargs) 
     moe = getattr(block, "mlp", None)
     if not isinstance(moe, MoE) or moe.exchange is None:
         return set()
-    if experts_outside_fsdp(mesh["ep"].size(), world):
+    hsdp = "replicate" in (mesh.mesh_dim_names or ())
+    if not hsdp and experts_outside_fsdp(mesh["ep"].size(), world):
         moe.experts.compute_dtype = mp_policy.param_dtype or moe.experts.gate_proj.dtype
         moe.experts.grad_divide = float(world)
         return set(moe.experts.parameters())
-    fully_shard(moe.experts, mesh=mesh["efsdp"], mp_policy=mp_policy, **fsdp_kwargs)
+    fully_shard(moe.experts, mesh=mesh["replicate", "efsdp"] if hsdp else mesh["efsdp"], mp_policy=mp_policy,
+                **fsdp_kwargs)
     moe.experts.set_gradient_divide_factor(float(world))
     if mesh["efsdp"].size() > 1 and dist.get_backend(mesh["efsdp"].get_group()) == "gloo":
         # A divide factor other than the group's size is NCCL's PREMUL_SUM, which gloo lacks: FSDP then sums and

@@ -17,7 +17,8 @@ The order is fixed and each step relies on the previous ones:
      group because both users are in that one group), over a 1-D mesh of every rank, or with parallel.replicate = R
      over a 2-D (replicate R, shard world/R) mesh: HSDP, each parameter sharded within a group of world/R
      neighbouring ranks and replicated across the R groups; with expert parallelism each block's experts first
-     form a group of their own over the ranks that hold the same experts;
+     form a group of their own over the ranks that hold the same experts (HSDP: within each replica), or, when
+     every rank holds its own (E = world), stay out of FSDP (parallel/expert.py);
   4. explicit prefetch, if asked;
   5. to_empty on the target device: each rank allocates only its own shards (no rank ever holds the full model);
   6. init_weights / init_buffers on the shards (RoPE frequencies are non-persistent and rebuilt on every rank).
@@ -194,7 +195,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
         apply_sequence_parallel(model, groups["sp"].get_group())  # 0
     ep_mesh = None
     if cfg.expert_parallel > 1:
-        ep_mesh = expert_mesh(device.type, world_size, cfg.expert_parallel)
+        ep_mesh = expert_mesh(device.type, world_size, cfg.expert_parallel, cfg.replicate)
         apply_expert_parallel(model, ep_mesh)  # 0
     apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
     if cfg.compile:
