@@ -67,3 +67,18 @@ def test_expert_parallel_on_nccl_matches_plain_sharding(tmp_path, extra, tol):
     ep = run_ranks(_train_moe, 2, [*extra, "--parallel.expert_parallel=2"], str(tmp_path / "ep"), backend="nccl")
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(ep[0][key]), torch.tensor(plain[0][key]), rtol=tol, atol=tol)
+
+
+def test_expert_parallel_inside_hsdp_on_nccl_matches_plain_sharding(tmp_path):
+    """Multi-node MoE's layout on 4 GPUs: 2 HSDP replicas, EP 2 inside each (experts HSDP-sharded over
+    (replicate, efsdp)), against plain FSDP over the 4: same losses and gradient norms."""
+    from tests._dist import run_ranks
+
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    extra = ["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full", "--train.global_batch=8"]
+    plain = run_ranks(_train_moe, 4, extra, str(tmp_path / "plain"), backend="nccl")
+    hsdp = run_ranks(_train_moe, 4, [*extra, "--parallel.replicate=2", "--parallel.expert_parallel=2"],
+                     str(tmp_path / "hsdp_ep"), backend="nccl")
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(hsdp[0][key]), torch.tensor(plain[0][key]), rtol=1e-4, atol=1e-4)
