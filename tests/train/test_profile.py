@@ -70,6 +70,29 @@ def test_idle_time_is_split_into_cpu_late_launches_and_waits_on_other_streams():
     assert "CPU 0, other streams 0; 1 host syncs" in format_summary(3, s)
 
 
+def test_phases_group_kernels_by_the_host_phase_that_launched_them():
+    def k(ts, dur, corr):
+        e = _k("nvjet_gemm", ts, dur, 7)
+        e["args"]["correlation"] = corr
+        return e
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "pid": 0,
+                "tid": 1, "args": {"correlation": corr}}
+
+    events = [
+        k(10, 20, 1), k(60, 20, 2),  # forward: launched at 0 and 50; span 70, busy 40 (host-bound)
+        k(100, 50, 3), k(150, 50, 4),  # backward: back to back
+        k(300, 30, 5),  # the optimizer
+        launch(0, 1), launch(50, 2), launch(90, 3), launch(95, 4), launch(290, 5),
+        {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: MmBackward0", "ts": 85, "dur": 20},
+        {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 280, "dur": 30},
+    ]
+    assert summarize_trace(events)["phases"] == {"forward": {"span_ms": 0.07, "busy_ms": 0.04},
+                                                 "backward": {"span_ms": 0.1, "busy_ms": 0.1},
+                                                 "optimizer": {"span_ms": 0.03, "busy_ms": 0.03}}
+
+
 def test_profiled_step_writes_trace_and_summary(tmp_path, capsys):
     Trainer(small_config("--train.micro_batch=2", "--train.steps=3", "--logging.profile_step=2",
                          "--logging.progress=lines", run_dir=str(tmp_path))).fit()

@@ -105,6 +105,30 @@ def explain_idle(events: list[dict], on_compute: list[dict], min_gap_us: float =
                                          sorted(by_context.items(), key=lambda kv: -kv[1])[:15]]}
 
 
+def phase_split(events: list[dict], on_compute: list[dict]) -> dict:
+    """The compute stream's kernels by the phase whose host code launched them: forward until the first autograd
+    engine call, backward until the optimizer's step, then the optimizer (the rest of the step). Per phase, the GPU
+    span of those kernels and how much of it they kept the stream busy: a phase with a span far above its busy time
+    is bound by the host (or by waits on other streams) rather than by the GPU."""
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    backward = min((e["ts"] for e in host if e["name"].startswith("autograd::engine")), default=None)
+    if backward is None:
+        return {}
+    optimizer = min((e["ts"] for e in host if e["name"].startswith("Optimizer.step") and e["ts"] > backward),
+                    default=float("inf"))
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})}
+    phases: dict[str, list[dict]] = {"forward": [], "backward": [], "optimizer": []}
+    for k in on_compute:
+        t = launches.get(k.get("args", {}).get("correlation"))
+        if t is not None:
+            phases["forward" if t < backward else "backward" if t < optimizer else "optimizer"].append(k)
+    ms = 1e-3
+    return {name: {"span_ms": round((max(k["ts"] + k["dur"] for k in ks) - min(k["ts"] for k in ks)) * ms, 2),
+                   "busy_ms": round(_union([(k["ts"], k["ts"] + k["dur"]) for k in ks]) * ms, 2)}
+            for name, ks in phases.items() if ks}
+
+
 def summarize_trace(events: list[dict]) -> dict:
     """GPU time by kernel kind, the compute stream's busy and idle time over the span of all GPU work, and the
     longest kernels; times in milliseconds (Chrome trace events carry microseconds)."""
@@ -138,6 +162,7 @@ def summarize_trace(events: list[dict]) -> dict:
         "top_kernels_by_kind_ms": {k: [[n[:120], round(v * ms, 2)] for n, v in by_time if kind_of[n] == k][:6]
                                    for k in kinds},  # names the small kernels of each kind ("other" above all)
         "idle": explain_idle(events, on_compute),
+        "phases": phase_split(events, on_compute),
     }
 
 
@@ -149,7 +174,10 @@ def format_summary(step: int, s: dict) -> str:
             f"ms, idle {s['compute_idle_ms']:.0f} ms (CPU {s['idle']['cpu_ms']:.0f}, other streams "
             f"{s['idle']['other_stream_ms']:.0f}; {s['idle']['host_syncs']} host syncs) ({s['kernels']} kernels); "
             f"by kind (ms): {kinds}; "
-            f"communication {s['communication_ms']:.0f} ms on its own streams")
+            f"communication {s['communication_ms']:.0f} ms on its own streams"
+            + ("; GPU busy of span by phase (ms): " + ", ".join(f"{n} {p['busy_ms']:.0f}/{p['span_ms']:.0f}"
+                                                                 for n, p in s["phases"].items())
+               if s.get("phases") else ""))
 
 
 class StepProfiler:
