@@ -67,6 +67,13 @@ def _setup(case, tmp_path):
         return ["train", "--config=recipe:llama-8b"], "--config: unknown recipe 'llama-8b'"
     if case == "generate without a checkpoint":
         return ["generate", "--checkpoint", f"{tmp_path}/nope", "--prompt", "hi"], "nope: checkpoint not found"
+    if case == "not a trace":
+        (tmp_path / "t.json.gz").write_bytes(b"\x1f\x8bnot gzip")
+        return ["profile", f"{tmp_path}/t.json.gz"], "cannot read a Chrome trace from"
+    if case == "trace without kernels":  # a CPU run's trace
+        (tmp_path / "t.json").write_text('{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", '
+                                         '"ts": 0, "dur": 5}]}')
+        return ["profile", f"{tmp_path}/t.json"], "t.json holds no GPU kernels"
     if case == "not a snapshot":
         (tmp_path / "x.pickle").write_bytes(pickle.dumps({"hello": 1}))
         return ["doctor", f"{tmp_path}/x.pickle"], "x.pickle: not a CUDA memory snapshot"
@@ -80,7 +87,7 @@ CASES = ["malformed toml", "unknown key", "wrong type", "out of range", "missing
          pytest.param("shape mismatch", marks=pytest.mark.slow), "empty dataset", "undecodable document",
          "sequence above model limit", "world size does not divide batch", "replicas that do not divide the world",
          "not a snapshot", "zero processes", "recipe without weights", "unknown recipe",
-         "generate without a checkpoint"]
+         "generate without a checkpoint", "not a trace", "trace without kernels"]
 
 
 @pytest.mark.parametrize("case", CASES)

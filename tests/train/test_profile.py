@@ -93,6 +93,34 @@ def test_phases_group_kernels_by_the_host_phase_that_launched_them():
                                                  "optimizer": {"span_ms": 0.03, "busy_ms": 0.03}}
 
 
+def test_profile_command_explains_a_saved_trace(tmp_path, capsys):
+    """`shardfit profile TRACE`: the summary of a kept trace (gzipped, as the trainer keeps it), the CPU-bound idle
+    time by the host code that launched the next kernel, and --json."""
+    import json as _json
+
+    from shardfit.cli.main import main
+
+    def k(ts, dur, corr):
+        e = _k("nvjet_gemm", ts, dur, 7)
+        e["args"]["correlation"] = corr
+        return e
+
+    def host(name, ts, dur, cat="cpu_op", corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 1,
+                "args": {} if corr is None else {"correlation": corr}}
+
+    events = [k(0, 100, 1), k(400, 100, 2), host("cudaLaunchKernel", 0, 5, "cuda_runtime", 1),
+              host("exchange", 300, 200, "user_annotation"), host("cudaLaunchKernel", 350, 5, "cuda_runtime", 2)]
+    path = tmp_path / "step8_rank0.json.gz"
+    with gzip.open(path, "wt") as f:
+        _json.dump({"traceEvents": events}, f)
+    assert main(["profile", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "idle 0 ms (CPU 0, other streams 0" in out and "0.30  exchange" in out
+    assert main(["profile", str(path), "--json"]) == 0
+    assert _json.loads(capsys.readouterr().out)["idle"]["cpu_ms"] == 0.3
+
+
 def test_profiled_step_writes_trace_and_summary(tmp_path, capsys):
     Trainer(small_config("--train.micro_batch=2", "--train.steps=3", "--logging.profile_step=2",
                          "--logging.progress=lines", run_dir=str(tmp_path))).fit()

@@ -96,6 +96,27 @@ def _doctor(argv: list[str]) -> int:
     return 0
 
 
+def _profile(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shardfit profile", description=(
+        "Say where a profiled step's GPU time went, from the Chrome trace torch.profiler exported (shardfit's "
+        "--logging.profile_step keeps one per run, or any script's): kernel time by kind, the compute stream's idle "
+        "time split into waits for the CPU and waits on other streams, host syncs, and each phase's GPU busy time "
+        "against its span."))
+    parser.add_argument("trace", help="a .json or .json.gz Chrome trace")
+    parser.add_argument("--json", action="store_true", help="print the whole summary as JSON (times in ms)")
+    args = parser.parse_args(argv)
+    import json
+
+    from shardfit.train.profile import explain, read_trace, summarize_trace
+
+    s = summarize_trace(read_trace(args.trace))
+    if not s:
+        raise ShardfitError(f"{args.trace} holds no GPU kernels", where=args.trace,
+                            fix="profile with ProfilerActivity.CUDA on a GPU run")
+    print(json.dumps(s, indent=1) if args.json else explain(s), end="\n" if args.json else "")
+    return 0
+
+
 PLAN_HELP = """\
 Predict a rank's peak GPU memory before launch, pick the largest micro-batch that fits, and when the configuration
 does not fit, propose configurations that do.
@@ -267,7 +288,7 @@ def _generate(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": _train, "doctor": _doctor, "plan": _plan, "recipes": _recipes, "generate": _generate,
-            "tokenize": _tokenize}
+            "tokenize": _tokenize, "profile": _profile}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                         "doctor: explain CUDA memory snapshots (shardfit doctor --help); plan: predict peak memory and "
                         "the largest micro-batch that fits (shardfit plan --help); recipes: the ready-made configs "
                         "(--config recipe:NAME); generate: text from a trained model or checkpoint (shardfit generate "
-                        "--help); tokenize: text to token shards for data.path (shardfit tokenize --help)")
+                        "--help); tokenize: text to token shards for data.path (shardfit tokenize --help); "
+                        "profile: where a profiled step's GPU time went (shardfit profile --help)")
     if not argv or argv[0] in ("-h", "--help", "--version"):
         parser.parse_args(argv or ["--help"])
         return 0

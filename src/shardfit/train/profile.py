@@ -180,6 +180,34 @@ def format_summary(step: int, s: dict) -> str:
                if s.get("phases") else ""))
 
 
+def read_trace(path: str) -> list[dict]:
+    """The events of a Chrome trace torch.profiler exported (.json, or .json.gz as shardfit keeps them); a missing
+    or unreadable file is one line (exit 2)."""
+    from shardfit.errors import ShardfitError
+
+    try:
+        raw = Path(path).read_bytes()
+        data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    except (OSError, EOFError, ValueError) as e:
+        raise ShardfitError(f"cannot read a Chrome trace from {path}: {str(e).splitlines()[0]}", where=path,
+                            fix="pass a trace torch.profiler exported (export_chrome_trace), .json or .json.gz") from e
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ShardfitError(f"{path} holds no traceEvents list", where=path,
+                            fix="pass a trace torch.profiler exported (export_chrome_trace)")
+    return events
+
+
+def explain(s: dict) -> str:
+    """The summary as a few lines for a reader: format_summary's line, then where the CPU-bound idle time was."""
+    lines = [format_summary(0, s).replace("profile of step 0: ", "")]
+    contexts = s.get("idle", {}).get("cpu_by_launch_context_ms", [])
+    if contexts:
+        lines.append("idle waiting for the CPU, by the host code that launched the next kernel (ms):")
+        lines += [f"  {ms:8.2f}  {where}" for where, ms in contexts]
+    return "\n".join(lines) + "\n"
+
+
 class StepProfiler:
     """Wraps one step (1-based number `step`; 0: never) in torch.profiler; rank 0 writes trace and summary."""
 
