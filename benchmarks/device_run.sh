@@ -143,7 +143,8 @@ for stage in "$@"; do
     moeprof)  # shardfit's fastest MoE case (moe2's EP2 compiled) with step 8 profiled; summary JSON to $OUT
       python3 -c "import sys, argparse; sys.path.insert(0, 'benchmarks'); import bench_moe; bench_moe.ensure_data(argparse.Namespace(tokens='uniform', assets='/tmp/ttassets', dry_run=False))"
       cmd=$(python3 benchmarks/bench_moe.py --dry-run --only "shardfit no-AC compile EP2" | grep -o 'torchrun .*')
-      env $two timeout 150 $cmd --train.steps=9 --logging.profile_step=8 --logging.run_dir=/tmp/moeprof 2>&1 | grep -E "^(step [89]/|profile)" | cut -c1-400
+      # MOEPROF_EXTRA: flags added to the case (e.g. --parallel.overlap_optimizer=true), one change against the last
+      env $two timeout 150 $cmd --train.steps=9 --logging.profile_step=8 --logging.run_dir=/tmp/moeprof ${MOEPROF_EXTRA:-} 2>&1 | grep -E "^(step [89]/|profile)" | cut -c1-600
       cp /tmp/moeprof/profile/step8_summary.json "$OUT/moeprof_summary.json"
       t=/tmp/moeprof/profile/step8_rank0.json.gz; [ "$(stat -c %s $t)" -lt 16000000 ] && cp $t "$OUT/moeprof_trace.json.gz"
       python3 -c "import json; print(json.dumps(json.load(open('$OUT/moeprof_summary.json'))['idle'], indent=1))" ;;
