@@ -145,9 +145,14 @@ class _SavedOps(TorchDispatchMode):
         return out
 
 
+def _compute_dtype(par: ParallelConfig) -> torch.dtype:
+    """The dtype a GPU run computes in (parallel.mixed_precision: auto is bf16 on CUDA)."""
+    return torch.bfloat16 if par.param_dtype in ("auto", "bfloat16") else torch.float32
+
+
 def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0) -> dict[str, int]:
     """Bytes one block keeps for backward per checkpointing mode, for micro_batch sequences on one rank."""
-    dtype = torch.bfloat16 if cfg.parallel.param_dtype in ("auto", "bfloat16") else torch.float32
+    dtype = _compute_dtype(cfg.parallel)
     S = cfg.data.seq_len // cfg.parallel.sequence_parallel  # Ulysses: each rank keeps S/P tokens
     return dict(_block_bytes(_key(cfg.model), micro_batch, S, dtype, layer, cfg.parallel.compile, cfg.parallel.fp8,
                              cfg.parallel.expert_parallel))
@@ -300,7 +305,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         b = per_block[is_moe_layer(m, i)]
         checkpointed = mode == "selective" or (mode == "full" and i % par.ac_every == 0)
         acts += b[mode] if checkpointed else b["none"] + plan_moe.held_expert_bytes(
-            experts[i], par.expert_parallel, world, 2 if par.param_dtype in ("auto", "bfloat16") else 4)
+            experts[i], par.expert_parallel, world, _compute_dtype(par).itemsize)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
     # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16, and one logits chunk [c, V]: eager bf16
     # logits, an fp32 copy, logsumexp's fp32 temporary (10 B); compiled (compile_loss) bf16 logits and gradient (4 B)

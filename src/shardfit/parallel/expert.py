@@ -45,6 +45,7 @@ The exchange is left out of torch.compile (data-dependent split sizes): a compil
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -184,10 +185,16 @@ def apply_expert_parallel(model: nn.Module, mesh) -> list[MoE]:
     return layers
 
 
+@functools.cache
+def _fsdp_ignores_params() -> bool:
+    return "ignored_params" in inspect.signature(fully_shard).parameters
+
+
 def experts_outside_fsdp(ep: int, world: int) -> bool:
     """E = W and a torch whose fully_shard takes ignored_params (2.7+): the experts stay out of FSDP (module
-    docstring); shardfit plan counts their memory accordingly."""
-    return 1 < ep == world and "ignored_params" in inspect.signature(fully_shard).parameters
+    docstring); shardfit plan counts their memory accordingly (once per layer of every estimate: the signature
+    is read once)."""
+    return 1 < ep == world and _fsdp_ignores_params()
 
 
 def shard_experts(block: nn.Module, mesh, world: int, mp_policy, **fsdp_kwargs) -> set[nn.Parameter]:

@@ -117,7 +117,7 @@ class StreamOverlappedStep:
         if not all(p in self.optimizer.state for g in self.groups for p in g if p.grad is not None):
             # the first step: AdamW allocates its moments, which must belong to the compute stream's pool
             self.optimizer.step()
-            self._zero([p for g in self.groups for p in g])
+            self.optimizer.zero_grad(set_to_none=not self.keep_grads)
             return
         grads = [[p.grad for p in params] for params in self.groups]
         for params in self.groups:
@@ -138,14 +138,6 @@ class StreamOverlappedStep:
             for params, gs in zip(self.groups, grads):  # given back, already zeroed on the side stream
                 for p, g in zip(params, gs):
                     p.grad = g
-
-    def _zero(self, params: list[nn.Parameter]) -> None:
-        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
-        if self.keep_grads:
-            torch._foreach_zero_(grads)
-        else:
-            for p in params:
-                p.grad = None
 
     def wait(self) -> None:
         self._wait_groups(len(self.events))

@@ -76,11 +76,16 @@ def _launch_context(events: list[dict]) -> dict[int, str]:
     return out
 
 
-def explain_idle(events: list[dict], on_compute: list[dict], min_gap_us: float = 5.0) -> dict:
+def _launches(events: list[dict]) -> dict[int, dict]:
+    """correlation id -> the host runtime call (cudaLaunchKernel, a copy) that enqueued that GPU event."""
+    return {e["args"]["correlation"]: e for e in events
+            if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})}
+
+
+def explain_idle(events: list[dict], on_compute: list[dict], launches: dict[int, dict],
+                 min_gap_us: float = 5.0) -> dict:
     """The compute stream's idle time split into waits for the CPU and waits on other streams (module docstring),
     the CPU's part by the host context that launched the kernel after each gap, and the host syncs (count, time)."""
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})}
     context = _launch_context(events)
     syncs = [e for e in events if e.get("ph") == "X" and e.get("cat") in _RUNTIME
              and e["name"].startswith(_SYNCS) and "Async" not in e["name"]]
@@ -105,7 +110,7 @@ def explain_idle(events: list[dict], on_compute: list[dict], min_gap_us: float =
                                          sorted(by_context.items(), key=lambda kv: -kv[1])[:15]]}
 
 
-def phase_split(events: list[dict], on_compute: list[dict]) -> dict:
+def phase_split(events: list[dict], on_compute: list[dict], launches: dict[int, dict]) -> dict:
     """The compute stream's kernels by the phase whose host code launched them: forward until the first autograd
     engine call, backward until the optimizer's step, then the optimizer (the rest of the step). Per phase, the GPU
     span of those kernels and how much of it they kept the stream busy: a phase with a span far above its busy time
@@ -116,12 +121,11 @@ def phase_split(events: list[dict], on_compute: list[dict]) -> dict:
         return {}
     optimizer = min((e["ts"] for e in host if e["name"].startswith("Optimizer.step") and e["ts"] > backward),
                     default=float("inf"))
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("ph") == "X" and e.get("cat") in _RUNTIME and "correlation" in e.get("args", {})}
     phases: dict[str, list[dict]] = {"forward": [], "backward": [], "optimizer": []}
     for k in on_compute:
-        t = launches.get(k.get("args", {}).get("correlation"))
-        if t is not None:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        if launch is not None:
+            t = launch["ts"]
             phases["forward" if t < backward else "backward" if t < optimizer else "optimizer"].append(k)
     ms = 1e-3
     return {name: {"span_ms": round((max(k["ts"] + k["dur"] for k in ks) - min(k["ts"] for k in ks)) * ms, 2),
@@ -135,6 +139,7 @@ def summarize_trace(events: list[dict]) -> dict:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in _GPU_CATS]
     if not gpu:
         return {}
+    launches = _launches(events)
     by_stream: dict[object, float] = defaultdict(float)
     for e in gpu:
         by_stream[e.get("args", {}).get("stream", e.get("tid"))] += e["dur"]
@@ -161,16 +166,20 @@ def summarize_trace(events: list[dict]) -> dict:
         "top_kernels_ms": [[n[:120], round(v * ms, 2)] for n, v in by_time[:25]],
         "top_kernels_by_kind_ms": {k: [[n[:120], round(v * ms, 2)] for n, v in by_time if kind_of[n] == k][:6]
                                    for k in kinds},  # names the small kernels of each kind ("other" above all)
-        "idle": explain_idle(events, on_compute),
-        "phases": phase_split(events, on_compute),
+        "idle": explain_idle(events, on_compute, launches),
+        "phases": phase_split(events, on_compute, launches),
     }
 
 
 def format_summary(step: int, s: dict) -> str:
+    return f"profile of step {step}: " + _summary_line(s)
+
+
+def _summary_line(s: dict) -> str:
     if "span_ms" not in s:
-        return f"profile of step {step}: " + ", ".join(f"{n} {t:.1f} ms" for n, t in s.get("top_ops_ms", []))
+        return ", ".join(f"{n} {t:.1f} ms" for n, t in s.get("top_ops_ms", []))
     kinds = ", ".join(f"{k} {v:.0f}" for k, v in s["compute_kinds_ms"].items())
-    return (f"profile of step {step}: GPU span {s['span_ms']:.0f} ms, compute stream busy {s['compute_busy_ms']:.0f} "
+    return (f"GPU span {s['span_ms']:.0f} ms, compute stream busy {s['compute_busy_ms']:.0f} "
             f"ms, idle {s['compute_idle_ms']:.0f} ms (CPU {s['idle']['cpu_ms']:.0f}, other streams "
             f"{s['idle']['other_stream_ms']:.0f}; {s['idle']['host_syncs']} host syncs) ({s['kernels']} kernels); "
             f"by kind (ms): {kinds}; "
@@ -200,7 +209,7 @@ def read_trace(path: str) -> list[dict]:
 
 def explain(s: dict) -> str:
     """The summary as a few lines for a reader: format_summary's line, then where the CPU-bound idle time was."""
-    lines = [format_summary(0, s).replace("profile of step 0: ", "")]
+    lines = [_summary_line(s)]
     contexts = s.get("idle", {}).get("cpu_by_launch_context_ms", [])
     if contexts:
         lines.append("idle waiting for the CPU, by the host code that launched the next kernel (ms):")
