@@ -106,6 +106,10 @@ def cases(a, data: list[str]) -> list[dict]:
     out.append(dict(system="shardfit", label=f"{fast_label} EP{eps[0]} overlap-opt" if eps else f"{fast_label} "
                     "overlap-opt", args=[*fast, *([f"--parallel.expert_parallel={eps[0]}"] if eps else []),
                                          "--parallel.overlap_optimizer=true"], cap=CAPS["sf-compile"]))
+    for v in a.variant:  # NAME=FLAGS: the overlapped EP case with FLAGS added (one change against it)
+        name, _, flags = v.partition("=")
+        out.append(dict(system="shardfit", label=f"{out[-1]['label']} {name}", args=[*out[-1]["args"], *flags.split()],
+                        cap=CAPS["sf-compile"]))
     if n >= 2:
         out.append(dict(system="torchtitan", label=f"torchtitan {acl}-AC compile EP2",
                         args=[*tt, "--parallelism.expert_parallel_degree", "2"], cap=CAPS["tt"]))
@@ -326,6 +330,8 @@ def main() -> int:
     ap.add_argument("--assets", default="/tmp/ttassets", help="torchtitan's offline assets (made when missing)")
     ap.add_argument("--gpu-memory", type=float, default=0.0, help="GiB for shardfit plan; 0: nvidia-smi, else 140.4")
     ap.add_argument("--peak", type=float, default=989e12)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=FLAGS: one case more, the overlapped EP case with FLAGS added (repeatable)")
     ap.add_argument("--only", nargs="*", default=[], help="run only the cases with these labels")
     ap.add_argument("--out", default="")
     ap.add_argument("--dry-run", action="store_true", help="print every command line and exit")

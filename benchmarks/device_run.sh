@@ -136,6 +136,11 @@ for stage in "$@"; do
       python3 -c "import importlib.metadata as m, torchtitan.train, torchao; print({p: m.version(p) for p in ('torchtitan', 'torchdata', 'tyro', 'datasets', 'torchao', 'transformers', 'torch')})" 2>&1 | tail -2 ;;
     moe2) env $two timeout 540 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 525 --out "$OUT/moe2_x2.json" 2>&1 | tee "$OUT/moe2.log" | grep -v '^{' | tail -16 ;;
     moe4) timeout 540 python3 benchmarks/bench_moe.py --nproc 4 --layers 48 --ac full --budget 525 --out "$OUT/moe4_x4.json" 2>&1 | tee "$OUT/moe4.log" | grep -v '^{' | tail -16 ;;
+    moesweep)  # the EP2 cases, one change at a time, beside the HF recipe (MOE_VARIANTS: more NAME=FLAGS cases, ";")
+      IFS=';' read -ra vs <<< "${MOE_VARIANTS:-prefetch1=--parallel.prefetch=1}"; va=(); for v in "${vs[@]}"; do va+=(--variant "$v"); done
+      base="shardfit no-AC compile EP2"; labels=("HF grouped_mm full-AC" "$base" "$base overlap-opt"); for v in "${vs[@]}"; do labels+=("$base overlap-opt ${v%%=*}"); done
+      env $two timeout 560 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 540 "${va[@]}" --only "${labels[@]}" --out "$OUT/moesweep_x2.json" 2>&1 | tee "$OUT/moesweep.log" | grep -v '^{' | tail -9 ;;
+    tests-moe) env $two timeout 400 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/kernels tests/cuda/test_cuda_moe.py tests/cuda/test_cuda_step_overlap.py 2>&1 | tee "$OUT/pytest_moe.log" | grep -E "PASSED|FAILED|passed|failed|^E " | tail -14 ;;
     moecurve) env $two timeout 560 python3 benchmarks/bench_train.py --suite moecurve --nproc 2 --timeout 200 --out "$OUT/moecurve_x2.json" 2>&1 | tail -9 ;;
     tests-split)  # the CUDA suite file by file, each under its own cap, the whole log kept (call it alone)
       for f in tests/cuda/test_*.py; do env $two timeout 240 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider "$f" 2>&1 | tee -a "$OUT/pytest_cuda.log" | tail -3; done ;;

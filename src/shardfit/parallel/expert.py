@@ -21,9 +21,9 @@ E = W (efsdp of one rank: every rank holds n/W experts and nobody else holds the
 into its "all-gather" output (forward, and again in backward after resharding) and copy the bf16 gradient into an
 fp32 reduce-scatter input, all on the compute stream, with ~5 ms of host time a layer in its hooks (measured on
 2 x H200: 25% of the EP step's host time, which bounds its forward). Here the computation casts each weight itself
-(_ComputeCast: one pass forward; the backward writes the fp32 gradient divided by W in one pass), the bf16 copy is
-what the grouped GEMMs save for backward (none is made again), and the fp32 gradient accumulates in place over
-micro-batches as FSDP's would. Optimizer, gradient norm, checkpoints and export see the same DTensors [n, ...]
+(_ComputeCast: one pass forward; the backward writes param.grad itself, divided by W, cast to fp32 and, from the
+second micro-batch on, added in place, all in one pass), the bf16 copy is what the grouped GEMMs save for backward
+(none is made again). Optimizer, gradient norm, checkpoints and export see the same DTensors [n, ...]
 sharded over "ep".
 
 The exchange, per MoE layer and micro-batch (ExpertExchange):
@@ -38,8 +38,9 @@ The exchange, per MoE layer and micro-batch (ExpertExchange):
 Every rank issues the same collectives in the same order whatever its routing (a peer sending nothing sends an
 empty split; an expert receiving nothing is an empty group). Under checkpointing the recomputation routes the same
 inputs to the same experts and repeats these exchanges with the same splits (its early stop is at the same op on
-every rank: the graph is the same); the all-to-alls are functional collectives, so selective checkpointing sees
-them as ops to recompute, and their backward (the reverse all-to-alls) runs inside the layer's backward.
+every rank: the graph is the same); selective checkpointing does not save the all-to-alls' outputs (they are not
+among its saved ops), so its recomputation runs them again, and their backward (the reverse all-to-alls, _AllToAll)
+runs inside the layer's backward.
 The exchange is left out of torch.compile (data-dependent split sizes): a compiled block breaks its graph around it.
 """
 
@@ -51,12 +52,14 @@ import inspect
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from shardfit.errors import ShardfitError
+from shardfit.kernels import scaled_accumulate_, scaled_cast
 from shardfit.models.moe import Experts, MoE, inverse_permutation, permute_rows
+from shardfit.parallel.step_overlap import local_tensor
 
 
 def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, offload: str) -> None:
@@ -83,19 +86,31 @@ def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, o
 
 
 class _ComputeCast(torch.autograd.Function):
-    """w [n/E, ...] (the fp32 shard) -> w in the compute dtype; backward: the gradient in w's dtype divided by
-    `divide` (the world size: FSDP's reduction would have divided by it), written in one pass."""
+    """param (an fp32 expert stack: a DTensor sharded over ep, or a plain tensor) -> this rank's slice [n/E, ...] in
+    the compute dtype. The backward writes param.grad itself, divided by `divide` (the world size: FSDP's reduction
+    would have divided by it), in fp32 and in one pass over memory (kernels/scaled_accumulate.py): a new gradient on
+    the first micro-batch, added in place to the kept one afterwards. It returns no gradient, so autograd's
+    AccumulateGrad does nothing for param: its own accumulation would be a second fp32 pass (10 ms a step for 12
+    layers on 2 x H200, measured), and the bf16 -> fp32 cast through PyTorch's ops is not vectorized (14 ms)."""
 
     @staticmethod
-    def forward(ctx, w, dtype, divide):
-        ctx.dtype, ctx.divide = w.dtype, divide
+    def forward(ctx, param, dtype, divide):
+        ctx.param, ctx.divide = param, divide
+        w = local_tensor(param)
         return w.to(dtype) if w.dtype != dtype else w.view_as(w)
 
     @staticmethod
     def backward(ctx, grad):
-        # a stride-0 fp32 scale of grad's shape: type promotion makes mul write fp32 from bf16 in one kernel
-        scale = torch.full((), 1.0 / ctx.divide, dtype=ctx.dtype, device=grad.device).expand(grad.shape)
-        return torch.mul(grad, scale), None, None
+        p, scale = ctx.param, 1.0 / ctx.divide
+        if p.grad is not None:
+            scaled_accumulate_(local_tensor(p.grad), grad, scale)
+        else:
+            g = scaled_cast(grad, scale, p.dtype)
+            if isinstance(p, DTensor):
+                g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride())
+            p.grad = g
+        return None, None, None
 
 
 class _LocalExperts(Experts):
@@ -107,10 +122,32 @@ class _LocalExperts(Experts):
     grad_divide: float = 1.0
 
     def weights(self):
-        local = tuple(w.to_local() for w in (self.gate_proj, self.up_proj, self.down_proj))
+        params = (self.gate_proj, self.up_proj, self.down_proj)
         if self.compute_dtype is None:
-            return local
-        return tuple(_ComputeCast.apply(w, self.compute_dtype, self.grad_divide) for w in local)
+            return tuple(w.to_local() for w in params)
+        return tuple(_ComputeCast.apply(w, self.compute_dtype, self.grad_divide) for w in params)
+
+
+class _AllToAll(torch.autograd.Function):
+    """x [sum(send), H] -> [sum(recv), H]: rows send[p] to peer p, recv[p] from it; backward the reverse exchange.
+    A plain c10d collective (on its own stream, which the compute stream waits for, the host does not), not a
+    functional one: those wrap the result in a tensor subclass whose dispatch costs host time at every later op
+    on it (about 0.3 ms a call, measured), and the EP forward is bound by its host."""
+
+    @staticmethod
+    def forward(ctx, x, recv, send, group):
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        return _exchange(x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
 
 
 class ExpertExchange:
@@ -130,12 +167,12 @@ class ExpertExchange:
         # 2. the only host sync: rows to and from each peer
         send, recv = torch.stack([counts.view(ep, local).sum(1), received.sum(1)]).tolist()
         # 3. rows out, ordered (source peer, local expert) on arrival; regrouped by local expert for the GEMM
-        rows = all_to_all_single_autograd(xs, recv, send, self.group)  # [M, H]
+        rows = _AllToAll.apply(xs, recv, send, self.group)  # [M, H]
         dest = regroup_destinations(received, sum(recv))  # arrival row -> its row in local-expert order
         order = inverse_permutation(dest)
         ys = experts(permute_rows(rows, order, dest), received.sum(0))  # FSDP's hooks (efsdp gather) run here
         back = permute_rows(ys, dest, order)  # arrival order again
-        return all_to_all_single_autograd(back, send, recv, self.group)  # [N, H], the rows' original order
+        return _AllToAll.apply(back, send, recv, self.group)  # [N, H], the rows' original order
 
 
 def regroup_destinations(received: torch.Tensor, rows: int) -> torch.Tensor:
@@ -168,7 +205,7 @@ def expert_mesh(device_type: str, world: int, ep: int, replicate: int = 1):
 def apply_expert_parallel(model: nn.Module, mesh) -> list[MoE]:
     """On the meta model (parallelize step 0): expert weights become DTensors sharded over mesh["ep"] along the
     experts, and each MoE layer exchanges its rows through the EP group. Returns the MoE layers."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     ep_mesh = mesh["ep"]
     ep, pos = ep_mesh.size(), ep_mesh.get_local_rank()
