@@ -106,9 +106,10 @@ def cases(a, data: list[str]) -> list[dict]:
     out.append(dict(system="shardfit", label=f"{fast_label} EP{eps[0]} overlap-opt" if eps else f"{fast_label} "
                     "overlap-opt", args=[*fast, *([f"--parallel.expert_parallel={eps[0]}"] if eps else []),
                                          "--parallel.overlap_optimizer=true"], cap=CAPS["sf-compile"]))
+    base = out[-1]
     for v in a.variant:  # NAME=FLAGS: the overlapped EP case with FLAGS added (one change against it)
         name, _, flags = v.partition("=")
-        out.append(dict(system="shardfit", label=f"{out[-1]['label']} {name}", args=[*out[-1]["args"], *flags.split()],
+        out.append(dict(system="shardfit", label=f"{base['label']} {name}", args=[*base["args"], *flags.split()],
                         cap=CAPS["sf-compile"]))
     if n >= 2:
         out.append(dict(system="torchtitan", label=f"torchtitan {acl}-AC compile EP2",

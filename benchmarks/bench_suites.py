@@ -135,6 +135,10 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                            "--parallel.loss_chunk=512"]),
         ("shardfit", "fast MoE: compiled, no AC, EP 2", [*MOE_CURVE, "--parallel.compile=true",
                                                          "--parallel.expert_parallel=2"]),
+        # session 9's fastest: the optimizer step under the next forward (parallel/step_overlap.py)
+        ("shardfit", "fastest MoE: compiled, no AC, EP 2, overlapped step", [
+            *MOE_CURVE, "--parallel.compile=true", "--parallel.expert_parallel=2",
+            "--parallel.overlap_optimizer=true"]),
         # compiled without EP: against the EP case, what EP adds beyond compile's own reassociation (session 8: the
         # EP case's max difference from the eager run was 1.6x the loss-chunk noise case's)
         ("shardfit", "compiled, no AC, no EP (compile's own noise)", [*MOE_CURVE, "--parallel.compile=true"]),

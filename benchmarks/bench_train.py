@@ -363,7 +363,7 @@ def varlen_main(a) -> int:
     queue = list(VARLEN_SUITES[a.suite])
     while queue:
         kind, label, args, *fallback = queue.pop(0)
-        if a.only and a.only != label:
+        if a.only and label not in a.only:
             continue
         args = [x.replace("{data}", str(data)) for x in _fill(args, a.nproc)]
         run = run_shardfit_vl if kind == "sf" else run_anchor_sft
@@ -416,7 +416,7 @@ def main() -> int:
     ap.add_argument("--anchors", default=str(ROOT / ".anchors"))
     ap.add_argument("--out", default="")
     ap.add_argument("--timeout", type=int, default=300)
-    ap.add_argument("--only", default="", help="run only the case with this label")
+    ap.add_argument("--only", nargs="*", default=[], help="run only the cases with these labels")
     a = ap.parse_args()
     if a.suite in VARLEN_SUITES:
         return varlen_main(a)
@@ -427,7 +427,7 @@ def main() -> int:
            "alloc_conf_env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     rows = []
     for kind, label, args in SUITES[a.suite]:
-        if a.only and a.only != label:
+        if a.only and label not in a.only:
             continue
         args = _fill(args, a.nproc)
         try:

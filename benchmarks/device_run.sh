@@ -141,6 +141,10 @@ for stage in "$@"; do
       base="shardfit no-AC compile EP2"; labels=("HF grouped_mm full-AC" "$base" "$base overlap-opt"); for v in "${vs[@]}"; do labels+=("$base overlap-opt ${v%%=*}"); done
       env $two timeout 560 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 540 "${va[@]}" --only "${labels[@]}" --out "$OUT/moesweep_x2.json" 2>&1 | tee "$OUT/moesweep.log" | grep -v '^{' | tail -9 ;;
     tests-moe) env $two timeout 400 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/kernels tests/cuda/test_cuda_moe.py tests/cuda/test_cuda_step_overlap.py 2>&1 | tee "$OUT/pytest_moe.log" | grep -E "PASSED|FAILED|passed|failed|^E " | tail -14 ;;
+    moe2-short)  # the fastest systems only, beside the HF recipe: HF, torchtitan's best, shardfit EP2 with and without the overlap
+      env $two timeout 400 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 380 --only "HF grouped_mm full-AC" "torchtitan no-AC compile EP2" "shardfit no-AC compile EP2" "shardfit no-AC compile EP2 overlap-opt" --out "$OUT/moe2_short_x2.json" 2>&1 | tee "$OUT/moe2_short.log" | grep -v '^{' | tail -9 ;;
+    moecurve3)  # the plain curve, its noise yardstick and the fastest configuration's, 50 steps each
+      env $two timeout 300 python3 benchmarks/bench_train.py --suite moecurve --nproc 2 --timeout 120 --only "plain MoE: eager, full AC" "plain MoE, loss chunk 512 (noise)" "fastest MoE: compiled, no AC, EP 2, overlapped step" --out "$OUT/moecurve3_x2.json" 2>&1 | tail -6 ;;
     moecurve) env $two timeout 560 python3 benchmarks/bench_train.py --suite moecurve --nproc 2 --timeout 200 --out "$OUT/moecurve_x2.json" 2>&1 | tail -9 ;;
     tests-split)  # the CUDA suite file by file, each under its own cap, the whole log kept (call it alone)
       for f in tests/cuda/test_*.py; do env $two timeout 240 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider "$f" 2>&1 | tee -a "$OUT/pytest_cuda.log" | tail -3; done ;;

@@ -36,6 +36,8 @@ MEASURED = [
     ("2026-11-23_s8_h200x2_moe2.json", "shardfit no-AC", []),
     ("2026-11-23_s8_h200x2_moe2.json", "shardfit no-AC compile", []),
     ("2026-11-23_s8_h200x2_moe2.json", "shardfit no-AC compile EP2", []),
+    # Session 9: every gradient freed after the step (the E = W experts' are written again before the peak)
+    ("2026-11-23_s9_h200x2_moesweep3.json", "shardfit no-AC compile EP2 overlap-opt prefetch1-freegrads", []),
     # CPU offload (parallel/offload.py): Llama-3-8B on one H100, the first 5 blocks' states on the GPU
     ("2026-11-23_s8_h100x1_offload8b_keep5.json", "8B offload=all keep 5 blocks full-AC mbs16", []),
 ]

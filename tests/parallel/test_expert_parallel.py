@@ -24,8 +24,11 @@ def _train_ep(rank, world, overrides, run_dir):
     block.register_forward_hook(lambda m, i, o: seen.append(m.mlp.load.tolist()))  # rows per expert, this rank
     history = trainer.fit()
     state = {k: v.tolist() for k, v in full_state(trainer.model).items()}
+    kept = {"experts": layer.experts.gate_proj.grad is not None, "attention": block.self_attn.q_proj.weight.grad
+            is not None}  # after the last step's zero_grad, memory.keep_grads=true (the default)
     return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
-            "state": state if rank == 0 else None, "local_rows": local, "routing": seen, "experts_in_fsdp": in_fsdp}
+            "state": state if rank == 0 else None, "local_rows": local, "routing": seen, "experts_in_fsdp": in_fsdp,
+            "kept_grads": kept}
 
 
 @pytest.mark.parametrize("world,ep,ac,extra", [
@@ -43,6 +46,8 @@ def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac, extra):
     # E = W: the experts stay out of FSDP (cast and gradient division in parallel/expert.py); E < W: their own group
     assert res[0]["experts_in_fsdp"] == (not experts_outside_fsdp(ep, world))
     assert experts_outside_fsdp(2, 2) == (torch.__version__ >= "2.7")
+    # gradients kept between steps, but those of experts outside FSDP (step_overlap.zero_grads: written fresh)
+    assert res[0]["kept_grads"] == {"experts": res[0]["experts_in_fsdp"], "attention": True}
     one = run_ranks(_train_ep, 1, overrides[:-2] + [f"--parallel.activation_checkpoint={ac}"], str(tmp_path / "one"))
     # Adam hides a gradient off by a constant factor (it divides by the gradient's own scale): the norms show it.
     for key in ("losses", "norms"):

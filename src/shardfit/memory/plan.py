@@ -270,8 +270,12 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     sharded_grads = 4 * on_gpu // shard
     # under offload=all the trainer frees every gradient after the step, the GPU-kept blocks' too
     keep = cfg.memory.keep_grads and par.offload != "all"
-    grads = sharded_grads if keep else 0
-    idle_cache = 0 if keep else sharded_grads  # freed gradients, cached (see fits)
+    # experts outside FSDP (E = W) free their gradients whatever keep says (step_overlap.zero_grads) and write them
+    # again in backward, before its peak: allocated there, never idle in FSDP's reduce-scatter pool
+    experts = plan_moe.expert_params(_meta_model(_key(m)))
+    fresh = 4 * plan_moe.outside_fsdp_params(experts, par.expert_parallel, world)
+    grads = sharded_grads if keep else fresh
+    idle_cache = 0 if keep else sharded_grads - fresh  # freed gradients, cached (see fits)
     unsharded = 0
     if cfg.train.global_batch > micro_batch * (world // par.sequence_parallel):  # accumulation
         if not par.reduce_every_micro_batch:
@@ -291,7 +295,6 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         copies = 2 * 4 * max(block_params[kept:], default=0) // shard
     grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
     # expert parallelism: a block gathers (and reduce-scatters) only its rank's n/E experts (plan_moe)
-    experts = plan_moe.expert_params(_meta_model(_key(m)))
     big_block = max(plan_moe.gathered_params(block_params, experts, par.expert_parallel))
     # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
     # converted weights at 1 byte each. The same with offload=all: only the sharded copies live on the host.

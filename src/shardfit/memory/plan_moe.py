@@ -127,6 +127,13 @@ def held_expert_bytes(experts: int, ep: int, world: int, element: int) -> int:
     return experts // ep * element if experts and experts_outside_fsdp(ep, world) else 0
 
 
+def outside_fsdp_params(experts: list[int], ep: int, world: int) -> int:
+    """Expert parameters a rank holds outside FSDP (E = W: its n/E of every layer's; parallel/expert.py), else 0."""
+    from shardfit.parallel.expert import experts_outside_fsdp
+
+    return sum(experts) // ep if experts_outside_fsdp(ep, world) else 0
+
+
 def exchange_bytes(m, tokens: int, ep: int, element: int) -> int:
     """Expert parallelism's buffers while one MoE layer's backward runs (the forward's are the same size, and
     freed before the next layer): the gradient rows sent and received by the all-to-all, [T*k, H] each with

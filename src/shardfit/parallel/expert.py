@@ -96,6 +96,9 @@ class _ComputeCast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param, dtype, divide):
         ctx.param, ctx.divide = param, divide
+        # freed after each step whatever memory.keep_grads says (step_overlap.zero_grads). Marked here, at use: the
+        # parameter objects are swapped when the model is materialized (to_empty), after parallelize shards them
+        param.free_grad = True
         w = local_tensor(param)
         return w.to(dtype) if w.dtype != dtype else w.view_as(w)
 

@@ -45,7 +45,7 @@ from shardfit.parallel import all_gather_rows, init_distributed, parallelize
 from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
 from shardfit.parallel.layout import check_layout
 from shardfit.parallel.offload import OverlappedStep, grad_sq_norm
-from shardfit.parallel.step_overlap import StreamOverlappedStep, local_tensor
+from shardfit.parallel.step_overlap import StreamOverlappedStep, local_tensor, zero_grads
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
 from shardfit.train.evaluate import evaluate
@@ -343,7 +343,7 @@ class Trainer:
         # the GPU waiting for its next kernels); the reduce-scatter pool keep_grads is about holds no gradients then.
         # A launched overlapped step owns the gradients (already taken out of the parameters): not touched here.
         if not (ok and self.overlap is not None):
-            self.optimizer.zero_grad(set_to_none=not self.cfg.memory.keep_grads or self.offload)
+            zero_grads(self.optimizer, keep=self.cfg.memory.keep_grads and not self.offload)
         self.timer.stop("optimizer")
         self.step += 1
         self.recorder.after_step(self.step)
