@@ -270,18 +270,20 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     sharded_grads = 4 * on_gpu // shard
     # under offload=all the trainer frees every gradient after the step, the GPU-kept blocks' too
     keep = cfg.memory.keep_grads and par.offload != "all"
-    # experts outside FSDP (E = W) free their gradients whatever keep says (step_overlap.zero_grads) and write them
-    # again in backward, before its peak: allocated there, never idle in FSDP's reduce-scatter pool
+    # experts outside FSDP (E = W) free their gradients after every step whatever keep says (step_overlap.zero_grads;
+    # the overlapped step drops them group by group as the next forward reaches each) and the backward writes them
+    # again as it frees the activations: added below, never idle in FSDP's reduce-scatter pool
     experts = plan_moe.expert_params(_meta_model(_key(m)))
     fresh = 4 * plan_moe.outside_fsdp_params(experts, par.expert_parallel, world)
-    grads = sharded_grads if keep else fresh
+    grads = sharded_grads - fresh if keep else 0
     idle_cache = 0 if keep else sharded_grads - fresh  # freed gradients, cached (see fits)
     unsharded = 0
-    if cfg.train.global_batch > micro_batch * (world // par.sequence_parallel):  # accumulation
+    accumulating = cfg.train.global_batch > micro_batch * (world // par.sequence_parallel)
+    if accumulating:
         if not par.reduce_every_micro_batch:
             unsharded = 4 * n_params  # accumulated unsharded in fp32 between micro-batches, on every GPU
         elif not keep:
-            grads, idle_cache = sharded_grads, 0  # live from the first micro-batch on: allocated, not idle
+            grads, idle_cache = sharded_grads - fresh, 0  # live from the first micro-batch on: allocated, not idle
     host = copies = 0
     if par.offload == "optimizer":  # the moments and the step on the CPU; parameters and gradients stay
         host, moments = moments, 0
@@ -309,6 +311,9 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         checkpointed = mode == "selective" or (mode == "full" and i % par.ac_every == 0)
         acts += b[mode] if checkpointed else b["none"] + plan_moe.held_expert_bytes(
             experts[i], par.expert_parallel, world, _compute_dtype(par).itemsize)
+    # the fresh expert gradients replace activations as the backward goes (the larger of the two at the peak), or
+    # stay from the first micro-batch through the next one's forward
+    grads += fresh if accumulating else max(0, fresh - acts)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
     # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16, and one logits chunk [c, V]: eager bf16
     # logits, an fp32 copy, logsumexp's fp32 temporary (10 B); compiled (compile_loss) bf16 logits and gradient (4 B)
