@@ -35,9 +35,10 @@ MEASURED = [
     ("2026-11-23_s8_h200x2_moe2.json", "shardfit full-AC", []),
     ("2026-11-23_s8_h200x2_moe2.json", "shardfit no-AC", []),
     ("2026-11-23_s8_h200x2_moe2.json", "shardfit no-AC compile", []),
-    ("2026-11-23_s8_h200x2_moe2.json", "shardfit no-AC compile EP2", []),
-    # Session 9: every gradient freed after the step (the E = W experts' are written again before the peak)
-    ("2026-11-23_s9_h200x2_moesweep3.json", "shardfit no-AC compile EP2 overlap-opt prefetch1-freegrads", []),
+    # Session 9: the E = W experts' gradients freed after every step and written again as the backward frees the
+    # activations (86.0 GiB when kept, session 8's EP2 run), with and without the overlapped step
+    ("2026-11-23_s9_h200x2_moe2_short.json", "shardfit no-AC compile EP2", []),
+    ("2026-11-23_s9_h200x2_moe2_overlapfree.json", "shardfit no-AC compile EP2 overlap-opt", []),
     # CPU offload (parallel/offload.py): Llama-3-8B on one H100, the first 5 blocks' states on the GPU
     ("2026-11-23_s8_h100x1_offload8b_keep5.json", "8B offload=all keep 5 blocks full-AC mbs16", []),
 ]

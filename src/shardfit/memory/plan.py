@@ -28,10 +28,10 @@ Attention is counted as the flash/cuDNN kernels store it (q, k, v, output and an
 token): the block calls the flash attention operator itself, not the math fallback the meta device would pick.
 With `parallel.compile=true` a dense block saves what the compiled one saves: the block is traced with AOTAutograd
 and split into forward and backward by the partitioner Inductor uses (it recomputes cheap elementwise work instead
-of saving it), and the tensors the forward hands to the backward are counted, by storage, parameters excluded.
-On 2 x H200 this is within 0.5% of the measured peaks of compiled micro-batch 2 and 4; eager blocks save ~45% more.
-With parallel.fp8 the traced block has the FP8 layers a GPU run has (torchao's casts in the graph), and FP8
-all-gather halves the converted weights' gathered bytes. MoE blocks and expert parallelism: see plan_moe.py.
+of saving it), and the tensors the forward hands to the backward are counted, by storage, parameters excluded
+(eager blocks save ~45% more). With parallel.fp8 the traced block has the FP8 layers a GPU run has (torchao's casts
+in the graph), and FP8 all-gather halves the converted weights' gathered bytes. MoE blocks, expert parallelism and
+the gradients of experts outside FSDP (freed every step, written again in backward): see plan_moe.py.
 """
 
 from __future__ import annotations
@@ -266,17 +266,16 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # offload=all keeps only the first offload_gpu_blocks blocks' states on the GPU (parallel/offload.py)
     kept = par.offload_gpu_blocks
     on_gpu = sum(block_params[:kept]) if par.offload == "all" else n_params
-    weights, moments = 4 * on_gpu // shard, 8 * on_gpu // shard  # fp32 weights, Adam's two fp32 moments
-    sharded_grads = 4 * on_gpu // shard
+    # fp32 weights, Adam's two fp32 moments, fp32 gradients
+    weights, moments, sharded_grads = 4 * on_gpu // shard, 8 * on_gpu // shard, 4 * on_gpu // shard
     # under offload=all the trainer frees every gradient after the step, the GPU-kept blocks' too
     keep = cfg.memory.keep_grads and par.offload != "all"
-    # experts outside FSDP (E = W) free their gradients after every step whatever keep says (step_overlap.zero_grads;
-    # the overlapped step drops them group by group as the next forward reaches each) and the backward writes them
-    # again as it frees the activations: added below, never idle in FSDP's reduce-scatter pool
+    # experts outside FSDP (E = W) free their gradients after every step whatever keep says (step_overlap.zero_grads)
+    # and the backward writes them again as it frees the activations: added below, never idle in FSDP's pool
     experts = plan_moe.expert_params(_meta_model(_key(m)))
     fresh = 4 * plan_moe.outside_fsdp_params(experts, par.expert_parallel, world)
-    grads = sharded_grads - fresh if keep else 0
-    idle_cache = 0 if keep else sharded_grads - fresh  # freed gradients, cached (see fits)
+    # freed gradients are cached (idle_cache: see fits)
+    grads, idle_cache = (sharded_grads - fresh, 0) if keep else (0, sharded_grads - fresh)
     unsharded = 0
     accumulating = cfg.train.global_batch > micro_batch * (world // par.sequence_parallel)
     if accumulating:
@@ -296,10 +295,9 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         # offloaded block's shard of each, 4 B/param/shard twice (0.8 GiB for 70B on 8 GPUs)
         copies = 2 * 4 * max(block_params[kept:], default=0) // shard
     grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
-    # expert parallelism: a block gathers (and reduce-scatters) only its rank's n/E experts (plan_moe)
+    # bf16 gathered params of the root and two blocks (EP: only a rank's n/E experts, plan_moe), one fp32
+    # reduce-scatter input; FP8 all-gather gathers the converted weights at 1 byte each. The same with offload=all.
     big_block = max(plan_moe.gathered_params(block_params, experts, par.expert_parallel))
-    # bf16 gathered params of the root and two blocks, one fp32 reduce-scatter input; FP8 all-gather gathers the
-    # converted weights at 1 byte each. The same with offload=all: only the sharded copies live on the host.
     fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
     mode = par.activation_checkpoint
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
@@ -311,8 +309,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         checkpointed = mode == "selective" or (mode == "full" and i % par.ac_every == 0)
         acts += b[mode] if checkpointed else b["none"] + plan_moe.held_expert_bytes(
             experts[i], par.expert_parallel, world, _compute_dtype(par).itemsize)
-    # the fresh expert gradients replace activations as the backward goes (the larger of the two at the peak), or
-    # stay from the first micro-batch through the next one's forward
+    # fresh expert gradients replace activations in backward (the larger counts), or stay between micro-batches
     grads += fresh if accumulating else max(0, fresh - acts)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
     # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16, and one logits chunk [c, V]: eager bf16

@@ -21,10 +21,13 @@ SiLU(g) is recomputed (-96 MiB a layer). Expert parallelism: the exchange (paral
 torch.compile, so the block is two graphs around it and the experts run eagerly (SiLU(g) saved again, and the
 routing weights, an input of the combine graph); the rows a rank's experts receive, regrouped by local expert, are
 what its grouped GEMMs save: about T*k rows with balanced routing, as many as it sends. With E = W the experts are
-out of FSDP and an unrecomputed block holds its bf16 copy of them until its backward (held_expert_bytes).
+out of FSDP and an unrecomputed block holds its bf16 copy of them until its backward (held_expert_bytes); their
+fp32 gradients are freed after every step and written again by the backward as it frees the activations
+(outside_fsdp_params; plan.estimate counts the larger of the two at the peak, both under accumulation).
 
 Measured on 2 x H200 (benchmarks/results/2026-11-23_s8_h200x2_moe2.json, 12 layers, micro-batch 2): full AC 68.6
-GiB (plan 68.6), no AC 83.6 (86.1, +3.0%), compiled 79.0 (80.9, +2.4%), compiled EP 2 86.1 (86.5, +0.5%). What is
+GiB (plan 68.6), no AC 83.6 (86.1, +3.0%), compiled 79.0 (80.9, +2.4%), compiled EP 2 86.1 (86.5, +0.5%; session
+9, the experts' gradients freed: 72.5, plan 73.0, +0.7%). What is
 left over without EP (~2.5 GiB) is not the activations (eager - compiled: measured 4.6 GiB, counted 4.3): the plan
 adds two gathered blocks and one fp32 reduce-scatter input (3.5 GiB for a 623M-parameter block; 1.2 with EP 2) to
 every block's activations, a sum the dense blocks' peaks match but whose moments may not coincide here.
