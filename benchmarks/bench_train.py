@@ -43,7 +43,7 @@ from bench_suites import SUITES, VARLEN_DATA, VARLEN_SUITES, VARLEN_WARM  # noqa
 
 
 def _fill(args: list[str], nproc: int) -> list[str]:
-    for k in (2, 4, 5, 6, 8, 10, 20):
+    for k in (2, 3, 4, 5, 6, 8, 10, 20):
         args = [a.replace(f"{{{k}n}}", str(k * nproc)) for a in args]
     return args
 

@@ -145,6 +145,10 @@ for stage in "$@"; do
       env $two timeout 400 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 380 --only "HF grouped_mm full-AC" "torchtitan no-AC compile EP2" "shardfit no-AC compile EP2" "shardfit no-AC compile EP2 overlap-opt" --out "$OUT/moe2_short_x2.json" 2>&1 | tee "$OUT/moe2_short.log" | grep -v '^{' | tail -9 ;;
     moecurve3)  # the plain curve, its noise yardstick and the fastest configuration's, 50 steps each
       env $two timeout 300 python3 benchmarks/bench_train.py --suite moecurve --nproc 2 --timeout 120 --only "plain MoE: eager, full AC" "plain MoE, loss chunk 512 (noise)" "fastest MoE: compiled, no AC, EP 2, overlapped step" --out "$OUT/moecurve3_x2.json" 2>&1 | tail -6 ;;
+    hsdp4) timeout 400 python3 benchmarks/bench_train.py --suite hsdp4 --nproc 4 --timeout 180 --out "$OUT/hsdp4_x4.json" 2>&1 | tail -4 ;;
+    moe24)  # EP scaling in one call: the fastest MoE case on 2 GPUs (EP 2), then on 4 (EP 4 and EP 2), HF beside both
+      env $two timeout 200 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 190 --only "HF grouped_mm full-AC" "shardfit no-AC compile EP2 overlap-opt" --out "$OUT/moe24_x2.json" 2>&1 | grep -v '^{' | tail -5
+      timeout 340 python3 benchmarks/bench_moe.py --nproc 4 --layers 12 --budget 330 --variant "ep2=--parallel.expert_parallel=2" --only "HF grouped_mm full-AC" "shardfit no-AC compile EP4 overlap-opt" "shardfit no-AC compile EP4 overlap-opt ep2" --out "$OUT/moe24_x4.json" 2>&1 | grep -v '^{' | tail -6 ;;
     moecurve) env $two timeout 560 python3 benchmarks/bench_train.py --suite moecurve --nproc 2 --timeout 200 --out "$OUT/moecurve_x2.json" 2>&1 | tail -9 ;;
     tests-split)  # the CUDA suite file by file, each under its own cap, the whole log kept (call it alone)
       for f in tests/cuda/test_*.py; do env $two timeout 240 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider "$f" 2>&1 | tee -a "$OUT/pytest_cuda.log" | tail -3; done ;;
