@@ -36,6 +36,23 @@ def test_summary_counts_overlaps_once_and_finds_the_compute_stream():
     assert summarize_trace([events[-1]]) == {}
 
 
+def test_exposed_communication_is_the_collective_time_no_other_kernel_covers():
+    events = [
+        _k("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", 0, 400, 7),
+        _k("triton_poi_fused_add_mul_0", 450, 50, 7),
+        _k("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 500, 300, 9),  # a side stream's work hides it too
+        _k("ncclDevKernel_AllGather_RING_LL", 100, 500, 20),  # [100, 600): uncovered only in [400, 450)
+        _k("ncclDevKernel_AllGather_RING_LL", 580, 40, 20),  # overlaps the first: counted once
+        _k("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 550, 200, 21),  # covered by the optimizer
+        _k("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 900, 100, 7),  # on the compute stream, alone
+    ]
+    s = summarize_trace(events)
+    assert s["communication_exposure_ms"] == {"all-to-all": {"ms": 0.1, "exposed_ms": 0.1},
+                                              "all-gather": {"ms": 0.52, "exposed_ms": 0.05},
+                                              "reduce-scatter": {"ms": 0.2, "exposed_ms": 0.0}}
+    assert "all-to-all 0 (0 exposed)" in format_summary(1, s)
+
+
 def test_idle_time_is_split_into_cpu_late_launches_and_waits_on_other_streams():
     def k(ts, dur, corr):
         e = _k("nvjet_gemm", ts, dur, 7)

@@ -7,8 +7,10 @@ compiled fusions, communication, optimizer, copies, other) and, on the compute s
 kernel time), reports how much of the step's span it was busy and how much it sat idle: idle compute-stream time is
 what the CPU (launch overhead, host syncs) or exposed communication cost, and `idle` splits it so: a gap whose next
 kernel the CPU had not yet launched when the stream ran dry is the CPU's (summed by the host operators that launched
-it, and by host syncs in the gap), any other gap is a wait on another stream (a collective, a copy). On a CPU run
-there are no kernels; the summary then lists the operators with the most self time.
+it, and by host syncs in the gap), any other gap is a wait on another stream (a collective, a copy). Each kind of
+collective has its time and its exposed part (no other kernel running on any stream meanwhile: what the step waited
+for it, wherever it ran). On a CPU run there are no kernels; the summary then lists the operators with the most
+self time.
 """
 
 from __future__ import annotations
@@ -49,6 +51,45 @@ def _union(intervals: list[tuple[float, float]]) -> float:
             total += b - max(a, end)
             end = b
     return total
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+_COLLECTIVES = (("all-to-all", ("sendrecv", "alltoall", "all_to_all")), ("all-gather", ("allgather",)),
+                ("reduce-scatter", ("reducescatter",)), ("all-reduce", ("allreduce",)), ("broadcast", ("broadcast",)))
+
+
+def communication_exposure(gpu: list[dict]) -> dict[str, dict[str, float]]:
+    """Per collective (by NCCL kernel name): its GPU time (overlaps counted once) and the part of it during which no
+    other kernel ran on any stream, i.e. what the step waited for it. A collective may run on its own stream or, as
+    torch >= 2.10 runs a synchronous c10d call, on the compute stream itself: either way only compute elsewhere
+    hides it. Times in ms."""
+    comm = [e for e in gpu if kernel_kind(e["name"], e["cat"]) == "communication"]
+    work = _merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu if kernel_kind(e["name"], e["cat"]) != "communication"])
+    out = {}
+    for kind, keys in _COLLECTIVES:
+        mine = _merged([(e["ts"], e["ts"] + e["dur"]) for e in comm if any(k in e["name"].lower() for k in keys)])
+        if not mine:
+            continue
+        hidden, j = 0.0, 0
+        for a, b in mine:  # both lists sorted and disjoint: one sweep
+            while j < len(work) and work[j][1] <= a:
+                j += 1
+            k = j
+            while k < len(work) and work[k][0] < b:
+                hidden += min(b, work[k][1]) - max(a, work[k][0])
+                k += 1
+        total = sum(b - a for a, b in mine)
+        out[kind] = {"ms": round(total * 1e-3, 2), "exposed_ms": round((total - hidden) * 1e-3, 2)}
+    return out
 
 
 _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -162,6 +203,7 @@ def summarize_trace(events: list[dict]) -> dict:
         "compute_idle_ms": round((span - busy) * ms, 2),
         "compute_kinds_ms": {k: round(v * ms, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "communication_ms": round(_union([(e["ts"], e["ts"] + e["dur"]) for e in comm]) * ms, 2),
+        "communication_exposure_ms": communication_exposure(gpu),
         "kernels": sum(1 for e in on_compute if e["cat"] == "kernel"),
         "top_kernels_ms": [[n[:120], round(v * ms, 2)] for n, v in by_time[:25]],
         "top_kernels_by_kind_ms": {k: [[n[:120], round(v * ms, 2)] for n, v in by_time if kind_of[n] == k][:6]
@@ -183,7 +225,9 @@ def _summary_line(s: dict) -> str:
             f"ms, idle {s['compute_idle_ms']:.0f} ms (CPU {s['idle']['cpu_ms']:.0f}, other streams "
             f"{s['idle']['other_stream_ms']:.0f}; {s['idle']['host_syncs']} host syncs) ({s['kernels']} kernels); "
             f"by kind (ms): {kinds}; "
-            f"communication {s['communication_ms']:.0f} ms on its own streams"
+            f"communication {s['communication_ms']:.0f} ms"
+            + "".join(f", {k} {v['ms']:.0f} ({v['exposed_ms']:.0f} exposed)"
+                      for k, v in s.get("communication_exposure_ms", {}).items())
             + ("; GPU busy of span by phase (ms): " + ", ".join(f"{n} {p['busy_ms']:.0f}/{p['span_ms']:.0f}"
                                                                  for n, p in s["phases"].items())
                if s.get("phases") else ""))
