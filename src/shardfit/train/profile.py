@@ -70,8 +70,8 @@ _COLLECTIVES = (("all-to-all", ("sendrecv", "alltoall", "all_to_all")), ("all-ga
 def communication_exposure(gpu: list[dict]) -> dict[str, dict[str, float]]:
     """Per collective (by NCCL kernel name): its GPU time (overlaps counted once) and the part of it during which no
     other kernel ran on any stream, i.e. what the step waited for it. A collective may run on its own stream or, as
-    torch >= 2.10 runs a synchronous c10d call, on the compute stream itself: either way only compute elsewhere
-    hides it. Times in ms."""
+    torch 2.11 runs a synchronous c10d call (observed), on the compute stream itself: either way only compute
+    elsewhere hides it. Times in ms."""
     comm = [e for e in gpu if kernel_kind(e["name"], e["cat"]) == "communication"]
     work = _merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu if kernel_kind(e["name"], e["cat"]) != "communication"])
     out = {}
