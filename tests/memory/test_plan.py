@@ -288,6 +288,30 @@ def test_expert_parallel_gathers_a_ranks_experts_and_counts_the_exchange():
     assert estimate(offloaded, 2, 2).host > 0 and not accepted(offloaded, 2)
 
 
+def test_expert_gradients_outside_fsdp_and_unsharded_accumulation():
+    """E = W: the experts' fp32 gradients are freed after every step and written again in backward as it frees the
+    activations, so the peak holds the larger of the two (full checkpointing: the gradients), and both while
+    micro-batches accumulate. reduce_every_micro_batch=false accumulates unsharded the gradients of what a rank
+    gathers: a rank's n/E experts (E < W), none of them outside FSDP (E = W: their fresh gradients instead)."""
+    from shardfit.parallel.expert import experts_outside_fsdp
+
+    if not experts_outside_fsdp(2, 2):
+        pytest.skip("experts stay in FSDP before torch 2.7")
+    full = [*MOE, "--parallel.activation_checkpoint=full", "--train.micro_batch=1", "--train.global_batch=4"]
+    one, two = (load_config(None, [*full, f"--parallel.expert_parallel={e}"]) for e in (1, 2))
+    experts = one.model.n_layers * 3 * 8 * 64 * one.model.dim  # every layer's, whole
+    fresh = 4 * experts // 2  # fp32, a rank's half
+    a, b = estimate(one, 2, 2), estimate(two, 2, 2)  # no accumulation: 2 ranks x micro-batch 2 = 4
+    assert fresh > b.activations and b.grads == a.grads - fresh + (fresh - b.activations)
+    a, b = estimate(one, 2, 1), estimate(two, 2, 1)  # two micro-batches: the first's gradients stay
+    assert b.grads == a.grads
+    unsharded = ["--parallel.reduce_every_micro_batch=false", "--train.global_batch=8"]  # 4 ranks accumulate
+    a, b, c = (estimate(load_config(None, [*full, *unsharded, f"--parallel.expert_parallel={e}"]), w, 1)
+               for e, w in ((1, 4), (2, 4), (4, 4)))
+    assert a.grads - b.grads == 4 * experts // 2  # E = 2 < W = 4: half the experts gathered, half accumulated
+    assert a.grads - c.grads == 4 * experts  # E = W: none unsharded (their fresh quarter is the rank's shard)
+
+
 def test_compiled_loss_keeps_no_fp32_logits_chunk():
     """parallel.compile_loss (the default with compile): the fused loss's chunk is bf16 logits and their bf16
     gradient (4 B a logit), not the eager chunk's bf16 logits, fp32 copy and fp32 temporary (10 B)."""

@@ -43,13 +43,15 @@ _BLOCK = 4096  # elements a program: 8 warps x 32 threads x 16 (a bf16 load of 3
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool) -> bool:
+    if out.shape != x.shape or out.device != x.device:
+        raise ValueError(f"out {tuple(out.shape)} on {out.device} must match x {tuple(x.shape)} on {x.device}")
     kernel = _triton_kernel() if x.is_cuda and x.is_contiguous() and out.is_contiguous() else None
     if kernel is None:
         return False
     n = x.numel()
-    if n:  # Triton launches on the current device's current stream: the training loop's device is x's
-        grid = (-(-n // _BLOCK),)
-        kernel[grid](x, out, n, scale, ACCUMULATE=accumulate, BLOCK=_BLOCK, num_warps=8)
+    if n:  # Triton launches on the current device's current stream
+        with torch.cuda.device(x.device):
+            kernel[(-(-n // _BLOCK),)](x, out, n, scale, ACCUMULATE=accumulate, BLOCK=_BLOCK, num_warps=8)
     return True
 
 

@@ -274,13 +274,13 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # and the backward writes them again as it frees the activations: added below, never idle in FSDP's pool
     experts = plan_moe.expert_params(_meta_model(_key(m)))
     fresh = 4 * plan_moe.outside_fsdp_params(experts, par.expert_parallel, world)
-    # freed gradients are cached (idle_cache: see fits)
-    grads, idle_cache = (sharded_grads - fresh, 0) if keep else (0, sharded_grads - fresh)
+    grads, idle_cache = (sharded_grads - fresh, 0) if keep else (0, sharded_grads - fresh)  # freed: cached (fits)
     unsharded = 0
     accumulating = cfg.train.global_batch > micro_batch * (world // par.sequence_parallel)
     if accumulating:
         if not par.reduce_every_micro_batch:
-            unsharded = 4 * n_params  # accumulated unsharded in fp32 between micro-batches, on every GPU
+            # accumulated unsharded in fp32 between micro-batches, on every GPU (EP: a rank's n/E experts; E = W: fresh)
+            unsharded = 4 * (n_params - sum(experts) + (0 if fresh else sum(experts) // par.expert_parallel))
         elif not keep:
             grads, idle_cache = sharded_grads - fresh, 0  # live from the first micro-batch on: allocated, not idle
     host = copies = 0

@@ -91,7 +91,9 @@ class _ComputeCast(torch.autograd.Function):
     would have divided by it), in fp32 and in one pass over memory (kernels/scaled_accumulate.py): a new gradient on
     the first micro-batch, added in place to the kept one afterwards. It returns no gradient, so autograd's
     AccumulateGrad does nothing for param: its own accumulation would be a second fp32 pass (10 ms a step for 12
-    layers on 2 x H200, measured), and the bf16 -> fp32 cast through PyTorch's ops is not vectorized (14 ms)."""
+    layers on 2 x H200, measured), and the bf16 -> fp32 cast through PyTorch's ops is not vectorized (14 ms).
+    So this is for .backward() only: torch.autograd.grad would not see param's gradient (and create_graph is
+    refused), and tensor hooks on param get None (post-accumulate-grad hooks run: .grad is written first)."""
 
     @staticmethod
     def forward(ctx, param, dtype, divide):
@@ -104,6 +106,8 @@ class _ComputeCast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError("experts outside FSDP write their gradients in place: no create_graph / double backward")
         p, scale = ctx.param, 1.0 / ctx.divide
         if p.grad is not None:
             scaled_accumulate_(local_tensor(p.grad), grad, scale)
