@@ -135,7 +135,8 @@ class ParallelConfig:
                                      "(shardfit plan proposes N)", ge=0)
     overlap_optimizer: bool = opt(False, "CUDA: run the optimizer step on a side stream, FSDP group by group, each "
                                          "group's next forward waiting only for its own (parallel/step_overlap.py); "
-                                         "for steps whose forward leaves the GPU idle (MoE with expert parallelism)")
+                                         "for steps whose forward leaves the GPU idle (MoE with expert parallelism: "
+                                         "+3-6% measured on 2 x H200); same results as the plain step")
     expert_parallel: int = opt(1, "MoE expert parallelism: groups of E neighbouring ranks split each layer's experts "
                                   "(each holds n_experts/E, tokens exchanged by all-to-all); expert weights are "
                                   "FSDP-sharded over the world/E ranks holding the same experts (E = world: kept "
