@@ -137,7 +137,7 @@ class _LocalExperts(Experts):
 
 class _AllToAll(torch.autograd.Function):
     """x [sum(send), H] -> [sum(recv), H]: rows send[p] to peer p, recv[p] from it; backward the reverse exchange.
-    A plain c10d collective (on its own stream, which the compute stream waits for, the host does not), not a
+    A plain c10d collective (the host does not wait for it; torch 2.11 runs it on the current stream), not a
     functional one: those wrap the result in a tensor subclass whose dispatch costs host time at every later op
     on it (about 0.3 ms a call, measured), and the EP forward is bound by its host."""
 

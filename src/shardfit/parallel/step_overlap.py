@@ -21,7 +21,7 @@ side stream that read them (keep_grads); without keep_grads (and always for free
 are taken out of the parameters at launch and group i's are dropped once the compute stream has waited for
 event[i] (group i's forward, or wait()), so that no stream reuses their blocks before the step read them, and the
 forward's activations take their place as it goes (the experts' of an EP step are 14.5 GiB a rank on Qwen3-30B-A3B
-at 12 layers: measured peak 86.0 GiB held to the backward, 72.5 without the overlap).
+at 12 layers: measured peak 86.0 GiB when they were held until the backward, 72.5 dropped so).
 The first step runs on the compute stream: AdamW's moments are allocated there, never on the side stream's pool.
 The results are one optimizer.step()'s: AdamW is elementwise per tensor and keeps its state per parameter.
 """
