@@ -81,10 +81,12 @@ SCENARIOS = [  # (base flags, world, GPU GiB, --propose): each proposal is re-pl
     ([*BASE_8B], 1, 80, False),
     ([*BASE_8B, "--train.micro_batch=2"], 16, 80, True),  # fits: alternatives, HSDP on 2 nodes among them
     (["--model.name=llama3-1b", "--data.seq_len=65536", "--train.global_batch=12"], 12, 80, False),  # Ulysses
+    (["--model.name=qwen3-30b-a3b", "--data.seq_len=4096", "--parallel.activation_checkpoint=full"], 8, 80, True),
 ]
 
 
-@pytest.mark.parametrize("base,world,gib,_", SCENARIOS, ids=["70b-8x80", "8b-1x80", "8b-16x80", "1b-seq64k-12"])
+@pytest.mark.parametrize("base,world,gib,_", SCENARIOS,
+                         ids=["70b-8x80", "8b-1x80", "8b-16x80", "1b-seq64k-12", "30b-a3b-8x80"])
 def test_every_proposal_fits_when_replanned_from_its_flags(base, world, gib, _):
     cfg = load_config(None, base)
     props, _short = proposals(cfg, world, gib)
@@ -100,7 +102,7 @@ def test_every_proposal_fits_when_replanned_from_its_flags(base, world, gib, _):
         accumulation_steps(got.train.global_batch, got.train.micro_batch, nproc // sp)
         assert accepted(got, nproc) and apply(cfg, p.changes) == got
     kinds = [p.kind for p in props]
-    order = ["checkpointing", "sequence_parallel", "offload_all", "more_gpus", "hsdp"]
+    order = ["expert_parallel", "checkpointing", "sequence_parallel", "offload_all", "more_gpus", "hsdp"]
     assert kinds == sorted(kinds, key=order.index)  # what the user gives up grows down the list
 
 
@@ -115,6 +117,26 @@ def test_ulysses_is_proposed_only_where_it_divides():
     hsdp = [p for p in proposals(load_config(None, SCENARIOS[2][0]), 16, 80)[0] if p.kind == "hsdp"]
     assert [(p.world, p.changes["parallel.replicate"]) for p in hsdp] == [(16, 2)]  # 2 nodes: one shard group each
     assert "traffic across groups is only the gradient all-reduce" in hsdp[0].note
+
+
+def test_moe_models_are_proposed_expert_parallelism_within_a_node_and_a_shard_group():
+    """An MoE model without EP gets it first (it gives up nothing), with the overlapped optimizer step: the largest E
+    dividing its 128 experts and a shard group, at most a node; a dense model, or EP already at that degree, none."""
+    from shardfit.memory.propose import expert_parallel_degree
+
+    moe = load_config(None, SCENARIOS[4][0])
+    assert [expert_parallel_degree(moe, w, 8) for w in (1, 2, 6, 8, 16)] == [1, 2, 2, 8, 8]
+    assert expert_parallel_degree(apply(moe, {"parallel.replicate": 2}), 8, 8) == 4  # EP inside a replica
+    assert expert_parallel_degree(load_config(None, BASE_8B), 8, 8) == 1
+    first = proposals(moe, 8, 80)[0][0]
+    assert first.kind == "expert_parallel" and first.world == 8
+    assert first.changes["parallel.expert_parallel"] == 8 and first.changes["parallel.overlap_optimizer"] is True
+    assert "holds 16 experts of every layer" in first.note
+    # EP gathers no expert: less memory in flight than the same model without it
+    plain = next(p for p in proposals(moe, 8, 80)[0] if p.kind == "checkpointing")
+    assert first.estimate.fsdp < plain.estimate.fsdp
+    done = apply(moe, {"parallel.expert_parallel": 8})
+    assert "expert_parallel" not in [p.kind for p in proposals(done, 8, 80)[0]]
 
 
 def test_70b_on_one_node_of_80_gb_and_8b_on_one_gpu_have_a_proposal_that_fits():

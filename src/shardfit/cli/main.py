@@ -129,11 +129,12 @@ number of GPUs the model is sharded over, all nodes together; --gpu-memory the m
 this machine's GPU, else 80). With --parallel.compile=true dense blocks are counted as the compiled graph saves them.
 With --parallel.offload=all the host memory each node needs is printed; --host-memory (one node's, GiB) checks it.
 
-Proposals, printed when the configuration does not fit or always with --propose, cheapest first: checkpointing and
-micro-batch, sequence parallelism, CPU offload, more GPUs, HSDP with shard groups of whole nodes (--gpus-per-node,
-default 8). Each is the flags to add, re-planned with them; --nproc=N in a proposal is the world size (on several
-nodes: shardfit train --nproc G --nnodes N/G). --json prints the plan and the proposals as JSON, every figure in
-bytes (schema shardfit.plan/1, described in src/shardfit/memory/propose.py).
+Proposals, printed when the configuration does not fit or always with --propose, cheapest first: expert parallelism
+within a node with the overlapped optimizer step (MoE models), checkpointing and micro-batch, sequence parallelism,
+CPU offload, more GPUs, HSDP with shard groups of whole nodes (--gpus-per-node, default 8). Each is the flags to
+add, re-planned with them; --nproc=N in a proposal is the world size (on several nodes: shardfit train --nproc G
+--nnodes N/G). --json prints the plan and the proposals as JSON, every figure in bytes (schema shardfit.plan/1,
+described in src/shardfit/memory/propose.py).
 """
 
 
