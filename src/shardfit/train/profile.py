@@ -45,15 +45,11 @@ def kernel_kind(name: str, cat: str = "kernel") -> str:
 
 def _union(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by [start, end) intervals (overlaps counted once)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+    return sum(b - a for a, b in _merged(intervals))
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The same intervals as disjoint ones, sorted."""
     out: list[list[float]] = []
     for a, b in sorted(intervals):
         if out and a <= out[-1][1]:
