@@ -1,4 +1,4 @@
-from shardfit.cli.main import main
+from shardfit.cli.main import entry
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -5,7 +5,7 @@ import os
 import signal
 import sys
 
-from shardfit.cli.main import main
+from shardfit.cli.main import entry
 from shardfit.train import trainer
 
 _train_step = trainer.Trainer.train_step
@@ -18,4 +18,5 @@ def train_step(self):
 
 
 trainer.Trainer.train_step = train_step
-sys.exit(main(["train", *sys.argv[1:]]))
+sys.argv[1:1] = ["train"]
+entry()
