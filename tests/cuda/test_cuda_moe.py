@@ -51,12 +51,19 @@ def _train_moe(rank, world, extra, run_dir):
     return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history]}
 
 
-@pytest.mark.parametrize("extra,tol", [
-    (["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full"], 1e-4),
+COMPILED = ["--parallel.compile=true", "--model.max_seq_len=256", "--data.seq_len=256"]
+
+
+@pytest.mark.parametrize("extra,ep_extra,tol", [
+    (["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full"], [], 1e-4),
     # bf16 grouped GEMM, compiled blocks; rows of 256 tokens: the compiled flex kernel needs >= 128 (attention.py)
-    (["--parallel.compile=true", "--model.max_seq_len=256", "--data.seq_len=256"], 3e-2),
-], ids=["fp32-fullac", "bf16-compile"])
-def test_expert_parallel_on_nccl_matches_plain_sharding(tmp_path, extra, tol):
+    (COMPILED, [], 3e-2),
+    # the dispatch launched on NCCL's stream while the own rows run (parallel/expert_overlap.py), fp32 to see it
+    (["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full"], ["--parallel.expert_overlap=true"],
+     1e-4),
+    (COMPILED, ["--parallel.expert_overlap=true"], 3e-2),
+], ids=["fp32-fullac", "bf16-compile", "fp32-fullac-overlap", "bf16-compile-overlap"])
+def test_expert_parallel_on_nccl_matches_plain_sharding(tmp_path, extra, ep_extra, tol):
     """EP over 2 GPUs (one expert group per rank: FSDP's group of one divides by the world size as it copies) trains
     as plain FSDP does: same losses and gradient norms (a wrongly scaled expert gradient shows in the norm)."""
     from tests._dist import run_ranks
@@ -64,7 +71,8 @@ def test_expert_parallel_on_nccl_matches_plain_sharding(tmp_path, extra, tol):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     plain = run_ranks(_train_moe, 2, extra, str(tmp_path / "plain"), backend="nccl")
-    ep = run_ranks(_train_moe, 2, [*extra, "--parallel.expert_parallel=2"], str(tmp_path / "ep"), backend="nccl")
+    ep = run_ranks(_train_moe, 2, [*extra, *ep_extra, "--parallel.expert_parallel=2"], str(tmp_path / "ep"),
+                   backend="nccl")
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(ep[0][key]), torch.tensor(plain[0][key]), rtol=tol, atol=tol)
 

@@ -28,19 +28,27 @@ def _train_ep(rank, world, overrides, run_dir):
             is not None}  # after the last step's zero_grad, memory.keep_grads=true (the default)
     return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
             "state": state if rank == 0 else None, "local_rows": local, "routing": seen, "experts_in_fsdp": in_fsdp,
-            "kept_grads": kept}
+            "kept_grads": kept, "exchange": type(layer.exchange).__name__}
 
 
 @pytest.mark.parametrize("world,ep,ac,extra", [
     (2, 2, "none", []), (2, 2, "full", []), (4, 2, "selective", []), (4, 4, "full", []),
     # 8 tokens a micro-batch, 16 routed rows over 8 experts: experts with no rows on a rank, every step
     (2, 2, "full", ["--data.seq_len=8", "--train.micro_batch=1"]),
-], ids=["2x2-none", "2x2-full", "4x2-selective", "4x4-full", "2x2-full-sparse"])
+    # the dispatch overlapped with the own rows (parallel/expert_overlap.py), with recomputation, and with ranks
+    # routing none of their rows to their own experts
+    (2, 2, "selective", ["--parallel.expert_overlap=true"]),
+    (4, 4, "full", ["--parallel.expert_overlap=true", "--data.seq_len=8", "--train.micro_batch=1"]),
+], ids=["2x2-none", "2x2-full", "4x2-selective", "4x4-full", "2x2-full-sparse", "2x2-selective-overlap",
+        "4x4-full-sparse-overlap"])
 def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac, extra):
     overrides = [*MOE, *extra, f"--parallel.expert_parallel={ep}", f"--parallel.activation_checkpoint={ac}"]
+    plain = [x for x in overrides if not x.startswith(("--parallel.expert_parallel", "--parallel.expert_overlap"))]
     res = run_ranks(_train_ep, world, overrides, str(tmp_path), timeout=300)
     assert res[0]["routing"] != res[1]["routing"]  # ranks send their tokens to different experts
-    if extra:
+    overlap = "--parallel.expert_overlap=true" in extra
+    assert res[0]["exchange"] == ("OverlappedExpertExchange" if overlap else "ExpertExchange")
+    if "--train.micro_batch=1" in extra:
         assert all(any(0 in load for load in r["routing"]) for r in res)  # empty experts on every rank
     assert all(r["local_rows"] == 8 // world for r in res)  # each rank holds its own slice of the experts
     # E = W: the experts stay out of FSDP (cast and gradient division in parallel/expert.py); E < W: their own group
@@ -48,7 +56,7 @@ def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac, extra):
     assert experts_outside_fsdp(2, 2) == (torch.__version__ >= "2.7")
     # gradients kept between steps, but those of experts outside FSDP (step_overlap.zero_grads: written fresh)
     assert res[0]["kept_grads"] == {"experts": res[0]["experts_in_fsdp"], "attention": True}
-    one = run_ranks(_train_ep, 1, overrides[:-2] + [f"--parallel.activation_checkpoint={ac}"], str(tmp_path / "one"))
+    one = run_ranks(_train_ep, 1, plain, str(tmp_path / "one"))
     # Adam hides a gradient off by a constant factor (it divides by the gradient's own scale): the norms show it.
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(res[0][key]), torch.tensor(one[0][key]), rtol=1e-5, atol=1e-5)

@@ -23,7 +23,8 @@ from torch import nn
 
 
 class Routing(NamedTuple):
-    """One micro-batch's routing: xs [T*k, H] the tokens' rows sorted by expert, counts [E] rows per expert, weights
+    """One micro-batch's routing: xs [T*k, H] the tokens' rows sorted by expert (in the exchange's order of experts,
+    MoE.exchange), counts [E] rows per expert (expert order), weights
     [T, k] the routing weights, order [T*k] the sort of (token, slot) pairs and inverse [T*k] its inverse."""
 
     xs: torch.Tensor
@@ -96,24 +97,25 @@ class Experts(nn.Module):
         parallel/expert.py, swaps in a subclass whose weights are this rank's experts)."""
         return self.gate_proj, self.up_proj, self.down_proj
 
-    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """xs [N, H] sorted by expert, counts [E] rows per expert -> [N, H] in the same order."""
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor, weights=None) -> torch.Tensor:
+        """xs [N, H] sorted by expert, counts [E] rows per expert -> [N, H] in the same order. weights: the
+        (gate, up, down) to use instead of self.weights() (an exchange that runs the experts twice a layer)."""
         if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            return self.run_grouped(xs, counts)
-        return self.run_split(xs, counts.tolist())
+            return self.run_grouped(xs, counts, weights)
+        return self.run_split(xs, counts.tolist(), weights)
 
-    def run_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run_grouped(self, xs: torch.Tensor, counts: torch.Tensor, weights=None) -> torch.Tensor:
         """One grouped GEMM per projection over every expert (the CUDA bf16 path, and shardfit plan's model of it):
         grouped_mm saves its input for backward, SiLU(g) * u saves g and u."""
-        gate, up, down = self.weights()
+        gate, up, down = weights or self.weights()
         offs = counts.cumsum(0).to(torch.int32)  # stays on the device: no host sync
         g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)  # [N, I]
         u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)  # [N, I]
         return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # [N, H]
 
-    def run_split(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def run_split(self, xs: torch.Tensor, sizes: list[int], weights=None) -> torch.Tensor:
         """Every expert, every call, on its `sizes[e]` rows of xs (the path off CUDA/bf16, and shardfit plan's)."""
-        gate, up, down = self.weights()
+        gate, up, down = weights or self.weights()
         outs = []
         for e, part in enumerate(xs.split(sizes)):
             h = F.silu(F.linear(part, gate[e])) * F.linear(part, up[e])
@@ -135,7 +137,8 @@ class MoE(nn.Module):
         self.router_stats: tuple[torch.Tensor, torch.Tensor] | None = None
         # How the sorted rows reach their experts: None runs them here; expert parallelism (parallel/expert.py)
         # sets a callable (rows [N, H], counts [E], experts) -> [N, H] that exchanges them with the ranks holding
-        # the other experts.
+        # the other experts; its sort_keys(ids [T*k]), if it has one, gives the keys the rows are sorted by (ids that
+        # put this rank's own experts first).
         self.exchange = None
         # Rows routed to each expert [E] by the last forward (a recomputation writes the same values): the trainer
         # sums them over the step's micro-batches and ranks for the load metrics and the balancing bias.
@@ -169,7 +172,10 @@ class MoE(nn.Module):
         h = x.reshape(-1, x.shape[-1])  # [T, H]
         weights, ids = self.route(h)
         flat = ids.reshape(-1)  # [T*k]
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        # (token, slot) pairs grouped by expert, in the order the exchange asks for (expert order without one)
+        sort_keys = getattr(self.exchange, "sort_keys", None)
+        keys = flat if sort_keys is None else sort_keys(flat)
+        order = torch.argsort(keys, stable=True)
         counts = expert_counts(flat, self.experts.gate_proj.shape[0])  # [E]
         self.load = counts.detach()
         inverse = inverse_permutation(order)

@@ -62,8 +62,14 @@ from shardfit.models.moe import Experts, MoE, inverse_permutation, permute_rows
 from shardfit.parallel.step_overlap import local_tensor
 
 
-def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, offload: str) -> None:
+def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, offload: str,
+                          overlap: bool = False) -> None:
     """Refuse a layout EP cannot run, before any group is built (one line, exit 2)."""
+    if overlap and (ep == 1 or ep != world or replicate > 1 or not _fsdp_ignores_params()):
+        raise ShardfitError(f"parallel.expert_overlap needs the experts outside FSDP: parallel.expert_parallel equal "
+                            f"to the world size ({world}; it is {ep}), no HSDP, torch >= 2.7 (the experts run twice "
+                            "a layer, which would gather them twice under FSDP)", where="parallel.expert_overlap",
+                            fix=f"set parallel.expert_parallel={world} or parallel.expert_overlap=false")
     if ep == 1:
         return
     where = "parallel.expert_parallel"
@@ -87,37 +93,42 @@ def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, o
 
 class _ComputeCast(torch.autograd.Function):
     """param (an fp32 expert stack: a DTensor sharded over ep, or a plain tensor) -> this rank's slice [n/E, ...] in
-    the compute dtype. The backward writes param.grad itself, divided by `divide` (the world size: FSDP's reduction
-    would have divided by it), in fp32 and in one pass over memory (kernels/scaled_accumulate.py): a new gradient on
-    the first micro-batch, added in place to the kept one afterwards. It returns no gradient, so autograd's
+    the compute dtype, as `uses` outputs (one per use of the experts in the layer: the overlapped exchange runs them
+    twice) that share one cast. The backward writes param.grad itself, divided by `divide` (the world size: FSDP's
+    reduction would have divided by it), in fp32 and in one pass over memory per use (kernels/scaled_accumulate.py):
+    a new gradient for the first, added in place to the kept one afterwards. It returns no gradient, so autograd's
     AccumulateGrad does nothing for param: its own accumulation would be a second fp32 pass (10 ms a step for 12
     layers on 2 x H200, measured), and the bf16 -> fp32 cast through PyTorch's ops is not vectorized (14 ms).
     So this is for .backward() only: torch.autograd.grad would not see param's gradient (and create_graph is
     refused), and tensor hooks on param get None (post-accumulate-grad hooks run: .grad is written first)."""
 
     @staticmethod
-    def forward(ctx, param, dtype, divide):
+    def forward(ctx, param, dtype, divide, uses=1):
         ctx.param, ctx.divide = param, divide
         # freed after each step whatever memory.keep_grads says (step_overlap.zero_grads). Marked here, at use: the
         # parameter objects are swapped when the model is materialized (to_empty), after parallelize shards them
         param.free_grad = True
         w = local_tensor(param)
-        return w.to(dtype) if w.dtype != dtype else w.view_as(w)
+        w = w.to(dtype) if w.dtype != dtype else w
+        return w.view_as(w) if uses == 1 else tuple(w.view_as(w) for _ in range(uses))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         if torch.is_grad_enabled():
             raise RuntimeError("experts outside FSDP write their gradients in place: no create_graph / double backward")
         p, scale = ctx.param, 1.0 / ctx.divide
-        if p.grad is not None:
-            scaled_accumulate_(local_tensor(p.grad), grad, scale)
-        else:
+        for grad in grads:
+            if grad is None:
+                continue
+            if p.grad is not None:
+                scaled_accumulate_(local_tensor(p.grad), grad, scale)
+                continue
             g = scaled_cast(grad, scale, p.dtype)
             if isinstance(p, DTensor):
                 g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                        stride=p.stride())
             p.grad = g
-        return None, None, None
+        return None, None, None, None
 
 
 class _LocalExperts(Experts):
@@ -129,10 +140,15 @@ class _LocalExperts(Experts):
     grad_divide: float = 1.0
 
     def weights(self):
+        return self.weight_uses(1)[0]
+
+    def weight_uses(self, uses: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(gate, up, down) for each of `uses` runs of the experts in one layer (parallel/expert_overlap.py)."""
         params = (self.gate_proj, self.up_proj, self.down_proj)
         if self.compute_dtype is None:
-            return tuple(w.to_local() for w in params)
-        return tuple(_ComputeCast.apply(w, self.compute_dtype, self.grad_divide) for w in params)
+            return [tuple(w.to_local() for w in params)] * uses
+        cast = [_ComputeCast.apply(w, self.compute_dtype, self.grad_divide, uses) for w in params]
+        return [tuple(cast)] if uses == 1 else list(zip(*cast))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -161,8 +177,9 @@ class ExpertExchange:
     """MoE.exchange under EP: (rows [N, H] sorted by global expert, counts [n], experts) -> outputs [N, H] in the
     same order, each row computed by the rank holding its expert. See the module docstring for the steps."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, n_experts: int):
-        self.group, self.ep, self.local = group, ep, n_experts // ep
+    def __init__(self, group: dist.ProcessGroup, ep: int, n_experts: int, position: int):
+        self.group, self.ep, self.local, self.position = group, ep, n_experts // ep, position
+        self.n_experts = n_experts
 
     @torch.compiler.disable
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
@@ -173,6 +190,9 @@ class ExpertExchange:
         received = received.view(ep, local)
         # 2. the only host sync: rows to and from each peer
         send, recv = torch.stack([counts.view(ep, local).sum(1), received.sum(1)]).tolist()
+        return self.run(xs, received, send, recv, experts)
+
+    def run(self, xs, received, send, recv, experts):
         # 3. rows out, ordered (source peer, local expert) on arrival; regrouped by local expert for the GEMM
         rows = _AllToAll.apply(xs, recv, send, self.group)  # [M, H]
         dest = regroup_destinations(received, sum(recv))  # arrival row -> its row in local-expert order
@@ -209,9 +229,10 @@ def expert_mesh(device_type: str, world: int, ep: int, replicate: int = 1):
                             mesh_dim_names=("replicate", "efsdp", "ep"))
 
 
-def apply_expert_parallel(model: nn.Module, mesh) -> list[MoE]:
+def apply_expert_parallel(model: nn.Module, mesh, exchange: type[ExpertExchange] = ExpertExchange) -> list[MoE]:
     """On the meta model (parallelize step 0): expert weights become DTensors sharded over mesh["ep"] along the
-    experts, and each MoE layer exchanges its rows through the EP group. Returns the MoE layers."""
+    experts, and each MoE layer exchanges its rows through the EP group with `exchange` (or its overlapped form,
+    parallel/expert_overlap.py). Returns the MoE layers."""
     from torch.distributed.tensor import Shard
 
     ep_mesh = mesh["ep"]
@@ -225,7 +246,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> list[MoE]:
             d = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
             experts.register_parameter(name, nn.Parameter(d, requires_grad=p.requires_grad))
         experts.__class__ = _LocalExperts
-        moe.exchange = ExpertExchange(ep_mesh.get_group(), ep, n)
+        moe.exchange = exchange(ep_mesh.get_group(), ep, n, pos)
     return layers
 
 

@@ -34,7 +34,7 @@ def check_layout(cfg: Config, world: int) -> None:
     check_sequence_parallel(sp, world, cfg.data.seq_len, cfg.model.n_heads)
     check_replicate(cfg.parallel.replicate, world)
     check_expert_parallel(cfg.parallel.expert_parallel, world, cfg.model.n_experts, cfg.parallel.replicate,
-                          cfg.parallel.offload)
+                          cfg.parallel.offload, cfg.parallel.expert_overlap)
     check_offload(cfg.parallel, cfg.model.n_layers)
     if cfg.train.micro_batch_tokens:
         check_token_budget(cfg.train.micro_batch_tokens, cfg.data.seq_len, sp)
