@@ -42,6 +42,7 @@ every rank: the graph is the same); selective checkpointing does not save the al
 among its saved ops), so its recomputation runs them again, and their backward (the reverse all-to-alls, _AllToAll)
 runs inside the layer's backward.
 The exchange is left out of torch.compile (data-dependent split sizes): a compiled block breaks its graph around it.
+With parallel.expert_overlap (E = W) step 3's dispatch runs under the rank's own rows: parallel/expert_overlap.py.
 """
 
 from __future__ import annotations
@@ -109,8 +110,10 @@ class _ComputeCast(torch.autograd.Function):
         # parameter objects are swapped when the model is materialized (to_empty), after parallelize shards them
         param.free_grad = True
         w = local_tensor(param)
+        if uses == 1:
+            return w.to(dtype) if w.dtype != dtype else w.view_as(w)
         w = w.to(dtype) if w.dtype != dtype else w
-        return w.view_as(w) if uses == 1 else tuple(w.view_as(w) for _ in range(uses))
+        return tuple(w.view_as(w) for _ in range(uses))
 
     @staticmethod
     def backward(ctx, *grads):
