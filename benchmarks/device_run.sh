@@ -58,8 +58,8 @@
 #            --nproc 4 --gpu-memory 140.4` allows on an H200 (no AC: 193 GiB; expert parallelism moves expert
 #            shards, not their size). Cases: HF, shardfit compile, torchtitan compile, shardfit EP 4 and 2, torchtitan
 #            EP 2, shardfit eager; what the 525 s budget holds (~130 s a compiled case)
-#   moe2-a2a  2 GPUs, 12 layers: the fastest case (compiled, EP 2, overlapped step) with and without
-#            parallel.expert_overlap (the dispatch all-to-all under the own rows' experts), HF beside (~330 s)
+#   moe2-a2a  2 GPUs, 12 layers: the fastest case (compiled, EP 2, overlapped step) without and with
+#            parallel.expert_overlap=dispatch and =both (all-to-alls under the own rows' experts), HF beside (~430 s)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -142,11 +142,11 @@ for stage in "$@"; do
       IFS=';' read -ra vs <<< "${MOE_VARIANTS:-prefetch1=--parallel.prefetch=1}"; va=(); for v in "${vs[@]}"; do va+=(--variant "$v"); done
       base="shardfit no-AC compile EP2"; labels=("HF grouped_mm full-AC" "$base" "$base overlap-opt"); for v in "${vs[@]}"; do labels+=("$base overlap-opt ${v%%=*}"); done
       env $two timeout 560 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 540 "${va[@]}" --only "${labels[@]}" --out "$OUT/moesweep_x2.json" 2>&1 | tee "$OUT/moesweep.log" | grep -v '^{' | tail -9 ;;
-    tests-moe) env $two timeout 400 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/kernels tests/cuda/test_cuda_moe.py tests/cuda/test_cuda_step_overlap.py 2>&1 | tee "$OUT/pytest_moe.log" | grep -E "PASSED|FAILED|passed|failed|^E " | tail -14 ;;
+    tests-moe) env $two timeout 560 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/kernels tests/cuda/test_cuda_moe.py tests/cuda/test_cuda_step_overlap.py 2>&1 | tee "$OUT/pytest_moe.log" | grep -E "PASSED|FAILED|passed|failed|^E " | tail -14 ;;
     moe2-short)  # the fastest systems only, beside the HF recipe: HF, torchtitan's best, shardfit EP2 with and without the overlap
       env $two timeout 400 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 380 --only "HF grouped_mm full-AC" "torchtitan no-AC compile EP2" "shardfit no-AC compile EP2" "shardfit no-AC compile EP2 overlap-opt" --out "$OUT/moe2_short_x2.json" 2>&1 | tee "$OUT/moe2_short.log" | grep -v '^{' | tail -9 ;;
     moe2-a2a)  # the dispatch all-to-all overlapped with the own rows (parallel.expert_overlap): one change against the fastest case, HF beside
-      env $two timeout 400 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 380 --variant "a2a=--parallel.expert_overlap=true" --only "HF grouped_mm full-AC" "shardfit no-AC compile EP2 overlap-opt" "shardfit no-AC compile EP2 overlap-opt a2a" --out "$OUT/moe2_a2a_x2.json" 2>&1 | tee "$OUT/moe2_a2a.log" | grep -v '^{' | tail -7 ;;
+      env $two timeout 500 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 480 --variant "a2a=--parallel.expert_overlap=dispatch" --variant "a2a-both=--parallel.expert_overlap=both" --only "HF grouped_mm full-AC" "shardfit no-AC compile EP2 overlap-opt" "shardfit no-AC compile EP2 overlap-opt a2a" "shardfit no-AC compile EP2 overlap-opt a2a-both" --out "$OUT/moe2_a2a_x2.json" 2>&1 | tee "$OUT/moe2_a2a.log" | grep -v '^{' | tail -8 ;;
     moecurve3)  # the plain curve, its noise yardstick and the fastest configuration's, 50 steps each
       env $two timeout 300 python3 benchmarks/bench_train.py --suite moecurve --nproc 2 --timeout 120 --only "plain MoE: eager, full AC" "plain MoE, loss chunk 512 (noise)" "fastest MoE: compiled, no AC, EP 2, overlapped step" --out "$OUT/moecurve3_x2.json" 2>&1 | tail -6 ;;
     hsdp4) timeout 400 python3 benchmarks/bench_train.py --suite hsdp4 --nproc 4 --timeout 180 --out "$OUT/hsdp4_x4.json" 2>&1 | tail -4 ;;

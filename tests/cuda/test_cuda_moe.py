@@ -59,10 +59,12 @@ COMPILED = ["--parallel.compile=true", "--model.max_seq_len=256", "--data.seq_le
     # bf16 grouped GEMM, compiled blocks; rows of 256 tokens: the compiled flex kernel needs >= 128 (attention.py)
     (COMPILED, [], 3e-2),
     # the dispatch launched on NCCL's stream while the own rows run (parallel/expert_overlap.py), fp32 to see it
-    (["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full"], ["--parallel.expert_overlap=true"],
+    (["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full"], ["--parallel.expert_overlap=both"],
      1e-4),
-    (COMPILED, ["--parallel.expert_overlap=true"], 3e-2),
-], ids=["fp32-fullac", "bf16-compile", "fp32-fullac-overlap", "bf16-compile-overlap"])
+    (COMPILED, ["--parallel.expert_overlap=dispatch"], 3e-2),
+    (COMPILED, ["--parallel.expert_overlap=both"], 3e-2),
+], ids=["fp32-fullac", "bf16-compile", "fp32-fullac-overlap-both", "bf16-compile-overlap-dispatch",
+        "bf16-compile-overlap-both"])
 def test_expert_parallel_on_nccl_matches_plain_sharding(tmp_path, extra, ep_extra, tol):
     """EP over 2 GPUs (one expert group per rank: FSDP's group of one divides by the world size as it copies) trains
     as plain FSDP does: same losses and gradient norms (a wrongly scaled expert gradient shows in the norm)."""

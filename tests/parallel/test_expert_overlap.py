@@ -21,16 +21,20 @@ class _Times2(torch.autograd.Function):
 
 
 class _Experts:
-    def __init__(self, log):
-        self.log, self.calls = log, 0
+    """Called in the order own, remote (dispatch) or own A, remote, own B (both)."""
+
+    def __init__(self, log, tags):
+        self.log, self.tags = log, list(tags)
 
     def weight_uses(self, uses):
-        return [("w",)] * uses
+        assert uses == len(self.tags)
+        return [(f"w{i}",) for i in range(uses)]
 
     def __call__(self, xs, counts, weights=None):
-        assert weights == ("w",) and xs.shape[0] == int(counts.sum())
-        self.calls += 1
-        return _Times2.apply(xs, "own" if self.calls == 1 else "remote", self.log)
+        assert xs.shape[0] == int(counts.sum()) and (counts >= 0).all()
+        tag = self.tags.pop(0)
+        self.log.append(f"{tag} uses {weights[0]}")
+        return _Times2.apply(xs, tag, self.log)
 
 
 def _logged(cls, log, name):
@@ -52,16 +56,17 @@ def _logged(cls, log, name):
     return Logged
 
 
-def _exchange(rank, world):
+def _exchange(rank, world, both):
     import torch.distributed as dist
 
     from shardfit.parallel import expert_overlap as eo
 
     log = []
-    eo._LaunchDispatch = _logged(eo._LaunchDispatch, log, "launch")
-    eo._WaitDispatch = _logged(eo._WaitDispatch, log, "wait")
+    for name in ("LaunchDispatch", "WaitDispatch", "LaunchCombine", "WaitCombine"):
+        setattr(eo, f"_{name}", _logged(getattr(eo, f"_{name}"), log, name))
     n_experts, hidden = 4, 3
-    ex = eo.OverlappedExpertExchange(dist.group.WORLD, world, n_experts, rank)
+    kind = eo.FullyOverlappedExpertExchange if both else eo.OverlappedExpertExchange
+    ex = kind(dist.group.WORLD, world, n_experts, rank)
     torch.manual_seed(rank)
     ids = torch.randint(0, n_experts, (10,))
     keys = ex.sort_keys(ids)
@@ -70,7 +75,7 @@ def _exchange(rank, world):
     own = (ids // (n_experts // world) == rank)
     rows = torch.randn(10, hidden, dtype=torch.float64)[order].requires_grad_()
     counts = torch.bincount(ids, minlength=n_experts)
-    out = ex(rows, counts, _Experts(log))
+    out = ex(rows, counts, _Experts(log, ["ownA", "remote", "ownB"] if both else ["own", "remote"]))
     weights = torch.arange(10, dtype=torch.float64)[:, None]
     (out * weights).sum().backward()
     return {"own_first": bool(own[:int(own.sum())].all()), "out": (out - 2 * rows).abs().max().item(),
@@ -78,13 +83,25 @@ def _exchange(rank, world):
 
 
 def test_the_dispatch_is_in_flight_while_the_own_rows_run_forward_and_backward():
-    res = run_ranks(_exchange, 2)
-    for r in res:
+    for r in run_ranks(_exchange, 2, False):
         assert r["own_first"]  # sort_keys puts the own experts' rows at the head
         assert r["out"] == 0 and r["grad"] == 0  # every row went to its expert and back, in place
-        log = r["log"]
-        # forward: launched, the own rows ran, then the wait, then the received rows
-        assert log[:4] == ["launch forward", "own forward", "wait forward", "remote forward"]
-        # backward: the received rows' backward, then the reverse exchange launched (wait's backward), the own rows'
-        # backward while it is in flight, and its wait (launch's backward) last
-        assert log[4:] == ["remote backward", "wait backward", "own backward", "launch backward"]
+        # forward: launched, the own rows ran, then the wait, then the received rows; the combine back to back.
+        # Backward: the combine's reverse waited at once; the received rows' backward, then the dispatch's reverse
+        # launched (wait's backward), the own rows' backward while it is in flight, and its wait (launch's backward)
+        assert r["log"] == [
+            "LaunchDispatch forward", "own uses w0", "own forward", "WaitDispatch forward", "remote uses w1",
+            "remote forward", "LaunchCombine forward", "WaitCombine forward",
+            "WaitCombine backward", "LaunchCombine backward", "remote backward", "WaitDispatch backward",
+            "own backward", "LaunchDispatch backward"]
+
+
+def test_both_exchanges_are_in_flight_while_a_half_of_the_own_rows_runs():
+    for r in run_ranks(_exchange, 2, True):
+        assert r["own_first"] and r["out"] == 0 and r["grad"] == 0
+        # each half of the own rows under one exchange, forward and backward; each use its own weights' output
+        assert r["log"] == [
+            "LaunchDispatch forward", "ownA uses w0", "ownA forward", "WaitDispatch forward", "remote uses w2",
+            "remote forward", "LaunchCombine forward", "ownB uses w1", "ownB forward", "WaitCombine forward",
+            "WaitCombine backward", "ownB backward", "LaunchCombine backward", "remote backward",
+            "WaitDispatch backward", "ownA backward", "LaunchDispatch backward"]

@@ -35,19 +35,20 @@ def _train_ep(rank, world, overrides, run_dir):
     (2, 2, "none", []), (2, 2, "full", []), (4, 2, "selective", []), (4, 4, "full", []),
     # 8 tokens a micro-batch, 16 routed rows over 8 experts: experts with no rows on a rank, every step
     (2, 2, "full", ["--data.seq_len=8", "--train.micro_batch=1"]),
-    # the dispatch overlapped with the own rows (parallel/expert_overlap.py), with recomputation, and with ranks
+    # the exchanges overlapped with the own rows (parallel/expert_overlap.py), with recomputation, and with ranks
     # routing none of their rows to their own experts
-    (2, 2, "selective", ["--parallel.expert_overlap=true"]),
-    (4, 4, "full", ["--parallel.expert_overlap=true", "--data.seq_len=8", "--train.micro_batch=1"]),
-], ids=["2x2-none", "2x2-full", "4x2-selective", "4x4-full", "2x2-full-sparse", "2x2-selective-overlap",
-        "4x4-full-sparse-overlap"])
+    (2, 2, "selective", ["--parallel.expert_overlap=both"]),
+    (4, 4, "full", ["--parallel.expert_overlap=dispatch", "--data.seq_len=8", "--train.micro_batch=1"]),
+], ids=["2x2-none", "2x2-full", "4x2-selective", "4x4-full", "2x2-full-sparse", "2x2-selective-overlap-both",
+        "4x4-full-sparse-overlap-dispatch"])
 def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac, extra):
     overrides = [*MOE, *extra, f"--parallel.expert_parallel={ep}", f"--parallel.activation_checkpoint={ac}"]
     plain = [x for x in overrides if not x.startswith(("--parallel.expert_parallel", "--parallel.expert_overlap"))]
     res = run_ranks(_train_ep, world, overrides, str(tmp_path), timeout=300)
     assert res[0]["routing"] != res[1]["routing"]  # ranks send their tokens to different experts
-    overlap = "--parallel.expert_overlap=true" in extra
-    assert res[0]["exchange"] == ("OverlappedExpertExchange" if overlap else "ExpertExchange")
+    overlap = {"--parallel.expert_overlap=both": "FullyOverlappedExpertExchange",
+               "--parallel.expert_overlap=dispatch": "OverlappedExpertExchange"}
+    assert res[0]["exchange"] == next((overlap[x] for x in extra if x in overlap), "ExpertExchange")
     if "--train.micro_batch=1" in extra:
         assert all(any(0 in load for load in r["routing"]) for r in res)  # empty experts on every rank
     assert all(r["local_rows"] == 8 // world for r in res)  # each rank holds its own slice of the experts

@@ -141,10 +141,11 @@ class ParallelConfig:
                                   "(each holds n_experts/E, tokens exchanged by all-to-all); expert weights are "
                                   "FSDP-sharded over the world/E ranks holding the same experts (E = world: kept "
                                   "out of FSDP); 1: every rank gathers every expert", gt=0)
-    expert_overlap: bool = opt(False, "with expert_parallel = world size: each MoE layer runs this rank's own rows "
-                                      "through its experts while the other rows are in flight (the dispatch "
-                                      "all-to-all, and its reverse in backward, hidden: parallel/expert_overlap.py); "
-                                      "same results as without")
+    expert_overlap: str = opt("none", "with expert_parallel = world size: each MoE layer runs this rank's own rows "
+                                      "through its experts while the other rows are in flight: dispatch hides the "
+                                      "dispatch all-to-all (and its reverse in backward), both also the combine's "
+                                      "(the own rows in two halves); parallel/expert_overlap.py; same results",
+                              choices=("none", "dispatch", "both"))
     sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
     attention: str = opt("auto", "SDPA kernel on CUDA: flash, cudnn, efficient; auto lets PyTorch pick per call",

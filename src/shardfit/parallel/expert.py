@@ -42,7 +42,7 @@ every rank: the graph is the same); selective checkpointing does not save the al
 among its saved ops), so its recomputation runs them again, and their backward (the reverse all-to-alls, _AllToAll)
 runs inside the layer's backward.
 The exchange is left out of torch.compile (data-dependent split sizes): a compiled block breaks its graph around it.
-With parallel.expert_overlap (E = W) step 3's dispatch runs under the rank's own rows: parallel/expert_overlap.py.
+With parallel.expert_overlap (E = W) step 3's exchanges run under the rank's own rows: parallel/expert_overlap.py.
 """
 
 from __future__ import annotations
@@ -64,13 +64,13 @@ from shardfit.parallel.step_overlap import local_tensor
 
 
 def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, offload: str,
-                          overlap: bool = False) -> None:
+                          overlap: str = "none") -> None:
     """Refuse a layout EP cannot run, before any group is built (one line, exit 2)."""
-    if overlap and (ep == 1 or ep != world or replicate > 1 or not _fsdp_ignores_params()):
+    if overlap != "none" and (ep == 1 or ep != world or replicate > 1 or not _fsdp_ignores_params()):
         raise ShardfitError(f"parallel.expert_overlap needs the experts outside FSDP: parallel.expert_parallel equal "
                             f"to the world size ({world}; it is {ep}), no HSDP, torch >= 2.7 (the experts run twice "
                             "a layer, which would gather them twice under FSDP)", where="parallel.expert_overlap",
-                            fix=f"set parallel.expert_parallel={world} or parallel.expert_overlap=false")
+                            fix=f"set parallel.expert_parallel={world} or parallel.expert_overlap=none")
     if ep == 1:
         return
     where = "parallel.expert_parallel"

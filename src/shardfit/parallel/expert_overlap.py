@@ -41,25 +41,30 @@ class _Pending:
 
 
 class _LaunchDispatch(torch.autograd.Function):
-    """xs [N, H] (own rows first) -> (own rows [own, H], a view; received rows [sum(recv), H], still arriving)."""
+    """xs [N, H] (own rows first) -> (the own rows cut in parts of `cuts` rows [c, H] (views), received rows
+    [sum(recv), H], still arriving): the all-to-all of xs[own:] is launched, not waited for (_WaitDispatch waits).
+    Backward: waits for the reverse exchange _WaitDispatch.backward launched into the gradient buffer [N, H] and
+    writes the own parts' gradients into its head."""
 
     @staticmethod
-    def forward(ctx, xs, own, recv, send, group, pending):
-        ctx.own, ctx.pending = own, pending
+    def forward(ctx, xs, cuts, recv, send, group, pending):
+        ctx.cuts, ctx.pending = cuts, pending
+        own = sum(cuts)
         remote = xs.new_empty((sum(recv), xs.shape[1]))
         pending.work = dist.all_to_all_single(remote, xs[own:], recv, send, group=group, async_op=True)
-        return xs[:own], remote
+        return (*xs[:own].split(cuts), remote)
 
     @staticmethod
-    def backward(ctx, grad_own, _placeholder):
+    def backward(ctx, *grads):
         pending = ctx.pending
         full, work = pending.grad, pending.work  # rows own: of full are being written by the reverse exchange
         pending.grad = pending.work = None
         work.wait()
-        if grad_own is None:
-            full[:ctx.own].zero_()
-        else:
-            full[:ctx.own].copy_(grad_own)
+        for part, grad in zip(full[:sum(ctx.cuts)].split(ctx.cuts), grads[:-1]):
+            if grad is None:
+                part.zero_()
+            else:
+                part.copy_(grad)
         return full, None, None, None, None, None
 
 
@@ -84,27 +89,66 @@ class _WaitDispatch(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-class _Combine(torch.autograd.Function):
-    """(own rows' results [own, H], received rows' results in arrival order [sum(recv), H]) -> [N, H] in xs's order:
-    the own results at the head, the others back from their experts' ranks (a synchronous reverse all-to-all)."""
+class _LaunchCombine(torch.autograd.Function):
+    """The received rows' results in arrival order [sum(recv), H] -> the layer's output [N, H], whose rows own: the
+    reverse all-to-all is filling (launched, not waited for: _WaitCombine waits and writes the own rows' results
+    into the head). Backward: waits for _WaitCombine.backward's exchange and returns its buffer."""
 
     @staticmethod
-    def forward(ctx, ys_own, back, recv, send, group):
-        ctx.recv, ctx.send, ctx.group, ctx.own = recv, send, group, ys_own.shape[0]
-        out = back.new_empty((ys_own.shape[0] + sum(send), back.shape[1]))
-        out[:ctx.own].copy_(ys_own)
-        dist.all_to_all_single(out[ctx.own:], back.contiguous(), send, recv, group=group)
+    def forward(ctx, back, rows, own, recv, send, group, pending):
+        ctx.pending = pending
+        out = back.new_empty((rows, back.shape[1]))
+        pending.work = dist.all_to_all_single(out[own:], back.contiguous(), send, recv, group=group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        pending = ctx.pending
+        grad_back, work = pending.grad, pending.work
+        pending.grad = pending.work = None
+        work.wait()
+        return grad_back, None, None, None, None, None, None
+
+
+class _WaitCombine(torch.autograd.Function):
+    """(out [N, H] from _LaunchCombine, the own rows' results in parts) -> out, complete: waits for the exchange and
+    writes the parts into its head. Backward launches the reverse exchange of out's rows own: (their gradient going
+    to the experts' ranks) and returns the parts' gradients while it is in flight."""
+
+    @staticmethod
+    def forward(ctx, out, pending, recv, send, group, *parts):
+        ctx.pending, ctx.recv, ctx.send, ctx.group = pending, recv, send, group
+        ctx.cuts = [p.shape[0] for p in parts]
+        pending.work.wait()
+        pending.work = None
+        for head, part in zip(out[:sum(ctx.cuts)].split(ctx.cuts), parts):
+            head.copy_(part)
+        ctx.mark_dirty(out)
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        own = sum(ctx.cuts)
         grad_back = grad.new_empty((sum(ctx.recv), grad.shape[1]))
-        dist.all_to_all_single(grad_back, grad[ctx.own:].contiguous(), ctx.recv, ctx.send, group=ctx.group)
-        return grad[:ctx.own], grad_back, None, None, None
+        ctx.pending.grad = grad_back
+        ctx.pending.work = dist.all_to_all_single(grad_back, grad[own:].contiguous(), ctx.recv, ctx.send,
+                                                  group=ctx.group, async_op=True)
+        return (grad, None, None, None, None, *grad[:own].split(ctx.cuts))
+
+
+def split_counts(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts [n] rows per expert (sorted rows) -> (per-expert counts of the first `rows` rows, of the rest), on the
+    device: an expert whose rows straddle the cut is in both parts."""
+    first = counts.cumsum(0).clamp(max=rows)
+    first = torch.diff(first, prepend=first.new_zeros(1))
+    return first, counts - first
 
 
 class OverlappedExpertExchange(ExpertExchange):
-    """ExpertExchange whose dispatch overlaps this rank's own rows' expert computation (module docstring)."""
+    """ExpertExchange whose dispatch (and with hide_combine, its combine) overlaps this rank's own rows' expert
+    computation (module docstring)."""
+
+    hide_combine = False
 
     def sort_keys(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T*k] -> sort keys: this rank's experts before every other (ids - n), the rest in expert order."""
@@ -113,17 +157,30 @@ class OverlappedExpertExchange(ExpertExchange):
         return torch.where(own, ids - self.n_experts, ids)
 
     def run(self, xs, received, send, recv, experts):
-        pos = self.position
+        pos, both = self.position, self.hide_combine
         own = send[pos]  # == recv[pos]: the rows this rank routes to itself
         send, recv = list(send), list(recv)
         send[pos] = recv[pos] = 0
-        pending = _Pending()
-        xs_own, remote = _LaunchDispatch.apply(xs, own, recv, send, self.group, pending)
-        w_own, w_remote = experts.weight_uses(2)
-        ys_own = experts(xs_own, received[pos], weights=w_own)  # while the dispatch is in flight
-        remote = _WaitDispatch.apply(remote, pending, recv, send, self.group, xs.shape[0], own)
+        # the own rows' parts: all under the dispatch, or the first half under it and the second under the combine
+        cuts = [own // 2, own - own // 2] if both else [own]
+        counts = split_counts(received[pos], cuts[0]) if both else (received[pos],)
+        weights = experts.weight_uses(len(cuts) + 1)
+        dispatch, combine = _Pending(), _Pending()
+        *parts, remote = _LaunchDispatch.apply(xs, cuts, recv, send, self.group, dispatch)
+        ys = [experts(parts[0], counts[0], weights=weights[0])]  # while the dispatch is in flight
+        remote = _WaitDispatch.apply(remote, dispatch, recv, send, self.group, xs.shape[0], own)
         others = torch.cat([received[:pos], received[pos + 1:]])  # [E-1, n/E] rows from each other peer
         dest = regroup_destinations(others, sum(recv))
         order = inverse_permutation(dest)
-        ys = experts(permute_rows(remote, order, dest), others.sum(0), weights=w_remote)
-        return _Combine.apply(ys_own, permute_rows(ys, dest, order), recv, send, self.group)
+        back = experts(permute_rows(remote, order, dest), others.sum(0), weights=weights[-1])
+        out = _LaunchCombine.apply(permute_rows(back, dest, order), xs.shape[0], own, recv, send, self.group, combine)
+        if both:
+            ys.append(experts(parts[1], counts[1], weights=weights[1]))  # while the combine is in flight
+        return _WaitCombine.apply(out, combine, recv, send, self.group, *ys)
+
+
+class FullyOverlappedExpertExchange(OverlappedExpertExchange):
+    """parallel.expert_overlap=both: the own rows in two halves, the first under the dispatch, the second under the
+    combine (a third grouped GEMM triple a layer: more host time in a forward bound by it; measure)."""
+
+    hide_combine = True

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from shardfit.config.schema import ParallelConfig
 from shardfit.errors import ShardfitError
 from shardfit.parallel.expert import ExpertExchange, apply_expert_parallel, expert_mesh, shard_experts
-from shardfit.parallel.expert_overlap import OverlappedExpertExchange
+from shardfit.parallel.expert_overlap import FullyOverlappedExpertExchange, OverlappedExpertExchange
 from shardfit.parallel.fp8 import apply_fp8
 from shardfit.parallel.offload import check_offload, materialize_offloaded, offload_policy, step_threads
 from shardfit.parallel.ulysses import apply_sequence_parallel
@@ -197,7 +197,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     ep_mesh = None
     if cfg.expert_parallel > 1:
         ep_mesh = expert_mesh(device.type, world_size, cfg.expert_parallel, cfg.replicate)
-        exchange = OverlappedExpertExchange if cfg.expert_overlap else ExpertExchange
+        exchange = {"none": ExpertExchange, "dispatch": OverlappedExpertExchange,
+                    "both": FullyOverlappedExpertExchange}[cfg.expert_overlap]
         apply_expert_parallel(model, ep_mesh, exchange)  # 0
     apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
     if cfg.compile:
