@@ -31,7 +31,8 @@ def test_token_budgets_count_examples_so_any_global_batch_splits():
      "expert_parallel=8 does not divide the HSDP shard group of 4 ranks"),
     (["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_dim=32", "--parallel.expert_parallel=2",
       "--parallel.expert_overlap=dispatch", "--train.global_batch=32"], 4,
-     r"expert_overlap needs the experts outside FSDP: parallel.expert_parallel equal to the world size \(4; it is 2"),
+     r"expert_overlap=dispatch needs the experts outside FSDP: parallel.expert_parallel equal to the world size "
+     r"\(4; it is 2\)"),
 ])
 def test_bad_layouts_are_one_line_before_launch(args, world, needle):
     with pytest.raises(ShardfitError, match=needle) as e:

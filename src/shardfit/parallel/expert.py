@@ -66,11 +66,7 @@ from shardfit.parallel.step_overlap import local_tensor
 def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, offload: str,
                           overlap: str = "none") -> None:
     """Refuse a layout EP cannot run, before any group is built (one line, exit 2)."""
-    if overlap != "none" and (ep == 1 or ep != world or replicate > 1 or not _fsdp_ignores_params()):
-        raise ShardfitError(f"parallel.expert_overlap needs the experts outside FSDP: parallel.expert_parallel equal "
-                            f"to the world size ({world}; it is {ep}), no HSDP, torch >= 2.7 (the experts run twice "
-                            "a layer, which would gather them twice under FSDP)", where="parallel.expert_overlap",
-                            fix=f"set parallel.expert_parallel={world} or parallel.expert_overlap=none")
+    _check_overlap(overlap, ep, world, replicate)
     if ep == 1:
         return
     where = "parallel.expert_parallel"
@@ -90,6 +86,22 @@ def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, o
     if offload != "none":
         raise ShardfitError(f"{where}={ep} does not combine with parallel.offload={offload} yet", where=where,
                             fix="set one of them off")
+
+
+def _check_overlap(overlap: str, ep: int, world: int, replicate: int) -> None:
+    """parallel.expert_overlap runs the experts more than once a layer: only where they are outside FSDP."""
+    if overlap == "none" or (1 < ep == world and replicate == 1 and _fsdp_ignores_params()):
+        return
+    if ep == 1:
+        why = "expert parallelism over every rank of a world of 2 or more (parallel.expert_parallel is 1)"
+    elif ep != world:
+        why = f"parallel.expert_parallel equal to the world size ({world}; it is {ep})"
+    else:
+        why = "no HSDP (parallel.replicate=1)" if replicate > 1 else "torch >= 2.7 (fully_shard's ignored_params)"
+    raise ShardfitError(f"parallel.expert_overlap={overlap} needs the experts outside FSDP: {why}; they run "
+                        "more than once a layer, which under FSDP would gather them each time",
+                        where="parallel.expert_overlap", fix="set parallel.expert_overlap=none" + (
+                            f" or parallel.expert_parallel={world}" if world > 1 and ep != world else ""))
 
 
 class _ComputeCast(torch.autograd.Function):
