@@ -40,6 +40,7 @@
 #   tests-split  pytest -m cuda file by file (240 s cap each), the log under $OUT as it runs: a call of its own
 #   moeprof    bench_moe's EP2 compiled case with step 8 under torch.profiler (2 GPUs): kernel time by kind, the idle
 #              time split (late launches by host context, waits on other streams), the trace kept under $OUT
+#   tests-a2a  the CUDA cases of parallel.expert_overlap alone (2 GPUs: fp32 full AC, bf16 compiled, both modes)
 #   tests-overlap  the CUDA test of parallel.overlap_optimizer alone (2 GPUs, ~2 min), before moe2 measures it
 #   offload8b-cap80  the same on GPU 0 of nvidia-h200-x2 (256 GiB host), GPU memory capped at an H100's 79.1 GiB
 # Issue 15, mixture of experts (bench_moe.py: shardfit against benchmarks/anchor_hf_qwen3moe.py, the HF FSDP2 recipe,
@@ -142,7 +143,7 @@ for stage in "$@"; do
       IFS=';' read -ra vs <<< "${MOE_VARIANTS:-prefetch1=--parallel.prefetch=1}"; va=(); for v in "${vs[@]}"; do va+=(--variant "$v"); done
       base="shardfit no-AC compile EP2"; labels=("HF grouped_mm full-AC" "$base" "$base overlap-opt"); for v in "${vs[@]}"; do labels+=("$base overlap-opt ${v%%=*}"); done
       env $two timeout 560 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 540 "${va[@]}" --only "${labels[@]}" --out "$OUT/moesweep_x2.json" 2>&1 | tee "$OUT/moesweep.log" | grep -v '^{' | tail -9 ;;
-    tests-moe) env $two timeout 560 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/kernels tests/cuda/test_cuda_moe.py tests/cuda/test_cuda_step_overlap.py 2>&1 | tee "$OUT/pytest_moe.log" | grep -E "PASSED|FAILED|passed|failed|^E " | tail -14 ;;
+    tests-moe) env $two timeout 400 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/kernels tests/cuda/test_cuda_moe.py tests/cuda/test_cuda_step_overlap.py 2>&1 | tee "$OUT/pytest_moe.log" | grep -E "PASSED|FAILED|passed|failed|^E " | tail -14 ;;
     moe2-short)  # the fastest systems only, beside the HF recipe: HF, torchtitan's best, shardfit EP2 with and without the overlap
       env $two timeout 400 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 380 --only "HF grouped_mm full-AC" "torchtitan no-AC compile EP2" "shardfit no-AC compile EP2" "shardfit no-AC compile EP2 overlap-opt" --out "$OUT/moe2_short_x2.json" 2>&1 | tee "$OUT/moe2_short.log" | grep -v '^{' | tail -9 ;;
     moe2-a2a)  # the dispatch all-to-all overlapped with the own rows (parallel.expert_overlap): one change against the fastest case, HF beside
@@ -156,6 +157,7 @@ for stage in "$@"; do
     moecurve) env $two timeout 560 python3 benchmarks/bench_train.py --suite moecurve --nproc 2 --timeout 200 --out "$OUT/moecurve_x2.json" 2>&1 | tail -9 ;;
     tests-split)  # the CUDA suite file by file, each under its own cap, the whole log kept (call it alone)
       for f in tests/cuda/test_*.py; do env $two timeout 240 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider "$f" 2>&1 | tee -a "$OUT/pytest_cuda.log" | tail -3; done ;;
+    tests-a2a) env $two timeout 400 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_moe.py -k overlap 2>&1 | tee "$OUT/pytest_a2a.log" | grep -E "PASSED|FAILED|passed|failed|^E " | tail -12 ;;
     tests-overlap) env $two timeout 240 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_step_overlap.py 2>&1 | tee "$OUT/pytest_overlap.log" | grep -E "PASSED|FAILED|passed|failed|^E " | tail -12 ;;
     moeprof)  # shardfit's fastest MoE case (moe2's EP2 compiled) with step 8 profiled; summary JSON to $OUT
       python3 -c "import sys, argparse; sys.path.insert(0, 'benchmarks'); import bench_moe; bench_moe.ensure_data(argparse.Namespace(tokens='uniform', assets='/tmp/ttassets', dry_run=False))"
