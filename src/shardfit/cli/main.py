@@ -330,8 +330,8 @@ def entry() -> None:
     """The console script and `python -m shardfit`: main(), then the exit.
 
     A process that trained leaves with os._exit once its output is flushed. After training, the gloo process group
-    outlives destroy_process_group (held from C++ inside torch: the trainer and model are collected by then), so
-    its worker threads are still running when the interpreter finalizes. A worker that then drops the last
+    outlives destroy_process_group (fully_shard keeps it alive out of Python's reach: reproduced with torch alone,
+    benchmarks/NOTES.md, session 10), so its worker threads are still running when the interpreter finalizes. A worker that then drops the last
     reference to a collective's tensor (a finished barrier holds the all-gather before it) needs the GIL, which a
     finalizing interpreter answers with pthread_exit: a C++ 'terminate called without an active exception' abort
     (SIGABRT) after a run that had finished (core dump, session 10: 1 run in 180 of 2-process CPU training, three
