@@ -331,12 +331,12 @@ def entry() -> None:
 
     A process that trained leaves with os._exit once its output is flushed. After training, the gloo process group
     outlives destroy_process_group (fully_shard keeps it alive out of Python's reach: reproduced with torch alone,
-    benchmarks/NOTES.md, session 10), so its worker threads are still running when the interpreter finalizes. A worker that then drops the last
-    reference to a collective's tensor (a finished barrier holds the all-gather before it) needs the GIL, which a
-    finalizing interpreter answers with pthread_exit: a C++ 'terminate called without an active exception' abort
-    (SIGABRT) after a run that had finished (core dump, session 10: 1 run in 180 of 2-process CPU training, three
-    at a time on 2 cores). Everything the run writes is written and renamed by then: skipping finalization loses
-    nothing (metrics, W&B and TensorBoard are closed by the trainer).
+    benchmarks/NOTES.md, session 10), so its worker threads are still running when the interpreter finalizes. A
+    worker that then drops the last reference to a collective's tensor (a finished barrier holds the all-gather
+    before it) needs the GIL, which a finalizing interpreter answers with pthread_exit: a C++ 'terminate called
+    without an active exception' abort (SIGABRT) after a run that had finished (core dump, session 10: 1 run in 180
+    of 2-process CPU training, three at a time on 2 cores). Everything the run writes is written and renamed by
+    then: skipping finalization loses nothing (metrics, W&B and TensorBoard are closed by the trainer).
     """
     rc = main()
     if _TRAINED_HERE:
