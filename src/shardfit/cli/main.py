@@ -22,6 +22,9 @@ Ready-made configs: shardfit recipes. Defaults below are those of the model on t
 Every key (TOML table [section], or --section.key=value on the command line):
 """
 
+# Set once this process has trained: `entry` then ends it without interpreter finalization (see there).
+_TRAINED_HERE = False
+
 
 def _train(argv: list[str]) -> int:
     from shardfit.config.loader import config_help
@@ -61,10 +64,6 @@ def _train(argv: list[str]) -> int:
         shutdown_distributed()
         _TRAINED_HERE = True
     return 0
-
-
-# Set once this process has trained: `entry` then ends it without interpreter finalization (see there).
-_TRAINED_HERE = False
 
 
 def _doctor(argv: list[str]) -> int:

@@ -154,8 +154,9 @@ def expert_parallel_degree(cfg: Config, world: int, gpus_per_node: int) -> int:
     (world / parallel.replicate: EP groups live inside a replica), at most one node (the all-to-alls stay on its
     links); 1 for a dense model."""
     n, group = cfg.model.n_experts, world // cfg.parallel.replicate
-    return max((e for e in range(1, min(group, gpus_per_node) + 1) if n % e == 0 and group % e == 0), default=1) \
-        if n else 1
+    if not n:
+        return 1
+    return max(e for e in range(1, min(group, gpus_per_node) + 1) if n % e == 0 and group % e == 0)
 
 
 def _gpu_counts(world: int):

@@ -90,7 +90,7 @@ def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, o
 
 def _check_overlap(overlap: str, ep: int, world: int, replicate: int) -> None:
     """parallel.expert_overlap runs the experts more than once a layer: only where they are outside FSDP."""
-    if overlap == "none" or (1 < ep == world and replicate == 1 and _fsdp_ignores_params()):
+    if overlap == "none" or (experts_outside_fsdp(ep, world) and replicate == 1):
         return
     if ep == 1:
         why = "expert parallelism over every rank of a world of 2 or more (parallel.expert_parallel is 1)"
@@ -122,10 +122,8 @@ class _ComputeCast(torch.autograd.Function):
         # parameter objects are swapped when the model is materialized (to_empty), after parallelize shards them
         param.free_grad = True
         w = local_tensor(param)
-        if uses == 1:
-            return w.to(dtype) if w.dtype != dtype else w.view_as(w)
-        w = w.to(dtype) if w.dtype != dtype else w
-        return tuple(w.view_as(w) for _ in range(uses))
+        w = w.to(dtype) if w.dtype != dtype else w.view_as(w)
+        return w if uses == 1 else tuple(w.view_as(w) for _ in range(uses))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -210,11 +208,17 @@ class ExpertExchange:
     def run(self, xs, received, send, recv, experts):
         # 3. rows out, ordered (source peer, local expert) on arrival; regrouped by local expert for the GEMM
         rows = _AllToAll.apply(xs, recv, send, self.group)  # [M, H]
-        dest = regroup_destinations(received, sum(recv))  # arrival row -> its row in local-expert order
-        order = inverse_permutation(dest)
-        ys = experts(permute_rows(rows, order, dest), received.sum(0))  # FSDP's hooks (efsdp gather) run here
-        back = permute_rows(ys, dest, order)  # arrival order again
+        back = run_arrived(experts, rows, received)  # FSDP's hooks (efsdp gather) run here
         return _AllToAll.apply(back, send, recv, self.group)  # [N, H], the rows' original order
+
+
+def run_arrived(experts: nn.Module, rows: torch.Tensor, received: torch.Tensor, weights=None) -> torch.Tensor:
+    """rows [M, H] as they arrived (ordered peer, then local expert), received [P, n/E] their counts -> the experts'
+    results [M, H] in the same order: regrouped by local expert for the GEMMs, then put back."""
+    dest = regroup_destinations(received, rows.shape[0])  # arrival row -> its row in local-expert order
+    order = inverse_permutation(dest)
+    ys = experts(permute_rows(rows, order, dest), received.sum(0), weights=weights)
+    return permute_rows(ys, dest, order)  # arrival order again
 
 
 def regroup_destinations(received: torch.Tensor, rows: int) -> torch.Tensor:

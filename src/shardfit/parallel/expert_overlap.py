@@ -29,8 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardfit.models.moe import inverse_permutation, permute_rows
-from shardfit.parallel.expert import ExpertExchange, regroup_destinations
+from shardfit.parallel.expert import ExpertExchange, run_arrived
 
 
 class _Pending:
@@ -41,6 +40,14 @@ class _Pending:
 
     def __init__(self):
         self.work = self.grad = None
+
+    def wait(self) -> torch.Tensor | None:
+        """Wait for the launched exchange (the compute stream waits on CUDA); returns the buffer it wrote into when
+        it is a backward's reverse exchange, and forgets both."""
+        work, grad = self.work, self.grad
+        self.work = self.grad = None
+        work.wait()
+        return grad
 
 
 class _LaunchDispatch(torch.autograd.Function):
@@ -59,10 +66,7 @@ class _LaunchDispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        pending = ctx.pending
-        full, work = pending.grad, pending.work  # rows own: of full are being written by the reverse exchange
-        pending.grad = pending.work = None
-        work.wait()
+        full = ctx.pending.wait()  # rows own: written by the reverse exchange
         for part, grad in zip(full[:sum(ctx.cuts)].split(ctx.cuts), grads[:-1]):
             if grad is None:
                 part.zero_()
@@ -78,8 +82,7 @@ class _WaitDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, remote, pending, recv, send, group, rows, own):
         ctx.pending, ctx.recv, ctx.send, ctx.group, ctx.rows, ctx.own = pending, recv, send, group, rows, own
-        pending.work.wait()
-        pending.work = None
+        pending.wait()
         return remote.view_as(remote)
 
     @staticmethod
@@ -106,11 +109,7 @@ class _LaunchCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _placeholder):
-        pending = ctx.pending
-        grad_back, work = pending.grad, pending.work
-        pending.grad = pending.work = None
-        work.wait()
-        return grad_back, None, None, None, None, None, None
+        return ctx.pending.wait(), None, None, None, None, None, None
 
 
 class _WaitCombine(torch.autograd.Function):
@@ -122,8 +121,7 @@ class _WaitCombine(torch.autograd.Function):
     def forward(ctx, out, pending, recv, send, group, *parts):
         ctx.pending, ctx.recv, ctx.send, ctx.group = pending, recv, send, group
         ctx.cuts = [p.shape[0] for p in parts]
-        pending.work.wait()
-        pending.work = None
+        pending.wait()
         for head, part in zip(out[:sum(ctx.cuts)].split(ctx.cuts), parts):
             head.copy_(part)
         ctx.mark_dirty(out)
@@ -173,10 +171,8 @@ class OverlappedExpertExchange(ExpertExchange):
         ys = [experts(parts[0], counts[0], weights=weights[0])]  # while the dispatch is in flight
         remote = _WaitDispatch.apply(remote, dispatch, recv, send, self.group, xs.shape[0], own)
         others = torch.cat([received[:pos], received[pos + 1:]])  # [E-1, n/E] rows from each other peer
-        dest = regroup_destinations(others, sum(recv))
-        order = inverse_permutation(dest)
-        back = experts(permute_rows(remote, order, dest), others.sum(0), weights=weights[-1])
-        out = _LaunchCombine.apply(permute_rows(back, dest, order), xs.shape[0], own, recv, send, self.group, combine)
+        back = run_arrived(experts, remote, others, weights[-1])
+        out = _LaunchCombine.apply(back, xs.shape[0], own, recv, send, self.group, combine)
         if both:
             ys.append(experts(parts[1], counts[1], weights=weights[1]))  # while the combine is in flight
         return _WaitCombine.apply(out, combine, recv, send, self.group, *ys)
