@@ -60,6 +60,8 @@
 #            shards, not their size). Cases: HF, shardfit compile, torchtitan compile, shardfit EP 4 and 2, torchtitan
 #            EP 2, shardfit eager; what the 525 s budget holds (~130 s a compiled case)
 #   tests1   the CUDA suite on one GPU (the cases needing 2 or 4 skip), under a 180 s cap, the log kept
+#   tests-a2a1  one GPU: the overlapped exchange with two ranks on cuda:0 over gloo (NCCL takes one rank a GPU)
+#   tests1b  one GPU: the CUDA files tests1's cap did not reach (training, varlen)
 #   moe1     1 GPU, 6 of the 48 layers (the states fit one H200 without checkpointing): the HF recipe, shardfit
 #            compiled with and without the overlapped step, torchtitan compiled; no exchange of any kind (~300 s)
 #   moe2-a2a  2 GPUs, 12 layers: the fastest case (compiled, EP 2, overlapped step) without and with
@@ -150,6 +152,8 @@ for stage in "$@"; do
     moe2-short)  # the fastest systems only, beside the HF recipe: HF, torchtitan's best, shardfit EP2 with and without the overlap
       env $two timeout 400 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 380 --only "HF grouped_mm full-AC" "torchtitan no-AC compile EP2" "shardfit no-AC compile EP2" "shardfit no-AC compile EP2 overlap-opt" --out "$OUT/moe2_short_x2.json" 2>&1 | tee "$OUT/moe2_short.log" | grep -v '^{' | tail -9 ;;
     tests1) env CUDA_VISIBLE_DEVICES=0 timeout 180 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/kernels tests/cuda 2>&1 | tee "$OUT/pytest_cuda1.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -30 ;;
+    tests-a2a1) env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_moe.py -k one_gpu 2>&1 | tee "$OUT/pytest_a2a1.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12 ;;
+    tests1b) env CUDA_VISIBLE_DEVICES=0 timeout 250 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_training.py tests/cuda/test_cuda_varlen.py 2>&1 | tee "$OUT/pytest_cuda1b.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -16 ;;
     moe1) env CUDA_VISIBLE_DEVICES=0 timeout 360 python3 benchmarks/bench_moe.py --nproc 1 --layers 6 --budget 345 --only "HF grouped_mm full-AC" "shardfit no-AC compile" "shardfit no-AC compile overlap-opt" "torchtitan no-AC compile" --out "$OUT/moe1_x1.json" 2>&1 | tee "$OUT/moe1.log" | grep -v '^{' | tail -8 ;;
     moe2-a2a)  # the dispatch all-to-all overlapped with the own rows (parallel.expert_overlap): one change against the fastest case, HF beside
       env $two timeout 500 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 480 --variant "a2a=--parallel.expert_overlap=dispatch" --variant "a2a-both=--parallel.expert_overlap=both" --only "HF grouped_mm full-AC" "shardfit no-AC compile EP2 overlap-opt" "shardfit no-AC compile EP2 overlap-opt a2a" "shardfit no-AC compile EP2 overlap-opt a2a-both" --out "$OUT/moe2_a2a_x2.json" 2>&1 | tee "$OUT/moe2_a2a.log" | grep -v '^{' | tail -8 ;;

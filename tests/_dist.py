@@ -16,7 +16,12 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world: int, store: str, out_dir: str, fn, args, backend: str):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    # "gloo-one-gpu": every rank on cuda:0 over gloo (NCCL refuses two ranks on one GPU): the multi-rank CUDA code
+    # paths (streams, async collectives, compile) on a machine with one GPU; no figure from it means anything.
+    one_gpu = backend == "gloo-one-gpu"
+    backend = "gloo" if one_gpu else backend
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if one_gpu else str(rank),
+                      OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     kwargs = {}
     if backend == "nccl":
@@ -43,7 +48,8 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn, args, backend: s
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
-    """fn(rank, world, *args) -> JSON-able, on `world` processes (gloo, or NCCL one GPU each); results by rank."""
+    """fn(rank, world, *args) -> JSON-able, on `world` processes (gloo; NCCL one GPU each; or "gloo-one-gpu": every
+    rank on cuda:0 over gloo); results by rank."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         ctx = mp.start_processes(_entry, args=(world, store, tmp, fn, args, backend), nprocs=world, join=False,

@@ -79,6 +79,28 @@ def test_expert_parallel_on_nccl_matches_plain_sharding(tmp_path, extra, ep_extr
         torch.testing.assert_close(torch.tensor(ep[0][key]), torch.tensor(plain[0][key]), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("extra,overlap,tol", [
+    (["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full"], "both", 1e-4),
+    (COMPILED, "dispatch", 3e-2),
+    (COMPILED, "both", 3e-2),
+], ids=["fp32-fullac-both", "bf16-compile-dispatch", "bf16-compile-both"])
+def test_expert_overlap_two_ranks_on_one_gpu_over_gloo(tmp_path, extra, overlap, tol):
+    """The overlapped exchange's CUDA path where only one GPU is lent: two ranks on cuda:0 over gloo (its CUDA
+    all-to-all copies through the host on its own stream; wait() makes the compute stream wait) against the plain
+    exchange on the same two ranks: same losses and gradient norms. Streams, the async launch,
+    and compile around the exchange run as under NCCL; NCCL's own stream does not."""
+    from tests._dist import run_ranks
+
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a GPU")
+    ep = [*extra, "--parallel.expert_parallel=2"]
+    plain = run_ranks(_train_moe, 2, ep, str(tmp_path / "plain"), backend="gloo-one-gpu")
+    over = run_ranks(_train_moe, 2, [*ep, f"--parallel.expert_overlap={overlap}"], str(tmp_path / "over"),
+                     backend="gloo-one-gpu")
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(over[0][key]), torch.tensor(plain[0][key]), rtol=tol, atol=tol)
+
+
 def test_expert_parallel_inside_hsdp_on_nccl_matches_plain_sharding(tmp_path):
     """Multi-node MoE's layout on 4 GPUs: 2 HSDP replicas, EP 2 inside each (experts HSDP-sharded over
     (replicate, efsdp)), against plain FSDP over the 4: same losses and gradient norms."""
