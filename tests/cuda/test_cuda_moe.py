@@ -101,6 +101,20 @@ def test_expert_overlap_two_ranks_on_one_gpu_over_gloo(tmp_path, extra, overlap,
         torch.testing.assert_close(torch.tensor(over[0][key]), torch.tensor(plain[0][key]), rtol=tol, atol=tol)
 
 
+def test_one_gpu_experts_outside_fsdp_match_two_ranks_of_plain_fsdp(tmp_path):
+    """One GPU, one rank: the experts out of FSDP (LocalExperts: the cast in the computation, the gradient written
+    by kernels/scaled_accumulate, the block's compiled graph broken around them), bf16 compiled, against plain FSDP
+    over two ranks on the same GPU (gloo), whose experts are gathered and reduce-scattered: same losses and norms."""
+    from tests._dist import run_ranks
+
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a GPU")
+    one = run_ranks(_train_moe, 1, COMPILED, str(tmp_path / "one"), backend="gloo-one-gpu")
+    two = run_ranks(_train_moe, 2, COMPILED, str(tmp_path / "two"), backend="gloo-one-gpu")
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(one[0][key]), torch.tensor(two[0][key]), rtol=3e-2, atol=3e-2)
+
+
 def test_expert_parallel_inside_hsdp_on_nccl_matches_plain_sharding(tmp_path):
     """Multi-node MoE's layout on 4 GPUs: 2 HSDP replicas, EP 2 inside each (experts HSDP-sharded over
     (replicate, efsdp)), against plain FSDP over the 4: same losses and gradient norms."""

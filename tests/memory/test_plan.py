@@ -241,8 +241,8 @@ def test_compiled_moe_block_recomputes_only_silu_and_expert_parallel_runs_its_ex
     assert saved("--parallel.expert_parallel=2") == eager  # eager either way
     # traced at micro-batch 1 and 2 and extended linearly, as dense blocks are: a direct trace at 3 agrees
     m = load_config(None, MOE).model
-    first, per_sequence = _compiled_line(tuple(dataclasses.asdict(m).items()), 128, torch.bfloat16, 0, ep=1)
-    assert plan_moe.compiled_saved_bytes(*_meta_block(m, 0, 3, 128, torch.bfloat16, ep=1)) == first + 2 * per_sequence
+    first, per_sequence = _compiled_line(tuple(dataclasses.asdict(m).items()), 128, torch.bfloat16, 0, moe=True)
+    assert plan_moe.compiled_saved_bytes(*_meta_block(m, 0, 3, 128, torch.bfloat16)) == first + 2 * per_sequence
 
 
 def test_moe_trace_leaves_no_trace_behind():
@@ -286,6 +286,26 @@ def test_expert_parallel_gathers_a_ranks_experts_and_counts_the_exchange():
     assert block_activation_bytes(two, 2)["exchange"] == 3 * (2 * 128 * 2) * m.dim * 2
     offloaded = load_config(None, [*MOE, "--parallel.expert_parallel=2", "--parallel.offload=all"])
     assert estimate(offloaded, 2, 2).host > 0 and not accepted(offloaded, 2)
+
+
+def test_one_rank_holds_its_cast_experts_and_compiles_around_them():
+    """A world of one keeps its experts out of FSDP (parallel/expert.py, LocalExperts): an unrecomputed block holds
+    its bf16 cast of every expert until its backward, and a compiled block breaks around the experts as under EP
+    (SiLU(g) and the routing weights saved). With offload=all FSDP keeps them: neither."""
+    from shardfit.memory.plan import block_activation_bytes
+    from shardfit.parallel.expert import experts_outside_fsdp
+
+    if not experts_outside_fsdp(1, 1):
+        pytest.skip("experts stay in FSDP before torch 2.7")
+    plain, compiled = (load_config(None, [*MOE, *extra]) for extra in ([], ["--parallel.compile=true"]))
+    experts = 3 * 8 * 64 * plain.model.dim  # per block
+    held = estimate(plain, 1, 2).activations - estimate(plain, 2, 2).activations
+    assert held == plain.model.n_layers * 2 * experts
+    ep2 = load_config(None, [*MOE, "--parallel.compile=true", "--parallel.expert_parallel=2"])
+    assert block_activation_bytes(compiled, 2, world=1)["none"] == block_activation_bytes(ep2, 2)["none"]
+    assert block_activation_bytes(compiled, 2, world=2)["none"] < block_activation_bytes(compiled, 2, world=1)["none"]
+    offloaded = load_config(None, [*MOE, "--parallel.compile=true", "--parallel.offload=all"])
+    assert block_activation_bytes(offloaded, 2, world=1) == block_activation_bytes(compiled, 2, world=2)
 
 
 def test_expert_gradients_outside_fsdp_and_unsharded_accumulation():

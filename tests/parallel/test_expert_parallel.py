@@ -65,6 +65,24 @@ def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac, extra):
         torch.testing.assert_close(torch.tensor(v), torch.tensor(one[0]["state"][k]), rtol=1e-4, atol=1e-4, msg=k)
 
 
+@pytest.mark.skipif(not experts_outside_fsdp(1, 1), reason="experts stay in FSDP before torch 2.7")
+def test_one_rank_runs_its_experts_outside_fsdp_as_two_ranks_train_them_inside(tmp_path):
+    """A world of one keeps its experts out of FSDP (LocalExperts: cast by the computation, gradients written fresh
+    every step) and trains the weights that 2 ranks of plain FSDP (experts gathered and reduce-scattered) train;
+    with parallel.offload the experts stay in FSDP (its policy moves their shards to the host)."""
+    overrides = [*MOE, "--parallel.activation_checkpoint=selective"]
+    one = run_ranks(_train_ep, 1, overrides, str(tmp_path / "one"))[0]
+    two = run_ranks(_train_ep, 2, overrides, str(tmp_path / "two"))[0]
+    # (exchange, experts held, gradients kept): FSDP's shard of 2 ranks holds 4 of the 8 experts' rows
+    assert (one["exchange"], one["local_rows"], one["kept_grads"]["experts"]) == ("LocalExperts", 8, False)
+    assert (two["exchange"], two["local_rows"], two["kept_grads"]["experts"]) == ("NoneType", 4, True)
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(one[key]), torch.tensor(two[key]), rtol=1e-5, atol=1e-5)
+    for k, v in two["state"].items():
+        torch.testing.assert_close(torch.tensor(one["state"][k]), torch.tensor(v), rtol=1e-4, atol=1e-4, msg=k)
+    assert not experts_outside_fsdp(1, 1, "all")
+
+
 RESUME = [*MOE, "--train.steps=6", "--parallel.activation_checkpoint=full", "--checkpoint.export_dtype=float32"]
 
 

@@ -90,7 +90,7 @@ def _compiled_saved_bytes(block: torch.nn.Module, *inputs: torch.Tensor) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _compiled_line(model: tuple, S: int, dtype: torch.dtype, layer: int, fp8: str = "none",
-                   ep: int = 0) -> tuple[int, int]:
+                   moe: bool = False, eager_experts: bool = False) -> tuple[int, int]:
     """(bytes at micro-batch 1, bytes per further sequence) a compiled dense block saves, for the model config given
     as a tuple of its fields. Every saved tensor is [B, ...] except two RNG scalars of the attention (24 bytes), so
     the count is linear in B: traced once at micro-batch 1 and 2 per shape, not once per candidate micro-batch and
@@ -101,17 +101,17 @@ def _compiled_line(model: tuple, S: int, dtype: torch.dtype, layer: int, fp8: st
     counted. The casts of the weights are the traced graph's one other constant part, and they are not held from
     forward to backward in a run: FSDP gathers the weights again for backward (with FP8 all-gather, already cast).
     Measured on 2 x H200 at micro-batch 4 (tests/memory/test_plan.py): tensorwise 106.5 GiB, rowwise 103.2 GiB; with
-    that part dropped the plan is within 2.5% of both, with it rowwise would be 8% high. ep > 0: an MoE block of
-    that expert-parallel degree, traced as the GPU compiles it, graph breaks included (plan_moe)."""
+    that part dropped the plan is within 2.5% of both, with it rowwise would be 8% high. moe: an MoE block, traced
+    as the GPU compiles it, graph breaks included (eager_experts: its experts outside the graph; plan_moe)."""
     m = ModelConfig(**dict(model))
-    count = plan_moe.compiled_saved_bytes if ep else _compiled_saved_bytes
-    first, second = (count(*_meta_block(m, layer, b, S, dtype, fp8, ep)) for b in (1, 2))
+    count = plan_moe.compiled_saved_bytes if moe else _compiled_saved_bytes
+    first, second = (count(*_meta_block(m, layer, b, S, dtype, fp8, eager_experts)) for b in (1, 2))
     per_sequence = second - first
     return (per_sequence if fp8 != "none" else first), per_sequence
 
 
 def _meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torch.dtype, fp8: str = "none",
-                ep: int = 1):
+                eager_experts: bool = False):
     """One decoder block on the meta device, with the flash attention core (and an MoE layer's CUDA expert path:
     plan_moe.meta_moe), its chosen linear layers FP8 if asked, and its inputs: (block, x [b, S, D], cos, sin)."""
     from shardfit.models.decoder import DecoderBlock, is_moe_layer
@@ -126,7 +126,7 @@ def _meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: tor
     apply_fp8(block, ParallelConfig(fp8=fp8, fp8_all_gather=False), "cuda", None, prefix=f"model.layers.{layer}.")
     block.self_attn.core = _flash_core
     if is_moe_layer(m, layer):
-        plan_moe.meta_moe(block.mlp, ep)
+        plan_moe.meta_moe(block.mlp, eager_experts)
     return block, x, cos, sin
 
 
@@ -150,12 +150,12 @@ def _compute_dtype(par: ParallelConfig) -> torch.dtype:
     return torch.bfloat16 if par.param_dtype in ("auto", "bfloat16") else torch.float32
 
 
-def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0) -> dict[str, int]:
-    """Bytes one block keeps for backward per checkpointing mode, for micro_batch sequences on one rank."""
-    dtype = _compute_dtype(cfg.parallel)
-    S = cfg.data.seq_len // cfg.parallel.sequence_parallel  # Ulysses: each rank keeps S/P tokens
-    return dict(_block_bytes(_key(cfg.model), micro_batch, S, dtype, layer, cfg.parallel.compile, cfg.parallel.fp8,
-                             cfg.parallel.expert_parallel))
+def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0, world: int = 0) -> dict[str, int]:
+    """Bytes one block keeps for backward per checkpointing mode, for micro_batch sequences on one rank of `world`
+    (it matters only for a world of one, whose experts run outside the compiled graph: parallel/expert.py)."""
+    par, S = cfg.parallel, cfg.data.seq_len // cfg.parallel.sequence_parallel  # Ulysses: each rank keeps S/P tokens
+    return dict(_block_bytes(_key(cfg.model), micro_batch, S, _compute_dtype(par), layer, par.compile, par.fp8,
+                             par.expert_parallel, plan_moe.eager_experts(par, world)))
 
 
 def _key(m: ModelConfig) -> tuple:
@@ -165,18 +165,17 @@ def _key(m: ModelConfig) -> tuple:
 
 @functools.lru_cache(maxsize=512)
 def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, layer: int, compile: bool,
-                 fp8: str, ep: int = 1) -> tuple[tuple[str, int], ...]:
-    """block_activation_bytes, cached: it does not depend on the world size, the sharding or the offload (EP: its
-    degree only), so the proposals' many layouts (shardfit plan --propose) trace each (micro-batch, tokens) once."""
+                 fp8: str, ep: int = 1, eager_experts: bool = False) -> tuple[tuple[str, int], ...]:
+    """block_activation_bytes, cached (the sharding and offload change nothing here): `plan --propose` traces once."""
     from shardfit.models.decoder import is_moe_layer
     from shardfit.parallel.parallelize import _SAVE_OPS
 
     m = ModelConfig(**dict(model))
     moe = is_moe_layer(m, layer)
-    block, x, cos, sin = _meta_block(m, layer, micro_batch, S, dtype, ep=ep)
+    block, x, cos, sin = _meta_block(m, layer, micro_batch, S, dtype, eager_experts=eager_experts)
     compiled = None  # compiled blocks: what the partitioner saves (MoE: graph by graph, plan_moe)
     if compile:
-        first, per_sequence = _compiled_line(model, S, dtype, layer, fp8, ep if moe else 0)
+        first, per_sequence = _compiled_line(model, S, dtype, layer, fp8, moe, eager_experts and moe)
         compiled = first + per_sequence * (micro_batch - 1)
     saved_ops = _SavedOps(_SAVE_OPS)
     with plan_moe.saved_storages(block) as seen, saved_ops:
@@ -273,7 +272,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # experts outside FSDP (E = W) free their gradients after every step whatever keep says (step_overlap.zero_grads)
     # and the backward writes them again as it frees the activations: added below, never idle in FSDP's pool
     experts = plan_moe.expert_params(_meta_model(_key(m)))
-    fresh = 4 * plan_moe.outside_fsdp_params(experts, par.expert_parallel, world)
+    fresh = 4 * plan_moe.outside_fsdp_params(experts, par.expert_parallel, world, par.offload)
     grads, idle_cache = (sharded_grads - fresh, 0) if keep else (0, sharded_grads - fresh)  # freed: cached (fits)
     unsharded = 0
     accumulating = cfg.train.global_batch > micro_batch * (world // par.sequence_parallel)
@@ -302,13 +301,13 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     mode = par.activation_checkpoint
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
     per_block = {k: block_activation_bytes(cfg, micro_batch, layer=next(
-        i for i in range(m.n_layers) if is_moe_layer(m, i) == k)) for k in kinds}
+        i for i in range(m.n_layers) if is_moe_layer(m, i) == k), world=world) for k in kinds}
     acts = 0
     for i in range(m.n_layers):
         b = per_block[is_moe_layer(m, i)]
         checkpointed = mode == "selective" or (mode == "full" and i % par.ac_every == 0)
         acts += b[mode] if checkpointed else b["none"] + plan_moe.held_expert_bytes(
-            experts[i], par.expert_parallel, world, _compute_dtype(par).itemsize)
+            experts[i], par.expert_parallel, world, _compute_dtype(par).itemsize, par.offload)
     # fresh expert gradients replace activations in backward (the larger counts), or stay between micro-batches
     grads += fresh if accumulating else max(0, fresh - acts)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel

@@ -42,17 +42,26 @@ import types
 import torch
 
 
+def eager_experts(par, world: int) -> bool:
+    """Whether a GPU run keeps the experts out of its compiled graphs: under expert parallelism (the exchange), and
+    on one rank with the experts outside FSDP (LocalExperts: parallel/expert.py); world 0: not known, not one."""
+    from shardfit.parallel.expert import experts_outside_fsdp
+
+    return par.expert_parallel > 1 or (world == 1 and experts_outside_fsdp(1, 1, par.offload))
+
+
 def _grouped_experts(xs: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
     """Experts.forward's CUDA path (the meta device cannot take its is_cuda branch): xs [N, H] sorted by expert,
     counts [n] -> [N, H]."""
     return experts.run_grouped(xs, counts)
 
 
-def meta_moe(moe, ep: int) -> None:
-    """Make a meta MoE layer run its own forward with the CUDA expert path; under expert parallelism (ep > 1) left
-    out of torch.compile as ExpertExchange is (the all-to-alls themselves save nothing for backward: their
-    backward is the reverse exchange). The exchange's buffers are exchange_bytes."""
-    moe.exchange = torch.compiler.disable(_grouped_experts) if ep > 1 else _grouped_experts
+def meta_moe(moe, eager_experts: bool) -> None:
+    """Make a meta MoE layer run its own forward with the CUDA expert path; with eager_experts (expert parallelism,
+    or experts outside FSDP on one rank) left out of torch.compile as ExpertExchange and LocalExperts are (the
+    all-to-alls themselves save nothing for backward: their backward is the reverse exchange). The exchange's
+    buffers are exchange_bytes."""
+    moe.exchange = torch.compiler.disable(_grouped_experts) if eager_experts else _grouped_experts
     # private copies of the code: dynamo keeps compiled graphs (and counts recompiles) per code object, so the
     # plan's traces on meta tensors must not fill the caches the training run's frames will use (MoE.run becomes a
     # frame of its own when the exchange breaks the block's graph)
@@ -120,21 +129,21 @@ def gathered_params(block_params: tuple[int, ...], experts: tuple[int, ...], ep:
     return tuple(b - e + e // ep for b, e in zip(block_params, experts))
 
 
-def held_expert_bytes(experts: int, ep: int, world: int, element: int) -> int:
+def held_expert_bytes(experts: int, ep: int, world: int, element: int, offload: str = "none") -> int:
     """Expert weights an unrecomputed MoE block keeps from its forward to its backward. With E = W the experts are
     out of FSDP and cast by the computation (parallel/expert.py): the grouped GEMMs save that [n/E, ...] copy, one
     per block (Qwen3-30B-A3B, E = 2: 604 MiB a layer). Under FSDP the gathered copy is freed after the forward and
     gathered again for the backward: nothing held."""
     from shardfit.parallel.expert import experts_outside_fsdp
 
-    return experts // ep * element if experts and experts_outside_fsdp(ep, world) else 0
+    return experts // ep * element if experts and experts_outside_fsdp(ep, world, offload) else 0
 
 
-def outside_fsdp_params(experts: list[int], ep: int, world: int) -> int:
+def outside_fsdp_params(experts: list[int], ep: int, world: int, offload: str = "none") -> int:
     """Expert parameters a rank holds outside FSDP (E = W: its n/E of every layer's; parallel/expert.py), else 0."""
     from shardfit.parallel.expert import experts_outside_fsdp
 
-    return sum(experts) // ep if experts_outside_fsdp(ep, world) else 0
+    return sum(experts) // ep if experts_outside_fsdp(ep, world, offload) else 0
 
 
 def exchange_bytes(m, tokens: int, ep: int, element: int) -> int:

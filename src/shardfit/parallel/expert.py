@@ -24,7 +24,8 @@ fp32 reduce-scatter input, all on the compute stream, with ~5 ms of host time a 
 (_ComputeCast: one pass forward; the backward writes param.grad itself, divided by W, cast to fp32 and, from the
 second micro-batch on, added in place, all in one pass), the bf16 copy is what the grouped GEMMs save for backward
 (none is made again). Optimizer, gradient norm, checkpoints and export see the same DTensors [n, ...]
-sharded over "ep".
+sharded over "ep". A world of one trains its MoE the same way (E = W = 1, no exchange: LocalExperts), unless
+parallel.offload asks FSDP to keep the states on the host.
 
 The exchange, per MoE layer and micro-batch (ExpertExchange):
   1. counts [n] (rows per global expert, sorted order) go to every peer: all-to-all of E x n/E int64;
@@ -90,7 +91,7 @@ def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, o
 
 def _check_overlap(overlap: str, ep: int, world: int, replicate: int) -> None:
     """parallel.expert_overlap runs the experts more than once a layer: only where they are outside FSDP."""
-    if overlap == "none" or (experts_outside_fsdp(ep, world) and replicate == 1):
+    if overlap == "none" or (ep > 1 and experts_outside_fsdp(ep, world) and replicate == 1):
         return
     if ep == 1:
         why = "expert parallelism over every rank of a world of 2 or more (parallel.expert_parallel is 1)"
@@ -212,6 +213,19 @@ class ExpertExchange:
         return _AllToAll.apply(back, send, recv, self.group)  # [N, H], the rows' original order
 
 
+class LocalExperts(ExpertExchange):
+    """MoE.exchange of a world of one (E = W = 1): nothing to exchange. The experts are outside FSDP as with E = W
+    (over one rank FSDP would cast the fp32 weights and copy them into its "all-gather" output in forward and again
+    in backward, and copy the bf16 gradient into an fp32 reduce-scatter input, then out: ~48 B a parameter a step
+    against the cast's 6 + the gradient write's 6; Qwen3-30B-A3B with 6 layers on one H200: 3.6B expert
+    parameters). They run here, outside the compiled graph as under EP (the cast's backward writes param.grad
+    itself, which a graph cannot hold); the block's graph breaks in two around them."""
+
+    @torch.compiler.disable
+    def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        return experts(xs, counts)
+
+
 def run_arrived(experts: nn.Module, rows: torch.Tensor, received: torch.Tensor, weights=None) -> torch.Tensor:
     """rows [M, H] as they arrived (ordered peer, then local expert), received [P, n/E] their counts -> the experts'
     results [M, H] in the same order: regrouped by local expert for the GEMMs, then put back."""
@@ -274,11 +288,12 @@ def _fsdp_ignores_params() -> bool:
     return "ignored_params" in inspect.signature(fully_shard).parameters
 
 
-def experts_outside_fsdp(ep: int, world: int) -> bool:
-    """E = W and a torch whose fully_shard takes ignored_params (2.7+): the experts stay out of FSDP (module
-    docstring); shardfit plan counts their memory accordingly (once per layer of every estimate: the signature
-    is read once)."""
-    return 1 < ep == world and _fsdp_ignores_params()
+def experts_outside_fsdp(ep: int, world: int, offload: str = "none") -> bool:
+    """E = W (a world of one included: FSDP over one rank would only cast and copy) and a torch whose fully_shard
+    takes ignored_params (2.7+): the experts stay out of FSDP (module docstring). Not with parallel.offload (FSDP's
+    policy is what moves them to the host; EP refuses offload). shardfit plan counts their memory accordingly (once
+    per layer of every estimate: the signature is read once). The model must have experts: callers check."""
+    return ep == world and offload == "none" and _fsdp_ignores_params()
 
 
 def shard_experts(block: nn.Module, mesh, world: int, mp_policy, **fsdp_kwargs) -> set[nn.Parameter]:

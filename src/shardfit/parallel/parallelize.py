@@ -6,7 +6,8 @@ The order is fixed and each step relies on the previous ones:
      modules; then Ulysses sequence parallelism (if asked) wraps each attention kernel, so the all-to-alls sit
      inside the block forward that checkpointing and compile see next; then expert parallelism (if asked) makes
      the expert weights DTensors sharded over the EP group and gives each MoE layer its all-to-all exchange
-     (parallel/expert.py), so that the same recomputation and graph breaks apply;
+     (parallel/expert.py), so that the same recomputation and graph breaks apply (a world of one: its experts
+     leave FSDP the same way and run without an exchange);
   1. activation checkpointing wraps each block's forward in a non-reentrant checkpoint (parameter names stay the
      Hugging Face ones: no wrapper module);
   2. torch.compile of each block's forward, checkpoint included (dynamo traces the checkpointed region, and the
@@ -40,7 +41,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from shardfit.config.schema import ParallelConfig
 from shardfit.errors import ShardfitError
-from shardfit.parallel.expert import ExpertExchange, apply_expert_parallel, expert_mesh, shard_experts
+from shardfit.models.moe import MoE
+from shardfit.parallel.expert import (ExpertExchange, LocalExperts, apply_expert_parallel, expert_mesh,
+                                      experts_outside_fsdp, shard_experts)
 from shardfit.parallel.expert_overlap import FullyOverlappedExpertExchange, OverlappedExpertExchange
 from shardfit.parallel.fp8 import apply_fp8
 from shardfit.parallel.offload import check_offload, materialize_offloaded, offload_policy, step_threads
@@ -195,10 +198,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
         groups = init_device_mesh(device.type, (world_size // sp, sp), mesh_dim_names=("dp", "sp"))
         apply_sequence_parallel(model, groups["sp"].get_group())  # 0
     ep_mesh = None
-    if cfg.expert_parallel > 1:
+    if cfg.expert_parallel > 1 or (world_size == 1 and experts_outside_fsdp(1, 1, cfg.offload)
+                                   and any(isinstance(m, MoE) for m in model.modules())):
+        # (one rank: its experts out of FSDP, run by LocalExperts: parallel/expert.py)
         ep_mesh = expert_mesh(device.type, world_size, cfg.expert_parallel, cfg.replicate)
         exchange = {"none": ExpertExchange, "dispatch": OverlappedExpertExchange,
-                    "both": FullyOverlappedExpertExchange}[cfg.expert_overlap]
+                    "both": FullyOverlappedExpertExchange}[cfg.expert_overlap] if world_size > 1 else LocalExperts
         apply_expert_parallel(model, ep_mesh, exchange)  # 0
     apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
     if cfg.compile:
