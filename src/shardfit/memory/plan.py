@@ -296,9 +296,10 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
     # bf16 gathered params of the root and two blocks (EP: only a rank's n/E experts, plan_moe), one fp32
     # reduce-scatter input; FP8 all-gather gathers the converted weights at 1 byte each. The same with offload=all.
-    big_block = max(plan_moe.gathered_params(block_params, experts, par.expert_parallel))
+    big_block = max(plan_moe.gathered_params(block_params, experts, par.expert_parallel, fresh > 0))
     fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
     mode = par.activation_checkpoint
+    fsdp += plan_moe.outside_transient_bytes(experts, par, _compute_dtype(par).itemsize) if fresh else 0
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
     per_block = {k: block_activation_bytes(cfg, micro_batch, layer=next(
         i for i in range(m.n_layers) if is_moe_layer(m, i) == k), world=world) for k in kinds}

@@ -121,12 +121,24 @@ def expert_params(model: torch.nn.Module) -> tuple[int, ...]:
                  for b in model.model.layers)
 
 
-def gathered_params(block_params: tuple[int, ...], experts: tuple[int, ...], ep: int) -> tuple[int, ...]:
+def gathered_params(block_params: tuple[int, ...], experts: tuple[int, ...], ep: int,
+                    outside: bool = False) -> tuple[int, ...]:
     """Parameters each block all-gathers in bf16 (and reduce-scatters in fp32) on one rank. Under expert
     parallelism a rank computes only its n/E experts: their FSDP group spans the W/E ranks holding the same experts
     (parallel/expert.py), so it gathers those whole, not all n (Qwen3-30B-A3B, E = 2: 321M of a block's 623M
-    parameters). The states stay 16 B/param/W: each rank holds a unique 1/W of every weight either way."""
-    return tuple(b - e + e // ep for b, e in zip(block_params, experts))
+    parameters); experts outside FSDP (E = W) none of them (outside_transient_bytes). The states stay
+    16 B/param/W: each rank holds a unique 1/W of every weight either way."""
+    return tuple(b - e + (0 if outside else e // ep) for b, e in zip(block_params, experts))
+
+
+def outside_transient_bytes(experts: tuple[int, ...], par, element: int) -> int:
+    """Experts outside FSDP, in one block's backward: the grouped GEMMs' weight gradients [n/E, ...] in the compute
+    dtype until _ComputeCast's backward has written them into the fp32 .grad, and under checkpointing the
+    recomputed cast of the weights (not held from the forward then: held_expert_bytes). Qwen3-30B-A3B on one
+    rank: 1.1 GiB (2.3 GiB checkpointed) where FSDP's terms counted 4.6 GiB of gathered and reduce-scatter buffers
+    (measured on one H200: the plan +5.2% with those, see tests/memory/test_plan.py)."""
+    recomputed = par.activation_checkpoint != "none"
+    return max(experts, default=0) // par.expert_parallel * element * (2 if recomputed else 1)
 
 
 def held_expert_bytes(experts: int, ep: int, world: int, element: int, offload: str = "none") -> int:

@@ -42,8 +42,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from shardfit.config.schema import ParallelConfig
 from shardfit.errors import ShardfitError
 from shardfit.models.moe import MoE
-from shardfit.parallel.expert import (ExpertExchange, LocalExperts, apply_expert_parallel, expert_mesh,
-                                      experts_outside_fsdp, shard_experts)
+from shardfit.parallel.expert import (
+    ExpertExchange,
+    LocalExperts,
+    apply_expert_parallel,
+    expert_mesh,
+    experts_outside_fsdp,
+    shard_experts,
+)
 from shardfit.parallel.expert_overlap import FullyOverlappedExpertExchange, OverlappedExpertExchange
 from shardfit.parallel.fp8 import apply_fp8
 from shardfit.parallel.offload import check_offload, materialize_offloaded, offload_policy, step_threads
