@@ -62,6 +62,7 @@
 #   tests1   the CUDA suite on one GPU (the cases needing 2 or 4 skip), under a 180 s cap, the log kept
 #   tests-a2a1  one GPU: the overlapped exchange with two ranks on cuda:0 over gloo (NCCL takes one rank a GPU)
 #   tests1b  one GPU: the CUDA files tests1's cap did not reach (training, varlen)
+#   moeprof1 moe1's fastest shardfit case (compiled, overlapped step; the experts out of FSDP) with step 8 profiled
 #   moe1     1 GPU, 6 of the 48 layers (the states fit one H200 without checkpointing): the HF recipe, shardfit
 #            compiled with and without the overlapped step, torchtitan compiled; no exchange of any kind (~300 s)
 #   moe2-a2a  2 GPUs, 12 layers: the fastest case (compiled, EP 2, overlapped step) without and with
@@ -154,6 +155,13 @@ for stage in "$@"; do
     tests1) env CUDA_VISIBLE_DEVICES=0 timeout 180 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/kernels tests/cuda 2>&1 | tee "$OUT/pytest_cuda1.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -30 ;;
     tests-a2a1) env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_moe.py -k "one_gpu or grouped" 2>&1 | tee "$OUT/pytest_a2a1.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12 ;;
     tests1b) env CUDA_VISIBLE_DEVICES=0 timeout 250 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_training.py tests/cuda/test_cuda_varlen.py 2>&1 | tee "$OUT/pytest_cuda1b.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -16 ;;
+    moeprof1)
+      python3 -c "import sys, argparse; sys.path.insert(0, 'benchmarks'); import bench_moe; bench_moe.ensure_data(argparse.Namespace(tokens='uniform', assets='/tmp/ttassets', dry_run=False))"
+      cmd=$(python3 benchmarks/bench_moe.py --dry-run --nproc 1 --layers 6 --only "shardfit no-AC compile overlap-opt" | grep -o 'torchrun .*')
+      env CUDA_VISIBLE_DEVICES=0 timeout 150 $cmd --train.steps=9 --logging.profile_step=8 --logging.run_dir=/tmp/moeprof1 2>&1 | grep -E "^(step [89]/|profile)" | cut -c1-600
+      cp /tmp/moeprof1/profile/step8_summary.json "$OUT/moeprof1_summary.json"
+      t=/tmp/moeprof1/profile/step8_rank0.json.gz; [ "$(stat -c %s $t)" -lt 16000000 ] && cp $t "$OUT/moeprof1_trace.json.gz"
+      python3 -c "import json; d=json.load(open('$OUT/moeprof1_summary.json')); print(json.dumps({k: d[k] for k in ('idle',) if k in d}, indent=1))" ;;
     moe1) env CUDA_VISIBLE_DEVICES=0 timeout 360 python3 benchmarks/bench_moe.py --nproc 1 --layers 6 --budget 345 --only "HF grouped_mm full-AC" "shardfit no-AC compile" "shardfit no-AC compile overlap-opt" "torchtitan no-AC compile" --out "$OUT/moe1_x1.json" 2>&1 | tee "$OUT/moe1.log" | grep -v '^{' | tail -8 ;;
     moe2-a2a)  # the dispatch all-to-all overlapped with the own rows (parallel.expert_overlap): one change against the fastest case, HF beside
       env $two timeout 500 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 480 --variant "a2a=--parallel.expert_overlap=dispatch" --variant "a2a-both=--parallel.expert_overlap=both" --only "HF grouped_mm full-AC" "shardfit no-AC compile EP2 overlap-opt" "shardfit no-AC compile EP2 overlap-opt a2a" "shardfit no-AC compile EP2 overlap-opt a2a-both" --out "$OUT/moe2_a2a_x2.json" 2>&1 | tee "$OUT/moe2_a2a.log" | grep -v '^{' | tail -8 ;;
