@@ -329,8 +329,9 @@ def entry() -> None:
     """The console script and `python -m shardfit`: main(), then the exit.
 
     A process that trained leaves with os._exit once its output is flushed. After training, the gloo process group
-    outlives destroy_process_group (fully_shard keeps it alive out of Python's reach: reproduced with torch alone,
-    benchmarks/NOTES.md, session 10), so its worker threads are still running when the interpreter finalizes. A
+    outlived destroy_process_group (DTensor's caches hold its DeviceMesh: benchmarks/NOTES.md, sessions 10-11;
+    shutdown_distributed now clears them, and this exit stays as the guard for caches on other threads), so its
+    worker threads were still running when the interpreter finalized. A
     worker that then drops the last reference to a collective's tensor (a finished barrier holds the all-gather
     before it) needs the GIL, which a finalizing interpreter answers with pthread_exit: a C++ 'terminate called
     without an active exception' abort (SIGABRT) after a run that had finished (core dump, session 10: 1 run in 180

@@ -71,7 +71,35 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 1800.0) -> Di
 def shutdown_distributed() -> None:
     """Leave the process group cleanly (also after an error: NCCL warns about groups left open at exit)."""
     if dist.is_initialized():
+        release_dtensor_caches()
         dist.destroy_process_group()
+
+
+def release_dtensor_caches() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches, which keep DeviceMeshes (hence their process
+    groups) alive past destroy_process_group: after fully_shard, a gloo group's worker threads then outlive the
+    group, and one destroying a finished work during interpreter exit takes the GIL and aborts the process
+    ("terminate called without an active exception"; benchmarks/NOTES.md, session 10). The caches only save
+    recomputation; they are private (torch 2.6-2.13), so each is cleared only where it exists. Clears this thread's
+    thread-local entries (the trainer's DTensor ops run on it)."""
+    import gc
+
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # C++ fast path: spec -> mesh
+    if clear is not None:
+        clear()
+    for module, names in (("torch.distributed.tensor.debug", ("_clear_python_sharding_prop_cache",)),
+                          ("torch.distributed.tensor._redistribute", ("clear_redistribute_planner_cache",)),
+                          ("torch.distributed.tensor._redistribute", ("_gen_transform_infos", "cache_clear")),
+                          ("torch.distributed.tensor._collective_utils", ("MeshTopoInfo", "build_from_mesh",
+                                                                          "cache_clear"))):
+        try:
+            fn = __import__(module, fromlist=["_"])
+            for name in names:
+                fn = getattr(fn, name)
+            fn()
+        except (ImportError, AttributeError):
+            pass
+    gc.collect()
 
 
 def all_gather_rows(vec: torch.Tensor) -> torch.Tensor:
