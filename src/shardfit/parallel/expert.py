@@ -217,8 +217,8 @@ class LocalExperts(ExpertExchange):
     """MoE.exchange of a world of one (E = W = 1): nothing to exchange. The experts are outside FSDP as with E = W
     (over one rank FSDP would cast the fp32 weights and copy them into its "all-gather" output in forward and again
     in backward, and copy the bf16 gradient into an fp32 reduce-scatter input, then out: ~48 B a parameter a step
-    against the cast's 6 + the gradient write's 6; Qwen3-30B-A3B with 6 layers on one H200: 3.6B expert
-    parameters). They run here, outside the compiled graph as under EP (the cast's backward writes param.grad
+    against the cast's 6 + the gradient write's 6; Qwen3-30B-A3B with 6 layers on one H200, 3.6B expert
+    parameters: +22% tokens/s, benchmarks/README.md session 11). They run here, outside the compiled graph as under EP (the cast's backward writes param.grad
     itself, which a graph cannot hold); the block's graph breaks in two around them."""
 
     @torch.compiler.disable
