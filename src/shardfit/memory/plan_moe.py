@@ -45,9 +45,9 @@ import torch
 def eager_experts(par, world: int) -> bool:
     """Whether a GPU run keeps the experts out of its compiled graphs: under expert parallelism (the exchange), and
     on one rank with the experts outside FSDP (LocalExperts: parallel/expert.py); world 0: not known, not one."""
-    from shardfit.parallel.expert import experts_outside_fsdp
+    from shardfit.parallel.expert import experts_run_eagerly
 
-    return par.expert_parallel > 1 or (world == 1 and experts_outside_fsdp(1, 1, par.offload))
+    return experts_run_eagerly(par.expert_parallel, world, par.offload)
 
 
 def _grouped_experts(xs: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:

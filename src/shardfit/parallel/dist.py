@@ -84,10 +84,8 @@ def release_dtensor_caches() -> None:
     thread-local entries (the trainer's DTensor ops run on it)."""
     import gc
 
-    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # C++ fast path: spec -> mesh
-    if clear is not None:
-        clear()
-    for module, names in (("torch.distributed.tensor.debug", ("_clear_python_sharding_prop_cache",)),
+    for module, names in (("torch._C", ("_clear_DTensor_sharding_propagator_cache",)),  # C++ fast path: spec -> mesh
+                          ("torch.distributed.tensor.debug", ("_clear_python_sharding_prop_cache",)),
                           ("torch.distributed.tensor._redistribute", ("clear_redistribute_planner_cache",)),
                           ("torch.distributed.tensor._redistribute", ("_gen_transform_infos", "cache_clear")),
                           ("torch.distributed.tensor._collective_utils", ("MeshTopoInfo", "build_from_mesh",

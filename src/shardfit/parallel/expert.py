@@ -218,8 +218,9 @@ class LocalExperts(ExpertExchange):
     (over one rank FSDP would cast the fp32 weights and copy them into its "all-gather" output in forward and again
     in backward, and copy the bf16 gradient into an fp32 reduce-scatter input, then out: ~48 B a parameter a step
     against the cast's 6 + the gradient write's 6; Qwen3-30B-A3B with 6 layers on one H200, 3.6B expert
-    parameters: +22% tokens/s, benchmarks/README.md session 11). They run here, outside the compiled graph as under EP (the cast's backward writes param.grad
-    itself, which a graph cannot hold); the block's graph breaks in two around them."""
+    parameters: +22% tokens/s, benchmarks/README.md session 11). They run here, outside the compiled graph as
+    under EP (the cast's backward writes param.grad itself, which a graph cannot hold); the block's graph breaks in
+    two around them."""
 
     @torch.compiler.disable
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
@@ -294,6 +295,12 @@ def experts_outside_fsdp(ep: int, world: int, offload: str = "none") -> bool:
     policy is what moves them to the host; EP refuses offload). shardfit plan counts their memory accordingly (once
     per layer of every estimate: the signature is read once). The model must have experts: callers check."""
     return ep == world and offload == "none" and _fsdp_ignores_params()
+
+
+def experts_run_eagerly(ep: int, world: int, offload: str = "none") -> bool:
+    """Whether an MoE model's layers get an exchange (MoE.exchange) that runs their experts outside the compiled
+    graph: expert parallelism, or one rank whose experts are outside FSDP (LocalExperts). world 0: not known."""
+    return ep > 1 or experts_outside_fsdp(ep, world, offload)
 
 
 def shard_experts(block: nn.Module, mesh, world: int, mp_policy, **fsdp_kwargs) -> set[nn.Parameter]:

@@ -47,7 +47,7 @@ from shardfit.parallel.expert import (
     LocalExperts,
     apply_expert_parallel,
     expert_mesh,
-    experts_outside_fsdp,
+    experts_run_eagerly,
     shard_experts,
 )
 from shardfit.parallel.expert_overlap import FullyOverlappedExpertExchange, OverlappedExpertExchange
@@ -204,9 +204,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
         groups = init_device_mesh(device.type, (world_size // sp, sp), mesh_dim_names=("dp", "sp"))
         apply_sequence_parallel(model, groups["sp"].get_group())  # 0
     ep_mesh = None
-    if cfg.expert_parallel > 1 or (world_size == 1 and experts_outside_fsdp(1, 1, cfg.offload)
-                                   and any(isinstance(m, MoE) for m in model.modules())):
-        # (one rank: its experts out of FSDP, run by LocalExperts: parallel/expert.py)
+    if experts_run_eagerly(cfg.expert_parallel, world_size, cfg.offload) and any(
+            isinstance(m, MoE) for m in model.modules()):  # EP, or one rank's experts out of FSDP (LocalExperts)
         ep_mesh = expert_mesh(device.type, world_size, cfg.expert_parallel, cfg.replicate)
         exchange = {"none": ExpertExchange, "dispatch": OverlappedExpertExchange,
                     "both": FullyOverlappedExpertExchange}[cfg.expert_overlap] if world_size > 1 else LocalExperts
