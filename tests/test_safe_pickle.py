@@ -26,3 +26,14 @@ def test_enum_members_by_getattr_are_admitted_and_nothing_else():
         safe_loads(pickle.dumps(os.system))
     with pytest.raises(RefusedGlobal, match="builtins.getattr"):  # snapshots admit no getattr at all
         safe_loads(_getattr_pickle(__name__, "Color", "RED"))
+
+
+@pytest.mark.parametrize("name", ["os", "torch", "field", "dataclass", "Any"])
+def test_an_allowed_module_admits_only_the_classes_it_defines(name):
+    """DCP's metadata module imports os, torch and dataclasses.field: a pickle naming them through it is refused."""
+    data = b"\x80\x02ctorch.distributed.checkpoint.metadata\n" + name.encode() + b"\n."
+    with pytest.raises(RefusedGlobal, match=name):
+        safe_loads(data, allowed=DCP_GLOBALS, modules=("torch.distributed.checkpoint.metadata",))
+    ok = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n."
+    assert safe_loads(ok, allowed=DCP_GLOBALS, modules=("torch.distributed.checkpoint.metadata",)).__name__ == \
+        "Metadata"

@@ -49,9 +49,16 @@ class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) == ("builtins", "getattr") and self.modules:
             return _enum_member
-        if ((module, name) in self.allowed or module in self.modules
-                or (self.dtypes and _torch_dtype(module, name))) and not name.startswith("__"):
+        if name.startswith("__"):
+            raise RefusedGlobal(f"refused to load global '{module}.{name}'")
+        if (module, name) in self.allowed or (self.dtypes and _torch_dtype(module, name)):
             return super().find_class(module, name)
+        if module in self.modules:
+            # Only the classes the module defines: its namespace also holds what it imported (os, torch,
+            # dataclasses.field), which a pickle must not reach.
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
         raise RefusedGlobal(f"refused to load global '{module}.{name}'")
 
 

@@ -23,10 +23,30 @@ from torch.distributed.tensor import DTensor
 
 from shardfit.hf.load import STACKED, expert_key
 from shardfit.models.families import hf_config_json
+from shardfit.parallel.agreement import agree
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                     "tokenizer.model",
                     "generation_config.json", "vocab.json", "merges.txt")
+
+
+def export_problem(out: Path) -> str | None:
+    """Why exporting to `out` would lose someone's files (None: a new or empty directory, or a previous export,
+    which holds only what an export writes and is replaced whole)."""
+    if out.is_file():
+        return "is a file, not a directory"
+    if out.is_dir():
+        ours = {"config.json", "model.safetensors", "model.safetensors.index.json", *_TOKENIZER_FILES}
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours
+                         and not (p.name.startswith("model-") and p.suffix == ".safetensors"))
+        if foreign:
+            return f"exists and holds files an export would delete ({', '.join(foreign[:3])})"
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        return f"cannot be created ({parent} is not writable)"
+    return None
 
 
 def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source: str | Path | None = None,
@@ -62,11 +82,15 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
                 shards[0][key] = piece.contiguous()
                 sizes[0] += piece.nbytes
         del full
+    problem = None
     if rank == 0:
-        flush()
-        _finish(model, tmp, out, files, weight_map, dtype, source)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            flush()
+            problem = _finish(model, tmp, out, files, weight_map, dtype, source)
+        except OSError as e:
+            problem = f"could not write {tmp} ({e.strerror or e})"
+    # every rank returns or raises together: rank 0's outcome, in one collective (this was the final barrier)
+    agree(problem, "checkpoint.export_hf", f"move {tmp} where you want it, or free {out} and export again")
     return out if rank == 0 else None
 
 
@@ -97,7 +121,9 @@ def _umask() -> int:
     return mask
 
 
-def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str, str], dtype: str, source) -> None:
+def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str, str], dtype: str,
+            source) -> str | None:
+    """Name the shards, write config and tokenizer files, and rename tmp to out; else why not."""
     n = len(files)
     names = {f: ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
              for i, f in enumerate(files)}
@@ -115,6 +141,10 @@ def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str,
             src = Path(source) / fname
             if src.is_file():
                 shutil.copy2(src, tmp / fname)
+    problem = export_problem(out)  # checked at start-up too: files may have appeared since
+    if problem:
+        return f"{out} {problem}; the export is left in {tmp}"
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+    return None

@@ -1,16 +1,17 @@
 """Distributed checkpoints with torch.distributed.checkpoint, written so that a crash never leaves a half-written
-checkpoint under a final name.
+checkpoint under a final name, and read so that a crafted or damaged one never runs code or loads garbage.
 
 Layout of <dir>/step_00000100/:
   .metadata, __*.distcp    DCP: model and optimizer tensors, each rank writing its own shards
   rng/rank<r>.safetensors  each rank's RNG state
-  trainer.json             step, skipped steps, tokens seen (the data position is the step)
+  trainer.json             step, skipped steps, tokens seen, the run's id (the data position is the step)
   config.toml              the resolved config of the run
   complete.json            written last, by rank 0, after every rank has finished
 
-Every rank writes into step_00000100.tmp/; after a barrier rank 0 writes complete.json and renames the directory.
-Only tensors go through DCP (optimizer hyper-parameters come from the config), so loading never unpickles
-anything but tensors with weights_only=True.
+Every rank writes into step_00000100.tmp/; once all have (one collective of their outcomes) rank 0 writes
+complete.json and renames the directory. A failed write (disk full, read-only) is raised on every rank alike and
+leaves the previous checkpoint as it was. Weights that are not finite are never saved. checkpoint.keep prunes only
+this run's own older checkpoints (same run id, carried across resumes). Loading goes through checkpoint_verify.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import json
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -34,9 +37,20 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardfit.errors import ShardfitError
 from shardfit.fsutil import write_atomic
+from shardfit.parallel.agreement import agree
+from shardfit.train.checkpoint_verify import COMPLETE, check_files, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-COMPLETE = "complete.json"
+
+
+class NonFiniteWeights(ShardfitError):
+    """The weights hold NaN or inf: nothing is saved or exported from them."""
+
+    exit_code = 3
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -50,63 +64,107 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
+def weights_finite(model, device: torch.device) -> bool:
+    """Whether every rank's parameter shards are finite: one pass of foreach norms (no temporaries the size of a
+    parameter) and one collective."""
+    from shardfit.parallel import all_gather_rows
+    from shardfit.parallel.offload import grad_sq_norm
+    from shardfit.parallel.step_overlap import local_tensor
+
+    sq = grad_sq_norm([local_tensor(p.detach()) for p in model.parameters()], device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        sq = all_gather_rows(sq.reshape(1))
+    return bool(torch.isfinite(sq).all())
+
+
+def refuse_non_finite(model, device: torch.device, step: int, root: Path, what: str) -> None:
+    if not weights_finite(model, device):
+        last = complete_checkpoints(root)
+        raise NonFiniteWeights(f"the weights are not finite after step {step}: {what} refused"
+                               + (f"; the last complete checkpoint, {last[-1]}, is intact" if last else ""),
+                               where=f"step {step}", fix="lower train.lr or raise train.warmup_steps (or check the "
+                               "data), then resume from the last complete checkpoint")
+
+
 def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, config_toml: str,
                     device: torch.device, keep: int = 0) -> Path:
+    """Save; trainer_state holds "run_id" (pruning) besides what it records. Raises on every rank alike."""
+    refuse_non_finite(model, device, step, root, "saving a checkpoint")
     rank, world = dist.get_rank(), dist.get_world_size()
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
-    if rank == 0:
+    fix = f"free space or fix permissions in {root} (or set checkpoint.dir), then resume"
+
+    def attempt(fn) -> str | None:
+        try:
+            fn()
+        except OSError as e:
+            return f"could not write checkpoint {final.name} on rank {rank} ({e.strerror or e})"
+        return None
+
+    def prepare():
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
+
+    def clean_up(problem: str | None) -> None:
+        try:
+            agree(problem, str(root), fix, device)
+        except ShardfitError as e:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            last = complete_checkpoints(root)
+            raise ShardfitError(f"{e}; " + (f"the previous checkpoint {last[-1]} is intact" if last else
+                                            "no checkpoint of this run exists yet")) from None
+
+    clean_up(attempt(prepare) if rank == 0 else None)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
-    dcp.save(state, checkpoint_id=str(tmp))
-    save_file(_rng_state(device), str(tmp / "rng" / f"rank{rank}.safetensors"))
-    dist.barrier()  # every rank has finished writing
-    if rank == 0:
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+        problem = attempt(lambda: save_file(_rng_state(device), str(tmp / "rng" / f"rank{rank}.safetensors")))
+    except CheckpointException as e:  # DCP gathers every rank's failure and raises it on all ranks alike
+        failed = {r: err for r, (err, _trace) in e.failures.items() if isinstance(err, OSError)}
+        if not failed:
+            raise
+        r, err = min(failed.items())
+        problem = f"could not write checkpoint {final.name} on rank {r} ({err.strerror or err})"
+    clean_up(problem)  # every rank has finished writing, or all stop here
+
+    def publish():
         _write_json(tmp / "trainer.json", {**trainer_state, "step": step, "world_size": world})
-        (tmp / "config.toml").write_text(config_toml)
+        write_atomic(tmp / "config.toml", config_toml)
         _write_json(tmp / COMPLETE, {"step": step, "world_size": world})
-        if final.exists():
+        if final.exists():  # a corrupt one resume passed over (run_dir.check_no_overwrite refuses whole ones)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        if keep:
-            for old in complete_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()  # nobody proceeds (or exits) before the rename
+
+    clean_up(attempt(publish) if rank == 0 else None)  # nobody proceeds (or exits) before the rename
+    if rank == 0 and keep:
+        prune(root, keep, trainer_state.get("run_id"), step)
     return final
 
 
-def check_checkpoint(path: Path) -> str | None:
-    """None if the checkpoint is whole, else what is wrong with it.
-
-    DCP's .metadata is a pickle that DCP later reads with plain pickle.load: it is read here first with an
-    allowlist of DCP's own classes, so a tampered file is refused before anything runs. Every byte range it
-    references must exist (a truncated or missing shard file is caught before the load starts).
-    """
-    from shardfit.safe_pickle import DCP_GLOBALS, DCP_MODULES, RefusedGlobal, safe_loads
-
+def run_id_of(path: Path) -> str | None:
     try:
-        json.loads((path / COMPLETE).read_text())
-        json.loads((path / "trainer.json").read_text())
-        meta = safe_loads((path / ".metadata").read_bytes(), allowed=DCP_GLOBALS, modules=DCP_MODULES, dtypes=True)
-    except FileNotFoundError as e:
-        return f"missing {Path(e.filename).name}"
-    except RefusedGlobal as e:
-        return f".metadata {e}"
-    except Exception as e:  # truncated JSON or pickle
-        return f"unreadable ({type(e).__name__}: {e})"
-    ends: dict[str, int] = {}
-    for info in getattr(meta, "storage_data", {}).values():
-        rel = str(info.relative_path)
-        ends[rel] = max(ends.get(rel, 0), info.offset + info.length)
-    for rel, end in sorted(ends.items()):
-        f = path / rel
-        if not f.is_file():
-            return f"missing {rel}"
-        if f.stat().st_size < end:
-            return f"{rel} is truncated ({f.stat().st_size} of {end} bytes)"
-    return None
+        rec = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return rec.get("run_id") if isinstance(rec, dict) else None
+
+
+def prune(root: Path, keep: int, run_id: str | None, newest: int) -> list[Path]:
+    """Delete this run's checkpoints older than its `keep` newest (up to step `newest`); another run's, or one
+    without a run id (an older shardfit's), is never touched."""
+    if run_id is None:
+        return []
+    ours = [p for p in complete_checkpoints(root) if step_of(p) <= newest and run_id_of(p) == run_id]
+    for old in ours[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return ours[:-keep]
+
+
+def check_checkpoint(path: Path) -> str | None:
+    """None if the checkpoint is whole, else what is wrong with it (train/checkpoint_verify.py)."""
+    return check_files(path)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -191,11 +249,14 @@ def agree_on_resume(spec: str, root: Path, notices: list[str], device: torch.dev
 
 
 def load_checkpoint(path: Path, model, optimizer, device: torch.device) -> dict:
-    """Restore model and optimizer shards (any world size) and this rank's RNG; return trainer.json."""
+    """Restore model and optimizer shards (any world size) and this rank's RNG; return trainer.json.
+
+    The files were checked whole when the checkpoint was chosen; here the tensors are checked against this model
+    and optimizer before DCP reads them (checkpoint_verify.load_tensors)."""
     trainer_state = json.loads((path / "trainer.json").read_text())
     osd = get_optimizer_state_dict(model, optimizer)  # creates the optimizer state to load into
     state = {"model": get_model_state_dict(model), "optim": osd["state"]}
-    dcp.load(state, checkpoint_id=str(path))
+    load_tensors(state, path)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": osd["param_groups"]})
     rng_file = path / "rng" / f"rank{dist.get_rank()}.safetensors"

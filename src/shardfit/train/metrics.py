@@ -15,6 +15,7 @@ from torch import nn
 
 from shardfit.models.decoder import is_moe_layer
 from shardfit.models.moe import MoE, update_balance_bias
+from shardfit.train.timing import PHASES
 
 # Dense bf16 peak FLOP/s by device-name substring (first match wins).
 PEAK_FLOPS = [
@@ -143,3 +144,26 @@ class ExpertLoad:
         worst = max(range(len(ratio)), key=ratio.__getitem__)
         return {"moe_load_max_over_mean": ratio[worst], "moe_load_worst_layer": self.layer_ids[worst],
                 "moe_load_per_layer": [round(r, 3) for r in ratio]}
+
+
+class LogWindow:
+    """Steps since the last log line: wall time, token counts, and each phase's seconds (rank 0's; train.timing)."""
+
+    def __init__(self):
+        self.seconds, self.steps = 0.0, 0
+        self.capacity = self.loss_tokens = self.real_tokens = 0.0  # this rank's capacity; the world's token counts
+        self.phases: dict[str, list[float]] = {}
+
+    def add(self, rec: dict) -> None:
+        self.seconds += rec["time_s"]
+        self.steps += 1
+        self.capacity += rec["capacity"]
+        self.loss_tokens += rec["loss_tokens"]
+        self.real_tokens += rec["real_tokens"]
+        for k, v in rec["phases"].items():
+            self.phases.setdefault(k, []).append(v)
+
+    def phase_means(self) -> dict[str, float]:
+        if "forward" not in self.phases:
+            return {}
+        return {f"time_{k}_s": sum(self.phases.get(k, [0.0])) / len(self.phases.get(k, [0.0])) for k in PHASES}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -47,11 +48,18 @@ from shardfit.parallel.layout import check_layout
 from shardfit.parallel.offload import OverlappedStep, grad_sq_norm
 from shardfit.parallel.step_overlap import StreamOverlappedStep, local_tensor, zero_grads
 from shardfit.train.batches import BatchSource
-from shardfit.train.checkpoint import agree_on_resume, load_checkpoint, save_checkpoint
+from shardfit.train.checkpoint import (
+    agree_on_resume,
+    load_checkpoint,
+    new_run_id,
+    refuse_non_finite,
+    save_checkpoint,
+)
 from shardfit.train.evaluate import evaluate
 from shardfit.train.metrics import (
     MEMORY_FIELDS,
     ExpertLoad,
+    LogWindow,
     flops_per_token,
     memory_vector,
     peak_flops,
@@ -61,7 +69,8 @@ from shardfit.train.metrics import (
 from shardfit.train.optim import build_optimizer, lr_at, set_lr
 from shardfit.train.profile import StepProfiler
 from shardfit.train.progress import Progress
-from shardfit.train.timing import PHASES, StepTimer
+from shardfit.train.run_dir import RunClaim, check_no_overwrite
+from shardfit.train.timing import StepTimer
 from shardfit.train.watchdog import EXIT_CODE as WATCHDOG_EXIT
 from shardfit.train.watchdog import Watchdog
 
@@ -96,29 +105,6 @@ def choose_loss_kernel(kind: str, device: torch.device) -> str:
     return kind
 
 
-class _Window:
-    """Steps since the last log line: wall time, and each phase's seconds (rank 0's; see train.timing)."""
-
-    def __init__(self):
-        self.seconds, self.steps = 0.0, 0
-        self.capacity = self.loss_tokens = self.real_tokens = 0.0  # this rank's capacity; the world's token counts
-        self.phases: dict[str, list[float]] = {}
-
-    def add(self, rec: dict) -> None:
-        self.seconds += rec["time_s"]
-        self.steps += 1
-        self.capacity += rec["capacity"]
-        self.loss_tokens += rec["loss_tokens"]
-        self.real_tokens += rec["real_tokens"]
-        for k, v in rec["phases"].items():
-            self.phases.setdefault(k, []).append(v)
-
-    def phase_means(self) -> dict[str, float]:
-        if "forward" not in self.phases:
-            return {}
-        return {f"time_{k}_s": sum(self.phases.get(k, [0.0])) / len(self.phases.get(k, [0.0])) for k in PHASES}
-
-
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -135,9 +121,14 @@ class Trainer:
         self.watchdog = Watchdog(cfg.train.watchdog_s, self.dist.rank, self.run_dir)
         self.watchdog.beat("start-up (data, model, checkpoint)")
         try:
+            # Locked, writable, no export target to clobber: checked before anything the run could lose.
+            self.claim = RunClaim(self.run_dir, self.ckpt_dir, cfg.checkpoint.export_hf, self.dist.rank, self.device)
+            weakref.finalize(self, self.claim.release)  # a Trainer dropped without fit() frees its directories
             self._set_up(cfg)
         except BaseException:
             self.watchdog.stop()  # a failed start-up leaves no thread behind
+            if hasattr(self, "claim"):
+                self.claim.release(failed=True)
             raise
 
     def _set_up(self, cfg: Config) -> None:
@@ -170,6 +161,7 @@ class Trainer:
 
             self.notices.append(f"rank {self.dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
         resume = agree_on_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices, self.device)
+        check_no_overwrite(self.ckpt_dir, resume, self.dist.rank, self.device, self.notices)
         from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
         self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed,
                                  init=not from_hf)
@@ -200,12 +192,12 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train, self.device, cfg.parallel.offload)
 
         self.step, self.skipped, self.tokens_seen = 0, 0, 0
-        self.resumed_from = None
+        self.resumed_from, self.run_id = None, new_run_id()  # the run id follows a run across resumes (pruning)
         if resume is not None:
             state = load_checkpoint(resume, self.model, self.optimizer, self.device)
             self.step, self.skipped = state["step"], state.get("skipped", 0)
             self.tokens_seen = state.get("tokens_seen", 0)
-            self.resumed_from = resume
+            self.resumed_from, self.run_id = resume, state.get("run_id") or self.run_id
         refresh_fp8_scales(self.model, cfg.parallel)  # FP8 scales of the weights in place: initialised, loaded, resumed
         # offload=all: the CPU step runs group by group under the next forward (parallel/offload.py);
         # SHARDFIT_OFFLOAD_OVERLAP=0 runs it in place instead (the same results, bit for bit; for measurements).
@@ -366,7 +358,8 @@ class Trainer:
         self.watchdog.beat(f"step {self.step} checkpoint save")
         self.finish_step()
         return save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer,
-                               {"skipped": self.skipped, "tokens_seen": self.tokens_seen}, self.config_toml,
+                               {"skipped": self.skipped, "tokens_seen": self.tokens_seen, "run_id": self.run_id},
+                               self.config_toml,
                                self.device, keep=self.cfg.checkpoint.keep)
 
     def fit(self) -> list[dict]:
@@ -383,7 +376,7 @@ class Trainer:
         progress.message(self._banner())
         monitor = MemoryMonitor(cfg.memory.warn_growth_mib / 1024)
         history: list[dict] = []
-        window = _Window()  # since the last log line
+        window = LogWindow()  # since the last log line
         try:
             while self.step < total:
                 with self.profiler.around(self.step + 1):
@@ -398,7 +391,7 @@ class Trainer:
                     self._on_skip(rec, progress)
                 if self.step % cfg.logging.log_every == 0 or self.step in (1, total):
                     self._log(rec, window, progress, monitor)
-                    window = _Window()
+                    window = LogWindow()
                 if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == total):
                     self.watchdog.beat(f"step {self.step} validation")
                     progress.log_eval({"step": self.step, **evaluate(self.model, self.batches.validation(),
@@ -407,6 +400,8 @@ class Trainer:
                 if every and self.step % every == 0 and self.step < total:
                     self.save()
             self.finish_step()
+            if history:  # a run that ends on non-finite weights is no success, saved or not
+                refuse_non_finite(self.model, self.device, self.step, self.ckpt_dir, "saving or exporting them")
             done = [h["loss"] for h in history if not h["skipped"]]
             if done:
                 progress.message(f"done: {len(history)} steps, loss {done[0]:.3f} -> {done[-1]:.3f}, "
@@ -423,6 +418,7 @@ class Trainer:
         finally:
             progress.close()
             self.watchdog.stop()
+            self.claim.release()
         return history
 
     def export_hf(self, out: str) -> Path:
@@ -446,7 +442,7 @@ class Trainer:
                                  f"saved the last good state to {path}", where=f"step {self.step}",
                                  fix="lower train.lr or check the data, then resume")
 
-    def _log(self, rec: dict, window: _Window, progress: Progress, monitor: MemoryMonitor) -> None:
+    def _log(self, rec: dict, window: LogWindow, progress: Progress, monitor: MemoryMonitor) -> None:
         mem = summarize_memory(rec["memory"])
         tps = window.capacity / window.seconds  # this rank's tokens per second, padding included
         world = self.dist.world_size
