@@ -23,11 +23,6 @@ from shardfit.errors import ShardfitError
 from shardfit.models import build_model
 from shardfit.models.decoder import CausalLM, KVCache
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on Python 3.10
-    import tomli as tomllib
-
 
 def load_hf(path: str, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
     """A Hugging Face model directory (or a shardfit export): (model, tokenizer spec)."""
@@ -44,9 +39,8 @@ def load_hf(path: str, device: torch.device, dtype: torch.dtype) -> tuple[Causal
 def load_dcp(path: str, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
     """A shardfit checkpoint (step_XXXXXXXX), a checkpoints directory or a run directory (the newest complete
     checkpoint in it): the model part only, on one device, whatever the number of ranks that wrote it."""
-    import torch.distributed.checkpoint as dcp
-
     from shardfit.train.checkpoint import COMPLETE, resolve_resume
+    from shardfit.train.checkpoint_verify import load_tensors
 
     root = Path(path)
     if not root.exists():
@@ -54,20 +48,45 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype) -> tuple[Causa
                             fix="give a step_XXXXXXXX, checkpoints or run directory")
     if not (root / COMPLETE).is_file() and (root / "checkpoints").is_dir():
         root = root / "checkpoints"
-    # checked whole (the DCP metadata pickle with an allowlist) before DCP reads it
-    ckpt = resolve_resume(str(root) if (root / COMPLETE).is_file() else "auto", root)
+    skipped: list[str] = []  # every file checked (checkpoint_verify) before anything reads the tensors
+    ckpt = resolve_resume(str(root) if (root / COMPLETE).is_file() else "auto", root, skipped)
     if ckpt is None:
-        raise ShardfitError("no complete checkpoint here", where=path, fix="train with checkpoint.final=true or "
-                            "checkpoint.every, or give a step_XXXXXXXX directory")
-    cfg = tomllib.loads((ckpt / "config.toml").read_text(encoding="utf-8"))
-    known = set(ModelConfig.__dataclass_fields__)
-    model = _build(ModelConfig(**{k: v for k, v in cfg["model"].items() if k in known}), device)
+        raise ShardfitError("no complete checkpoint here" + (f" ({skipped[0]})" if skipped else ""), where=path,
+                            fix="train with checkpoint.final=true or checkpoint.every, or give a step_XXXXXXXX "
+                            "directory")
+    for line in skipped:
+        print(f"shardfit: {line}", file=sys.stderr)
+    cfg = _checkpoint_config(ckpt)
+    model = _build(cfg.model, device)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(ckpt))  # no process group: every shard is read into these full tensors
+        load_tensors(state, ckpt)  # no process group: every shard is read into these full tensors
     model.load_state_dict(state["model"])
-    return _in_dtype(model, dtype), cfg.get("data", {}).get("tokenizer", "byte")
+    return _in_dtype(model, dtype), cfg.data.tokenizer
+
+
+def _checkpoint_config(ckpt: Path):
+    """The run's config saved in the checkpoint, its model and tokenizer keys checked as `train` checks them."""
+    from shardfit.config.loader import _set, validate
+    from shardfit.config.schema import Config
+    from shardfit.train.checkpoint_verify import CheckpointProblem, config_toml
+
+    try:
+        saved = config_toml(ckpt)
+    except CheckpointProblem as e:
+        raise ShardfitError(str(e), where=str(ckpt), fix="give the step directory of a whole checkpoint") from None
+    cfg, where = Config(), str(ckpt / "config.toml")
+    for section in ("model", "data"):
+        table = saved.get(section, {})
+        if not isinstance(table, dict):
+            raise ShardfitError(f"[{section}] is not a table", where=where, fix="restore the run's config.toml")
+        known = set(type(getattr(cfg, section)).__dataclass_fields__)
+        for key, value in table.items():
+            if key in known and (section == "model" or key == "tokenizer"):
+                _set(cfg, section, key, value, f"{where} [{section}] {key}", set())
+    validate(cfg)
+    return cfg
 
 
 def _in_dtype(model: CausalLM, dtype: torch.dtype) -> CausalLM:
@@ -201,6 +220,10 @@ def main(argv: list[str]) -> int:
     from shardfit.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(tok_spec)
+    if tokenizer.vocab_size > model.cfg.vocab_size:  # its ids would index past the embedding
+        raise ShardfitError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.cfg.vocab_size}",
+                            where=a.tokenizer or tok_spec, fix="use the tokenizer the model was trained with "
+                            "(--tokenizer), or a model whose vocab_size covers it")
     # generation_config.json sits beside config.json, and beside the tokenizer.json a checkpoint's run used
     where = Path(a.model_path) if a.model_path else Path(tok_spec).parent if tok_spec != "byte" else None
     stops = eos_ids(tokenizer, where)

@@ -220,6 +220,7 @@ def load_tensors(state: dict, path: Path) -> None:
     each rank's failure before raising)."""
     try:
         meta = read_metadata(path)
+        _check_items(path, meta)  # again: a caller may not have run check_files, and it costs a few reads
     except CheckpointProblem as e:
         raise ShardfitError(f"corrupt checkpoint: {e}", where=str(path),
                             fix="resume from an earlier checkpoint (checkpoint.resume=auto skips corrupt ones)"

@@ -65,36 +65,49 @@ def _probe_writable(directory: Path, rank: int) -> None:
 
 
 class RunClaim:
-    """The locks and checks of one run (see the module docstring); `release` at the end or on a failed start."""
+    """The locks and checks of one run (see the module docstring); `release` at the end or on a failed start.
+
+    Two agreed steps: rank 0 makes the directories, takes the locks and checks the export target; then every other
+    rank checks that it can write there too (on a filesystem of its own it makes them: it removes what it made if
+    the start fails). Ordered so that only the rank that made a directory removes it."""
 
     def __init__(self, run_dir: Path, ckpt_dir: Path, export: str, rank: int, device: torch.device):
-        self.created = [d for d in (run_dir, ckpt_dir) if not d.exists()] if rank == 0 else []
+        self.created: list[Path] = []
         self.locks: list[_Lock] = []
-        problem, where = None, str(run_dir)
-        fix = "choose directories this run can write (logging.run_dir, checkpoint.dir)"
-        try:
-            for d in dict.fromkeys((run_dir, ckpt_dir)):
-                where = str(d)
-                _probe_writable(d, rank)  # every rank: each writes its own shards and RNG state here
-                if rank == 0 and (d == run_dir or run_dir.resolve() not in d.resolve().parents):  # the run dir's
-                    # lock covers checkpoints inside it; one elsewhere gets its own (two runs may share it)
-                    lock = _Lock(d)
-                    held = lock.acquire()
-                    if held:
-                        problem = f"run directory is locked: {held}"
-                        break
-                    self.locks.append(lock)
-            if problem is None and export and rank == 0:
-                where, fix = "checkpoint.export_hf", "export to a new or empty directory, or remove this one first"
-                problem = export_problem(Path(export))
-                problem = problem and f"{export} {problem}"
-        except OSError as e:
-            problem = f"cannot write here ({e.strerror or e})"
-        try:
-            agree(problem, where, fix, device)
-        except ShardfitError:
-            self.release(failed=True)
-            raise
+        dirs = list(dict.fromkeys((run_dir, ckpt_dir)))
+        for first in (True, False):
+            problem, where = None, str(run_dir)
+            fix = "choose directories this run can write (logging.run_dir, checkpoint.dir)"
+            if (rank == 0) == first:
+                try:
+                    for d in dirs:
+                        where = str(d)
+                        self.created += [d] if not d.exists() else []
+                        _probe_writable(d, rank)  # every rank writes its own shards and RNG state here
+                        # the run dir's lock covers checkpoints inside it; one elsewhere gets its own
+                        if rank == 0 and (d == run_dir or run_dir.resolve() not in d.resolve().parents):
+                            problem = self._lock(d)
+                            if problem:
+                                break
+                    if problem is None and export and rank == 0:
+                        where, fix = "checkpoint.export_hf", "export to a new or empty directory, or remove it first"
+                        problem = export_problem(Path(export))
+                        problem = problem and f"{export} {problem}"
+                except OSError as e:
+                    problem = f"cannot write here ({e.strerror or e})"
+            try:
+                agree(problem, where, fix, device)
+            except ShardfitError:
+                self.release(failed=True)
+                raise
+
+    def _lock(self, d: Path) -> str | None:
+        lock = _Lock(d)
+        held = lock.acquire()
+        if held:
+            return f"run directory is locked: {held}"
+        self.locks.append(lock)
+        return None
 
     def release(self, failed: bool = False) -> None:
         for lock in self.locks:
@@ -102,8 +115,8 @@ class RunClaim:
         self.locks = []
         if failed:  # a start that failed leaves no directory it made
             for d in reversed(self.created):
-                (d / LOCK).unlink(missing_ok=True)
-                with contextlib.suppress(OSError):  # not empty: something else lives there
+                with contextlib.suppress(OSError):  # never made, or not empty: something else lives there
+                    (d / LOCK).unlink(missing_ok=True)
                     d.rmdir()
 
 
