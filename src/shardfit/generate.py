@@ -67,7 +67,7 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype) -> tuple[Causa
 
 
 def _checkpoint_config(ckpt: Path):
-    """The run's config saved in the checkpoint, its model and tokenizer keys checked as `train` checks them."""
+    """The run's config saved in the checkpoint, its model and data keys checked as `train` checks them."""
     from shardfit.config.loader import _set, validate
     from shardfit.config.schema import Config
     from shardfit.train.checkpoint_verify import CheckpointProblem, config_toml
@@ -83,7 +83,7 @@ def _checkpoint_config(ckpt: Path):
             raise ShardfitError(f"[{section}] is not a table", where=where, fix="restore the run's config.toml")
         known = set(type(getattr(cfg, section)).__dataclass_fields__)
         for key, value in table.items():
-            if key in known and (section == "model" or key == "tokenizer"):
+            if key in known:
                 _set(cfg, section, key, value, f"{where} [{section}] {key}", set())
     validate(cfg)
     return cfg

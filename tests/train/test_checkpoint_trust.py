@@ -240,3 +240,67 @@ def test_unpickler_input_is_never_plain_pickle(made):
     with pytest.raises(CheckpointProblem, match="refused"):
         TensorReader(d).read_metadata()
     assert not (d / MARKER).exists()
+
+
+def _word_tokenizer(path: Path, n: int) -> Path:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def _config_with(key: str, value: str):
+    def damage(d: Path) -> None:
+        text = (d / "config.toml").read_text()
+        lines = [f"{key} = {value}" if line.split(" = ")[0] == key else line for line in text.splitlines()]
+        (d / "config.toml").write_text("\n".join(lines) + "\n")
+    return damage
+
+
+# shardfit generate on a checkpoint: (damage to a copy of step 4, extra flags, what the one line must say)
+GENERATE_CASES = {
+    "run directory whose checkpoints lack their config": (lambda d: (d / "config.toml").unlink(), [], "run",
+                                                           "no complete checkpoint here (skipped corrupt checkpoint"),
+    "step directory without its config": (lambda d: (d / "config.toml").unlink(), [], "step",
+                                          "corrupt checkpoint: missing config.toml"),
+    "config with a string for a count": (_config_with("dim", '"wide"'), [], "step", "config.toml [model] dim"),
+    "config of another shape": (_config_with("n_layers", "3"), [], "step", "has no 'model.model.layers.2."),
+    "tokenizer larger than the model": (lambda d: None, ["--tokenizer", "TOKENIZER"], "step",
+                                        "the tokenizer has 400 tokens, the model 264"),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATE_CASES))
+def test_generate_on_a_bad_checkpoint_says_one_line(made, tmp_path, case):
+    from shardfit.generate import main as generate_main
+
+    damage, flags, given, needle = GENERATE_CASES[case]
+    root = tmp_path / "run" / "checkpoints"
+    shutil.copytree(made, root)
+    shutil.rmtree(root / "step_00000002")
+    damage(root / "step_00000004")
+    tok = str(_word_tokenizer(tmp_path / "tokenizer.json", 400))
+    target = str(tmp_path / "run") if given == "run" else str(root / "step_00000004")
+    with pytest.raises(ShardfitError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        generate_main(["--checkpoint", target, "--prompt", "w1 w2", "--max-new-tokens", "2",
+                       *[tok if f == "TOKENIZER" else f for f in flags]])
+    assert needle in str(e.value), str(e.value)
+
+
+def test_generate_cli_on_a_checkpoint_without_config_exits_2_with_one_line(made, tmp_path):
+    import subprocess
+    import sys
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(made, root)
+    (root / "step_00000004" / "config.toml").unlink()
+    r = subprocess.run([sys.executable, "-m", "shardfit", "generate", "--checkpoint", str(root / "step_00000004"),
+                        "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("shardfit: error:"), r.stderr
+    assert "missing config.toml" in lines[0] and "step_00000004" in lines[0]
