@@ -182,7 +182,14 @@ VALUES = st.one_of(
     st.sampled_from(["", "auto", "none", "1e400", "-0", "0x10", "1_000", "llama3", "3,4", "1-2", "nan"]),
     st.lists(st.integers(min_value=0, max_value=3), max_size=3),
 )
-PAIRS = st.lists(st.tuples(st.sampled_from(KEYS), VALUES), min_size=1, max_size=3)
+# Path keys get paths, not arbitrary text: "/" as data.path would send the loader's data-mode probe over the whole
+# file system, which is what the user asked for, not a hang to find here.
+PATH_KEYS = [("data", "path"), ("data", "val_path"), ("data", "tokenizer"), ("model", "path"),
+             ("logging", "run_dir"), ("checkpoint", "dir"), ("checkpoint", "export_hf")]
+PATHS = st.sampled_from(["", "missing/x.jsonl", "tests/config", "tests/config/*.nothing", "pyproject.toml",
+                         "pyproject.toml/x", "src/**/*.txt", "byte", 5, 1.5, True])
+PAIRS = st.lists(st.one_of(st.tuples(st.sampled_from(KEYS), VALUES), st.tuples(st.sampled_from(PATH_KEYS), PATHS)),
+                 min_size=1, max_size=3)
 
 
 def _cli(value) -> str:

@@ -214,8 +214,7 @@ def training_regime(cfg: Config) -> tuple[bool, bool]:
     them when training starts, and `shardfit plan` needs none)."""
     mode = cfg.data.mode
     if mode == "auto" and cfg.data.path:
-        from shardfit.data.sft import is_sft_file
-        from shardfit.data.sources import resolve_files
+        from shardfit.data.sources import is_sft_file, resolve_files  # torch-free: no import circle through data/
 
         try:
             mode = "sft" if all(is_sft_file(f) for f in resolve_files(cfg.data.path)) else "pretrain"

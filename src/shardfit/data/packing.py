@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from shardfit.config.loader import accumulation_steps
-from shardfit.data.sources import read_documents, resolve_files
+from shardfit.data.sources import is_sft_file, read_documents, resolve_files
 from shardfit.data.token_shards import (
     check_token_ids,
     encode_batches,
@@ -199,7 +199,7 @@ def build_datasets(data_cfg, vocab_size: int,
                             "measure the training data", where="data.val_path",
                             fix="give held-out files, or data.val_fraction to hold out part of data.path")
     if data_cfg.path and data_cfg.mode != "pretrain" and shard_dir_state(data_cfg.path) is None:
-        from shardfit.data.sft import ExampleDataset, dropped_notice, is_sft_file, read_examples
+        from shardfit.data.sft import ExampleDataset, dropped_notice, read_examples
         from shardfit.data.sft_packed import PackedExamples
 
         files = resolve_files(data_cfg.path)

@@ -3,7 +3,8 @@
 Loss is taken only on what the model should produce: the completion, or every assistant message. A chat is
 rendered with the tokenizer's chat template (tokenizer_config.json "chat_template", Jinja, rendered in a sandbox)
 when there is one, else with the plain template below. Each example is one sequence: truncated to data.seq_len
-(counted and reported) or padded, with labels -100 on prompts and padding.
+(counted and reported) or padded, with labels -100 on prompts and padding. An example with no loss-bearing token
+within data.seq_len is left out (counted; a data set of only such examples is refused).
 
 Plain template (documented, stable):   <|role|>\\ncontent\\n   per message, then EOS after each assistant message;
 prompt/completion is   prompt + completion + EOS   with loss on completion + EOS.
@@ -148,21 +149,6 @@ def _example(obj: dict, where: str) -> list[tuple[str, bool]] | list[dict]:
     keys = ", ".join(sorted(obj))
     raise ShardfitError(f"expected 'prompt' and 'completion' strings or 'messages' (found: {keys})", where=where,
                         fix="one fine-tuning example per line")
-
-
-def is_sft_file(path: Path) -> bool:
-    """A JSON-lines file whose first object is a fine-tuning example."""
-    if path.suffix.lower() not in (".jsonl", ".json"):
-        return False
-    with open_data(path) as f:
-        for raw in f:
-            if raw.strip():
-                try:
-                    obj = json.loads(raw)
-                except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply: not an example
-                    return False
-                return isinstance(obj, dict) and ("messages" in obj or {"prompt", "completion"} <= set(obj))
-    return False
 
 
 class ExampleDataset(ShuffledDataset):

@@ -108,6 +108,22 @@ def _format(path: Path, fmt: str) -> str:
     return kind
 
 
+def is_sft_file(path: Path) -> bool:
+    """A JSON-lines file whose first object is a fine-tuning example (data/sft.py reads them). Here, not in sft.py,
+    so that the config loader can ask without importing sft.py, which imports the loader back (through packing)."""
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        return False
+    with open_data(path) as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    obj = json.loads(raw)
+                except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply: not an example
+                    return False
+                return isinstance(obj, dict) and ("messages" in obj or {"prompt", "completion"} <= set(obj))
+    return False
+
+
 def _read_text(path: Path) -> Iterator[tuple[str, str]]:
     """One document per file; decoded line by line so an error can name the line."""
     lines = []

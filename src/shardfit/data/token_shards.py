@@ -7,7 +7,8 @@ Layout of a shard directory (every file is written under a `.tmp` name and renam
   starts_00007.npy  piece 7's document starts, relative to the piece (int64)
   done_00007.json   piece 7 is complete (its token and document counts): a re-run skips it
   doc_starts.npy    every document's start in the whole stream (int64), written once all pieces are done
-  manifest.json     written last: a directory with a manifest is complete, one without is refused
+  manifest.json     written last: a directory with a manifest is complete, one without is refused; it records the
+                    largest token id (max_id), checked against the model's vocabulary when training opens it
 
 A piece is a run of consecutive input segments (a text file, a line-aligned byte range of a JSON-lines file, a run
 of whole row groups of a Parquet file) of about `piece_bytes` of input (data/tokenize.py plans them). Pieces are
