@@ -278,14 +278,17 @@ def validate(cfg: Config) -> None:
 
 
 def range_text(meta: dict) -> str:
-    """A field's range as a user reads it: '> 0', '>= 2', '[0, 1)', '(0, 1]'; '' when it has none."""
+    """A field's range as a user reads it: '> 0', '>= 2', 'in [0, 1)', 'in (0, 1]'; '' when it has none."""
+    def num(x: float) -> str:
+        return str(x) if isinstance(x, int) else f"{x:g}"
+
     lo = ("[", meta["ge"]) if meta.get("ge") is not None else ("(", meta["gt"]) if meta.get("gt") is not None else None
     hi = ("]", meta["le"]) if meta.get("le") is not None else (")", meta["lt"]) if meta.get("lt") is not None else None
     if lo and hi:
-        return f"in {lo[0]}{lo[1]:g}, {hi[1]:g}{hi[0]}"
+        return f"in {lo[0]}{num(lo[1])}, {num(hi[1])}{hi[0]}"
     if lo:
-        return f"{'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
-    return f"{'<=' if hi[0] == ']' else '<'} {hi[1]:g}" if hi else ""
+        return f"{'>=' if lo[0] == '[' else '>'} {num(lo[1])}"
+    return f"{'<=' if hi[0] == ']' else '<'} {num(hi[1])}" if hi else ""
 
 
 _BOUNDS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}

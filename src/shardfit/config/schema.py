@@ -23,7 +23,6 @@ MAX_WIDTH = 1 << 20  # hidden and inner sizes
 MAX_HEADS = 1 << 12  # attention heads, per-head size, experts
 MAX_LAYERS = 1 << 10
 MAX_TOKENS = 1 << 24  # vocabulary and context lengths
-MAX_SEED = (1 << 63) - 1
 
 
 @dataclass
@@ -80,7 +79,7 @@ class DataConfig:
     text_field: str = opt("text", "JSON key or Parquet column that holds the text")
     tokenizer: str = opt("byte", "'byte' for the built-in byte tokenizer, or a path to a tokenizer.json")
     seq_len: int = opt(256, "tokens per training sequence (at least 2)", ge=2)
-    seed: int = opt(1234, "seed of the sample order", ge=0, le=MAX_SEED)
+    seed: int = opt(1234, "seed of the sample order", ge=0)
     document_mask: bool = opt(True, "packed rows: a token attends only to earlier tokens of its own document and RoPE "
                                     "positions restart at each document start; false: attention crosses document "
                                     "boundaries inside a row (shardfit 0.1's behaviour); token-budget rows "
@@ -116,7 +115,7 @@ class TrainConfig:
     beta2: float = opt(0.95, "AdamW beta2", ge=0, lt=1)
     eps: float = opt(1e-8, "AdamW epsilon", gt=0, lt=1)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables", ge=0)
-    seed: int = opt(0, "seed of the weight initialisation", ge=0, le=MAX_SEED)
+    seed: int = opt(0, "seed of the weight initialisation", ge=0)
     max_skipped_steps: int = opt(10, "non-finite steps skipped before saving and stopping", ge=0)
     watchdog_s: float = opt(900.0, "a rank with no progress for this long dumps its stacks and exits (hang "
                                    "report); 0 disables", ge=0)
