@@ -87,9 +87,13 @@ def test_bad_examples_name_the_line(tmp_path, row, needle):
 
 
 def test_truncation_is_counted(tmp_path):
-    rows = [{"prompt": "p" * 40, "completion": "c"}, {"prompt": "a", "completion": "b"}]
+    # the first is cut inside its completion (kept); the second's prompt fills seq_len (left out: nothing to learn)
+    rows = [{"prompt": "p" * 10, "completion": "c" * 30}, {"prompt": "p" * 40, "completion": "c"},
+            {"prompt": "a", "completion": "b"}]
     ds = _ds(_write(tmp_path / "d.jsonl", rows))
-    assert ds.truncated == 1
+    assert ds.truncated == 1 and len(ds.examples) == 2
+    assert ds.notices == (f"{tmp_path / 'd.jsonl'}: 1 of 3 examples left out: no loss-bearing token within "
+                          "data.seq_len=24 (raise data.seq_len to keep them)",)
     assert all(len(x) == 24 for x in ds.pair(0))
 
 

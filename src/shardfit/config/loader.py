@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import operator
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+INT64 = (-(1 << 63), (1 << 63) - 1)
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -55,21 +57,36 @@ def _coerce(value: Any, ftype: str, where: str, from_text: bool) -> Any:
                     return False
                 raise ValueError
             if kind == "int":
-                return int(text.replace("_", ""))
+                value = int(text.replace("_", ""))
             if kind == "float":
-                return float(text)
-        except ValueError:
-            raise ShardfitError(f"'{value}' is not a valid {kind}", where=where,
+                value = float(text)
+        except ValueError:  # also an int of more digits than Python converts (sys.get_int_max_str_digits)
+            raise ShardfitError(f"'{_shown(value)}' is not a valid {kind}", where=where,
                                 fix=f"give a {kind}" + (" (true/false)" if kind == "bool" else "")) from None
     if kind == "bool" and isinstance(value, bool):
         return value
     if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+        if not INT64[0] <= value <= INT64[1]:  # every count and seed ends up in a 64-bit tensor or C integer
+            raise ShardfitError(f"{_shown(value)} does not fit a 64-bit integer", where=where,
+                                fix="give a smaller number")
         return value
     if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond the float range
+            raise ShardfitError(f"{_shown(value)} is too large for a float", where=where,
+                                fix="give a smaller number") from None
     if kind == "str" and isinstance(value, str):
         return value
-    raise ShardfitError(f"expected {kind}, got {type(value).__name__} {value!r}", where=where, fix=f"give a {kind}")
+    raise ShardfitError(f"expected {kind}, got {type(value).__name__} {_shown(repr(value))}", where=where,
+                        fix=f"give a {kind}")
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value as an error line quotes it: repr of non-strings, one line, at most `limit` characters."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: set[str],
@@ -114,15 +131,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         from shardfit.config.recipes import resolve
 
         path = resolve(str(path))  # recipe:NAME -> the shipped file
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ShardfitError("config file not found", where=str(path), fix="check the path") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ShardfitError(f"malformed TOML ({e})", where=str(path), fix="fix the TOML syntax") from None
+        data = _read_toml(path)
         recipe = data.pop("recipe", None)  # a recipe's description and GPU layout (config/recipes), not training keys
         # a recipe that needs model.path fine-tunes: its help and plan show the rates training will use
-        weights = isinstance(recipe, dict) and "model.path" in (recipe.get("needs") or {})
+        needs = recipe.get("needs") if isinstance(recipe, dict) else None
+        weights = isinstance(needs, dict) and "model.path" in needs
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ShardfitError(f"'{section}' must be a table like [{section}]", where=str(path),
@@ -134,9 +147,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set(cfg, section, key, value, f"--{section}.{key}", explicit, from_text=True)
     _apply_preset(cfg, explicit)
     _check_keys(cfg)
+    _check_rules(cfg, MODEL_RULES)
     _apply_training_defaults(cfg, explicit, weights)
     validate(cfg)
     return cfg
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The file's tables, or one line saying why not (missing, a directory, unreadable, not UTF-8, not TOML)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ShardfitError("config file not found", where=str(path), fix="check the path") from None
+    except IsADirectoryError:
+        raise ShardfitError("is a directory, not a config file", where=str(path),
+                            fix="give the path of a .toml file") from None
+    except (OSError, ValueError) as e:  # permission, an embedded NUL byte, invalid UTF-8 (UnicodeDecodeError)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise ShardfitError(f"cannot read the config file ({reason})", where=str(path),
+                            fix="give a readable UTF-8 .toml file") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ShardfitError(f"malformed TOML ({e})", where=str(path), fix="fix the TOML syntax") from None
 
 
 def _apply_preset(cfg: Config, explicit: set[str]) -> None:
@@ -159,9 +192,11 @@ def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
     from shardfit.models.families import read_hf_config
 
     family, fields = read_hf_config(cfg.model.path)
+    fields_by_name = _fields(cfg.model)
     for key, value in fields.items():
         if key in _TRAINING_CHOICES and f"model.{key}" in explicit:
             continue  # a training setting stored in config.json, not architecture: the command line wins
+        value = _coerce(value, fields_by_name[key].type, f"{cfg.model.path}/config.json model.{key}", False)
         if f"model.{key}" in explicit and getattr(cfg.model, key) != value:
             raise ShardfitError(f"model.{key}={getattr(cfg.model, key)} conflicts with {key}={value} in "
                                 f"{cfg.model.path}/config.json", where=f"model.{key}",
@@ -179,8 +214,7 @@ def training_regime(cfg: Config) -> tuple[bool, bool]:
     them when training starts, and `shardfit plan` needs none)."""
     mode = cfg.data.mode
     if mode == "auto" and cfg.data.path:
-        from shardfit.data.sft import is_sft_file
-        from shardfit.data.sources import resolve_files
+        from shardfit.data.sources import is_sft_file, resolve_files  # torch-free: no import circle through data/
 
         try:
             mode = "sft" if all(is_sft_file(f) for f in resolve_files(cfg.data.path)) else "pretrain"
@@ -240,43 +274,127 @@ def defaults_table() -> str:
 def validate(cfg: Config) -> None:
     """Per-key checks from the schema's metadata, then the rules that tie keys together."""
     _check_keys(cfg)
-    _check_rules(cfg)
+    _check_rules(cfg, MODEL_RULES + RULES)
+
+
+def range_text(meta: dict) -> str:
+    """A field's range as a user reads it: '> 0', '>= 2', 'in [0, 1)', 'in (0, 1]'; '' when it has none."""
+    def num(x: float) -> str:
+        return str(x) if isinstance(x, int) else f"{x:g}"
+
+    lo = ("[", meta["ge"]) if meta.get("ge") is not None else ("(", meta["gt"]) if meta.get("gt") is not None else None
+    hi = ("]", meta["le"]) if meta.get("le") is not None else (")", meta["lt"]) if meta.get("lt") is not None else None
+    if lo and hi:
+        return f"in {lo[0]}{num(lo[1])}, {num(hi[1])}{hi[0]}"
+    if lo:
+        return f"{'>=' if lo[0] == '[' else '>'} {num(lo[1])}"
+    return f"{'<=' if hi[0] == ']' else '<'} {num(hi[1])}" if hi else ""
+
+
+_BOUNDS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
+
+
+def _in_range(value: float, meta: dict) -> bool:
+    return all(meta.get(k) is None or within(value, meta[k]) for k, within in _BOUNDS.items())
 
 
 def _check_keys(cfg: Config) -> None:
-    """Each key's choices and range (schema metadata): run before the model is built to count its parameters."""
+    """Each key's choices and range (schema metadata), and every float finite: run before the model is built to
+    count its parameters."""
     for sname, section in _sections(cfg).items():
         for name, f in _fields(section).items():
             value = getattr(section, name)
             meta = f.metadata
             where = f"{sname}.{name}"
             if meta.get("choices") and value not in meta["choices"]:
-                raise ShardfitError(f"'{value}' is not allowed", where=where,
+                raise ShardfitError(f"'{_shown(value)}' is not allowed", where=where,
                                     fix="choose one of " + ", ".join(meta["choices"]))
-            if meta.get("ge") is not None and value < meta["ge"]:
-                raise ShardfitError(f"{value} is out of range", where=where, fix=f"give a value >= {meta['ge']}")
-            if meta.get("gt") is not None and value <= meta["gt"]:
-                raise ShardfitError(f"{value} is out of range", where=where, fix=f"give a value > {meta['gt']}")
+            allowed = range_text(meta)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ShardfitError(f"{value} is not a finite number", where=where,
+                                    fix="give a finite value" + (f" {allowed}" if allowed else ""))
+            if allowed and not _in_range(value, meta):
+                raise ShardfitError(f"{value} is out of range", where=where,
+                                    fix=f"give a value {allowed}")
 
 
-def _check_rules(cfg: Config) -> None:
-    m = cfg.model
-    if m.n_heads % m.n_kv_heads:
-        raise ShardfitError(f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}",
-                            where="model.n_kv_heads", fix="pick n_kv_heads that divides n_heads")
-    if not m.head_dim and m.dim % m.n_heads:
-        raise ShardfitError(f"dim={m.dim} is not divisible by n_heads={m.n_heads}", where="model.n_heads",
-                            fix="set model.head_dim or pick n_heads that divides dim")
-    if cfg.data.seq_len > m.max_seq_len:
-        raise ShardfitError(f"seq_len={cfg.data.seq_len} is above the model's limit max_seq_len={m.max_seq_len}",
-                            where="data.seq_len", fix=f"use data.seq_len <= {m.max_seq_len} or raise model.max_seq_len")
-    if m.n_experts and not (0 < m.experts_per_token <= m.n_experts and m.moe_ffn_dim):
-        raise ShardfitError(f"an MoE model needs 0 < experts_per_token <= n_experts={m.n_experts} and moe_ffn_dim",
-                            where="model.experts_per_token", fix="set model.experts_per_token and model.moe_ffn_dim")
-    if m.sliding_window and cfg.data.seq_len > m.sliding_window:
-        raise ShardfitError(f"seq_len={cfg.data.seq_len} is longer than the model's sliding window "
-                            f"{m.sliding_window}, which shardfit does not implement", where="data.seq_len",
-                            fix=f"use data.seq_len <= {m.sliding_window}")
+def _head_dim(m) -> int:
+    return m.head_dim or m.dim // m.n_heads
+
+
+def _bad_layer_list(m) -> str | None:
+    """Why model.dense_layers is not a list of layer indices, or None."""
+    for part in filter(None, (p.strip() for p in m.dense_layers.split(","))):
+        if not part.isdigit() or int(part) >= m.n_layers:
+            return f"'{_shown(part)}' is not a layer index in 0..{m.n_layers - 1}"
+    return None
+
+
+def _bad_step_list(spec: str, steps: int) -> str | None:
+    """Why memory.snapshot_steps ("3,4" or "10-12") is not a list of steps of this run, or None. Checked here, range
+    by range, so that a typo like 1-10000000000 is refused instead of expanded into a set of ten billion steps."""
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, dash, hi = part.partition("-")
+        if not lo.strip().isdigit() or (dash and not hi.strip().isdigit()):
+            return f"cannot read '{_shown(part)}' (steps like 3,4 or 10-12)"
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if not 1 <= first <= last <= steps:
+            return f"'{_shown(part)}' is not a range of steps within 1..{steps}"
+    return None
+
+
+# Rules over several keys: (key to name, broken(cfg), what is wrong(cfg), fix(cfg)). MODEL_RULES run before the
+# loader builds the model to count its parameters (a shape the model cannot take must not reach the build).
+Rule = tuple[str, Any, Any, Any]
+MODEL_RULES: tuple[Rule, ...] = (
+    ("model.n_kv_heads", lambda c: c.model.n_kv_heads > c.model.n_heads or c.model.n_heads % c.model.n_kv_heads,
+     lambda c: f"n_heads={c.model.n_heads} is not a multiple of n_kv_heads={c.model.n_kv_heads}",
+     lambda c: "pick n_kv_heads that divides n_heads"),
+    ("model.n_heads", lambda c: not c.model.head_dim and c.model.dim % c.model.n_heads,
+     lambda c: f"dim={c.model.dim} is not divisible by n_heads={c.model.n_heads}",
+     lambda c: "set model.head_dim or pick n_heads that divides dim"),
+    ("model.head_dim", lambda c: _head_dim(c.model) % 2,
+     lambda c: f"the head dimension {_head_dim(c.model)} is odd: rotary embeddings rotate pairs of channels",
+     lambda c: "pick an even model.head_dim (or dim and n_heads whose quotient is even)"),
+    ("model.experts_per_token", lambda c: c.model.n_experts and not (
+        0 < c.model.experts_per_token <= c.model.n_experts and c.model.moe_ffn_dim),
+     lambda c: f"an MoE model needs 0 < experts_per_token <= n_experts={c.model.n_experts} and moe_ffn_dim",
+     lambda c: "set model.experts_per_token and model.moe_ffn_dim"),
+    ("model.rope_high_freq_factor", lambda c: c.model.rope_scaling == "llama3"
+     and c.model.rope_high_freq_factor <= c.model.rope_low_freq_factor,
+     lambda c: f"llama3 RoPE scaling needs high_freq_factor > low_freq_factor, got {c.model.rope_high_freq_factor}"
+               f" <= {c.model.rope_low_freq_factor}", lambda c: "use the checkpoint's values (e.g. 4.0 and 1.0)"),
+    ("model.dense_layers", lambda c: _bad_layer_list(c.model), lambda c: _bad_layer_list(c.model),
+     lambda c: "give comma-separated layer indices like 0,2"),
+)
+RULES: tuple[Rule, ...] = (
+    ("data.seq_len", lambda c: c.data.seq_len > c.model.max_seq_len,
+     lambda c: f"seq_len={c.data.seq_len} is above the model's limit max_seq_len={c.model.max_seq_len}",
+     lambda c: f"use data.seq_len <= {c.model.max_seq_len} or raise model.max_seq_len"),
+    ("data.seq_len", lambda c: c.model.sliding_window and c.data.seq_len > c.model.sliding_window,
+     lambda c: f"seq_len={c.data.seq_len} is longer than the model's sliding window {c.model.sliding_window}, "
+               "which shardfit does not implement", lambda c: f"use data.seq_len <= {c.model.sliding_window}"),
+    ("logging.profile_step", lambda c: c.logging.profile_step > c.train.steps,
+     lambda c: f"step {c.logging.profile_step} is after the last step {c.train.steps}: nothing would be profiled",
+     lambda c: f"give a step in 1..{c.train.steps}, or 0"),
+    ("memory.snapshot_steps", lambda c: _bad_step_list(c.memory.snapshot_steps, c.train.steps),
+     lambda c: _bad_step_list(c.memory.snapshot_steps, c.train.steps),
+     lambda c: f"give steps like 3,4 or 10-12 within 1..{c.train.steps}"),
+    ("data.val_path", lambda c: c.data.val_path and c.data.val_path == c.data.path,
+     lambda c: "is the same as data.path: the validation loss would measure the training data",
+     lambda c: "give held-out files, or data.val_fraction to hold out part of data.path"),
+    ("data.val_fraction", lambda c: c.data.val_path and c.data.val_fraction,
+     lambda c: f"{c.data.val_fraction} is set together with data.val_path, which takes its place",
+     lambda c: "give one of data.val_path and data.val_fraction"),
+)
+
+
+def _check_rules(cfg: Config, rules: tuple[Rule, ...]) -> None:
+    for where, broken, what, fix in rules:
+        if broken(cfg):
+            raise ShardfitError(what(cfg), where=where, fix=fix(cfg))
+    if rules is MODEL_RULES:
+        return
     for key in ("tensorboard", "wandb"):  # the package, and shardfit's extra, of the same name
         # checked before any process starts or any model is built, not at the first log line
         if getattr(cfg.logging, key) and importlib.util.find_spec(key) is None:

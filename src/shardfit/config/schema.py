@@ -9,45 +9,62 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None, gt: float | None = None):
-    """A config field: default, one-line help, and the checks the loader applies."""
-    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt})
+def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None):
+    """A config field: default, one-line help, and the checks the loader applies: its choices, or its range
+    (ge/gt: lower bound, le/lt: upper bound). Every float must also be finite, every int fit 64 bits."""
+    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt})
+
+
+# Ceilings of the model's shape, far above any real model (Llama-3-405B: width 16384, 126 layers, 128 heads): they
+# catch a typo'd size before the loader builds the model on the meta device to count its parameters (a billion
+# layers would take hours to build there, a width of 2**62 overflows int64).
+MAX_WIDTH = 1 << 20  # hidden and inner sizes
+MAX_HEADS = 1 << 12  # attention heads, per-head size, experts
+MAX_LAYERS = 1 << 10
+MAX_TOKENS = 1 << 24  # vocabulary and context lengths
 
 
 @dataclass
 class ModelConfig:
     name: str = opt("tiny", "architecture preset whose sizes fill every model key you do not set (see PRESETS)")
     path: str = opt("", "a Hugging Face model directory (config.json, safetensors): its architecture and weights")
-    vocab_size: int = opt(264, "vocabulary size (must cover the tokenizer's ids)", gt=0)
-    dim: int = opt(256, "hidden size", gt=0)
-    n_layers: int = opt(4, "decoder blocks", gt=0)
-    n_heads: int = opt(8, "attention heads", gt=0)
-    n_kv_heads: int = opt(4, "key/value heads (grouped-query attention); must divide n_heads", gt=0)
-    head_dim: int = opt(0, "per-head size; 0 means dim // n_heads", ge=0)
-    ffn_dim: int = opt(704, "SwiGLU inner size", gt=0)
-    max_seq_len: int = opt(1024, "longest sequence the model accepts (RoPE table size)", gt=0)
+    vocab_size: int = opt(264, "vocabulary size (must cover the tokenizer's ids)", gt=0,
+                          le=MAX_TOKENS)
+    dim: int = opt(256, "hidden size", gt=0, le=MAX_WIDTH)
+    n_layers: int = opt(4, "decoder blocks", gt=0, le=MAX_LAYERS)
+    n_heads: int = opt(8, "attention heads", gt=0, le=MAX_HEADS)
+    n_kv_heads: int = opt(4, "key/value heads (grouped-query attention); must divide n_heads", gt=0,
+                          le=MAX_HEADS)
+    head_dim: int = opt(0, "per-head size (even: RoPE rotates pairs); 0 means dim // n_heads", ge=0,
+                        le=MAX_HEADS)
+    ffn_dim: int = opt(704, "SwiGLU inner size", gt=0, le=MAX_WIDTH)
+    max_seq_len: int = opt(1024, "longest sequence the model accepts (RoPE table size)", gt=0,
+                           le=MAX_TOKENS)
     rope_theta: float = opt(10000.0, "RoPE base frequency", gt=0)
     rope_scaling: str = opt("none", "RoPE frequency scaling", choices=("none", "llama3"))
-    rope_factor: float = opt(8.0, "llama3 scaling: factor", gt=0)
+    rope_factor: float = opt(8.0, "llama3 scaling: factor", ge=1)
     rope_low_freq_factor: float = opt(1.0, "llama3 scaling: low-frequency factor", gt=0)
     rope_high_freq_factor: float = opt(4.0, "llama3 scaling: high-frequency factor", gt=0)
-    rope_original_max_seq_len: int = opt(8192, "llama3 scaling: original context length", gt=0)
-    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
+    rope_original_max_seq_len: int = opt(8192, "llama3 scaling: original context length", gt=0,
+                                        le=MAX_TOKENS)
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0, lt=1)
     tie_embeddings: bool = opt(True, "share the input embedding with the output projection")
     qkv_bias: bool = opt(False, "bias on the q/k/v projections (Qwen2)")
     qk_norm: bool = opt(False, "RMSNorm on queries and keys per head (Qwen3)")
-    init_std: float = opt(0.02, "std of the normal initialisation of weights", gt=0)
-    sliding_window: int = opt(0, "attention window of Mistral-style models; sequences must fit in it (0: none)", ge=0)
-    n_experts: int = opt(0, "experts per MoE layer (Qwen3-MoE); 0: dense model", ge=0)
-    experts_per_token: int = opt(0, "experts each token is routed to (top-k)", ge=0)
-    moe_ffn_dim: int = opt(0, "inner size of each expert", ge=0)
+    init_std: float = opt(0.02, "std of the normal initialisation of weights", gt=0, le=1)
+    sliding_window: int = opt(0, "attention window of Mistral-style models; sequences must fit in it (0: none)", ge=0,
+                            le=MAX_TOKENS)
+    n_experts: int = opt(0, "experts per MoE layer (Qwen3-MoE); 0: dense model", ge=0, le=MAX_HEADS)
+    experts_per_token: int = opt(0, "experts each token is routed to (top-k)", ge=0, le=MAX_HEADS)
+    moe_ffn_dim: int = opt(0, "inner size of each expert", ge=0, le=MAX_WIDTH)
     norm_topk_prob: bool = opt(True, "renormalise the top-k routing weights to sum to 1")
     router_aux_coef: float = opt(0.0, "weight of the routers' load-balancing loss (router_aux_loss_coef, used when "
                                       "output_router_logits is on); 0: none", ge=0)
     router_bias_rate: float = opt(0.0, "auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias added to "
                                        "the routing scores for the top-k choice only, moved by this rate towards "
                                        "even load after every step (their gamma: 0.001); 0: off", ge=0)
-    moe_every: int = opt(1, "every k-th layer is MoE (decoder_sparse_step)", gt=0)
+    moe_every: int = opt(1, "every k-th layer is MoE (decoder_sparse_step)", gt=0, le=MAX_LAYERS)
     dense_layers: str = opt("", "comma-separated layer indices that stay dense (mlp_only_layers)")
 
 
@@ -61,8 +78,8 @@ class DataConfig:
                     choices=("auto", "pretrain", "sft"))
     text_field: str = opt("text", "JSON key or Parquet column that holds the text")
     tokenizer: str = opt("byte", "'byte' for the built-in byte tokenizer, or a path to a tokenizer.json")
-    seq_len: int = opt(256, "tokens per training sequence", gt=0)
-    seed: int = opt(1234, "seed of the sample order")
+    seq_len: int = opt(256, "tokens per training sequence (at least 2)", ge=2)
+    seed: int = opt(1234, "seed of the sample order", ge=0)
     document_mask: bool = opt(True, "packed rows: a token attends only to earlier tokens of its own document and RoPE "
                                     "positions restart at each document start; false: attention crosses document "
                                     "boundaries inside a row (shardfit 0.1's behaviour); token-budget rows "
@@ -72,7 +89,8 @@ class DataConfig:
     val_path: str = opt("", "held-out data for the validation loss (same formats as data.path); empty: none, or "
                             "data.val_fraction")
     val_fraction: float = opt(0.0, "with no data.val_path: hold out this fraction of the training items (windows or "
-                                   "examples) for the validation loss", ge=0)
+                                   "examples) for the validation loss", ge=0,
+                                lt=1)
 
 
 @dataclass
@@ -88,15 +106,16 @@ class TrainConfig:
                                      "train.micro_batch sequences", ge=0)
     eval_every: int = opt(0, "steps between validation-loss evaluations (also after the last step); 0: never", ge=0)
     eval_batches: int = opt(0, "micro-batches per rank per evaluation; 0: the whole validation set", ge=0)
-    lr: float = opt(3e-3, "peak learning rate", gt=0)
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)", ge=0)
+    lr: float = opt(3e-3, "peak learning rate (AdamW: typically 1e-5 to 3e-3)", gt=0, le=1)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)", ge=0,
+                              le=1)
     warmup_steps: int = opt(15, "linear warm-up steps", ge=0)
     weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norms and biases)", ge=0)
-    beta1: float = opt(0.9, "AdamW beta1", ge=0)
-    beta2: float = opt(0.95, "AdamW beta2", ge=0)
-    eps: float = opt(1e-8, "AdamW epsilon", gt=0)
+    beta1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = opt(0.95, "AdamW beta2", ge=0, lt=1)
+    eps: float = opt(1e-8, "AdamW epsilon", gt=0, lt=1)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables", ge=0)
-    seed: int = opt(0, "seed of the weight initialisation")
+    seed: int = opt(0, "seed of the weight initialisation", ge=0)
     max_skipped_steps: int = opt(10, "non-finite steps skipped before saving and stopping", ge=0)
     watchdog_s: float = opt(900.0, "a rank with no progress for this long dumps its stacks and exits (hang "
                                    "report); 0 disables", ge=0)
@@ -215,7 +234,7 @@ class MemoryConfig:
                                  "memory is idle cache the compute stream cannot use (15 GiB per GPU for Llama-3-8B "
                                  "on 2 GPUs)")
     max_fraction: float = opt(0.0, "cap this process's CUDA memory at this fraction of the GPU (headroom for other "
-                                   "processes); 0: no cap", ge=0)
+                                   "processes); 0: no cap", ge=0, le=1)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -27,20 +28,74 @@ def embedded_corpus() -> list[tuple[str, str]]:
 
 
 def resolve_files(spec: str) -> list[Path]:
-    """A file, a directory (every readable file below it) or a glob, in sorted order."""
+    """A file, a directory (every data file below it) or a glob, in sorted order; one line when it names nothing
+    readable: a missing path (or one through a file, as if it were a directory), a glob that matches no file, a
+    directory without data files, only empty files."""
     path = Path(spec)
     if path.is_file():
-        return [path]
-    if path.is_dir():
+        files = [path]
+    elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _EXT)
         if not files:
             raise ShardfitError("directory holds no .txt, .jsonl or .parquet files", where=spec,
                                 fix="point data.path at the data files")
-        return files
-    matches = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
-    if not matches:
-        raise ShardfitError("no such file, directory or glob match", where=spec, fix="check data.path")
-    return matches
+    elif glob.has_magic(spec):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not files:
+            raise ShardfitError("the glob matches no file", where=spec, fix="check data.path")
+    else:
+        parent = next((p for p in path.parents if p.is_file()), None)
+        if parent is not None:
+            raise ShardfitError(f"{parent} is a file, not a directory", where=spec, fix="check data.path")
+        raise ShardfitError("no such file or directory", where=spec, fix="check data.path")
+    if all(_size(p) == 0 for p in files):
+        raise ShardfitError("is empty (0 bytes)" if len(files) == 1 else f"all {len(files)} files are empty",
+                            where=str(files[0]) if len(files) == 1 else spec, fix="point data.path at the data")
+    return files
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1  # the reader names the file and the reason
+
+
+def open_data(path: Path):
+    """`open(path, "rb")`, or one line naming the file and why it cannot be read (permission, a directory...)."""
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise ShardfitError(f"cannot read the file ({e.strerror or e})", where=str(path),
+                            fix="check its permissions, or leave it out of data.path") from None
+
+
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): json.loads accepts a lone one, which then fails whoever
+# encodes the text (every tokenizer). Lines without one (nearly all) skip the check.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json_line(raw: bytes, where: str) -> object:
+    """One JSON-lines line as its object, or one line naming file:line and the fix: invalid UTF-8, invalid JSON, or a
+    lone UTF-16 surrogate escape such as \\ud800 (valid JSON syntax, but no text: no tokenizer can encode it)."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ShardfitError(f"line is not valid UTF-8 (byte {e.start})", where=where,
+                            fix="re-encode the file as UTF-8 or remove the line") from None
+    except json.JSONDecodeError as e:
+        raise ShardfitError(f"invalid JSON ({e.msg} at column {e.colno})", where=where,
+                            fix="one JSON object per line") from None
+    except RecursionError:
+        raise ShardfitError("JSON nested too deeply", where=where, fix="one flat JSON object per line") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ShardfitError(f"a lone UTF-16 surrogate escape (\\u{ord(e.object[e.start]):04x}) is not text",
+                                where=where, fix="write the character itself or a valid surrogate pair, or remove "
+                                                 "the line") from None
+    return obj
 
 
 def _format(path: Path, fmt: str) -> str:
@@ -53,10 +108,26 @@ def _format(path: Path, fmt: str) -> str:
     return kind
 
 
+def is_sft_file(path: Path) -> bool:
+    """A JSON-lines file whose first object is a fine-tuning example (data/sft.py reads them). Here, not in sft.py,
+    so that the config loader can ask without importing sft.py, which imports the loader back (through packing)."""
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        return False
+    with open_data(path) as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    obj = json.loads(raw)
+                except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply: not an example
+                    return False
+                return isinstance(obj, dict) and ("messages" in obj or {"prompt", "completion"} <= set(obj))
+    return False
+
+
 def _read_text(path: Path) -> Iterator[tuple[str, str]]:
     """One document per file; decoded line by line so an error can name the line."""
     lines = []
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         for lineno, raw in enumerate(f, 1):
             try:
                 lines.append(raw.decode("utf-8"))
@@ -70,7 +141,7 @@ def _read_jsonl(path: Path, field: str, start: int = 0, end: int | None = None,
                 first_line: int = 1) -> Iterator[tuple[str, str]]:
     """The lines that start in bytes [start, end) (`shardfit tokenize` splits large files at line boundaries);
     first_line is the number of the line at byte `start`, so errors still name the file's own line."""
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         f.seek(start)
         pos = start
         for lineno, raw in enumerate(f, first_line):
@@ -80,14 +151,7 @@ def _read_jsonl(path: Path, field: str, start: int = 0, end: int | None = None,
             where = f"{path}:{lineno}"
             if not raw.strip():
                 continue
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise ShardfitError(f"line is not valid UTF-8 (byte {e.start})", where=where,
-                                    fix="re-encode the file as UTF-8 or remove the line") from None
-            except json.JSONDecodeError as e:
-                raise ShardfitError(f"invalid JSON ({e.msg} at column {e.colno})", where=where,
-                                    fix="one JSON object per line") from None
+            obj = parse_json_line(raw, where)
             if not isinstance(obj, dict) or field not in obj:
                 keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
                 raise ShardfitError(f"no '{field}' field (found: {keys})", where=where,

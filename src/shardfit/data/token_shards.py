@@ -7,7 +7,8 @@ Layout of a shard directory (every file is written under a `.tmp` name and renam
   starts_00007.npy  piece 7's document starts, relative to the piece (int64)
   done_00007.json   piece 7 is complete (its token and document counts): a re-run skips it
   doc_starts.npy    every document's start in the whole stream (int64), written once all pieces are done
-  manifest.json     written last: a directory with a manifest is complete, one without is refused
+  manifest.json     written last: a directory with a manifest is complete, one without is refused; it records the
+                    largest token id (max_id), checked against the model's vocabulary when training opens it
 
 A piece is a run of consecutive input segments (a text file, a line-aligned byte range of a JSON-lines file, a run
 of whole row groups of a Parquet file) of about `piece_bytes` of input (data/tokenize.py plans them). Pieces are
@@ -133,43 +134,117 @@ class TokenStream:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _load_npy(path: Path, dtype, length: int, where: str) -> np.ndarray:
+def _load_npy(path: Path, dtype, length: int, where: str | None = None) -> np.ndarray:
     """Memory-map one array and check it against the manifest (a stat and a header read: no token is touched)."""
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ShardfitError(f"cannot map {path.name} ({e})", where=where,
-                            fix="re-run shardfit tokenize into an empty --out directory") from None
+    except FileNotFoundError:
+        raise ShardfitError("missing: the manifest lists it", where=str(path), fix=RETOKENIZE) from None
+    except (OSError, ValueError) as e:  # a directory, unreadable, a truncated header or body, not .npy
+        raise ShardfitError(f"cannot map {path.name} ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                            where=str(path), fix=RETOKENIZE) from None
     if arr.ndim != 1 or arr.dtype != np.dtype(dtype) or len(arr) != length:
         raise ShardfitError(f"{path.name} holds {arr.dtype}[{len(arr)}], the manifest says {np.dtype(dtype)}"
-                            f"[{length}]", where=where, fix="re-run shardfit tokenize into an empty --out directory")
+                            f"[{length}]", where=str(path), fix=RETOKENIZE)
     return arr
 
 
-def open_token_shards(path: str, tokenizer_spec: str, tokenizer) -> tuple[TokenStream, np.ndarray, dict]:
+RETOKENIZE = "re-run shardfit tokenize into an empty --out directory"
+# What a manifest must hold to be opened: key -> type (bool is no int here), and each piece's keys.
+_MANIFEST_KEYS = {"format": str, "tokenizer": dict, "dtype": str, "tokens": int, "documents": int, "pieces": list}
+_PIECE_KEYS = {"index": int, "tokens": int}
+SCAN_CHUNK = 1 << 24  # tokens per numpy max() when an older manifest lacks max_id: bounded memory, any corpus size
+
+
+def _is(value, kind) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def check_manifest(manifest, where: str) -> None:
+    """Every key open_token_shards reads, with its type, and the counts adding up: one line naming manifest.json."""
+    def bad(what: str):
+        raise ShardfitError(f"incomplete or corrupt manifest: {what}", where=where, fix=RETOKENIZE)
+
+    if not isinstance(manifest, dict):
+        bad(f"a JSON {type(manifest).__name__}, not an object")
+    if manifest.get("format") != FORMAT:
+        raise ShardfitError(f"manifest format {manifest.get('format')!r}, expected {FORMAT!r}", where=where,
+                            fix="re-run shardfit tokenize with this version of shardfit")
+    for key, kind in _MANIFEST_KEYS.items():
+        if not _is(manifest.get(key), kind):
+            bad(f"'{key}' is {'missing' if key not in manifest else repr(manifest[key])[:40]}, not {kind.__name__}")
+    if manifest["dtype"] not in ("uint16", "uint32"):
+        bad(f"dtype {manifest['dtype']!r} is neither uint16 nor uint32")
+    for i, piece in enumerate(manifest["pieces"]):
+        if not isinstance(piece, dict) or not all(_is(piece.get(k), t) and piece[k] >= 0 for k, t in
+                                                  _PIECE_KEYS.items()):
+            bad(f"piece {i} lacks a non-negative index and token count")
+    if sum(p["tokens"] for p in manifest["pieces"]) != manifest["tokens"] or min(manifest["tokens"],
+                                                                                 manifest["documents"]) < 0:
+        bad(f"the pieces' tokens do not add up to tokens={manifest['tokens']}")
+
+
+def check_token_ids(max_id: int, vocab_size: int, where: str) -> None:
+    """Refuse a token id the model has no embedding row for (an index error on the GPU, mid-run, otherwise)."""
+    if max_id >= vocab_size:
+        raise ShardfitError(f"token id {max_id} is beyond the model's vocabulary (model.vocab_size={vocab_size})",
+                            where=where, fix=f"set model.vocab_size > {max_id}, or re-tokenize with the model's "
+                                             "tokenizer")
+
+
+def max_token_id(arrays: Iterable[np.ndarray]) -> int:
+    """The largest id of the arrays (-1 when empty), read SCAN_CHUNK tokens at a time."""
+    best = -1
+    for arr in arrays:
+        for i in range(0, len(arr), SCAN_CHUNK):
+            best = max(best, int(arr[i:i + SCAN_CHUNK].max()))
+    return best
+
+
+def _check_starts(starts: np.ndarray, tokens: int, where: str) -> None:
+    """Document starts ascend from 0 and lie inside the stream (positions would be garbage otherwise); read in
+    chunks of SCAN_CHUNK: 8 bytes a document."""
+    if not len(starts):
+        return
+    if starts[0] != 0 or starts[-1] >= tokens:
+        raise ShardfitError("document starts do not lie inside the token stream", where=where, fix=RETOKENIZE)
+    for i in range(0, len(starts) - 1, SCAN_CHUNK):
+        part = np.asarray(starts[i:i + SCAN_CHUNK + 1])
+        if not np.all(part[1:] > part[:-1]):
+            raise ShardfitError("document starts are not ascending", where=where, fix=RETOKENIZE)
+
+
+def open_token_shards(path: str, tokenizer_spec: str, tokenizer,
+                      vocab_size: int | None = None) -> tuple[TokenStream, np.ndarray, dict]:
     """(token stream, document starts, manifest) of a complete shard directory, memory-mapped: opening it reads
-    the manifest and the .npy headers only, so start-up costs the same at 2 million or 2 billion tokens."""
+    the manifest and the .npy headers only, so start-up costs the same at 2 million or 2 billion tokens. With
+    vocab_size, the ids are checked against it: the manifest's max_id, or for a manifest written before max_id
+    existed a scan of the tokens (bounded memory, one pass)."""
     d = Path(path)
     if shard_dir_state(path) == "partial":
         raise ShardfitError("unfinished token shard directory (no manifest.json)", where=path,
                             fix="re-run the same `shardfit tokenize` command to finish it")
+    where = str(d / MANIFEST)
     try:
         manifest = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ShardfitError(f"unreadable manifest.json ({e})", where=path,
-                            fix="re-run shardfit tokenize into an empty --out directory") from None
-    if manifest.get("format") != FORMAT:
-        raise ShardfitError(f"manifest format {manifest.get('format')!r}, expected {FORMAT!r}", where=path,
-                            fix="re-run shardfit tokenize with this version of shardfit")
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
+        raise ShardfitError(f"unreadable manifest.json ({e})", where=where, fix=RETOKENIZE) from None
+    check_manifest(manifest, where)
     want, have = tokenizer_identity(tokenizer_spec, tokenizer), manifest["tokenizer"]
     if {k: v for k, v in want.items() if k != "spec"} != {k: v for k, v in have.items() if k != "spec"}:
-        raise ShardfitError(f"the shards were made with tokenizer {have['spec']!r}, but data.tokenizer is "
+        raise ShardfitError(f"the shards were made with tokenizer {have.get('spec')!r}, but data.tokenizer is "
                             f"{tokenizer_spec!r} (a different tokenizer)", where=path,
-                            fix=f"set --data.tokenizer={have['spec']}, or re-tokenize with --tokenizer "
+                            fix=f"set --data.tokenizer={have.get('spec')}, or re-tokenize with --tokenizer "
                                 f"{tokenizer_spec}")
-    arrays = [_load_npy(d / f"tokens_{p['index']:05d}.npy", manifest["dtype"], p["tokens"], path)
+    arrays = [_load_npy(d / f"tokens_{p['index']:05d}.npy", manifest["dtype"], p["tokens"])
               for p in manifest["pieces"] if p["tokens"]]
-    starts = _load_npy(d / "doc_starts.npy", np.int64, manifest["documents"], path)
+    starts = _load_npy(d / "doc_starts.npy", np.int64, manifest["documents"])
+    _check_starts(starts, manifest["tokens"], str(d / "doc_starts.npy"))
+    if vocab_size is not None:
+        max_id = manifest.get("max_id")
+        if not _is(max_id, int):
+            max_id = max_token_id(arrays)
+        check_token_ids(max_id, vocab_size, path)
     return TokenStream(arrays), starts, manifest
 
 
@@ -214,10 +289,16 @@ class ShardWriter:
                 raise ShardfitError("the directory holds finished token shards of other inputs or options",
                                     where=str(out), fix="pick a new --out directory (or delete this one)")
             return
+        if self.out.exists() and not self.out.is_dir():
+            raise ShardfitError("--out is a file, not a directory", where=str(out), fix="pick a new --out directory")
         if state is None and self.out.exists() and any(self.out.iterdir()):
             raise ShardfitError("--out directory is not empty and holds no token shards", where=str(out),
                                 fix="pick a new or empty --out directory")
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a parent that is a file, no permission, a read-only file system
+            raise ShardfitError(f"cannot create the directory ({e.strerror or e})", where=str(out),
+                                fix="pick an --out directory you can write") from None
         write_atomic(self.out / PLAN, json.dumps(self.plan, indent=1))
 
     @classmethod
@@ -250,7 +331,8 @@ class ShardWriter:
         self._name("done", index, "json").unlink(missing_ok=True)  # a stale piece of an older plan
         _save_npy(self._name("tokens", index), tokens)
         _save_npy(self._name("starts", index), starts)
-        counts = {"tokens": int(len(tokens)), "documents": int(len(starts)), "key": self._key(index)}
+        counts = {"tokens": int(len(tokens)), "documents": int(len(starts)), "key": self._key(index),
+                  "max_id": int(tokens.max()) if len(tokens) else -1}  # checked against the model's vocabulary
         write_atomic(self._name("done", index, "json"), json.dumps(counts))
         return counts
 
@@ -277,7 +359,11 @@ class ShardWriter:
         starts.flush()
         del starts
         os.replace(tmp, self.out / "doc_starts.npy")
+        for p, c in zip(self.plan["pieces"], counts):  # a piece finished by an older shardfit has no max_id
+            if "max_id" not in c:
+                c["max_id"] = max_token_id([np.load(self._name("tokens", p["index"]), mmap_mode="r")])
         manifest = {**self.plan, "tokens": offset, "documents": total_docs,
+                    "max_id": max(c["max_id"] for c in counts),
                     "pieces": [{**p, "tokens": c["tokens"], "documents": c["documents"]}
                                for p, c in zip(self.plan["pieces"], counts)]}
         write_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1))
