@@ -141,7 +141,7 @@ class Trainer:
         check_layout(cfg, self.dist.world_size)
         self.dp_rank, self.sp_rank = divmod(self.dist.rank, self.sp)
         self.dp_size = self.dist.world_size // self.sp
-        self.notices: list[str] = []  # printed by rank 0 when fit() starts
+        self.notices: list[str] = list(self.dataset.notices)  # printed by rank 0 when fit() starts
         if cfg.train.micro_batch_tokens:
             self.accum = None  # micro-batches per step follow from the step's lengths (data/batching.py)
         else:
