@@ -55,6 +55,12 @@ TRACE_MIB = Limit("MiB of JSON (decompressed)", "SHARDFIT_PROFILE_MAX_MIB", 1024
 TRACE_EVENTS = Limit("trace events", "SHARDFIT_PROFILE_MAX_EVENTS", 20_000_000)
 
 
+def a_type(value) -> str:
+    """'an int', 'a str': a value's type for a refusal (never its contents, which may be huge or nested deep)."""
+    name = type(value).__name__
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
 def read_capped(path: Path, limit: Limit, kind: str) -> bytes:
     """The file's bytes, gunzipped when they start with the gzip magic (every member of a multi-member file), never
     more than the limit's MiB: a larger file or one that inflates past it is refused without reading further."""
@@ -70,7 +76,7 @@ def read_capped(path: Path, limit: Limit, kind: str) -> bytes:
                 if size > cap:
                     raise limit.refuse(where, f"the file is {size / 2**20:,.0f} MiB")
                 return head + f.read(cap + 1 - len(head))
-            return _gunzip_capped(f, head, cap, limit, where)
+            return _gunzip_capped(f, head, cap, limit, where, kind)
     except FileNotFoundError:
         raise ShardfitError(f"{kind} file not found", where=where, fix="check the path") from None
     except (PermissionError, IsADirectoryError) as e:
@@ -78,7 +84,7 @@ def read_capped(path: Path, limit: Limit, kind: str) -> bytes:
             from None
 
 
-def _gunzip_capped(f, head: bytes, cap: int, limit: Limit, where: str) -> bytes:
+def _gunzip_capped(f, head: bytes, cap: int, limit: Limit, where: str, kind: str) -> bytes:
     out = bytearray()
     d, fed = zlib.decompressobj(wbits=31), False
     chunk = head
@@ -88,7 +94,8 @@ def _gunzip_capped(f, head: bytes, cap: int, limit: Limit, where: str) -> bytes:
             try:  # at most what the cap still allows: the rest stays compressed in unconsumed_tail
                 out += d.decompress(chunk, cap + 1 - len(out))
             except zlib.error as e:
-                raise ShardfitError(f"corrupt gzip data ({e})", where=where, fix="re-copy the file") from None
+                raise ShardfitError(f"cannot read a {kind} from it: corrupt gzip data ({e})", where=where,
+                                   fix="re-copy the file") from None
             if len(out) > cap:
                 raise limit.refuse(where, f"it inflates past {cap >> 20:,} MiB")
             if d.eof:  # another member may follow (cat a.gz b.gz is one valid gzip file)
@@ -98,5 +105,6 @@ def _gunzip_capped(f, head: bytes, cap: int, limit: Limit, where: str) -> bytes:
                 chunk = d.unconsumed_tail
         chunk = f.read(1 << 20)
     if fed and not d.eof:
-        raise ShardfitError("corrupt gzip data (truncated)", where=where, fix="re-copy the file")
+        raise ShardfitError(f"cannot read a {kind} from it: corrupt gzip data (truncated)", where=where,
+                            fix="re-copy the file")
     return out  # bytes-like: json and the pickle reader take it as is, without a second copy

@@ -13,17 +13,12 @@ missing in older PyTorch versions get the neutral defaults the replay expects.
 from __future__ import annotations
 
 from shardfit.errors import ShardfitError
+from shardfit.memory.limits import a_type
 from shardfit.memory.pickle_stream import EventTrace
 
 _U64 = 1 << 64
 _TOTAL = 1 << 62
 FIX = "pass the file torch.cuda.memory._dump_snapshot() wrote (this one is damaged or was edited)"
-
-
-def a_type(value) -> str:
-    """'an int', 'a str': the value's type for a message (never its contents, which may be huge or deep)."""
-    name = type(value).__name__
-    return ("an " if name[0] in "aeiou" else "a ") + name
 
 
 class _Checker:
