@@ -34,8 +34,8 @@ class ShardfitError(Exception):
         parts = [f"{self.where}: {self.what}" if self.where else self.what]
         if fix:
             parts.append(f"fix: {fix}")
-        # One line, whatever the message quoted (a file's text, an exception's own multi-line message).
-        super().__init__(" ".join("; ".join(parts).split("\n")))
+        # One line, whatever the message quotes (a file's text, a value with a \r, an exception's own message).
+        super().__init__(" ".join("; ".join(parts).splitlines()))
 
     def cli_line(self) -> str:
         """The line the CLI prints."""

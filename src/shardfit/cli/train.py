@@ -31,10 +31,10 @@ def parse_launch(argv: list[str]) -> tuple[int, list[str], str | None, list[str]
 
 
 def train(argv: list[str]) -> int:
+    nproc, launcher, config_path, rest = parse_launch(argv)
     from shardfit.config import load_config
     from shardfit.config.loader import config_help
 
-    nproc, launcher, config_path, rest = parse_launch(argv)
     nnodes = int(dict(a.split("=", 1) for a in launcher).get("--nnodes", 1))
     if any(a in ("-h", "--help") for a in rest):
         print(TRAIN_HELP + config_help(load_config(config_path, [a for a in rest if a not in ("-h", "--help")])))
