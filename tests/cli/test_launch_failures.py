@@ -119,7 +119,7 @@ def _raise(exc):
 @pytest.mark.parametrize("endpoint, exc, rc, line", [
     ("nosuchhost.invalid:29400", "connection", 2, "--rdzv-endpoint=nosuchhost.invalid:29400: host "
                                                   "'nosuchhost.invalid' does not resolve"),
-    ("127.0.0.1:29400", "connection", 2, "the rendezvous store cannot be reached (torchrun waits 60 s for it)"),
+    ("127.0.0.1:29400", "connection", 2, "the rendezvous store was not reached within torchrun's read_timeout (60 s"),
     ("127.0.0.1:29400", "timeout", 2, "not all 2 nodes joined within torchrun's wait (600 s by default)"),
     ("127.0.0.1:29400", "closed", 2, "the rendezvous failed: closed"),
     ("127.0.0.1:29400", "SIGINT", 130, "shardfit: interrupted: the ranks were stopped"),

@@ -161,3 +161,15 @@ def test_neutral_launcher_variables_train_in_one_process(tmp_path):
                                                      MASTER_ADDR="nowhere.invalid", MASTER_PORT="1"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step 1/1" in p.stdout
+
+
+@pytest.mark.slow
+def test_unreachable_rendezvous_is_one_line_after_torchrun_s_wait(tmp_path):
+    """192.0.2.1 (TEST-NET-1) is never routed: the second node waits torchrun's read_timeout (60 s, plus a retry
+    within it) and then says so in one line, without the store's C++ retry logs."""
+    start = time.monotonic()
+    p = _train(tmp_path, "--nproc=1", "--nnodes=2", "--rdzv-endpoint=192.0.2.1:29400", timeout=300)
+    _one_line(p, 2, "--rdzv-endpoint=192.0.2.1:29400: the rendezvous store was not reached within torchrun's "
+                    "read_timeout")
+    assert p.stderr.strip().count("\n") == 0, p.stderr[-3000:]  # nothing else on stderr
+    assert time.monotonic() - start < 200

@@ -81,6 +81,20 @@ def check_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def import_torch_quietly() -> None:
+    """Import torch in the launcher with its C++ log at FATAL: the launcher's C++ logs are the rendezvous store's
+    connection retries, a stack trace each, which the one line about the endpoint replaces. c10 reads the level once,
+    at import; the variable is gone again before the ranks start, so theirs are as the user set them. LOGLEVEL
+    (torchrun's switch for its logs) keeps them too."""
+    if "torch" in sys.modules or os.environ.get("LOGLEVEL") or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def launch_torchrun(nproc: int, config_path: str | None, rest: list[str], launcher: list[str] = ()) -> int:
     """Start this node's ranks through torchrun and wait for them; the exit code (the line is printed here, or
     raised as a ShardfitError for the CLI to print)."""
@@ -196,7 +210,8 @@ def _rendezvous_error(e: Exception, flags: dict[str, str]) -> ShardfitError:
         except OSError:
             return ShardfitError(f"host '{host}' does not resolve", where=where,
                                  fix="give the first node's host name or IP address as this node sees it")
-        return ShardfitError(f"the rendezvous store cannot be reached (torchrun waits {READ_TIMEOUT_S} s for it)",
+        return ShardfitError(f"the rendezvous store was not reached within torchrun's read_timeout ({READ_TIMEOUT_S} s "
+                             "by default)",
                              where=where, fix="start the first node (the endpoint's host) with " + same +
                              "; check the port is open between the nodes")
     if isinstance(e, RendezvousTimeoutError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shardfit.cli.args import count, take_options
-from shardfit.cli.launch import RDZV_FLAGS, launch_torchrun, rendezvous_flags
+from shardfit.cli.launch import RDZV_FLAGS, import_torch_quietly, launch_torchrun, rendezvous_flags
 
 TRAIN_HELP = """\
 Train a decoder model with FSDP2. With no arguments: the embedded tiny model on the embedded corpus.
@@ -32,6 +32,8 @@ def parse_launch(argv: list[str]) -> tuple[int, list[str], str | None, list[str]
 
 def train(argv: list[str]) -> int:
     nproc, launcher, config_path, rest = parse_launch(argv)
+    if nproc > 1 or launcher:
+        import_torch_quietly()  # this process launches: its only C++ logs would be the rendezvous's retries
     from shardfit.config import load_config
     from shardfit.config.loader import config_help
 
