@@ -126,19 +126,16 @@ def test_torchrun_by_hand_prints_the_error_once(tmp_path):
 
 TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "old-job", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
-SLOW = pytest.mark.slow  # the same rule is also checked in-process (tests/parallel/test_dist.py: launch_env table)
 
 
 @pytest.mark.parametrize("env, needle", [
     ({"RANK": "1", "WORLD_SIZE": "2"}, "environment variable WORLD_SIZE: WORLD_SIZE=2 is set, but torchrun did not"),
-    pytest.param({"WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "WORLD_SIZE=8 is set",
-                 marks=SLOW),
-    pytest.param({"LOCAL_RANK": "3"}, "environment variable LOCAL_RANK: LOCAL_RANK=3 is set", marks=SLOW),
+    ({"WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "WORLD_SIZE=8 is set"),
+    ({"LOCAL_RANK": "3"}, "environment variable LOCAL_RANK: LOCAL_RANK=3 is set"),
     ({"RANK": "one"}, "environment variable RANK: 'one' is not a whole number"),
-    pytest.param({"TORCHELASTIC_RUN_ID": "old-job"}, "environment variable RANK: is not set, though "
-                 "TORCHELASTIC_RUN_ID", marks=SLOW),
+    ({"TORCHELASTIC_RUN_ID": "old-job"}, "environment variable RANK: is not set, though TORCHELASTIC_RUN_ID"),
     ({**TORCHRUN_ENV, "RANK": "5"}, "RANK=5 is out of range (must be from 0 to WORLD_SIZE-1=1)"),
-    pytest.param({**TORCHRUN_ENV, "MASTER_PORT": "99999"}, "MASTER_PORT=99999 is out of range", marks=SLOW),
+    ({**TORCHRUN_ENV, "MASTER_PORT": "99999"}, "MASTER_PORT=99999 is out of range"),
     # A torchrun environment whose agent is gone: said at once, not after the store's timeout.
     ({**TORCHRUN_ENV, "MASTER_PORT": "PORT"}, "the process group's store does not answer"),
 ])
