@@ -1,20 +1,42 @@
 """User-facing errors.
 
 Every mistake a user can make (a bad config key, a missing file, an undecodable line) raises `ShardfitError` with
-one line that names what and where, and how to fix it. The CLI prints that line and exits with code 2; anything else
-is a bug and keeps its traceback.
+one line that names where (a file, file:line, a config key or an option), what is wrong and how to fix it. The CLI
+prints that line once, as `shardfit: error: ...`, and exits with the error's code (2 unless a subclass says
+otherwise); under torchrun the launcher prints it for the ranks (shardfit.cli.rank_errors). Anything else is a bug
+and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import os
+
 
 class ShardfitError(Exception):
-    """A problem with the user's input, reported as one line (exit code 2)."""
+    """A problem with the user's input, reported as one line (exit code 2).
+
+    where: a file, a config key (`train.lr`), an option (`--nproc`) or an environment variable; with `line` it
+    becomes `file:line`. The parts stay readable as attributes (what, where, fix) for the code that passes the
+    error between processes.
+    """
 
     exit_code = 2
 
-    def __init__(self, message: str, *, where: str | None = None, fix: str | None = None):
-        parts = [f"{where}: {message}" if where else message]
+    def __init__(self, message: str, *, where: str | os.PathLike | None = None, fix: str | None = None,
+                 line: int | None = None, exit_code: int | None = None):
+        self.what = str(message)
+        self.where = None if where is None else os.fspath(where)
+        if line is not None:
+            self.where = f"{self.where or '<input>'}:{line}"
+        self.fix = fix
+        if exit_code is not None:
+            self.exit_code = exit_code
+        parts = [f"{self.where}: {self.what}" if self.where else self.what]
         if fix:
             parts.append(f"fix: {fix}")
-        super().__init__("; ".join(parts))
+        # One line, whatever the message quotes (a file's text, a value with a \r, an exception's own message).
+        super().__init__(" ".join("; ".join(parts).splitlines()))
+
+    def cli_line(self) -> str:
+        """The line the CLI prints."""
+        return f"shardfit: error: {self}"

@@ -75,8 +75,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
 
 @pytest.mark.parametrize("args, needle", [
     (["--nproc", "-1"], "--nproc: -1 is out of range; fix: give 1 or more processes"),
-    (["--nproc=abc"], "--nproc: 'abc' is not a number"),
-    (["--nproc", "1.5"], "--nproc: '1.5' is not a number"),
+    (["--nproc=abc"], "--nproc: 'abc' is not a whole number"),
+    (["--nproc", "1.5"], "--nproc: '1.5' is not a whole number"),
     (["--nproc", "2", "--nnodes=0"], "--nnodes: 0 is out of range"),
     (["--nproc"], "--nproc needs a value"),
 ])

@@ -1,1 +1,1 @@
-"""Command-line interface: `shardfit train` (doctor and plan come with their modules)."""
+"""Command-line interface: `shardfit <command>` (cli.main), one module per command, and the torchrun launcher."""

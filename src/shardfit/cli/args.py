@@ -1,0 +1,80 @@
+"""Command-line values: numbers, counts, sizes and fractions checked once, each mistake one ShardfitError line.
+
+Every command reads its numbers through these helpers (argparse's `type=` included), so `nan`, `inf`, negative
+and zero values are refused the same way everywhere, naming the option and what it accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from shardfit.errors import ShardfitError
+
+# Far above any real job (processes, nodes, GPUs per node, worker processes), low enough that nothing downstream
+# (plans, proposals, process pools) is asked to count towards an absurd number.
+MAX_COUNT = 1 << 20
+
+
+def number(value: str, name: str, kind=float):
+    """`value` as an int or a finite float; `name` is the option, for the error line."""
+    try:
+        n = kind(value.strip() if isinstance(value, str) else value)
+    except (ValueError, TypeError, OverflowError):
+        what = "a whole number" if kind is int else "a number"
+        raise ShardfitError(f"'{value}' is not {what}", where=name, fix=f"give {name} {what}") from None
+    if isinstance(n, float) and not math.isfinite(n):
+        raise ShardfitError(f"'{value}' is not a finite number", where=name, fix=f"give {name} a finite number")
+    return n
+
+
+def count(value: str, name: str, what: str) -> int:
+    """A count (--nproc, --workers, --nnodes): a whole number from 1 to MAX_COUNT."""
+    n = number(value, name, int)
+    if not 1 <= n <= MAX_COUNT:
+        raise ShardfitError(f"{n} is out of range", where=name, fix=f"give 1 or more {what} (at most {MAX_COUNT})")
+    return n
+
+
+def gib(value: str, name: str, fix: str) -> float:
+    """A memory size in GiB: a finite number above 0 and below 2**30 GiB (2**60 bytes: byte counts stay within
+    int64 with room to add them up)."""
+    size = number(value, name, float)
+    if not 0 < size < 2**30:
+        raise ShardfitError(f"{value} GiB is out of range", where=name, fix=fix)
+    return size
+
+
+def fraction(value: str, name: str, what: str) -> float:
+    """A fraction in (0, 1]."""
+    f = number(value, name, float)
+    if not 0 < f <= 1:
+        raise ShardfitError(f"{value} is out of range", where=name,
+                            fix=f"give {name} above 0 and at most 1 ({what})")
+    return f
+
+
+def take_options(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """Pull `--name VALUE` / `--name=VALUE` for the given names out of argv; the rest are config overrides."""
+    opts, rest, i = {}, [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in names:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ShardfitError(f"{name} needs a value", where="command line", fix=f"write {name}=VALUE")
+                value = argv[i + 1]
+                i += 1
+            opts[name] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return opts, rest
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one `shardfit: error:` line (exit 2) instead of a usage block, like every other
+    bad input; --help still prints the full usage."""
+
+    def error(self, message: str):
+        raise ShardfitError(message, where=self.prog, fix=f"see {self.prog} --help")

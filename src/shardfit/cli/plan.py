@@ -1,0 +1,64 @@
+"""`shardfit plan`: a rank's peak GPU memory before launch, the largest micro-batch that fits, and proposals."""
+
+from __future__ import annotations
+
+from shardfit.cli.args import count, gib, take_options
+
+PLAN_HELP = """\
+Predict a rank's peak GPU memory before launch, pick the largest micro-batch that fits, and when the configuration
+does not fit, propose configurations that do.
+
+  shardfit plan [--config FILE.toml | --config recipe:NAME] [--section.key=value ...] --nproc N [--gpu-memory GIB]
+                [--host-memory GIB] [--gpus-per-node G] [--propose] [--json]
+
+The same config keys as `shardfit train` (model, data.seq_len, parallel.*, memory.keep_grads). --nproc is the
+number of GPUs the model is sharded over, all nodes together; --gpu-memory the memory of one GPU in GiB (default:
+this machine's GPU, else 80). With --parallel.compile=true dense blocks are counted as the compiled graph saves them.
+With --parallel.offload=all the host memory each node needs is printed; --host-memory (one node's, GiB) checks it.
+
+Proposals, printed when the configuration does not fit or always with --propose, cheapest first: expert parallelism
+within a node with the overlapped optimizer step (MoE models), checkpointing and micro-batch, sequence parallelism,
+CPU offload, more GPUs, HSDP with shard groups of whole nodes (--gpus-per-node, default 8). Each is the flags to
+add, re-planned with them; --nproc=N in a proposal is the world size (on several nodes: shardfit train --nproc G
+--nnodes N/G). --json prints the plan and the proposals as JSON, every figure in bytes (schema shardfit.plan/1,
+described in src/shardfit/memory/propose.py).
+"""
+
+
+
+def plan(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(PLAN_HELP)
+        return 0
+    switches = {a for a in argv if a in ("--propose", "--json")}
+    opts, rest = take_options([a for a in argv if a not in switches],
+                              ("--config", "--nproc", "--gpu-memory", "--host-memory", "--gpus-per-node"))
+    # The numbers first: each is one line before the config is read.
+    world = count(opts.get("--nproc", "1"), "--nproc", "GPUs")
+    per_node = count(opts.get("--gpus-per-node", "8"), "--gpus-per-node", "GPUs per node")
+    gpu = opts.get("--gpu-memory")
+    gpu_gib = None if gpu is None else gib(gpu, "--gpu-memory", "give one GPU's memory in GiB, e.g. 79 (80 GB H100) "
+                                           "or 139 (H200)")
+    host_gib = (gib(opts["--host-memory"], "--host-memory", "give one node's host memory in GiB, e.g. 1900")
+                if "--host-memory" in opts else None)
+    from shardfit.config import load_config
+    from shardfit.memory.plan import configured, plan_table
+    from shardfit.memory.propose import accepted, plan_json, proposals, proposals_text
+
+    cfg = load_config(opts.get("--config"), rest)
+    if gpu_gib is None:
+        import torch
+
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    propose = ("--propose" in switches or not configured(cfg, world, gpu_gib, host_gib, per_node)[1]
+               or not accepted(cfg, world))  # e.g. parallel.offload=optimizer: counted, but refused by the trainer
+    props, short = proposals(cfg, world, gpu_gib, host_gib, per_node) if propose else ([], [])
+    if "--json" in switches:
+        import json
+
+        print(json.dumps(plan_json(cfg, world, gpu_gib, host_gib, per_node, props, short), indent=1))
+        return 0
+    print(plan_table(cfg, world, gpu_gib, host_gib, per_node))
+    if propose:
+        print("\n" + proposals_text(props, short, gpu_gib, host_gib))
+    return 0
