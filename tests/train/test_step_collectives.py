@@ -30,16 +30,16 @@ def _count_collectives(rank, world):
     for name in _COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, wrap(name, getattr(dist, name)))
-    inner_fb = trainer._forward_backward
+    inner_fb = trainer.engine.forward_backward
     phases = {}
 
-    def counted_fb():
+    def counted_fb(batches):
         before = len(calls)
-        out = inner_fb()
+        out = inner_fb(batches)
         phases.setdefault("fb", []).append(calls[before:])
         return out
 
-    trainer._forward_backward = counted_fb
+    trainer.engine.forward_backward = counted_fb
     per_step = []
     for _ in range(2):
         before = len(calls)
@@ -81,7 +81,7 @@ def _nan_on_rank1(rank, world, run_dir, max_skipped):
             if trainer.skipped > max_skipped:
                 trainer.save()
                 raise TrainingHalted("too many", where="test")
-            records.append({"skipped": rec["skipped"], "bad": rec["bad_ranks"], "loss": rec["loss"]})
+            records.append({"skipped": rec.skipped, "bad": rec.bad_ranks, "loss": rec.loss})
             if step == 2:
                 after = full_state(trainer.model)
                 same_after_skip = all(torch.equal(before[k], after[k]) for k in before)
