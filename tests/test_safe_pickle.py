@@ -37,3 +37,13 @@ def test_an_allowed_module_admits_only_the_classes_it_defines(name):
     ok = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n."
     assert safe_loads(ok, allowed=DCP_GLOBALS, modules=("torch.distributed.checkpoint.metadata",)).__name__ == \
         "Metadata"
+
+
+def test_a_huge_memo_index_is_refused_before_the_unpickler_allocates_for_it():
+    """LONG_BINPUT 2**31 would make CPython's unpickler grow its memo table to 2**31 entries (16 GiB)."""
+    import struct
+
+    data = b"\x80\x02N" + b"r" + struct.pack("<I", 2**31) + b"."
+    with pytest.raises(RefusedGlobal, match="memo index 2147483648"):
+        safe_loads(data)
+    assert safe_loads(pickle.dumps([[1], [1]])) == [[1], [1]]  # honest memo use still loads

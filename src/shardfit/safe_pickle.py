@@ -62,5 +62,21 @@ class SafeUnpickler(pickle.Unpickler):
         raise RefusedGlobal(f"refused to load global '{module}.{name}'")
 
 
+def _check_memo(data: bytes) -> None:
+    """Refuse memo indices no honest pickle reaches: CPython's unpickler grows its memo table to the index a PUT
+    names, so one opcode could make it allocate gigabytes. An honest index counts the objects stored before it,
+    fewer than the pickle's bytes. pickletools walks the opcodes without building anything."""
+    import pickletools
+
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET") and \
+                    (not isinstance(arg, int) or arg > len(data)):
+                raise RefusedGlobal(f"refused memo index {arg} in a pickle of {len(data)} bytes")
+    except ValueError as e:  # truncated or garbled: the unpickler would refuse it too, say so here
+        raise pickle.UnpicklingError(str(e)) from None
+
+
 def safe_loads(data: bytes, **allow):
+    _check_memo(data)
     return SafeUnpickler(io.BytesIO(data), **allow).load()

@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from shardfit.memory.pickle_stream import EventTrace, NeedsFullUnpickler, load_plain
+from shardfit.memory.pickle_stream import EventTrace, Malformed, load_plain
 from shardfit.memory.snapshot import load_snapshot
 from tests.memory.conftest import MB, ev, seg, write_snapshot
 
@@ -57,15 +57,24 @@ def test_every_protocol_and_extra_keys_round_trip(protocol):
     assert len(trace.stacks) == 2  # [] and SHARED: stacks are stored once
 
 
-def test_containers_of_older_versions_fall_back_to_the_allowlisting_unpickler(tmp_path):
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_containers_of_older_versions_are_read_through_the_allowlist(tmp_path, protocol):
     snap = _synthetic()
     snap["allocator_settings"] = collections.OrderedDict(snap["allocator_settings"])  # pickled as a global
-    with pytest.raises(NeedsFullUnpickler):
-        load_plain(pickle.dumps(snap))
+    snap["tags"], snap["frozen"] = {"a", "b"}, frozenset([1, 2])  # REDUCE of set/frozenset under protocols 2-3
+    raw = pickle.dumps(snap, protocol=protocol)
+    data, compact = load_plain(raw)
+    assert _expand(data, compact) == pickle.loads(raw)
+    assert type(data["allocator_settings"]) is collections.OrderedDict
     path = tmp_path / "old.pickle"
-    path.write_bytes(pickle.dumps(snap))
+    path.write_bytes(raw)
     loaded = load_snapshot(path)
-    assert isinstance(loaded.trace, list) and len(loaded.trace) == 7 and loaded.expandable
+    assert isinstance(loaded.trace, EventTrace) and len(loaded.trace) == 7 and loaded.expandable
+
+
+def test_text_protocols_are_refused_not_handed_to_a_full_unpickler():
+    with pytest.raises(Malformed, match="opcode 0x28 at byte 0 is not one a memory snapshot uses|not one"):
+        load_plain(pickle.dumps({"segments": []}, protocol=0))
 
 
 def test_truncated_snapshot_is_a_clear_error(tmp_path):

@@ -28,8 +28,9 @@ def test_malicious_pickle_runs_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("content, needle", [
-    (pickle.dumps([1, 2, 3]), "not a CUDA memory snapshot"),
-    (pickle.dumps({"segments": "x"}), "not a CUDA memory snapshot"),
+    (pickle.dumps([1, 2, 3]), r"segments\[0\] is an int, not a segment"),
+    (pickle.dumps("text"), "not a CUDA memory snapshot"),
+    (pickle.dumps({"segments": "x"}), "segments is a str, not a list of segments"),
     (b"definitely not a pickle", "not a readable pickle"),
     (pickle.dumps({"segments": [], "device_traces": [[]]})[:-5], "not a readable pickle"),
     (b"\x1f\x8b\x08\x00garbage", "corrupt gzip data"),

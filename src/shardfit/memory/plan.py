@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -347,10 +348,13 @@ def host_fits(e: Estimate, world: int, gpus_per_node: int, host_gib: float | Non
 
 
 def largest_micro_batch(cfg: Config, world: int, budget_bytes: float, limit: int = 64,
-                        device_bytes: float | None = None) -> Estimate | None:
-    """The largest micro-batch (1, 2, 3, ...) whose predicted peak fits the budget; None if even 1 does not."""
+                        device_bytes: float | None = None, accept=None) -> Estimate | None:
+    """The largest micro-batch (1, 2, 3, ...) whose predicted peak fits the budget; None if even 1 does not.
+    accept(mb): whether train takes that micro-batch (plan_table: it must split the global batch); others skipped."""
     best = None
     for mb in range(1, limit + 1):
+        if accept is not None and not accept(mb):
+            continue
         e = estimate(cfg, world, mb)
         if not fits(e, budget_bytes, device_bytes):
             break
@@ -376,15 +380,32 @@ def fits(e: Estimate, budget_bytes: float, device_bytes: float | None = None) ->
     return device_bytes is None or e.peak + e.idle_cache <= device_bytes - 4.5 * GiB
 
 
+def divisors(n: int) -> list[int]:
+    """n's divisors, ascending, in O(sqrt(n)) steps (a global batch of 2^40 must not mean 2^40 of them)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def choose_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: int,
                        device_bytes: float | None = None) -> Estimate:
-    """The largest divisor of the per-rank batch whose predicted peak fits (train.micro_batch=0)."""
+    """The largest divisor of the per-rank batch whose predicted peak fits (train.micro_batch=0). The peak grows with
+    the micro-batch: a binary search over the divisors, a few estimates however many there are."""
     from shardfit.errors import ShardfitError
+    from shardfit.memory.plan_checks import check_model_sizes
 
-    for mb in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
-        e = estimate(cfg, world, mb)
+    check_model_sizes(cfg)
+    cands = divisors(per_rank)
+    lo, hi, best = 0, len(cands) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        e = estimate(cfg, world, cands[mid])
         if fits(e, budget_bytes, device_bytes):
-            return e
+            best, lo = e, mid + 1
+        else:
+            hi = mid - 1
+    if best is not None:
+        return best
+    e = estimate(cfg, world, 1)
     raise ShardfitError(f"even micro-batch 1 is predicted to need {e.peak / GiB:.1f} GiB per GPU, more than the "
                         f"{budget_bytes / GiB:.1f} GiB budget", where="train.micro_batch=0",
                         fix="set parallel.activation_checkpoint=selective or full, shorten data.seq_len, or add GPUs")
@@ -406,95 +427,16 @@ def auto_micro_batch(cfg: Config, world: int, device_bytes: float, per_rank: int
     return e, line
 
 
-MODES = ("none", "selective", "full")  # activation checkpointing, from the least recomputation to the most
+# The report, the configured case and the per-mode table (plan_table.py), here for the callers of this module (the
+# CLI, propose.py): imported last, as they build on everything above.
+from shardfit.memory.plan_table import (  # noqa: E402
+    MODES,
+    as_rows,
+    configured,
+    host_line,
+    largest_per_mode,
+    plan_table,
+    with_mode,
+)
 
-
-def with_mode(cfg: Config, mode: str) -> Config:
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpoint=mode))
-
-
-def largest_per_mode(cfg: Config, world: int, gpu_gib: float) -> dict[str, Estimate | None]:
-    """The largest micro-batch that fits a GPU of gpu_gib, per checkpointing mode (None: not even 1)."""
-    return {mode: largest_micro_batch(with_mode(cfg, mode), world, allocation_budget(gpu_gib * GiB),
-                                      device_bytes=gpu_gib * GiB) for mode in MODES}
-
-
-def host_line(e: Estimate, cfg: Config, world: int, gpus_per_node: int, host_gib: float | None) -> str:
-    """What parallel.offload asks of each node's host memory, and whether it exceeds --host-memory."""
-    ranks = min(world, gpus_per_node)
-    kept = cfg.parallel.offload_gpu_blocks
-    what = ("Adam moments" if cfg.parallel.offload == "optimizer"
-            else "fp32 parameters and gradients, pinned, and Adam moments"
-            + (f", the first {kept} blocks' on the GPU instead" if kept else ""))
-    line = (f"host memory per node: {host_per_node(e, world, gpus_per_node) / GiB:.1f} GiB ({what}, of {ranks} "
-            f"rank(s), {e.host / GiB:.1f} GiB each)")
-    if cfg.parallel.offload == "optimizer":
-        line += "; counted for comparison: shardfit train refuses parallel.offload=optimizer"
-    if host_gib is not None:
-        usable = f"{host_budget(host_gib) / GiB:.1f} GiB usable: 10% left to the processes and the page cache"
-        line += (f": {'within' if host_fits(e, world, gpus_per_node, host_gib) else 'EXCEEDS'} the host's "
-                 f"{host_gib:.0f} GiB ({usable})")
-    return line
-
-
-def configured(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
-               gpus_per_node: int = 8) -> tuple[Estimate, bool]:
-    """The config as given (its micro-batch; 1 when chosen at launch) and whether it fits the GPU and, host memory
-    given, the offloaded states fit one node's host memory."""
-    cfg = as_rows(cfg)  # token budgets: one [1, micro_batch_tokens] row
-    e = estimate(cfg, world, cfg.train.micro_batch or 1)
-    return e, fits(e, allocation_budget(gpu_gib * GiB), gpu_gib * GiB) and host_fits(e, world, gpus_per_node, host_gib)
-
-
-def as_rows(cfg: Config) -> Config:
-    """Token-budget micro-batches (train.micro_batch_tokens = T) as the plan counts them: each forward/backward is
-    one [1, T] row of whole examples (document-masked kernels save what a plain row of T tokens saves), so the
-    configured case is micro-batch 1 at sequence T, and "micro-batch k" in the table means k such rows. The global
-    batch (examples) stays: above one row per rank it counts as accumulation, which keeps gradients live."""
-    if not cfg.train.micro_batch_tokens:
-        return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.train.micro_batch_tokens),
-                               train=dataclasses.replace(cfg.train, micro_batch=1, micro_batch_tokens=0))
-
-
-def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
-               gpus_per_node: int = 8) -> str:
-    """The report of `shardfit plan`: the configured micro-batch's peak, then the largest micro-batch per mode."""
-    budget = allocation_budget(gpu_gib * GiB)
-    m = cfg.model
-    budget_rows = cfg.train.micro_batch_tokens
-    cfg = as_rows(cfg)
-    lines = [f"shardfit plan: {m.name}, {world} GPU(s) of {gpu_gib:.0f} GiB, seq {cfg.data.seq_len}"
-             + (" (token-budget rows: micro-batch k is k rows)" if budget_rows else "")
-             + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
-             + (f", HSDP: {cfg.parallel.replicate} replicas of {world // cfg.parallel.replicate}-GPU shard groups"
-                if cfg.parallel.replicate > 1 else "")
-             + (f", CPU offload of {cfg.parallel.offload}" if cfg.parallel.offload != "none" else "")
-             + (f", expert parallel {cfg.parallel.expert_parallel}" if cfg.parallel.expert_parallel > 1 else "")
-             + (f" but the first {cfg.parallel.offload_gpu_blocks} blocks" if cfg.parallel.offload_gpu_blocks else "")
-             + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
-             + (", compiled blocks" if cfg.parallel.compile else ", eager blocks")
-             + (f", FP8 {cfg.parallel.fp8}" if cfg.parallel.fp8 != "none" else "")
-             + f"; budget for allocated memory {budget / GiB:.1f} GiB",
-             "", f"{'checkpointing':13} {'micro-batch':>11} {'peak GiB':>9} {'states':>7} {'fsdp':>6} "
-             f"{'activations':>11} {'working':>8}"]
-
-    def row(mode: str, e: Estimate | None, note: str = "") -> str:
-        if e is None:
-            return f"{mode:13} {'-':>11} {'does not fit even at micro-batch 1':>45}"
-        fsdp = e.fsdp + e.offload_copies
-        return (f"{mode:13} {e.micro_batch:>11} {e.peak / GiB:>9.1f} {e.states / GiB:>7.1f} {fsdp / GiB:>6.1f} "
-                f"{e.activations / GiB:>11.1f} {e.working / GiB:>8.1f}{note}")
-
-    mine, ok = configured(cfg, world, gpu_gib, host_gib, gpus_per_node)
-    if mine.idle_cache:
-        lines[0] += (f", and allocated + the freed gradients' {mine.idle_cache / GiB:.1f} GiB cache under "
-                     f"{gpu_gib - 4.5:.1f} GiB")
-    verdict = "fits" if ok else "DOES NOT FIT" if not fits(mine, budget, gpu_gib * GiB) else "DOES NOT FIT the host"
-    lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {verdict}"))
-    for mode, best in largest_per_mode(cfg, world, gpu_gib).items():
-        lines.append(row(mode, best, "  (largest tried: 64; more may fit)" if best and best.micro_batch == 64
-                         else "  (largest that fits)"))
-    if cfg.parallel.offload != "none":
-        lines += ["", host_line(mine, cfg, world, gpus_per_node, host_gib)]
-    return "\n".join(lines)
+__all__ = ["MODES", "as_rows", "configured", "host_line", "largest_per_mode", "plan_table", "with_mode"]

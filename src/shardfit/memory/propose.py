@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfit.config.schema import Config
-from shardfit.errors import ShardfitError
 from shardfit.memory.plan import (
     MODES,
     Estimate,
@@ -51,6 +50,7 @@ from shardfit.memory.plan import (
     host_per_node,
     largest_per_mode,
 )
+from shardfit.memory.plan_checks import check_plan_inputs
 
 SCHEMA = "shardfit.plan/1"
 MAX_GPUS = 4096  # more_gpus gives up beyond this
@@ -89,18 +89,13 @@ def apply(cfg: Config, changes: dict[str, Any]) -> Config:
 
 
 def accepted(cfg: Config, world: int) -> bool:
-    """What the config loader, the launcher and parallelize accept: the keys' rules, the offload layouts the trainer
-    implements, Ulysses' divisibility (world, data.seq_len, model.n_heads), HSDP's replica count dividing the world,
-    and the global batch splitting over the data-parallel ranks and micro-batches."""
-    from shardfit.config.loader import validate
-    from shardfit.parallel.layout import check_layout
+    """What the config loader, the launcher and parallelize accept (parallel/layout.py: refusal): the keys' rules, the
+    offload layouts the trainer implements, Ulysses' divisibility (world, data.seq_len, model.n_heads), HSDP's replica
+    count dividing the world, expert parallelism's groups and overlap, and the global batch splitting over the
+    data-parallel ranks and micro-batches."""
+    from shardfit.parallel.layout import refusal
 
-    try:
-        validate(cfg)
-        check_layout(cfg, world)
-    except ShardfitError:
-        return False
-    return True
+    return refusal(cfg, world) is None
 
 
 def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any],
@@ -204,6 +199,7 @@ def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_no
 def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
               gpus_per_node: int = 8) -> tuple[list[Proposal], list[Proposal]]:
     """(the proposals that fit, those left out because their host memory exceeds host_gib), cheapest first."""
+    check_plan_inputs(cfg, world, gpu_gib, host_gib, gpus_per_node)
     found: list[Proposal] = []
     par = cfg.parallel
 
@@ -278,8 +274,11 @@ def plan_json(cfg: Config, world: int, gpu_gib: float, host_gib: float | None, g
     configured: the config as given (its micro-batch, 1 when chosen at launch): terms, fits, host_per_node
     largest: per checkpointing mode, the terms of the largest micro-batch that fits (null: none fits)
     proposals, left_out (host memory short): kind, flags (arguments to add), changes (config key -> value), world,
-    micro_batch, terms, host_per_node, note"""
+    micro_batch, terms, host_per_node, note; refused: train's line when it refuses the configured layout, else null"""
+    from shardfit.parallel.layout import refusal
+
     mine, ok = configured(cfg, world, gpu_gib, host_gib, gpus_per_node)
+    refused = refusal(cfg, world)
 
     def proposal(p: Proposal) -> dict[str, Any]:
         return {"kind": p.kind, "flags": p.flags, "changes": p.changes, "world": p.world,
@@ -289,7 +288,7 @@ def plan_json(cfg: Config, world: int, gpu_gib: float, host_gib: float | None, g
     return {"schema": SCHEMA, "model": cfg.model.name, "world": world, "seq_len": cfg.data.seq_len,
             "gpu_memory_gib": gpu_gib, "budget": int(allocation_budget(gpu_gib * GiB)), "host_memory_gib": host_gib,
             "gpus_per_node": gpus_per_node,
-            "configured": {"terms": _terms(mine), "fits": ok,
+            "configured": {"terms": _terms(mine), "fits": ok, "refused": None if refused is None else str(refused),
                            "host_per_node": host_per_node(mine, world, gpus_per_node)},
             "largest": {m: _terms(e) for m, e in largest_per_mode(cfg, world, gpu_gib).items()},
             "proposals": [proposal(p) for p in props], "left_out": [proposal(p) for p in short]}

@@ -1,7 +1,9 @@
 """Load CUDA caching-allocator snapshots (`torch.cuda.memory._dump_snapshot`) safely.
 
-A snapshot is a pickle, and unpickling can run arbitrary code. `shardfit.safe_pickle` admits only plain containers and
-scalars: any reference to a Python global (the way a malicious pickle runs code) is refused before anything runs.
+A snapshot is a pickle, and unpickling can run arbitrary code. `pickle_stream` builds only plain containers and
+scalars (and the allowlisted OrderedDict/set/frozenset): any other reference to a Python global (the way a malicious
+pickle runs code) is refused before anything runs. The work is bounded (limits.py: decompressed size, objects built,
+nesting) and the structure is checked once, here, against the schema (snapshot_schema.py).
 
 Formats from PyTorch 2.4 to 2.13 are accepted: the dict form ({"segments", "device_traces", ...}, optional keys may
 be missing) and the legacy bare list of segments. Missing optional keys get neutral defaults.
@@ -9,13 +11,14 @@ be missing) and the legacy bare list of segments. Missing optional keys get neut
 
 from __future__ import annotations
 
-import gzip
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
-from shardfit.memory.pickle_stream import EventTrace, NeedsFullUnpickler, load_plain
-from shardfit.safe_pickle import RefusedGlobal, safe_loads
+from shardfit.memory.limits import SNAPSHOT_DEPTH, SNAPSHOT_MIB, SNAPSHOT_OBJECTS, read_capped
+from shardfit.memory.pickle_stream import EventTrace, Malformed, OverLimit, load_plain
+from shardfit.memory.snapshot_schema import check_snapshot
+from shardfit.safe_pickle import RefusedGlobal
 
 
 @dataclass
@@ -39,77 +42,35 @@ class Snapshot:
         return any(s.get("is_expandable") for s in self.segments)
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ShardfitError("snapshot file not found", where=str(path), fix="check the path") from None
-    except IsADirectoryError:
-        raise ShardfitError("is a directory", where=str(path), fix="pass snapshot files or one directory") from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
-            raise ShardfitError(f"corrupt gzip data ({e})", where=str(path), fix="re-copy the snapshot") from None
-    return raw
-
-
-def _normalize_block(b: dict) -> dict:
-    b.setdefault("requested_size", b.get("size", 0))
-    b.setdefault("frames", [])
-    b.setdefault("state", "active_allocated")
-    return b
-
-
-def _normalize_segment(s: dict) -> dict:
-    s.setdefault("stream", 0)
-    s.setdefault("segment_type", "large" if s.get("total_size", 0) > (1 << 20) else "small")
-    s.setdefault("is_expandable", False)
-    s.setdefault("frames", [])
-    s["blocks"] = [_normalize_block(b) for b in s.get("blocks", [])]
-    return s
-
-
 def load_snapshot(path: str | Path) -> Snapshot:
+    """Read, bounded (memory/limits.py), check (snapshot_schema.py) and normalize one snapshot file."""
     path = Path(path)
-    raw = _read_bytes(path)
-    compact: dict[int, EventTrace] = {}
+    where = str(path)
+    raw = read_capped(path, SNAPSHOT_MIB, "snapshot")
     try:
-        try:
-            data, compact = load_plain(raw)  # events straight into columns (see pickle_stream)
-        except NeedsFullUnpickler:
-            data = safe_loads(raw)  # containers of older PyTorch versions, through the allowlist
+        data, compact = load_plain(raw, SNAPSHOT_OBJECTS.value(), SNAPSHOT_DEPTH.value())
     except RefusedGlobal as e:
         raise ShardfitError(f"not loaded: {e}; a memory snapshot holds only plain data, so this file is not one "
-                            "or has been tampered with", where=str(path),
+                            "or has been tampered with", where=where,
                             fix="pass the file _dump_snapshot wrote") from None
-    except Exception as e:  # truncated or not a pickle at all: EOFError, ValueError, ...
-        raise ShardfitError(f"not a readable pickle ({type(e).__name__}: {e})", where=str(path),
+    except OverLimit as e:
+        raise {"objects": SNAPSHOT_OBJECTS, "depth": SNAPSHOT_DEPTH}[e.limit].refuse(where, e.found) from None
+    except Malformed as e:  # truncated, or not a pickle at all
+        raise ShardfitError(f"not a readable pickle ({e})", where=where,
                             fix="pass a .pickle or .pickle.gz written by torch.cuda.memory._dump_snapshot") from None
-    if isinstance(data, list):  # legacy: torch.cuda.memory_snapshot() output, segments only
-        data = {"segments": data}
-    if not isinstance(data, dict) or not isinstance(data.get("segments"), list) or not all(
-            isinstance(s, dict) and "total_size" in s for s in data["segments"]):
-        raise ShardfitError("not a CUDA memory snapshot (no 'segments' list)", where=str(path),
-                            fix="pass the file torch.cuda.memory._dump_snapshot() wrote")
-    segments = [_normalize_segment(s) for s in data["segments"]]
-    traces = data.get("device_traces") or []
+    del raw
+    parts = check_snapshot(data, compact, where)
+    segments, traces = parts["segments"], parts["traces"]
     device = 0
     if segments:
-        device = segments[0].get("device", 0)
+        device = segments[0]["device"]
     elif traces:
-        device = max(range(len(traces)), key=lambda i: len(traces[i] or []))
-    traces = [compact.get(id(t)) or list(t or []) for t in traces]  # an EventTrace, or plain dicts
+        device = max(range(len(traces)), key=lambda i: len(traces[i]))
     trace = traces[device] if device < len(traces) else []
     if not len(trace) and any(len(t) for t in traces):  # events recorded for another device index
         device, trace = next((i, t) for i, t in enumerate(traces) if len(t))
-    if isinstance(trace, list):
-        for ev in trace:
-            ev.setdefault("frames", [])
-            ev.setdefault("stream", 0)
-    extra = data.get("shardfit")
-    return Snapshot(str(path), segments, trace, device, data.get("allocator_settings") or {},
-                    data.get("external_annotations") or [], extra if isinstance(extra, dict) else {})
+    return Snapshot(where, segments, trace, device, parts["allocator_settings"], parts["annotations"],
+                    parts["shardfit"])
 
 
 def collect_paths(specs: list[str]) -> list[Path]:

@@ -1,12 +1,13 @@
 """Whether a configuration can run on `world` ranks: every rule that depends on the world size, in one place.
 
 Checked by the `shardfit train --nproc/--nnodes` launcher before it starts a process (so a bad layout is one line and
-exit 2, not a traceback per rank), by the trainer on each rank, and by `shardfit plan` before it proposes a layout.
+exit 2, not a traceback per rank), by the trainer on each rank, and by `shardfit plan` (`refusal`) before it calls a
+layout fitting or proposes one: nothing here needs a model, a device or a process group.
 """
 
 from __future__ import annotations
 
-from shardfit.config.loader import accumulation_steps
+from shardfit.config.loader import accumulation_steps, validate
 from shardfit.config.schema import Config
 from shardfit.errors import ShardfitError
 from shardfit.parallel.expert import check_expert_parallel
@@ -43,3 +44,14 @@ def check_layout(cfg: Config, world: int) -> None:
     if cfg.train.eval_every and not (cfg.data.val_path or cfg.data.val_fraction):
         raise ShardfitError("train.eval_every is set but there is no validation data", where="train.eval_every",
                             fix="set data.val_path or data.val_fraction, or train.eval_every=0")
+
+
+def refusal(cfg: Config, world: int) -> ShardfitError | None:
+    """What `shardfit train` would say, before building anything, about cfg on `world` ranks: the loader's rules
+    (validate) and check_layout's; None when it accepts the layout."""
+    try:
+        validate(cfg)
+        check_layout(cfg, world)
+    except ShardfitError as e:
+        return e
+    return None

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from shardfit.memory.limits import a_type
+
 # Kernel kind by substring of the lower-cased kernel name, first match wins. cuBLAS's Hopper kernels are named
 # nvjet_* or sm90_xmma_gemm_*; SDPA's flash, memory-efficient and cuDNN kernels name flash/fmha/sdpa.
 _KINDS = (
@@ -230,21 +232,68 @@ def _summary_line(s: dict) -> str:
 
 
 def read_trace(path: str) -> list[dict]:
-    """The events of a Chrome trace torch.profiler exported (.json, or .json.gz as shardfit keeps them); a missing
-    or unreadable file is one line (exit 2)."""
+    """The events of a Chrome trace torch.profiler exported (.json, or .json.gz as shardfit keeps them), read with
+    bounded work (memory/limits.py) and checked where the summary reads them; a missing, unreadable or malformed
+    file is one line naming the file and the field (exit 2)."""
     from shardfit.errors import ShardfitError
+    from shardfit.memory.limits import TRACE_EVENTS, TRACE_MIB, read_capped
 
+    fix = "pass a trace torch.profiler exported (export_chrome_trace), .json or .json.gz"
+    raw = read_capped(Path(path), TRACE_MIB, "Chrome trace")
     try:
-        raw = Path(path).read_bytes()
-        data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    except (OSError, EOFError, ValueError) as e:
-        raise ShardfitError(f"cannot read a Chrome trace from {path}: {str(e).splitlines()[0]}", where=path,
-                            fix="pass a trace torch.profiler exported (export_chrome_trace), .json or .json.gz") from e
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # invalid JSON or UTF-8, NaN, or arrays nested past the parser's stack
+        what = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0][:200]
+        raise ShardfitError(f"cannot read a Chrome trace from it: {what}", where=path, fix=fix) from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
-        raise ShardfitError(f"{path} holds no traceEvents list", where=path,
-                            fix="pass a trace torch.profiler exported (export_chrome_trace)")
+        found = f"traceEvents is {a_type(events)}" if isinstance(data, dict) else f"{a_type(data)} at the top"
+        raise ShardfitError(f"holds no traceEvents list ({found})", where=path, fix=fix)
+    if len(events) > TRACE_EVENTS.value():
+        raise TRACE_EVENTS.refuse(path, f"it holds {len(events):,} events")
+    for i, e in enumerate(events):
+        problem = _event_problem(e)
+        if problem:
+            raise ShardfitError(f"traceEvents[{i}]{problem}", where=path, fix=fix)
     return events
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a trace holds")
+
+
+_TEXT_KEYS = ("ph", "cat", "name")
+_MAX_US = 1e15  # about 30 years in microseconds: past it a time is not one a profiled step has
+
+
+def _event_problem(e) -> str | None:
+    """What is wrong with one event where the summary reads it (None: nothing): the keys are text, a complete ("X")
+    event's ts and dur finite numbers of microseconds, args a dict of scalars, pid and tid scalars (dict keys)."""
+    if type(e) is not dict:
+        return f" is {a_type(e)}, not an event (a dict)"
+    for key in _TEXT_KEYS:
+        if key in e and type(e[key]) is not str:
+            return f".{key} is {a_type(e[key])}, not text"
+    for key in ("pid", "tid"):
+        if key in e and type(e[key]) not in (int, str):
+            return f".{key} is {a_type(e[key])}, not an id"
+    args = e.get("args", {})
+    if type(args) is not dict:
+        return f".args is {a_type(args)}, not a dict"
+    for key in ("stream", "correlation"):
+        if key in args and type(args[key]) not in (int, str):
+            return f".args.{key} is {a_type(args[key])}, not an id"
+    if e.get("ph") != "X":
+        return None
+    for key in ("ts", "dur"):
+        v = e.get(key)
+        if type(v) not in (int, float):
+            return f".{key} is {'missing' if v is None else a_type(v)}, not a number of microseconds"
+        if not (-_MAX_US < v < _MAX_US) or (key == "dur" and v < 0):
+            return f".{key} is {v:g}, outside {'[0' if key == 'dur' else '(-1e15'}, 1e15) microseconds"
+    if "name" not in e:
+        return " (a complete event) has no name"
+    return None
 
 
 def explain(s: dict) -> str:

@@ -1,0 +1,151 @@
+"""The report of `shardfit plan`: the configured case, the largest micro-batch per checkpointing mode, host memory.
+
+Only what `shardfit train` accepts is reported as fitting: the configured layout goes through the loader's rules and
+parallel/layout.py's checks (the ones train runs before it builds anything), and a refused layout is printed as
+such, with train's own line, its memory still shown for comparison. The per-mode rows list only micro-batches that
+split the global batch as train requires. The inputs are checked first (plan_checks.py): the GPU and host sizes
+given through the API, and configs whose keys are each valid but whose sizes together are not a model any machine
+holds, are one line instead of an overflow deep in torch or a planner that never returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardfit.config.schema import Config
+from shardfit.errors import ShardfitError
+from shardfit.memory.plan import (
+    Estimate,
+    GiB,
+    allocation_budget,
+    estimate,
+    fits,
+    host_budget,
+    host_fits,
+    host_per_node,
+    largest_micro_batch,
+)
+from shardfit.memory.plan_checks import check_plan_inputs
+from shardfit.parallel.layout import refusal
+
+MODES = ("none", "selective", "full")  # activation checkpointing, from the least recomputation to the most
+
+
+def with_mode(cfg: Config, mode: str) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpoint=mode))
+
+
+def with_micro_batch(cfg: Config, micro_batch: int) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=micro_batch))
+
+
+def layout_refusal(cfg: Config, world: int) -> ShardfitError | None:
+    """Why train refuses this layout whatever the micro-batch (checked at micro-batch 1), or None."""
+    return refusal(cfg if cfg.train.micro_batch_tokens else with_micro_batch(cfg, 1), world)
+
+
+def largest_per_mode(cfg: Config, world: int, gpu_gib: float) -> dict[str, Estimate | None]:
+    """The largest micro-batch that fits a GPU of gpu_gib and that train accepts (it splits the global batch), per
+    checkpointing mode; None: not even 1, or train refuses the layout (layout_refusal)."""
+    check_plan_inputs(cfg, world, gpu_gib)
+    if layout_refusal(cfg, world) is not None:
+        return dict.fromkeys(MODES)
+    rows = cfg.train.micro_batch_tokens  # rows of a token budget: train takes the budget, not a row count
+
+    def accept(mode_cfg: Config):
+        return None if rows else lambda mb: refusal(with_micro_batch(mode_cfg, mb), world) is None
+
+    return {mode: largest_micro_batch(as_rows(with_mode(cfg, mode)), world, allocation_budget(gpu_gib * GiB),
+                                      device_bytes=gpu_gib * GiB, accept=accept(with_mode(cfg, mode)))
+            for mode in MODES}
+
+
+def host_line(e: Estimate, cfg: Config, world: int, gpus_per_node: int, host_gib: float | None) -> str:
+    """What parallel.offload asks of each node's host memory, and whether it exceeds --host-memory."""
+    ranks = min(world, gpus_per_node)
+    kept = cfg.parallel.offload_gpu_blocks
+    what = ("Adam moments" if cfg.parallel.offload == "optimizer"
+            else "fp32 parameters and gradients, pinned, and Adam moments"
+            + (f", the first {kept} blocks' on the GPU instead" if kept else ""))
+    line = (f"host memory per node: {host_per_node(e, world, gpus_per_node) / GiB:.1f} GiB ({what}, of {ranks} "
+            f"rank(s), {e.host / GiB:.1f} GiB each)")
+    if cfg.parallel.offload == "optimizer":
+        line += "; counted for comparison: shardfit train refuses parallel.offload=optimizer"
+    if host_gib is not None:
+        usable = f"{host_budget(host_gib) / GiB:.1f} GiB usable: 10% left to the processes and the page cache"
+        line += (f": {'within' if host_fits(e, world, gpus_per_node, host_gib) else 'EXCEEDS'} the host's "
+                 f"{host_gib:.0f} GiB ({usable})")
+    return line
+
+
+def configured(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
+               gpus_per_node: int = 8) -> tuple[Estimate, bool]:
+    """The config as given (its micro-batch; 1 when chosen at launch) and whether train accepts it (refusal) and
+    it fits the GPU and, host memory given, the offloaded states fit one node's host memory."""
+    check_plan_inputs(cfg, world, gpu_gib, host_gib, gpus_per_node)
+    accepted = refusal(cfg, world) is None
+    cfg = as_rows(cfg)  # token budgets: one [1, micro_batch_tokens] row
+    e = estimate(cfg, world, cfg.train.micro_batch or 1)
+    return e, accepted and fits(e, allocation_budget(gpu_gib * GiB), gpu_gib * GiB) and host_fits(
+        e, world, gpus_per_node, host_gib)
+
+
+def as_rows(cfg: Config) -> Config:
+    """Token-budget micro-batches (train.micro_batch_tokens = T) as the plan counts them: each forward/backward is
+    one [1, T] row of whole examples (document-masked kernels save what a plain row of T tokens saves), so the
+    configured case is micro-batch 1 at sequence T, and "micro-batch k" in the table means k such rows. The global
+    batch (examples) stays: above one row per rank it counts as accumulation, which keeps gradients live."""
+    if not cfg.train.micro_batch_tokens:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.train.micro_batch_tokens),
+                               train=dataclasses.replace(cfg.train, micro_batch=1, micro_batch_tokens=0))
+
+
+def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,
+               gpus_per_node: int = 8) -> str:
+    """The report of `shardfit plan`: the configured micro-batch's peak, then the largest micro-batch per mode."""
+    check_plan_inputs(cfg, world, gpu_gib, host_gib, gpus_per_node)
+    budget = allocation_budget(gpu_gib * GiB)
+    m = cfg.model
+    budget_rows = cfg.train.micro_batch_tokens
+    given, cfg = cfg, as_rows(cfg)
+    lines = [f"shardfit plan: {m.name}, {world} GPU(s) of {gpu_gib:.0f} GiB, seq {cfg.data.seq_len}"
+             + (" (token-budget rows: micro-batch k is k rows)" if budget_rows else "")
+             + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
+             + (f", HSDP: {cfg.parallel.replicate} replicas of {world // cfg.parallel.replicate}-GPU shard groups"
+                if cfg.parallel.replicate > 1 else "")
+             + (f", CPU offload of {cfg.parallel.offload}" if cfg.parallel.offload != "none" else "")
+             + (f", expert parallel {cfg.parallel.expert_parallel}" if cfg.parallel.expert_parallel > 1 else "")
+             + (f" but the first {cfg.parallel.offload_gpu_blocks} blocks" if cfg.parallel.offload_gpu_blocks else "")
+             + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
+             + (", compiled blocks" if cfg.parallel.compile else ", eager blocks")
+             + (f", FP8 {cfg.parallel.fp8}" if cfg.parallel.fp8 != "none" else "")
+             + f"; budget for allocated memory {budget / GiB:.1f} GiB",
+             "", f"{'checkpointing':13} {'micro-batch':>11} {'peak GiB':>9} {'states':>7} {'fsdp':>6} "
+             f"{'activations':>11} {'working':>8}"]
+
+    refused, refused_any = refusal(given, world), layout_refusal(given, world)
+
+    def row(mode: str, e: Estimate | None, note: str = "") -> str:
+        if e is None:
+            return f"{mode:13} {'-':>11} " + (f"{'refused by shardfit train (above)':>45}" if refused_any else
+                                               f"{'does not fit even at micro-batch 1':>45}")
+        fsdp = e.fsdp + e.offload_copies
+        return (f"{mode:13} {e.micro_batch:>11} {e.peak / GiB:>9.1f} {e.states / GiB:>7.1f} {fsdp / GiB:>6.1f} "
+                f"{e.activations / GiB:>11.1f} {e.working / GiB:>8.1f}{note}")
+
+    mine, ok = configured(given, world, gpu_gib, host_gib, gpus_per_node)
+    if mine.idle_cache:
+        lines[0] += (f", and allocated + the freed gradients' {mine.idle_cache / GiB:.1f} GiB cache under "
+                     f"{gpu_gib - 4.5:.1f} GiB")
+    verdict = ("fits" if ok else "DOES NOT FIT" if not fits(mine, budget, gpu_gib * GiB)
+               else "DOES NOT FIT the host" if refused is None else "memory counted for comparison")
+    lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {verdict}"))
+    if refused is not None:  # train's own line: every layout printed as fitting is one train accepts
+        lines.append(f"  REFUSED by shardfit train: {refused}")
+    for mode, best in largest_per_mode(given, world, gpu_gib).items():
+        lines.append(row(mode, best, "  (largest tried: 64; more may fit)" if best and best.micro_batch == 64
+                         else "  (largest that fits)"))
+    if cfg.parallel.offload != "none":
+        lines += ["", host_line(mine, cfg, world, gpus_per_node, host_gib)]
+    return "\n".join(lines)
