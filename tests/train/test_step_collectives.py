@@ -30,16 +30,19 @@ def _count_collectives(rank, world):
     for name in _COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, wrap(name, getattr(dist, name)))
-    inner_fb = trainer.engine.forward_backward
-    phases = {}
+    # the micro-batches' forward/backward: from the first micro-batch's callback to the one the Engine makes
+    # after the last (i == count), just before its stats collective
+    phases, inner = {}, trainer.engine.on_micro_batch
+    started = []
 
-    def counted_fb(batches):
-        before = len(calls)
-        out = inner_fb(batches)
-        phases.setdefault("fb", []).append(calls[before:])
-        return out
+    def on_micro_batch(step, i, n):
+        if i == 0:
+            started.append(len(calls))
+        if i == n:
+            phases.setdefault("fb", []).append(calls[started[-1]:])
+        inner(step, i, n)
 
-    trainer.engine.forward_backward = counted_fb
+    trainer.engine.on_micro_batch = on_micro_batch
     per_step = []
     for _ in range(2):
         before = len(calls)
