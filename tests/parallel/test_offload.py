@@ -8,7 +8,6 @@ gradient scale as grad_scale. Pinning, the real transfers and the device-drawn i
 """
 
 import math
-import os
 import threading
 
 import pytest
