@@ -211,7 +211,7 @@ for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "fin
 # blocks) and the gradients back (32 GB); the CPU step (one per step, ~225 GB of host memory traffic) is amortised
 # over 65,536 tokens; accumulation would add the host adds of FSDP's offloaded gradient accumulation inside backward.
 # The CPU step runs group by group under the next forward (parallel/offload.py, OverlappedStep); the phases then show
-# ~0 s of optimizer and the waits inside forward. SHARDFIT_OFFLOAD_OVERLAP=0 in the environment runs it in place (A/B).
+# ~0 s of optimizer and the waits inside forward. --parallel.offload_overlap=false runs it in place (A/B).
 # The second case (16 of the 32 layers, 4.5B parameters, 68 GiB of states) still runs where the host's memory
 # cannot hold the full model's 120 GiB plus the pinned allocator's rounding.
 OFFLOAD8B = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=8", "--train.warmup_steps=2",

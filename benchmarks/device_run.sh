@@ -67,6 +67,10 @@
 #            compiled with and without the overlapped step, torchtitan compiled; no exchange of any kind (~300 s)
 #   moe2-a2a  2 GPUs, 12 layers: the fastest case (compiled, EP 2, overlapped step) without and with
 #            parallel.expert_overlap=dispatch and =both (all-to-alls under the own rows' experts), HF beside (~430 s)
+# Issue 26, the house (the step moved into train/engine.py): .old/src, a copy of the session's first commit's src
+# (carried), against src, one GPU, in one call each (nvidia-h200, as session 11's moe1):
+#   house1-dense  Llama-3.2-1B shape compiled mbs 4 (suite single), old then new then old then new (4 x ~60 s)
+#   house1-moe    moe1's fastest shardfit case (6 layers, compiled, overlapped step), old then new (2 x ~100 s)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -162,6 +166,12 @@ for stage in "$@"; do
       cp /tmp/moeprof1/profile/step8_summary.json "$OUT/moeprof1_summary.json"
       t=/tmp/moeprof1/profile/step8_rank0.json.gz; [ "$(stat -c %s $t)" -lt 16000000 ] && cp $t "$OUT/moeprof1_trace.json.gz"
       python3 -c "import json; d=json.load(open('$OUT/moeprof1_summary.json')); print(json.dumps({k: d[k] for k in ('idle',) if k in d}, indent=1))" ;;
+    house1-dense)
+      for tree in .old/src src .old/src src; do tag=$(echo "$tree" | tr -d ./); n=$((${n:-0} + 1))
+        env CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD/$tree timeout 140 python3 benchmarks/bench_train.py --suite single --nproc 1 --timeout 130 --only "llama3-1b compile mbs4" --out "$OUT/house1_dense_${n}_$tag.json" 2>&1 | tail -1; done ;;
+    house1-moe)
+      for tree in .old/src src; do tag=$(echo "$tree" | tr -d ./)
+        env CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD/$tree timeout 200 python3 benchmarks/bench_moe.py --nproc 1 --layers 6 --budget 190 --only "shardfit no-AC compile overlap-opt" --out "$OUT/house1_moe_$tag.json" 2>&1 | grep -v '^{' | tail -3; done ;;
     moe1) env CUDA_VISIBLE_DEVICES=0 timeout 360 python3 benchmarks/bench_moe.py --nproc 1 --layers 6 --budget 345 --only "HF grouped_mm full-AC" "shardfit no-AC compile" "shardfit no-AC compile overlap-opt" "torchtitan no-AC compile" --out "$OUT/moe1_x1.json" 2>&1 | tee "$OUT/moe1.log" | grep -v '^{' | tail -8 ;;
     moe2-a2a)  # the dispatch all-to-all overlapped with the own rows (parallel.expert_overlap): one change against the fastest case, HF beside
       env $two timeout 500 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 480 --variant "a2a=--parallel.expert_overlap=dispatch" --variant "a2a-both=--parallel.expert_overlap=both" --only "HF grouped_mm full-AC" "shardfit no-AC compile EP2 overlap-opt" "shardfit no-AC compile EP2 overlap-opt a2a" "shardfit no-AC compile EP2 overlap-opt a2a-both" --out "$OUT/moe2_a2a_x2.json" 2>&1 | tee "$OUT/moe2_a2a.log" | grep -v '^{' | tail -8 ;;

@@ -26,7 +26,7 @@ def _train(rank, world, off, root):
     end = full_state(trainer.model)
     locals_ = [p.to_local() for p in trainer.model.parameters()]
     moments = [t for s in trainer.optimizer.state.values() for k, t in s.items() if k != "step"]
-    out = {"losses": [h["loss"] for h in history], "peak": peak, "overlapped": trainer.overlap is not None,
+    out = {"losses": [h["loss"] for h in history], "peak": peak, "overlapped": trainer.engine.runner.overlapped,
            "on_host": all(t.device.type == "cpu" for t in locals_),
            "pinned": all(t.is_pinned() for t in locals_),
            "moments_on_host": all(t.to_local().device.type == "cpu" for t in moments),
@@ -111,10 +111,7 @@ def _check_export(tmp_path, device, world):
 def _train_kept(rank, world, root, overlap):
     """offload=all keeping the first 2 of 4 blocks on the GPU (parallel.offload_gpu_blocks): where each block's
     shards and moments live, and the run's losses and weights; the overlapped run also resumes its step-3 checkpoint."""
-    import os
-
-    os.environ["SHARDFIT_OFFLOAD_OVERLAP"] = "1" if overlap else "0"
-    keep = [*SIZE, "--parallel.offload=all", "--parallel.offload_gpu_blocks=2"]
+    keep = [*SIZE, "--parallel.offload=all", "--parallel.offload_gpu_blocks=2", f"--parallel.offload_overlap={overlap}"]
     run_dir = f"{root}/kept{int(overlap)}"
     trainer = Trainer(small_config(*keep, run_dir=run_dir))
     start = full_state(trainer.model)
@@ -122,7 +119,7 @@ def _train_kept(rank, world, root, overlap):
     end = full_state(trainer.model)
     opt = trainer.optimizer
     blocks = [[p.to_local() for p in b.parameters()] for b in trainer.model.model.layers]
-    out = {"losses": [h["loss"] for h in history], "overlapped": trainer.overlap is not None,
+    out = {"losses": [h["loss"] for h in history], "overlapped": trainer.engine.runner.overlapped,
            "devices": [sorted({t.device.type for t in b}) for b in blocks],
            "pinned": [all(t.is_pinned() for t in b) for b in blocks],
            "moments": [sorted({opt.state[p]["exp_avg"].to_local().device.type for p in b.parameters()})

@@ -8,7 +8,6 @@ gradient scale as grad_scale. Pinning, the real transfers and the device-drawn i
 """
 
 import math
-import os
 import threading
 
 import pytest
@@ -37,7 +36,7 @@ def _nan_step(t, rank, world, before):
     moments = [(s["exp_avg"].to_local().clone(), s["step"].clone()) for s in t.optimizer.state.values()]
     rec = t.train_step()
     after = full_state(t.model)
-    return {"skipped": rec["skipped"], "bad": rec["bad_ranks"],
+    return {"skipped": rec.skipped, "bad": rec.bad_ranks,
             "same": all(torch.equal(before[k], after[k]) for k in before),
             "same_opt": all(torch.equal(a, s["exp_avg"].to_local()) and torch.equal(st, s["step"])
                             for (a, st), s in zip(moments, t.optimizer.state.values())),
@@ -52,10 +51,10 @@ def _both(rank, world, run_dir, sync_too, kept=0):
     layers = ["--model.n_layers=4"] if kept else []
     for key in ("all", "all_sync", "none") if sync_too else ("all", "none"):
         off = key.split("_")[0]
-        os.environ["SHARDFIT_OFFLOAD_OVERLAP"] = "0" if key == "all_sync" else "1"
         keep = [f"--parallel.offload_gpu_blocks={kept}"] if off == "all" else []
-        t = Trainer(small_config(*ARGS, *layers, f"--parallel.offload={off}", *keep, run_dir=f"{run_dir}/{key}"))
-        overlapped = t.overlap is not None
+        sync = [f"--parallel.offload_overlap={key != 'all_sync'}"]
+        t = Trainer(small_config(*ARGS, *layers, f"--parallel.offload={off}", *keep, *sync, run_dir=f"{run_dir}/{key}"))
+        overlapped = t.engine.runner.overlapped
         threads, step = [], t.optimizer.step
         t.optimizer.step = lambda *a, _t=threads, _s=step, **k: (_t.append(threading.current_thread().name),
                                                                   _s(*a, **k))[1]
@@ -64,7 +63,7 @@ def _both(rank, world, run_dir, sync_too, kept=0):
         state = full_state(t.model)  # a collective: every rank
         out[key] = {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
                     "overlapped": overlapped, "step_threads": threads,
-                    "groups": len(t.overlap.groups) if overlapped else 0,
+                    "groups": len(t.engine.runner.groups) if overlapped else 0,
                     "offloaded": [offloaded(m) for m in blocks],
                     "host": all(p.to_local().device.type == "cpu" for p in t.model.parameters()),
                     "grads_freed": all(p.grad is None for p in t.model.parameters()),

@@ -26,7 +26,7 @@ def _counted(rank, world, extra, run_dir):
     for i, b in enumerate(blocks):  # the block calls MoE's phases (models/decoder.py): hook the block
         b.register_forward_hook(lambda mod, args, out, i=i: count(mod, args, out, i))
     rec = trainer.train_step()
-    return {"mine": counts.tolist(), "moe": rec["moe"],
+    return {"mine": counts.tolist(), "moe": rec.moe,
             "bias": [m.balance_bias.tolist() for m in moes if m.balance_bias is not None]}
 
 

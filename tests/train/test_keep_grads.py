@@ -12,7 +12,7 @@ def _grads_across_steps(rank, world, keep, run_dir):
     out = []
     for _ in range(2):
         trainer.train_step()
-        grads = [p.grad for p in trainer.params]
+        grads = [p.grad for p in trainer.engine.params]
         out.append({"none": sum(g is None for g in grads),
                     "ptrs": [g.to_local().data_ptr() for g in grads if g is not None],
                     "zero": all(bool((g.to_local() == 0).all()) for g in grads if g is not None)})

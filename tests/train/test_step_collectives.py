@@ -30,16 +30,19 @@ def _count_collectives(rank, world):
     for name in _COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, wrap(name, getattr(dist, name)))
-    inner_fb = trainer._forward_backward
-    phases = {}
+    # the micro-batches' forward/backward: from the first micro-batch's callback to the one the Engine makes
+    # after the last (i == count), just before its stats collective
+    phases, inner = {}, trainer.engine.on_micro_batch
+    started = []
 
-    def counted_fb():
-        before = len(calls)
-        out = inner_fb()
-        phases.setdefault("fb", []).append(calls[before:])
-        return out
+    def on_micro_batch(step, i, n):
+        if i == 0:
+            started.append(len(calls))
+        if i == n:
+            phases.setdefault("fb", []).append(calls[started[-1]:])
+        inner(step, i, n)
 
-    trainer._forward_backward = counted_fb
+    trainer.engine.on_micro_batch = on_micro_batch
     per_step = []
     for _ in range(2):
         before = len(calls)
@@ -81,7 +84,7 @@ def _nan_on_rank1(rank, world, run_dir, max_skipped):
             if trainer.skipped > max_skipped:
                 trainer.save()
                 raise TrainingHalted("too many", where="test")
-            records.append({"skipped": rec["skipped"], "bad": rec["bad_ranks"], "loss": rec["loss"]})
+            records.append({"skipped": rec.skipped, "bad": rec.bad_ranks, "loss": rec.loss})
             if step == 2:
                 after = full_state(trainer.model)
                 same_after_skip = all(torch.equal(before[k], after[k]) for k in before)

@@ -12,7 +12,7 @@ def _timed_steps(rank, world, run_dir):
     trainer = Trainer(small_config("--train.micro_batch=2", "--train.steps=3", "--logging.log_every=1",
                                    "--logging.level=debug", run_dir=run_dir))
     recs = [trainer.train_step() for _ in range(3)]
-    return [{"phases": r["phases"], "time_s": r["time_s"]} for r in recs]
+    return [{"phases": r.phases, "time_s": r.time_s} for r in recs]
 
 
 def test_phases_add_up_within_the_step(tmp_path):

@@ -152,6 +152,8 @@ class ParallelConfig:
                                      "states on the GPU (stepped there), the rest go to host memory; for a model "
                                      "whose states exceed the host's memory but whose GPUs have room left "
                                      "(shardfit plan proposes N)", ge=0)
+    offload_overlap: bool = opt(True, "with offload=all: run the CPU step group by group on a worker thread under "
+                                      "the next forward; false steps in place (the same results, bit for bit)")
     overlap_optimizer: bool = opt(False, "CUDA: run the optimizer step on a side stream, FSDP group by group, each "
                                          "group's next forward waiting only for its own (parallel/step_overlap.py); "
                                          "for steps whose forward leaves the GPU idle (MoE with expert parallelism: "

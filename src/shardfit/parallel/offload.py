@@ -63,7 +63,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from shardfit.config.schema import ParallelConfig
 from shardfit.errors import ShardfitError
-from shardfit.parallel.step_overlap import add_wait_hooks, forward_order_groups, param_group, step_group
+from shardfit.parallel.step_overlap import (
+    add_wait_hooks,
+    forward_order_groups,
+    param_group,
+    step_group,
+    zero_grads,
+)
 
 
 def check_offload(cfg: ParallelConfig, n_layers: int | None = None) -> None:
@@ -250,6 +256,9 @@ class OverlappedStep:
     before the first backward (a no-op safety net: every group's forward has waited already).
     """
 
+    overlapped = True
+    grad_scale_device = torch.device("cpu")  # one host tensor serves both devices: fused AdamW copies it per device
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, blocks: list[nn.Module],
                  prefetch: int = 0, device: torch.device | None = None):
         import threading
@@ -306,3 +315,7 @@ class OverlappedStep:
         if self.future is not None:
             future, self.future = self.future, None
             future.result()
+
+    def zero(self, applied: bool) -> None:
+        if not applied:  # host gradients are always freed (see parallel/step_runner.py)
+            zero_grads(self.optimizer, keep=False)

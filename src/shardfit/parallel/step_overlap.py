@@ -113,9 +113,11 @@ class StreamOverlappedStep:
     docstring). Same interface as the offload's OverlappedStep: launch() after the gradient scale and learning rate
     are set, wait() before anything that reads the parameters or the optimizer."""
 
+    overlapped = True
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, blocks: list[nn.Module], prefetch: int,
                  keep_grads: bool, device: torch.device):
-        self.optimizer, self.keep_grads = optimizer, keep_grads
+        self.optimizer, self.keep_grads, self.grad_scale_device = optimizer, keep_grads, device
         self.modules, self.groups = forward_order_groups(model, optimizer)
         # Off CUDA there are no streams: the groups are stepped at once, in order (the same results; tested so)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -164,6 +166,10 @@ class StreamOverlappedStep:
 
     def wait(self) -> None:
         self._wait_groups(len(self.events))
+
+    def zero(self, applied: bool) -> None:
+        if not applied:  # a launched step took the gradients (and gave back the kept ones zeroed)
+            zero_grads(self.optimizer, self.keep_grads)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

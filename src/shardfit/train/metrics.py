@@ -154,13 +154,14 @@ class LogWindow:
         self.capacity = self.loss_tokens = self.real_tokens = 0.0  # this rank's capacity; the world's token counts
         self.phases: dict[str, list[float]] = {}
 
-    def add(self, rec: dict) -> None:
-        self.seconds += rec["time_s"]
+    def add(self, rec) -> None:
+        """rec: a train.engine.StepRecord."""
+        self.seconds += rec.time_s
         self.steps += 1
-        self.capacity += rec["capacity"]
-        self.loss_tokens += rec["loss_tokens"]
-        self.real_tokens += rec["real_tokens"]
-        for k, v in rec["phases"].items():
+        self.capacity += rec.capacity
+        self.loss_tokens += rec.loss_tokens
+        self.real_tokens += rec.real_tokens
+        for k, v in rec.phases.items():
             self.phases.setdefault(k, []).append(v)
 
     def phase_means(self) -> dict[str, float]:

@@ -1,32 +1,14 @@
-"""The training loop.
+"""The training loop: set-up (run directory, data, resume point), then `fit` feeds the Engine (train/engine.py: the
+one step implementation) from the data loader, with evaluation, logging, checkpoints and export around it.
 
-Collectives of one optimizer step, identical on every rank and in this order:
-  FSDP's own all-gathers and reduce-scatters (gradients reduced after every micro-batch, or with
-  parallel.reduce_every_micro_batch=false after the last one only), and with sequence parallelism the attention
-  all-to-alls (the same on every rank of a group, in forward, recompute and backward),
-  then exactly one all-gather of a small stats vector per rank, after all micro-batches,
-  (every train.eval_every steps: the validation forwards, the same count on every rank, and one all-gather of their
-  summed loss and token count),
-  and with tensorwise FP8 all-gather, after an applied optimizer update, one all-reduce of the weights' amaxes (the
-  next step's FP8 scales; every rank takes the same branch, decided by the stats collective).
-That one collective carries each rank's local squared gradient norm, summed loss, token count, a non-finite flag,
-its real (non-padding) token count and its memory figures. From it every rank derives the same global token count,
-gradient norm, skip decision and metrics, so no rank can take a different branch. It is also the step's only
-host-device sync.
-
-Loss scaling: each micro-batch backpropagates (summed token loss) / C, with C = this rank's token capacity per step
-(a Python number from the micro-batches' shapes: the same on every rank, since every rank runs the same number of
-micro-batches of the same shape), and FSDP averages over ranks. After the stats collective the gradients are
-scaled by world x C / N (N = valid tokens of the whole global batch) and by the clip coefficient: the result is
-exactly the gradient of the mean loss over the global batch, whatever the per-rank token counts. The fused AdamW
-(CUDA, and the CPU step of parallel.offload=all, whose gradients are host tensors and, for the blocks
-parallel.offload_gpu_blocks keeps on the GPU, device ones) takes that factor as its grad_scale and divides each
-gradient by it as it reads it; the foreach AdamW of CPU training gets the gradients multiplied in one pass first.
+Besides the step's collectives (see engine.py), the loop issues: every train.eval_every steps the validation
+forwards (the same count on every rank) and one all-gather of their summed loss and token count; at start-up the
+run directory's and the resume point's agreements (run_dir.py, checkpoint.py); the saves' and export's agreements.
+Every decision that must agree is read from those collectives, so every rank takes the same branch.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import weakref
@@ -40,41 +22,18 @@ from shardfit.errors import ShardfitError
 from shardfit.fsutil import write_atomic
 from shardfit.memory import MemoryMonitor
 from shardfit.memory.record import SnapshotRecorder
-from shardfit.models import build_model, count_params
-from shardfit.models.loss import liger_available
-from shardfit.parallel import all_gather_rows, init_distributed, parallelize
-from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
+from shardfit.parallel import init_distributed
 from shardfit.parallel.layout import check_layout
-from shardfit.parallel.offload import OverlappedStep, grad_sq_norm
-from shardfit.parallel.step_overlap import StreamOverlappedStep, local_tensor, zero_grads
 from shardfit.train.batches import BatchSource
-from shardfit.train.checkpoint import (
-    agree_on_resume,
-    load_checkpoint,
-    new_run_id,
-    refuse_non_finite,
-    save_checkpoint,
-)
-from shardfit.train.evaluate import evaluate
-from shardfit.train.metrics import (
-    MEMORY_FIELDS,
-    ExpertLoad,
-    LogWindow,
-    flops_per_token,
-    memory_vector,
-    peak_flops,
-    reset_peaks,
-    summarize_memory,
-)
-from shardfit.train.optim import build_optimizer, lr_at, set_lr
+from shardfit.train.checkpoint import agree_on_resume
+from shardfit.train.engine import Engine, StepRecord
+from shardfit.train.metrics import LogWindow, flops_per_token, peak_flops, reset_peaks, summarize_memory
+from shardfit.train.optim import lr_at
 from shardfit.train.profile import StepProfiler
 from shardfit.train.progress import Progress
 from shardfit.train.run_dir import RunClaim, check_no_overwrite
-from shardfit.train.timing import StepTimer
 from shardfit.train.watchdog import EXIT_CODE as WATCHDOG_EXIT
 from shardfit.train.watchdog import Watchdog
-
-_STAT_SQNORM, _STAT_LOSS, _STAT_TOKENS, _STAT_NONFINITE, _STAT_REAL, _STAT_MEM = 0, 1, 2, 3, 4, 5
 
 
 class TrainingHalted(ShardfitError):
@@ -94,15 +53,6 @@ def apply_alloc_conf(alloc_conf: str) -> None:
     PYTORCH_CUDA_ALLOC_CONF always wins."""
     if alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
-
-
-def choose_loss_kernel(kind: str, device: torch.device) -> str:
-    if kind == "liger" and (device.type != "cuda" or not liger_available()):
-        raise ShardfitError("parallel.kernels=liger needs CUDA and the liger-kernel package",
-                            where="parallel.kernels", fix="pip install 'shardfit[liger]' on a GPU machine, or use auto")
-    if kind == "auto":
-        return "liger" if device.type == "cuda" and liger_available() else "torch"
-    return kind
 
 
 class Trainer:
@@ -153,115 +103,45 @@ class Trainer:
         if self.batches.describe():
             self.notices.append(self.batches.describe())
 
-        with torch.device("meta"):
-            model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
-        model.loss_impl = choose_loss_kernel(cfg.parallel.kernels, self.device)
-        if self.device.type == "cuda" and cfg.parallel.numa_bind:
-            from shardfit.parallel.affinity import bind_to_numa_node, gpu_pci_bus_id
-
-            self.notices.append(f"rank {self.dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
         resume = agree_on_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices, self.device)
         check_no_overwrite(self.ckpt_dir, resume, self.dist.rank, self.device, self.notices)
-        from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
-        self.model = parallelize(model, cfg.parallel, self.device, self.dist.world_size, cfg.train.seed,
-                                 init=not from_hf)
-        if cfg.parallel.fp8 != "none":
-            self.notices.append(fp8_notice(cfg.parallel, self.model.fp8_layers, self.device.type))
-        self.expert_load = ExpertLoad(self.model, self.device, cfg.model.router_bias_rate)
-        # parallel.offload=all: shards, gradients and Adam states are host tensors (parallel/offload.py)
-        self.offload = cfg.parallel.offload == "all"
-        if self.model.offload_notice:
-            self.notices.append(self.model.offload_notice)
-        if self.offload and self.accum != 1:
+        self.resumed_from = resume
+        self.engine = Engine(cfg, self.dist, resume, self.notices)
+        self.engine.on_micro_batch = self._on_micro_batch
+        if cfg.parallel.offload == "all" and self.accum != 1:
             self.notices.append("parallel.offload=all with several micro-batches per step: FSDP2 copies the gradients "
                                 "of every micro-batch after the first to the host synchronously and adds them on the "
                                 "CPU inside backward; one larger micro-batch (full checkpointing lets it grow) is "
                                 "faster (parallel/offload.py)")
-        if from_hf:
-            from shardfit.hf.load import load_hf_checkpoint, load_report
-
-            t0 = time.perf_counter()
-            loaded = load_hf_checkpoint(self.model, cfg.model.path)
-            self.notices.append(load_report(cfg.model.path, time.perf_counter() - t0, loaded, self.device))
-        self.timer = StepTimer(self.device, cfg.logging.step_timing)
-        self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
-                                     self.model])
         self.progress: Progress | None = None  # made by fit()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.n_params = count_params(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.train, self.device, cfg.parallel.offload)
-
-        self.step, self.skipped, self.tokens_seen = 0, 0, 0
-        self.resumed_from, self.run_id = None, new_run_id()  # the run id follows a run across resumes (pruning)
-        if resume is not None:
-            state = load_checkpoint(resume, self.model, self.optimizer, self.device)
-            self.step, self.skipped = state["step"], state.get("skipped", 0)
-            self.tokens_seen = state.get("tokens_seen", 0)
-            self.resumed_from, self.run_id = resume, state.get("run_id") or self.run_id
-        refresh_fp8_scales(self.model, cfg.parallel)  # FP8 scales of the weights in place: initialised, loaded, resumed
-        # offload=all: the CPU step runs group by group under the next forward (parallel/offload.py);
-        # SHARDFIT_OFFLOAD_OVERLAP=0 runs it in place instead (the same results, bit for bit; for measurements).
-        self.overlap = None
-        if self.offload and os.environ.get("SHARDFIT_OFFLOAD_OVERLAP", "1") != "0":
-            self.overlap = OverlappedStep(self.model, self.optimizer, list(self.model.model.layers),
-                                          cfg.parallel.prefetch, self.device)
-        elif cfg.parallel.overlap_optimizer:
-            # the GPU step on a side stream, each group under the next forward (parallel/step_overlap.py)
-            self.overlap = StreamOverlappedStep(self.model, self.optimizer, list(self.model.model.layers),
-                                                cfg.parallel.prefetch, cfg.memory.keep_grads, self.device)
-
-        seq = cfg.data.seq_len
-        self.capacity = 0  # C: this rank's tokens of the current step (set by _forward_backward)
-        self.flops_per_token = flops_per_token(cfg.model, self.n_params, seq)
+        self.flops_per_token = flops_per_token(cfg.model, self.engine.n_params, cfg.data.seq_len)
         self.peak = peak_flops(self.device, cfg.logging.peak_tflops)
         self.recorder = SnapshotRecorder(cfg.memory.snapshot_steps, self.run_dir / "snapshots", self.dist.rank,
                                          self.device, cfg.memory.snapshot_max_entries)
         self.profiler = StepProfiler(cfg.logging.profile_step, self.run_dir / "profile", self.dist.is_main,
                                      self.device)
 
-    # ------------------------------------------------------------------ one step
-    def _forward_backward(self) -> tuple[torch.Tensor, int, float]:
-        batches = self.batches.step(self.step)
-        # The same on every rank: the same number of micro-batches, of the same shapes (train/batches.py).
-        self.capacity = sum(b.capacity for b in batches)
-        tokens = sum(b.loss_tokens for b in batches)  # counted on the host: no sync
-        real = sum(b.real_tokens for b in batches)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, b in enumerate(batches):
-            ids, labels, positions = b.input_ids, b.labels, b.position_ids
-            self.watchdog.beat(f"step {self.step + 1} micro-batch {i + 1}/{len(batches)} (forward/backward)")
-            if self.progress is not None:
-                self.progress.micro_batch(self.step + 1, i, len(batches))
-            # Default: reduce-scatter after every micro-batch (FSDP adds each into the sharded gradient). Deferring
-            # it to the last micro-batch keeps unsharded fp32 gradients of the whole model on every GPU in between.
-            self.model.set_requires_gradient_sync(self.cfg.parallel.reduce_every_micro_batch or i == len(batches) - 1)
-            ids = ids.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            if positions is not None:
-                positions = positions.to(self.device, non_blocking=True)
-            self.timer.start("forward")
-            loss = self.model(ids, labels, positions, b.mask)  # summed token loss, fp32 scalar
-            self.timer.stop("forward")
-            self.timer.start("backward")
-            if self.overlap is not None:
-                self.overlap.wait()  # backward writes new gradients: the last step must be done (it is: see offload)
-            (loss / self.capacity).backward()
-            self.timer.stop("backward")
-            loss_sum += loss.detach()
-            self.expert_load.add_micro_batch()
-        return loss_sum, tokens, real
+    # ------------------------------------------------------------------ the Engine's state, for callers and tests
+    model = property(lambda self: self.engine.model)
+    optimizer = property(lambda self: self.engine.optimizer)
+    skipped = property(lambda self: self.engine.skipped)
 
-    def _reduce_step(self, loss_sum: torch.Tensor, tokens: int, real: float) -> torch.Tensor:
-        """The step's single collective: stats of every rank, [world, k], on the host."""
-        self.watchdog.beat(f"step {self.step + 1} stats collective (after all micro-batches)")
-        # offload=all: host gradients, and with offload_gpu_blocks device ones too: a norm per device, where they are
-        sq = grad_sq_norm([local_tensor(p.grad) for p in self.params if p.grad is not None], self.device)
-        head = torch.stack([sq, loss_sum.double(), torch.tensor(float(tokens), dtype=torch.float64, device=self.device),
-                            (~torch.isfinite(loss_sum)).double(),
-                            torch.tensor(float(real), dtype=torch.float64, device=self.device)])
-        mem = torch.tensor(memory_vector(self.device), dtype=torch.float64, device=self.device)
-        moe = self.expert_load.take()  # [L*E] rows per expert (MoE models; empty otherwise)
-        return all_gather_rows(torch.cat([head, mem, moe])).cpu()  # the one host-device sync of the step
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.engine.step = value
+
+    # ------------------------------------------------------------------ one step
+    def _on_micro_batch(self, step: int, i: int, n: int) -> None:
+        if i == n:
+            self.watchdog.beat(f"step {step} stats collective (after all micro-batches)")
+            return
+        self.watchdog.beat(f"step {step} micro-batch {i + 1}/{n} (forward/backward)")
+        if self.progress is not None:
+            self.progress.micro_batch(step, i, n)
 
     def _on_oom(self, err: BaseException) -> None:
         """Dump this rank's snapshot, diagnose it, and stop with one clear message. Peers blocked in a collective
@@ -282,85 +162,29 @@ class Trainer:
                           + (f"; snapshot {path}" if path else "") + verdict, where=f"step {step}",
                           fix="lower train.micro_batch or data.seq_len, or set parallel.activation_checkpoint")
 
-    def train_step(self) -> dict:
+    def train_step(self) -> StepRecord:
+        """One step of the data loader's batches through the Engine."""
         t0 = time.perf_counter()
         self.recorder.before_step(self.step + 1)
+        batches = self.batches.step(self.step)
         try:
-            loss_sum, tokens, real = self._forward_backward()
+            stats = self.engine.forward_backward(batches)
         except torch.OutOfMemoryError as err:
             self._on_oom(err)
-        rows = self._reduce_step(loss_sum, tokens, real)
-        # Everything recorded so far (this step's passes, the previous step's optimizer) finished before that sync.
-        timings = self.timer.collect()
-        world = self.dist.world_size
-        n_tokens = float(rows[:, _STAT_TOKENS].sum())
-        bad_ranks = [r for r in range(world) if rows[r, _STAT_NONFINITE] > 0]
-        scale = world * self.capacity / n_tokens if n_tokens > 0 else math.nan
-        # HSDP: the R replica groups hold the same shards, so the squared norm is summed over one group's ranks
-        # (the first world/R: parallel/parallelize.py lays the shard groups out as neighbouring ranks).
-        one_replica = world // self.cfg.parallel.replicate
-        grad_norm = math.sqrt(float(rows[:one_replica, _STAT_SQNORM].sum())) * scale
-        loss = float(rows[:, _STAT_LOSS].sum()) / n_tokens if n_tokens > 0 else math.nan
-        lr = lr_at(self.step, self.cfg.train)
-        # Every rank reads the same rows, so every rank takes the same branch.
-        ok = n_tokens > 0 and not bad_ranks and math.isfinite(grad_norm)
-        self.timer.start("optimizer")
-        if ok:
-            clip = self.cfg.train.grad_clip
-            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-            set_lr(self.optimizer, lr)
-            if self.optimizer.defaults.get("fused"):
-                # The step is memory-bound: fused AdamW divides each gradient by grad_scale as it reads it, so the
-                # scale costs no pass of its own over the gradients (measured: 20% of the CPU step under offload;
-                # on the GPU a read and write of every fp32 gradient shard, ~7 ms at 4B parameters per rank). Under
-                # offload lr and grad_scale are read by the worker until the next forward has waited for it; they
-                # change only after that. The host tensor serves both devices (fused AdamW copies it per device).
-                where = "cpu" if self.offload else self.device
-                self.optimizer.grad_scale = torch.tensor(1.0 / (scale * coef), dtype=torch.float32, device=where)
-            else:
-                torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None], scale * coef)
-            if self.overlap is not None:
-                self.overlap.launch()  # takes the gradients; the worker frees them group by group
-            else:
-                self.optimizer.step()
-            if gathers_in_fp8(self.cfg.parallel) and self.overlap is not None:
-                self.overlap.wait()  # the FP8 scales are read from the updated weights, all of them, now
-            refresh_fp8_scales(self.model, self.cfg.parallel)
-        else:
-            self.skipped += 1
-        # keep_grads: zeroed, not freed (see memory.keep_grads: freed sharded gradients become another stream's idle
-        # cache); FSDP then adds each step's reduce-scatter output into them, in that stream. With offload the
-        # gradients are host tensors and always freed: a kept one makes FSDP copy each reduce-scatter output to the
-        # host synchronously and add it on the CPU inside backward (the host thread then stalls once per group,
-        # the GPU waiting for its next kernels); the reduce-scatter pool keep_grads is about holds no gradients then.
-        # A launched overlapped step owns the gradients (already taken out of the parameters): not touched here.
-        if not (ok and self.overlap is not None):
-            zero_grads(self.optimizer, keep=self.cfg.memory.keep_grads and not self.offload)
-        self.timer.stop("optimizer")
-        self.step += 1
+        rec = self.engine.optim_step(stats, lr_at(self.step, self.cfg.train))
         self.recorder.after_step(self.step)
-        self.tokens_seen += int(n_tokens)
-        return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not ok,
-                "bad_ranks": bad_ranks, "no_tokens": n_tokens == 0, "time_s": time.perf_counter() - t0,
-                "phases": timings, "capacity": self.capacity, "loss_tokens": n_tokens,
-                "real_tokens": float(rows[:, _STAT_REAL].sum()),
-                "memory": rows[:, _STAT_MEM:_STAT_MEM + len(MEMORY_FIELDS)],
-                "moe": self.expert_load.finish_step(rows[:, _STAT_MEM + len(MEMORY_FIELDS):], ok)}
+        rec.time_s = time.perf_counter() - t0
+        return rec
 
     # ------------------------------------------------------------------ the loop
     def finish_step(self) -> None:
-        """Wait for an overlapped CPU optimizer step (offload=all): the parameters and the optimizer are then those
-        after the last train_step. fit() does it itself; callers of train_step() who read them must call it."""
-        if self.overlap is not None:
-            self.overlap.wait()
+        """Wait for an overlapped optimizer step: the parameters and the optimizer are then those after the last
+        train_step. fit() does it itself; callers of train_step() who read them must call it."""
+        self.engine.finish()
 
     def save(self) -> Path:
         self.watchdog.beat(f"step {self.step} checkpoint save")
-        self.finish_step()
-        return save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer,
-                               {"skipped": self.skipped, "tokens_seen": self.tokens_seen, "run_id": self.run_id},
-                               self.config_toml,
-                               self.device, keep=self.cfg.checkpoint.keep)
+        return self.engine.save(self.ckpt_dir, self.config_toml, keep=self.cfg.checkpoint.keep)
 
     def fit(self) -> list[dict]:
         cfg = self.cfg
@@ -384,24 +208,23 @@ class Trainer:
                 if self.profiler.summary:
                     progress.message(self.profiler.summary)
                     self.profiler.summary = None
-                history.append({k: rec[k] for k in ("step", "loss", "grad_norm", "lr", "skipped")})
+                history.append({k: getattr(rec, k) for k in ("step", "loss", "grad_norm", "lr", "skipped")})
                 window.add(rec)
                 progress.advance(self.step)
-                if rec["skipped"]:
+                if rec.skipped:
                     self._on_skip(rec, progress)
                 if self.step % cfg.logging.log_every == 0 or self.step in (1, total):
                     self._log(rec, window, progress, monitor)
                     window = LogWindow()
                 if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == total):
                     self.watchdog.beat(f"step {self.step} validation")
-                    progress.log_eval({"step": self.step, **evaluate(self.model, self.batches.validation(),
-                                                                     self.device)})
+                    progress.log_eval({"step": self.step, **self.engine.evaluate(self.batches.validation())})
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < total:
                     self.save()
             self.finish_step()
             if history:  # a run that ends on non-finite weights is no success, saved or not
-                refuse_non_finite(self.model, self.device, self.step, self.ckpt_dir, "saving or exporting them")
+                self.engine.refuse_non_finite(self.ckpt_dir, "saving or exporting them")
             done = [h["loss"] for h in history if not h["skipped"]]
             if done:
                 progress.message(f"done: {len(history)} steps, loss {done[0]:.3f} -> {done[-1]:.3f}, "
@@ -422,19 +245,15 @@ class Trainer:
         return history
 
     def export_hf(self, out: str) -> Path:
-        from shardfit.hf import export_hf
-
         self.watchdog.beat(f"step {self.step} Hugging Face export")
-        self.finish_step()
         source = self.cfg.model.path or (str(Path(self.cfg.data.tokenizer).parent)
                                          if self.cfg.data.tokenizer != "byte" else None)
-        export_hf(self.model, out, self.cfg.checkpoint.export_dtype, source)
-        return Path(out)
+        return self.engine.export_hf(out, self.cfg.checkpoint.export_dtype, source)
 
-    def _on_skip(self, rec: dict, progress: Progress) -> None:
+    def _on_skip(self, rec: StepRecord, progress: Progress) -> None:
         limit = self.cfg.train.max_skipped_steps
-        why = "no tokens" if rec["no_tokens"] else (
-            f"non-finite loss on rank(s) {rec['bad_ranks']}" if rec["bad_ranks"] else "non-finite gradient norm")
+        why = "no tokens" if rec.no_tokens else (
+            f"non-finite loss on rank(s) {rec.bad_ranks}" if rec.bad_ranks else "non-finite gradient norm")
         progress.message(f"step {self.step}: {why}; step skipped on all ranks ({self.skipped}/{limit} allowed)")
         if self.skipped > limit:
             path = self.save()  # parameters and optimizer are still those of the last good step
@@ -442,18 +261,18 @@ class Trainer:
                                  f"saved the last good state to {path}", where=f"step {self.step}",
                                  fix="lower train.lr or check the data, then resume")
 
-    def _log(self, rec: dict, window: LogWindow, progress: Progress, monitor: MemoryMonitor) -> None:
-        mem = summarize_memory(rec["memory"])
+    def _log(self, rec: StepRecord, window: LogWindow, progress: Progress, monitor: MemoryMonitor) -> None:
+        mem = summarize_memory(rec.memory)
         tps = window.capacity / window.seconds  # this rank's tokens per second, padding included
         world = self.dist.world_size
         progress.log({"step": self.step, "total_steps": self.cfg.train.steps, "device": self.device.type,
-                      "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
+                      "loss": rec.loss, "grad_norm": rec.grad_norm, "lr": rec.lr,
                       "tokens_per_s_per_gpu": tps,
                       "real_tokens_per_s_per_gpu": window.real_tokens / world / window.seconds,
                       "loss_tokens_per_s_per_gpu": window.loss_tokens / world / window.seconds,
                       "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
-                      "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped,
-                      "eta_s": progress.eta(self.step), **window.phase_means(), **mem, **rec["moe"]})
+                      "tokens_seen": self.engine.tokens_seen, "skipped_steps": self.skipped,
+                      "eta_s": progress.eta(self.step), **window.phase_means(), **mem, **rec.moe})
         for warning in monitor.update(mem):
             progress.message(warning)
         reset_peaks(self.device)
@@ -490,6 +309,6 @@ class Trainer:
                      f"accumulation {self.accum})")
         masked = (f", document-masked attention ({self.batches.kernel})"
                   if c.data.document_mask or c.train.micro_batch_tokens else "")
-        return (f"shardfit: {c.model.name} model, {self.n_params / 1e6:.1f}M params, {where}, "
+        return (f"shardfit: {c.model.name} model, {self.engine.n_params / 1e6:.1f}M params, {where}, "
                 f"{self.dataset.n_tokens:,} tokens of data, {batch}, loss kernel {self.model.loss_impl}{masked}, "
                 f"run dir {self.run_dir}{resumed}")
