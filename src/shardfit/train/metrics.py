@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -137,32 +139,44 @@ class ExpertLoad:
         biases when the optimizer step was applied (a skipped step changes nothing, biases included)."""
         if not self.layers:
             return {}
-        load = columns.sum(0).view(self.shape)  # [L, E], the global batch
-        ratio = (load.max(1).values / load.mean(1).clamp_min(1e-9)).tolist()
+        # numpy, not torch: a CPU torch op here, right after the optimizer's launch, waited ~5 ms a step for the
+        # intra-op thread pool on a 16-core host (1 GPU, MoE): the figures are a few hundred numbers
+        load = columns.numpy().sum(0).reshape(self.shape)  # [L, E], the global batch
+        ratio = (load.max(1) / np.maximum(load.mean(1), 1e-9)).tolist()
         if applied and self.bias_rate > 0:
-            update_balance_bias(self.layers, load.to(self.layers[0].balance_bias.device), self.bias_rate)
+            update_balance_bias(self.layers, torch.from_numpy(load).to(self.layers[0].balance_bias.device),
+                                self.bias_rate)
         worst = max(range(len(ratio)), key=ratio.__getitem__)
         return {"moe_load_max_over_mean": ratio[worst], "moe_load_worst_layer": self.layer_ids[worst],
                 "moe_load_per_layer": [round(r, 3) for r in ratio]}
 
 
 class LogWindow:
-    """Steps since the last log line: wall time, token counts, and each phase's seconds (rank 0's; train.timing)."""
+    """Steps since the last log line: their wall time, token counts, and each phase's seconds (rank 0's;
+    train.timing). The wall time runs from the previous window's last step to this window's last one, so the loop's
+    own work (logging, the data) counts; evaluation and checkpoints do not (`restart` after them)."""
 
-    def __init__(self):
+    def __init__(self, since: float | None = None):
+        self.mark = time.perf_counter() if since is None else since  # where the next step's wall time starts
         self.seconds, self.steps = 0.0, 0
         self.capacity = self.loss_tokens = self.real_tokens = 0.0  # this rank's capacity; the world's token counts
         self.phases: dict[str, list[float]] = {}
 
     def add(self, rec) -> None:
         """rec: a train.engine.StepRecord."""
-        self.seconds += rec.time_s
+        now = time.perf_counter()
+        self.seconds += now - self.mark
+        self.mark = now
         self.steps += 1
         self.capacity += rec.capacity
         self.loss_tokens += rec.loss_tokens
         self.real_tokens += rec.real_tokens
         for k, v in rec.phases.items():
             self.phases.setdefault(k, []).append(v)
+
+    def restart(self) -> None:
+        """Leave out the time since the last step (evaluation, a checkpoint): not training."""
+        self.mark = time.perf_counter()
 
     def phase_means(self) -> dict[str, float]:
         if "forward" not in self.phases:

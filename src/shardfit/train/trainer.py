@@ -215,13 +215,15 @@ class Trainer:
                     self._on_skip(rec, progress)
                 if self.step % cfg.logging.log_every == 0 or self.step in (1, total):
                     self._log(rec, window, progress, monitor)
-                    window = LogWindow()
+                    window = LogWindow(since=window.mark)  # the log line's own time counts in the next window
                 if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == total):
                     self.watchdog.beat(f"step {self.step} validation")
                     progress.log_eval({"step": self.step, **self.engine.evaluate(self.batches.validation())})
+                    window.restart()
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < total:
                     self.save()
+                    window.restart()
             self.finish_step()
             if history:  # a run that ends on non-finite weights is no success, saved or not
                 self.engine.refuse_non_finite(self.ckpt_dir, "saving or exporting them")
