@@ -70,7 +70,8 @@
 # Issue 26, the house (the step moved into train/engine.py): .old/src, a copy of the session's first commit's src
 # (carried), against src, one GPU, in one call each (nvidia-h200, as session 11's moe1):
 #   house1-dense  Llama-3.2-1B shape compiled mbs 4 (suite single), old then new then old then new (4 x ~60 s)
-#   house1-moe    moe1's fastest shardfit case (6 layers, compiled, overlapped step), old then new (2 x ~100 s)
+#   house1-moe    moe1's fastest shardfit case (6 layers, compiled, overlapped step), 40 steps, old/new/old/new:
+#                 wall-clock ms per step from timestamped log lines (benchmarks/wall_per_step.py; ~110 s)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -169,9 +170,12 @@ for stage in "$@"; do
     house1-dense)
       for tree in .old/src src .old/src src; do tag=$(echo "$tree" | tr -d ./); n=$((${n:-0} + 1))
         env CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD/$tree timeout 140 python3 benchmarks/bench_train.py --suite single --nproc 1 --timeout 130 --only "llama3-1b compile mbs4" --out "$OUT/house1_dense_${n}_$tag.json" 2>&1 | tail -1; done ;;
-    house1-moe)
-      for tree in .old/src src; do tag=$(echo "$tree" | tr -d ./)
-        env CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD/$tree timeout 200 python3 benchmarks/bench_moe.py --nproc 1 --layers 6 --budget 190 --only "shardfit no-AC compile overlap-opt" --out "$OUT/house1_moe_$tag.json" 2>&1 | grep -v '^{' | tail -3; done ;;
+    house1-moe)  # wall clock per step over steps 10-40, from timestamped log lines (old then new, twice)
+      cmd=$(python3 benchmarks/bench_moe.py --dry-run --nproc 1 --layers 6 --only "shardfit no-AC compile overlap-opt" | grep -o 'torchrun .*' | sed 's/--train.steps=12//')
+      python3 -c "import sys, argparse; sys.path.insert(0, 'benchmarks'); import bench_moe; bench_moe.ensure_data(argparse.Namespace(tokens='uniform', assets='/tmp/ttassets', dry_run=False))" >/dev/null
+      n=0; for tree in .old/src src .old/src src; do n=$((n + 1)); tag=$(echo "$tree" | tr -d ./); rm -rf /tmp/house1
+        env CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD/$tree timeout 150 $cmd --train.steps=40 --logging.run_dir=/tmp/house1 2>&1 | while IFS= read -r l; do echo "$(date +%s.%N) $l"; done > "$OUT/house1_moe_${n}_$tag.log"
+        python3 benchmarks/wall_per_step.py "$OUT/house1_moe_${n}_$tag.log" 10 40; done ;;
     moe1) env CUDA_VISIBLE_DEVICES=0 timeout 360 python3 benchmarks/bench_moe.py --nproc 1 --layers 6 --budget 345 --only "HF grouped_mm full-AC" "shardfit no-AC compile" "shardfit no-AC compile overlap-opt" "torchtitan no-AC compile" --out "$OUT/moe1_x1.json" 2>&1 | tee "$OUT/moe1.log" | grep -v '^{' | tail -8 ;;
     moe2-a2a)  # the dispatch all-to-all overlapped with the own rows (parallel.expert_overlap): one change against the fastest case, HF beside
       env $two timeout 500 python3 benchmarks/bench_moe.py --nproc 2 --layers 12 --budget 480 --variant "a2a=--parallel.expert_overlap=dispatch" --variant "a2a-both=--parallel.expert_overlap=both" --only "HF grouped_mm full-AC" "shardfit no-AC compile EP2 overlap-opt" "shardfit no-AC compile EP2 overlap-opt a2a" "shardfit no-AC compile EP2 overlap-opt a2a-both" --out "$OUT/moe2_a2a_x2.json" 2>&1 | tee "$OUT/moe2_a2a.log" | grep -v '^{' | tail -8 ;;
