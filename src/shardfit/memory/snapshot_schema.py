@@ -43,6 +43,12 @@ class _Checker:
             raise self.fail(field, f"is {value if abs(value) < 1 << 80 else 'huge'}, outside [0, 2^64)")
         return value
 
+    def required_sizes(self, d: dict, keys: tuple[str, ...], field: str) -> None:
+        for key in keys:
+            if key not in d:
+                raise self.fail(field, f"has no '{key}'")
+            self.size(d[key], f"{field}.{key}")
+
     def add(self, n: int, field: str) -> None:
         self.total += n
         if self.total >= _TOTAL:
@@ -112,10 +118,7 @@ def check_snapshot(data, compact: dict[int, EventTrace], path: str) -> dict:
 
 def _segment(c: _Checker, s, field: str) -> None:
     c.kind(s, dict, field, "a segment (a dict)")
-    for key in ("total_size", "address"):
-        if key not in s:
-            raise c.fail(field, f"has no '{key}'")
-        c.size(s[key], f"{field}.{key}")
+    c.required_sizes(s, ("total_size", "address"), field)
     c.add(s["total_size"], f"{field}.total_size")
     s.setdefault("device", 0)
     s.setdefault("stream", 0)
@@ -128,10 +131,7 @@ def _segment(c: _Checker, s, field: str) -> None:
     for j, b in enumerate(blocks):
         where = f"{field}.blocks[{j}]"
         c.kind(b, dict, where, "a block (a dict)")
-        for key in ("size", "address"):
-            if key not in b:
-                raise c.fail(where, f"has no '{key}'")
-            c.size(b[key], f"{where}.{key}")
+        c.required_sizes(b, ("size", "address"), where)
         c.add(b["size"], f"{where}.size")
         c.size(b.setdefault("requested_size", b["size"]), f"{where}.requested_size")
         c.text(b.setdefault("state", "active_allocated"), f"{where}.state")

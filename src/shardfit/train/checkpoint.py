@@ -106,7 +106,8 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
 
-    def clean_up(problem: str | None) -> None:
+    def settle(problem: str | None) -> None:
+        """Every rank learns whether any failed (one collective); on failure the temporary directory goes."""
         try:
             agree(problem, str(root), fix, device)
         except ShardfitError as e:
@@ -116,7 +117,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
             raise ShardfitError(f"{e}; " + (f"the previous checkpoint {last[-1]} is intact" if last else
                                             "no checkpoint of this run exists yet")) from None
 
-    clean_up(attempt(prepare) if rank == 0 else None)
+    settle(attempt(prepare) if rank == 0 else None)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
     try:
         dcp.save(state, checkpoint_id=str(tmp))
@@ -127,7 +128,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
             raise
         r, err = min(failed.items())
         problem = f"could not write checkpoint {final.name} on rank {r} ({err.strerror or err})"
-    clean_up(problem)  # every rank has finished writing, or all stop here
+    settle(problem)  # every rank has finished writing, or all stop here
 
     def publish():
         _write_json(tmp / "trainer.json", {**trainer_state, "step": step, "world_size": world})
@@ -137,7 +138,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
             shutil.rmtree(final)
         os.replace(tmp, final)
 
-    clean_up(attempt(publish) if rank == 0 else None)  # nobody proceeds (or exits) before the rename
+    settle(attempt(publish) if rank == 0 else None)  # nobody proceeds (or exits) before the rename
     if rank == 0 and keep:
         prune(root, keep, trainer_state.get("run_id"), step)
     return final
@@ -162,11 +163,6 @@ def prune(root: Path, keep: int, run_id: str | None, newest: int) -> list[Path]:
     return ours[:-keep]
 
 
-def check_checkpoint(path: Path) -> str | None:
-    """None if the checkpoint is whole, else what is wrong with it (train/checkpoint_verify.py)."""
-    return check_files(path)
-
-
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoint directories under root, oldest first (a .tmp or unmarked directory is not one)."""
     if not root.is_dir():
@@ -188,7 +184,7 @@ def resolve_resume(spec: str, root: Path, skipped: list[str] | None = None, at_m
         for path in reversed(complete_checkpoints(root)):
             if at_most is not None and step_of(path) > at_most:
                 continue
-            problem = check_checkpoint(path)
+            problem = check_files(path)
             if problem is None:
                 return path
             if skipped is not None:
@@ -198,7 +194,7 @@ def resolve_resume(spec: str, root: Path, skipped: list[str] | None = None, at_m
     if not (path / COMPLETE).is_file():
         raise ShardfitError("not a complete shardfit checkpoint (no complete.json)", where=str(path),
                             fix="pass a step_XXXXXXXX directory, or checkpoint.resume=auto")
-    problem = check_checkpoint(path)
+    problem = check_files(path)
     if problem:
         raise ShardfitError(f"corrupt checkpoint: {problem}", where=str(path),
                             fix="resume from an earlier checkpoint (checkpoint.resume=auto skips corrupt ones)")

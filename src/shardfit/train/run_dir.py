@@ -3,8 +3,8 @@
 At start-up, before the data or the model: the run directory (and a separate checkpoint directory) is locked, so
 that a second run on it stops at once instead of corrupting the first; every rank checks that it can write where
 it will save; an export target that holds someone else's files is refused. After the resume point is known, a
-run that would overwrite complete checkpoints (a fresh run in a directory of checkpoints, or a resume from an
-older step while later ones exist) is refused too. Each verdict is agreed in one collective, so every rank raises
+run that would overwrite another run's complete checkpoints (a fresh run in a directory of checkpoints) is refused
+too. Each verdict is agreed in one collective, so every rank raises
 the same error or none does.
 
 The lock is flock(2) on `<dir>/.shardfit.lock`, held by rank 0 for the life of the process: the kernel drops it
@@ -30,6 +30,8 @@ from shardfit.hf.export import export_problem
 from shardfit.parallel.agreement import agree
 
 LOCK = ".shardfit.lock"
+
+
 class _Lock:
     def __init__(self, directory: Path):
         self.path, self.fd = directory / LOCK, None
