@@ -157,7 +157,7 @@ PROBE = """
 import json, re, sys
 from pathlib import Path
 from shardfit.config import load_config
-from shardfit.data.packing import build_datasets
+from shardfit.data.build import build_datasets
 def rss():
     t = Path('/proc/self/status').read_text()
     return {k: int(v) * 1024 for k, v in re.findall(r'^(VmRSS|RssAnon|RssFile):\\s+(\\d+)', t, re.M)}

@@ -7,8 +7,9 @@ import sys
 
 log, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 t = {}
-for line in open(log):
-    m = re.match(r"([\d.]+) step (\d+)/\d+ ", line)
-    if m:
-        t[int(m.group(2))] = float(m.group(1))
+with open(log) as f:
+    for line in f:
+        m = re.match(r"([\d.]+) step (\d+)/\d+ ", line)
+        if m:
+            t[int(m.group(2))] = float(m.group(1))
 print(f"{log}: {(t[last] - t[first]) / (last - first) * 1e3:.2f} ms/step (steps {first}-{last}, wall clock)")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from shardfit.config import load_config
 from shardfit.data import build_dataset
-from shardfit.data.packing import stack_rows
+from shardfit.data.dataset import stack_rows
 from shardfit.models import build_model
 from shardfit.models.attention import DocumentMask
 from shardfit.train.optim import build_optimizer, lr_at, set_lr

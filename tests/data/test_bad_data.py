@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shardfit.config import load_config
-from shardfit.data.packing import build_datasets
+from shardfit.data.build import build_datasets
 from shardfit.data.sft import read_examples
 from shardfit.data.tokenize import tokenize_to_shards
 from shardfit.data.tokenizer import ByteTokenizer

@@ -7,7 +7,7 @@ import pytest
 
 from shardfit.config import load_config
 from shardfit.data.batching import assign_bins, budget_batches
-from shardfit.data.packing import build_datasets
+from shardfit.data.build import build_datasets
 from shardfit.data.sft_packed import pack_rows
 from shardfit.errors import ShardfitError
 

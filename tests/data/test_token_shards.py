@@ -14,7 +14,8 @@ import torch
 from shardfit.cli.main import main
 from shardfit.config import load_config
 from shardfit.data.batching import budget_batches
-from shardfit.data.packing import build_datasets, tokenize_documents
+from shardfit.data.build import build_datasets
+from shardfit.data.packing import tokenize_documents
 from shardfit.data.token_shards import TokenStream, open_token_shards, shard_dir_state, token_dtype
 from shardfit.data.tokenize import tokenize_to_shards
 from shardfit.data.tokenizer import ByteTokenizer

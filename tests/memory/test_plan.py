@@ -190,7 +190,7 @@ def test_hsdp_shards_states_over_one_replica_group():
     """HSDP on 4 GPUs as 2 replicas of 2: each GPU holds 1/2 of the states, as plain FSDP on 2 GPUs does, not 1/4;
     what one micro-batch needs (gathered blocks, activations, backward) does not depend on the sharding."""
     from shardfit.errors import ShardfitError
-    from shardfit.memory.plan import plan_table
+    from shardfit.memory.plan_table import plan_table
 
     base = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=2", "--train.global_batch=8"]
     hsdp = estimate(load_config(None, [*base, "--parallel.replicate=2"]), 4, 2)

@@ -9,8 +9,7 @@ import pytest
 from shardfit.config import load_config
 from shardfit.config.recipes import names
 from shardfit.errors import ShardfitError
-from shardfit.memory.plan import configured, largest_per_mode, plan_table
-from shardfit.memory.plan_table import with_micro_batch, with_mode
+from shardfit.memory.plan_table import configured, largest_per_mode, plan_table, with_micro_batch, with_mode
 from shardfit.memory.propose import apply, plan_json, proposals
 from shardfit.parallel.layout import refusal
 

@@ -11,12 +11,12 @@ from shardfit.memory.plan import (
     _key,
     _pinned_shard_bytes,
     allocation_budget,
-    configured,
     estimate,
     fits,
     host_budget,
     host_per_node,
 )
+from shardfit.memory.plan_table import configured
 from shardfit.memory.propose import SCHEMA, accepted, apply, proposals
 from shardfit.parallel.parallelize import check_replicate
 from shardfit.parallel.ulysses import check_sequence_parallel

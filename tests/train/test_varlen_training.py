@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from shardfit.config import load_config
-from shardfit.data.packing import build_datasets, stack_rows
+from shardfit.data.build import build_datasets
+from shardfit.data.dataset import stack_rows
 from shardfit.data.sft import example_tokens
 from shardfit.models import build_model
 from shardfit.models.attention import DocumentMask

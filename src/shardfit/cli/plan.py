@@ -42,7 +42,7 @@ def plan(argv: list[str]) -> int:
     host_gib = (gib(opts["--host-memory"], "--host-memory", "give one node's host memory in GiB, e.g. 1900")
                 if "--host-memory" in opts else None)
     from shardfit.config import load_config
-    from shardfit.memory.plan import configured, plan_table
+    from shardfit.memory.plan_table import configured, plan_table
     from shardfit.memory.propose import accepted, plan_json, proposals, proposals_text
 
     cfg = load_config(opts.get("--config"), rest)

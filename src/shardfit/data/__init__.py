@@ -7,7 +7,7 @@ which needs numpy and the tokenizers but not torch (packing imports it: ~1-3 s a
 import importlib
 
 _EXPORTS = {
-    "MicroBatch": "packing", "PackedDataset": "packing", "build_dataset": "packing", "tokenize_corpus": "packing",
+    "MicroBatch": "dataset", "PackedDataset": "packing", "build_dataset": "build", "tokenize_corpus": "packing",
     "read_documents": "sources",
     "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer", "build_tokenizer": "tokenizer",
 }

@@ -23,7 +23,7 @@ import heapq
 import math
 from collections.abc import Iterator
 
-from shardfit.data.packing import MicroBatch, ShuffledDataset, stack_rows
+from shardfit.data.dataset import MicroBatch, ShuffledDataset, stack_rows
 from shardfit.data.sft_packed import concat_documents
 from shardfit.errors import ShardfitError
 

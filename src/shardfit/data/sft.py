@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardfit.data.packing import ShuffledDataset
+from shardfit.data.dataset import ShuffledDataset
 from shardfit.data.sources import open_data, parse_json_line
 from shardfit.errors import ShardfitError
 

@@ -16,7 +16,7 @@ import bisect
 
 import numpy as np
 
-from shardfit.data.packing import ShuffledDataset
+from shardfit.data.dataset import ShuffledDataset
 from shardfit.data.sft import IGNORE, example_tokens
 
 OPEN_ROWS = 64  # first-fit over this many partly filled rows: ~98% fill on skewed lengths, O(1) numpy per example

@@ -253,6 +253,17 @@ class Estimate:
         return self.states + self.fsdp + self.offload_copies + self.activations + self.working
 
 
+def as_rows(cfg: Config) -> Config:
+    """Token-budget micro-batches (train.micro_batch_tokens = T) as the plan counts them: each forward/backward is
+    one [1, T] row of whole examples (document-masked kernels save what a plain row of T tokens saves), so the
+    configured case is micro-batch 1 at sequence T, and "micro-batch k" in the table means k such rows. The global
+    batch (examples) stays: above one row per rank it counts as accumulation, which keeps gradients live."""
+    if not cfg.train.micro_batch_tokens:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.train.micro_batch_tokens),
+                               train=dataclasses.replace(cfg.train, micro_batch=1, micro_batch_tokens=0))
+
+
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     from shardfit.models.decoder import is_moe_layer
     from shardfit.parallel.parallelize import check_replicate
@@ -425,18 +436,3 @@ def auto_micro_batch(cfg: Config, world: int, device_bytes: float, per_rank: int
             line += (f"; with --memory.keep_grads=false {alt.micro_batch} would fit ({alt.peak / GiB:.1f} GiB), "
                      f"reserved memory then running ~1.15x allocated")
     return e, line
-
-
-# The report, the configured case and the per-mode table (plan_table.py), here for the callers of this module (the
-# CLI, propose.py): imported last, as they build on everything above.
-from shardfit.memory.plan_table import (  # noqa: E402
-    MODES,
-    as_rows,
-    configured,
-    host_line,
-    largest_per_mode,
-    plan_table,
-    with_mode,
-)
-
-__all__ = ["MODES", "as_rows", "configured", "host_line", "largest_per_mode", "plan_table", "with_mode"]

@@ -18,6 +18,7 @@ from shardfit.memory.plan import (
     Estimate,
     GiB,
     allocation_budget,
+    as_rows,
     estimate,
     fits,
     host_budget,
@@ -88,17 +89,6 @@ def configured(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
     e = estimate(cfg, world, cfg.train.micro_batch or 1)
     return e, accepted and fits(e, allocation_budget(gpu_gib * GiB), gpu_gib * GiB) and host_fits(
         e, world, gpus_per_node, host_gib)
-
-
-def as_rows(cfg: Config) -> Config:
-    """Token-budget micro-batches (train.micro_batch_tokens = T) as the plan counts them: each forward/backward is
-    one [1, T] row of whole examples (document-masked kernels save what a plain row of T tokens saves), so the
-    configured case is micro-batch 1 at sequence T, and "micro-batch k" in the table means k such rows. The global
-    batch (examples) stays: above one row per rank it counts as accumulation, which keeps gradients live."""
-    if not cfg.train.micro_batch_tokens:
-        return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.train.micro_batch_tokens),
-                               train=dataclasses.replace(cfg.train, micro_batch=1, micro_batch_tokens=0))
 
 
 def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = None,

@@ -38,19 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfit.config.schema import Config
-from shardfit.memory.plan import (
-    MODES,
-    Estimate,
-    GiB,
-    allocation_budget,
-    configured,
-    estimate,
-    fits,
-    host_fits,
-    host_per_node,
-    largest_per_mode,
-)
+from shardfit.memory.plan import Estimate, GiB, allocation_budget, estimate, fits, host_fits, host_per_node
 from shardfit.memory.plan_checks import check_plan_inputs
+from shardfit.memory.plan_table import MODES, configured, largest_per_mode
 
 SCHEMA = "shardfit.plan/1"
 MAX_GPUS = 4096  # more_gpus gives up beyond this

@@ -20,7 +20,7 @@ import torch
 
 from shardfit.config import Config
 from shardfit.data.batching import budget_batches, eval_row_batches
-from shardfit.data.packing import MicroBatch, ShuffledDataset
+from shardfit.data.dataset import MicroBatch, ShuffledDataset
 from shardfit.models.attention import DocumentMask, choose_doc_kernel
 from shardfit.parallel.ulysses import local_slice
 

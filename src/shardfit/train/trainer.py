@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from shardfit.config import Config, accumulation_steps, config_to_toml
-from shardfit.data.packing import build_datasets
+from shardfit.data.build import build_datasets
 from shardfit.errors import ShardfitError
 from shardfit.fsutil import write_atomic
 from shardfit.memory import MemoryMonitor

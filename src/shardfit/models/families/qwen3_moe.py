@@ -2,7 +2,7 @@
 
 from shardfit.errors import ShardfitError
 from shardfit.models.decoder import dense_layer_ids
-from shardfit.models.families import Family
+from shardfit.models.families.family import Family
 from shardfit.models.families.qwen3 import FAMILY as QWEN3
 
 
