@@ -34,6 +34,13 @@ def test_train_smoke_then_auto_resume(tmp_path):
     p = _run("train", *TINY, "--train.steps=5", f"--logging.run_dir={run_dir}")
     assert p.returncode == 0, p.stderr
     assert "resumed from" in p.stdout and "step 4/5" in p.stdout and "step 1/5" not in p.stdout
+    # the same command once more: a finished run trains nothing, says so, exits non-zero, keeps its recorded config
+    before = (run_dir / "config.toml").read_bytes()
+    p = _run("train", *TINY, "--train.steps=5", "--train.lr=1e-3", f"--logging.run_dir={run_dir}")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "nothing to train: resumed at step 5" in lines[0], p.stderr
+    assert "train.steps=5" in lines[0] and "step 5/5" not in p.stdout
+    assert (run_dir / "config.toml").read_bytes() == before
 
 
 def test_nproc_launches_torchrun(tmp_path):

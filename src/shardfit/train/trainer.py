@@ -189,6 +189,12 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg
         total = cfg.train.steps
+        if self.step >= total:  # the same on every rank (the resume point is agreed): nothing written, non-zero exit
+            self.watchdog.stop()
+            self.claim.release()
+            raise ShardfitError(f"nothing to train: resumed at step {self.step} ({self.resumed_from}), and "
+                                f"train.steps={total}", where="train.steps", fix=f"raise train.steps above "
+                                f"{self.step} to continue this run, or give a new run its own logging.run_dir")
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(self.run_dir / "config.toml", self.config_toml)
