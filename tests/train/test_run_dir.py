@@ -186,18 +186,20 @@ def test_a_save_that_fails_on_one_rank_stops_every_rank_and_keeps_the_previous(t
     assert res[0]["left"] == ["step_00000002", "step_00000004"]  # no step_00000006.tmp left behind
 
 
-def test_non_finite_weights_are_never_saved_and_the_cli_says_so(tmp_path):
+@pytest.mark.parametrize("final, refused", [("true", "saving a checkpoint refused"),
+                                           ("false", "ending the run with them refused")])
+def test_non_finite_weights_are_never_saved_and_the_cli_says_so(tmp_path, final, refused):
     """The update of step 3 leaves a NaN in the weights (tests/train/nan_weights.py): the step-4 save is refused,
     exit 3, the last good checkpoint named and intact; run as a user would."""
     run = tmp_path / "run"
     args = [f"--logging.run_dir={run}", "--logging.progress=none", "--train.steps=4", "--checkpoint.every=2",
-            "--checkpoint.final=true", "--model.n_layers=1", "--data.seq_len=32", "--train.global_batch=2",
+            f"--checkpoint.final={final}", "--model.n_layers=1", "--data.seq_len=32", "--train.global_batch=2",
             "--train.micro_batch=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     bad = subprocess.run([sys.executable, str(Path(__file__).parent / "nan_weights.py"), *args], capture_output=True,
                          text=True, env=env, timeout=300)
     assert bad.returncode == 3, (bad.returncode, bad.stderr)
     errors = [line for line in bad.stderr.splitlines() if line.startswith("shardfit: error:")]
-    assert len(errors) == 1 and "the weights are not finite after step 4" in errors[0], bad.stderr
+    assert len(errors) == 1 and f"the weights are not finite after step 4: {refused}" in errors[0], bad.stderr
     assert "step_00000002, is intact" in errors[0] and "Traceback" not in bad.stderr
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step_00000002"]

@@ -25,7 +25,6 @@ described in src/shardfit/memory/propose.py).
 """
 
 
-
 def plan(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_HELP)

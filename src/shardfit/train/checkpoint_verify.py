@@ -196,10 +196,16 @@ def check_against(meta: Metadata, state: dict, path: Path) -> None:
 
 
 class TensorReader(FileSystemReader):
-    """DCP's file reader that reads .metadata through the allowlist and never loads a bytes item."""
+    """DCP's file reader that reads .metadata through the allowlist (or is handed the index already read and
+    checked, which DCP then uses as it is: no second parse, nothing swapped in between) and never loads a bytes
+    item."""
+
+    def __init__(self, path, meta: Metadata | None = None):
+        super().__init__(path)
+        self.checked_meta = meta
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        meta = read_metadata(Path(self.path))
+        meta = self.checked_meta if self.checked_meta is not None else read_metadata(Path(self.path))
         if getattr(meta, "storage_meta", None) is None and hasattr(dcp.metadata, "StorageMeta"):
             meta.storage_meta = dcp.metadata.StorageMeta()
         if getattr(meta, "storage_meta", None) is not None:
@@ -227,7 +233,7 @@ def load_tensors(state: dict, path: Path) -> None:
                             ) from None
     check_against(meta, state, path)
     try:
-        dcp.load(state, storage_reader=TensorReader(path))
+        dcp.load(state, storage_reader=TensorReader(path, meta))
     except CheckpointException as e:  # every rank's failure, gathered by DCP and raised on all ranks alike
         rank, (err, _trace) = min(e.failures.items())
         if not isinstance(err, (CheckpointProblem, OSError, RuntimeError, ValueError, pickle.UnpicklingError)):

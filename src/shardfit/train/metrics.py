@@ -139,8 +139,7 @@ class ExpertLoad:
         biases when the optimizer step was applied (a skipped step changes nothing, biases included)."""
         if not self.layers:
             return {}
-        # numpy, not torch: a CPU torch op here, right after the optimizer's launch, waited ~5 ms a step for the
-        # intra-op thread pool on a 16-core host (1 GPU, MoE): the figures are a few hundred numbers
+        # a few hundred numbers on the host: numpy, no torch dispatch
         load = columns.numpy().sum(0).reshape(self.shape)  # [L, E], the global batch
         ratio = (load.max(1) / np.maximum(load.mean(1), 1e-9)).tolist()
         if applied and self.bias_rate > 0:

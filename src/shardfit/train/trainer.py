@@ -231,8 +231,9 @@ class Trainer:
                     self.save()
                     window.restart()
             self.finish_step()
-            if history:  # a run that ends on non-finite weights is no success, saved or not
-                self.engine.refuse_non_finite(self.ckpt_dir, "saving or exporting them")
+            if history and not cfg.checkpoint.final:  # the final save checks them itself (the export follows it)
+                self.engine.refuse_non_finite(self.ckpt_dir, "exporting them" if cfg.checkpoint.export_hf
+                                              else "ending the run with them")
             done = [h["loss"] for h in history if not h["skipped"]]
             if done:
                 progress.message(f"done: {len(history)} steps, loss {done[0]:.3f} -> {done[-1]:.3f}, "
