@@ -70,18 +70,11 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
         weight_map.update({k: name for k in shards[0]})
         shards[0], sizes[0] = {}, 0
 
-    for name, p in model.named_parameters():  # same order on every rank: the gathers line up
-        full = _gatherable(p).full_tensor() if isinstance(p, DTensor) else p
-        if rank == 0:
-            t = full.detach().to(getattr(torch, dtype)).cpu()
-            # stacked experts are written per expert, as Hugging Face checkpoints store them
-            pieces = [(expert_key(name, e), t[e]) for e in range(t.shape[0])] if STACKED.match(name) else [(name, t)]
-            for key, piece in pieces:
-                if shards[0] and sizes[0] + piece.nbytes > max_shard_bytes:
-                    flush()
-                shards[0][key] = piece.contiguous()
-                sizes[0] += piece.nbytes
-        del full
+    for key, piece in hf_tensors(model, getattr(torch, dtype), keep=rank == 0, device=torch.device("cpu")):
+        if shards[0] and sizes[0] + piece.nbytes > max_shard_bytes:
+            flush()
+        shards[0][key] = piece.contiguous()
+        sizes[0] += piece.nbytes
     problem = None
     if rank == 0:
         try:
@@ -92,6 +85,22 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
     # every rank returns or raises together: rank 0's outcome, in one collective (this was the final barrier)
     agree(problem, "checkpoint.export_hf", f"move {tmp} where you want it, or free {out} and export again")
     return out if rank == 0 else None
+
+
+def hf_tensors(model: nn.Module, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None):
+    """(Hugging Face name, full tensor in dtype) for every parameter, one gathered at a time: every rank must
+    iterate to the end, in the same order (each DTensor's gather is a collective). keep=False: gather (the
+    collective) but yield nothing on this rank. device: where the yielded tensors go (default: where gathered)."""
+    for name, p in model.named_parameters():  # same order on every rank: the gathers line up
+        full = _gatherable(p).full_tensor() if isinstance(p, DTensor) else p
+        if keep:
+            t = full.detach().to(device=device, dtype=dtype)
+            # stacked experts are given per expert, as Hugging Face checkpoints store them
+            if STACKED.match(name):
+                yield from ((expert_key(name, e), t[e]) for e in range(t.shape[0]))
+            else:
+                yield name, t
+        del full
 
 
 def _gatherable(p: DTensor) -> DTensor:

@@ -18,6 +18,7 @@ from torch import nn
 from shardfit.config.schema import ModelConfig
 from shardfit.models.attention import DocumentMask, sdpa_attention
 from shardfit.models.init import seeded_normal_
+from shardfit.models.logprobs import fused_linear_logprobs
 from shardfit.models.loss import fused_linear_cross_entropy
 from shardfit.models.moe import MoE, router_aux_loss
 
@@ -227,9 +228,11 @@ class OutputHead(nn.Linear):
     the loss runs inside this module's forward: FSDP can then shard the head as a group of its own (parallelize)."""
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 1024, impl: str = "torch",
-                compiled: bool = False) -> torch.Tensor:
+                compiled: bool = False, logprobs: bool = False, entropy: bool = False):
         if labels is None:
             return super().forward(h)  # logits [..., V]
+        if logprobs:  # per-token log-probs of the labels (and entropies): (logp [N], entropy [N] or None)
+            return fused_linear_logprobs(h, self.weight, labels, chunk, entropy)
         return fused_linear_cross_entropy(h, self.weight, labels, chunk, impl=impl, compiled=compiled)
 
 
@@ -249,11 +252,17 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, mask: DocumentMask | None = None,
-                router_aux: bool = True) -> torch.Tensor:
-        """router_aux=False leaves the MoE load-balancing term out (validation reports the cross-entropy alone)."""
+                router_aux: bool = True, logprobs: bool = False, entropy: bool = False):
+        """router_aux=False leaves the MoE load-balancing term out (validation reports the cross-entropy alone).
+        logprobs=True: instead of the loss, the log-probability of each label (flat [B x S] fp32, 0 where the label
+        is negative) and with entropy=True each token's entropy (flat) or None: what the RL losses are made of."""
         h = self.model(input_ids, position_ids, mask)  # [B, S, D]
         if labels is None:
             return self.lm_head(h)  # logits [B, S, V]
+        if logprobs:
+            logp, ent = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, logprobs=True,
+                                     entropy=entropy)
+            return logp, ent  # [B x S] each: flat (a view returned through FSDP would drop its backward hook)
         # Sum over labels != -100; the trainer divides by the global token count once per step.
         loss = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, self.loss_impl, self.loss_compiled)
         if self.cfg.router_aux_coef > 0 and router_aux:

@@ -1,5 +1,6 @@
-"""Training: the loop, optimizer and schedule, checkpoints, metrics and progress."""
+"""Training: the step (Engine), the loop (Trainer), optimizer and schedule, checkpoints, metrics and progress."""
 
-from shardfit.train.trainer import Trainer, TrainingHalted, apply_alloc_conf
+from shardfit.train.engine import Engine, apply_alloc_conf
+from shardfit.train.trainer import Trainer, TrainingHalted
 
-__all__ = ["Trainer", "TrainingHalted", "apply_alloc_conf"]
+__all__ = ["Engine", "Trainer", "TrainingHalted", "apply_alloc_conf"]

@@ -250,11 +250,14 @@ def load_checkpoint(path: Path, model, optimizer, device: torch.device) -> dict:
     The files were checked whole when the checkpoint was chosen; here the tensors are checked against this model
     and optimizer before DCP reads them (checkpoint_verify.load_tensors)."""
     trainer_state = json.loads((path / "trainer.json").read_text())
-    osd = get_optimizer_state_dict(model, optimizer)  # creates the optimizer state to load into
-    state = {"model": get_model_state_dict(model), "optim": osd["state"]}
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:  # None: the weights alone
+        osd = get_optimizer_state_dict(model, optimizer)  # creates the optimizer state to load into
+        state["optim"] = osd["state"]
     load_tensors(state, path)
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": osd["param_groups"]})
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": osd["param_groups"]})
     rng_file = path / "rng" / f"rank{dist.get_rank()}.safetensors"
     if rng_file.is_file() and trainer_state.get("world_size") == dist.get_world_size():
         rng = load_file(str(rng_file))

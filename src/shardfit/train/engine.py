@@ -17,6 +17,7 @@ foreach AdamW of CPU runs gets the gradients multiplied first.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,17 +28,22 @@ import torch
 from shardfit.config import Config
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
+from shardfit.models.attention import DocumentMask, choose_doc_kernel
 from shardfit.models.loss import liger_available
 from shardfit.parallel import DistInfo, all_gather_rows, parallelize
 from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
 from shardfit.parallel.offload import grad_sq_norm
 from shardfit.parallel.step_overlap import local_tensor
 from shardfit.parallel.step_runner import build_step_runner
+from shardfit.parallel.ulysses import local_slice
+from shardfit.rl.datum import AdamParams, Datum, ForwardBackwardResult, check_adam, check_datums
+from shardfit.rl.losses import coefficients, ppo_clip_fraction, resolve_loss, sampler_gap, token_loss
+from shardfit.rl.pack import build_row, plan_datums, unpack
 from shardfit.train.batches import LocalBatch
 from shardfit.train.checkpoint import load_checkpoint, new_run_id, refuse_non_finite, save_checkpoint
 from shardfit.train.evaluate import evaluate
 from shardfit.train.metrics import MEMORY_FIELDS, ExpertLoad, memory_vector
-from shardfit.train.optim import build_optimizer, set_lr
+from shardfit.train.optim import build_optimizer, set_hyperparameters, set_lr
 from shardfit.train.timing import StepTimer
 
 _SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _MEM = 0, 1, 2, 3, 4, 5
@@ -81,9 +87,32 @@ class StepRecord:
     time_s: float = 0.0
 
 
+def apply_alloc_conf(alloc_conf: str) -> None:
+    """Default allocator settings for CUDA runs; must happen before the first CUDA allocation. The user's own
+    PYTORCH_CUDA_ALLOC_CONF always wins."""
+    if alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+
+
 class Engine:
     """Builds the sharded model (initialised, or loaded from `cfg.model.path` or the checkpoint `resume`), its
     optimizer and step runner, and runs steps fed from anywhere: the trainer's data loader, or a server."""
+
+    @classmethod
+    def start(cls, cfg: Config | None = None, overrides: list[str] | None = None,
+              resume: Path | None = None) -> Engine:
+        """An Engine on this process: torch.distributed from the launcher's environment (torchrun, or RANK /
+        WORLD_SIZE / MASTER_ADDR / MASTER_PORT as Ray or SLURM set them; one process without), the config from
+        `cfg` or from key=value overrides as `shardfit train` takes them. Every rank calls it."""
+        from shardfit.config import load_config
+        from shardfit.parallel import init_distributed
+        from shardfit.parallel.layout import check_layout
+
+        cfg = cfg if cfg is not None else load_config(None, list(overrides or []))
+        apply_alloc_conf(cfg.memory.alloc_conf)
+        dist = init_distributed(cfg.train.device)
+        check_layout(cfg, dist.world_size)
+        return cls(cfg, dist, resume)
 
     def __init__(self, cfg: Config, dist: DistInfo, resume: Path | None = None, notices: list[str] | None = None):
         self.cfg, self.dist, self.device = cfg, dist, dist.device
@@ -128,7 +157,7 @@ class Engine:
         self.runner = build_step_runner(cfg, self.model, self.optimizer, self.device)
 
     # ------------------------------------------------------------------ one step
-    def forward_backward(self, batches: list[LocalBatch]) -> StepStats:
+    def forward_backward_batches(self, batches: list[LocalBatch]) -> StepStats:
         """Accumulate the gradients of these micro-batches (this rank's part of the step), then the step's one
         stats collective. Every rank passes the same number of micro-batches of the same shapes."""
         capacity = sum(b.capacity for b in batches)
@@ -170,7 +199,7 @@ class Engine:
         moe = self.expert_load.take()  # [L*E] rows per expert (MoE models; empty otherwise)
         return all_gather_rows(torch.cat([head, mem, moe])).cpu()  # the one host-device sync of the step
 
-    def optim_step(self, stats: StepStats, lr: float) -> StepRecord:
+    def optim_step_stats(self, stats: StepStats, lr: float) -> StepRecord:
         """Scale (exact mean over the global batch), clip, step and zero; or skip on every rank alike when any rank
         saw a non-finite loss or the step has no loss tokens."""
         rows, world = stats.rows, self.dist.world_size
@@ -185,20 +214,8 @@ class Engine:
         ok = n_tokens > 0 and not bad_ranks and math.isfinite(grad_norm)  # the same on every rank
         self.timer.start("optimizer")
         if ok:
-            clip = self.cfg.train.grad_clip
-            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
             set_lr(self.optimizer, lr)
-            if self.optimizer.defaults.get("fused"):
-                # Fused AdamW divides each gradient by grad_scale as it reads it: no pass of its own over the
-                # gradients. An overlapped runner reads lr and grad_scale until the next forward has waited for it.
-                self.optimizer.grad_scale = torch.tensor(1.0 / (scale * coef), dtype=torch.float32,
-                                                         device=self.runner.grad_scale_device)
-            else:
-                torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None], scale * coef)
-            self.runner.launch()  # an overlapped runner takes the gradients and frees them group by group
-            if gathers_in_fp8(self.cfg.parallel):
-                self.runner.wait()  # the FP8 scales are read from the updated weights, all of them, now
-            refresh_fp8_scales(self.model, self.cfg.parallel)
+            self._update(scale, grad_norm, self.cfg.train.grad_clip)
         else:
             self.skipped += 1
         # keep_grads: zeroed, not freed (freed sharded gradients become another stream's idle cache); FSDP then adds
@@ -213,9 +230,145 @@ class Engine:
                           moe=self.expert_load.finish_step(rows[:, _MEM + len(MEMORY_FIELDS):], ok),
                           phases=stats.phases)
 
+    def _update(self, scale: float, grad_norm: float, clip: float) -> None:
+        """Launch the optimizer on gradients x scale x (clip coefficient)."""
+        coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        if self.optimizer.defaults.get("fused"):
+            # Fused AdamW divides each gradient by grad_scale as it reads it: no pass of its own over the
+            # gradients. An overlapped runner reads lr and grad_scale until the next forward has waited for it.
+            self.optimizer.grad_scale = torch.tensor(1.0 / (scale * coef), dtype=torch.float32,
+                                                     device=self.runner.grad_scale_device)
+        else:
+            torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None], scale * coef)
+        self.runner.launch()  # an overlapped runner takes the gradients and frees them group by group
+        if gathers_in_fp8(self.cfg.parallel):
+            self.runner.wait()  # the FP8 scales are read from the updated weights, all of them, now
+        refresh_fp8_scales(self.model, self.cfg.parallel)
+
     def finish(self) -> None:
         """Wait for a launched overlapped step: parameters and optimizer are then those after the last optim_step."""
         self.runner.wait()
+
+    # ------------------------------------------------------------------ the RL API (issue 24): datums in
+    def forward(self, datums: list[Datum], loss_fn="cross_entropy", loss_fn_config: dict | None = None
+                ) -> ForwardBackwardResult:
+        """Per-token log-probabilities of every datum's target tokens (and the loss's value), no gradients."""
+        with torch.no_grad():
+            return self._datum_pass(datums, loss_fn, loss_fn_config, backward=False)
+
+    def forward_backward(self, datums: list[Datum], loss_fn="cross_entropy", loss_fn_config: dict | None = None
+                         ) -> ForwardBackwardResult:
+        """Accumulate the gradient of sum_t c_t x loss_t (rl/losses.py) over every datum; optim_step applies it."""
+        return self._datum_pass(datums, loss_fn, loss_fn_config, backward=True)
+
+    def _datum_pass(self, datums: list[Datum], loss_fn, loss_fn_config: dict | None,
+                    backward: bool) -> ForwardBackwardResult:
+        spec = resolve_loss(loss_fn, loss_fn_config)
+        check_datums(datums, self.cfg.model.vocab_size, spec.required)
+        sp = self.cfg.parallel.sequence_parallel
+        dp_rank, sp_rank = divmod(self.dist.rank, sp)
+        plan = plan_datums(datums, self.datum_budget(), self.dist.world_size // sp, sp)
+        coefs = coefficients(datums, spec)
+        names = set().union(*(d.inputs for d in datums)) - {"target_tokens"}
+        names = {k for k in names if all(k in d.inputs for d in datums)}  # inputs every datum has
+        want_entropy = spec.entropy_coef != 0
+        local = plan.budget // sp
+        out = torch.zeros(plan.micro_batches * local * (2 if want_entropy else 1) + 2, device=self.device)
+        for m, items in enumerate(plan.bins[dp_rank]):
+            row = build_row(plan, datums, items, coefs, names)
+            mask = DocumentMask.build(row.position_ids, self._doc_kernel(plan.budget), self.device)
+            cut = (lambda x: local_slice(x, sp_rank, sp)) if sp > 1 else (lambda x: x)
+            dev = {"device": self.device, "non_blocking": True}
+            ids, labels, pos = (cut(x).to(**dev) for x in (row.input_ids, row.labels, row.position_ids))
+            x = {k: cut(v).to(**dev).flatten() for k, v in row.inputs.items()}
+            coef = cut(row.coef).to(**dev).flatten()
+            if backward:
+                self.model.set_requires_gradient_sync(self.cfg.parallel.reduce_every_micro_batch
+                                                      or m == plan.micro_batches - 1)
+            logp, ent = self.model(ids, labels, pos, mask, logprobs=True, entropy=want_entropy)
+            logp, ent = logp.flatten(), (ent.flatten() if ent is not None else None)
+            total = (coef * token_loss(spec, logp, ent, x)).sum()
+            if backward:
+                self.runner.wait()  # backward writes gradients: a launched step must be done with them
+                total.backward()  # FSDP averages over ranks; optim_step multiplies by the world size
+            out[m * local:(m + 1) * local] = logp.detach()
+            if want_entropy:
+                out[(plan.micro_batches + m) * local:(plan.micro_batches + m + 1) * local] = ent.detach()
+            out[-2] += total.detach()
+        out[-1] = float(not bool(torch.isfinite(out[-2])))
+        rows = all_gather_rows(out).cpu()  # the pass's one collective: every rank's outputs and loss
+        n = plan.micro_batches * local
+        logprobs = unpack(plan, datums, rows[:, :n])
+        outputs = [{"logprobs": lp} for lp in logprobs]
+        if want_entropy:
+            for o, e in zip(outputs, unpack(plan, datums, rows[:, n:2 * n])):
+                o["entropy"] = e
+        metrics = {"loss:sum": float(rows[:, -2].sum()), **sampler_gap(datums, logprobs),
+                   **ppo_clip_fraction(datums, logprobs, spec)}
+        return ForwardBackwardResult(outputs, metrics)
+
+    def datum_budget(self) -> int:
+        """T, the tokens of one datum micro-batch: train.micro_batch_tokens, else data.seq_len x train.micro_batch."""
+        t = self.cfg.train
+        return t.micro_batch_tokens or self.cfg.data.seq_len * max(t.micro_batch, 1)
+
+    def _doc_kernel(self, budget: int) -> str:
+        fp32 = self.cfg.parallel.param_dtype == "float32"
+        return choose_doc_kernel(self.cfg.parallel.doc_attention, self.device, budget,
+                                 torch.float32 if fp32 else torch.bfloat16)
+
+    def optim_step(self, adam: AdamParams | None = None) -> dict[str, float]:
+        """One AdamW step on the gradients accumulated by forward_backward since the last one (exactly their sum,
+        FSDP's average over ranks undone), clipped to adam.grad_clip_norm; skipped on every rank alike when the
+        gradient norm is not finite. One collective (the gradient norm)."""
+        adam = adam or AdamParams()
+        check_adam(adam)
+        world = self.dist.world_size
+        sq = grad_sq_norm([local_tensor(p.grad) for p in self.params if p.grad is not None], self.device)
+        rows = all_gather_rows(sq.reshape(1)).cpu()
+        one_replica = world // self.cfg.parallel.replicate  # HSDP: one replica group's shards make the whole
+        grad_norm = math.sqrt(float(rows[:one_replica, 0].sum())) * world
+        ok = math.isfinite(grad_norm)
+        if ok:
+            set_hyperparameters(self.optimizer, adam.learning_rate, (adam.beta1, adam.beta2), adam.eps,
+                                adam.weight_decay)
+            self._update(world, grad_norm, adam.grad_clip_norm)
+        else:
+            self.skipped += 1
+        self.runner.zero(ok)
+        self.step += 1
+        return {"grad_norm:mean": grad_norm, "skipped:max": float(not ok), "learning_rate:mean": adam.learning_rate}
+
+    def save_state(self, root: Path, optimizer: bool = True) -> Path:
+        """Model and optimizer (exact resume) as a checkpoint directory under root; returns it."""
+        from shardfit.config import config_to_toml
+
+        return self.save(Path(root), config_to_toml(self.cfg))
+
+    def load_state(self, path: Path, optimizer: bool = True) -> None:
+        """Weights (and the optimizer's state) from a checkpoint directory save_state or train wrote."""
+        self.finish()
+        state = load_checkpoint(Path(path), self.model, self.optimizer if optimizer else None, self.device)
+        if optimizer:
+            self.step, self.skipped = state["step"], state.get("skipped", 0)
+        refresh_fp8_scales(self.model, self.cfg.parallel)
+
+    def weights(self, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 1 << 28):
+        """Full tensors under Hugging Face names, bucket after bucket (lists of (name, tensor) of about
+        bucket_bytes), on every rank, for an inference engine's load_weights; one parameter is gathered at a time
+        beyond the bucket being filled. Every rank must iterate to the end (each gather is a collective)."""
+        from shardfit.hf.export import hf_tensors
+
+        self.finish()
+        bucket, size = [], 0
+        for name, t in hf_tensors(self.model, dtype):
+            if bucket and size + t.nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += t.nbytes
+        if bucket:
+            yield bucket
 
     # ------------------------------------------------------------------ state
     def evaluate(self, batches) -> dict:

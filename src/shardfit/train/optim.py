@@ -39,3 +39,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, lr: float, betas: tuple[float, float], eps: float,
+                        weight_decay: float) -> None:
+    """One step's AdamW hyperparameters (the RL API's optim_step); weight decay only where the group decays
+    (build_optimizer's first group: matrices, not norms or biases)."""
+    for i, group in enumerate(optimizer.param_groups):
+        group["lr"], group["betas"], group["eps"] = lr, betas, eps
+        if i == 0:
+            group["weight_decay"] = weight_decay

@@ -26,7 +26,7 @@ from shardfit.parallel import init_distributed
 from shardfit.parallel.layout import check_layout
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume
-from shardfit.train.engine import Engine, StepRecord
+from shardfit.train.engine import Engine, StepRecord, apply_alloc_conf
 from shardfit.train.metrics import LogWindow, flops_per_token, peak_flops, reset_peaks, summarize_memory
 from shardfit.train.optim import lr_at
 from shardfit.train.profile import StepProfiler
@@ -46,13 +46,6 @@ class OutOfMemory(ShardfitError):
     """A CUDA OOM on this rank: the snapshot is dumped and the doctor's verdict is in the message."""
 
     exit_code = 4
-
-
-def apply_alloc_conf(alloc_conf: str) -> None:
-    """Default allocator settings for CUDA runs; must happen before the first CUDA allocation. The user's own
-    PYTORCH_CUDA_ALLOC_CONF always wins."""
-    if alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
 
 
 class Trainer:
@@ -168,10 +161,10 @@ class Trainer:
         self.recorder.before_step(self.step + 1)
         batches = self.batches.step(self.step)
         try:
-            stats = self.engine.forward_backward(batches)
+            stats = self.engine.forward_backward_batches(batches)
         except torch.OutOfMemoryError as err:
             self._on_oom(err)
-        rec = self.engine.optim_step(stats, lr_at(self.step, self.cfg.train))
+        rec = self.engine.optim_step_stats(stats, lr_at(self.step, self.cfg.train))
         self.recorder.after_step(self.step)
         rec.time_s = time.perf_counter() - t0
         return rec

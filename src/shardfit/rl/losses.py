@@ -1,0 +1,168 @@
+"""Per-token losses of the RL API and their normalisation, exact however datums fall into micro-batches and ranks.
+
+A loss is a function of the per-token log-probabilities logp [n] (differentiable) and the datums' per-token inputs
+[n]; it returns the per-token loss l [n]. The engine backpropagates sum_t c_t * l_t over the tokens each rank
+computes, with c_t a coefficient made on the host from the whole (global) list of datums, which every rank holds:
+
+  sum            c_t = m_t                      Tinker's definition: a sum, never renormalised (the default)
+  token_mean     c_t = m_t / N                  N = counted tokens of the global batch
+  sequence_mean  c_t = m_t / (n_d * D)          n_d = counted tokens of datum d, D = datums with n_d > 0
+  constant       c_t = m_t / normalize_constant (Dr. GRPO's fixed denominator)
+
+m_t is the datum's `mask` input where it has one (else 1); the counted tokens are those with mask != 0, else
+weights != 0, else all. Built in (Tinker's definitions, ratio r = exp(logp - sampler logprobs)):
+  cross_entropy        -weights * logp
+  importance_sampling  -r * advantages
+  ppo                  -min(r * A, clamp(r, clip_low_threshold, clip_high_threshold) * A), and with dual_clip = c
+                       (> 1) for A < 0 at most -c * A
+plus kl_coef * k3(ref_logprobs - logp) and -entropy_coef * entropy per token. A callable loss_fn(logp, inputs)
+returns l [n] itself (inputs also holds "datum", each token's datum index).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shardfit.errors import ShardfitError
+from shardfit.rl.datum import Datum
+
+NORMALIZE = ("sum", "token_mean", "sequence_mean", "constant")
+_REQUIRED = {"cross_entropy": ("target_tokens",), "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+             "ppo": ("target_tokens", "logprobs", "advantages")}
+_CONFIG = {"cross_entropy": set(), "importance_sampling": set(),
+           "ppo": {"clip_low_threshold", "clip_high_threshold", "dual_clip"}}
+_COMMON = {"normalize", "normalize_constant", "kl_coef", "entropy_coef"}
+
+
+def cross_entropy(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict) -> torch.Tensor:
+    w = x.get("weights")
+    return -logp if w is None else -w * logp
+
+
+def importance_sampling(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict) -> torch.Tensor:
+    return -torch.exp(logp - x["logprobs"]) * x["advantages"]
+
+
+def ppo(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict) -> torch.Tensor:
+    ratio, adv = torch.exp(logp - x["logprobs"]), x["advantages"]
+    clipped = ratio.clamp(float(cfg.get("clip_low_threshold", 0.8)), float(cfg.get("clip_high_threshold", 1.2)))
+    loss = -torch.minimum(ratio * adv, clipped * adv)
+    dual = float(cfg.get("dual_clip", 0.0))
+    if dual > 1.0:  # for negative advantages the loss is bounded by -dual * A (Ye et al., 2020)
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual * adv), loss)
+    return loss
+
+
+BUILT_IN: dict[str, Callable] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling,
+                                 "ppo": ppo}
+
+
+@dataclass
+class LossSpec:
+    name: str
+    fn: Callable[[torch.Tensor, dict[str, torch.Tensor], dict], torch.Tensor]
+    config: dict
+    required: tuple[str, ...]
+    normalize: str = "sum"
+    constant: float = 1.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+
+def resolve_loss(loss_fn, loss_fn_config: dict | None) -> LossSpec:
+    """The loss and its configuration, checked: an unknown name or key is one clear error."""
+    cfg = dict(loss_fn_config or {})
+    if callable(loss_fn):
+        name, fn, required, allowed = getattr(loss_fn, "__name__", "custom"), loss_fn, ("target_tokens",), None
+    elif loss_fn in BUILT_IN:
+        name, fn, required, allowed = loss_fn, BUILT_IN[loss_fn], _REQUIRED[loss_fn], _CONFIG[loss_fn] | _COMMON
+    else:
+        raise ShardfitError(f"unknown loss_fn {loss_fn!r}", where="loss_fn",
+                            fix=f"use one of {', '.join(BUILT_IN)}, or a Python callable (logp, inputs) -> loss")
+    if allowed is not None:
+        unknown = sorted(set(cfg) - allowed)
+        if unknown:
+            raise ShardfitError(f"{name} takes no option {unknown[0]!r}", where="loss_fn_config",
+                                fix=f"options: {', '.join(sorted(allowed))}")
+    spec = LossSpec(name, fn, {k: v for k, v in cfg.items() if k not in _COMMON}, required,
+                    str(cfg.get("normalize", "sum")), float(cfg.get("normalize_constant", 1.0)),
+                    float(cfg.get("kl_coef", 0.0)), float(cfg.get("entropy_coef", 0.0)))
+    if spec.normalize not in NORMALIZE:
+        raise ShardfitError(f"normalize={spec.normalize!r} is not known", where="loss_fn_config.normalize",
+                            fix=f"use one of {', '.join(NORMALIZE)}")
+    if spec.normalize == "constant" and not spec.constant > 0:
+        raise ShardfitError("normalize_constant must be > 0", where="loss_fn_config.normalize_constant",
+                            fix="e.g. the maximum response length")
+    for key in ("clip_low_threshold", "clip_high_threshold", "dual_clip", "kl_coef", "entropy_coef"):
+        if key in cfg and not np.isfinite(float(cfg[key])):
+            raise ShardfitError(f"{key} must be finite", where=f"loss_fn_config.{key}", fix="pass a number")
+    if spec.kl_coef:
+        spec.required = (*spec.required, "ref_logprobs")
+    return spec
+
+
+def counted(d: Datum) -> np.ndarray:
+    """[L] bool: the datum's tokens that count for normalisation."""
+    if "mask" in d.inputs:
+        return d.inputs["mask"] != 0
+    if "weights" in d.inputs:
+        return d.inputs["weights"] != 0
+    return np.ones(len(d.tokens), dtype=bool)
+
+
+def coefficients(datums: list[Datum], spec: LossSpec) -> list[np.ndarray]:
+    """c_t per datum ([L] float32 each), from the global list: the same on every rank, no collective."""
+    masks = [d.inputs["mask"].astype(np.float64) if "mask" in d.inputs else np.ones(len(d.tokens)) for d in datums]
+    counts = [int(counted(d).sum()) for d in datums]
+    if spec.normalize == "sum":
+        scale = [1.0] * len(datums)
+    elif spec.normalize == "token_mean":
+        scale = [1.0 / max(sum(counts), 1)] * len(datums)
+    elif spec.normalize == "sequence_mean":
+        n_seq = max(sum(1 for c in counts if c > 0), 1)
+        scale = [1.0 / (c * n_seq) if c > 0 else 0.0 for c in counts]
+    else:
+        scale = [1.0 / spec.constant] * len(datums)
+    return [(m * s).astype(np.float32) for m, s in zip(masks, scale)]
+
+
+def token_loss(spec: LossSpec, logp: torch.Tensor, entropy: torch.Tensor | None,
+               x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """l [n] of one micro-batch's tokens (padding included: its coefficient is 0)."""
+    loss = spec.fn(logp, x, spec.config)
+    if loss.shape != logp.shape:
+        raise ShardfitError(f"loss_fn {spec.name} returned shape {tuple(loss.shape)} for {tuple(logp.shape)} tokens",
+                            where="loss_fn", fix="return one loss value per token")
+    if spec.kl_coef:
+        d = x["ref_logprobs"] - logp  # k3 = e^d - d - 1 >= 0, an unbiased estimate of KL(policy || reference)
+        loss = loss + spec.kl_coef * (torch.exp(d) - d - 1)
+    if spec.entropy_coef:
+        loss = loss - spec.entropy_coef * entropy
+    return loss
+
+
+def sampler_gap(datums: list[Datum], logprobs: list[np.ndarray]) -> dict[str, float]:
+    """The train/sample mismatch where datums carry the sampler's log-probs: over counted tokens, mean and max
+    |logp_train - logp_sampler| and a KL(sampler || trainer) estimate (k3). Empty when none carries them."""
+    deltas = [(lp - d.inputs["logprobs"])[counted(d)] for d, lp in zip(datums, logprobs) if "logprobs" in d.inputs]
+    if not deltas:
+        return {}
+    delta = np.concatenate(deltas).astype(np.float64)  # log(p_train / p_sampler)
+    if delta.size == 0:
+        return {}
+    return {"sampler_logprob_gap:mean": float(np.abs(delta).mean()),
+            "sampler_logprob_gap:max": float(np.abs(delta).max()),
+            "sampler_kl:mean": float((np.exp(delta) - delta - 1).mean())}
+
+
+def ppo_clip_fraction(datums: list[Datum], logprobs: list[np.ndarray], spec: LossSpec) -> dict[str, float]:
+    if spec.name != "ppo":
+        return {}
+    lo, hi = float(spec.config.get("clip_low_threshold", 0.8)), float(spec.config.get("clip_high_threshold", 1.2))
+    r = [np.exp(lp - d.inputs["logprobs"])[counted(d)] for d, lp in zip(datums, logprobs)]
+    r = np.concatenate(r) if r else np.zeros(0)
+    return {"clip_fraction:mean": float(((r < lo) | (r > hi)).mean())} if r.size else {}
