@@ -78,8 +78,8 @@ class _ComputeCast(torch.autograd.Function):
     twice) that share one cast. The backward writes param.grad itself, divided by `divide` (the world size: FSDP's
     reduction would have divided by it), in fp32 and in one pass over memory per use (kernels/scaled_accumulate.py):
     a new gradient for the first, added in place to the kept one afterwards. It returns no gradient, so autograd's
-    AccumulateGrad does nothing for param: its own accumulation would be a second fp32 pass (10 ms a step for 12
-    layers on 2 x H200, measured), and the bf16 -> fp32 cast through PyTorch's ops is not vectorized (14 ms).
+    AccumulateGrad does nothing for param: its own accumulation would be a second fp32 pass over the gradient, and
+    the bf16 -> fp32 cast through PyTorch's mixed-dtype ops is not vectorized.
     So this is for .backward() only: torch.autograd.grad would not see param's gradient (and create_graph is
     refused), and tensor hooks on param get None (post-accumulate-grad hooks run: .grad is written first)."""
 
@@ -136,7 +136,7 @@ class _AllToAll(torch.autograd.Function):
     """x [sum(send), H] -> [sum(recv), H]: rows send[p] to peer p, recv[p] from it; backward the reverse exchange.
     A plain c10d collective (the host does not wait for it; torch 2.11 runs it on the current stream), not a
     functional one: those wrap the result in a tensor subclass whose dispatch costs host time at every later op
-    on it (about 0.3 ms a call, measured), and the EP forward is bound by its host."""
+    on it, and the EP forward is bound by its host."""
 
     @staticmethod
     def forward(ctx, x, recv, send, group):
@@ -184,8 +184,7 @@ class LocalExperts(ExpertExchange):
     """MoE.exchange of a world of one (E = W = 1): nothing to exchange. The experts are outside FSDP as with E = W
     (over one rank FSDP would cast the fp32 weights and copy them into its "all-gather" output in forward and again
     in backward, and copy the bf16 gradient into an fp32 reduce-scatter input, then out: ~48 B a parameter a step
-    against the cast's 6 + the gradient write's 6; Qwen3-30B-A3B with 6 layers on one H200, 3.6B expert
-    parameters: +22% tokens/s, benchmarks/README.md session 11). They run here, outside the compiled graph as
+    against the cast's 6 + the gradient write's 6: docs/moe.md, "One GPU"). They run here, outside the compiled graph as
     under EP (the cast's backward writes param.grad itself, which a graph cannot hold); the block's graph breaks in
     two around them."""
 

@@ -1,5 +1,5 @@
 """The optimizer step, group by group, under the next forward (parallel.overlap_optimizer, CUDA), and the helpers it
-shares with the offloaded CPU step (parallel/offload.py). The design: docs/offload.md, "The step under the next forward".
+shares with the offloaded CPU step (parallel/offload.py). Design: docs/offload.md, "The step under the next forward".
 
 For a host-bound forward (MoE under expert parallelism) the fused AdamW step is enqueued on a side stream, one FSDP
 group at a time in forward order (root, embedding, blocks, head), and each group's forward waits on the GPU (no host
@@ -72,7 +72,7 @@ def step_group(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], gra
 def zero_grads(optimizer: torch.optim.Optimizer, keep: bool) -> None:
     """optimizer.zero_grad: gradients zeroed in place when `keep` (memory.keep_grads), else freed. A parameter marked
     `free_grad` (experts outside FSDP, parallel/expert.py) is freed either way: it is written fresh in one pass on the
-    next backward instead of zeroed here and read back there (measured on 2 x H200, Qwen3-30B-A3B EP 2: +4% a step),
+    next backward instead of zeroed here and read back there (one pass over those gradients a step fewer),
     and its allocations repeat at the same sizes every step on the compute stream, so the allocator hands the same
     blocks back (what keep_grads guards against is FSDP's reduce-scatter stream caching freed gradients)."""
     if keep:
