@@ -58,13 +58,13 @@ def entry() -> None:
     """The console script and `python -m shardfit`: main(), then the exit.
 
     A process that trained leaves with os._exit once its output is flushed. After training, the gloo process group
-    outlived destroy_process_group (DTensor's caches hold its DeviceMesh: benchmarks/NOTES.md, sessions 10-11;
+    outlived destroy_process_group (DTensor's caches hold its DeviceMesh; parallel/dist.py's
     shutdown_distributed now clears them, and this exit stays as the guard for caches on other threads), so its
     worker threads were still running when the interpreter finalized. A
     worker that then drops the last reference to a collective's tensor (a finished barrier holds the all-gather
     before it) needs the GIL, which a finalizing interpreter answers with pthread_exit: a C++ 'terminate called
-    without an active exception' abort (SIGABRT) after a run that had finished (core dump, session 10: 1 run in 180
-    of 2-process CPU training, three at a time on 2 cores). Everything the run writes is written and renamed by
+    without an active exception' abort (SIGABRT) after a run that had finished (rare, and more frequent on a
+    loaded host). Everything the run writes is written and renamed by
     then: skipping finalization loses nothing (metrics, W&B and TensorBoard are closed by the trainer).
     """
     rank_errors.quiet_interrupts()  # first: a torchrun rank's Ctrl-C must not become a traceback, even in imports

@@ -157,7 +157,7 @@ class ParallelConfig:
     overlap_optimizer: bool = opt(False, "CUDA: run the optimizer step on a side stream, FSDP group by group, each "
                                          "group's next forward waiting only for its own (parallel/step_overlap.py); "
                                          "for steps whose forward leaves the GPU idle (MoE with expert parallelism: "
-                                         "+3-6% measured on 2 x H200); same results as the plain step")
+                                         "benchmarks/README.md has its figures); same results as the plain step")
     expert_parallel: int = opt(1, "MoE expert parallelism: groups of E neighbouring ranks split each layer's experts "
                                   "(each holds n_experts/E, tokens exchanged by all-to-all); expert weights are "
                                   "FSDP-sharded over the world/E ranks holding the same experts (E = world: kept "
@@ -173,11 +173,11 @@ class ParallelConfig:
                          choices=("auto", "flash", "cudnn", "efficient"))
     doc_attention: str = opt("auto", "kernel of document-masked attention on CUDA: varlen (FlashAttention over "
                                      "cumulative sequence lengths), flex (FlexAttention with a document block mask), "
-                                     "sdpa (SDPA with a dense boolean mask: the CPU reference); auto: chosen by "
-                                     "measurement (benchmarks/NOTES.md)",
+                                     "sdpa (SDPA with a dense boolean mask: the CPU reference); auto: flex (varlen "
+                                     "for rows under 128 tokens or without FlexAttention)",
                              choices=("auto", "varlen", "flex", "sdpa"))
-    kernels: str = opt("torch", "fused linear cross-entropy kernel: torch (chunked pure PyTorch, any device; measured "
-                                "1.8% faster than Liger's on 2 x H200, benchmarks/NOTES.md), liger (Liger-Kernel's "
+    kernels: str = opt("torch", "fused linear cross-entropy kernel: torch (chunked pure PyTorch, any device; the "
+                                "default), liger (Liger-Kernel's "
                                 "Triton kernel, CUDA, optional extra); auto: liger when installed and on CUDA",
                        choices=("auto", "liger", "torch"))
     fp8: str = opt("none", "FP8 matmuls in the blocks' linear layers through torchao (optional extra; CUDA compute "
@@ -277,8 +277,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 # decide the batch: tokens per step for pretraining data, a number of examples for fine-tuning data.
 # Rates are those of published recipes for these sizes: from scratch Llama 2/3 (3e-4 at 7-8B, 1.5e-4 at 70B),
 # OLMo/TinyLlama 1B (4e-4); fine-tuning torchtune's and axolotl's full fine-tunes (2e-5; 1e-5 at 30B and up).
-# The embedded tiny model keeps its own measured setting (3e-3, 16 sequences, micro-batch 8: loss 5.6 -> 1.7);
-# 3e-3 is what sank a Llama-3-8B run (loss 12.8 -> 15.4 in 14 steps) before these defaults existed.
+# The embedded tiny model keeps its own setting (3e-3, 16 sequences, micro-batch 8: the README's first command);
+# 3e-3 is what sank a Llama-3-8B run (its loss climbed within 14 steps) before these defaults existed.
 # Warm-up is a fraction of train.steps; the pretraining batch a number of tokens per step (in sequences: that over
 # data.seq_len, rounded to a power of two, at least 8); micro_batch 0 lets shardfit plan choose it on CUDA.
 WARMUP_FRACTION = {"scratch": 0.1, "pretrained": 0.03}

@@ -1,19 +1,15 @@
-"""Token-budget micro-batches, and the validation set's batches.
+"""Token-budget micro-batches, and the validation set's batches. The algorithm and why: docs/data.md.
 
-Token budgets (train.micro_batch_tokens = T): the step's global batch is G items (examples, or windows in
-pretraining) of varying length. They are split into world x M bins of at most T tokens, and each bin becomes one
-micro-batch: a single row of exactly T tokens, its items end to end as separate documents and padding only at the
-end. Every forward/backward then sees the same shape, [1, T], whatever the lengths: memory is flat from step to
-step and a compiled block never meets a new shape.
-
-Why every rank runs the same number of micro-batches (FSDP issues collectives in every pass): M is computed on
-every rank from the same input, the lengths of the step's G items, which every host reads from its own copy of the
-dataset given only the step number, by the same deterministic procedure. So every rank derives the same M and the
-same bins, with no collective. M is the smallest number of micro-batches per rank at which longest-first placement
-into the least-filled bin (balanced bins) fits every item, found by bisection between the lower bound
-ceil(sum / (world x T)) and the count best-fit-decreasing packing needs (which always fits); where balanced placement
-fits at no M up to that count, the best-fit bins are used. O(N log N log N) for N items: the whole validation set
-is planned at once.
+Token budgets (train.micro_batch_tokens = T): the step's G items (examples, or windows in pretraining) are split into
+world x M bins of at most T tokens, each bin one micro-batch: a single row [1, T], its items end to end as separate
+documents, padding only at the end. Every forward/backward sees the same shape whatever the lengths: memory is flat
+and a compiled block never meets a new shape.
+Invariant: every rank runs the same number of micro-batches (FSDP issues collectives in every pass) without a
+collective: M and the bins are computed on every rank from the same input (the lengths of the step's G items, read
+from each host's own copy of the dataset given only the step) by the same deterministic procedure. M is the smallest
+count at which longest-first placement into the least-filled bin fits every item, found by bisection between
+ceil(sum / (world x T)) and what best-fit-decreasing needs (used where balanced placement never fits).
+O(N log N log N) for N items: the whole validation set is planned at once.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import numpy as np
 from shardfit.data.dataset import ShuffledDataset
 from shardfit.data.sft import IGNORE, example_tokens
 
-OPEN_ROWS = 64  # first-fit over this many partly filled rows: ~98% fill on skewed lengths, O(1) numpy per example
+OPEN_ROWS = 64  # first-fit over this many partly filled rows: rows nearly full on skewed lengths, O(1) numpy each
 
 
 def pack_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:

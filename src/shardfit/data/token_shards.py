@@ -1,25 +1,15 @@
 """Token shards: a corpus tokenized once (`shardfit tokenize`), then memory-mapped by every training rank.
+The directory layout, file by file: docs/data.md, "Token shards".
 
-Layout of a shard directory (every file is written under a `.tmp` name and renamed, so each is complete or absent):
-
-  plan.json         written first: the inputs, options and pieces; a re-run checks it and resumes
-  tokens_00007.npy  piece 7's token stream (uint16 when the vocabulary fits, else uint32), EOS after each document
-  starts_00007.npy  piece 7's document starts, relative to the piece (int64)
-  done_00007.json   piece 7 is complete (its token and document counts): a re-run skips it
-  doc_starts.npy    every document's start in the whole stream (int64), written once all pieces are done
-  manifest.json     written last: a directory with a manifest is complete, one without is refused; it records the
-                    largest token id (max_id), checked against the model's vocabulary when training opens it
-
-A piece is a run of consecutive input segments (a text file, a line-aligned byte range of a JSON-lines file, a run
-of whole row groups of a Parquet file) of about `piece_bytes` of input (data/tokenize.py plans them). Pieces are
-tokenized in parallel, but piece i's tokens are the tokens of exactly the documents that precede piece i+1's, so the
-pieces laid end to end are the stream that packing.tokenize_documents makes from the same files: same documents,
-same order, same EOS.
-
-Reading: the pieces are not joined into one file (that would copy every token once more at the end: 4 GB at 2B
-tokens of uint16). TokenStream maps each piece and answers a slice of the logical concatenation with a view into
-one map; only a window that straddles two pieces is copied, and it is seq_len + 1 tokens. Document starts are few
-(8 bytes per document), so they are written once, globally, into doc_starts.npy and mapped as they are.
+Every file is written under a `.tmp` name and renamed, so each is complete or absent: plan.json first (a re-run
+checks it and resumes), then per piece tokens_NNNNN.npy (uint16 when the vocabulary fits, else uint32; EOS after
+each document), starts_NNNNN.npy (document starts in the piece, int64) and done_NNNNN.json (a re-run skips the
+piece), then doc_starts.npy (every document's start in the whole stream), and manifest.json last: a directory
+without one is refused; its max_id is checked against the model's vocabulary.
+Invariant: the pieces laid end to end are the stream that packing.tokenize_documents makes from the same files
+(same documents, same order, same EOS), though they are tokenized in parallel.
+Reading: the pieces are never joined; TokenStream maps each one and answers a slice of the logical concatenation
+with a view into one map, copying only a window that straddles two pieces (seq_len + 1 tokens).
 """
 
 from __future__ import annotations

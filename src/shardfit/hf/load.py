@@ -34,9 +34,9 @@ from shardfit.models.init import local_view
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some old exports stored; rebuilt by init_buffers
 # Benchmark knobs (benchmarks/device_run.sh load-variants): SHARDFIT_LOAD_THREADS and SHARDFIT_PINNED_MIB override
 # the defaults below, so that one device call can compare settings without code changes.
-# Two staging buffers per thread, pinned on CUDA; a buffer is also the largest single read. 16 MiB measured best on
-# 2 x H200 (48-layer Qwen3-30B-A3B shape, 16 threads per rank: 1.94 s against 2.2-2.4 s with 32 MiB and 2.6 s with
-# 64 MiB): pinning costs ~0.3 ms per MiB, and smaller reads spread more evenly over the threads.
+# Two staging buffers per thread, pinned on CUDA; a buffer is also the largest single read. 16 MiB was the fastest
+# of the sizes load-variants compares (benchmarks/README.md): pinning costs time per MiB, and smaller reads spread
+# more evenly over the threads.
 _PINNED_BYTES = int(os.environ.get("SHARDFIT_PINNED_MIB", 16)) << 20
 
 

@@ -1,26 +1,15 @@
 """The per-process memory cap (`torch.cuda.set_per_process_memory_fraction`) and where the doctor learns it.
+Why it matters and what PyTorch does not record: docs/doctor.md, "The per-process memory cap".
 
-With a cap, c10's caching allocator refuses to grow its segments past `allowed_memory_maximum = fraction x device
-total memory`: `alloc_block` fails when `reserved + size > allowed_memory_maximum`, however much the driver still has
-free. So whether another setting would have let an OOM's request through depends on the cap, not only on the free
-memory the driver reported.
-
-PyTorch does not record the cap itself in a snapshot (checked for 2.11's files and 2.13's source): the snapshot's
-`allocator_settings` holds max_split_size, garbage_collection_threshold, expandable_segments, ... and the
-PYTORCH_CUDA_ALLOC_CONF string, but neither the fraction set through `set_per_process_memory_fraction()` (it changes
-only the allocator's in-memory maximum) nor the device's total memory. The doctor takes the fraction from, first
-found wins:
-  1. its caller: `examine(..., memory_fraction=F)` (`shardfit doctor --memory-fraction F`); source "given"
-  2. shardfit's own snapshots, where record.py stores {"shardfit": {"memory_fraction", "device_total"}}; "recorded"
-  3. `per_process_memory_fraction:F` in the recorded PYTORCH_CUDA_ALLOC_CONF string (the allocator reads that key
-     from the environment, PyTorch 2.13); source "allocator_settings"
-and the device total from the caller (`device_memory`; `--gpu-memory GIB`), shardfit's record, or else, at an OOM,
-reserved plus what the driver reported free: a lower bound (other processes' memory and the CUDA context are not
-seen), so the cap it gives is at most a little low.
-A fraction of 1 is a known absence of a cap (shardfit records 1.0 when none was set): the cap is then the device
-total, and an OOM that the device had room for is "unexplained", not blamed on an unrecorded cap. The recorded
-PYTORCH_CUDA_ALLOC_CONF is the environment's: a later set_per_process_memory_fraction() call overrides it unseen,
-which is why shardfit's own record (read from the allocator at dump time) comes first.
+With a cap, c10's caching allocator fails an allocation when reserved + size > fraction x device total, however much
+the driver still has free; so whether another setting would have let an OOM's request through depends on the cap.
+PyTorch's snapshots record neither the fraction nor the device total. The fraction, first found wins:
+  1. the caller (`shardfit doctor --memory-fraction F`): source "given";
+  2. shardfit's own snapshots ({"shardfit": {"memory_fraction", "device_total"}}, memory/record.py): "recorded";
+  3. `per_process_memory_fraction:F` in the recorded PYTORCH_CUDA_ALLOC_CONF: "allocator_settings".
+The device total: the caller (`--gpu-memory GIB`), shardfit's record, or else, at an OOM, reserved plus the driver's
+free memory (a lower bound). A fraction of 1 is a known absence of a cap: an OOM the device had room for is then
+"unexplained", not blamed on an unrecorded cap.
 """
 
 from __future__ import annotations

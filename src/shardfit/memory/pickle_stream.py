@@ -1,18 +1,16 @@
-"""A pickle reader for memory snapshots that stores trace events compactly as it reads them.
+"""A pickle reader for memory snapshots that stores trace events compactly as it reads them (docs/doctor.md).
 
 Why not `pickle.load`: a snapshot of 1,000,000 events is ~50 MB on disk (stacks are shared through the pickle memo)
 but ~600 MB as Python dicts (one dict, three large ints and a list per event). This reader interprets the pickle
 opcodes itself (the subset plain data uses, protocols 2-5) and, whenever a batch of event dicts is appended to a
-list, stores them in typed columns (`EventTrace`: ~41 bytes an event) with their stacks interned, instead of keeping
-the dicts. Everything else is built as usual.
+list, stores them in typed columns (`EventTrace`: ~41 bytes an event) with their stacks interned.
 
-It is also safe by construction: the only Python globals it resolves are the snapshot allowlist's containers
-(OrderedDict, set, frozenset: `safe_pickle.SNAPSHOT_GLOBALS`, which older PyTorch versions emit), called only with
-plain arguments; any other global is refused (`RefusedGlobal`) and INST, OBJ, BUILD, EXT*, PERSID are not
-implemented, so a malicious file runs nothing. Its work is bounded (memory/limits.py): the objects it builds and the
-containers open at once are capped, memo indices must be dense (a pickle cannot make it allocate a huge memo),
-dict keys and set items must be scalars (hashing a deep tuple would recurse in C), and a length past the end of
-the data is a truncation. A malformed stream raises `Malformed`, one line.
+Safe by construction: the only globals it resolves are the snapshot allowlist's containers
+(`safe_pickle.SNAPSHOT_GLOBALS`), called only with plain arguments; any other global is refused (`RefusedGlobal`)
+and INST, OBJ, BUILD, EXT*, PERSID are not implemented, so a malicious file runs nothing. Bounded (memory/limits.py):
+objects built and containers open at once are capped, memo indices must be dense, dict keys and set items must be
+scalars (hashing a deep tuple would recurse in C), a length past the end of the data is a truncation. A malformed
+stream raises `Malformed`, one line.
 """
 
 from __future__ import annotations

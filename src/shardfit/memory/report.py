@@ -1,47 +1,12 @@
-"""The doctor's outputs: a terminal report and a JSON document (schema below, versioned).
+"""The doctor's outputs: a terminal report and a JSON document (schema "shardfit.doctor/1", versioned).
 
-JSON schema, version 1 (fields are only ever added within a version; a consumer ignores keys it does not know):
-  {"schema": "shardfit.doctor/1",
-   "verdict": str,                                   one line: the most important finding, or "no problems found"
-   "snapshots": [{"path", "rank", "device", "events", "expandable_segments",
-                  "memory_fraction": float | null,   the per-process cap when known (memory/cap.py; 1.0: none) or null
-                  "memory_fraction_source": "given" | "recorded" | "allocator_settings" | null,
-                  "peak": LAYOUT, "end": LAYOUT, "peak_reserved", "peak_phase",
-                  "category_max": {category: bytes}}],
-   "ranks": [{"rank", "peak_allocated", "peak_reserved"}],
-   "findings": [{"code", "severity", "title", "evidence": [str], "fix": [str], "rank", "figures": FIGURES[code]}]}
-  LAYOUT = {"allocated", "reserved", "active", "pending_free", "free_in_segments", "free_in_split_segments",
-            "largest_free", "rounding_waste" (end only, else null), "pending_blocks", "per_stream": {stream: {...}},
-            "categories": {category: bytes}, "top_sites": [[site, bytes, blocks]]}
-  FIGURES, the numbers the evidence sentences are written from (the layout is the OOM's moment, the peak, or the
-  dump as "when" says):
-    oom: {"asked", "stream", "stream_largest_free", "stream_free", "largest_free", "free_in_segments",
-          "free_in_split_segments", "releasable" (free bytes in segments holding nothing: c10 releases them before
-          an OOM, so ~0 at a real one), "pending_free", "pending_blocks" (count), "allocated", "reserved",
-          "categories": {category: live bytes}, "device_free" (the driver's report),
-          "memory_fraction" (1.0: known to be uncapped), "memory_fraction_source", "device_total",
-          "device_total_source" ("given" | "recorded" | "estimate": reserved + device_free, a lower bound),
-          "memory_cap" (bytes, null without a known cap),
-          "headroom" (bytes the cache could still grow: device_free + releasable, at most
-                      memory_cap - (reserved - releasable)),
-          "would_fit": {"expandable_segments", "pending_completed", "expandable_segments_and_pending_completed",
-                        "no_memory_cap"}: bool each, whether that change alone would have let the request through,
-          "cause": "fragmentation" | "pending_free" | "fragmentation_and_pending_free" | "memory_cap" |
-                   "unrecorded_memory_cap" (headroom covered the request and no cap is known; would_fit then assumes
-                   none) | "unexplained" (headroom covered it under the known cap) | "capacity"}
-    fragmentation (at the peak): {"allocated", "reserved", "pending_free", "unused", "unused_fraction",
-          "free_in_split_segments", "largest_free", "peak_reserved", "expandable_segments"}
-    pending_free: {"when": "peak" | "dump", "pending_free", "pending_blocks", "allocated", "reserved"}
-    side_stream_cache (at the peak): {"compute_stream", "compute_allocated", "idle", "idle_fraction", "reserved",
-          "streams": [{"stream", "reserved", "free"}]}
-    imbalance: {"peaks": [{"rank", "peak_allocated", "peak_reserved", "category_bytes" (that rank's bytes of
-          "category" at its peak)}], "outlier_rank", "others_median" (of peak_allocated, rounded down), "ratio",
-          "category" (the one that differs most), "category_difference" (outlier minus the others' median, signed),
-          "categories": {category: outlier bytes}}
-    balanced: {"peaks": [{"rank", "peak_allocated", "peak_reserved"}], "min", "max", "spread" (max / min - 1)}
-    fsdp_buffers: {"all_gather", "reduce_scatter", "rank"}
-    Every "X GiB" or "X MiB" in a finding's title, evidence and fix is one of its figures (tests/memory check it).
-All sizes are bytes (integers); fractions are floats in [0, 1]. Categories: see
+The JSON schema, field by field: docs/doctor.md. Within a version fields are only ever added; a consumer ignores keys
+it does not know. Top level: schema, verdict (one line: the most important finding, or "no problems found"),
+snapshots (per file: rank, device, memory cap and its source, the LAYOUT at the peak and at the dump, category
+maxima), ranks (peak allocated and reserved per rank), findings (code, severity, title, evidence, fix, rank, and
+figures: the numbers the evidence sentences are written from, keyed per finding code).
+Invariants: all sizes are bytes (integers), fractions floats in [0, 1]; every "X GiB" or "X MiB" in a finding's
+title, evidence and fix is one of its figures (tests/memory check it). Categories:
 shardfit.memory.attribution.CATEGORIES.
 """
 

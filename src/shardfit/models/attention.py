@@ -1,22 +1,17 @@
-"""Causal self-attention kernels, plain and document-masked.
+"""Causal self-attention kernels, plain and document-masked. Document masking and the kernels: docs/data.md.
 
-A packed row holds several documents. With document masking a token attends only to earlier tokens of its own
-document, and its RoPE position counts from that document's start. Both come from one tensor: the row's position
-ids [b, S], which restart at 0 where a document starts. `DocumentMask.build` turns the full position ids of a
-micro-batch into what the chosen kernel reads, once per micro-batch, on the host side of the step and outside any
-checkpointed or compiled region. Under activation checkpointing the recomputation then reads the very same object,
-and under Ulysses sequence parallelism every rank of a group builds it from the same full position ids (the kernel
-runs after the all-to-all, on all S tokens of its heads), so no exchange is ever needed for it.
+With document masking a token attends only to earlier tokens of its own document, and its RoPE position counts from
+that document's start; both come from the row's position ids [b, S], which restart at 0 where a document starts.
+`DocumentMask.build` turns a micro-batch's full position ids into what the chosen kernel reads, once per
+micro-batch, outside any checkpointed or compiled region: recomputation reads the very same object, and under
+Ulysses every rank of a group builds it from the same full position ids (no exchange is needed for it).
 
 Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
-  sdpa    SDPA with a dense boolean mask [B, 1, S, S]: the reference the CPU tests use (mask: S^2 bytes a row);
-  varlen  FlashAttention over cumulative sequence lengths (torch.nn.attention.varlen): the B rows are one
-          flattened sequence of B*S tokens cut at every document start; no mask in memory, no masked tiles;
-  flex    FlexAttention with a document block mask (torch.nn.attention.flex_attention, compiled): tiles that
-          cross documents are skipped. The mask is made from per-block document ids (document_block_mask, O(S^2 / 128^2)
-          memory), never from the [S, S] element mask create_block_mask evaluates.
-Which is faster on a GPU is measured (benchmarks/bench_attention.py, bench_train.py's docmask8b);
-parallel.doc_attention=auto takes the winner: flex.
+  sdpa    SDPA with a dense boolean mask [B, 1, S, S]: the reference the CPU tests use;
+  varlen  FlashAttention over cumulative sequence lengths: the B rows as one sequence cut at every document start;
+  flex    FlexAttention with a document block mask built from per-block document ids (O(S^2 / 128^2) memory):
+          tiles that cross documents are skipped.
+parallel.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing).
 """
 
 from __future__ import annotations
@@ -235,10 +230,9 @@ def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MI
     if kind == "auto" and row_tokens < FLEX_MIN_TOKENS:
         return "varlen" if varlen_available() and half else "sdpa"
     if kind == "auto":
-        # Measured (benchmarks/NOTES.md, session 6, Llama-3-8B packed pretraining, compiled, 2 x H200): flex at
-        # micro-batch 4 ran 1.02x the unmasked step with its memory; varlen 0.83x, because torch 2.11's varlen has
-        # no grouped-query heads, so K/V are repeated to all 32 heads and saved for backward (+6 GiB, over the
-        # edge: allocator retries). varlen stays the choice where FlexAttention is missing.
+        # flex: torch 2.11's varlen has no grouped-query heads, so K/V are repeated to all query heads and saved for
+        # backward (at 8B, 4x the K/V bytes: the larger activations that made varlen the slower of the two in
+        # benchmarks/README.md's document-masked runs). varlen stays the choice where FlexAttention is missing.
         return "flex" if flex_available() else "varlen"
     return kind
 

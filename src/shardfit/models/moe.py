@@ -1,14 +1,13 @@
 """Mixture-of-experts feed-forward (Qwen3-MoE): top-k softmax router, experts stacked in 3-D parameters.
+The design and the load metrics: docs/moe.md; expert parallelism: docs/expert-parallel.md.
 
 The expert computation is one fixed graph whatever the routing: tokens are sorted by expert and every expert runs
 on its slice, empty or not (or one grouped matmul on CUDA in bf16). So a rank whose tokens go to different experts
 issues the same operations, and activation checkpointing's recomputation saves exactly the tensors the forward
-saved (a loop over only the experts that received tokens breaks both: the fourth seed report's crash).
-The results return to token order by a permutation, not atomics: the forward is deterministic, and so is the
-backward (each permutation's gradient is the inverse gather; the token dispatch sums each token's k slots).
-Host syncs: none on the CUDA path (the counts per expert are a scatter-add, not torch.bincount, which reads the
-ids' maximum on the host); the CPU expert loop reads the counts. Expert parallelism adds the exchange's own sync
-(parallel/expert.py).
+saved (a loop over only the experts that received tokens breaks both).
+The results return to token order by a permutation, not atomics: forward and backward are deterministic.
+Host syncs: none on the CUDA path (counts per expert by scatter-add, not torch.bincount); the CPU loop reads the
+counts. No distributed code: MoE.exchange (set by parallel/) is the seam for expert parallelism.
 
 Shapes: T tokens, H hidden, E experts, k experts per token, I expert inner size.
 """

@@ -175,7 +175,7 @@ def release_dtensor_caches() -> None:
     """Drop DTensor's sharding-propagation and redistribution caches, which keep DeviceMeshes (hence their process
     groups) alive past destroy_process_group: after fully_shard, a gloo group's worker threads then outlive the
     group, and one destroying a finished work during interpreter exit takes the GIL and aborts the process
-    ("terminate called without an active exception"; benchmarks/NOTES.md, session 10). The caches only save
+    ("terminate called without an active exception"). The caches only save
     recomputation; they are private (torch 2.6-2.13), so each is cleared only where it exists. Clears this thread's
     thread-local entries (the trainer's DTensor ops run on it)."""
     import gc

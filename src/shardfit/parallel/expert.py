@@ -1,49 +1,16 @@
 """Expert parallelism (parallel.expert_parallel = E): each rank of a group of E neighbouring ranks holds n_experts/E
 of every MoE layer's experts, and the routed rows travel to the rank of their expert and back by all-to-all.
+The design, layouts and syncs: docs/expert-parallel.md.
 
-Layout, W ranks: a 2-D mesh (efsdp = W/E, ep = E); rank r is EP position r % E and efsdp position r // E, so an EP
-group is E neighbouring ranks (one node: the all-to-alls take the fastest links). Each expert weight [n_experts, ...]
-is a DTensor sharded along the experts over "ep" (rank p holds experts p*n/E .. (p+1)*n/E - 1), and FSDP shards that
-slice again over "efsdp", the W/E ranks that hold the same experts (parallelize step 3); the global shape stays
-[n_experts, ...], so seeded init, Hugging Face load and export, and DCP checkpoints see the plain model's tensors
-(and resume across layouts). Every other weight is FSDP-sharded over all W ranks as without EP.
-With HSDP (parallel.replicate = R, multi-node): a 3-D mesh (replicate R, efsdp W/R/E, ep E) laid out as HSDP's, so
-each replica (a node) holds every expert, split over EP groups inside it; the experts are HSDP-sharded over
-(replicate, efsdp), like every other weight over (replicate, shard): no expert is gathered across replicas, and
-their gradients cross them once, in HSDP's all-reduce (expert_mesh).
-
-Gradients. A rank's expert gradient holds the contributions of every token its EP group routed to its experts (the
-all-to-all's backward carries them home), so summing over the efsdp ranks already sums over all W ranks' tokens:
-FSDP's reduce-scatter there must divide by W (the plain gradient's mean over ranks), not by its own W/E.
-
-E = W (efsdp of one rank: every rank holds n/W experts and nobody else holds them) leaves the experts out of FSDP
-(`ignored_params`, torch >= 2.7): FSDP over one rank would still, per layer, cast the fp32 shard to bf16 and copy it
-into its "all-gather" output (forward, and again in backward after resharding) and copy the bf16 gradient into an
-fp32 reduce-scatter input, all on the compute stream, with ~5 ms of host time a layer in its hooks (measured on
-2 x H200: 25% of the EP step's host time, which bounds its forward). Here the computation casts each weight itself
-(_ComputeCast: one pass forward; the backward writes param.grad itself, divided by W, cast to fp32 and, from the
-second micro-batch on, added in place, all in one pass), the bf16 copy is what the grouped GEMMs save for backward
-(none is made again). Optimizer, gradient norm, checkpoints and export see the same DTensors [n, ...]
-sharded over "ep". A world of one trains its MoE the same way (E = W = 1, no exchange: LocalExperts), unless
-parallel.offload asks FSDP to keep the states on the host.
-
-The exchange, per MoE layer and micro-batch (ExpertExchange):
-  1. counts [n] (rows per global expert, sorted order) go to every peer: all-to-all of E x n/E int64;
-  2. ONE host sync: the split sizes of step 3 (rows to and from each peer) must be known on the host to size the
-     all-to-all. It waits for step 1, i.e. for every peer to have routed this layer: the exchange needs that
-     anyway, and nothing else in the step waits on another rank's host;
-  3. the rows [N, H] (sorted by global expert, hence grouped by peer) go to their experts' ranks: all-to-all with
-     those splits; the received rows [M, H] come ordered (source peer, local expert) and are regrouped by local
-     expert (a stable permutation), run through this rank's experts (one grouped GEMM on CUDA), put back in
-     arrival order and returned by the reverse all-to-all.
-Every rank issues the same collectives in the same order whatever its routing (a peer sending nothing sends an
-empty split; an expert receiving nothing is an empty group). Under checkpointing the recomputation routes the same
-inputs to the same experts and repeats these exchanges with the same splits (its early stop is at the same op on
-every rank: the graph is the same); selective checkpointing does not save the all-to-alls' outputs (they are not
-among its saved ops), so its recomputation runs them again, and their backward (the reverse all-to-alls, _AllToAll)
-runs inside the layer's backward.
-The exchange is left out of torch.compile (data-dependent split sizes): a compiled block breaks its graph around it.
-With parallel.expert_overlap (E = W) step 3's exchanges run under the rank's own rows: parallel/expert_overlap.py.
+Mesh: (efsdp = W/E, ep = E), rank r at EP position r % E; with HSDP (replicate R) (replicate, efsdp, ep). Expert
+weights keep their global shape [n_experts, ...] as DTensors sharded over "ep", then FSDP-sharded over "efsdp"
+(whose reduce-scatter divides by W: the all-to-all's backward already brought every token's contribution home).
+E = W (a world of one included) keeps the experts out of FSDP: the computation casts them (_ComputeCast) and its
+backward writes param.grad in one fp32 pass.
+Collectives, per MoE layer and micro-batch, the same on every rank whatever its routing (empty splits included):
+all-to-all of the counts [n] int64; ONE host sync (the split sizes); all-to-all of the rows [N, H] to their
+experts' ranks and the reverse all-to-all of the results. Recomputation under checkpointing repeats them with the
+same splits. The exchange runs outside torch.compile (data-dependent sizes); parallel/expert_overlap.py hides it.
 """
 
 from __future__ import annotations
@@ -111,8 +78,8 @@ class _ComputeCast(torch.autograd.Function):
     twice) that share one cast. The backward writes param.grad itself, divided by `divide` (the world size: FSDP's
     reduction would have divided by it), in fp32 and in one pass over memory per use (kernels/scaled_accumulate.py):
     a new gradient for the first, added in place to the kept one afterwards. It returns no gradient, so autograd's
-    AccumulateGrad does nothing for param: its own accumulation would be a second fp32 pass (10 ms a step for 12
-    layers on 2 x H200, measured), and the bf16 -> fp32 cast through PyTorch's ops is not vectorized (14 ms).
+    AccumulateGrad does nothing for param: its own accumulation would be a second fp32 pass over the gradient, and
+    the bf16 -> fp32 cast through PyTorch's mixed-dtype ops is not vectorized.
     So this is for .backward() only: torch.autograd.grad would not see param's gradient (and create_graph is
     refused), and tensor hooks on param get None (post-accumulate-grad hooks run: .grad is written first)."""
 
@@ -169,7 +136,7 @@ class _AllToAll(torch.autograd.Function):
     """x [sum(send), H] -> [sum(recv), H]: rows send[p] to peer p, recv[p] from it; backward the reverse exchange.
     A plain c10d collective (the host does not wait for it; torch 2.11 runs it on the current stream), not a
     functional one: those wrap the result in a tensor subclass whose dispatch costs host time at every later op
-    on it (about 0.3 ms a call, measured), and the EP forward is bound by its host."""
+    on it, and the EP forward is bound by its host."""
 
     @staticmethod
     def forward(ctx, x, recv, send, group):
@@ -217,8 +184,7 @@ class LocalExperts(ExpertExchange):
     """MoE.exchange of a world of one (E = W = 1): nothing to exchange. The experts are outside FSDP as with E = W
     (over one rank FSDP would cast the fp32 weights and copy them into its "all-gather" output in forward and again
     in backward, and copy the bf16 gradient into an fp32 reduce-scatter input, then out: ~48 B a parameter a step
-    against the cast's 6 + the gradient write's 6; Qwen3-30B-A3B with 6 layers on one H200, 3.6B expert
-    parameters: +22% tokens/s, benchmarks/README.md session 11). They run here, outside the compiled graph as
+    against the cast's 6 + the gradient write's 6: docs/moe.md, "One GPU"). They run here, outside the compiled graph as
     under EP (the cast's backward writes param.grad itself, which a graph cannot hold); the block's graph breaks in
     two around them."""
 

@@ -1,27 +1,15 @@
-"""The expert exchange with its all-to-alls hidden behind this rank's own rows (parallel.expert_overlap).
+"""The expert exchange with its all-to-alls hidden behind this rank's own rows (parallel.expert_overlap, E = W).
+The design and the backward's order: docs/expert-parallel.md.
 
-Of the rows a rank routes, those for its own experts (about 1/E of them) need no exchange. Sorted first
-(sort_keys), they are a block at the head of xs, and the layer runs (E = W: the experts are outside FSDP, so
-running them more than once costs no second gather):
-  1. the remote rows xs[own:] leave by an all-to-all that is launched, not waited for (_LaunchDispatch);
-  2. meanwhile the experts run on the own rows (one grouped GEMM triple; `both`: on their first half only);
-  3. the wait (_WaitDispatch); the received rows, regrouped by local expert, go through the experts (a second
-     triple); their results start back by the reverse all-to-all (_LaunchCombine);
-  4. `both`: meanwhile the experts run on the second half of the own rows (a third triple);
-  5. the wait (_WaitCombine), which writes the own rows' results into the head of the output [N, H].
-Backward mirrors it without ordering code of ours: the autograd engine runs the ready node with the highest
-sequence number first, and the forward created each launch, then the own rows' GEMMs meant to run under it, then
-its wait. So each wait's backward launches the reverse exchange, the own rows' backward runs while it is in
-flight, and the launch's backward waits for it. The dispatch's reverse writes into a gradient buffer [N, H]
-whose head _LaunchDispatch.backward fills with the own rows' gradient (no zero-filled gradient, no sum of two
-[N, H] gradients). tests/parallel/test_expert_overlap.py logs that order.
-Same collectives in the same order on every rank (the exchange's splits are those of ExpertExchange, with a rank's
-split to itself zero); recomputation under checkpointing launches and waits the same exchanges again.
-Streams: on CUDA a launched all-to-all runs on the process group's stream; wait() makes the compute stream wait
-for it. c10d keeps its input and output alive until that wait (no record_stream), and both are allocated and
-freed on the compute stream, which has waited for the exchange by then.
-Each use of the experts gets its own output of the weights' cast (_ComputeCast with uses=2 or 3): autograd would
-otherwise sum the bf16 gradients of the uses before the fp32 accumulation (one more rounding and one more pass).
+The rows for this rank's own experts (sorted first by sort_keys: the head of xs) need no exchange. The remote rows
+leave by an all-to-all that is launched, not waited for (_LaunchDispatch); the experts run on the own rows meanwhile
+(`both`: their first half); the wait (_WaitDispatch); the received rows run and start back by the reverse
+all-to-all (_LaunchCombine); `both`: the own rows' second half runs under it; the wait (_WaitCombine) writes the
+own rows' results into the head of the output [N, H]. Backward needs no ordering code: autograd runs the ready node
+with the highest sequence number first (tests/parallel/test_expert_overlap.py logs the order).
+Collectives: those of ExpertExchange, in the same order on every rank (a rank's split to itself is zero);
+recomputation launches and waits them again. Streams: a launched all-to-all runs on the process group's stream and
+wait() makes the compute stream wait for it; its input and output are allocated and freed on the compute stream.
 """
 
 from __future__ import annotations

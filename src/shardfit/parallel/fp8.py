@@ -1,28 +1,16 @@
-"""FP8 matmuls for the blocks' linear layers (`--parallel.fp8=tensorwise|rowwise`), through torchao's float8 training.
+"""FP8 matmuls for the blocks' linear layers (`--parallel.fp8=tensorwise|rowwise`), through torchao's float8 training
+(an optional extra: without it, asking for fp8 is a one-line error). Why torchao, which layers, the numerics:
+docs/fp8.md.
 
-Why torchao: its Float8Linear is the maintained implementation of dynamic-scaled FP8 training for FSDP2 and
-torch.compile (torchtitan uses it), including FP8 all-gather of the weights; writing our own would mean re-deriving
-its scaled-matmul layouts and its FSDP pre/post all-gather hooks. It is an optional extra (`shardfit[fp8]`, or a
-local wheel on machines with no network); without it, asking for fp8 is a one-line error, and everything else runs.
-
-What is converted: the nn.Linear layers inside the decoder blocks whose two dims are multiples of 16 (the FP8
-tensor cores' rule) and, on GPUs, which are large enough to gain, by torchao's measured H100 thresholds: tensorwise
-skips layers with in <= 4096 and out <= 1024 (Llama-3-8B's k/v projections), rowwise those with out <= 2048,
-in <= 1024 or both <= 4096/2048. Never converted: the output head (the loss reads its logits in full precision),
-the embedding, MoE routers and experts (the router's logits decide the routing; the experts are one grouped tensor,
-not linears).
-On the CPU the matmuls are emulated (FP8-rounded operands, high-precision products): slow, but the same numerics,
-which is what the CPU tests check; there every eligible layer is converted.
-
-Numerics: forward matmuls take e4m3 inputs and weights, backward gradients e5m2 (tensorwise) or e4m3 (rowwise);
-every scale is dynamic (the amax of the tensor, or of each row, at that moment); accumulation stays fp32 and the
-master weights, gradients and optimizer states are unchanged. So FP8 changes the loss curve slightly: the figures
-are reported apart from bf16 (benchmarks/README.md).
-
-FP8 all-gather (tensorwise only, on by default): FSDP all-gathers each converted weight already cast to e4m3 (half
-the bytes of bf16) with one scale per weight. The scales are computed for all weights at once after every optimizer
-step by `refresh_fp8_scales`: a max all-reduce over the weights' amaxes, one collective that every rank issues at
-the same point (after every applied update: all ranks take the same branch), and after init, load and resume; never
+Converted: the nn.Linear layers inside the decoder blocks whose two dims are multiples of 16 and, on GPUs, large
+enough to gain by torchao's own thresholds (tensorwise skips in <= 4096 with out <= 1024; rowwise out <= 2048,
+in <= 1024 or both <= 4096/2048). Never: the output head, the embedding, MoE routers and experts. On the CPU the
+matmuls are emulated (same numerics, slow) and every eligible layer is converted.
+Numerics: e4m3 forward operands, e5m2 (tensorwise) or e4m3 (rowwise) gradients, dynamic scales, fp32 accumulation;
+master weights, gradients and optimizer states unchanged.
+Collectives: with tensorwise FP8 all-gather (on by default) FSDP gathers each converted weight in e4m3 with one
+scale per weight; `refresh_fp8_scales` computes all scales at once with ONE max all-reduce over the weights' amaxes,
+issued by every rank at the same point (after every applied optimizer step, after init, load and resume), never
 inside FSDP's gather hooks or backward.
 """
 

@@ -1,56 +1,15 @@
 """CPU offload (parallel.offload=all): FSDP2's CPUOffloadPolicy, the shards' materialisation in host memory, and the
-threads of the CPU optimizer step.
+CPU optimizer step on a worker thread (OverlappedStep). The design and its arithmetic: docs/offload.md.
 
-Where everything lives with offload=all (P parameters, N ranks; fp32 states; bf16 compute on CUDA):
-  host, pinned:  the fp32 parameter shard (4P/N bytes), its fp32 gradient (4P/N, allocated by FSDP at each step's
-                 first reduce-scatter and freed by zero_grad), Adam's two moments (8P/N, plain host memory: the CPU
-                 step reads them in place and they never cross PCIe);
-  GPU:           the buffers (RoPE frequencies), each group's gathered bf16 parameters while it computes, the
-                 unsharded fp32 gradients of the group being reduced, activations.
-Per micro-batch FSDP2 copies each group's fp32 shard to the GPU before its all-gather (forward, and again in
-backward for the groups resharded after forward: 4P/N bytes each time) and each reduced gradient shard back to
-pinned host memory (4P/N, asynchronously in the reduce-scatter stream; the host waits for those copies once, at the
-end of backward, in FSDP's finalize_backward). That holds for a step of one micro-batch: from the second micro-batch
-on, FSDP2 (torch 2.11-2.13) copies each gradient shard to the host synchronously and adds it to the accumulated one
-on the CPU, inside backward, so the trainer says so at start-up and one larger micro-batch (full checkpointing lets
-it grow) is the layout to use. The optimizer step then runs on the CPU (fused AdamW: one pass over
-parameter, gradient and both moments per element; train/optim.py), one per rank, on this rank's share of the cores,
-group by group on a worker thread while the next forward runs (OverlappedStep below): the GPU waits only where a
-group's step is not done when its forward needs it.
-
-Host memory per node: 16 bytes per parameter of this node's shards, plus PyTorch's pinned-allocator rounding: FSDP2
-pins each parameter shard and each gradient shard copied back as an allocation of its own, rounded up to a power of
-two (at Llama-3-8B each 224 MiB MLP matrix takes 256 MiB, the 2,004 MiB fp32 embedding 2,048 MiB): 33 GiB instead of
-29.9 for the parameters and as much for the gradients, with 59.8 GiB of moments 126 GiB in all, more than a 128 GiB
-host has once the process itself is counted. The rounding is left on: recent PyTorch can turn it off above a size
-(pinned_max_round_threshold_mb), but its free lists are indexed by the power of two alone and hand back any cached
-block of the bucket, so exact sizes are only safe when large blocks are not cached either, and then every step
-would pin its 30 GiB of gradients again.
-
-offload=optimizer (moments and step on the CPU, parameters and gradients on the GPU) is refused: FSDP2 has no such
-policy, and doing it outside FSDP means a second fp32 copy of every shard in host memory kept equal to the GPU's
-through every path that writes parameters (initialisation, Hugging Face load, DCP resume), an optimizer wrapper whose
-state DCP maps back to the model's parameters, and 8 bytes per parameter over PCIe each step with the GPU idle during
-the CPU step unless it is pipelined by chunks. It would keep 8 bytes per parameter on the GPU (fp32 weights and
-gradients): Llama-3-8B would still not fit one 80 GB GPU, which offload=all does.
-
-parallel.offload_gpu_blocks = N keeps the first N blocks' groups as without offload: their fp32 shards, gradients
-and moments on the GPU (16 B/param/shard), stepped there by the fused CUDA AdamW. It is for a host too small for
-every state but a GPU with room left: Llama-3-8B on one 80 GB H100 whose host has 123 GiB was killed by the host's
-OOM killer at ~120 GiB (the plan counts 125.8) with the GPU at 34 GiB of 80; every block kept takes 3.4 GiB off the
-host and puts 2.4 GiB on the GPU's peak (plus its 0.8 GiB of freed gradients cached in the reduce-scatter pool:
-memory/plan.py). The embedding, the head and the root group stay on the host (offload_policy(block=None)).
-
-Why the FIRST blocks, checked against OverlappedStep (c: one host block's CPU step, f: one block's forward, e and h:
-the embedding's and the head's steps, ~2.4 c each at 8B): the worker steps the host groups in forward order and each
-forward pre-hook waits for its own group. Kept first, blocks 0..N-1 compute right after the embedding's step while
-the worker steps blocks N.. ahead of their forwards: the forward ends at about e + max(L f, (L-N) c + h). Kept last,
-the worker steps blocks 0..L-N-1 just in time and the head's step overlaps only the kept blocks' forward: e +
-max(L f, (L-N) c + max(N f, h)). So the first blocks are never worse and gain up to N f - h when the CPU is the
-bottleneck (c > f); the CPU's total work (L-N) c + e + h is the same either way, and the embedding's step e stays
-exposed at the start of every forward whichever blocks are kept. In backward the first blocks' gradients are
-reduced last: kept ones are not copied to the host, so fewer copies remain when FSDP's finalize_backward waits for
-them (the embedding's, reduced after block 0, still is). The steps' results do not depend on any of this.
+Placement, P parameters over N ranks: host, pinned, the fp32 parameter shard (4P/N) and its fp32 gradient (4P/N);
+host, plain, Adam's two moments (8P/N, read in place by the CPU step); GPU, the buffers, each group's gathered bf16
+parameters while it computes, the unsharded gradients being reduced, activations. Per micro-batch FSDP2 copies each
+group's shard to the GPU before its all-gather and each reduced gradient shard back (async in the reduce-scatter
+stream; the host waits once, in finalize_backward). The pinned allocator rounds each allocation up to a power of two.
+parallel.offload_gpu_blocks = N keeps the FIRST N blocks' states on the GPU (stepped there, on the main thread);
+the embedding, head and root groups stay on the host. offload=optimizer is refused (docs/offload.md says why).
+Initial values are drawn on the device and copied into the host shards (_DeviceTwins): the same weights as without
+offload. OverlappedStep issues no collective: every rank's step is its own shards'.
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
-"""Apply activation checkpointing, compilation and FSDP2 to a model built on the meta device.
+"""Apply FP8, sequence and expert parallelism, activation checkpointing, compilation and FSDP2 to a model built on the
+meta device. Why each step comes where it does: docs/architecture.md, "The layout".
 
 The order is fixed and each step relies on the previous ones:
-  0. FP8 (if asked) swaps the blocks' chosen nn.Linear layers for torchao's Float8Linear: a module swap on the meta
-     model, so that checkpointing, compile and FSDP (its FP8 all-gather hooks live on the weights) all see the final
-     modules; then Ulysses sequence parallelism (if asked) wraps each attention kernel, so the all-to-alls sit
-     inside the block forward that checkpointing and compile see next; then expert parallelism (if asked) makes
-     the expert weights DTensors sharded over the EP group and gives each MoE layer its all-to-all exchange
-     (parallel/expert.py), so that the same recomputation and graph breaks apply (a world of one: its experts
-     leave FSDP the same way and run without an exchange);
-  1. activation checkpointing wraps each block's forward in a non-reentrant checkpoint (parameter names stay the
-     Hugging Face ones: no wrapper module);
-  2. torch.compile of each block's forward, checkpoint included (dynamo traces the checkpointed region, and the
-     selective policy still applies); the module's __call__ is not compiled, so FSDP's pre/post-forward hooks,
-     added next, run outside the compiled graph;
-  3. fully_shard each block, the embedding and the output head (untied: groups of their own, so that their
-     collectives overlap compute), then the root (the final norm; tied embeddings stay one parameter in the root
-     group because both users are in that one group), over a 1-D mesh of every rank, or with parallel.replicate = R
-     over a 2-D (replicate R, shard world/R) mesh: HSDP, each parameter sharded within a group of world/R
-     neighbouring ranks and replicated across the R groups; with expert parallelism each block's experts first
-     form a group of their own over the ranks that hold the same experts (HSDP: within each replica), or, when
-     every rank holds its own (E = world), stay out of FSDP (parallel/expert.py);
-  4. explicit prefetch, if asked;
-  5. to_empty on the target device: each rank allocates only its own shards (no rank ever holds the full model);
-  6. init_weights / init_buffers on the shards (RoPE frequencies are non-persistent and rebuilt on every rank).
+  0. module swaps on the meta model, so that everything after sees the final modules: FP8 Float8Linear layers
+     (parallel/fp8.py), Ulysses around each attention kernel (parallel/ulysses.py), expert weights as DTensors over
+     the EP group and each MoE layer's exchange (parallel/expert.py);
+  1. activation checkpointing of each block's forward (non-reentrant; parameter names stay Hugging Face's);
+  2. torch.compile of each block's forward, checkpoint included (FSDP's hooks, added next, stay outside the graph);
+  3. fully_shard each block (its experts first, as a group of their own or left out when E = W), the embedding and
+     an untied head, then the root, over a 1-D mesh of every rank or a (replicate R, shard W/R) HSDP mesh;
+  4. explicit prefetch, if asked; 5. to_empty on the target device: each rank allocates only its own shards;
+  6. init_weights / init_buffers on the shards, from (seed, parameter name) alone.
 With parallel.offload=all (parallel/offload.py) step 3 gives every group FSDP2's CPU offload policy, step 5 puts the
-shards in host memory and the buffers on the device, and step 6 draws the initial values on the device (the same
-weights as without offload) and copies them into the host shards.
+shards in host memory, and step 6 draws on the device and copies into the host shards. Every rank runs the same steps
+in the same order (mesh creation is a collective).
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
-"""The optimizer step, group by group, under the next forward (parallel.overlap_optimizer, CUDA).
+"""The optimizer step, group by group, under the next forward (parallel.overlap_optimizer, CUDA), and the helpers it
+shares with the offloaded CPU step (parallel/offload.py). Design: docs/offload.md, "The step under the next forward".
 
-Why: an MoE step under expert parallelism has a host-bound forward (benchmarks/NOTES.md, session 8: 120 ms of forward
-for 54 ms of GPU work on Qwen3-30B-A3B, 12 layers, 2 x H200), and the exchange's host sync in every layer keeps the
-host from running ahead into it; meanwhile the fused AdamW step (48 ms over 4 billion fp32 parameters a rank) runs
-alone before it. Here the step is enqueued on a side stream, one FSDP group at a time in forward order, and each
-group's forward waits (on the GPU, no host sync) only for its own group: block i computes while blocks i+1.. are
-stepped, and the AdamW kernels fill the forward's idle time.
-
-Ordering, all on the GPU (no host waits):
-  launch: side stream waits for the compute stream (backward, gradient scale, learning rate are done); for each
-          group in forward order: fused AdamW on the group's parameters, then its gradients zeroed (keep_grads) on
-          the same stream, then event[i] recorded;
-  forward: a pre-forward hook on group i's module, before FSDP's own (which enqueues the all-gather of the updated
-          shards), makes the compute stream wait for events[0..upto) (upto covers FSDP's explicit prefetch, as in
-          OverlappedStep). FSDP's all-gather streams wait for the compute stream when they are issued, so they read
-          updated shards. Expert weights kept out of FSDP (parallel/expert.py, E = W) belong to their block's group.
-  wait(): the compute stream waits for every event (before backward, checkpoints, export, eval and the end of fit).
-Memory: nothing is freed by another stream than the one that allocated it. Gradients are zeroed, not freed, on the
-side stream that read them (keep_grads); without keep_grads (and always for free_grad parameters: zero_grads) they
-are taken out of the parameters at launch and group i's are dropped once the compute stream has waited for
-event[i] (group i's forward, or wait()), so that no stream reuses their blocks before the step read them, and the
-forward's activations take their place as it goes (the experts' of an EP step are 14.5 GiB a rank on Qwen3-30B-A3B
-at 12 layers: measured peak 86.0 GiB when they were held until the backward, 72.5 dropped so).
-The first step runs on the compute stream: AdamW's moments are allocated there, never on the side stream's pool.
-The results are one optimizer.step()'s: AdamW is elementwise per tensor and keeps its state per parameter.
+For a host-bound forward (MoE under expert parallelism) the fused AdamW step is enqueued on a side stream, one FSDP
+group at a time in forward order (root, embedding, blocks, head), and each group's forward waits on the GPU (no host
+sync) only for its own group: launch() makes the side stream wait for the compute stream, then per group steps,
+zeroes (keep_grads) and records event[i]; a pre-forward hook registered before FSDP's own makes the compute stream
+wait for events[0..upto) (upto covers explicit prefetch); wait() waits for all of them (before backward,
+checkpoints, export, eval, the end of fit). Expert weights kept out of FSDP belong to their block's group.
+Memory: nothing is freed by another stream than the one that allocated it; freed gradients (no keep_grads, and
+free_grad parameters) are dropped per group once the compute stream has waited for that group's event. The first
+step runs on the compute stream so that AdamW's moments are allocated there. The results are one
+optimizer.step()'s (AdamW is elementwise per tensor). No collective here.
 """
 
 from __future__ import annotations
@@ -85,7 +72,7 @@ def step_group(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], gra
 def zero_grads(optimizer: torch.optim.Optimizer, keep: bool) -> None:
     """optimizer.zero_grad: gradients zeroed in place when `keep` (memory.keep_grads), else freed. A parameter marked
     `free_grad` (experts outside FSDP, parallel/expert.py) is freed either way: it is written fresh in one pass on the
-    next backward instead of zeroed here and read back there (measured on 2 x H200, Qwen3-30B-A3B EP 2: +4% a step),
+    next backward instead of zeroed here and read back there (one pass over those gradients a step fewer),
     and its allocations repeat at the same sizes every step on the compute stream, so the allocator hands the same
     blocks back (what keep_grads guards against is FSDP's reduce-scatter stream caching freed gradients)."""
     if keep:

@@ -4,16 +4,15 @@ A recipe is an ordinary config file plus a `[recipe]` table the loader skips:
 
   [recipe]
   description = "one line for `shardfit recipes`"
-  layouts = [[8, 79]]       # [GPUs, GiB each] it was planned for (`shardfit plan --nproc 8 --gpu-memory 79`); GiB
-                            # as torch reports them: 79 for an 80 GB H100/A100, 139 for a 141 GB H200
-  measured = "..."          # the benchmarks/ files that hold its figures, and the figures (a test finds them there),
-                            # or "" when not measured
+  layouts = [[8, 79]]       # [GPUs, GiB each] it was planned for (`shardfit plan --nproc 8 --gpu-memory 79`), in
+                            # GiB as torch reports them (79 for an 80 GB GPU, 139 for a 141 GB one)
+  measured = "..."          # the benchmarks/ files that hold its figures (a test finds them there), or ""
   [recipe.needs]            # keys the user must give, with what to give; `shardfit train` refuses to start without
   "model.path" = "a Llama-3-8B Hugging Face directory"
 
-Recipes name the model by preset (`model.name`) as well, so that `shardfit plan --config recipe:NAME` works without
-the weights; `--model.path` then takes the architecture from the checkpoint's config.json (the same one).
-A copy of a recipe, edited, is a config file like any other.
+Recipes name the model by preset (`model.name`) too, so that `shardfit plan --config recipe:NAME` works without
+the weights; `--model.path` then takes the architecture from the checkpoint's config.json. A copy of a recipe,
+edited, is a config file like any other.
 """
 
 from __future__ import annotations
