@@ -90,3 +90,31 @@ def test_the_check_finds_a_circle_when_there_is_one():
     assert sorted(_cycles(edges)) == [["a", "b"], ["c", "d", "e"]]
     mods = _modules()
     assert "shardfit.train.engine" in mods and "shardfit.parallel.step_runner" in _edges(mods)["shardfit.train.engine"]
+
+
+def _reached(edges: dict[str, set[str]], roots: list[str]) -> set[str]:
+    """Every module the roots import, directly or through others (lazy imports included)."""
+    seen, stack = set(roots), list(roots)
+    while stack:
+        for w in edges[stack.pop()] - seen:
+            seen.add(w)
+            stack.append(w)
+    return seen
+
+
+def _package(mods: dict[str, Path], name: str) -> list[str]:
+    return [m for m in mods if m == name or m.startswith(name + ".")]
+
+
+def test_the_doctor_needs_neither_models_nor_parallel():
+    """shardfit.memory (the doctor: forensics of measured snapshots and traces) stays below models/ and parallel/;
+    prediction, which builds models on meta and asks parallel/ for the layout, lives in shardfit.plan."""
+    mods = _modules()
+    edges = _edges(mods)
+    doctor = _package(mods, "shardfit.memory")
+    assert "shardfit.memory.doctor" in doctor and "shardfit.memory.profile_trace" in doctor
+    above = {m for m in _reached(edges, doctor) if m.split(".")[1] in ("models", "parallel", "plan", "train")}
+    assert above == set()
+    # the walk itself: the planner does reach models/ and parallel/ (through the same kind of lazy imports)
+    planner = {m.split(".")[1] for m in _reached(edges, _package(mods, "shardfit.plan"))}
+    assert {"models", "parallel"} <= planner

@@ -9,7 +9,7 @@ import pytest
 from shardfit.config import load_config
 from shardfit.config.recipes import check_needs, listing, names, read, resolve
 from shardfit.errors import ShardfitError
-from shardfit.memory.plan import GiB, allocation_budget, estimate, fits
+from shardfit.plan.estimate import GiB, allocation_budget, estimate, fits
 
 RECIPES = names()
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -29,7 +29,7 @@ def test_recipe_fits_every_layout_it_names(name, capsys):
     """`shardfit plan --config recipe:NAME --nproc N --gpu-memory G` says "as configured: fits" (and the launcher's
     layout checks pass: the batch splits over the data-parallel ranks) for each layout the recipe names."""
     from shardfit.cli.main import main
-    from shardfit.memory.propose import accepted
+    from shardfit.plan.proposals import accepted
 
     recipe = read(f"recipe:{name}")
     cfg = load_config(f"recipe:{name}")
@@ -108,7 +108,7 @@ def test_70b_says_truthfully_that_one_node_fits_only_with_cpu_offload():
     """The 70B recipe names two and three nodes because one node of 8 GPUs does not fit full fine-tuning without
     offload, even of H200s with gradients freed between steps; with parallel.offload=all, shardfit plan proposes a
     layout for one node of 8 x 80 GB (its comment gives these figures and the flags)."""
-    from shardfit.memory.propose import proposals
+    from shardfit.plan.proposals import proposals
 
     cfg = load_config("recipe:llama3-70b-sft")
     assert min(n for n, _ in read("recipe:llama3-70b-sft").layouts) > 8

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from shardfit.errors import ShardfitError
 from shardfit.memory import examine
-from shardfit.train.profile import read_trace, summarize_trace
+from shardfit.memory.profile_trace import read_trace, summarize_trace
 from tests.memory.conftest import FIXTURES, MB, ev, seg
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")

@@ -21,7 +21,7 @@ within a node with the overlapped optimizer step (MoE models), checkpointing and
 CPU offload, more GPUs, HSDP with shard groups of whole nodes (--gpus-per-node, default 8). Each is the flags to
 add, re-planned with them; --nproc=N in a proposal is the world size (on several nodes: shardfit train --nproc G
 --nnodes N/G). --json prints the plan and the proposals as JSON, every figure in bytes (schema shardfit.plan/1,
-described in src/shardfit/memory/propose.py).
+described in src/shardfit/plan/proposals.py).
 """
 
 
@@ -41,8 +41,8 @@ def plan(argv: list[str]) -> int:
     host_gib = (gib(opts["--host-memory"], "--host-memory", "give one node's host memory in GiB, e.g. 1900")
                 if "--host-memory" in opts else None)
     from shardfit.config import load_config
-    from shardfit.memory.plan_table import configured, plan_table
-    from shardfit.memory.propose import accepted, plan_json, proposals, proposals_text
+    from shardfit.plan.proposals import accepted, plan_json, proposals, proposals_text
+    from shardfit.plan.table import configured, plan_table
 
     cfg = load_config(opts.get("--config"), rest)
     if gpu_gib is None:

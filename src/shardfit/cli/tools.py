@@ -55,7 +55,7 @@ def profile(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import json
 
-    from shardfit.train.profile import explain, read_trace, summarize_trace
+    from shardfit.memory.profile_trace import explain, read_trace, summarize_trace
 
     s = summarize_trace(read_trace(args.trace))
     if not s:

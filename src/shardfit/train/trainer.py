@@ -282,7 +282,7 @@ class Trainer:
     def _choose_micro_batch(self) -> None:
         """train.micro_batch=0: the largest micro-batch dividing this rank's batch that shardfit plan predicts to fit
         (every rank computes the same, from the config alone: no collective). Saved in the resolved config."""
-        from shardfit.memory.plan import auto_micro_batch
+        from shardfit.plan.micro_batch import auto_micro_batch
 
         cfg = self.cfg
         per_rank = accumulation_steps(cfg.train.global_batch, 1, self.dp_size)  # sequences per rank per step

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from shardfit.errors import ShardfitError
-from shardfit.train.profile import read_trace, summarize_trace
+from shardfit.memory.profile_trace import read_trace, summarize_trace
 
 
 def _kernel(**kw):

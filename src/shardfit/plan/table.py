@@ -3,18 +3,19 @@
 Only what `shardfit train` accepts is reported as fitting: the configured layout goes through the loader's rules and
 parallel/layout.py's checks (the ones train runs before it builds anything), and a refused layout is printed as
 such, with train's own line, its memory still shown for comparison. The per-mode rows list only micro-batches that
-split the global batch as train requires. The inputs are checked first (plan_checks.py): the GPU and host sizes
-given through the API, and configs whose keys are each valid but whose sizes together are not a model any machine
-holds, are one line instead of an overflow deep in torch or a planner that never returns.
+split the global batch as train requires (micro_batch.py walks up to 64). The inputs are checked first (checks.py):
+one line naming the option or key instead of an overflow deep in torch or a planner that never returns.
+Figures in the table are GiB of one rank's allocated memory, the terms of estimate.py.
 """
-
 from __future__ import annotations
 
 import dataclasses
 
 from shardfit.config.schema import Config
 from shardfit.errors import ShardfitError
-from shardfit.memory.plan import (
+from shardfit.parallel.layout import refusal
+from shardfit.plan.checks import check_plan_inputs
+from shardfit.plan.estimate import (
     Estimate,
     GiB,
     allocation_budget,
@@ -24,10 +25,8 @@ from shardfit.memory.plan import (
     host_budget,
     host_fits,
     host_per_node,
-    largest_micro_batch,
 )
-from shardfit.memory.plan_checks import check_plan_inputs
-from shardfit.parallel.layout import refusal
+from shardfit.plan.micro_batch import largest_micro_batch
 
 MODES = ("none", "selective", "full")  # activation checkpointing, from the least recomputation to the most
 

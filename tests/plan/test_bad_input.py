@@ -9,9 +9,9 @@ import pytest
 from shardfit.config import load_config
 from shardfit.config.recipes import names
 from shardfit.errors import ShardfitError
-from shardfit.memory.plan_table import configured, largest_per_mode, plan_table, with_micro_batch, with_mode
-from shardfit.memory.propose import apply, plan_json, proposals
 from shardfit.parallel.layout import refusal
+from shardfit.plan.proposals import apply, plan_json, proposals
+from shardfit.plan.table import configured, largest_per_mode, plan_table, with_micro_batch, with_mode
 
 
 def _cfg(*args):
@@ -88,14 +88,15 @@ def test_sizes_valid_alone_but_absurd_together_are_one_line(make, needle):
 def test_a_huge_global_batch_picks_its_micro_batch_in_a_few_estimates():
     """train.micro_batch=0 on a global batch of 2^40 sequences: the divisors are found in O(sqrt) steps and searched
     in halves (was: a loop over 2^40 candidates)."""
-    from shardfit.memory.plan import GiB, choose_micro_batch, divisors
+    from shardfit.plan.estimate import GiB
+    from shardfit.plan.micro_batch import choose_micro_batch, divisors
 
     assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and divisors(1) == [1] and divisors(49)[-2:] == [7, 49]
     cfg = _cfg("--train.global_batch=1099511627776", "--train.micro_batch=0")
     e = choose_micro_batch(cfg, 1, 40 * GiB, 1 << 40)
     assert e.micro_batch & (e.micro_batch - 1) == 0 and 1 <= e.micro_batch <= 1 << 40
     bigger = e.micro_batch * 2
-    from shardfit.memory.plan import estimate, fits
+    from shardfit.plan.estimate import estimate, fits
 
     assert not fits(estimate(cfg, 1, bigger), 40 * GiB)  # the largest that fits: twice as many does not
 

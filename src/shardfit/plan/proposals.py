@@ -1,36 +1,17 @@
 """`shardfit plan` proposals: when a configuration does not fit (or with --propose), configurations that would.
 
-One proposal per kind, in the order of what the user gives up, least first:
-
-  expert_parallel    MoE models without it: the experts split over E GPUs of one node (the largest E dividing the
-                     experts and a shard group, at most a node), tokens exchanged by all-to-all, no expert gathered,
-                     and the optimizer step under the next forward (parallel.overlap_optimizer): gives up nothing
-                     (benchmarks/README.md: at E = 2 on 2 x H200, 1.96x the HF FSDP2 recipe in one call, where the
-                     compiled step without EP was 1.56x)
-  checkpointing      the same layout with heavier activation checkpointing or a smaller micro-batch (recomputation:
-                     selective a few percent more compute, full about a third more)
-  sequence_parallel  Ulysses over the smallest P that fits (P divides the world, data.seq_len and model.n_heads):
-                     activations shrink by P, two all-to-alls per attention layer, world/P data-parallel ranks
-  offload_all        FSDP2's CPU offload: the sharded parameters, gradients and moments (16 B/param/shard) in host
-                     memory; every block's weights cross PCIe each forward and backward. With --host-memory, the
-                     fewest blocks kept on the GPU (parallel.offload_gpu_blocks) whose host memory fits 90% of it
-                     (memory/plan.py: host_budget), if the GPU holds their states too; else offload of every block,
-                     left out for its host memory
-  more_gpus          the smallest power of two below 8, or multiple of 8, of GPUs at which plain FSDP fits without
-                     offload
-  hsdp               a multi-node world as R replicas of shard groups of whole nodes: the per-block all-gathers and
-                     reduce-scatters stay inside the group, only the gradient all-reduce crosses groups
-
-Each kind's proposal takes the lightest checkpointing at which some micro-batch fits, and there the largest
-micro-batch that divides each data-parallel rank's share of the global batch (raised to the next multiple of the
-data-parallel ranks when they do not split it). offload_all takes the largest micro-batch first, and there the
-lightest checkpointing: under offload every micro-batch after the first copies its gradients to the host
-synchronously and adds them on the CPU inside backward (parallel/offload.py), so one micro-batch per step wins.
-A proposal is a set of config keys and a world size: it is applied to the config, checked as the loader, the
-launcher and parallelize check it, and re-planned by the same estimate, so what is printed is what `shardfit plan`
-with those flags predicts.
+One proposal per kind, in the order of what the user gives up, least first: expert_parallel (MoE models: the
+experts split within a node, with the overlapped optimizer step), checkpointing (heavier checkpointing or a smaller
+micro-batch), sequence_parallel (Ulysses over the smallest P that fits), offload_all (FSDP2's CPU offload, the
+fewest GPU-kept blocks whose host memory fits --host-memory), more_gpus (the smallest fitting world without
+offload), hsdp (replicas of whole-node shard groups). Each kind takes the lightest checkpointing at which some
+micro-batch fits and there the largest micro-batch dividing a data-parallel rank's share of the global batch;
+offload_all the largest micro-batch first (one micro-batch per step wins under offload). A proposal is config keys
+and a world size: applied to the config, checked as the loader, the launcher and parallelize check it (accepted),
+and re-planned by the same estimate, so what is printed is what `shardfit plan` with those flags predicts.
+plan_json is `--json` (schema shardfit.plan/1, every figure in bytes). Why each kind, and in this order:
+docs/memory-plan.md.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -38,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfit.config.schema import Config
-from shardfit.memory.plan import Estimate, GiB, allocation_budget, estimate, fits, host_fits, host_per_node
-from shardfit.memory.plan_checks import check_plan_inputs
-from shardfit.memory.plan_table import MODES, configured, largest_per_mode
+from shardfit.plan.checks import check_plan_inputs
+from shardfit.plan.estimate import Estimate, GiB, allocation_budget, estimate, fits, host_fits, host_per_node
+from shardfit.plan.table import MODES, configured, largest_per_mode
 
 SCHEMA = "shardfit.plan/1"
 MAX_GPUS = 4096  # more_gpus gives up beyond this
@@ -105,7 +86,7 @@ def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any],
         extra["train.global_batch"] = -(-base.train.global_batch // dp) * dp
     per_rank = extra.get("train.global_batch", base.train.global_batch) // dp
     if base.train.micro_batch_tokens:  # token-budget micro-batches: the row size is the user's, not proposed
-        sizes = [1]  # one [1, micro_batch_tokens] row per forward/backward (memory/plan.py: as_rows)
+        sizes = [1]  # one [1, micro_batch_tokens] row per forward/backward (estimate.py: as_rows)
     else:
         sizes = [d for d in range(min(per_rank, 64), 0, -1) if per_rank % d == 0]
     order = ([(mode, mb) for mb in sizes for mode in MODES] if largest_first
@@ -124,7 +105,7 @@ def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any],
 
 def gpu_blocks_for_host(cfg: Config, world: int, host_gib: float | None, gpus_per_node: int) -> int | None:
     """parallel.offload_gpu_blocks for offload=all: the fewest blocks kept on the GPU whose host memory fits the
-    host's budget (memory/plan.py: host_budget, 90% of host_gib); 0 without a host size, None when not even every
+    host's budget (estimate.py: host_budget, 90% of host_gib); 0 without a host size, None when not even every
     block kept on the GPU brings it under. The host term does not depend on the micro-batch or the checkpointing;
     each block kept takes its 16 B/param/shard (pinned rounding included) off the host."""
     for n in range(cfg.model.n_layers + 1) if host_gib is not None else [0]:

@@ -6,20 +6,20 @@ import json
 import pytest
 
 from shardfit.config import accumulation_steps, load_config
-from shardfit.memory.plan import (
+from shardfit.parallel.parallelize import check_replicate
+from shardfit.parallel.ulysses import check_sequence_parallel
+from shardfit.plan.activation_trace import model_key
+from shardfit.plan.estimate import (
     GiB,
-    _key,
-    _pinned_shard_bytes,
     allocation_budget,
     estimate,
     fits,
     host_budget,
     host_per_node,
+    pinned_shard_bytes,
 )
-from shardfit.memory.plan_table import configured
-from shardfit.memory.propose import SCHEMA, accepted, apply, proposals
-from shardfit.parallel.parallelize import check_replicate
-from shardfit.parallel.ulysses import check_sequence_parallel
+from shardfit.plan.proposals import SCHEMA, accepted, apply, proposals
+from shardfit.plan.table import configured
 
 N_8B = 8_030_261_248  # Llama-3-8B's parameters
 BLOCK_8B = 218_112_000  # one of its blocks: q/k/v/o 4096 x (4096 + 2 x 1024 + 4096), MLP 3 x 4096 x 14336, 2 norms
@@ -29,11 +29,11 @@ BASE_8B = ["--model.name=llama3-8b", "--data.seq_len=4096"]
 def _host_8b(shard: int) -> int:
     """offload=all's host bytes per rank at 8B: pinned fp32 parameter and gradient shards (each rounded up to a power
     of two by the pinned allocator) and the unpinned moments."""
-    return 2 * _pinned_shard_bytes(_key(load_config(None, BASE_8B).model), shard) + 8 * N_8B // shard
+    return 2 * pinned_shard_bytes(model_key(load_config(None, BASE_8B).model), shard) + 8 * N_8B // shard
 
 
 def test_pinned_shards_round_each_tensor_up_to_a_power_of_two():
-    pinned = _pinned_shard_bytes(_key(load_config(None, BASE_8B).model), 1)
+    pinned = pinned_shard_bytes(model_key(load_config(None, BASE_8B).model), 1)
     assert 4 * N_8B < pinned < 4.5 * N_8B  # 33.0 GiB for 29.9: the MLP's 224 MiB matrices take 256 MiB
     assert round(_host_8b(1) / GiB, 1) == 125.8  # the H100 host has 128 GiB: offload of 8B on it is at the edge
 
@@ -122,7 +122,7 @@ def test_ulysses_is_proposed_only_where_it_divides():
 def test_moe_models_are_proposed_expert_parallelism_within_a_node_and_a_shard_group():
     """An MoE model without EP gets it first (it gives up nothing), with the overlapped optimizer step: the largest E
     dividing its 128 experts and a shard group, at most a node; a dense model, or EP already at that degree, none."""
-    from shardfit.memory.propose import expert_parallel_degree
+    from shardfit.plan.proposals import expert_parallel_degree
 
     moe = load_config(None, SCENARIOS[4][0])
     assert [expert_parallel_degree(moe, w, 8) for w in (1, 2, 6, 8, 16)] == [1, 2, 2, 8, 8]

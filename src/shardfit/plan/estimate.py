@@ -1,0 +1,211 @@
+"""One rank's predicted peak allocated GPU memory, term by term, for a config, a world size and a micro-batch.
+
+  states       fp32 parameters, Adam's two moments and fp32 gradients (16 B/param) over the shard group (world, or
+               world / parallel.replicate under HSDP); freed gradients (memory.keep_grads=false) are counted as
+               idle cache, not peak, unless micro-batches accumulate; parallel.offload moves states to host memory
+  fsdp         bf16 gathered parameters: the root group, the running and the prefetched block, one fp32
+               reduce-scatter input; offload=all adds one block's shards in transit (offload_copies)
+  activations  per block what activation_trace.py counts for its checkpointing mode, times the blocks
+  working      the larger of the fused loss's buffers and one block's backward
+  host         what parallel.offload keeps in host memory per rank (pinned shards rounded to powers of two)
+The model is built once on the meta device per config (shapes only) to count parameters per block. fits() compares
+an estimate with the allocation budget of a GPU and, for freed gradients, their cached pool besides. MoE terms come
+from moe.py, what a block saves from activation_trace.py. Every figure is bytes. Design, the reasoning behind each
+term and the measurements that check it: docs/memory-plan.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from shardfit.config.schema import Config, ModelConfig, ParallelConfig
+from shardfit.parallel.fp8 import fp8_linears, gathers_in_fp8
+from shardfit.plan import moe
+from shardfit.plan.activation_trace import block_activation_bytes, compute_dtype, model_key
+
+GiB = 1 << 30
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(model: tuple) -> torch.nn.Module:
+    """The model built on meta (shapes only), once per model config: the proposals ask for hundreds of estimates."""
+    from shardfit.models import build_model
+
+    with torch.device("meta"):
+        return build_model(ModelConfig(**dict(model)))
+
+
+@functools.lru_cache(maxsize=16)
+def _param_counts(model: tuple, fp8: str, fp8_all_gather: bool) -> tuple[int, tuple[int, ...], int]:
+    """(parameters, parameters of each block, the largest block's weights all-gathered in FP8)."""
+    built = _meta_model(model)
+    blocks = tuple(sum(p.numel() for p in b.parameters()) for b in built.model.layers)
+    fp8_bytes = 0
+    if gathers_in_fp8(ParallelConfig(fp8=fp8, fp8_all_gather=fp8_all_gather)):
+        fp8_bytes = max(sum(mod.weight.numel() for _, mod in fp8_linears(b, fp8, True, f"model.layers.{i}."))
+                        for i, b in enumerate(built.model.layers))
+    return sum(p.numel() for p in built.parameters()), blocks, fp8_bytes
+
+
+@functools.lru_cache(maxsize=256)
+def pinned_shard_bytes(model: tuple, shard: int, gpu_blocks: int = 0) -> int:
+    """Pinned host bytes of one rank's fp32 parameter shards under offload=all: FSDP2 pins each shard (dim 0 split
+    over `shard` ranks, padded to a whole row count) as an allocation of its own, and PyTorch's pinned allocator rounds
+    each up to a power of two. The gradient shards copied back are pinned the same way: the same bytes again. The
+    first gpu_blocks blocks' shards stay on the GPU (parallel.offload_gpu_blocks): not counted."""
+    built = _meta_model(model)
+    kept = {id(p) for b in built.model.layers[:gpu_blocks] for p in b.parameters()}
+    total = 0
+    for p in (p for p in built.parameters() if id(p) not in kept):
+        rows = -(-p.shape[0] // shard) if p.dim() else 1
+        nbytes = 4 * rows * (p[0].numel() if p.dim() else 1)
+        total += 1 << max(0, (nbytes - 1).bit_length())  # the next power of two
+    return total
+
+
+@dataclass
+class Estimate:
+    """One rank's predicted memory in bytes, term by term (a measured peak can be compared with each term)."""
+
+    micro_batch: int
+    weights: int  # fp32 sharded parameters on the GPU (0 with parallel.offload=all)
+    grads: int  # fp32 gradients on the GPU: sharded (kept, or live during accumulation), or the unsharded model's
+    moments: int  # Adam's exp_avg and exp_avg_sq on the GPU (0 with any parallel.offload)
+    fsdp: int
+    activations: int
+    working: int
+    offload_copies: int = 0  # offload=all: shards in transit between host and GPU (see estimate)
+    idle_cache: int = 0  # freed gradients cached in the reduce-scatter stream's pool (see fits); not in the peak
+    host: int = 0  # states this rank keeps in host memory (parallel.offload); not in the peak
+
+    @property
+    def states(self) -> int:
+        return self.weights + self.grads + self.moments
+
+    @property
+    def peak(self) -> int:
+        return self.states + self.fsdp + self.offload_copies + self.activations + self.working
+
+
+def as_rows(cfg: Config) -> Config:
+    """Token-budget micro-batches (train.micro_batch_tokens = T) as the plan counts them: each forward/backward is
+    one [1, T] row of whole examples (document-masked kernels save what a plain row of T tokens saves), so the
+    configured case is micro-batch 1 at sequence T, and "micro-batch k" in the table means k such rows. The global
+    batch (examples) stays: above one row per rank it counts as accumulation, which keeps gradients live."""
+    if not cfg.train.micro_batch_tokens:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.train.micro_batch_tokens),
+                               train=dataclasses.replace(cfg.train, micro_batch=1, micro_batch_tokens=0))
+
+
+def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
+    from shardfit.models.decoder import is_moe_layer
+    from shardfit.parallel.parallelize import check_replicate
+
+    check_replicate(cfg.parallel.replicate, world)
+    cfg = as_rows(cfg)  # token budgets: micro_batch counts [1, micro_batch_tokens] rows
+    shard = world // cfg.parallel.replicate  # ranks the states are sharded over (HSDP: one replica's group)
+    m, par = cfg.model, cfg.parallel
+    n_params, block_params, fp8_bytes = _param_counts(model_key(m), par.fp8, par.fp8_all_gather)
+    root_params = n_params - sum(block_params)
+    # offload=all keeps only the first offload_gpu_blocks blocks' states on the GPU (parallel/offload.py)
+    kept = par.offload_gpu_blocks
+    on_gpu = sum(block_params[:kept]) if par.offload == "all" else n_params
+    # fp32 weights, Adam's two fp32 moments, fp32 gradients
+    weights, moments, sharded_grads = 4 * on_gpu // shard, 8 * on_gpu // shard, 4 * on_gpu // shard
+    # under offload=all the trainer frees every gradient after the step, the GPU-kept blocks' too
+    keep = cfg.memory.keep_grads and par.offload != "all"
+    # experts outside FSDP (E = W) free their gradients after every step whatever keep says (step_overlap.zero_grads)
+    # and the backward writes them again as it frees the activations: added below, never idle in FSDP's pool
+    experts = moe.expert_params(_meta_model(model_key(m)))
+    fresh = 4 * moe.outside_fsdp_params(experts, par.expert_parallel, world, par.offload)
+    grads, idle_cache = (sharded_grads - fresh, 0) if keep else (0, sharded_grads - fresh)  # freed: cached (fits)
+    unsharded = 0
+    accumulating = cfg.train.global_batch > micro_batch * (world // par.sequence_parallel)
+    if accumulating:
+        if not par.reduce_every_micro_batch:
+            # accumulated unsharded in fp32 between micro-batches, on every GPU (EP: a rank's n/E experts; E = W: fresh)
+            unsharded = 4 * (n_params - sum(experts) + (0 if fresh else sum(experts) // par.expert_parallel))
+        elif not keep:
+            grads, idle_cache = sharded_grads - fresh, 0  # live from the first micro-batch on: allocated, not idle
+    host = copies = 0
+    if par.offload == "optimizer":  # the moments and the step on the CPU; parameters and gradients stay
+        host, moments = moments, 0
+    elif par.offload == "all":  # FSDP2's CPUOffloadPolicy: the other groups' sharded states in host memory
+        # gradients copied there after each reduce-scatter; parameters and gradients pinned, each shard rounded up
+        # to a power of two by the pinned allocator; the moments are plain host memory
+        host = 2 * pinned_shard_bytes(model_key(m), shard, kept) + 8 * (n_params - on_gpu) // shard
+        # FSDP2 copies a group's fp32 shard to the GPU before its all-gather (the prefetched block's, while one
+        # computes), and each reduced gradient shard sits on the GPU until its copy to the host is done: one
+        # offloaded block's shard of each, 4 B/param/shard twice
+        copies = 2 * 4 * max(block_params[kept:], default=0) // shard
+    grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
+    # bf16 gathered params of the root and two blocks (EP: only a rank's n/E experts, moe.py), one fp32
+    # reduce-scatter input; FP8 all-gather gathers the converted weights at 1 byte each. The same with offload=all.
+    big_block = max(moe.gathered_params(block_params, experts, par.expert_parallel, fresh > 0))
+    fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
+    mode = par.activation_checkpoint
+    fsdp += moe.outside_transient_bytes(experts, par, compute_dtype(par).itemsize) if fresh else 0
+    kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
+    per_block = {k: block_activation_bytes(cfg, micro_batch, layer=next(
+        i for i in range(m.n_layers) if is_moe_layer(m, i) == k), world=world) for k in kinds}
+    acts = 0
+    for i in range(m.n_layers):
+        b = per_block[is_moe_layer(m, i)]
+        checkpointed = mode == "selective" or (mode == "full" and i % par.ac_every == 0)
+        acts += b[mode] if checkpointed else b["none"] + moe.held_expert_bytes(
+            experts[i], par.expert_parallel, world, compute_dtype(par).itemsize, par.offload)
+    # fresh expert gradients replace activations in backward (the larger counts), or stay between micro-batches
+    grads += fresh if accumulating else max(0, fresh - acts)
+    tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
+    # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16, and one logits chunk [c, V]: eager bf16
+    # logits, an fp32 copy, logsumexp's fp32 temporary (10 B); compiled (compile_loss) bf16 logits and gradient (4 B)
+    per_logit = 4 if par.compile and par.compile_loss and par.kernels != "liger" else 10
+    loss = tokens * m.dim * 2 + m.vocab_size * m.dim * 2 + par.loss_chunk * m.vocab_size * per_logit
+    # backward of one block: gradients of its input and output, of the gate and up projections' outputs, expert
+    # parallelism's exchange buffers, and under checkpointing the block's recomputed tensors on top
+    backward = max(2 * b["block_input"] + b["ffn_grads"] + b["exchange"] + (b["none"] if mode != "none" else 0)
+                   for b in per_block.values())
+    return Estimate(micro_batch, weights, grads, moments, fsdp, acts, max(loss, backward), offload_copies=copies,
+                    idle_cache=idle_cache, host=host)
+
+
+def host_per_node(e: Estimate, world: int, gpus_per_node: int = 8) -> int:
+    """Host memory the offloaded states of one node's ranks take: FSDP2 pins the sharded parameters and gradients
+    (page-locked: the OS cannot swap them), the moments are plain host memory the CPU step reads in place."""
+    return e.host * min(world, gpus_per_node)
+
+
+HOST_USABLE = 0.9  # of a node's host memory, for the offloaded states
+
+
+def host_budget(host_gib: float) -> float:
+    """Bytes of a host of host_gib the offloaded states may take: 10% is left to the processes themselves (CUDA
+    context, libraries, Python, data loading: a few GiB per rank) and to the kernel and page cache (dataset reads,
+    checkpoint writes); docs/memory-plan.md has the run that set it."""
+    return HOST_USABLE * host_gib * GiB
+
+
+def host_fits(e: Estimate, world: int, gpus_per_node: int, host_gib: float | None) -> bool:
+    """Whether one node's offloaded states fit host_budget (True when no host size is given)."""
+    return host_gib is None or host_per_node(e, world, gpus_per_node) <= host_budget(host_gib)
+
+
+def allocation_budget(device_bytes: float) -> float:
+    """Bytes a rank may allocate on a GPU of device_bytes: reserved memory runs a few percent above allocated with
+    expandable segments, and the CUDA context takes about half a GiB."""
+    return 0.95 * device_bytes - 0.5 * GiB
+
+
+def fits(e: Estimate, budget_bytes: float, device_bytes: float | None = None) -> bool:
+    """Within the allocation budget, and (device size given) with freed gradients' idle cache besides: FSDP2 allocates
+    the sharded gradients in its reduce-scatter stream's pool, so once freed (memory.keep_grads=false) they stay
+    cached there, idle for the compute stream; allocated + that cache + 3 GiB must stay 1.5 GiB under the device's
+    memory (docs/memory-plan.md: the runs that set the margin)."""
+    if e.peak > budget_bytes:
+        return False
+    return device_bytes is None or e.peak + e.idle_cache <= device_bytes - 4.5 * GiB
