@@ -99,12 +99,14 @@ class Engine:
 
             self.notices.append(f"rank {dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
         from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
-        self.model = parallelize(model, cfg.parallel, self.device, dist.world_size, cfg.train.seed, init=not from_hf)
+        self.parallel = parallelize(model, cfg.parallel, self.device, dist.world_size, cfg.train.seed,
+                                    init=not from_hf)
+        self.model, self.layout = model, self.parallel.layout
         if cfg.parallel.fp8 != "none":
-            self.notices.append(fp8_notice(cfg.parallel, self.model.fp8_layers, self.device.type))
+            self.notices.append(fp8_notice(cfg.parallel, self.parallel.fp8_layers, self.device.type))
         self.expert_load = ExpertLoad(self.model, self.device, cfg.model.router_bias_rate)
-        if self.model.offload_notice:
-            self.notices.append(self.model.offload_notice)
+        if self.parallel.offload_notice:
+            self.notices.append(self.parallel.offload_notice)
         if from_hf:
             from shardfit.hf.load import load_hf_checkpoint, load_report
 
@@ -178,9 +180,8 @@ class Engine:
         bad_ranks = [r for r in range(world) if rows[r, _NONFINITE] > 0]
         scale = world * stats.capacity / n_tokens if n_tokens > 0 else math.nan
         # HSDP: the R replica groups hold the same shards, so the squared norm is summed over one group's ranks
-        # (the first world/R: parallel/parallelize.py lays the shard groups out as neighbouring ranks).
-        one_replica = world // self.cfg.parallel.replicate
-        grad_norm = math.sqrt(float(rows[:one_replica, _SQNORM].sum())) * scale
+        one_replica = self.layout.replica_ranks(0)
+        grad_norm = math.sqrt(float(rows[one_replica.start:one_replica.stop, _SQNORM].sum())) * scale
         loss = float(rows[:, _LOSS].sum()) / n_tokens if n_tokens > 0 else math.nan
         ok = n_tokens > 0 and not bad_ranks and math.isfinite(grad_norm)  # the same on every rank
         self.timer.start("optimizer")
