@@ -46,8 +46,7 @@ from shardfit.parallel.dtensor import local_view
 from shardfit.parallel.expert import ExpertExchange, LocalExperts, apply_expert_parallel, shard_experts
 from shardfit.parallel.expert_overlap import FullyOverlappedExpertExchange, OverlappedExpertExchange
 from shardfit.parallel.fp8 import apply_fp8
-from shardfit.parallel.layout import ParallelLayout, check_offload
-from shardfit.parallel.layout import check_replicate as check_replicate  # the planner imports it from here
+from shardfit.parallel.layout import Meshes, ParallelLayout, check_offload, check_replicate
 from shardfit.parallel.offload import materialize_offloaded, offload_policy, step_threads
 from shardfit.parallel.ulysses import apply_sequence_parallel
 
@@ -111,19 +110,21 @@ def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecision
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=getattr(torch, cfg.reduce_dtype))
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisionPolicy, cfg: ParallelConfig,
-               offload: Callable[[int | None], OffloadPolicy] = lambda block: OffloadPolicy(),
-               layout: ParallelLayout | None = None, ep_mesh=None):
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], layout: ParallelLayout, meshes: Meshes,
+               mp: MixedPrecisionPolicy, cfg: ParallelConfig,
+               offload: Callable[[int | None], OffloadPolicy] = lambda block: OffloadPolicy()):
     # offload(i) is block i's offload policy, offload(None) that of the other groups (parallel/offload.py: with
     # offload=all every group's shards live on the host, but for the first offload_gpu_blocks blocks).
     off = {"offload_policy": offload(None)}
+    mesh = meshes.fsdp
     ignored: set[nn.Parameter] = set()  # expert weights kept out of FSDP (parallel/expert.py: E = W)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keeping them gathered saves one
         # all-gather per step (with offload, also one host-to-device copy of its shard) at the cost of one block's
         # unsharded weights.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
-        own = shard_experts(block, layout, ep_mesh, mp, reshard_after_forward=reshard) if ep_mesh else set()
+        own = (shard_experts(block, layout, meshes.expert, mp, reshard_after_forward=reshard) if meshes.expert
+               else set())
         ignored |= own
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload(i),
                     **({"ignored_params": own} if own else {}))
@@ -205,7 +206,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     # FSDP shards over every rank, sequence-parallel peers included: each holds 1/world of the parameters (HSDP:
     # 1/(world/R)). The sequence-parallel groups and the data each rank reads do not depend on R.
     policy = functools.partial(offload_policy, cfg, device)
-    apply_fsdp(model, blocks, meshes.fsdp, mixed_precision(cfg, device), cfg, policy, layout, meshes.expert)  # 3, 4
+    apply_fsdp(model, blocks, layout, meshes, mixed_precision(cfg, device), cfg, policy)  # 3, 4
     if cfg.offload == "all":
         materialize_offloaded(model, device, seed, init)  # 5, 6
         report.offload_notice = step_threads(device)
