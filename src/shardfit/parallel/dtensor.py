@@ -1,4 +1,4 @@
-"""DTensor helpers: where a sharded tensor's local rows sit in the global tensor.
+"""DTensor helpers: a sharded tensor's local shard, and where its rows sit in the global tensor.
 
 The model's seeded initialisation (models/init.py) and the Hugging Face loader (hf/load.py) take `local_view` to
 address a shard's rows by their global index; models/ itself holds no distributed code.
@@ -20,3 +20,8 @@ def local_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int]:
     if any(o for o in offset[1:]):
         raise NotImplementedError("seeded init supports sharding along dim 0 only")
     return t.to_local(), tuple(t.shape), offset[0] if offset else 0
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t

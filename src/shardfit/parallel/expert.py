@@ -56,8 +56,8 @@ from torch.distributed.tensor import DTensor
 
 from shardfit.kernels import scaled_accumulate_, scaled_cast
 from shardfit.models.moe import Experts, MoE, inverse_permutation, permute_rows
+from shardfit.parallel.dtensor import local_tensor
 from shardfit.parallel.layout import ParallelLayout
-from shardfit.parallel.step_overlap import local_tensor
 
 
 class _ComputeCast(torch.autograd.Function):

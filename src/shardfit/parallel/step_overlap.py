@@ -34,6 +34,8 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
+from shardfit.parallel.dtensor import local_tensor
+
 
 def param_group(module: nn.Module):
     """The FSDP2 parameter group of a module passed to fully_shard (None for other modules)."""
@@ -169,8 +171,3 @@ class StreamOverlappedStep:
     def zero(self, applied: bool) -> None:
         if not applied:  # a launched step took the gradients (and gave back the kept ones zeroed)
             zero_grads(self.optimizer, self.keep_grads, self.free_grad)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
