@@ -151,7 +151,7 @@ FP8_RUN = ["--model.dim=2560", "--model.n_heads=20", "--model.n_kv_heads=4", "--
 def _train_fp8(rank, world, extra, run_dir):
     trainer = Trainer(small_config("--train.device=cuda", *extra, run_dir=run_dir))
     history = trainer.fit()
-    return {"losses": [h["loss"] for h in history], "layers": getattr(trainer.model, "fp8_layers", 0),
+    return {"losses": [h["loss"] for h in history], "layers": trainer.engine.parallel.fp8_layers,
             "peak_alloc": torch.cuda.max_memory_allocated(), "retries": torch.cuda.memory_stats()["num_alloc_retries"]}
 
 

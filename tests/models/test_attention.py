@@ -176,8 +176,8 @@ def _ulysses_logits(rank, world, extra):
 
     with torch.device("meta"):
         model = build_model(load_config(None, BASE + extra).model)
-    model = parallelize(model, ParallelConfig(sequence_parallel=2, activation_checkpoint="full"),
-                        torch.device("cpu"), world, seed=3)
+    parallelize(model, ParallelConfig(sequence_parallel=2, activation_checkpoint="full"), torch.device("cpu"), world,
+                seed=3)
     ids, positions, _ = _packed(model.cfg.vocab_size)
     mask = DocumentMask.build(positions, "sdpa", torch.device("cpu"))  # from the full position ids, on every rank
     with torch.no_grad():

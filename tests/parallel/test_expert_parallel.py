@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from shardfit.parallel.expert import experts_outside_fsdp
+from shardfit.models.moe import Experts
+from shardfit.parallel.expert import ShardedExperts, experts_outside_fsdp
 from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.helpers import full_state, small_config
@@ -28,7 +29,9 @@ def _train_ep(rank, world, overrides, run_dir):
             is not None}  # after the last step's zero_grad, memory.keep_grads=true (the default)
     return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
             "state": state if rank == 0 else None, "local_rows": local, "routing": seen, "experts_in_fsdp": in_fsdp,
-            "kept_grads": kept, "exchange": type(layer.exchange).__name__}
+            "kept_grads": kept, "exchange": type(layer.exchange).__name__,
+            "sharded": isinstance(layer.experts, ShardedExperts),
+            "experts_module_count": sum(isinstance(m, Experts) for m in trainer.model.modules())}
 
 
 @pytest.mark.parametrize("world,ep,ac,extra", [
@@ -49,6 +52,8 @@ def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac, extra):
     overlap = {"--parallel.expert_overlap=both": "FullyOverlappedExpertExchange",
                "--parallel.expert_overlap=dispatch": "OverlappedExpertExchange"}
     assert res[0]["exchange"] == next((overlap[x] for x in extra if x in overlap), "ExpertExchange")
+    # each layer's experts replaced by a module of their own (same parameter names: the states compare key by key)
+    assert res[0]["sharded"] and res[0]["experts_module_count"] == 2  # (fully_shard subclasses it further)
     if "--train.micro_batch=1" in extra:
         assert all(any(0 in load for load in r["routing"]) for r in res)  # empty experts on every rank
     assert all(r["local_rows"] == 8 // world for r in res)  # each rank holds its own slice of the experts
@@ -76,6 +81,7 @@ def test_one_rank_runs_its_experts_outside_fsdp_as_two_ranks_train_them_inside(t
     # (exchange, experts held, gradients kept): FSDP's shard of 2 ranks holds 4 of the 8 experts' rows
     assert (one["exchange"], one["local_rows"], one["kept_grads"]["experts"]) == ("LocalExperts", 8, False)
     assert (two["exchange"], two["local_rows"], two["kept_grads"]["experts"]) == ("NoneType", 4, True)
+    assert one["sharded"] and not two["sharded"]
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(one[key]), torch.tensor(two[key]), rtol=1e-5, atol=1e-5)
     for k, v in two["state"].items():

@@ -70,7 +70,7 @@ def _train_fp8(rank, world, overrides, run_dir):
     # FP8 weights are torchao's wrapper subclass around the high-precision tensor (its FSDP all-gather hooks)
     state = {k: getattr(v, "_tensor", v).tolist() for k, v in full_state(trainer.model).items()}
     return {"losses": [h["loss"] for h in history], "state": state if rank == 0 else None,
-            "layers": trainer.model.fp8_layers}
+            "layers": trainer.engine.parallel.fp8_layers}
 
 
 @pytest.mark.slow  # ~8 s; FP8 parity stays in the tensorwise dense test
@@ -121,14 +121,14 @@ def _load_hf_fp8(rank, world, path, recipe):
     cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=32", f"--parallel.fp8={recipe}"])
     with torch.device("meta"):
         model = build_model(cfg.model)
-    parallelize(model, cfg.parallel, torch.device("cpu"), world, seed=0, init=False)
+    report = parallelize(model, cfg.parallel, torch.device("cpu"), world, seed=0, init=False)
     load_hf_checkpoint(model, path)
     fp8_mod.refresh_fp8_scales(model, cfg.parallel)
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = model(ids)
     state = {k: getattr(v, "_tensor", v).tolist() for k, v in full_state(model).items()}
-    return {"state": state, "layers": model.fp8_layers, "logits": logits.tolist()}
+    return {"state": state, "layers": report.fp8_layers, "logits": logits.tolist()}
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])

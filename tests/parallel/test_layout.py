@@ -5,7 +5,8 @@ import pytest
 
 from shardfit.config import load_config
 from shardfit.errors import ShardfitError
-from shardfit.parallel.layout import check_layout
+from shardfit.parallel.layout import ParallelLayout, check_layout
+from tests._dist import run_ranks
 
 
 def _cfg(*args):
@@ -38,3 +39,47 @@ def test_bad_layouts_are_one_line_before_launch(args, world, needle):
     with pytest.raises(ShardfitError, match=needle) as e:
         check_layout(_cfg(*args), world)
     assert "\n" not in str(e.value)
+
+
+def test_positions_partition_the_ranks_into_neighbouring_groups():
+    """8 ranks as 2 replicas x (2 EP groups of 2), Ulysses pairs: every kind of group covers each rank once, is made
+    of neighbours, and holds the rank it is asked for; data positions count the Ulysses groups."""
+    layouts = [ParallelLayout(8, rank=r, replicate=2, expert=2, sequence=2, moe=True) for r in range(8)]
+    for groups in ([x.replica_ranks() for x in layouts], [x.sequence_ranks() for x in layouts],
+                   [x.expert_ranks() for x in layouts]):
+        assert all(r in g and list(g) == list(range(g.start, g.stop)) for r, g in enumerate(groups))
+        assert sorted({r for g in set(groups) for r in g}) == list(range(8))
+        assert sum(len(g) for g in set(groups)) == 8  # disjoint
+    assert [x.replica_ranks() for x in layouts[:4]] == [range(0, 4)] * 4 and layouts[5].replica_ranks(0) == range(4)
+    assert [(x.data_rank, x.sequence_rank) for x in layouts[:4]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert layouts[7].data_size == 4 and layouts[7].shard == 4 and layouts[7].replica == 1
+    assert layouts[0].experts_run_eagerly and not layouts[0].experts_outside_fsdp  # E = 2 of 8
+
+
+def test_checked_layout_is_the_configs_and_refuses_what_check_layout_refuses():
+    cfg = _cfg("--parallel.replicate=2", "--parallel.sequence_parallel=2", "--train.global_batch=8",
+               "--train.micro_batch=1")
+    got = ParallelLayout.checked(cfg, 4, rank=3)
+    assert got == ParallelLayout(4, rank=3, replicate=2, sequence=2)
+    assert (got.data_rank, got.sequence_rank, got.replica) == (1, 1, 1)
+    with pytest.raises(ShardfitError, match="parallel.replicate=3 does not divide the world size 4"):
+        ParallelLayout.checked(_cfg("--parallel.replicate=3"), 4)
+
+
+def _meshes(rank, world):
+    import torch.distributed as dist
+
+    layout = ParallelLayout(world, rank=rank, replicate=2, expert=2, sequence=2, moe=True)
+    meshes = layout.meshes("cpu")
+    assert layout.meshes("cpu") is meshes  # built once
+    return {"fsdp": list(meshes.fsdp.shape), "shard": dist.get_process_group_ranks(meshes.fsdp["shard"].get_group()),
+            "sequence": dist.get_process_group_ranks(meshes.sequence),
+            "ep": dist.get_process_group_ranks(meshes.expert["ep"].get_group()),
+            "expert": list(meshes.expert.shape), "replica": list(layout.replica_ranks()),
+            "sequence_ranks": list(layout.sequence_ranks()), "expert_ranks": list(layout.expert_ranks())}
+
+
+def test_meshes_group_the_ranks_the_positions_name():
+    for r in run_ranks(_meshes, 4, timeout=120):
+        assert r["fsdp"] == [2, 2] and r["expert"] == [2, 1, 2]
+        assert (r["shard"], r["sequence"], r["ep"]) == (r["replica"], r["sequence_ranks"], r["expert_ranks"])

@@ -17,7 +17,9 @@ from shardfit.config import load_config
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model
 from shardfit.parallel import parallelize
-from shardfit.parallel.offload import _DeviceTwins, check_offload, offload_policy, offloaded, step_threads
+from shardfit.parallel.dtensor import local_view
+from shardfit.parallel.layout import check_offload
+from shardfit.parallel.offload import _DeviceTwins, offload_policy, offloaded, step_threads
 from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.helpers import full_state, small_config
@@ -79,7 +81,7 @@ def _both(rank, world, run_dir, sync_too, kept=0):
             m = build_model(cfg.model)
         parallelize(m, cfg.parallel, torch.device("cpu"), world, seed=cfg.train.seed, init=not twins)
         if twins:
-            type(m).init_weights(_DeviceTwins(m, torch.device("cpu")), cfg.train.seed)
+            type(m).init_weights(_DeviceTwins(m, torch.device("cpu")), cfg.train.seed, view=local_view)
         models.append(full_state(m))
     out["twins_equal"] = all(torch.equal(models[0][k], models[1][k]) for k in models[0])
     return out

@@ -29,7 +29,7 @@ from torch import nn
 
 from shardfit.errors import ShardfitError
 from shardfit.hf.safetensors_view import SafetensorsView
-from shardfit.models.init import local_view
+from shardfit.parallel.dtensor import local_view
 
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some old exports stored; rebuilt by init_buffers
 # Benchmark knobs (benchmarks/device_run.sh load-variants): SHARDFIT_LOAD_THREADS and SHARDFIT_PINNED_MIB override

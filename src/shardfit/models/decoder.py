@@ -17,7 +17,7 @@ from torch import nn
 
 from shardfit.config.schema import ModelConfig
 from shardfit.models.attention import DocumentMask, sdpa_attention
-from shardfit.models.init import seeded_normal_
+from shardfit.models.init import ShardView, seeded_normal_, whole_view
 from shardfit.models.logprobs import fused_linear_logprobs
 from shardfit.models.loss import fused_linear_cross_entropy
 from shardfit.models.moe import MoE, router_aux_loss
@@ -244,7 +244,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.loss_chunk = loss_chunk
         self.loss_impl = "torch"  # "liger" where Liger-Kernel is installed on CUDA (see the trainer's choice)
-        self.loss_compiled = False  # set by parallelize's compile step
+        self.loss_compiled = False  # use_compiled_loss
         self.model = Decoder(cfg)
         self.lm_head = OutputHead(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -274,6 +274,11 @@ class CausalLM(nn.Module):
             loss = loss + self.cfg.router_aux_coef * router_aux_loss(moe) * (labels != -100).sum()
         return loss
 
+    def use_compiled_loss(self, compiled: bool = True) -> None:
+        """Run the loss's per-chunk softmax and gradient through torch.compile (parallel.compile_loss, set by
+        parallelize's compile step before the first forward); its matmuls stay eager either way."""
+        self.loss_compiled = compiled
+
     @torch.no_grad()
     def init_buffers(self) -> None:
         device = self.model.inv_freq.device
@@ -289,8 +294,9 @@ class CausalLM(nn.Module):
         self.model.inv_freq = rope_inv_freq(self.cfg, self.model.head_dim, self.model.inv_freq.device)
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise every parameter in place, on any device, sharded or not.
+    def init_weights(self, seed: int = 0, view: ShardView = whole_view) -> None:
+        """Initialise every parameter in place, on any device, sharded or not (`view` locates a sharded
+        parameter's rows: parallel/dtensor.py's local_view).
 
         Values depend only on (seed, parameter name), never on the sharding, so a 2-rank run starts from exactly
         the weights a 1-rank run starts from.
@@ -301,7 +307,7 @@ class CausalLM(nn.Module):
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                seeded_normal_(p, self.cfg.init_std, seed, name)
+                seeded_normal_(p, self.cfg.init_std, seed, name, view)
         self.init_buffers()
 
 

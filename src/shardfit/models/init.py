@@ -10,31 +10,28 @@ shard regenerates at most two partial blocks beyond its own rows. No collectives
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 
 _BLOCK_ELEMS = 1 << 20
 
 
-def local_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int]:
-    """(local tensor, global shape, global row offset of the local rows)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()
-    if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+# (local rows, global shape, global row offset of the local rows): how a parameter's shard sits in the whole
+ShardView = Callable[[torch.Tensor], tuple[torch.Tensor, tuple[int, ...], int]]
 
-        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        if any(o for o in offset[1:]):
-            raise NotImplementedError("seeded init supports sharding along dim 0 only")
-        return t.to_local(), tuple(t.shape), offset[0] if offset else 0
+
+def whole_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int]:
+    """The view of an unsharded tensor: all of it, from row 0. Sharded tensors need the view of their sharding
+    (shardfit.parallel.dtensor.local_view)."""
+    if hasattr(t, "to_local"):
+        raise TypeError("a sharded tensor: pass view=shardfit.parallel.dtensor.local_view")
     return t, tuple(t.shape), 0
 
 
 @torch.no_grad()
-def seeded_normal_(t: torch.Tensor, std: float, seed: int, key: str) -> torch.Tensor:
-    local, shape, row0 = local_view(t)
+def seeded_normal_(t: torch.Tensor, std: float, seed: int, key: str, view: ShardView = whole_view) -> torch.Tensor:
+    local, shape, row0 = view(t)
     if local.device.type == "meta" or local.numel() == 0:
         return t
     rows = local.shape[0]

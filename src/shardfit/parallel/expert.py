@@ -15,61 +15,16 @@ same splits. The exchange runs outside torch.compile (data-dependent sizes); par
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardfit.errors import ShardfitError
 from shardfit.kernels import scaled_accumulate_, scaled_cast
 from shardfit.models.moe import Experts, MoE, inverse_permutation, permute_rows
-from shardfit.parallel.step_overlap import local_tensor
-
-
-def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, offload: str,
-                          overlap: str = "none") -> None:
-    """Refuse a layout EP cannot run, before any group is built (one line, exit 2)."""
-    _check_overlap(overlap, ep, world, replicate)
-    if ep == 1:
-        return
-    where = "parallel.expert_parallel"
-    if n_experts == 0:
-        raise ShardfitError(f"{where}={ep} needs a mixture-of-experts model (model.n_experts is 0)", where=where,
-                            fix="set parallel.expert_parallel=1")
-    if world % ep:
-        raise ShardfitError(f"{where}={ep} does not divide the world size {world}", where=where,
-                            fix=f"use a divisor of {world}")
-    if n_experts % ep:
-        raise ShardfitError(f"{where}={ep} does not divide model.n_experts={n_experts}", where=where,
-                            fix=f"use a divisor of {n_experts}")
-    if replicate > 1 and (world // replicate) % ep:
-        raise ShardfitError(f"{where}={ep} does not divide the HSDP shard group of {world // replicate} ranks "
-                            f"(parallel.replicate={replicate})", where=where,
-                            fix=f"use a divisor of {world // replicate}: EP groups stay inside one replica")
-    if offload != "none":
-        raise ShardfitError(f"{where}={ep} does not combine with parallel.offload={offload} yet", where=where,
-                            fix="set one of them off")
-
-
-def _check_overlap(overlap: str, ep: int, world: int, replicate: int) -> None:
-    """parallel.expert_overlap runs the experts more than once a layer: only where they are outside FSDP."""
-    if overlap == "none" or (ep > 1 and experts_outside_fsdp(ep, world) and replicate == 1):
-        return
-    if ep == 1:
-        why = "expert parallelism over every rank of a world of 2 or more (parallel.expert_parallel is 1)"
-    elif ep != world:
-        why = f"parallel.expert_parallel equal to the world size ({world}; it is {ep})"
-    else:
-        why = "no HSDP (parallel.replicate=1)" if replicate > 1 else "torch >= 2.7 (fully_shard's ignored_params)"
-    raise ShardfitError(f"parallel.expert_overlap={overlap} needs the experts outside FSDP: {why}; they run "
-                        "more than once a layer, which under FSDP would gather them each time",
-                        where="parallel.expert_overlap", fix="set parallel.expert_overlap=none" + (
-                            f" or parallel.expert_parallel={world}" if world > 1 and ep != world else ""))
+from shardfit.parallel.dtensor import local_tensor
+from shardfit.parallel.layout import ParallelLayout
 
 
 class _ComputeCast(torch.autograd.Function):
@@ -86,9 +41,6 @@ class _ComputeCast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param, dtype, divide, uses=1):
         ctx.param, ctx.divide = param, divide
-        # freed after each step whatever memory.keep_grads says (step_overlap.zero_grads). Marked here, at use: the
-        # parameter objects are swapped when the model is materialized (to_empty), after parallelize shards them
-        param.free_grad = True
         w = local_tensor(param)
         w = w.to(dtype) if w.dtype != dtype else w.view_as(w)
         return w if uses == 1 else tuple(w.view_as(w) for _ in range(uses))
@@ -112,13 +64,17 @@ class _ComputeCast(torch.autograd.Function):
         return None, None, None, None
 
 
-class _LocalExperts(Experts):
+class ShardedExperts(Experts):
     """Experts whose weights are DTensors sharded over the EP group: the computation reads this rank's slice
     [n/E, ...] (to_local is differentiable: the gradient arrives as a DTensor of the same placement). Outside FSDP
-    (E = W) compute_dtype is set and the slice is cast here (module docstring: E = W)."""
+    (E = W) compute_dtype is set and the slice is cast here (module docstring: E = W). Made by
+    apply_expert_parallel in place of the model's Experts, under the same parameter names (checkpoints unchanged)."""
 
-    compute_dtype: torch.dtype | None = None
-    grad_divide: float = 1.0
+    def __init__(self, gate_proj: nn.Parameter, up_proj: nn.Parameter, down_proj: nn.Parameter):
+        nn.Module.__init__(self)  # not Experts.__init__: the weights are given, not allocated
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.compute_dtype: torch.dtype | None = None  # set by shard_experts when the experts stay out of FSDP
+        self.grad_divide = 1.0
 
     def weights(self):
         return self.weight_uses(1)[0]
@@ -130,6 +86,14 @@ class _LocalExperts(Experts):
             return [tuple(w.to_local() for w in params)] * uses
         cast = [_ComputeCast.apply(w, self.compute_dtype, self.grad_divide, uses) for w in params]
         return [tuple(cast)] if uses == 1 else list(zip(*cast))
+
+
+def fresh_grad_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradient the computation writes itself, fresh every step (_ComputeCast: experts outside
+    FSDP): the step runners free them after each step whatever memory.keep_grads says (step_overlap.zero_grads).
+    Read from the model when a runner is built, so they are the materialized parameters, not the meta ones."""
+    return [p for m in model.modules() if isinstance(m, ShardedExperts) and m.compute_dtype is not None
+            for p in m.parameters()]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -217,22 +181,11 @@ def regroup_destinations(received: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.arange(rows, device=received.device) + shift
 
 
-def expert_mesh(device_type: str, world: int, ep: int, replicate: int = 1):
-    """(efsdp = world/ep, ep) mesh: EP groups of neighbouring ranks; efsdp the ranks holding the same experts.
-    With HSDP (replicate R > 1): (replicate R, efsdp world/R/ep, ep), laid out as parallelize's HSDP mesh (replica
-    r = rank // (world/R)): each replica (one node, typically) holds every expert, its EP groups inside it, and
-    the experts are HSDP-sharded over (replicate, efsdp): gathered within the replica, their gradients all-reduced
-    across replicas once per reduction, never gathered over the slow links."""
-    if replicate == 1:
-        return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    return init_device_mesh(device_type, (replicate, world // replicate // ep, ep),
-                            mesh_dim_names=("replicate", "efsdp", "ep"))
-
-
 def apply_expert_parallel(model: nn.Module, mesh, exchange: type[ExpertExchange] = ExpertExchange) -> list[MoE]:
-    """On the meta model (parallelize step 0): expert weights become DTensors sharded over mesh["ep"] along the
-    experts, and each MoE layer exchanges its rows through the EP group with `exchange` (or its overlapped form,
-    parallel/expert_overlap.py). Returns the MoE layers."""
+    """On the meta model (parallelize step 0): each MoE layer's experts are replaced by ShardedExperts whose weights
+    are DTensors sharded over mesh["ep"] along the experts (the layout's expert mesh), and each layer exchanges its
+    rows through the EP group with `exchange` (or its overlapped form, parallel/expert_overlap.py). Returns the MoE
+    layers."""
     from torch.distributed.tensor import Shard
 
     ep_mesh = mesh["ep"]
@@ -241,43 +194,36 @@ def apply_expert_parallel(model: nn.Module, mesh, exchange: type[ExpertExchange]
     for moe in layers:
         experts = moe.experts
         n = experts.gate_proj.shape[0]
-        for name, p in list(experts.named_parameters(recurse=False)):
+        sharded = {}
+        for name, p in experts.named_parameters(recurse=False):
             local = p.detach()[pos * n // ep:(pos + 1) * n // ep]  # meta: a view, no memory
             d = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
-            experts.register_parameter(name, nn.Parameter(d, requires_grad=p.requires_grad))
-        experts.__class__ = _LocalExperts
+            sharded[name] = nn.Parameter(d, requires_grad=p.requires_grad)
+        moe.experts = ShardedExperts(**sharded).train(experts.training)
         moe.exchange = exchange(ep_mesh.get_group(), ep, n, pos)
     return layers
 
 
-@functools.cache
-def _fsdp_ignores_params() -> bool:
-    return "ignored_params" in inspect.signature(fully_shard).parameters
-
-
 def experts_outside_fsdp(ep: int, world: int, offload: str = "none") -> bool:
-    """E = W (a world of one included: FSDP over one rank would only cast and copy) and a torch whose fully_shard
-    takes ignored_params (2.7+): the experts stay out of FSDP (module docstring). Not with parallel.offload (FSDP's
-    policy is what moves them to the host; EP refuses offload). shardfit plan counts their memory accordingly (once
-    per layer of every estimate: the signature is read once). The model must have experts: callers check."""
-    return ep == world and offload == "none" and _fsdp_ignores_params()
+    """ParallelLayout.experts_outside_fsdp for these degrees (the planner's name; world 0: not known)."""
+    return ParallelLayout(world, expert=ep, offload=offload).experts_outside_fsdp
 
 
 def experts_run_eagerly(ep: int, world: int, offload: str = "none") -> bool:
-    """Whether an MoE model's layers get an exchange (MoE.exchange) that runs their experts outside the compiled
-    graph: expert parallelism, or one rank whose experts are outside FSDP (LocalExperts). world 0: not known."""
-    return ep > 1 or experts_outside_fsdp(ep, world, offload)
+    """ParallelLayout.experts_run_eagerly for these degrees (the planner's name; world 0: not known)."""
+    return ParallelLayout(world, expert=ep, offload=offload).experts_run_eagerly
 
 
-def shard_experts(block: nn.Module, mesh, world: int, mp_policy, **fsdp_kwargs) -> set[nn.Parameter]:
+def shard_experts(block: nn.Module, layout: ParallelLayout, mesh, mp_policy, **fsdp_kwargs) -> set[nn.Parameter]:
     """parallelize step 3, before the block's own fully_shard: the block's experts form an FSDP group of their own
-    over mesh["efsdp"], whose gradient reduction divides by the world size (module docstring: Gradients); or, with
-    E = W, stay out of FSDP: returns the parameters the block's and the root's fully_shard must then ignore."""
+    over the expert mesh's "efsdp" dim (HSDP: "replicate", "efsdp"), whose gradient reduction divides by the world
+    size (module docstring: Gradients); or, with E = W, stay out of FSDP: returns the parameters the block's and the
+    root's fully_shard must then ignore."""
     moe = getattr(block, "mlp", None)
     if not isinstance(moe, MoE) or moe.exchange is None:
         return set()
-    hsdp = "replicate" in (mesh.mesh_dim_names or ())
-    if not hsdp and experts_outside_fsdp(mesh["ep"].size(), world):
+    world, hsdp = layout.world, layout.replicate > 1
+    if not hsdp and layout.experts_outside_fsdp:
         moe.experts.compute_dtype = mp_policy.param_dtype or moe.experts.gate_proj.dtype
         moe.experts.grad_divide = float(world)
         return set(moe.experts.parameters())

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from shardfit.config.schema import ParallelConfig
-from shardfit.errors import ShardfitError
+from shardfit.parallel.dtensor import local_view
 from shardfit.parallel.step_overlap import (
     add_wait_hooks,
     forward_order_groups,
@@ -29,28 +29,6 @@ from shardfit.parallel.step_overlap import (
     step_group,
     zero_grads,
 )
-
-
-def check_offload(cfg: ParallelConfig, n_layers: int | None = None) -> None:
-    """Refuse what offload cannot do, before any process group or module is built (one line, exit 2). n_layers
-    (model.n_layers) bounds parallel.offload_gpu_blocks; unchecked when not given."""
-    if cfg.offload == "optimizer":
-        raise ShardfitError("parallel.offload=optimizer is not supported: FSDP2 offloads parameters, gradients and "
-                            "optimizer states together or not at all (parallel/offload.py says why)",
-                            where="parallel.offload", fix="use parallel.offload=all, or none")
-    if cfg.offload == "all" and cfg.fp8 != "none":
-        # FP8 weights refresh their scales with an all-reduce of amaxes computed on the weights (on the host here)
-        # and all-gather through torchao's own pre-all-gather hook: neither is built for host-resident shards.
-        raise ShardfitError("parallel.offload=all does not combine with parallel.fp8", where="parallel.offload",
-                            fix="set parallel.fp8=none, or parallel.offload=none")
-    if cfg.offload_gpu_blocks and cfg.offload != "all":
-        raise ShardfitError(f"parallel.offload_gpu_blocks={cfg.offload_gpu_blocks} keeps blocks on the GPU out of "
-                            f"an offload, but parallel.offload={cfg.offload}", where="parallel.offload_gpu_blocks",
-                            fix="set parallel.offload=all, or parallel.offload_gpu_blocks=0")
-    if n_layers is not None and cfg.offload_gpu_blocks > n_layers:
-        raise ShardfitError(f"parallel.offload_gpu_blocks={cfg.offload_gpu_blocks} is more than the model's "
-                            f"{n_layers} blocks", where="parallel.offload_gpu_blocks",
-                            fix=f"use at most {n_layers} (all blocks on the GPU; shardfit plan proposes one)")
 
 
 def offload_policy(cfg: ParallelConfig, device: torch.device, block: int | None = None) -> OffloadPolicy:
@@ -149,9 +127,9 @@ def materialize_offloaded(model: nn.Module, device: torch.device, seed: int, ini
     if not init:
         model.init_buffers()
     elif device.type == "cpu":
-        model.init_weights(seed)
+        model.init_weights(seed, view=local_view)
     else:
-        type(model).init_weights(_DeviceTwins(model, device), seed)
+        type(model).init_weights(_DeviceTwins(model, device), seed, view=local_view)
 
 
 def _to_empty(module: nn.Module, device: torch.device, where: torch.device) -> None:

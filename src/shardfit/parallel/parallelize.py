@@ -20,27 +20,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardfit.config.schema import ParallelConfig
-from shardfit.errors import ShardfitError
 from shardfit.models.moe import MoE
-from shardfit.parallel.expert import (
-    ExpertExchange,
-    LocalExperts,
-    apply_expert_parallel,
-    expert_mesh,
-    experts_run_eagerly,
-    shard_experts,
-)
+from shardfit.parallel.dtensor import local_view
+from shardfit.parallel.expert import ExpertExchange, LocalExperts, apply_expert_parallel, shard_experts
 from shardfit.parallel.expert_overlap import FullyOverlappedExpertExchange, OverlappedExpertExchange
 from shardfit.parallel.fp8 import apply_fp8
-from shardfit.parallel.offload import check_offload, materialize_offloaded, offload_policy, step_threads
+from shardfit.parallel.layout import Meshes, ParallelLayout, check_offload, check_replicate
+from shardfit.parallel.offload import materialize_offloaded, offload_policy, step_threads
 from shardfit.parallel.ulysses import apply_sequence_parallel
 
 # Selective checkpointing keeps the outputs of the expensive ops (matmuls and attention) and recomputes the cheap
@@ -87,13 +82,11 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: in
         block.forward = forward
 
 
-def apply_compile(model: nn.Module, blocks: list[nn.Module], loss: bool = True) -> None:
+def apply_compile(blocks: list[nn.Module]) -> None:
     # Identical blocks share one compiled graph (modules are inlined, parameters are graph inputs), so the compile
-    # cost is paid once, not once per layer. The loss's per-chunk softmax and gradient are compiled too (one fused
-    # kernel instead of ~8 passes over each fp32 [chunk, vocab] buffer); its matmuls stay outside, as cuBLAS calls.
+    # cost is paid once, not once per layer.
     for block in blocks:
         block.forward = torch.compile(block.forward)
-    model.loss_compiled = loss
 
 
 def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecisionPolicy:
@@ -105,18 +98,21 @@ def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecision
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=getattr(torch, cfg.reduce_dtype))
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, mp: MixedPrecisionPolicy, cfg: ParallelConfig,
-               offload: Callable[[int | None], OffloadPolicy] = lambda block: OffloadPolicy(), ep_mesh=None):
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], layout: ParallelLayout, meshes: Meshes,
+               mp: MixedPrecisionPolicy, cfg: ParallelConfig,
+               offload: Callable[[int | None], OffloadPolicy] = lambda block: OffloadPolicy()):
     # offload(i) is block i's offload policy, offload(None) that of the other groups (parallel/offload.py: with
     # offload=all every group's shards live on the host, but for the first offload_gpu_blocks blocks).
     off = {"offload_policy": offload(None)}
+    mesh = meshes.fsdp
     ignored: set[nn.Parameter] = set()  # expert weights kept out of FSDP (parallel/expert.py: E = W)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keeping them gathered saves one
         # all-gather per step (with offload, also one host-to-device copy of its shard) at the cost of one block's
         # unsharded weights.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
-        own = shard_experts(block, ep_mesh, mesh.size(), mp, reshard_after_forward=reshard) if ep_mesh else set()
+        own = (shard_experts(block, layout, meshes.expert, mp, reshard_after_forward=reshard) if meshes.expert
+               else set())
         ignored |= own
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload(i),
                     **({"ignored_params": own} if own else {}))
@@ -153,67 +149,59 @@ def select_attention_kernel(kind: str) -> None:
     b.enable_math_sdp(False)
 
 
-def check_replicate(R: int, world: int) -> None:
-    """HSDP's replica count must split the ranks into equal shard groups; checked before any group is built."""
-    if world % R:
-        raise ShardfitError(f"parallel.replicate={R} does not divide the world size {world}",
-                            where="parallel.replicate", fix=f"use a divisor of {world}")
+@dataclass
+class ParallelizeReport:
+    """What parallelize did, for the caller's notices and for the step: the layout whose meshes the model is sharded
+    over, and what the config's choices came to."""
 
-
-def fsdp_mesh(device_type: str, world_size: int, replicate: int):
-    """The mesh fully_shard shards over: [world] (FSDP), or [R, world/R] with dims (replicate, shard) (HSDP).
-
-    Rank r sits in replica r // (world/R) and shard position r % (world/R): each shard group is world/R neighbouring
-    ranks (one node where it fits: the per-layer all-gathers and reduce-scatters take the fastest links), and only
-    the gradient all-reduce across replicas crosses groups. FSDP2 then reduce-scatters within the shard group,
-    all-reduces across replicas and divides by R x world/R = world, so the gradient is the FSDP one."""
-    if replicate == 1:
-        return init_device_mesh(device_type, (world_size,))
-    return init_device_mesh(device_type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
+    layout: ParallelLayout
+    fp8_layers: int = 0  # linear layers swapped for FP8 ones (parallel/fp8.py)
+    loss_compiled: bool = False  # the loss's per-chunk softmax and gradient compiled (CausalLM.use_compiled_loss)
+    offload_notice: str | None = None  # offload=all: where the states live and the CPU step's threads
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, world_size: int, seed: int,
-                init: bool = True) -> nn.Module:
-    """Meta model in, sharded and initialised model out. See the module docstring for the order.
+                init: bool = True) -> ParallelizeReport:
+    """Meta model in, sharded and initialised in place. See the module docstring for the order.
 
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
     """
     check_replicate(cfg.replicate, world_size)
     check_offload(cfg)
+    moe = any(isinstance(m, MoE) for m in model.modules())
+    layout = ParallelLayout.of(cfg, world_size, dist.get_rank(), moe=moe)
+    meshes = layout.meshes(device.type)  # every mesh, once, in the same order on every rank
+    report = ParallelizeReport(layout)
     blocks = list(model.model.layers)
     capability = None
     if device.type == "cuda":
         select_attention_kernel(cfg.attention)
         capability = torch.cuda.get_device_capability(device)
-    model.fp8_layers = apply_fp8(model, cfg, device.type, capability)  # 0
-    sp = cfg.sequence_parallel
-    if sp > 1:
-        # Ranks r with the same r // sp form one sequence-parallel group (neighbours: one node, the fastest links).
-        groups = init_device_mesh(device.type, (world_size // sp, sp), mesh_dim_names=("dp", "sp"))
-        apply_sequence_parallel(model, groups["sp"].get_group())  # 0
-    ep_mesh = None
-    if experts_run_eagerly(cfg.expert_parallel, world_size, cfg.offload) and any(
-            isinstance(m, MoE) for m in model.modules()):  # EP, or one rank's experts out of FSDP (LocalExperts)
-        ep_mesh = expert_mesh(device.type, world_size, cfg.expert_parallel, cfg.replicate)
+    report.fp8_layers = apply_fp8(model, cfg, device.type, capability)  # 0
+    if meshes.sequence is not None:
+        apply_sequence_parallel(model, meshes.sequence)  # 0
+    if meshes.expert is not None:  # EP, or one rank's experts out of FSDP (LocalExperts)
         exchange = {"none": ExpertExchange, "dispatch": OverlappedExpertExchange,
                     "both": FullyOverlappedExpertExchange}[cfg.expert_overlap] if world_size > 1 else LocalExperts
-        apply_expert_parallel(model, ep_mesh, exchange)  # 0
+        apply_expert_parallel(model, meshes.expert, exchange)  # 0
     apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
     if cfg.compile:
-        apply_compile(model, blocks, cfg.compile_loss)  # 2
+        apply_compile(blocks)  # 2
+        # The loss's per-chunk softmax and gradient too (one fused kernel instead of ~8 passes over each fp32
+        # [chunk, vocab] buffer); its matmuls stay outside, as cuBLAS calls.
+        model.use_compiled_loss(cfg.compile_loss)
+        report.loss_compiled = cfg.compile_loss
     # FSDP shards over every rank, sequence-parallel peers included: each holds 1/world of the parameters (HSDP:
-    # 1/(world/R)). The sequence-parallel groups above and the data each rank reads do not depend on R.
-    mesh = fsdp_mesh(device.type, world_size, cfg.replicate)
+    # 1/(world/R)). The sequence-parallel groups and the data each rank reads do not depend on R.
     policy = functools.partial(offload_policy, cfg, device)
-    apply_fsdp(model, blocks, mesh, mixed_precision(cfg, device), cfg, policy, ep_mesh)  # 3, 4
-    model.offload_notice = None
+    apply_fsdp(model, blocks, layout, meshes, mixed_precision(cfg, device), cfg, policy)  # 3, 4
     if cfg.offload == "all":
         materialize_offloaded(model, device, seed, init)  # 5, 6
-        model.offload_notice = step_threads(device)
-        return model
+        report.offload_notice = step_threads(device)
+        return report
     model.to_empty(device=device)  # 5
     if init:
-        model.init_weights(seed)  # 6
+        model.init_weights(seed, view=local_view)  # 6
     else:
         model.init_buffers()
-    return model
+    return report

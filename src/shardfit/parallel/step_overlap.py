@@ -16,10 +16,12 @@ optimizer.step()'s (AdamW is elementwise per tensor). No collective here.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
+
+from shardfit.parallel.dtensor import local_tensor
 
 
 def param_group(module: nn.Module):
@@ -69,20 +71,17 @@ def step_group(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], gra
     return True
 
 
-def zero_grads(optimizer: torch.optim.Optimizer, keep: bool) -> None:
-    """optimizer.zero_grad: gradients zeroed in place when `keep` (memory.keep_grads), else freed. A parameter marked
-    `free_grad` (experts outside FSDP, parallel/expert.py) is freed either way: it is written fresh in one pass on the
-    next backward instead of zeroed here and read back there (one pass over those gradients a step fewer),
-    and its allocations repeat at the same sizes every step on the compute stream, so the allocator hands the same
-    blocks back (what keep_grads guards against is FSDP's reduce-scatter stream caching freed gradients)."""
+def zero_grads(optimizer: torch.optim.Optimizer, keep: bool, free_grad: Collection[nn.Parameter] = ()) -> None:
+    """optimizer.zero_grad: gradients zeroed in place when `keep` (memory.keep_grads), else freed. The parameters in
+    `free_grad` (experts outside FSDP: expert.fresh_grad_params) are freed either way: they are written fresh in one
+    pass on the next backward instead of zeroed here and read back there (one pass over those gradients a step
+    fewer), and their allocations repeat at the same sizes every step on the compute stream, so the allocator
+    hands the same blocks back (what keep_grads guards against is FSDP's reduce-scatter stream caching freed
+    gradients)."""
     if keep:
-        for p in free_grad_params(optimizer):
+        for p in free_grad:
             p.grad = None
     optimizer.zero_grad(set_to_none=not keep)
-
-
-def free_grad_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    return [p for g in optimizer.param_groups for p in g["params"] if getattr(p, "free_grad", False)]
 
 
 def add_wait_hooks(modules: list[nn.Module], blocks: list[nn.Module], prefetch: int,
@@ -103,8 +102,10 @@ class StreamOverlappedStep:
     overlapped = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, blocks: list[nn.Module], prefetch: int,
-                 keep_grads: bool, device: torch.device):
+                 keep_grads: bool, device: torch.device, free_grad: Collection[nn.Parameter] = ()):
         self.optimizer, self.keep_grads, self.grad_scale_device = optimizer, keep_grads, device
+        self.free_grad = list(free_grad)  # freed after every step whatever keep_grads says (zero_grads)
+        self._free_ids = {id(p) for p in self.free_grad}
         self.modules, self.groups = forward_order_groups(model, optimizer)
         # Off CUDA there are no streams: the groups are stepped at once, in order (the same results; tested so)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -126,7 +127,7 @@ class StreamOverlappedStep:
         if not all(p in self.optimizer.state for g in self.groups for p in g if p.grad is not None):
             # the first step: AdamW allocates its moments, which must belong to the compute stream's pool
             self.optimizer.step()
-            zero_grads(self.optimizer, self.keep_grads)
+            zero_grads(self.optimizer, self.keep_grads, self.free_grad)
             return
         grads = [[p.grad for p in params] for params in self.groups]
         for params in self.groups:
@@ -149,16 +150,11 @@ class StreamOverlappedStep:
                     p.grad = g
 
     def keeps(self, p: nn.Parameter) -> bool:
-        return self.keep_grads and not getattr(p, "free_grad", False)
+        return self.keep_grads and id(p) not in self._free_ids
 
     def wait(self) -> None:
         self._wait_groups(len(self.events))
 
     def zero(self, applied: bool) -> None:
         if not applied:  # a launched step took the gradients (and gave back the kept ones zeroed)
-            zero_grads(self.optimizer, self.keep_grads)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+            zero_grads(self.optimizer, self.keep_grads, self.free_grad)

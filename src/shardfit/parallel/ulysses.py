@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardfit.errors import ShardfitError
+from shardfit.parallel.layout import check_sequence_parallel as check_sequence_parallel  # planner tests' name
 
 
 def _exchange(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -75,19 +75,6 @@ class UlyssesAttention:
             v = v.repeat_interleave(self.kv_repeat, dim=2)
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))  # [B, S, heads/P, Dh]
         return heads_to_seq(self.core(q, k, v, mask), self.group)  # [B, S/P, H, Dh]
-
-
-def check_sequence_parallel(P: int, world: int, seq_len: int, n_heads: int) -> None:
-    """The sizes Ulysses needs, checked before any process group or model is built."""
-    if world % P:
-        raise ShardfitError(f"parallel.sequence_parallel={P} does not divide the world size {world}",
-                            where="parallel.sequence_parallel", fix=f"use a divisor of {world}")
-    if seq_len % P:
-        raise ShardfitError(f"data.seq_len={seq_len} is not a multiple of parallel.sequence_parallel={P}",
-                            where="data.seq_len", fix=f"use a multiple of {P}")
-    if n_heads % P:
-        raise ShardfitError(f"model.n_heads={n_heads} is not a multiple of parallel.sequence_parallel={P} (Ulysses "
-                            "splits heads)", where="parallel.sequence_parallel", fix=f"use a divisor of {n_heads}")
 
 
 def apply_sequence_parallel(model: torch.nn.Module, group) -> None:

@@ -128,12 +128,14 @@ class Engine:
 
             self.notices.append(f"rank {dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
         from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
-        self.model = parallelize(model, cfg.parallel, self.device, dist.world_size, cfg.train.seed, init=not from_hf)
+        self.parallel = parallelize(model, cfg.parallel, self.device, dist.world_size, cfg.train.seed,
+                                    init=not from_hf)
+        self.model, self.layout = model, self.parallel.layout
         if cfg.parallel.fp8 != "none":
-            self.notices.append(fp8_notice(cfg.parallel, self.model.fp8_layers, self.device.type))
+            self.notices.append(fp8_notice(cfg.parallel, self.parallel.fp8_layers, self.device.type))
         self.expert_load = ExpertLoad(self.model, self.device, cfg.model.router_bias_rate)
-        if self.model.offload_notice:
-            self.notices.append(self.model.offload_notice)
+        if self.parallel.offload_notice:
+            self.notices.append(self.parallel.offload_notice)
         if from_hf:
             from shardfit.hf.load import load_hf_checkpoint, load_report
 
@@ -207,9 +209,8 @@ class Engine:
         bad_ranks = [r for r in range(world) if rows[r, _NONFINITE] > 0]
         scale = world * stats.capacity / n_tokens if n_tokens > 0 else math.nan
         # HSDP: the R replica groups hold the same shards, so the squared norm is summed over one group's ranks
-        # (the first world/R: parallel/parallelize.py lays the shard groups out as neighbouring ranks).
-        one_replica = world // self.cfg.parallel.replicate
-        grad_norm = math.sqrt(float(rows[:one_replica, _SQNORM].sum())) * scale
+        one_replica = self.layout.replica_ranks(0)
+        grad_norm = math.sqrt(float(rows[one_replica.start:one_replica.stop, _SQNORM].sum())) * scale
         loss = float(rows[:, _LOSS].sum()) / n_tokens if n_tokens > 0 else math.nan
         ok = n_tokens > 0 and not bad_ranks and math.isfinite(grad_norm)  # the same on every rank
         self.timer.start("optimizer")
@@ -265,9 +266,8 @@ class Engine:
                     backward: bool) -> ForwardBackwardResult:
         spec = resolve_loss(loss_fn, loss_fn_config)
         check_datums(datums, self.cfg.model.vocab_size, spec.required)
-        sp = self.cfg.parallel.sequence_parallel
-        dp_rank, sp_rank = divmod(self.dist.rank, sp)
-        plan = plan_datums(datums, self.datum_budget(), self.dist.world_size // sp, sp)
+        sp, dp_rank, sp_rank = self.layout.sequence, self.layout.data_rank, self.layout.sequence_rank
+        plan = plan_datums(datums, self.datum_budget(), self.layout.data_size, sp)
         coefs = coefficients(datums, spec)
         names = set().union(*(d.inputs for d in datums)) - {"target_tokens"}
         names = {k for k in names if all(k in d.inputs for d in datums)}  # inputs every datum has
@@ -326,8 +326,8 @@ class Engine:
         world = self.dist.world_size
         sq = grad_sq_norm([local_tensor(p.grad) for p in self.params if p.grad is not None], self.device)
         rows = all_gather_rows(sq.reshape(1)).cpu()
-        one_replica = world // self.cfg.parallel.replicate  # HSDP: one replica group's shards make the whole
-        grad_norm = math.sqrt(float(rows[:one_replica, 0].sum())) * world
+        one_replica = self.layout.replica_ranks(0)  # HSDP: one replica group's shards make the whole
+        grad_norm = math.sqrt(float(rows[one_replica.start:one_replica.stop, 0].sum())) * world
         ok = math.isfinite(grad_norm)
         if ok:
             set_hyperparameters(self.optimizer, adam.learning_rate, (adam.beta1, adam.beta2), adam.eps,

@@ -23,7 +23,7 @@ from shardfit.fsutil import write_atomic
 from shardfit.memory import MemoryMonitor
 from shardfit.memory.record import SnapshotRecorder
 from shardfit.parallel import init_distributed
-from shardfit.parallel.layout import check_layout
+from shardfit.parallel.layout import ParallelLayout
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume
 from shardfit.train.engine import Engine, StepRecord, apply_alloc_conf
@@ -78,12 +78,11 @@ class Trainer:
         """Data, sequence-parallel layout, model (sharded, initialised or loaded), optimizer, checkpoint resume."""
         self.dataset, self.val_set, self.tokenizer = build_datasets(cfg.data, cfg.model.vocab_size,
                                                                     token_budget=cfg.train.micro_batch_tokens > 0)
-        # Ulysses: ranks r with the same r // sp share every sample and take S/sp of its tokens each; the batch is
-        # split over the world // sp data-parallel ranks.
-        self.sp = cfg.parallel.sequence_parallel
-        check_layout(cfg, self.dist.world_size)
-        self.dp_rank, self.sp_rank = divmod(self.dist.rank, self.sp)
-        self.dp_size = self.dist.world_size // self.sp
+        # Ulysses: a group of sp ranks shares every sample and takes S/sp of its tokens each; the batch is split over
+        # the data-parallel ranks (parallel/layout.py)
+        self.layout = ParallelLayout.checked(cfg, self.dist.world_size, self.dist.rank)
+        self.sp, self.sp_rank = self.layout.sequence, self.layout.sequence_rank
+        self.dp_rank, self.dp_size = self.layout.data_rank, self.layout.data_size
         self.notices: list[str] = list(self.dataset.notices)  # printed by rank 0 when fit() starts
         if cfg.train.micro_batch_tokens:
             self.accum = None  # micro-batches per step follow from the step's lengths (data/batching.py)
