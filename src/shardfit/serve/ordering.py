@@ -3,7 +3,7 @@
 A TrainingClient numbers its requests 1, 2, 3, ... (fwd/bwd chunks, optim, save, load) and pipelines them: chunks of
 one call arrive concurrently, the first one last, and step k+1 is sent before step k is read (PROTOCOL.md trap 3).
 So a model's command with seq_id n waits here until n-1 has been released; commands without a model (sampling)
-are ready at once. Among ready commands the oldest goes first. A seq_id refused before it became a command
+are ready at once. Ready commands run in the order they became ready. A seq_id refused before it became a command
 (`skip`) is counted as released, so a bad request never blocks the ones after it.
 """
 
@@ -95,8 +95,7 @@ class Scheduler:
                 self._cond.wait(left)
             if self._closed and not self._ready:
                 return None
-            self._ready.sort(key=lambda p: p.arrived)
-            return self._ready.pop(0)
+            return self._ready.pop(0)  # in release order: a model's commands by seq_id, never by arrival
 
     def close(self) -> None:
         with self._cond:
