@@ -14,7 +14,7 @@ def served(tmp_path):
 
     cfg = tiny_config(tmp_path)
     engine = FakeEngine(cfg)
-    serving = start_rank0(cfg, engine, port=0, rl_types=RL_TYPES, poll_s=2.0)
+    serving = start_rank0(cfg, engine, port=0, rl_types=RL_TYPES, poll_s=2.0, max_body=1 << 20)
     loop = threading.Thread(target=serving.loop.run, daemon=True)
     loop.start()
     serving.engine = engine

@@ -45,7 +45,8 @@ RL_TYPES = (Datum, AdamParams)
 
 
 def tiny_config(tmp_path: Path, *overrides: str):
-    return load_config(None, [f"--logging.run_dir={tmp_path / 'run'}", "--model.max_seq_len=128", "--data.seq_len=128", *overrides])
+    return load_config(None, [f"--logging.run_dir={tmp_path / 'run'}", "--model.max_seq_len=128",
+                              "--data.seq_len=128", *overrides])
 
 
 class FakeEngine:

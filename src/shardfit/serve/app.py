@@ -14,7 +14,7 @@ import contextlib
 import json
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from shardfit.errors import ShardfitError

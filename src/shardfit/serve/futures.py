@@ -11,6 +11,7 @@ issued is 'expired' (HTTP 410, which the SDK answers by re-submitting a sample) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -105,10 +106,8 @@ class FutureStore:
             if rid in self._results:
                 return self._read(rid)
             self._waiters.setdefault(rid, []).append(ev)
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):  # not ready: the caller answers try_again
             await asyncio.wait_for(ev.wait(), self.poll_s if timeout is None else timeout)
-        except asyncio.TimeoutError:
-            pass
         with self._lock:
             if ev in self._waiters.get(rid, []):
                 self._waiters[rid].remove(ev)

@@ -65,8 +65,9 @@ def tensor_from_proto(msg, where: str) -> np.ndarray:
         if len(shape) != 2:
             raise _bad(f"a CSR tensor needs a 2-D shape, got {shape}", where, "send shape [rows, cols]")
         rows, cols = shape
-        if (len(crow) != rows + 1 or len(col) != len(values) or (len(crow) and (crow[0] != 0 or crow[-1] != len(values)))
-                or np.any(np.diff(crow) < 0) or np.any((col < 0) | (col >= cols))):
+        ends_ok = len(crow) == rows + 1 and crow[0] == 0 and crow[-1] == len(values)
+        if (not ends_ok or len(col) != len(values) or np.any(np.diff(crow) < 0)
+                or np.any((col < 0) | (col >= cols))):
             raise _bad("inconsistent CSR indices", where, "send crow_indices [rows + 1] (0 .. nnz, rising) and "
                        "col_indices [nnz] within the shape")
         dense = np.zeros(shape, dtype=values.dtype)
@@ -134,7 +135,7 @@ def decode_datum(d, where: str, loss_fn: str, vocab: int, max_len: int) -> WireD
     L = len(tokens)
     if L == 0:
         raise _bad("empty model input", where, "send at least one token")
-    if L > max_len:
+    if max_len < L:
         raise _bad(f"{L} tokens exceed the model's max_seq_len={max_len}", where, "send shorter datums")
     check_tokens(tokens, vocab, f"{where}.model_input")
     inputs = {}
@@ -181,6 +182,8 @@ def encode_forward_backward(outputs: list[dict[str, np.ndarray]], metrics: dict[
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord",
                                    metrics={k: float(v) for k, v in metrics.items()})
     runs: list[tuple[tuple, list[dict[str, np.ndarray]]]] = []
+    if len({tuple(sorted(out)) for out in outputs}) > 1:  # the SDK reads the field names of one record for all
+        raise ValueError("every datum's outputs must have the same fields")
     for out in outputs:
         arrays = {name: _proto_dtype(np.asarray(a)) for name, a in out.items()}
         sig = tuple(sorted((name, code, a.shape[1:]) for name, (a, code) in arrays.items()))

@@ -183,14 +183,17 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
         if (seen := st.remembered(request.headers.get("x-idempotency-key"))) is not None:
             return seen
         body = await _json(request, s.LoadWeightsBody)
-        run, kind, name = parse_tinker_path(body.path, "/load_weights path")
-        directory, tinker_path = st.checkpoint_target(run, kind, name)
-        args = {"dir": str(directory), "tinker_path": tinker_path, "optimizer": body.optimizer}
+
+        def target() -> dict:
+            run, kind, name = parse_tinker_path(body.path, "/load_weights path")
+            directory, tinker_path = st.checkpoint_target(run, kind, name)
+            return {"dir": str(directory), "tinker_path": tinker_path, "optimizer": body.optimizer}
+
         if body.model_id is not None:  # load_state on an existing TrainingClient: in its order
             if body.seq_id is None:
                 raise ShardfitError("seq_id is missing", where="/load_weights", fix="send the request's seq_id")
             with ordered(body.model_id, body.seq_id, "/load_weights"):
-                pass
+                args = target()
             return queue(request, "load_state", {**args, "model_id": body.model_id}, body.model_id, body.seq_id)
         if body.session_id is None or body.model_seq_id is None:  # create_training_client_from_state
             raise ShardfitError("neither model_id nor session_id + model_seq_id", where="/load_weights",
@@ -198,6 +201,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
         st.session(body.session_id, "/load_weights session_id")
         if body.base_model is not None:
             st.check_base_model(body.base_model, "/load_weights base_model")
+        args = target()
         model_id = st.add_model(body.session_id, body.model_seq_id, facts.base_model, None, None)
         return queue(request, "load_state", {**args, "model_id": model_id})
 

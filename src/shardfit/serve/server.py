@@ -91,10 +91,11 @@ class Serving:
 
 
 def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                rl_types: tuple | None = None, poll_s: float = 20.0) -> Serving:
+                rl_types: tuple | None = None, poll_s: float = 20.0, max_body: int = 256 << 20) -> Serving:
     run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.model.name}")
     facts, tokenizer = model_facts(cfg)
-    state = ServerState(facts, run_dir, setup_api_key(host, run_dir, api_key), poll_s=poll_s)
+    state = ServerState(facts, run_dir, setup_api_key(host, run_dir, api_key), poll_s=poll_s,
+                        max_body=max_body)
 
     def queue_wait(rid: str) -> float:
         t = state.futures.timing(rid)
