@@ -24,7 +24,7 @@ from shardfit.serve.sampling import SampleArgs, sample
 
 
 def metric_key(name: str) -> str:
-    """A metric name as the SDK needs it: exactly one colon, 'name:reduction' (PROTOCOL.md trap 4)."""
+    """A metric name as the SDK needs it: exactly one colon, 'name:reduction' (the SDK splits each key once)."""
     base, sep, red = name.rpartition(":")
     if sep and red in ("mean", "sum", "min", "max", "slack", "hash2", "unique") and ":" not in base:
         return name

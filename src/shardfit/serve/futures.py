@@ -1,7 +1,7 @@
 """request_id -> result, with the long poll of /retrieve_future and each request's timings.
 
 Every mutating call answers {request_id} at once; the SDK then polls /retrieve_future and re-polls a try_again at
-once, without sleeping (PROTOCOL.md trap 2), so a poll is held here until the result is ready or `poll_s` passes
+once, without sleeping, so a poll is held here until the result is ready or `poll_s` passes
 (well under the client's 45 s timeout). Results are set by the command loop's thread (`complete`) and awaited on
 the HTTP server's event loop (`wait`): the hand-over is loop.call_soon_threadsafe. A result stays retrievable for
 `keep_s` after it is first read (a retry of a lost answer gets it again), then it is dropped; an id dropped or never

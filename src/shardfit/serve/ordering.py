@@ -1,7 +1,7 @@
 """The queue of accepted commands, released per model in seq_id order (rank 0 only).
 
 A TrainingClient numbers its requests 1, 2, 3, ... (fwd/bwd chunks, optim, save, load) and pipelines them: chunks of
-one call arrive concurrently, the first one last, and step k+1 is sent before step k is read (PROTOCOL.md trap 3).
+one call arrive concurrently, the first one last, and step k+1 is sent before step k is read.
 So a model's command with seq_id n waits here until n-1 has been released; commands without a model (sampling)
 are ready at once. Ready commands run in the order they became ready. A seq_id refused before it became a command
 (`skip`) is counted as released, so a bad request never blocks the ones after it.

@@ -1,5 +1,5 @@
 """Tinker's wire formats <-> shardfit's RL data: protobuf ForwardBackwardRequest in, ForwardBackwardOutput and
-SampleResponse out (the schema is the SDK's own, tinker.proto.tinker_public_pb2; docs: /work/shared/tinker/PROTOCOL.md).
+SampleResponse out (the schema is the SDK's own, tinker.proto.tinker_public_pb2, tinker 0.38.0).
 
 Shapes: a datum's model input is its chunks' int32 token bytes concatenated, [L]; every loss_fn_input is [L, ...]
 (dense, or CSR densified here). Outputs go back as one ArrayRecord per run of datums whose fields agree in dtype and
@@ -177,7 +177,7 @@ def _proto_dtype(a: np.ndarray) -> tuple[np.ndarray, int]:
 def encode_forward_backward(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
     """ForwardBackwardOutput bytes: the per-datum outputs in the caller's order, and metrics "name:reduction"."""
     for key in metrics:
-        if key.count(":") != 1:  # the SDK splits every key once and fails otherwise (PROTOCOL.md trap 4)
+        if key.count(":") != 1:  # the SDK splits every key once and fails otherwise
             raise ValueError(f"metric key '{key}' is not 'name:reduction'")
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord",
                                    metrics={k: float(v) for k, v in metrics.items()})

@@ -1,4 +1,4 @@
-"""The Tinker API's routes (tinker 0.38.0; PROTOCOL.md's table), each a check and then a queued command or an answer.
+"""The Tinker API's routes (as tinker 0.38.0 calls them), each a check and then a queued command or an answer.
 
 Requests of a training model carry a seq_id: the scheduler releases them in that order. A request refused after its
 model and seq_id were read gives its seq_id up (Scheduler.skip) so the model's later requests do not wait for it.

@@ -87,7 +87,7 @@ class ServerState:
 
     def add_model(self, session_id: str, model_seq_id: int, base_model: str, user_metadata: dict | None,
                   lora_rank: int | None) -> str:
-        model_id = check_segment(f"{session_id}:train:{model_seq_id}", "model_id")  # PROTOCOL.md trap 6
+        model_id = check_segment(f"{session_id}:train:{model_seq_id}", "model_id")  # the SDK rebuilds this id itself
         with self.lock:
             self.models[model_id] = {"base_model": base_model, "created": now_iso(), "seen": now_iso(),
                                      "user_metadata": user_metadata, "requested_lora_rank": lora_rank}
