@@ -1,6 +1,6 @@
 """The HTTP face on rank 0 (FastAPI): checks each request, queues a command, answers futures.
 
-Every route is under /api/v1 as the SDK calls it ; anything else is 404 -- never 5xx or
+Every route is under /api/v1 as the SDK calls it; anything else is 404 -- never 5xx or
 501, which the SDK retries for minutes. A request is checked here in full (JSON or protobuf schema, the model and
 session it names, token ids against the vocabulary, paths inside the run directory) and refused with one line and
 a 4xx before it becomes a command, so no rank ever sees it. Bodies over `max_body` bytes are refused (413) as they

@@ -114,17 +114,19 @@ class FutureStore:
             return self._read(rid) if rid in self._results else None
 
     def _read(self, rid: str) -> Result:
+        result = self._results[rid]
+        self._evict(keep=rid)
         self._read_at.setdefault(rid, time.monotonic())
-        self._evict()
-        return self._results[rid]
+        return result
 
-    def _evict(self) -> None:
-        """Drop results read more than keep_s ago, and the oldest read ones beyond max_kept (lock held)."""
+    def _evict(self, keep: str) -> None:
+        """Drop results read more than keep_s ago, and the oldest read ones beyond max_kept, but `keep` (the one
+        being read now) (lock held)."""
         now = time.monotonic()
-        old = [r for r, t in self._read_at.items() if now - t > self.keep_s]
+        old = [r for r, t in self._read_at.items() if now - t > self.keep_s and r != keep]
         excess = len(self._read_at) - len(old) - self.max_kept
         if excess > 0:
-            old += sorted((r for r in self._read_at if r not in old), key=self._read_at.get)[:excess]
+            old += sorted((r for r in self._read_at if r not in old and r != keep), key=self._read_at.get)[:excess]
         for r in old:
             self._results.pop(r, None)
             self._timings.pop(r, None)
