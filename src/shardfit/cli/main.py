@@ -14,12 +14,13 @@ from shardfit import __version__
 from shardfit.cli import rank_errors
 from shardfit.cli.args import ArgumentParser
 from shardfit.cli.plan import plan
+from shardfit.cli.serve import serve
 from shardfit.cli.tools import doctor, generate, profile, recipes, tokenize
 from shardfit.cli.train import train
 from shardfit.errors import ShardfitError
 
 COMMANDS = {"train": train, "doctor": doctor, "plan": plan, "recipes": recipes, "generate": generate,
-            "tokenize": tokenize, "profile": profile}
+            "tokenize": tokenize, "profile": profile, "serve": serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,138 @@
+"""Commands and the loop every rank runs: rank 0 takes the next command from the queue and broadcasts it, every
+rank executes it on the Engine, rank 0 files the result.
+
+Collectives per command, identical on every rank and in this order: one broadcast of the length (int64 [1]), one of
+the JSON bytes (uint8 [n]) -- never pickle: a command is plain JSON, arrays in it base64 -- then the Engine's own.
+When the queue stays empty for `idle_s`, rank 0 broadcasts a no-op, so that the other ranks' wait in the broadcast
+never reaches the process group's timeout. A ShardfitError from the Engine is raised on every rank alike (it checks
+its input the same way everywhere): it becomes the request's user error and the loop goes on in step.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from shardfit.errors import ShardfitError
+from shardfit.serve.futures import FutureStore, Result
+from shardfit.serve.ordering import Scheduler
+from shardfit.serve.protocol import WireDatum
+
+NOOP, STOP = "noop", "stop"
+
+
+@dataclass
+class Command:
+    kind: str  # forward_backward | optim_step | save_state | load_state | sampler_snapshot | sample | noop | stop
+    request_id: str = ""
+    args: dict = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Command:
+        d = json.loads(raw.decode())
+        return cls(kind=str(d["kind"]), request_id=str(d["request_id"]), args=dict(d["args"]))
+
+
+def array_to_json(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode()}
+
+
+def array_from_json(d: dict) -> np.ndarray:
+    dtype = np.dtype(d["dtype"])
+    if dtype.kind not in "fiu":  # numbers only: an object dtype would be a pickle
+        raise ValueError(f"unexpected dtype {dtype}")
+    return np.frombuffer(base64.b64decode(d["b64"]), dtype=dtype).reshape(d["shape"]).copy()
+
+
+def datums_to_json(datums: list[WireDatum]) -> list[dict]:
+    return [{"tokens": array_to_json(d.tokens), "inputs": {k: array_to_json(v) for k, v in d.inputs.items()}}
+            for d in datums]
+
+
+def datums_from_json(items: list[dict]) -> list[WireDatum]:
+    return [WireDatum(array_from_json(d["tokens"]), {k: array_from_json(v) for k, v in d["inputs"].items()})
+            for d in items]
+
+
+def broadcast_command(cmd: Command | None, rank: int, world: int, device: torch.device) -> Command:
+    """Rank 0's command on every rank (two broadcasts: the length, then the bytes)."""
+    if world == 1:
+        return cmd
+    import torch.distributed as dist
+
+    raw = cmd.to_bytes() if rank == 0 else b""
+    n = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+    dist.broadcast(n, 0)
+    buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if rank == 0
+           else torch.empty(int(n.item()), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, 0)
+    return cmd if rank == 0 else Command.from_bytes(buf.cpu().numpy().tobytes())
+
+
+@dataclass
+class Loop:
+    """The command loop of one rank. `execute(cmd) -> (Result, phases)` runs the command on the Engine (every rank);
+    on rank 0 `scheduler` and `futures` are the server's, elsewhere None."""
+
+    execute: Callable[[Command], tuple[Result, dict[str, float]]]
+    rank: int
+    world: int
+    device: torch.device
+    scheduler: Scheduler | None = None
+    futures: FutureStore | None = None
+    idle_s: float = 30.0
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+
+    def next_command(self) -> Command:
+        """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
+        pending = self.scheduler.next(self.idle_s)
+        if pending is not None:
+            return pending.command
+        return Command(STOP) if self.scheduler.closed else Command(NOOP)
+
+    def run(self) -> None:
+        while True:
+            cmd = broadcast_command(self.next_command() if self.rank == 0 else None, self.rank, self.world,
+                                    self.device)
+            if cmd.kind == STOP:
+                return
+            if cmd.kind == NOOP:
+                continue
+            self.step(cmd)
+
+    def step(self, cmd: Command) -> None:
+        if self.futures is not None:
+            self.futures.started(cmd.request_id)
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+        try:
+            result, phases = self.execute(cmd)
+        except ShardfitError as e:  # bad input the Engine found: every rank raised it alike
+            result = Result(error=str(e), category="user")
+        except Exception as e:  # a bug: said once with its traceback, the request failed, the loop goes on
+            if self.rank == 0:
+                traceback.print_exc()
+            result = Result(error=f"{type(e).__name__}: {e} (a server bug: see the server's log)", category="server")
+        phases.setdefault("run", time.perf_counter() - t0)
+        if self.futures is not None:
+            self.futures.complete(cmd.request_id, result, phases)
+            t = self.futures.timing(cmd.request_id)
+            if t is not None:
+                d = t.as_dict()
+                extra = "".join(f", {k[:-2]} {v:.3f} s" for k, v in d.items()
+                                if k.endswith("_s") and k not in ("queue_s", "run_s") and v is not None)
+                status = f"error ({result.category})" if result.error else "ok"
+                self.log(f"shardfit serve: {cmd.kind} {cmd.request_id}: {status}, queue {d['queue_s']:.3f} s, "
+                         f"run {d['run_s']:.3f} s{extra}")

@@ -1,0 +1,130 @@
+"""One command on the Engine, the same call on every rank; rank 0 encodes the answer.
+
+Engine names (docs: the Engine's RL API, shardfit.train.engine): forward / forward_backward(datums, loss_fn,
+loss_fn_config) -> outputs + metrics, optim_step(AdamParams) -> metrics, save_state / load_state(path, optimizer),
+model (the sharded CausalLM, for sampling). Paths in a command were resolved inside the run directory by rank 0
+(serve.security) before the broadcast. Timings go back with the answer: fwd/bwd metrics carry the server's queue wait
+and compute time as "server_queue_s:max" and "server_compute_s:sum" (the SDK sums or maxes them over chunks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shardfit.errors import ShardfitError
+from shardfit.serve.commands import Command, datums_from_json
+from shardfit.serve.futures import Result
+from shardfit.serve.protocol import encode_forward_backward, encode_sample
+from shardfit.serve.sampling import SampleArgs, sample
+
+
+def metric_key(name: str) -> str:
+    """A metric name as the SDK needs it: exactly one colon, 'name:reduction' (the SDK splits each key once)."""
+    base, sep, red = name.rpartition(":")
+    if sep and red in ("mean", "sum", "min", "max", "slack", "hash2", "unique") and ":" not in base:
+        return name
+    return name.replace(":", "_") + ":mean"
+
+
+def _rl_types():
+    from shardfit.rl.datum import AdamParams, Datum
+
+    return Datum, AdamParams
+
+
+class Executor:
+    """execute(cmd) -> (Result, phases). Rank 0's Result is the one filed; the other ranks' are dropped."""
+
+    def __init__(self, engine, *, tokenizer=None, queue_wait: Callable[[str], float] | None = None,
+                 rl_types: tuple | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer  # rank 0: stop strings are decoded there
+        self.queue_wait = queue_wait or (lambda rid: 0.0)
+        self.Datum, self.AdamParams = rl_types or _rl_types()
+        self.weights_version = 0  # optimizer steps and loads applied: which weights a sample came from
+        self.handlers = {"forward_backward": self.forward_backward, "optim_step": self.optim_step,
+                         "save_state": self.save_state, "load_state": self.load_state,
+                         "sampler_snapshot": self.sampler_snapshot, "sample": self.sample}
+
+    @property
+    def rank(self) -> int:
+        return self.engine.dist.rank
+
+    def __call__(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        handler = self.handlers.get(cmd.kind)
+        if handler is None:  # rank 0 only makes the kinds above: a mismatch is a bug
+            raise ValueError(f"unknown command kind '{cmd.kind}'")
+        return handler(cmd)
+
+    def forward_backward(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        a = cmd.args
+        datums = [self.Datum(tokens=d.tokens, inputs=d.inputs) for d in datums_from_json(a["datums"])]
+        t0 = time.perf_counter()
+        call = self.engine.forward if a["forward_only"] else self.engine.forward_backward
+        res = call(datums, loss_fn=a["loss_fn"], loss_fn_config=a.get("loss_fn_config") or None)
+        compute = time.perf_counter() - t0
+        phase = "forward" if a["forward_only"] else "forward_backward"
+        if self.rank != 0:
+            return Result(), {phase: compute}
+        metrics = {metric_key(k): float(v) for k, v in res.metrics.items()}
+        metrics["server_queue_s:max"] = self.queue_wait(cmd.request_id)
+        metrics["server_compute_s:sum"] = compute
+        outputs = [{k: np.asarray(v) for k, v in out.items()} for out in res.outputs]
+        return Result(proto=encode_forward_backward(outputs, metrics)), {phase: compute}
+
+    def optim_step(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        t0 = time.perf_counter()
+        metrics = self.engine.optim_step(self.AdamParams(**cmd.args["adam"]))
+        took = time.perf_counter() - t0
+        self.weights_version += 1
+        out = {metric_key(k): float(v) for k, v in (metrics or {}).items()}
+        out["server_queue_s:max"] = self.queue_wait(cmd.request_id)
+        out["server_optimizer_s:sum"] = took
+        return Result(json={"metrics": out}), {"optimizer": took}
+
+    def save_state(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        a = cmd.args
+        t0 = time.perf_counter()
+        self.engine.save_state(Path(a["dir"]), optimizer=bool(a["optimizer"]))
+        took = time.perf_counter() - t0
+        if self.rank == 0 and a.get("meta_file"):
+            from shardfit.fsutil import write_atomic
+
+            write_atomic(a["meta_file"], a["meta"])  # the checkpoint's listing entry, once its files are complete
+        return Result(json={"path": a["tinker_path"], "type": a["response_type"]}), {"save": took}
+
+    def load_state(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        a = cmd.args
+        if not Path(a["dir"]).is_dir():  # every rank sees the same filesystem here (one node, or a shared one)
+            raise ShardfitError("no such checkpoint", where=a["tinker_path"],
+                                fix="give a path save_state returned (tinker://RUN/weights/NAME)")
+        t0 = time.perf_counter()
+        self.engine.load_state(Path(a["dir"]), optimizer=bool(a["optimizer"]))
+        self.weights_version += 1
+        return (Result(json={"path": a["tinker_path"], "model_id": a["model_id"], "type": "load_weights"}),
+                {"load": time.perf_counter() - t0})
+
+    def sampler_snapshot(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        """An unnamed save_weights_for_sampler: the sampling session reads the weights as they are now (in
+        order with the model's other requests); nothing is written."""
+        return Result(json={"sampling_session_id": cmd.args["sampling_session_id"],
+                            "type": "save_weights_for_sampler"}), {}
+
+    def sample(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        a = dict(cmd.args)
+        a["stop_tokens"], a["stop_strings"] = tuple(a.get("stop_tokens", ())), tuple(a.get("stop_strings", ()))
+        args = SampleArgs(**a)
+        from shardfit.parallel.parallelize import mixed_precision
+
+        e = self.engine
+        dtype = mixed_precision(e.cfg.parallel, e.dist.device).param_dtype or torch.float32
+        t0 = time.perf_counter()
+        seqs, prompt_lp = sample(e.model, args, dtype, e.dist.device, e.dist.rank, e.dist.world_size,
+                                 self.tokenizer)
+        took = time.perf_counter() - t0
+        return Result(proto=encode_sample(seqs, prompt_lp) if self.rank == 0 else None), {"sample": took}

@@ -1,0 +1,111 @@
+"""The queue of accepted commands, released per model in seq_id order (rank 0 only).
+
+A TrainingClient numbers its requests 1, 2, 3, ... (fwd/bwd chunks, optim, save, load) and pipelines them: chunks of
+one call arrive concurrently, the first one last, and step k+1 is sent before step k is read.
+So a model's command with seq_id n waits here until n-1 has been released; commands without a model (sampling)
+are ready at once. Ready commands run in the order they became ready. A seq_id refused before it became a command
+(`skip`) is counted as released, so a bad request never blocks the ones after it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from shardfit.errors import ShardfitError
+
+
+@dataclass
+class Pending:
+    command: object  # commands.Command
+    model_id: str | None
+    seq_id: int | None
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._next: dict[str, int] = {}  # model_id -> the seq_id it releases next
+        self._skipped: dict[str, set[int]] = {}
+        self._waiting: dict[tuple[str, int], Pending] = {}
+        self._ready: list[Pending] = []
+        self._closed = False
+
+    def add_model(self, model_id: str, first_seq: int = 1) -> None:
+        with self._cond:
+            self._next.setdefault(model_id, first_seq)
+            self._skipped.setdefault(model_id, set())
+
+    def has_model(self, model_id: str) -> bool:
+        with self._cond:
+            return model_id in self._next
+
+    def check_seq(self, model_id: str, seq_id: int, where: str) -> None:
+        """Refuse (400) an unknown model or a seq_id already used, before the request becomes a command."""
+        with self._cond:
+            if model_id not in self._next:
+                raise ShardfitError(f"unknown model_id '{model_id}'", where=where,
+                                    fix="create the model first (ServiceClient.create_lora_training_client)")
+            if seq_id < self._next[model_id] or (model_id, seq_id) in self._waiting \
+                    or seq_id in self._skipped[model_id]:
+                raise ShardfitError(f"seq_id {seq_id} of model '{model_id}' was already used", where=where,
+                                    fix="number each request of a model once, from 1 up (the SDK does)")
+
+    def submit(self, command: object, model_id: str | None = None, seq_id: int | None = None) -> None:
+        with self._cond:
+            p = Pending(command, model_id, seq_id)
+            if model_id is None:
+                self._ready.append(p)
+            else:
+                self._waiting[(model_id, seq_id)] = p
+                self._release(model_id)
+            self._cond.notify_all()
+
+    def skip(self, model_id: str, seq_id: int) -> None:
+        """A refused request's seq_id: the model's later requests do not wait for it."""
+        with self._cond:
+            if model_id in self._next and seq_id >= self._next[model_id]:
+                self._skipped[model_id].add(seq_id)
+                self._release(model_id)
+                self._cond.notify_all()
+
+    def _release(self, model_id: str) -> None:
+        """Move the model's consecutive seq_ids from waiting to ready (lock held)."""
+        n, skipped = self._next[model_id], self._skipped[model_id]
+        while True:
+            if n in skipped:
+                skipped.discard(n)
+            elif (model_id, n) in self._waiting:
+                self._ready.append(self._waiting.pop((model_id, n)))
+            else:
+                break
+            n += 1
+        self._next[model_id] = n
+
+    def next(self, timeout: float) -> Pending | None:
+        """The oldest ready command, waiting up to `timeout` s; None when there is none (or after close)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._ready and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            if self._closed and not self._ready:
+                return None
+            return self._ready.pop(0)  # in release order: a model's commands by seq_id, never by arrival
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def depth(self) -> dict[str, int]:
+        with self._cond:
+            return {"ready": len(self._ready), "waiting_for_earlier_seq_id": len(self._waiting)}

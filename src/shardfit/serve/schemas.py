@@ -1,0 +1,192 @@
+"""The JSON requests of the Tinker API, as the SDK (tinker 0.38.0) sends them, and their checks on rank 0.
+
+Unknown fields are ignored (the SDK adds `type` tags and optional extras); a field of the wrong type is a 400 before
+anything is queued. `sample_args` turns an /asample body into the concrete SampleArgs every rank runs: the stop rule
+resolved (None = the tokenizer's EOS, [] = none, strings, token ids), the seed drawn on rank 0 when none is given.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from shardfit.errors import ShardfitError
+from shardfit.serve.protocol import check_tokens
+from shardfit.serve.sampling import SampleArgs
+
+MAX_SAMPLES = 256
+DEFAULT_MAX_TOKENS = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class SessionBody(_Body):
+    session_id: str
+
+
+class CreateModelBody(_Body):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    lora_config: dict | None = None
+    user_metadata: dict | None = None
+
+
+class ModelBody(_Body):
+    model_id: str
+
+
+class OptimStepBody(_Body):
+    model_id: str
+    seq_id: int
+    adam_params: dict | None = None
+    optimizer_params: dict | None = None
+
+
+class SaveWeightsBody(_Body):
+    model_id: str
+    seq_id: int
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    kind: str | None = None
+
+
+class LoadWeightsBody(_Body):
+    path: str
+    optimizer: bool = False
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+
+
+class SamplingSessionBody(_Body):
+    session_id: str
+    sampling_session_seq_id: int | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class SampleBody(_Body):
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+    num_samples: int = 1
+    prompt: dict
+    sampling_params: dict
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: Any = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+
+
+class RetrieveBody(_Body):
+    request_id: str
+
+
+ADAM_KEYS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+             "grad_clip_norm": 0.0}
+
+
+def adam_args(body: OptimStepBody) -> dict[str, float]:
+    """adam_params with Tinker's defaults filled in, every value a finite number in range."""
+    if body.adam_params is None:
+        raise ShardfitError("only Adam is served" if body.optimizer_params else "adam_params is missing",
+                            where="/optim_step", fix="send adam_params (types.AdamParams)")
+    out = {}
+    for key, default in ADAM_KEYS.items():
+        v = body.adam_params.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ShardfitError(f"{key}={v!r} is not a finite number >= 0", where="/optim_step adam_params",
+                                fix=f"send a number (Tinker's default is {default})")
+        out[key] = float(v)
+    for key in ("beta1", "beta2"):
+        if out[key] >= 1:
+            raise ShardfitError(f"{key}={out[key]} must be below 1", where="/optim_step adam_params",
+                                fix=f"send a value in [0, 1) (default {ADAM_KEYS[key]})")
+    return out
+
+
+def prompt_tokens(prompt: dict, vocab: int) -> list[int]:
+    chunks = prompt.get("chunks")
+    if not isinstance(chunks, list) or not chunks:
+        raise ShardfitError("the prompt has no chunks", where="/asample prompt", fix="send ModelInput.from_ints(...)")
+    tokens: list[int] = []
+    for i, c in enumerate(chunks):
+        toks = c.get("tokens") if isinstance(c, dict) else None
+        if c.get("type", "encoded_text") != "encoded_text" or not isinstance(toks, list) \
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise ShardfitError(f"chunk {i} is not an encoded_text chunk of token ids", where="/asample prompt",
+                                fix="send text as token ids (EncodedTextChunk); images are not served")
+        tokens += toks
+    if not tokens:
+        raise ShardfitError("the prompt is empty", where="/asample prompt", fix="send at least one token")
+    import numpy as np
+
+    check_tokens(np.asarray(tokens, dtype=np.int64), vocab, "/asample prompt")
+    return tokens
+
+
+def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], has_tokenizer: bool) -> SampleArgs:
+    where = "/asample"
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if getattr(body, name):
+            raise ShardfitError(f"{name} is not served", where=where, fix=f"leave {name} at 0")
+    if body.target_prompt_logprobs is not None or body.prompt_logprobs_last_n is not None:
+        raise ShardfitError("target_prompt_logprobs and prompt_logprobs_last_n are not served", where=where,
+                            fix="ask for prompt_logprobs over the whole prompt")
+    if not 1 <= body.num_samples <= MAX_SAMPLES:
+        raise ShardfitError(f"num_samples={body.num_samples} is out of range", where=where,
+                            fix=f"ask for 1 to {MAX_SAMPLES} samples per request")
+    tokens = prompt_tokens(body.prompt, vocab)
+    p = body.sampling_params
+    max_tokens = p.get("max_tokens")
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if not isinstance(max_tokens, int) or max_tokens < 1 or len(tokens) + max_tokens > max_len:
+        raise ShardfitError(f"prompt ({len(tokens)} tokens) + max_tokens={max_tokens} exceeds the model's "
+                            f"max_seq_len={max_len} or is not positive", where=f"{where} sampling_params.max_tokens",
+                            fix=f"ask for 1 to {max(1, max_len - len(tokens))} tokens")
+    temperature, top_p, top_k = p.get("temperature", 1.0), p.get("top_p", 1.0), p.get("top_k", -1)
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ShardfitError(f"temperature={temperature!r}", where=f"{where} sampling_params",
+                            fix="send 0 (greedy) or more")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ShardfitError(f"top_p={top_p!r}", where=f"{where} sampling_params", fix="send a value in (0, 1]")
+    if not isinstance(top_k, int) or top_k < -1:
+        raise ShardfitError(f"top_k={top_k!r}", where=f"{where} sampling_params", fix="send -1 (no limit) or more")
+    stop = p.get("stop")
+    stop_tokens: list[int] = sorted(eos_ids) if stop is None else []
+    stop_strings: list[str] = []
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, list):
+        if all(isinstance(s, str) and s for s in stop):
+            stop_strings = stop
+        elif all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < vocab for s in stop):
+            stop_tokens = list(stop)
+        else:
+            raise ShardfitError("stop mixes kinds, holds an empty string or a token id outside the vocabulary",
+                                where=f"{where} sampling_params.stop", fix="send strings, or token ids, or null")
+    elif stop is not None:
+        raise ShardfitError(f"stop={stop!r}", where=f"{where} sampling_params.stop",
+                            fix="send a string, a list of strings, a list of token ids, or null")
+    if stop_strings and not has_tokenizer:
+        raise ShardfitError("stop strings need the model's tokenizer, and this server has none",
+                            where=f"{where} sampling_params.stop", fix="send stop token ids")
+    seed = p.get("seed")
+    seed = secrets.randbits(63) if seed is None else seed
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ShardfitError(f"seed={seed!r}", where=f"{where} sampling_params", fix="send an integer or null")
+    return SampleArgs(prompt=tokens, num_samples=body.num_samples, max_tokens=max_tokens,
+                      temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed % (2**63 - 1),
+                      stop_tokens=tuple(stop_tokens), stop_strings=tuple(stop_strings),
+                      prompt_logprobs=bool(body.prompt_logprobs))

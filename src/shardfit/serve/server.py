@@ -1,0 +1,135 @@
+"""`shardfit serve` on each rank: the Engine everywhere, the HTTP server (uvicorn, in a thread) on rank 0 only, and
+the command loop (commands.Loop) on every rank in the main thread.
+
+Start-up: every rank builds the Engine (its own collectives); rank 0 then binds the address, writes the API key
+when one is needed, and prints `shardfit serve: listening on http://HOST:PORT` once it accepts connections.
+Shut-down (Ctrl-C / SIGTERM to rank 0, or the launcher's): the scheduler closes, the loop broadcasts `stop` after
+the command in hand, and every rank leaves the loop at the same command.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardfit.serve.app import build_app
+from shardfit.serve.commands import Loop
+from shardfit.serve.executor import Executor
+from shardfit.serve.security import setup_api_key
+from shardfit.serve.state import ModelFacts, ServerState
+
+
+def model_facts(cfg) -> tuple[ModelFacts, object]:
+    """(what requests are checked against, rank 0's tokenizer or None)."""
+    from shardfit.data.tokenizer import build_tokenizer
+    from shardfit.generate import eos_ids
+
+    model_dir = Path(cfg.model.path) if cfg.model.path else None
+    hf_tok = model_dir / "tokenizer.json" if model_dir else None
+    spec = str(hf_tok) if hf_tok is not None and hf_tok.is_file() else cfg.data.tokenizer
+    try:
+        tokenizer = build_tokenizer(spec)
+    except Exception as e:  # serving goes on without stop strings; said once
+        print(f"shardfit serve: no tokenizer ({spec}: {e}); stop strings are refused", file=sys.stderr)
+        tokenizer = None
+    facts = ModelFacts(base_model=str(model_dir) if model_dir else cfg.model.name, vocab_size=cfg.model.vocab_size,
+                       max_seq_len=cfg.model.max_seq_len,
+                       eos_ids=eos_ids(tokenizer, model_dir) if tokenizer is not None else set(),
+                       tokenizer_id=str(model_dir) if hf_tok is not None and hf_tok.is_file() else None,
+                       has_tokenizer=tokenizer is not None, arch=cfg.model.name)
+    return facts, tokenizer
+
+
+def comm_device(engine) -> torch.device:
+    """Where the command broadcasts run: the GPU under NCCL, the host under gloo."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return engine.dist.device
+    return torch.device("cpu")
+
+
+def start_http(state: ServerState, host: str, port: int):
+    """uvicorn in a daemon thread; (server, the bound port) once it accepts connections."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="shardfit-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            from shardfit.errors import ShardfitError
+
+            raise ShardfitError(f"cannot listen on {host}:{port} (in use, or not this machine's address)",
+                                where="--port", fix="pick a free port (or 0: any free port) and a local --host")
+        time.sleep(0.05)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, bound
+
+
+@dataclass
+class Serving:
+    """Rank 0's running parts: run `loop.run()` (blocks), then `stop()`."""
+
+    state: ServerState
+    loop: Loop
+    server: object
+    thread: threading.Thread
+    url: str
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                rl_types: tuple | None = None, poll_s: float = 20.0, max_body: int = 256 << 20) -> Serving:
+    run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.model.name}")
+    facts, tokenizer = model_facts(cfg)
+    state = ServerState(facts, run_dir, setup_api_key(host, run_dir, api_key), poll_s=poll_s,
+                        max_body=max_body)
+
+    def queue_wait(rid: str) -> float:
+        t = state.futures.timing(rid)
+        return (t.started - t.submitted) if t is not None and t.started is not None else 0.0
+
+    executor = Executor(engine, tokenizer=tokenizer, queue_wait=queue_wait, rl_types=rl_types)
+    loop = Loop(executor, 0, engine.dist.world_size, comm_device(engine), state.scheduler, state.futures)
+    server, thread, bound = start_http(state, host, port)
+    return Serving(state, loop, server, thread, f"http://{'[' + host + ']' if ':' in host else host}:{bound}")
+
+
+def run(cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+        engine_factory: Callable | None = None) -> int:
+    """Every rank: build the Engine, then serve until stopped."""
+    if engine_factory is None:
+        from shardfit.train.engine import Engine
+
+        engine_factory = Engine.start
+    engine = engine_factory(cfg)
+    rank, world = engine.dist.rank, engine.dist.world_size
+    if rank != 0:
+        Loop(Executor(engine), rank, world, comm_device(engine)).run()
+        return 0
+    serving = start_rank0(cfg, engine, host=host, port=port, api_key=api_key)
+    state = serving.state
+    previous = {sig: signal.signal(sig, lambda *_: state.scheduler.close()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    key_note = (f" (API key in {state.run_dir / 'api_key'})" if state.api_key else " (any tml- key on loopback)")
+    print(f"shardfit serve: listening on {serving.url}{key_note}; {state.facts.base_model}, {world} rank(s); "
+          "training is full-parameter (LoRA is not built yet)", flush=True)
+    try:
+        serving.loop.run()
+    finally:
+        serving.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("shardfit serve: stopped", file=sys.stderr, flush=True)
+    return 0

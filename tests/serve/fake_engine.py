@@ -1,0 +1,114 @@
+"""A one-process stand-in for the Engine's RL API (the names serve/ codes against), on the real tiny model.
+
+It computes what the Engine computes where the server can tell: per-token log-probs of the targets, cross_entropy as
+the weighted sum of -logp (never renormalised), AdamW steps, saved and loaded state. Anything else is refused with a
+ShardfitError, as the Engine refuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from shardfit.config import load_config
+from shardfit.errors import ShardfitError
+from shardfit.models import build_model
+
+
+@dataclass
+class Datum:
+    tokens: np.ndarray
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class ForwardBackwardResult:
+    outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]
+
+
+RL_TYPES = (Datum, AdamParams)
+
+
+def tiny_config(tmp_path: Path, *overrides: str):
+    return load_config(None, [f"--logging.run_dir={tmp_path / 'run'}", "--model.max_seq_len=128",
+                              "--data.seq_len=128", *overrides])
+
+
+class FakeEngine:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.dist = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+        self.model = build_model(cfg.model)
+        self.model.init_weights(seed=0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.step = 0
+        self.calls: list[str] = []
+
+    def _logprobs(self, d: Datum) -> torch.Tensor:
+        logits = self.model(torch.as_tensor(d.tokens)[None])[0].float()
+        target = torch.as_tensor(d.inputs["target_tokens"])
+        return torch.log_softmax(logits, -1).gather(-1, target[:, None]).squeeze(-1)
+
+    def _run(self, datums, loss_fn, backward: bool) -> ForwardBackwardResult:
+        if loss_fn != "cross_entropy":
+            raise ShardfitError(f"unknown loss_fn '{loss_fn}'", where="loss_fn", fix="use cross_entropy")
+        outputs, total = [], 0.0
+        for d in datums:
+            if int(d.tokens.max()) >= self.cfg.model.vocab_size:
+                raise ShardfitError("token id beyond the vocabulary", where="tokens", fix="use the tokenizer")
+            lp = self._logprobs(d)
+            w = torch.as_tensor(d.inputs.get("weights", np.ones(len(d.tokens), np.float32)))
+            loss = -(w * lp).sum()
+            if backward:
+                loss.backward()
+            total += float(loss.detach())
+            outputs.append({"logprobs": lp.detach().numpy().astype(np.float32)})
+        return ForwardBackwardResult(outputs, {"loss:sum": total})
+
+    def forward(self, datums, loss_fn="cross_entropy", loss_fn_config=None):
+        self.calls.append("forward")
+        with torch.no_grad():
+            return self._run(datums, loss_fn, False)
+
+    def forward_backward(self, datums, loss_fn="cross_entropy", loss_fn_config=None):
+        self.calls.append("forward_backward")
+        return self._run(datums, loss_fn, True)
+
+    def optim_step(self, p: AdamParams) -> dict[str, float]:
+        self.calls.append("optim_step")
+        for g in self.opt.param_groups:
+            g.update(lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.grad_clip_norm or float("inf"))
+        self.opt.step()
+        self.opt.zero_grad()
+        self.step += 1
+        return {"grad_norm:mean": float(norm), "skipped:max": 0.0}
+
+    def save_state(self, path: Path, optimizer: bool = True) -> Path:
+        self.calls.append("save_state")
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), **({"opt": self.opt.state_dict()} if optimizer else {})},
+                   path / "state.pt")
+        return path
+
+    def load_state(self, path: Path, optimizer: bool = True) -> None:
+        self.calls.append("load_state")
+        state = torch.load(path / "state.pt", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        if optimizer and "opt" in state:
+            self.opt.load_state_dict(state["opt"])

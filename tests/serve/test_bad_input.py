@@ -1,0 +1,185 @@
+"""Bad requests against a running server (HTTP side + command loop on the fake Engine): each gets a clear 4xx (or a
+user-error result when only the Engine can tell), and the next good request works."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import time
+from urllib.parse import urlparse
+
+import numpy as np
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
+
+KEY = {"X-API-Key": "tml-test"}
+PROTO = {**KEY, "Content-Type": "application/x-protobuf"}
+
+
+def _fb(model_id: str, seq_id: int, tokens=(1, 2, 3), targets=(2, 3, 4), loss_fn="cross_entropy", data=None,
+        **inputs) -> bytes:
+    if data is None:
+        data = [types.Datum(model_input=types.ModelInput.from_ints(list(tokens)),
+                            loss_fn_inputs={"target_tokens": np.asarray(targets, np.int64), **inputs})]
+    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn),
+                                       model_id=model_id, seq_id=seq_id)
+    return forward_backward_request_to_proto(req).SerializeToString()
+
+
+class Client:
+    def __init__(self, url: str):
+        self.http = httpx.Client(base_url=url + "/api/v1", timeout=30)
+        sid = self.http.post("/create_session", json={}, headers=KEY).json()["session_id"]
+        created = self.http.post("/create_model", headers=KEY, json={
+            "session_id": sid, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}).json()
+        self.model_id, self.seq = created["model_id"], 0
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def result(self, rid: str):
+        for _ in range(30):
+            r = self.http.post("/retrieve_future", json={"request_id": rid}, headers=KEY)
+            if r.headers["content-type"].startswith("application/x-protobuf"):
+                return deserialize_forward_backward_output(r.content)
+            if r.json().get("type") != "try_again":
+                return r.json()
+        raise AssertionError("no result")
+
+    def good_forward(self) -> float:
+        r = self.http.post("/forward_backward", content=_fb(self.model_id, self.next_seq()), headers=PROTO)
+        assert r.status_code == 200, r.text
+        return self.result(r.json()["request_id"]).metrics["loss:sum"]
+
+
+@pytest.fixture
+def client(served):
+    return Client(served.url)
+
+
+def _cases(c: Client):
+    m = c.model_id
+    return {
+        "malformed JSON": lambda: c.http.post("/optim_step", content=b"{not json", headers=KEY),
+        "JSON of the wrong shape": lambda: c.http.post("/optim_step", json={"model_id": m, "seq_id": "x"},
+                                                       headers=KEY),
+        "bad protobuf": lambda: c.http.post("/forward_backward", content=b"\x0a\xff\xff\xff", headers=PROTO),
+        "token id beyond the vocabulary": lambda: c.http.post("/forward_backward", headers=PROTO,
+                                                              content=_fb(m, c.next_seq(), tokens=(1, 999, 3))),
+        "empty data": lambda: c.http.post("/forward_backward", content=_fb(m, c.next_seq(), data=[]), headers=PROTO),
+        "unknown loss": lambda: c.http.post("/forward_backward", headers=PROTO,
+                                            content=_fb(m, c.next_seq(), loss_fn="magic")),
+        "unknown model": lambda: c.http.post("/optim_step", headers=KEY,
+                                             json={"model_id": "nope:train:0", "seq_id": 1, "adam_params": {}}),
+        "negative learning rate": lambda: c.http.post("/optim_step", headers=KEY, json={
+            "model_id": m, "seq_id": c.next_seq(), "adam_params": {"learning_rate": -1}}),
+        "oversize request": lambda: c.http.post("/forward_backward", content=b"x" * (2 << 20), headers=PROTO),
+        "wrong key": lambda: c.http.post("/create_session", json={}, headers={"X-API-Key": "sk-not-tinker"}),
+        "no key": lambda: c.http.post("/create_session", json={}),
+        "path with ..": lambda: c.http.post("/load_weights", headers=KEY, json={
+            "model_id": m, "seq_id": c.next_seq(), "path": "tinker://x/weights/../../../etc", "optimizer": False}),
+        "absolute path": lambda: c.http.post("/save_weights", headers=KEY, json={
+            "model_id": m, "seq_id": c.next_seq(), "path": "/etc/passwd"}),
+        "not a tinker path": lambda: c.http.post("/load_weights", headers=KEY, json={
+            "model_id": m, "seq_id": c.next_seq(), "path": "file:///etc/passwd"}),
+        "sample beyond max_seq_len": lambda: c.http.post("/asample", headers=KEY, json={
+            "base_model": "tiny", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+            "sampling_params": {"max_tokens": 10_000}}),
+        "seq_id used twice": lambda: c.http.post("/optim_step", headers=KEY,
+                                                 json={"model_id": m, "seq_id": 1, "adam_params": {}}),
+    }
+
+
+EXPECTED = {"oversize request": 413, "wrong key": 401, "no key": 401}
+
+
+def test_each_bad_request_is_refused_and_the_next_works(client):
+    loss = client.good_forward()  # seq 1
+    for name, send in _cases(client).items():
+        r = send()
+        assert r.status_code == EXPECTED.get(name, 400), (name, r.status_code, r.text)
+        detail = r.json()["detail"]
+        assert "fix" in detail and "\n" not in detail, (name, detail)
+        assert client.good_forward() == pytest.approx(loss), name  # nothing ran in between: same weights
+
+
+def test_unknown_endpoint_is_404_not_a_retried_5xx(client):
+    assert client.http.post("/weights_info", json={}, headers=KEY).status_code == 404
+    assert client.http.get("/no/such/thing", headers=KEY).status_code == 404
+
+
+def test_engine_error_is_a_user_error_result_and_the_loop_goes_on(client, served):
+    # accepted by the server (ppo with its inputs) but refused by the (fake) Engine, as every rank would refuse it
+    lp = np.zeros(3, np.float32)
+    r = client.http.post("/forward_backward", headers=PROTO,
+                         content=_fb(client.model_id, client.next_seq(), loss_fn="ppo", logprobs=lp, advantages=lp))
+    out = client.result(r.json()["request_id"])
+    assert out["category"] == "user" and "unknown loss_fn 'ppo'" in out["error"]
+    client.good_forward()
+    status = client.http.get("/shardfit/status", headers=KEY).json()
+    kinds = [t["kind"] for t in status["requests"].values()]
+    assert kinds.count("forward_backward") == 2 and all(t["queue_s"] >= 0 for t in status["requests"].values())
+
+
+def test_client_killed_mid_request_leaves_the_server_working(client, served):
+    u = urlparse(served.url)
+    body = _fb(client.model_id, client.next_seq())
+    for cut in (10, len(body) - 1):
+        s = socket.create_connection((u.hostname, u.port))
+        s.sendall(f"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-t\r\n"
+                  f"Content-Type: application/x-protobuf\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:cut])
+        s.close()  # killed before the body is whole: nothing may be queued from it
+    time.sleep(0.3)
+    assert served.state.scheduler.depth() == {"ready": 0, "waiting_for_earlier_seq_id": 0}
+    # its seq_id was never used: the same request, sent whole, runs
+    r = client.http.post("/forward_backward", content=body, headers=PROTO)
+    assert r.status_code == 200 and client.result(r.json()["request_id"]).metrics["loss:sum"] > 0
+
+
+def test_a_retried_post_gets_the_first_answer(client, served):
+    headers = {**PROTO, "X-Idempotency-Key": "abc"}
+    body = _fb(client.model_id, client.next_seq())
+    first = client.http.post("/forward_backward", content=body, headers=headers).json()
+    again = client.http.post("/forward_backward", content=body, headers=headers).json()
+    assert first == again
+    client.result(first["request_id"])
+    assert served.engine.calls.count("forward") == 0 and served.engine.calls.count("forward_backward") == 1
+
+
+def test_key_off_loopback_is_generated_private_and_checked(tmp_path):
+    from shardfit.errors import ShardfitError
+    from shardfit.serve.security import key_ok, setup_api_key
+
+    assert setup_api_key("127.0.0.1", tmp_path, None) is None  # loopback: any SDK key
+    assert key_ok(None, "tml-anything") and not key_ok(None, "sk-x") and not key_ok(None, None)
+    key = setup_api_key("0.0.0.0", tmp_path, None)
+    f = tmp_path / "api_key"
+    assert f.read_text().strip() == key and key.startswith("tml-") and len(key) > 30
+    assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
+    assert key_ok(key, key) and not key_ok(key, key[:-1] + "x") and not key_ok(key, "tml-other")
+    with pytest.raises(ShardfitError, match="tml-"):
+        setup_api_key("0.0.0.0", tmp_path, "secret")
+
+
+def test_checkpoint_paths_stay_inside_the_run_directory(tmp_path):
+    from shardfit.errors import ShardfitError
+    from shardfit.serve.security import checkpoint_dir, parse_tinker_path
+
+    assert parse_tinker_path("tinker://s:train:0/weights/step-1", "p") == ("s:train:0", "weights", "step-1")
+    for bad in ("tinker://a/weights/..", "tinker://../weights/x", "tinker://a/weights/b/c", "tinker://a/other/x",
+                "tinker://a/weights/.hidden", "tinker://a/weights/x%2F..", "/abs/path"):
+        with pytest.raises(ShardfitError):
+            parse_tinker_path(bad, "p")
+    (tmp_path / "checkpoints" / "r" / "weights").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "r" / "weights" / "link").symlink_to("/etc")
+    with pytest.raises(ShardfitError, match="leaves the run directory"):
+        checkpoint_dir(tmp_path, "r", "weights", "link")
+    assert json.dumps(str(checkpoint_dir(tmp_path, "r", "weights", "ok")))

@@ -1,0 +1,91 @@
+"""The official tinker SDK against a real `shardfit serve` on loopback: 2 gloo ranks (torchrun), the real Engine.
+
+Skipped until the Engine's RL API (Engine.start, issue 24) is on this branch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from shardfit.train.engine import Engine  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(Engine, "start"), reason="the Engine's RL API (issue 24) is not here yet")
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _datum(text: bytes) -> types.Datum:
+    t = list(text)
+    return types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),
+                       loss_fn_inputs={"target_tokens": np.asarray(t[1:], np.int64),
+                                       "weights": np.full(len(t) - 1, 1.0 / (len(t) - 1), np.float32)})
+
+
+@pytest.fixture
+def server(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardfit",
+           "serve", "--port=0", f"--logging.run_dir={tmp_path / 'run'}", "--model.max_seq_len=128",
+           "--data.seq_len=128", "--train.device=cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines: list[str] = []
+    url = None
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.search(r"listening on (http://\S+)", line):
+            url = m.group(1)
+            break
+    assert url, "".join(lines)
+    drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    drain.start()
+    yield url, lines
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(60)
+
+
+def test_sdk_round_trip_on_two_ranks(server):
+    url, _ = server
+    sc = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+    data = [_datum(b"hello world, hello shardfit!"), _datum(b"two ranks serve one model")]
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward(data, "cross_entropy")  # pipelined: the optimizer step is sent before the read
+        opt = tc.optim_step(types.AdamParams(learning_rate=3e-3))
+        losses.append(fb.result().metrics["loss:sum"])
+        assert opt.result().metrics["server_optimizer_s:sum"] >= 0
+    assert losses[-1] < losses[0], losses
+    fwd = tc.forward(data, "cross_entropy").result()
+    assert [len(o["logprobs"].data) for o in fwd.loss_fn_outputs] == [27, 24]
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    res = sampler.sample(types.ModelInput.from_ints(list(b"hello")), num_samples=2,
+                         sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=3)).result()
+    assert len(res.sequences) == 2
+    assert all(len(s.logprobs) == len(s.tokens) >= 1 for s in res.sequences)
+    # the sampler's log-probs are the trainer's: the forward of the sampled sequence gives them back
+    seq = res.sequences[0]
+    full = list(b"hello") + list(seq.tokens)
+    check = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                                    loss_fn_inputs={"target_tokens": np.asarray(full[1:], np.int64)})],
+                       "cross_entropy").result()
+    trained = check.loss_fn_outputs[0]["logprobs"].to_numpy()[len(b"hello") - 1:]
+    assert np.allclose(trained, seq.logprobs, atol=1e-3)
+    lps = sampler.compute_logprobs(types.ModelInput.from_ints(list(b"hello world"))).result()
+    assert lps[0] is None and len(lps) == 11
+    path = tc.save_state("step4").result().path
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+    again = resumed.forward(data, "cross_entropy").result()
+    assert again.metrics["loss:sum"] == pytest.approx(fwd.metrics["loss:sum"], rel=1e-4)
