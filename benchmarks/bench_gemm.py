@@ -3,7 +3,7 @@
   python benchmarks/bench_gemm.py [--model llama3-8b] [--tokens 16384] [--out FILE.json]
   torchrun --nproc_per_node 2 benchmarks/bench_gemm.py --comm   # also while NCCL all-gathers on a side stream
 
-The profile of a compiled Llama-3-8B step (benchmarks/NOTES.md, session 3) put the matmuls at 75% of the step and
+The profile of a compiled Llama-3-8B step (benchmarks/notes/2026-11-22_s3.md) put the matmuls at 75% of the step and
 ~652 TFLOP/s. Whether that is the GPU's ceiling for these shapes or something in the step slows them (NCCL kernels
 taking multiprocessors, clocks under sustained load) decides where the rest of the 1.2x target can come from. Each
 linear layer of a block contributes three GEMMs per micro-batch (forward x @ W^T, input gradient g @ W, weight

@@ -37,7 +37,7 @@ def _train_then_shutdown(rank, world, extra, run_dir):
 @pytest.mark.parametrize("extra", [[], MOE_EP], ids=["dense", "moe-ep2"])
 def test_shutdown_ends_the_gloo_threads_after_fully_shard(tmp_path, extra):
     """After fully_shard, DTensor's caches keep the mesh and its gloo group alive past destroy_process_group; a
-    worker thread left running at interpreter exit can abort the process (benchmarks/NOTES.md, session 10).
+    worker thread left running at interpreter exit can abort the process (benchmarks/notes/2026-11-23_s10.md).
     shutdown_distributed clears them: the group's threads end."""
     res = run_ranks(_train_then_shutdown, 2, extra, str(tmp_path))
     for r in res:

@@ -95,7 +95,8 @@ def import_torch_quietly() -> None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
-def launch_torchrun(nproc: int, config_path: str | None, rest: list[str], launcher: list[str] = ()) -> int:
+def launch_torchrun(nproc: int, config_path: str | None, rest: list[str], launcher: list[str] = (),
+                    command: str = "train") -> int:
     """Start this node's ranks through torchrun and wait for them; the exit code (the line is printed here, or
     raised as a ShardfitError for the CLI to print)."""
     from torch.distributed import run as torchrun
@@ -103,7 +104,7 @@ def launch_torchrun(nproc: int, config_path: str | None, rest: list[str], launch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    args = [*(launcher or ["--standalone"]), f"--nproc_per_node={nproc}", "-m", "shardfit", "train"]
+    args = [*(launcher or ["--standalone"]), f"--nproc_per_node={nproc}", "-m", "shardfit", command]
     if config_path:
         args.append(f"--config={config_path}")
     quiet = not os.environ.get("LOGLEVEL")

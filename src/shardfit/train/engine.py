@@ -340,15 +340,29 @@ class Engine:
         return {"grad_norm:mean": grad_norm, "skipped:max": float(not ok), "learning_rate:mean": adam.learning_rate}
 
     def save_state(self, root: Path, optimizer: bool = True) -> Path:
-        """Model and optimizer (exact resume) as a checkpoint directory under root; returns it."""
+        """Model and optimizer (exact resume) as a checkpoint directory root/step_N, the only one of this run kept
+        under root (a name saved again is replaced); returns it."""
         from shardfit.config import config_to_toml
 
-        return self.save(Path(root), config_to_toml(self.cfg))
+        return self.save(Path(root), config_to_toml(self.cfg), keep=1)
 
     def load_state(self, path: Path, optimizer: bool = True) -> None:
-        """Weights (and the optimizer's state) from a checkpoint directory save_state or train wrote."""
+        """Weights (and the optimizer's state and step) from a checkpoint: a step directory save_state or train
+        wrote, or a directory holding them (the newest whole one is taken). Checked whole before it is read."""
+        from shardfit.train.checkpoint import complete_checkpoints
+        from shardfit.train.checkpoint_verify import COMPLETE, check_files
+
+        path = Path(path)
+        if not (path / COMPLETE).is_file():
+            found = complete_checkpoints(path) if path.is_dir() else []
+            if not found:
+                raise ShardfitError("no checkpoint here", where=str(path), fix="name a directory save_state wrote")
+            path = found[-1]
+        problem = check_files(path)
+        if problem:
+            raise ShardfitError(f"corrupt checkpoint: {problem}", where=str(path), fix="load an earlier checkpoint")
         self.finish()
-        state = load_checkpoint(Path(path), self.model, self.optimizer if optimizer else None, self.device)
+        state = load_checkpoint(path, self.model, self.optimizer if optimizer else None, self.device)
         if optimizer:
             self.step, self.skipped = state["step"], state.get("skipped", 0)
         refresh_fp8_scales(self.model, self.cfg.parallel)
