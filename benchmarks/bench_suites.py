@@ -36,7 +36,7 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("anchor", "anchor plain full-AC mbs2", ["--size", "8b", "--seq", "4096", "--mbs", "2"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
-    # session 2's levers, one change at a time from the compiled baseline (benchmarks/notes/2026-11-21_s2.md has the predictions)
+    # session 2's levers, one change at a time from the compiled baseline (predictions: benchmarks/notes/*_s2.md)
     "levers": [  # all with FREED (added below)
         ("shardfit", "compile mbs2 torch-CE", [*COMPILED, "--train.micro_batch=2", "--train.global_batch={2n}",
                                                "--parallel.kernels=torch", "--memory.snapshot_steps=6"]),
@@ -66,7 +66,7 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "eager mbs2 (defaults)", [*LLAMA8B_4K, "--train.micro_batch=2", "--train.global_batch={2n}"]),
         ("shardfit", "compile mbs4", MBS4),
     ],
-    # next levers (written in session 2, not yet run; predictions in benchmarks/notes/2026-11-21_s2.md): each from "compile mbs4"
+    # next levers (session 2, not yet run; predictions in benchmarks/notes/*_s2.md): each from "compile mbs4"
     "levers2": [
         ("shardfit", "compile mbs4", MBS4),
         ("shardfit", "compile mbs4 loss-chunk 4096", [*MBS4, "--parallel.loss_chunk=4096"]),
@@ -75,7 +75,7 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                    "--parallel.activation_checkpoint=selective"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
-    # session 3's levers, each from "compile mbs4" (benchmarks/notes/2026-11-22_s3.md has the predictions); the first two are profiled
+    # session 3's levers, each from "compile mbs4" (predictions: benchmarks/notes/*_s3.md); the first two are profiled
     "levers3": [
         ("shardfit", "compile mbs4 eager-loss", [*MBS4, "--parallel.compile_loss=false", "--logging.profile_step=8"]),
         ("shardfit", "compile mbs4", [*MBS4, "--logging.profile_step=8"]),
