@@ -262,3 +262,33 @@ def test_bad_input_is_one_clear_error_and_the_engine_goes_on():
         assert needle in seen[name], (name, seen[name])
         assert "\n" not in seen[name]
     assert math.isfinite(seen["after"]) and seen["after"] > 0
+
+
+def _forward_from_hf(rank, world, path):
+    from shardfit.config import load_config
+    from shardfit.rl import make_datum
+    from shardfit.train.engine import Engine
+
+    engine = Engine.start(load_config(None, [f"--model.path={path}", "--data.seq_len=32", "--train.device=cpu",
+                                             "--train.micro_batch_tokens=64", "--logging.run_dir="]))
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, 300, n + 1) for n in (40, 9, 63, 22)]
+    res = engine.forward([make_datum(s[:-1], target_tokens=s[1:]) for s in seqs])
+    return {"seqs": [s.tolist() for s in seqs], "logprobs": [o["logprobs"].tolist() for o in res.outputs]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_forward_equals_transformers_on_an_hf_checkpoint(tmp_path, kind):
+    """Packed into token-budget rows on 2 ranks, each datum's log-probs are those transformers computes for it
+    alone."""
+    from tests.hf.test_hf_checkpoints import _save
+
+    path, hf = _save(kind, tmp_path)
+    got = run_ranks(_forward_from_hf, 2, str(path))
+    assert got[0] == got[1]
+    for seq, lp in zip(got[0]["seqs"], got[0]["logprobs"]):
+        with torch.no_grad():
+            ls = torch.log_softmax(hf(torch.tensor(seq[:-1])[None]).logits[0].double(), -1)
+        ref = ls.gather(1, torch.tensor(seq[1:])[:, None]).squeeze(1).numpy()
+        np.testing.assert_allclose(lp, ref, atol=2e-4)
