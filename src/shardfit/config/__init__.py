@@ -3,6 +3,7 @@
 from shardfit.config.loader import accumulation_steps, config_to_dict, config_to_toml, load_config, parse_overrides
 from shardfit.config.schema import (
     CheckpointConfig,
+    ComputeConfig,
     Config,
     DataConfig,
     LoggingConfig,
@@ -15,6 +16,7 @@ from shardfit.config.schema import (
 __all__ = [
     "accumulation_steps",
     "CheckpointConfig",
+    "ComputeConfig",
     "Config",
     "DataConfig",
     "LoggingConfig",
