@@ -41,7 +41,7 @@ def test_resolved_config_round_trips(tmp_path):
     (["--train.global_batch=10", "--train.micro_batch=4"], "not a multiple of micro_batch"),
     (["--model.n_kv_heads=3"], "not a multiple of n_kv_heads"),
     (["train.lr=1"], "write overrides as --section.key=value"),
-    (["--train.lr"], "has no value"),
+    (["--train.lr"], "--train.lr needs a value; fix: write --train.lr=VALUE"),
 ])
 def test_bad_config_names_key_and_fix(args, needle):
     with pytest.raises(ShardfitError) as e:

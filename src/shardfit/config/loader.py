@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardfit.config.options import parse_overrides
 from shardfit.config.renamed import Spellings, announce
 from shardfit.config.schema import PRESETS, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
 from shardfit.errors import ShardfitError
@@ -101,27 +102,6 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
         raise ShardfitError(f"unknown key '{section}.{key}'", where=where, fix=_closest(f"{section}.{key}", all_keys))
     setattr(sections[section], key, _coerce(value, fields[key].type, f"{where} {section}.{key}", from_text))
     explicit.add(f"{section}.{key}")
-
-
-def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
-    """`--section.key=value` or `--section.key value` into (section, key, value) triples."""
-    out = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ShardfitError(f"cannot read argument '{arg}'", where="command line",
-                                fix="write overrides as --section.key=value (see shardfit train --help)")
-        name, sep, value = arg[2:].partition("=")
-        if not sep:
-            if i + 1 >= len(args):
-                raise ShardfitError(f"'{arg}' has no value", where="command line", fix=f"write {arg}=VALUE")
-            value = args[i + 1]
-            i += 1
-        section, _, key = name.partition(".")
-        out.append((section.replace("-", "_"), key.replace("-", "_"), value))
-        i += 1
-    return out
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
