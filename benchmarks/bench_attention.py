@@ -266,7 +266,7 @@ def main() -> int:
         print(json.dumps(r), flush=True)
         save()
     print(f"\n{env['device']}, torch {env['torch']}, {env['dtype']}, q [B, {a.seq}, {a.heads}, {a.head_dim}], "
-          f"k/v {a.kv_heads} heads; parallel.doc_attention=auto -> {env['auto_kernel']}")
+          f"k/v {a.kv_heads} heads; compute.doc_attention=auto -> {env['auto_kernel']}")
     print(f"{'B':>2} {'docs/row':>8} {'work':>5} {'kernel':>7} {'fwd ms':>8} {'fwd+bwd ms':>10} {'vs causal':>9} "
           f"{'build host/total ms':>20} {'extra GiB':>9}")
     for r in results:

@@ -94,7 +94,7 @@ def load(path: Path) -> None:
     cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=128"])
     with torch.device("meta"):
         model = build_model(cfg.model).to(torch.bfloat16)
-    parallelize(model, cfg.parallel, info.device, info.world_size, 0, init=False)
+    parallelize(model, cfg, info.device, info.world_size, 0, init=False)
     dist.barrier()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -86,8 +86,8 @@ def cases(a, data: list[str]) -> list[dict]:
           "--train.warmup_steps=2", "--train.lr=1e-4", "--data.document_mask=false", *data]
     if a.cpu_check:
         sf += TINY + (["--model.vocab_size=264"] if a.tokens == "bytes" else [])
-    acf = [f"--parallel.activation_checkpoint={ac}"] if ac != "none" else []
-    fast = [*sf, *acf] if a.cpu_check else [*sf, *acf, "--parallel.compile=true"]
+    acf = [f"--compute.activation_checkpoint={ac}"] if ac != "none" else []
+    fast = [*sf, *acf] if a.cpu_check else [*sf, *acf, "--compute.compile=true"]
     acl = "no" if ac == "none" else ac
     fast_label = f"shardfit {acl}-AC" + ("" if a.cpu_check else " compile")
     hf = ["--layers", str(L), "--seq", str(a.seq), "--mbs", str(a.mbs), "--steps", str(a.steps)]
@@ -114,7 +114,7 @@ def cases(a, data: list[str]) -> list[dict]:
     if n >= 2:
         out.append(dict(system="torchtitan", label=f"torchtitan {acl}-AC compile EP2",
                         args=[*tt, "--parallelism.expert_parallel_degree", "2"], cap=CAPS["tt"]))
-    out.append(dict(system="shardfit", label="shardfit full-AC", args=[*sf, "--parallel.activation_checkpoint=full"],
+    out.append(dict(system="shardfit", label="shardfit full-AC", args=[*sf, "--compute.activation_checkpoint=full"],
                     cap=CAPS["sf"]))
     if ac == "none":
         out.append(dict(system="shardfit", label="shardfit no-AC", args=sf, cap=CAPS["sf"]))

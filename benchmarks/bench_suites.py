@@ -7,9 +7,9 @@ from __future__ import annotations
 # anchor script's flags. {nproc} is filled in.
 LLAMA8B_4K = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=14", "--train.warmup_steps=2",
               "--train.lr=1e-4"]
-COMPILED = [*LLAMA8B_4K, "--parallel.compile=true"]
+COMPILED = [*LLAMA8B_4K, "--compute.compile=true"]
 MBS4 = [*COMPILED, "--train.micro_batch=4", "--train.global_batch={4n}"]  # the compiled baseline of sessions 3-4
-BF16_BEST = [*MBS4, "--parallel.reduce_dtype=bfloat16"]  # session 4's best bf16 configuration
+BF16_BEST = [*MBS4, "--compute.reduce_dtype=bfloat16"]  # session 4's best bf16 configuration
 # The levers, best, long and single suites were measured before memory.keep_grads existed (gradients were freed
 # between steps); FREED reproduces that. At the edge of memory (mbs 4, seq 262,144) kept gradients cause retries.
 # FREED goes first, so that a case's own --memory.keep_grads wins.
@@ -20,7 +20,7 @@ CURVE8 = [*CURVE, "--train.lr=1e-4", "--train.warmup_steps=10"]
 MOE_CURVE = ["--model.name=qwen3-30b-a3b", "--model.n_layers=6", "--data.seq_len=4096", "--train.steps=50",
              "--train.warmup_steps=10", "--train.lr=1e-4", "--train.micro_batch=2", "--train.global_batch=4"]
 SINGLE_1B = ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=14", "--train.warmup_steps=2",
-             "--train.lr=1e-4", "--parallel.compile=true", "--train.micro_batch=4", "--train.global_batch=4"]
+             "--train.lr=1e-4", "--compute.compile=true", "--train.micro_batch=4", "--train.global_batch=4"]
 LIGER_ANCHOR = ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger", "--ac", "none"]
 SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     "tiny": [
@@ -30,21 +30,21 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "shardfit 8B mbs2 no-AC", [*LLAMA8B_4K, "--train.micro_batch=2", "--train.global_batch={2n}"]),
         ("shardfit", "shardfit 8B mbs4 selective-AC", [*LLAMA8B_4K, "--train.micro_batch=4",
                                                        "--train.global_batch={4n}",
-                                                       "--parallel.activation_checkpoint=selective"]),
+                                                       "--compute.activation_checkpoint=selective"]),
         ("shardfit", "shardfit 8B mbs2 no-AC compile", [*LLAMA8B_4K, "--train.micro_batch=2",
-                                                        "--train.global_batch={2n}", "--parallel.compile=true"]),
+                                                        "--train.global_batch={2n}", "--compute.compile=true"]),
         ("anchor", "anchor plain full-AC mbs2", ["--size", "8b", "--seq", "4096", "--mbs", "2"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
     # session 2's levers, one change at a time from the compiled baseline (predictions: benchmarks/notes/*_s2.md)
     "levers": [  # all with FREED (added below)
         ("shardfit", "compile mbs2 torch-CE", [*COMPILED, "--train.micro_batch=2", "--train.global_batch={2n}",
-                                               "--parallel.kernels=torch", "--memory.snapshot_steps=6"]),
+                                               "--compute.kernels=torch", "--memory.snapshot_steps=6"]),
         ("shardfit", "compile mbs2 liger-CE", [*COMPILED, "--train.micro_batch=2", "--train.global_batch={2n}",
-                                               "--parallel.kernels=liger"]),
+                                               "--compute.kernels=liger"]),
         ("shardfit", "compile mbs2 liger-CE cudnn", [*COMPILED, "--train.micro_batch=2", "--train.global_batch={2n}",
-                                                     "--parallel.kernels=liger", "--parallel.attention=cudnn"]),
-        ("shardfit", "compile mbs4 liger-CE", [*MBS4, "--parallel.kernels=liger"]),
+                                                     "--compute.kernels=liger", "--compute.attention=cudnn"]),
+        ("shardfit", "compile mbs4 liger-CE", [*MBS4, "--compute.kernels=liger"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
     # the best 2-GPU configuration, for scaling (run with --nproc 2 and 4) and one more lever on it
@@ -69,21 +69,21 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     # next levers (session 2, not yet run; predictions in benchmarks/notes/*_s2.md): each from "compile mbs4"
     "levers2": [
         ("shardfit", "compile mbs4", MBS4),
-        ("shardfit", "compile mbs4 loss-chunk 4096", [*MBS4, "--parallel.loss_chunk=4096"]),
+        ("shardfit", "compile mbs4 loss-chunk 4096", [*MBS4, "--compute.loss_chunk=4096"]),
         ("shardfit", "compile mbs4 prefetch 2", [*MBS4, "--parallel.prefetch=2"]),
         ("shardfit", "compile mbs6 selective-AC", [*COMPILED, "--train.micro_batch=6", "--train.global_batch={6n}",
-                                                   "--parallel.activation_checkpoint=selective"]),
+                                                   "--compute.activation_checkpoint=selective"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
     # session 3's levers, each from "compile mbs4" (predictions: benchmarks/notes/*_s3.md); the first two are profiled
     "levers3": [
-        ("shardfit", "compile mbs4 eager-loss", [*MBS4, "--parallel.compile_loss=false", "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4 eager-loss", [*MBS4, "--compute.compile_loss=false", "--logging.profile_step=8"]),
         ("shardfit", "compile mbs4", [*MBS4, "--logging.profile_step=8"]),
-        ("shardfit", "compile mbs4 loss-chunk 4096", [*MBS4, "--parallel.loss_chunk=4096"]),
+        ("shardfit", "compile mbs4 loss-chunk 4096", [*MBS4, "--compute.loss_chunk=4096"]),
         ("shardfit", "compile mbs4 prefetch 2", [*MBS4, "--parallel.prefetch=2"]),
-        ("shardfit", "compile mbs4 cudnn", [*MBS4, "--parallel.attention=cudnn", "--logging.profile_step=8"]),
+        ("shardfit", "compile mbs4 cudnn", [*MBS4, "--compute.attention=cudnn", "--logging.profile_step=8"]),
         ("shardfit", "compile mbs6 selective-AC", [*COMPILED, "--train.micro_batch=6", "--train.global_batch={6n}",
-                                                   "--parallel.activation_checkpoint=selective"]),
+                                                   "--compute.activation_checkpoint=selective"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
         ("shardfit", "compile mbs4 keep-grads", [*MBS4, "--memory.keep_grads=true"]),
     ],
@@ -93,7 +93,7 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "compile mbs4 bf16-reduce", BF16_BEST),
         ("shardfit", "compile mbs4 accum2", [*COMPILED, "--train.micro_batch=4", "--train.global_batch={8n}"]),
         ("shardfit", "compile mbs4 accum2 bf16-reduce", [
-            *COMPILED, "--train.micro_batch=4", "--train.global_batch={8n}", "--parallel.reduce_dtype=bfloat16",
+            *COMPILED, "--train.micro_batch=4", "--train.global_batch={8n}", "--compute.reduce_dtype=bfloat16",
             "--logging.profile_step=8"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
@@ -104,19 +104,19 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     # session 4: FP8 matmuls (torchao), reported apart from bf16; each from the bf16 best (compile mbs4 bf16-reduce)
     "fp8": [
         ("shardfit", "compile mbs4 bf16-reduce", BF16_BEST),
-        ("shardfit", "fp8 tensorwise mbs4", [*BF16_BEST, "--parallel.fp8=tensorwise",
+        ("shardfit", "fp8 tensorwise mbs4", [*BF16_BEST, "--compute.fp8=tensorwise",
                                              "--logging.profile_step=8"]),
-        ("shardfit", "fp8 rowwise mbs4", [*BF16_BEST, "--parallel.fp8=rowwise"]),
+        ("shardfit", "fp8 rowwise mbs4", [*BF16_BEST, "--compute.fp8=rowwise"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
     # session 4's closing comparison: bf16 best, FP8 best and larger FP8 micro-batches (FP8 frees ~13 GiB), anchor
     "final4": [
         ("shardfit", "compile mbs4 bf16-reduce", BF16_BEST),
-        ("shardfit", "fp8 tensorwise mbs4", [*BF16_BEST, "--parallel.fp8=tensorwise"]),
+        ("shardfit", "fp8 tensorwise mbs4", [*BF16_BEST, "--compute.fp8=tensorwise"]),
         ("shardfit", "fp8 tensorwise mbs5", [*COMPILED, "--train.micro_batch=5", "--train.global_batch={5n}",
-                                             "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=tensorwise"]),
+                                             "--compute.reduce_dtype=bfloat16", "--compute.fp8=tensorwise"]),
         ("shardfit", "fp8 tensorwise mbs6", [*COMPILED, "--train.micro_batch=6", "--train.global_batch={6n}",
-                                             "--parallel.reduce_dtype=bfloat16", "--parallel.fp8=tensorwise"]),
+                                             "--compute.reduce_dtype=bfloat16", "--compute.fp8=tensorwise"]),
         ("anchor", "anchor liger no-AC mbs2", LIGER_ANCHOR),
     ],
     # session 3's closing comparison: the best configurations with the anchor in the same call
@@ -129,43 +129,43 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     # GPU, Llama-3.2-1B shape); the plain one with another loss chunk size measures bf16 rounding noise alone
     "curve": [
         ("shardfit", "plain: eager, full AC, mbs1 x accum4", [*CURVE, "--train.micro_batch=1",
-                                                              "--parallel.activation_checkpoint=full"]),
+                                                              "--compute.activation_checkpoint=full"]),
         ("shardfit", "plain, loss chunk 512 (noise)", [*CURVE, "--train.micro_batch=1",
-                                                        "--parallel.activation_checkpoint=full",
-                                                        "--parallel.loss_chunk=512"]),
-        ("shardfit", "fast: compiled, no AC, mbs4", [*CURVE, "--train.micro_batch=4", "--parallel.compile=true"]),
+                                                        "--compute.activation_checkpoint=full",
+                                                        "--compute.loss_chunk=512"]),
+        ("shardfit", "fast: compiled, no AC, mbs4", [*CURVE, "--train.micro_batch=4", "--compute.compile=true"]),
     ],
     # Issue 15: 50 steps of the fastest MoE configuration (compiled, no AC, expert parallel 2) against the plain one
     # (eager, full AC, no EP) on the same data, Qwen3-30B-A3B shape with 6 of its 48 layers on 2 GPUs; the plain one
     # with another loss chunk is the bf16 noise yardstick; FP8 for attention and dense layers beside bf16 experts.
     "moecurve": [
-        ("shardfit", "plain MoE: eager, full AC", [*MOE_CURVE, "--parallel.activation_checkpoint=full"]),
-        ("shardfit", "plain MoE, loss chunk 512 (noise)", [*MOE_CURVE, "--parallel.activation_checkpoint=full",
-                                                           "--parallel.loss_chunk=512"]),
-        ("shardfit", "fast MoE: compiled, no AC, EP 2", [*MOE_CURVE, "--parallel.compile=true",
+        ("shardfit", "plain MoE: eager, full AC", [*MOE_CURVE, "--compute.activation_checkpoint=full"]),
+        ("shardfit", "plain MoE, loss chunk 512 (noise)", [*MOE_CURVE, "--compute.activation_checkpoint=full",
+                                                           "--compute.loss_chunk=512"]),
+        ("shardfit", "fast MoE: compiled, no AC, EP 2", [*MOE_CURVE, "--compute.compile=true",
                                                          "--parallel.expert_parallel=2"]),
         # session 9's fastest: the optimizer step under the next forward (parallel/step_overlap.py)
         ("shardfit", "fastest MoE: compiled, no AC, EP 2, overlapped step", [
-            *MOE_CURVE, "--parallel.compile=true", "--parallel.expert_parallel=2",
+            *MOE_CURVE, "--compute.compile=true", "--parallel.expert_parallel=2",
             "--parallel.overlap_optimizer=true"]),
         # compiled without EP: against the EP case, what EP adds beyond compile's own reassociation (session 8: the
         # EP case's max difference from the eager run was 1.6x the loss-chunk noise case's)
-        ("shardfit", "compiled, no AC, no EP (compile's own noise)", [*MOE_CURVE, "--parallel.compile=true"]),
-        ("shardfit", "fast MoE + FP8 tensorwise (experts bf16)", [*MOE_CURVE, "--parallel.compile=true",
+        ("shardfit", "compiled, no AC, no EP (compile's own noise)", [*MOE_CURVE, "--compute.compile=true"]),
+        ("shardfit", "fast MoE + FP8 tensorwise (experts bf16)", [*MOE_CURVE, "--compute.compile=true",
                                                                   "--parallel.expert_parallel=2",
-                                                                  "--parallel.fp8=tensorwise"]),
+                                                                  "--compute.fp8=tensorwise"]),
     ],
     # FP8 against bf16 over 50 steps, same data (one GPU, Llama-3.2-1B shape). At CURVE's lr 3e-4 even bf16 spikes
     # in warm-up and the curves measure the spike's sensitivity (session 4, third call); curve8 trains at 1e-4 with
     # 10 warm-up steps, and its noise case (bf16, another loss chunk) is the yardstick in the same regime.
     "curve8": [
-        ("shardfit", "fast bf16: compiled, no AC, mbs4", [*CURVE8, "--train.micro_batch=4", "--parallel.compile=true"]),
-        ("shardfit", "bf16, loss chunk 512 (noise)", [*CURVE8, "--train.micro_batch=4", "--parallel.compile=true",
-                                                      "--parallel.loss_chunk=512"]),
-        ("shardfit", "fast fp8 tensorwise", [*CURVE8, "--train.micro_batch=4", "--parallel.compile=true",
-                                             "--parallel.fp8=tensorwise"]),
-        ("shardfit", "fast fp8 rowwise", [*CURVE8, "--train.micro_batch=4", "--parallel.compile=true",
-                                          "--parallel.fp8=rowwise"]),
+        ("shardfit", "fast bf16: compiled, no AC, mbs4", [*CURVE8, "--train.micro_batch=4", "--compute.compile=true"]),
+        ("shardfit", "bf16, loss chunk 512 (noise)", [*CURVE8, "--train.micro_batch=4", "--compute.compile=true",
+                                                      "--compute.loss_chunk=512"]),
+        ("shardfit", "fast fp8 tensorwise", [*CURVE8, "--train.micro_batch=4", "--compute.compile=true",
+                                             "--compute.fp8=tensorwise"]),
+        ("shardfit", "fast fp8 rowwise", [*CURVE8, "--train.micro_batch=4", "--compute.compile=true",
+                                          "--compute.fp8=rowwise"]),
     ],
     # capacity: one 262,144-token sequence split over 2 ranks (Ulysses), full checkpointing, 2 steps (the second
     # is measured); the data file must hold more than 262,145 tokens (device_run.sh makes one)
@@ -174,23 +174,23 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
             "--model.name=llama3-8b", "--model.max_seq_len=262144", "--data.seq_len=262144",
             "--data.path=/tmp/long.txt", "--train.steps=2",
             "--train.warmup_steps=1", "--train.lr=1e-5", "--train.micro_batch=1", "--train.global_batch=1",
-            "--parallel.sequence_parallel=2", "--parallel.activation_checkpoint=full", *FREED]),
+            "--parallel.sequence_parallel=2", "--compute.activation_checkpoint=full", *FREED]),
     ],
     # one GPU (H100): FP8 on the 1B shape against bf16 and the Liger anchor
     "single8": [
         ("shardfit", "llama3-1b compile mbs4", [*SINGLE_1B]),
-        ("shardfit", "llama3-1b compile mbs4 fp8 tensorwise", [*SINGLE_1B, "--parallel.fp8=tensorwise"]),
+        ("shardfit", "llama3-1b compile mbs4 fp8 tensorwise", [*SINGLE_1B, "--compute.fp8=tensorwise"]),
         ("anchor", "anchor 1b liger no-AC mbs4", ["--size", "1b", "--seq", "4096", "--mbs", "4", "--liger",
                                                  "--ac", "none"]),
     ],
     # one GPU (H100): a model that fits, against the anchor at the same size
     "single": [
         ("shardfit", "llama3-1b compile mbs4", ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=14",
-                                                "--train.warmup_steps=2", "--train.lr=1e-4", "--parallel.compile=true",
+                                                "--train.warmup_steps=2", "--train.lr=1e-4", "--compute.compile=true",
                                                 "--train.micro_batch=4", "--train.global_batch=4"]),
         ("shardfit", "llama3-1b untied compile mbs4", [
             "--model.name=llama3-1b", "--model.tie_embeddings=false", "--data.seq_len=4096", "--train.steps=14",
-            "--train.warmup_steps=2", "--train.lr=1e-4", "--parallel.compile=true", "--train.micro_batch=4",
+            "--train.warmup_steps=2", "--train.lr=1e-4", "--compute.compile=true", "--train.micro_batch=4",
             "--train.global_batch=4"]),
         ("anchor", "anchor 1b liger no-AC mbs4", ["--size", "1b", "--seq", "4096", "--mbs", "4", "--liger",
                                                  "--ac", "none"]),
@@ -215,8 +215,8 @@ for _suite in ("levers", "best", "single", "levers2", "levers3", "levers4", "fin
 # The second case (16 of the 32 layers, 4.5B parameters, 68 GiB of states) still runs where the host's memory
 # cannot hold the full model's 120 GiB plus the pinned allocator's rounding.
 OFFLOAD8B = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=8", "--train.warmup_steps=2",
-             "--train.lr=1e-5", "--parallel.compile=true", "--parallel.offload=all",
-             "--parallel.activation_checkpoint=full", "--train.micro_batch=16", "--train.global_batch=16"]
+             "--train.lr=1e-5", "--compute.compile=true", "--parallel.offload=all",
+             "--compute.activation_checkpoint=full", "--train.micro_batch=16", "--train.global_batch=16"]
 SUITES["offload8b"] = [
     # the first 5 blocks' states on the GPU: what `shardfit plan ... --gpu-memory 80 --host-memory 123` proposes for
     # the H100 machine (host 108.6 GiB of the 110.7 it leaves usable, GPU peak 46.4 GiB), where all-offloaded (125.8
@@ -244,7 +244,7 @@ ANCHOR_SFT_8B = ["--data", "{data}/sft.jsonl", "--size", "8b", "--seq", "4096", 
                  "--steps", "14"]
 # Llama-3.2-1B shape on one GPU, 300 steps, ~8-9k tokens per step (~50k tokens/s: ~60 s of steps per case)
 F1 = ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=300", "--train.warmup_steps=5",
-      "--train.lr=1e-5", "--parallel.compile=true", *SFT]
+      "--train.lr=1e-5", "--compute.compile=true", *SFT]
 ANCHOR_SFT_1B = ["--data", "{data}/sft.jsonl", "--size", "1b", "--seq", "4096", "--liger", "--ac", "none",
                  "--mbs", "2", "--steps", "300", "--per-step-json"]
 # The CPU check of the machinery (tiny model, gloo, seq 512, a 400-example set): not a measurement.
@@ -268,13 +268,13 @@ VARLEN_SUITES: dict[str, list[tuple]] = {
     "docmask8b": [
         ("sf", "8B pretrain mbs4 unmasked", [*V8, *DOCS, "--data.document_mask=false", "--train.micro_batch=4",
                                              "--train.global_batch={4n}"]),
-        ("sf", "8B pretrain mbs4 masked varlen", [*V8, *DOCS, "--parallel.doc_attention=varlen",
+        ("sf", "8B pretrain mbs4 masked varlen", [*V8, *DOCS, "--compute.doc_attention=varlen",
                                                   "--train.micro_batch=4", "--train.global_batch={4n}"],
          [("sf", "8B pretrain mbs2 unmasked", [*V8, *DOCS, "--data.document_mask=false", "--train.micro_batch=2",
                                                "--train.global_batch={2n}"]),
-          ("sf", "8B pretrain mbs2 masked varlen", [*V8, *DOCS, "--parallel.doc_attention=varlen",
+          ("sf", "8B pretrain mbs2 masked varlen", [*V8, *DOCS, "--compute.doc_attention=varlen",
                                                     "--train.micro_batch=2", "--train.global_batch={2n}"])]),
-        ("sf", "8B pretrain mbs4 masked flex", [*V8, *DOCS, "--parallel.doc_attention=flex",
+        ("sf", "8B pretrain mbs4 masked flex", [*V8, *DOCS, "--compute.doc_attention=flex",
                                                 "--train.micro_batch=4", "--train.global_batch={4n}"]),
     ],
     # the third seed report's experiment: 300 steps of variable-length data, per-step peak memory (1 GPU)
@@ -295,7 +295,7 @@ VARLEN_SUITES: dict[str, list[tuple]] = {
                                           "--train.global_batch={2n}"]),
         ("sf", "tiny pretrain mbs2 unmasked", [*TINY_SFT, *DOCS, "--data.document_mask=false",
                                                "--train.micro_batch=2", "--train.global_batch={2n}"]),
-        ("sf", "tiny pretrain mbs2 masked sdpa", [*TINY_SFT, *DOCS, "--parallel.doc_attention=sdpa",
+        ("sf", "tiny pretrain mbs2 masked sdpa", [*TINY_SFT, *DOCS, "--compute.doc_attention=sdpa",
                                                   "--train.micro_batch=2", "--train.global_batch={2n}"]),
         ("anchor-sft", "anchor padded mbs2", ["--data", "{data}/sft.jsonl", "--size", "tiny", "--device", "cpu",
                                               "--seq", "512", "--mbs", "2", "--steps", "6", "--pad", "max",

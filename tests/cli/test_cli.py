@@ -51,7 +51,7 @@ def test_nproc_launches_torchrun(tmp_path):
 
 def test_help_lists_keys():
     p = _run("train", "--help")
-    assert p.returncode == 0 and "--parallel.activation_checkpoint=" in p.stdout and "--train.lr=0.003 " in p.stdout
+    assert p.returncode == 0 and "--compute.activation_checkpoint=" in p.stdout and "--train.lr=0.003 " in p.stdout
     assert _run("--help").returncode == 0
     p = _run("train", "--model.name=llama3-8b", "--data.seq_len=4096", "--help")  # that model's defaults
     assert p.returncode == 0 and "--train.lr=0.0003 " in p.stdout and "Training defaults by model size" in p.stdout

@@ -61,7 +61,7 @@ BAD = [
     (["--memory.warn_growth_mib=nan"], "memory.warn_growth_mib", "nan is not a finite number"),
     (["--logging.peak_tflops=inf"], "logging.peak_tflops", "inf is not a finite number"),
     (["--logging.log_every=0"], "logging.log_every", "0 is out of range"),
-    (["--parallel.loss_chunk=0"], "parallel.loss_chunk", "0 is out of range"),
+    (["--compute.loss_chunk=0"], "compute.loss_chunk", "0 is out of range"),
     (["--checkpoint.keep=-1"], "checkpoint.keep", "-1 is out of range"),
     # rules over several keys
     (["--model.dim=254", "--model.n_heads=2", "--model.n_kv_heads=2"], "model.head_dim",

@@ -14,9 +14,9 @@ def test_defaults_are_the_tiny_preset():
 def test_toml_then_cli_overrides(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text('[train]\nlr = 1e-4\nsteps = 7\n[model]\nname = "llama3-8b"\nn_layers = 2\n')
-    cfg = load_config(f, ["--train.steps=9", "--parallel.activation_checkpoint", "full"])
+    cfg = load_config(f, ["--train.steps=9", "--compute.activation_checkpoint", "full"])
     assert cfg.train.lr == 1e-4 and cfg.train.steps == 9
-    assert cfg.parallel.activation_checkpoint == "full"
+    assert cfg.compute.activation_checkpoint == "full"
     assert cfg.model.dim == 4096 and cfg.model.vocab_size == 128256  # from the preset
     assert cfg.model.n_layers == 2  # explicit beats preset
 
@@ -35,13 +35,13 @@ def test_resolved_config_round_trips(tmp_path):
     (["--train.steps=0"], "train.steps: 0 is out of range; fix: give a value > 0"),
     (["--model.n_heads=0"], "model.n_heads: 0 is out of range"),  # before the model is built to size the defaults
     (["--model.dim=-5"], "model.dim: -5 is out of range"),
-    (["--parallel.activation_checkpoint=some"], "choose one of none, full, selective"),
+    (["--compute.activation_checkpoint=some"], "choose one of none, full, selective"),
     (["--model.name=llama9"], "unknown model preset"),
     (["--data.seq_len=4096"], "above the model's limit"),
     (["--train.global_batch=10", "--train.micro_batch=4"], "not a multiple of micro_batch"),
     (["--model.n_kv_heads=3"], "not a multiple of n_kv_heads"),
     (["train.lr=1"], "write overrides as --section.key=value"),
-    (["--train.lr"], "has no value"),
+    (["--train.lr"], "--train.lr needs a value; fix: write --train.lr=VALUE"),
 ])
 def test_bad_config_names_key_and_fix(args, needle):
     with pytest.raises(ShardfitError) as e:
@@ -65,7 +65,10 @@ def test_bad_toml_names_file(tmp_path):
 def test_help_lists_every_key():
     text = config_help()
     cfg = Config()
-    for section in ("model", "data", "train", "parallel", "checkpoint", "logging", "memory"):
+    sections = list(vars(cfg))
+    assert sections == ["model", "data", "train", "parallel", "compute", "checkpoint", "logging", "memory"]
+    for section in sections:
+        assert f"[{section}]" in text
         for key in vars(getattr(cfg, section)):
             assert f"--{section}.{key}=" in text
 

@@ -33,7 +33,7 @@ def test_recipe_fits_every_layout_it_names(name, capsys):
 
     recipe = read(f"recipe:{name}")
     cfg = load_config(f"recipe:{name}")
-    if cfg.parallel.fp8 != "none":
+    if cfg.compute.fp8 != "none":
         pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
     assert recipe.layouts and cfg.train.micro_batch > 0  # a fixed micro-batch, planned here
     for gpus, gib in recipe.layouts:
@@ -115,10 +115,10 @@ def test_70b_says_truthfully_that_one_node_fits_only_with_cpu_offload():
     for extra in ([], ["--memory.keep_grads=false", "--train.global_batch=8"]):
         one_node = load_config("recipe:llama3-70b-sft", extra)
         assert not fits(estimate(one_node, 8, 1), allocation_budget(139 * GiB), 139 * GiB)
-    assert cfg.parallel.activation_checkpoint == "full"
+    assert cfg.compute.activation_checkpoint == "full"
     props, _ = proposals(cfg, 8, 79)
     offload = next(p for p in props if p.world == 8)
-    assert offload.flags == ["--parallel.offload=all", "--parallel.activation_checkpoint=full", "--train.micro_batch=6"]
+    assert offload.flags == ["--parallel.offload=all", "--compute.activation_checkpoint=full", "--train.micro_batch=6"]
     assert round(offload.estimate.peak / GiB, 1) == 53.6 and round(offload.host_per_node / GiB) == 1112
     text = resolve("recipe:llama3-70b-sft").read_text()
     assert "53.6 GiB per GPU at micro-batch 6" in text and "1,112 GiB of host memory" in text

@@ -51,15 +51,15 @@ def _train_moe(rank, world, extra, run_dir):
     return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history]}
 
 
-COMPILED = ["--parallel.compile=true", "--model.max_seq_len=256", "--data.seq_len=256"]
+COMPILED = ["--compute.compile=true", "--model.max_seq_len=256", "--data.seq_len=256"]
 
 
 @pytest.mark.parametrize("extra,ep_extra,tol", [
-    (["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full"], [], 1e-4),
+    (["--compute.param_dtype=float32", "--compute.activation_checkpoint=full"], [], 1e-4),
     # bf16 grouped GEMM, compiled blocks; rows of 256 tokens: the compiled flex kernel needs >= 128 (attention.py)
     (COMPILED, [], 3e-2),
     # the dispatch launched on NCCL's stream while the own rows run (parallel/expert_overlap.py), fp32 to see it
-    (["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full"], ["--parallel.expert_overlap=both"],
+    (["--compute.param_dtype=float32", "--compute.activation_checkpoint=full"], ["--parallel.expert_overlap=both"],
      1e-4),
     (COMPILED, ["--parallel.expert_overlap=dispatch"], 3e-2),
     (COMPILED, ["--parallel.expert_overlap=both"], 3e-2),
@@ -80,7 +80,7 @@ def test_expert_parallel_on_nccl_matches_plain_sharding(tmp_path, extra, ep_extr
 
 
 @pytest.mark.parametrize("extra,overlap,tol", [
-    (["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full"], "both", 1e-4),
+    (["--compute.param_dtype=float32", "--compute.activation_checkpoint=full"], "both", 1e-4),
     (COMPILED, "dispatch", 3e-2),
     (COMPILED, "both", 3e-2),
 ], ids=["fp32-fullac-both", "bf16-compile-dispatch", "bf16-compile-both"])
@@ -122,7 +122,7 @@ def test_expert_parallel_inside_hsdp_on_nccl_matches_plain_sharding(tmp_path):
 
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
-    extra = ["--parallel.param_dtype=float32", "--parallel.activation_checkpoint=full", "--train.global_batch=8"]
+    extra = ["--compute.param_dtype=float32", "--compute.activation_checkpoint=full", "--train.global_batch=8"]
     plain = run_ranks(_train_moe, 4, extra, str(tmp_path / "plain"), backend="nccl")
     hsdp = run_ranks(_train_moe, 4, [*extra, "--parallel.replicate=2", "--parallel.expert_parallel=2"],
                      str(tmp_path / "hsdp_ep"), backend="nccl")

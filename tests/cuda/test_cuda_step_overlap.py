@@ -21,11 +21,11 @@ def _train(rank, world, extra, run_dir):
 
 
 @pytest.mark.parametrize("extra,tol", [
-    (["--parallel.param_dtype=float32", "--data.document_mask=false"], 1e-6),
-    (["--parallel.param_dtype=float32", "--data.document_mask=false", "--memory.keep_grads=false",
+    (["--compute.param_dtype=float32", "--data.document_mask=false"], 1e-6),
+    (["--compute.param_dtype=float32", "--data.document_mask=false", "--memory.keep_grads=false",
       "--train.global_batch=8"], 1e-6),
     # the MoE step the overlap is for: compiled, experts out of FSDP (E = W), bf16
-    (["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_dim=64", "--parallel.compile=true",
+    (["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_dim=64", "--compute.compile=true",
       "--parallel.expert_parallel=2", "--model.max_seq_len=256", "--data.seq_len=256"], 3e-2),
 ], ids=["fp32", "fp32-freed-grads-accumulation", "moe-ep2-compile"])
 def test_overlapped_step_on_a_side_stream_trains_as_the_plain_step(tmp_path, extra, tol):

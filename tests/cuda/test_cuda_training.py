@@ -27,7 +27,7 @@ def _train(rank, world, extra, run_dir):
 
 
 def test_nccl_fp32_training_matches_single_process(tmp_path):
-    extra = ["--parallel.param_dtype=float32", "--train.micro_batch=2", "--parallel.activation_checkpoint=selective"]
+    extra = ["--compute.param_dtype=float32", "--train.micro_batch=2", "--compute.activation_checkpoint=selective"]
     res = run_ranks(_train, _world(), extra, str(tmp_path), backend="nccl")
     torch.backends.cuda.matmul.allow_tf32 = False
     ref_model, ref_losses = reference_train(small_config("--train.device=cuda", *extra), device="cuda")
@@ -145,7 +145,7 @@ def test_profiled_step_sorts_gpu_time_by_kernel_kind(tmp_path):
 # in bf16 alone; 1e-4 checked smooth on the CPU), so that the two curves can be compared.
 FP8_RUN = ["--model.dim=2560", "--model.n_heads=20", "--model.n_kv_heads=4", "--model.ffn_dim=6912",
            "--model.n_layers=2", "--data.seq_len=64", "--train.steps=30", "--train.lr=1e-4", "--train.warmup_steps=5",
-           "--parallel.compile=true"]
+           "--compute.compile=true"]
 
 
 def _train_fp8(rank, world, extra, run_dir):
@@ -162,7 +162,7 @@ def test_fp8_compiled_training_tracks_bf16(tmp_path, recipe):
     pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability 8.9")
-    fp8 = run_ranks(_train_fp8, _world(), [*FP8_RUN, f"--parallel.fp8={recipe}"], str(tmp_path / "fp8"),
+    fp8 = run_ranks(_train_fp8, _world(), [*FP8_RUN, f"--compute.fp8={recipe}"], str(tmp_path / "fp8"),
                     backend="nccl")
     bf16 = run_ranks(_train_fp8, _world(), FP8_RUN, str(tmp_path / "bf16"), backend="nccl")
     assert fp8[0]["layers"] == 10  # q, o, gate, up, down of 2 blocks (k, v [2560 -> 512] stay bf16)

@@ -49,8 +49,8 @@ def test_masked_fp32_training_matches_the_dense_reference(tmp_path):
     """Packed pretraining (the embedded corpus: documents start inside windows) with FlexAttention on 2 GPUs equals
     the single-process reference that uses the dense mask (fp32; FlashAttention's varlen kernel has no fp32 path,
     its bf16 numerics are checked above)."""
-    extra = ["--parallel.param_dtype=float32", "--train.micro_batch=2", "--parallel.doc_attention=flex",
-             "--parallel.activation_checkpoint=selective"]
+    extra = ["--compute.param_dtype=float32", "--train.micro_batch=2", "--compute.doc_attention=flex",
+             "--compute.activation_checkpoint=selective"]
     res = run_ranks(_train, min(2, torch.cuda.device_count()), extra, str(tmp_path), backend="nccl")
     torch.backends.cuda.matmul.allow_tf32 = False
     _, ref_losses = reference_train(small_config("--train.device=cuda", *extra), device="cuda")
@@ -71,8 +71,8 @@ def test_compiled_packed_sft_learns_with_token_budgets(tmp_path, kernel):
             n, m = (int(x) for x in torch.randint(4, 60, (2,), generator=rng))
             f.write(json.dumps({"prompt": "q" * n + "?", "completion": "ab" * (m // 2)}) + "\n")
     extra = [f"--data.path={tmp_path / 'sft.jsonl'}", "--data.seq_len=128", "--train.micro_batch_tokens=512",
-             "--train.global_batch=16", "--train.steps=25", f"--parallel.doc_attention={kernel}",
-             "--parallel.compile=true", "--parallel.activation_checkpoint=full", "--model.max_seq_len=128"]
+             "--train.global_batch=16", "--train.steps=25", f"--compute.doc_attention={kernel}",
+             "--compute.compile=true", "--compute.activation_checkpoint=full", "--model.max_seq_len=128"]
     res = run_ranks(_train, min(2, torch.cuda.device_count()), extra, str(tmp_path / "run"), backend="nccl",
                     timeout=600)
     losses = res[0]["losses"]

@@ -75,7 +75,7 @@ def _sharded_load_and_export(rank, world, path, out):
     cfg = load_config(None, [f"--model.path={path}", *ARGS])
     with torch.device("meta"):
         model = build_model(cfg.model)
-    parallelize(model, cfg.parallel, torch.device("cpu"), world, seed=0, init=False)
+    parallelize(model, cfg, torch.device("cpu"), world, seed=0, init=False)
     load_hf_checkpoint(model, path)
     state = {k: v.tolist() for k, v in full_state(model).items()}
     export_hf(model, out, dtype="float32", source=path, max_shard_bytes=40_000)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from shardfit.config import load_config
-from shardfit.config.schema import ParallelConfig
+from shardfit.config.schema import ComputeConfig, Config, ParallelConfig
 from shardfit.models import build_model
 from shardfit.models.attention import (
     DocumentMask,
@@ -176,8 +176,8 @@ def _ulysses_logits(rank, world, extra):
 
     with torch.device("meta"):
         model = build_model(load_config(None, BASE + extra).model)
-    parallelize(model, ParallelConfig(sequence_parallel=2, activation_checkpoint="full"), torch.device("cpu"), world,
-                seed=3)
+    cfg = Config(parallel=ParallelConfig(sequence_parallel=2), compute=ComputeConfig(activation_checkpoint="full"))
+    parallelize(model, cfg, torch.device("cpu"), world, seed=3)
     ids, positions, _ = _packed(model.cfg.vocab_size)
     mask = DocumentMask.build(positions, "sdpa", torch.device("cpu"))  # from the full position ids, on every rank
     with torch.no_grad():

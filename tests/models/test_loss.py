@@ -43,7 +43,7 @@ def test_seeded_init_depends_on_name_and_seed_only():
 
 @pytest.mark.slow  # ~22 s of CPU compilation; compiled training runs in the CUDA tests
 def test_compiled_chunk_matches_eager():
-    """parallel.compile runs the per-chunk softmax and gradient through torch.compile: same loss and gradients
+    """compute.compile runs the per-chunk softmax and gradient through torch.compile: same loss and gradients
     (bf16 inputs, so the fp32 copy is fused away; a short last chunk is a second specialisation)."""
     g = torch.Generator().manual_seed(0)
     h0 = torch.randn(45, 32, generator=g).bfloat16()

@@ -45,7 +45,7 @@ def _train_ep(rank, world, overrides, run_dir):
 ], ids=["2x2-none", "2x2-full", "4x2-selective", "4x4-full", "2x2-full-sparse", "2x2-selective-overlap-both",
         "4x4-full-sparse-overlap-dispatch"])
 def test_expert_parallel_matches_single_process(tmp_path, world, ep, ac, extra):
-    overrides = [*MOE, *extra, f"--parallel.expert_parallel={ep}", f"--parallel.activation_checkpoint={ac}"]
+    overrides = [*MOE, *extra, f"--parallel.expert_parallel={ep}", f"--compute.activation_checkpoint={ac}"]
     plain = [x for x in overrides if not x.startswith(("--parallel.expert_parallel", "--parallel.expert_overlap"))]
     res = run_ranks(_train_ep, world, overrides, str(tmp_path), timeout=300)
     assert res[0]["routing"] != res[1]["routing"]  # ranks send their tokens to different experts
@@ -75,7 +75,7 @@ def test_one_rank_runs_its_experts_outside_fsdp_as_two_ranks_train_them_inside(t
     """A world of one keeps its experts out of FSDP (LocalExperts: cast by the computation, gradients written fresh
     every step) and trains the weights that 2 ranks of plain FSDP (experts gathered and reduce-scattered) train;
     with parallel.offload the experts stay in FSDP (its policy moves their shards to the host)."""
-    overrides = [*MOE, "--parallel.activation_checkpoint=selective"]
+    overrides = [*MOE, "--compute.activation_checkpoint=selective"]
     one = run_ranks(_train_ep, 1, overrides, str(tmp_path / "one"))[0]
     two = run_ranks(_train_ep, 2, overrides, str(tmp_path / "two"))[0]
     # (exchange, experts held, gradients kept): FSDP's shard of 2 ranks holds 4 of the 8 experts' rows
@@ -89,7 +89,7 @@ def test_one_rank_runs_its_experts_outside_fsdp_as_two_ranks_train_them_inside(t
     assert not experts_outside_fsdp(1, 1, "all")
 
 
-RESUME = [*MOE, "--train.steps=6", "--parallel.activation_checkpoint=full", "--checkpoint.export_dtype=float32"]
+RESUME = [*MOE, "--train.steps=6", "--compute.activation_checkpoint=full", "--checkpoint.export_dtype=float32"]
 
 
 def _run(rank, world, extra, run_dir):
@@ -157,10 +157,10 @@ def test_expert_parallel_inside_hsdp_replicas_matches_single_process(tmp_path, w
     their gradients are all-reduced across them. Trains what one process trains."""
     batch = [f"--train.global_batch={2 * world}"]
     overrides = [*MOE, *batch, f"--parallel.expert_parallel={ep}", f"--parallel.replicate={replicate}",
-                 "--parallel.activation_checkpoint=full"]
+                 "--compute.activation_checkpoint=full"]
     res = run_ranks(_train_ep, world, overrides, str(tmp_path), timeout=300)
     assert all(r["local_rows"] == 8 // (world // replicate) for r in res)  # a replica's shard of the experts
-    one = run_ranks(_train_ep, 1, [*MOE, *batch, "--parallel.activation_checkpoint=full"], str(tmp_path / "one"))
+    one = run_ranks(_train_ep, 1, [*MOE, *batch, "--compute.activation_checkpoint=full"], str(tmp_path / "one"))
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(res[0][key]), torch.tensor(one[0][key]), rtol=1e-5, atol=1e-5)
     for k, v in res[0]["state"].items():

@@ -1,4 +1,4 @@
-"""FP8 matmuls (`parallel.fp8`, torchao): which layers convert, sharded FP8 training equals single-process FP8
+"""FP8 matmuls (`compute.fp8`, torchao): which layers convert, sharded FP8 training equals single-process FP8
 training, FP8 really changes the numerics (a little), and checkpoints and exports hold plain weights."""
 
 import pytest
@@ -22,10 +22,10 @@ def _converted(model) -> list[str]:
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_on_gpus_only_the_blocks_large_linears_convert(recipe):
-    cfg = load_config(None, ["--model.name=llama3-8b", "--model.n_layers=2", f"--parallel.fp8={recipe}"])
+    cfg = load_config(None, ["--model.name=llama3-8b", "--model.n_layers=2", f"--compute.fp8={recipe}"])
     with torch.device("meta"):
         model = build_model(cfg.model)
-    n = fp8_mod.apply_fp8(model, cfg.parallel, "cuda", (9, 0))
+    n = fp8_mod.apply_fp8(model, cfg.compute, "cuda", (9, 0))
     names = _converted(model)
     assert n == len(names) == 10  # q, o, gate, up, down of 2 blocks
     assert not any(x.endswith(("k_proj", "v_proj")) for x in names)  # [4096 -> 1024]: too small to gain
@@ -34,34 +34,34 @@ def test_on_gpus_only_the_blocks_large_linears_convert(recipe):
 
 def test_moe_routers_and_experts_stay_and_cpu_converts_every_eligible_layer():
     cfg = small_config("--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32",
-                       "--parallel.fp8=tensorwise")
+                       "--compute.fp8=tensorwise")
     with torch.device("meta"):
         model = build_model(cfg.model)
     names = _converted(model)
     assert names == []
-    fp8_mod.apply_fp8(model, cfg.parallel, "cpu", None)
+    fp8_mod.apply_fp8(model, cfg.compute, "cpu", None)
     names = _converted(model)
     assert sorted({x.split(".")[-1] for x in names}) == ["k_proj", "o_proj", "q_proj", "v_proj"]  # emulated: all
     assert not any(x.endswith("mlp.gate") for x in names)
 
 
 def test_start_line_says_what_runs_in_fp8():
-    cfg = small_config("--parallel.fp8=tensorwise").parallel
+    cfg = small_config("--compute.fp8=tensorwise").compute
     assert fp8_mod.fp8_notice(cfg, 0, "cuda").endswith("every matmul runs in bf16")
-    assert "set --parallel.compile=true" in fp8_mod.fp8_notice(cfg, 10, "cuda")
-    compiled = small_config("--parallel.fp8=tensorwise", "--parallel.compile=true").parallel
+    assert "set --compute.compile=true" in fp8_mod.fp8_notice(cfg, 10, "cuda")
+    compiled = small_config("--compute.fp8=tensorwise", "--compute.compile=true").compute
     assert fp8_mod.fp8_notice(compiled, 10, "cuda") == ("fp8 tensorwise: 10 linear layers run FP8 matmuls (weights "
                                                         "all-gathered in FP8)")
     assert "emulated on the CPU" in fp8_mod.fp8_notice(cfg, 10, "cpu")
 
 
 def test_clear_errors(monkeypatch):
-    cfg = small_config("--parallel.fp8=tensorwise")
-    with pytest.raises(ShardfitError, match=r"parallel.fp8=tensorwise: needs FP8 tensor cores .* has 8.0"):
-        fp8_mod.apply_fp8(build_model(cfg.model), cfg.parallel, "cuda", (8, 0))
+    cfg = small_config("--compute.fp8=tensorwise")
+    with pytest.raises(ShardfitError, match=r"compute.fp8=tensorwise: needs FP8 tensor cores .* has 8.0"):
+        fp8_mod.apply_fp8(build_model(cfg.model), cfg.compute, "cuda", (8, 0))
     monkeypatch.setattr(fp8_mod, "fp8_available", lambda: False)
     with pytest.raises(ShardfitError, match=r"needs torchao.*fix: pip install 'shardfit\[fp8\]'"):
-        fp8_mod.apply_fp8(build_model(cfg.model), cfg.parallel, "cpu", None)
+        fp8_mod.apply_fp8(build_model(cfg.model), cfg.compute, "cpu", None)
 
 
 def _train_fp8(rank, world, overrides, run_dir):
@@ -77,8 +77,8 @@ def _train_fp8(rank, world, overrides, run_dir):
 def test_two_rank_fp8_moe_training_matches_one_rank(tmp_path):
     """An MoE model with FP8 attention projections: ranks route differently, the experts stay high precision, and
     2 ranks still equal 1."""
-    overrides = ["--parallel.fp8=tensorwise", "--model.n_experts=8", "--model.experts_per_token=2",
-                 "--model.moe_ffn_dim=32", "--train.micro_batch=2", "--parallel.activation_checkpoint=selective"]
+    overrides = ["--compute.fp8=tensorwise", "--model.n_experts=8", "--model.experts_per_token=2",
+                 "--model.moe_ffn_dim=32", "--train.micro_batch=2", "--compute.activation_checkpoint=selective"]
     two = run_ranks(_train_fp8, 2, overrides, str(tmp_path))
     one = run_ranks(_train_fp8, 1, overrides, str(tmp_path / "one"))[0]
     assert two[0]["layers"] == one["layers"] == 8  # q, k, v, o of 2 blocks; routers and experts not
@@ -92,7 +92,7 @@ def test_two_rank_fp8_training_matches_one_rank(tmp_path, recipe):
     """Tensorwise all-gathers the weights in FP8 with scales from one all-reduce: the same casts as one rank. The
     micro-batches are the same on 1 and 2 ranks (dynamic scales depend on them); only the gradients' reduction order
     differs."""
-    overrides = [f"--parallel.fp8={recipe}", "--train.micro_batch=2", f"--checkpoint.export_hf={tmp_path}/hf",
+    overrides = [f"--compute.fp8={recipe}", "--train.micro_batch=2", f"--checkpoint.export_hf={tmp_path}/hf",
                  "--checkpoint.export_dtype=float32"]
     two = run_ranks(_train_fp8, 2, overrides, str(tmp_path))
     one = run_ranks(_train_fp8, 1, overrides[:-2], str(tmp_path / "one"))[0]
@@ -118,12 +118,12 @@ def _load_hf_fp8(rank, world, path, recipe):
     from shardfit.hf import load_hf_checkpoint
     from shardfit.parallel import parallelize
 
-    cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=32", f"--parallel.fp8={recipe}"])
+    cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=32", f"--compute.fp8={recipe}"])
     with torch.device("meta"):
         model = build_model(cfg.model)
-    report = parallelize(model, cfg.parallel, torch.device("cpu"), world, seed=0, init=False)
+    report = parallelize(model, cfg, torch.device("cpu"), world, seed=0, init=False)
     load_hf_checkpoint(model, path)
-    fp8_mod.refresh_fp8_scales(model, cfg.parallel)
+    fp8_mod.refresh_fp8_scales(model, cfg.compute)
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = model(ids)

@@ -23,8 +23,8 @@ def _train_sharded(rank, world, overrides, run_dir):
 
 @pytest.mark.parametrize("overrides", [
     [],  # one micro-batch per rank
-    ["--train.micro_batch=2", "--parallel.activation_checkpoint=full"],  # accumulation 2, full AC
-    ["--train.micro_batch=2", "--parallel.activation_checkpoint=selective", "--model.tie_embeddings=false"],
+    ["--train.micro_batch=2", "--compute.activation_checkpoint=full"],  # accumulation 2, full AC
+    ["--train.micro_batch=2", "--compute.activation_checkpoint=selective", "--model.tie_embeddings=false"],
     ["--train.micro_batch=1", "--parallel.prefetch=1", "--parallel.reshard_after_forward=false",
      "--memory.keep_grads=false"],  # accumulation 4, gradients freed between steps
     ["--train.micro_batch=2", "--parallel.reduce_every_micro_batch=false"],  # one reduce-scatter per step
@@ -62,7 +62,7 @@ def _moe_routing_differs(rank, world, overrides, run_dir):
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_moe_ranks_route_differently_and_match_single_process(tmp_path, ac):
     """Different experts per rank, checkpointing on: no hang, no recomputation mismatch, same result as 1 process."""
-    overrides = [*MOE, f"--parallel.activation_checkpoint={ac}"]
+    overrides = [*MOE, f"--compute.activation_checkpoint={ac}"]
     res = run_ranks(_moe_routing_differs, 2, overrides, str(tmp_path), timeout=240)
     assert res[0]["routing"] != res[1]["routing"]  # the ranks really sent their tokens to different experts
     ref_model, ref_losses = reference_train(small_config(*overrides))
@@ -83,12 +83,12 @@ def _moe_losses(rank, world, overrides, run_dir):
 def test_moe_auxiliary_loss_two_ranks_equal_one_with_checkpointing(tmp_path):
     """The load-balancing loss on ranks that route differently, recomputed under full checkpointing, trains the
     same weights as one process (the same micro-batches: 4 sequences each)."""
-    overrides = [*MOE, "--train.micro_batch=4", "--model.router_aux_coef=0.05", "--parallel.activation_checkpoint=full"]
+    overrides = [*MOE, "--train.micro_batch=4", "--model.router_aux_coef=0.05", "--compute.activation_checkpoint=full"]
     two = run_ranks(_moe_losses, 2, overrides, str(tmp_path / "two"), timeout=240)
     one = run_ranks(_moe_losses, 1, overrides, str(tmp_path / "one"), timeout=240)
     torch.testing.assert_close(torch.tensor(two[0]["losses"]), torch.tensor(one[0]["losses"]), rtol=1e-5, atol=1e-5)
     for k, v in two[0]["state"].items():
         torch.testing.assert_close(torch.tensor(v), torch.tensor(one[0]["state"][k]), rtol=1e-4, atol=1e-4, msg=k)
-    no_aux = run_ranks(_moe_losses, 1, [*overrides[:-2], "--parallel.activation_checkpoint=full"],
+    no_aux = run_ranks(_moe_losses, 1, [*overrides[:-2], "--compute.activation_checkpoint=full"],
                        str(tmp_path / "noaux"), timeout=240)
     assert no_aux[0]["losses"][0] < one[0]["losses"][0]  # the auxiliary term is part of the reported loss

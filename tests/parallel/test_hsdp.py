@@ -63,7 +63,7 @@ def test_hsdp_2x2_matches_single_process(tmp_path):
 def test_hsdp_with_ulysses_matches_single_process(tmp_path):
     """sp=2 groups stay neighbours (r // 2) and read the same samples; HSDP shards over pairs, replicates twice."""
     overrides = [*NO_CLIP, "--parallel.replicate=2", "--parallel.sequence_parallel=2",
-                 "--parallel.activation_checkpoint=full"]
+                 "--compute.activation_checkpoint=full"]
     res = run_ranks(_train_hsdp, 4, overrides, str(tmp_path), timeout=300)
     _check_layout(res, 2, 4)
     assert [(r["dp_rank"], r["sp_rank"]) for r in res] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -22,7 +22,8 @@ def test_token_budgets_count_examples_so_any_global_batch_splits():
 @pytest.mark.parametrize("args, world, needle", [
     (["--parallel.replicate=3"], 2, "parallel.replicate=3 does not divide the world size 2"),
     (["--parallel.sequence_parallel=3"], 4, "parallel.sequence_parallel=3 does not divide the world size 4"),
-    (["--parallel.offload=optimizer"], 2, "parallel.offload=optimizer is not supported"),
+    (["--parallel.offload=all", "--compute.fp8=tensorwise"], 2,
+     "parallel.offload=all does not combine with compute.fp8"),
     (["--train.micro_batch_tokens=128", "--data.seq_len=256"], 2, "micro_batch_tokens=128 is below data.seq_len"),
     (["--train.micro_batch_tokens=514", "--data.seq_len=256", "--parallel.sequence_parallel=4",
       "--model.n_heads=8"], 4, "micro_batch_tokens=514 is not a multiple of parallel.sequence_parallel=4"),

@@ -79,7 +79,7 @@ def _both(rank, world, run_dir, sync_too, kept=0):
     for twins in (False, True):
         with torch.device("meta"):
             m = build_model(cfg.model)
-        parallelize(m, cfg.parallel, torch.device("cpu"), world, seed=cfg.train.seed, init=not twins)
+        parallelize(m, cfg, torch.device("cpu"), world, seed=cfg.train.seed, init=not twins)
         if twins:
             type(m).init_weights(_DeviceTwins(m, torch.device("cpu")), cfg.train.seed, view=local_view)
         models.append(full_state(m))
@@ -163,7 +163,7 @@ def _hf_load(rank, world, path):
                                  f"--parallel.offload={off}"])
         with torch.device("meta"):
             model = build_model(cfg.model)
-        parallelize(model, cfg.parallel, torch.device("cpu"), world, seed=0, init=False)
+        parallelize(model, cfg, torch.device("cpu"), world, seed=0, init=False)
         from shardfit.hf import load_hf_checkpoint
 
         load_hf_checkpoint(model, path)  # writes into the local shards: host memory under offload
@@ -186,13 +186,14 @@ def test_hf_load_into_offloaded_shards(tmp_path):
         assert r["equal"] and r["offloaded"] and r["nonzero"]
 
 
-def test_optimizer_offload_is_refused_with_one_line():
-    cfg = small_config("--parallel.offload=optimizer")
+def test_offload_refusals_are_one_line():
+    # offload=optimizer (FSDP2 has none) is no longer a choice: the loader's error, naming the valid ones
     with pytest.raises(ShardfitError) as e:
-        check_offload(cfg.parallel)
-    assert e.value.exit_code == 2 and "\n" not in str(e.value) and "parallel.offload=all" in str(e.value)
-    with pytest.raises(ShardfitError, match="fp8"):
-        check_offload(small_config("--parallel.offload=all", "--parallel.fp8=tensorwise").parallel)
+        small_config("--parallel.offload=optimizer")
+    assert e.value.exit_code == 2 and "\n" not in str(e.value)
+    assert str(e.value).startswith("parallel.offload: 'optimizer' is not allowed; fix: choose one of none, all")
+    with pytest.raises(ShardfitError, match="does not combine with compute.fp8"):
+        check_offload(small_config("--parallel.offload=all").parallel, fp8="tensorwise")
     check_offload(small_config("--parallel.offload=all").parallel)  # accepted
     # blocks kept on the GPU: only out of offload=all, and at most every block
     for args, match in ((["--parallel.offload_gpu_blocks=2"], "parallel.offload=none"),

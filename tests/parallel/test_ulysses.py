@@ -28,9 +28,9 @@ def _train_sp(rank, world, overrides, run_dir):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["--parallel.activation_checkpoint=full"],  # K=2 key/value heads split over 2 ranks
-    ["--parallel.activation_checkpoint=selective", "--model.n_kv_heads=1", "--model.qk_norm=true"],  # K repeated
-    ["--parallel.activation_checkpoint=full", "--model.n_experts=8", "--model.experts_per_token=2",
+    ["--compute.activation_checkpoint=full"],  # K=2 key/value heads split over 2 ranks
+    ["--compute.activation_checkpoint=selective", "--model.n_kv_heads=1", "--model.qk_norm=true"],  # K repeated
+    ["--compute.activation_checkpoint=full", "--model.n_experts=8", "--model.experts_per_token=2",
      "--model.moe_ffn_dim=32"],  # MoE: each rank routes its own half of every sequence's tokens
 ], ids=["fullac-gqa", "selac-kvrepeat-qknorm", "fullac-moe"])
 def test_sequence_parallel_matches_single_process(tmp_path, overrides):

@@ -47,9 +47,9 @@ def test_compiled_moe_block_recomputes_only_silu_and_expert_parallel_runs_its_ex
         return block_activation_bytes(load_config(None, [*MOE, *extra]), 2)["none"]
 
     silu = 2 * 128 * 2 * 64 * 2  # micro-batch 2 x 128 tokens, top-2, I = 64, bf16
-    eager, compiled = saved(), saved("--parallel.compile=true")
+    eager, compiled = saved(), saved("--compute.compile=true")
     assert compiled < eager - silu
-    assert saved("--parallel.compile=true", "--parallel.expert_parallel=2") - compiled == silu + 256 * 2 * 2
+    assert saved("--compute.compile=true", "--parallel.expert_parallel=2") - compiled == silu + 256 * 2 * 2
     assert saved("--parallel.expert_parallel=2") == eager  # eager either way
     # traced at micro-batch 1 and 2 and extended linearly, as dense blocks are: a direct trace at 3 agrees
     m = load_config(None, MOE).model
@@ -69,6 +69,6 @@ def test_moe_trace_leaves_no_trace_behind():
         return [len(_debug_get_cache_entry_list(f.__code__)) for f in (MoE.forward, MoE.run, DecoderBlock.forward)]
 
     before = entries()
-    estimate(load_config(None, [*MOE, "--parallel.compile=true", "--data.seq_len=96"]), 2, 1)
-    estimate(load_config(None, [*MOE, "--parallel.compile=true", "--parallel.expert_parallel=2"]), 2, 1)
+    estimate(load_config(None, [*MOE, "--compute.compile=true", "--data.seq_len=96"]), 2, 1)
+    estimate(load_config(None, [*MOE, "--compute.compile=true", "--parallel.expert_parallel=2"]), 2, 1)
     assert entries() == before

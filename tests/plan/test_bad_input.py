@@ -109,7 +109,7 @@ REFUSED = [
     (["--parallel.sequence_parallel=3", "--model.n_heads=4", "--data.seq_len=252", "--train.global_batch=3",
       "--train.micro_batch=1"], 3),
     (["--parallel.replicate=3"], 4),
-    (["--parallel.offload=optimizer"], 2),
+    (["--parallel.offload=all", "--compute.fp8=tensorwise"], 2),
     (["--parallel.offload_gpu_blocks=1"], 2),
     (["--parallel.offload=all", "--parallel.offload_gpu_blocks=9"], 2),
     (["--parallel.expert_parallel=2"], 2),
@@ -167,7 +167,7 @@ def _recipe_cases():
 @pytest.mark.parametrize("name, world, gib", list(_recipe_cases()))
 def test_no_proposal_is_a_layout_train_refuses(name, world, gib):
     cfg = load_config(f"recipe:{name}")
-    if cfg.parallel.fp8 != "none":
+    if cfg.compute.fp8 != "none":
         pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
     props, short = proposals(cfg, world, gib, 512.0)
     for p in props + short:

@@ -22,7 +22,7 @@ MEASURED = [
     ("2026-11-21_s2_h200x2_seq262144.json", "seq 262144 ulysses-2 full-AC", ["--memory.keep_grads=false"]),
     # compiled blocks: counted from the partitioned AOTAutograd graph (this run predates the compiled loss chunk)
     ("2026-11-21_s2_h200x2_levers.json", "compile mbs2 torch-CE",
-     ["--memory.keep_grads=false", "--parallel.compile_loss=false"]),
+     ["--memory.keep_grads=false", "--compute.compile_loss=false"]),
     ("2026-11-22_s3_h200x2_final.json", "compile mbs4", []),
     # FP8 (torchao): the traced block has the FP8 casts; tensorwise all-gathers the weights in FP8
     ("2026-11-22_s4_h200x2_fp8.json", "fp8 tensorwise mbs4", []),
@@ -109,7 +109,7 @@ def test_hsdp_shards_states_over_one_replica_group():
 def test_token_budget_rows_are_counted_as_rows_of_that_many_tokens():
     """train.micro_batch_tokens=T: one [1, T] row per pass. Measured on 2 x H200 (varlen8b, compiled, freed
     gradients): the 16,384-token budget and packed micro-batch 4 x 4,096 both peaked at 119.18 GiB."""
-    base = ["--model.name=llama3-8b", "--data.seq_len=4096", "--parallel.compile=true", "--memory.keep_grads=false"]
+    base = ["--model.name=llama3-8b", "--data.seq_len=4096", "--compute.compile=true", "--memory.keep_grads=false"]
     budget = load_config(None, [*base, "--train.micro_batch_tokens=16384", "--train.global_batch=2"])
     plain = load_config(None, [*base, "--data.seq_len=16384", "--train.micro_batch=1", "--train.global_batch=2"])
     got = estimate(budget, 2, 1)
@@ -122,9 +122,9 @@ def test_token_budget_rows_are_counted_as_rows_of_that_many_tokens():
 
 
 def test_compiled_loss_keeps_no_fp32_logits_chunk():
-    """parallel.compile_loss (the default with compile): the fused loss's chunk is bf16 logits and their bf16
+    """compute.compile_loss (the default with compile): the fused loss's chunk is bf16 logits and their bf16
     gradient (4 B a logit), not the eager chunk's bf16 logits, fp32 copy and fp32 temporary (10 B)."""
-    base = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=2", "--parallel.compile=true"]
-    eager = estimate(load_config(None, [*base, "--parallel.compile_loss=false"]), 2, 2)
+    base = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=2", "--compute.compile=true"]
+    eager = estimate(load_config(None, [*base, "--compute.compile_loss=false"]), 2, 2)
     fused = estimate(load_config(None, base), 2, 2)
     assert eager.working - fused.working == 1024 * 128_256 * 6  # loss_chunk x vocabulary x 6 B

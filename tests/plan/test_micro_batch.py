@@ -12,7 +12,7 @@ from shardfit.plan.micro_batch import largest_micro_batch
 
 
 def test_largest_micro_batch_is_the_edge():
-    cfg = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096", "--parallel.activation_checkpoint=full"])
+    cfg = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096", "--compute.activation_checkpoint=full"])
     budget = 100 * GiB
     best = largest_micro_batch(cfg, 2, budget)
     assert best is not None and best.peak <= budget < estimate(cfg, 2, best.micro_batch + 1).peak
@@ -62,12 +62,12 @@ def test_auto_micro_batch_says_what_freed_gradients_would_allow():
     from shardfit.plan.micro_batch import auto_micro_batch
 
     cfg = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=0",
-                             "--train.global_batch=8", "--parallel.compile=true"])
+                             "--train.global_batch=8", "--compute.compile=true"])
     e, line = auto_micro_batch(cfg, 2, 139.8 * GiB, per_rank=4)
     assert e.micro_batch == 2 and line.startswith("train.micro_batch=0: chose 2")
     assert "with --memory.keep_grads=false 4 would fit" in line
     freed = load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=0",
-                               "--train.global_batch=8", "--parallel.compile=true", "--memory.keep_grads=false"])
+                               "--train.global_batch=8", "--compute.compile=true", "--memory.keep_grads=false"])
     e, line = auto_micro_batch(freed, 2, 139.8 * GiB, per_rank=4)
     assert e.micro_batch == 4 and "would fit" not in line
 
@@ -80,8 +80,8 @@ def test_freed_gradients_leave_room_for_their_cache():
     from shardfit.plan.micro_batch import choose_micro_batch
 
     def cfg(per_rank):  # one micro-batch per step, as measured
-        return load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096", "--parallel.compile=true",
-                                  "--parallel.fp8=tensorwise", "--memory.keep_grads=false", "--train.micro_batch=0",
+        return load_config(None, ["--model.name=llama3-8b", "--data.seq_len=4096", "--compute.compile=true",
+                                  "--compute.fp8=tensorwise", "--memory.keep_grads=false", "--train.micro_batch=0",
                                   f"--train.global_batch={2 * per_rank}"])
 
     device = 139.8 * GiB

@@ -46,14 +46,14 @@ def test_one_rank_holds_its_cast_experts_and_compiles_around_them():
 
     if not experts_outside_fsdp(1, 1):
         pytest.skip("experts stay in FSDP before torch 2.7")
-    plain, compiled = (load_config(None, [*MOE, *extra]) for extra in ([], ["--parallel.compile=true"]))
+    plain, compiled = (load_config(None, [*MOE, *extra]) for extra in ([], ["--compute.compile=true"]))
     experts = 3 * 8 * 64 * plain.model.dim  # per block
     held = estimate(plain, 1, 2).activations - estimate(plain, 2, 2).activations
     assert held == plain.model.n_layers * 2 * experts
-    ep2 = load_config(None, [*MOE, "--parallel.compile=true", "--parallel.expert_parallel=2"])
+    ep2 = load_config(None, [*MOE, "--compute.compile=true", "--parallel.expert_parallel=2"])
     assert block_activation_bytes(compiled, 2, world=1)["none"] == block_activation_bytes(ep2, 2)["none"]
     assert block_activation_bytes(compiled, 2, world=2)["none"] < block_activation_bytes(compiled, 2, world=1)["none"]
-    offloaded = load_config(None, [*MOE, "--parallel.compile=true", "--parallel.offload=all"])
+    offloaded = load_config(None, [*MOE, "--compute.compile=true", "--parallel.offload=all"])
     assert block_activation_bytes(offloaded, 2, world=1) == block_activation_bytes(compiled, 2, world=2)
 
 
@@ -66,7 +66,7 @@ def test_expert_gradients_outside_fsdp_and_unsharded_accumulation():
 
     if not experts_outside_fsdp(2, 2):
         pytest.skip("experts stay in FSDP before torch 2.7")
-    full = [*MOE, "--parallel.activation_checkpoint=full", "--train.micro_batch=1", "--train.global_batch=4"]
+    full = [*MOE, "--compute.activation_checkpoint=full", "--train.micro_batch=1", "--train.global_batch=4"]
     one, two = (load_config(None, [*full, f"--parallel.expert_parallel={e}"]) for e in (1, 2))
     experts = one.model.n_layers * 3 * 8 * 64 * one.model.dim  # every layer's, whole
     fresh = 4 * experts // 2  # fp32, a rank's half

@@ -30,7 +30,7 @@ def clear_traces():
 
 @pytest.mark.parametrize("module,name,flags", [
     ("torch.utils._python_dispatch", "TorchDispatchMode", []),
-    ("torch._functorch.aot_autograd", "aot_function", ["--parallel.compile=true"]),
+    ("torch._functorch.aot_autograd", "aot_function", ["--compute.compile=true"]),
 ])
 def test_a_torch_without_an_internal_plans_nothing_and_says_what_is_missing(module, name, flags, monkeypatch,
                                                                              capsys, clear_traces):

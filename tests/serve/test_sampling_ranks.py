@@ -27,7 +27,7 @@ def _sample_sharded(rank: int, world: int):
     cfg = _cfg()
     with torch.device("meta"):
         model = build_model(cfg.model)
-    parallelize(model, cfg.parallel, torch.device("cpu"), world, cfg.train.seed, init=True)  # in place
+    parallelize(model, cfg, torch.device("cpu"), world, cfg.train.seed, init=True)  # in place; returns its report
     seqs, prompt_lp = sample(model, SampleArgs(**ARGS), torch.float32, torch.device("cpu"), rank, world)
     seqs2, _ = sample(model, SampleArgs(**{**ARGS, "seed": 8, "prompt_logprobs": False}), torch.float32,
                       torch.device("cpu"), rank, world)  # a second call: FSDP's state is fine after the first

@@ -11,7 +11,7 @@ from shardfit.train.checkpoint import complete_checkpoints, resolve_resume
 from tests._dist import run_ranks
 from tests.helpers import full_state, small_config
 
-ARGS = ["--train.steps=6", "--train.micro_batch=2", "--parallel.activation_checkpoint=full", "--checkpoint.final=true"]
+ARGS = ["--train.steps=6", "--train.micro_batch=2", "--compute.activation_checkpoint=full", "--checkpoint.final=true"]
 
 
 def _uninterrupted_then_resumed(rank, world, root, extra=()):
@@ -40,7 +40,7 @@ def test_fp8_resume_equals_uninterrupted(tmp_path):
     """FP8 weights (torchao's subclass, all-gathered in FP8) save and load through DCP; the scales are refreshed from
     the loaded weights, so the resumed run repeats the uninterrupted one bit for bit."""
     pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
-    r = run_ranks(_uninterrupted_then_resumed, 2, str(tmp_path), ["--parallel.fp8=tensorwise"])[0]
+    r = run_ranks(_uninterrupted_then_resumed, 2, str(tmp_path), ["--compute.fp8=tensorwise"])[0]
     assert r["b"] == r["a"][3:] and r["same_params"]
 
 

@@ -26,7 +26,7 @@ def _engine(*extra):
 def _reference_model(engine):
     from shardfit.models import build_model
 
-    model = build_model(engine.cfg.model, loss_chunk=engine.cfg.parallel.loss_chunk)
+    model = build_model(engine.cfg.model, loss_chunk=engine.cfg.compute.loss_chunk)
     model.init_weights(engine.cfg.train.seed)
     return model
 

@@ -70,7 +70,7 @@ def _train(rank, world, args, run_dir):
 def test_token_budget_two_ranks_equal_one_process_with_skewed_lengths(tmp_path):
     data = _write_sft(tmp_path / "d.jsonl", 96)
     args = [*SMALL, f"--data.path={data}", "--train.micro_batch_tokens=64", "--train.global_batch=12",
-            "--data.pack=false", "--parallel.activation_checkpoint=full"]
+            "--data.pack=false", "--compute.activation_checkpoint=full"]
     res = run_ranks(_train, 2, args, str(tmp_path / "run"))
     assert res[0]["passes"] == res[1]["passes"]  # the same number of forward/backward passes on both ranks
     assert len(set(res[0]["passes"])) > 1  # ...which the lengths made vary from step to step

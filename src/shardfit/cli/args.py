@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from shardfit.config.options import read_options
 from shardfit.errors import ShardfitError
 
 # Far above any real job (processes, nodes, GPUs per node, worker processes), low enough that nothing downstream
@@ -55,20 +56,14 @@ def fraction(value: str, name: str, what: str) -> float:
 
 
 def take_options(argv: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
-    """Pull `--name VALUE` / `--name=VALUE` for the given names out of argv; the rest are config overrides."""
-    opts, rest, i = {}, [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        if name in names:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ShardfitError(f"{name} needs a value", where="command line", fix=f"write {name}=VALUE")
-                value = argv[i + 1]
-                i += 1
-            opts[name] = value
+    """Pull `--name VALUE` / `--name=VALUE` for the given names out of argv (the last of a name given twice wins);
+    the rest, in order, are config overrides (config/options.py reads both)."""
+    opts, rest = {}, []
+    for name, value in read_options(argv, set(names).__contains__):
+        if name is None:
+            rest.append(value)
         else:
-            rest.append(argv[i])
-        i += 1
+            opts[name] = value
     return opts, rest
 
 

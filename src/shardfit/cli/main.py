@@ -1,7 +1,8 @@
 """`shardfit <command>`: one console script, one subcommand per face of the tool, and one error path.
 
-A ShardfitError from any command is one line, `shardfit: error: ...`, and exit code 2 (or the error's own code);
-under torchrun once per job (cli.rank_errors). Ctrl-C is `shardfit: interrupted` and exit 130.
+Each command is the function of the same name in its own module, cli/<command>.py, taking the arguments after the
+command's name. A ShardfitError from any command is one line, `shardfit: error: ...`, and exit code 2 (or the error's
+own code); under torchrun once per job (cli.rank_errors). Ctrl-C is `shardfit: interrupted` and exit 130.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import sys
 from shardfit import __version__
 from shardfit.cli import rank_errors
 from shardfit.cli.args import ArgumentParser
+from shardfit.cli.doctor import doctor
+from shardfit.cli.generate import generate
 from shardfit.cli.plan import plan
+from shardfit.cli.profile import profile
+from shardfit.cli.recipes import recipes
 from shardfit.cli.serve import serve
-from shardfit.cli.tools import doctor, generate, profile, recipes, tokenize
+from shardfit.cli.tokenize import tokenize
 from shardfit.cli.train import train
 from shardfit.errors import ShardfitError
 
@@ -33,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the largest micro-batch that fits (shardfit plan --help); recipes: the ready-made configs "
                         "(--config recipe:NAME); generate: text from a trained model or checkpoint (shardfit generate "
                         "--help); tokenize: text to token shards for data.path (shardfit tokenize --help); "
-                        "profile: where a profiled step's GPU time went (shardfit profile --help)")
+                        "profile: where a profiled step's GPU time went (shardfit profile --help); serve: the Tinker "
+                        "API for training and sampling (shardfit serve --help)")
     try:
         if not argv or argv[0] in ("-h", "--help", "--version"):
             parser.parse_args(argv or ["--help"])

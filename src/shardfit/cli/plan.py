@@ -11,9 +11,9 @@ does not fit, propose configurations that do.
   shardfit plan [--config FILE.toml | --config recipe:NAME] [--section.key=value ...] --nproc N [--gpu-memory GIB]
                 [--host-memory GIB] [--gpus-per-node G] [--propose] [--json]
 
-The same config keys as `shardfit train` (model, data.seq_len, parallel.*, memory.keep_grads). --nproc is the
-number of GPUs the model is sharded over, all nodes together; --gpu-memory the memory of one GPU in GiB (default:
-this machine's GPU, else 80). With --parallel.compile=true dense blocks are counted as the compiled graph saves them.
+The same config keys as `shardfit train` (model, data.seq_len, parallel.*, compute.*, memory.keep_grads). --nproc is
+the number of GPUs the model is sharded over, all nodes together; --gpu-memory the memory of one GPU in GiB (default:
+this machine's GPU, else 80). With --compute.compile=true dense blocks are counted as the compiled graph saves them.
 With --parallel.offload=all the host memory each node needs is printed; --host-memory (one node's, GiB) checks it.
 
 Proposals, printed when the configuration does not fit or always with --propose, cheapest first: expert parallelism
@@ -50,7 +50,7 @@ def plan(argv: list[str]) -> int:
 
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     propose = ("--propose" in switches or not configured(cfg, world, gpu_gib, host_gib, per_node)[1]
-               or not accepted(cfg, world))  # e.g. parallel.offload=optimizer: counted, but refused by the trainer
+               or not accepted(cfg, world))  # e.g. a layout the trainer refuses: counted, with what would fit
     props, short = proposals(cfg, world, gpu_gib, host_gib, per_node) if propose else ([], [])
     if "--json" in switches:
         import json

@@ -1,8 +1,10 @@
 """One typed config tree: dataclasses, TOML files and `--section.key=value` overrides map onto it."""
 
-from shardfit.config.loader import accumulation_steps, config_to_dict, config_to_toml, load_config, parse_overrides
+from shardfit.config.loader import accumulation_steps, config_to_dict, config_to_toml, load_config
+from shardfit.config.options import parse_overrides
 from shardfit.config.schema import (
     CheckpointConfig,
+    ComputeConfig,
     Config,
     DataConfig,
     LoggingConfig,
@@ -15,6 +17,7 @@ from shardfit.config.schema import (
 __all__ = [
     "accumulation_steps",
     "CheckpointConfig",
+    "ComputeConfig",
     "Config",
     "DataConfig",
     "LoggingConfig",

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardfit.config.options import parse_overrides
+from shardfit.config.renamed import Spellings, announce
 from shardfit.config.schema import PRESETS, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
 from shardfit.errors import ShardfitError
 
@@ -102,35 +104,16 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
     explicit.add(f"{section}.{key}")
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
-    """`--section.key=value` or `--section.key value` into (section, key, value) triples."""
-    out = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ShardfitError(f"cannot read argument '{arg}'", where="command line",
-                                fix="write overrides as --section.key=value (see shardfit train --help)")
-        name, sep, value = arg[2:].partition("=")
-        if not sep:
-            if i + 1 >= len(args):
-                raise ShardfitError(f"'{arg}' has no value", where="command line", fix=f"write {arg}=VALUE")
-            value = args[i + 1]
-            i += 1
-        section, _, key = name.partition(".")
-        out.append((section.replace("-", "_"), key.replace("-", "_"), value))
-        i += 1
-    return out
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     cfg = Config()
     explicit: set[str] = set()
     weights = False
+    in_file, on_line = Spellings(str(path)), Spellings("command line")  # old key spellings of each (renamed.py)
     if path:
         from shardfit.config.recipes import resolve
 
         path = resolve(str(path))  # recipe:NAME -> the shipped file
+        in_file.where = str(path)
         data = _read_toml(path)
         recipe = data.pop("recipe", None)  # a recipe's description and GPU layout (config/recipes), not training keys
         # a recipe that needs model.path fine-tunes: its help and plan show the rates training will use
@@ -142,14 +125,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                                     fix=_closest(section, list(_sections(cfg))) if section not in _sections(cfg)
                                     else f"put its keys under [{section}]")
             for key, value in table.items():
-                _set(cfg, section, key, value, str(path), explicit)
+                new = in_file.key(section, key)  # an old spelling is named beside the new one in errors
+                where = str(path) if new == (section, key) else f"{path} {section}.{key}"
+                _set(cfg, *new, value, where, explicit)
     for section, key, value in parse_overrides(overrides or []):
-        _set(cfg, section, key, value, f"--{section}.{key}", explicit, from_text=True)
+        _set(cfg, *on_line.key(section, key), value, f"--{section}.{key}", explicit, from_text=True)
     _apply_preset(cfg, explicit)
     _check_keys(cfg)
     _check_rules(cfg, MODEL_RULES)
     _apply_training_defaults(cfg, explicit, weights)
     validate(cfg)
+    announce(in_file, on_line)  # once the config is good: a bad one stays one error line
     return cfg
 
 

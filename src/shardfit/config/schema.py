@@ -1,6 +1,8 @@
 """The config tree. Every key has a type, a default and a help line; `shardfit train --help` prints them all.
 
-Sections map one to one onto TOML tables (`[train]`) and onto CLI overrides (`--train.lr=3e-4`).
+Sections map one to one onto TOML tables (`[train]`) and onto CLI overrides (`--train.lr=3e-4`). [parallel] places
+the work on ranks and devices, [compute] says how each rank computes; config/renamed.py maps the keys that moved
+from [parallel] to [compute] for one release.
 """
 
 from __future__ import annotations
@@ -124,30 +126,23 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    activation_checkpoint: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
-    ac_every: int = opt(1, "checkpoint every k-th block only (full mode)", gt=0)
-    compile: bool = opt(False, "torch.compile each block")
-    compile_loss: bool = opt(True, "with compile: also compile the loss's per-chunk softmax and gradient (one fused "
-                                   "kernel instead of ~8 passes over an fp32 [loss_chunk, vocab] buffer)")
+    """Where the work goes: degrees of sharding, replication, sequence and expert parallelism, offload to the host,
+    and when the collectives and the optimizer step run."""
+
     reshard_after_forward: bool = opt(True, "free gathered parameters after each block's forward (ZeRO-3)")
     prefetch: int = opt(0, "explicit FSDP prefetch depth in blocks; 0 lets FSDP prefetch implicitly", ge=0)
     reduce_every_micro_batch: bool = opt(True, "reduce-scatter gradients after every micro-batch; false reduces once "
                                                "per step, but every GPU then holds the whole model's gradients "
                                                "unsharded in fp32 between micro-batches (32 GB for 8B params): "
                                                "only for slow links")
-    param_dtype: str = opt("auto", "compute dtype of gathered parameters; auto: bf16 on CUDA, fp32 on CPU",
-                           choices=("auto", "float32", "bfloat16"))
-    reduce_dtype: str = opt("float32", "dtype of gradient reduce-scatter", choices=("float32", "bfloat16"))
-    numa_bind: bool = opt(True, "bind each rank's CPU threads to its GPU's NUMA node (CUDA runs)")
     replicate: int = opt(1, "HSDP: parameters sharded within groups of world/replicate ranks and replicated across "
                             "the replicate groups (gradients all-reduced across them); 1: shard over every rank",
                          gt=0)
     offload: str = opt("none", "CPU offload: all (FSDP2's CPU offload: sharded fp32 parameters and gradients in pinned "
                                "host memory, Adam moments in host memory, fused AdamW on the CPU; the GPU holds only "
                                "gathered groups and activations; 16 bytes per parameter of host memory per node, "
-                               "plus the pinned allocator's rounding: shardfit plan counts it); optimizer is refused "
-                               "(FSDP2 has no optimizer-only offload: see parallel/offload.py)",
-                       choices=("none", "optimizer", "all"))
+                               "plus the pinned allocator's rounding: shardfit plan counts it)",
+                       choices=("none", "all"))
     offload_gpu_blocks: int = opt(0, "with offload=all: the first N blocks keep their fp32 shards, gradients and Adam "
                                      "states on the GPU (stepped there), the rest go to host memory; for a model "
                                      "whose states exceed the host's memory but whose GPUs have room left "
@@ -169,6 +164,21 @@ class ParallelConfig:
                               choices=("none", "dispatch", "both"))
     sequence_parallel: int = opt(1, "Ulysses sequence parallelism: ranks that split each sequence (all-to-all over "
                                     "heads); must divide the world size, data.seq_len and model.n_heads", gt=0)
+
+
+@dataclass
+class ComputeConfig:
+    """How each rank computes its share: activation checkpointing, compilation, dtypes, attention and loss kernels,
+    FP8 matmuls, NUMA binding."""
+
+    activation_checkpoint: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
+    ac_every: int = opt(1, "checkpoint every k-th block only (full mode)", gt=0)
+    compile: bool = opt(False, "torch.compile each block")
+    compile_loss: bool = opt(True, "with compile: also compile the loss's per-chunk softmax and gradient (one fused "
+                                   "kernel instead of ~8 passes over an fp32 [loss_chunk, vocab] buffer)")
+    param_dtype: str = opt("auto", "compute dtype of gathered parameters; auto: bf16 on CUDA, fp32 on CPU",
+                           choices=("auto", "float32", "bfloat16"))
+    reduce_dtype: str = opt("float32", "dtype of gradient reduce-scatter", choices=("float32", "bfloat16"))
     attention: str = opt("auto", "SDPA kernel on CUDA: flash, cudnn, efficient; auto lets PyTorch pick per call",
                          choices=("auto", "flash", "cudnn", "efficient"))
     doc_attention: str = opt("auto", "kernel of document-masked attention on CUDA: varlen (FlashAttention over "
@@ -180,13 +190,14 @@ class ParallelConfig:
                                 "default), liger (Liger-Kernel's "
                                 "Triton kernel, CUDA, optional extra); auto: liger when installed and on CUDA",
                        choices=("auto", "liger", "torch"))
+    loss_chunk: int = opt(1024, "tokens per chunk of the fused linear cross-entropy (never full fp32 logits)", gt=0)
     fp8: str = opt("none", "FP8 matmuls in the blocks' linear layers through torchao (optional extra; CUDA compute "
                            "capability >= 8.9): tensorwise (fastest; weights all-gathered in FP8) or rowwise (finer "
                            "scales); changes numerics slightly, see parallel/fp8.py",
                    choices=("none", "tensorwise", "rowwise"))
     fp8_all_gather: bool = opt(True, "with fp8=tensorwise: FSDP all-gathers the converted weights in FP8 (half the "
                                      "bytes), their scales refreshed by one all-reduce after each optimizer step")
-    loss_chunk: int = opt(1024, "tokens per chunk of the fused linear cross-entropy (never full fp32 logits)", gt=0)
+    numa_bind: bool = opt(True, "bind each rank's CPU threads to its GPU's NUMA node (CUDA runs)")
 
 
 @dataclass
@@ -245,6 +256,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)

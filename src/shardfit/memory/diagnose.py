@@ -186,7 +186,7 @@ def _oom_advice(f: dict) -> tuple[str, list[str]]:
             f"the cache could have grown by {room} >= {asked}: check other processes on this GPU (nvidia-smi)"]
     return "too many live tensors for this GPU", [
         "lower the micro-batch or the sequence length",
-        "enable activation checkpointing (--parallel.activation_checkpoint=selective or full)", "shard over more GPUs"]
+        "enable activation checkpointing (--compute.activation_checkpoint=selective or full)", "shard over more GPUs"]
 
 
 def oom(rank: int, r: Replay, given: CapSettings) -> list[Finding]:

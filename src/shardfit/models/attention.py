@@ -11,7 +11,7 @@ Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
   varlen  FlashAttention over cumulative sequence lengths: the B rows as one sequence cut at every document start;
   flex    FlexAttention with a document block mask built from per-block document ids (O(S^2 / 128^2) memory):
           tiles that cross documents are skipped.
-parallel.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing).
+compute.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ FLEX_MIN_TOKENS = 128
 
 def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MIN_TOKENS,
                       dtype: torch.dtype = torch.bfloat16) -> str:
-    """parallel.doc_attention resolved for this device, row length (tokens per row of a micro-batch) and compute
+    """compute.doc_attention resolved for this device, row length (tokens per row of a micro-batch) and compute
     dtype. The CPU always uses the dense reference (FlashAttention's varlen kernel is CUDA-only; FlexAttention would
     compile a CPU kernel per shape). FlashAttention has no fp32 kernel: auto never picks varlen for fp32 compute, and
     asking for it is refused before the first step (a rank whose micro-batch holds no document boundary would not
@@ -224,9 +224,9 @@ def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MI
         return "sdpa"
     half = dtype in (torch.bfloat16, torch.float16)
     if kind == "varlen" and not half:
-        raise ShardfitError(f"parallel.doc_attention=varlen needs bf16 or fp16 compute, not {dtype} (FlashAttention "
-                            "has no fp32 kernel)", where="parallel.doc_attention",
-                            fix="use parallel.doc_attention=flex or sdpa, or parallel.param_dtype=bfloat16")
+        raise ShardfitError(f"compute.doc_attention=varlen needs bf16 or fp16 compute, not {dtype} (FlashAttention "
+                            "has no fp32 kernel)", where="compute.doc_attention",
+                            fix="use compute.doc_attention=flex or sdpa, or compute.param_dtype=bfloat16")
     if kind == "auto" and row_tokens < FLEX_MIN_TOKENS:
         return "varlen" if varlen_available() and half else "sdpa"
     if kind == "auto":

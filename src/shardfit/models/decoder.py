@@ -275,7 +275,7 @@ class CausalLM(nn.Module):
         return loss
 
     def use_compiled_loss(self, compiled: bool = True) -> None:
-        """Run the loss's per-chunk softmax and gradient through torch.compile (parallel.compile_loss, set by
+        """Run the loss's per-chunk softmax and gradient through torch.compile (compute.compile_loss, set by
         parallelize's compile step before the first forward); its matmuls stay eager either way."""
         self.loss_compiled = compiled
 

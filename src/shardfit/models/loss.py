@@ -22,7 +22,7 @@ def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torc
     """(summed loss, d(loss)/d(logits) in the logits' dtype) of one chunk of logits [c, V].
 
     Eager, this makes one fp32 copy of the chunk and updates it in place (about eight passes over it); compiled
-    (parallel.compile), Inductor fuses it into a reduction and one pointwise kernel that read the bf16 logits twice
+    (compute.compile), Inductor fuses it into a reduction and one pointwise kernel that read the bf16 logits twice
     and write the bf16 gradient once, with no fp32 [c, V] buffer at all."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 for bf16/fp16 logits; fp64 stays
     loss, lse = _chunk_loss(x, target, valid)

@@ -1,4 +1,4 @@
-"""FP8 matmuls for the blocks' linear layers (`--parallel.fp8=tensorwise|rowwise`), through torchao's float8 training
+"""FP8 matmuls for the blocks' linear layers (`--compute.fp8=tensorwise|rowwise`), through torchao's float8 training
 (an optional extra: without it, asking for fp8 is a one-line error). Why torchao, which layers, the numerics:
 docs/fp8.md.
 
@@ -21,7 +21,7 @@ import logging
 
 from torch import nn
 
-from shardfit.config.schema import ParallelConfig
+from shardfit.config.schema import ComputeConfig
 from shardfit.errors import ShardfitError
 
 
@@ -43,7 +43,7 @@ def fp8_available() -> bool:
     return True
 
 
-def gathers_in_fp8(cfg: ParallelConfig) -> bool:
+def gathers_in_fp8(cfg: ComputeConfig) -> bool:
     """FSDP all-gathers the converted weights in FP8 (tensorwise only; their scales come from refresh_fp8_scales)."""
     return cfg.fp8 == "tensorwise" and cfg.fp8_all_gather
 
@@ -67,7 +67,7 @@ def fp8_linears(model: nn.Module, recipe: str, on_gpu: bool, prefix: str = "") -
     return [(fqn, mod) for fqn, mod in model.named_modules() if _worth_converting(mod, prefix + fqn, recipe, on_gpu)]
 
 
-def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capability: tuple[int, int] | None,
+def apply_fp8(model: nn.Module, cfg: ComputeConfig, device_type: str, capability: tuple[int, int] | None,
               prefix: str = "") -> int:
     """Swap the chosen linear layers for torchao's Float8Linear (on the meta model, before checkpointing, compile and
     FSDP). Returns how many were converted. prefix: the module's own name in the model, when it is a part of it (one
@@ -76,12 +76,12 @@ def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capabilit
         return 0
     if not fp8_available():
         raise ShardfitError("needs torchao, which is not installed or does not import with this torch",
-                            where=f"parallel.fp8={cfg.fp8}",
-                            fix="pip install 'shardfit[fp8]' (or a local torchao wheel), or set parallel.fp8=none")
+                            where=f"compute.fp8={cfg.fp8}",
+                            fix="pip install 'shardfit[fp8]' (or a local torchao wheel), or set compute.fp8=none")
     if device_type == "cuda" and capability is not None and capability < (8, 9):
         raise ShardfitError(f"needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); "
-                            f"this GPU has {capability[0]}.{capability[1]}", where=f"parallel.fp8={cfg.fp8}",
-                            fix="set parallel.fp8=none")
+                            f"this GPU has {capability[0]}.{capability[1]}", where=f"compute.fp8={cfg.fp8}",
+                            fix="set compute.fp8=none")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if cfg.fp8 == "tensorwise":
@@ -95,7 +95,7 @@ def apply_fp8(model: nn.Module, cfg: ParallelConfig, device_type: str, capabilit
     return len(chosen)
 
 
-def refresh_fp8_scales(model: nn.Module, cfg: ParallelConfig) -> None:
+def refresh_fp8_scales(model: nn.Module, cfg: ComputeConfig) -> None:
     """After each optimizer step: the FP8 all-gather's per-weight scales from the updated weights (one all-reduce,
     issued by every rank at the same point; see the module docstring). A no-op unless tensorwise FP8 all-gather."""
     if gathers_in_fp8(cfg):
@@ -104,7 +104,7 @@ def refresh_fp8_scales(model: nn.Module, cfg: ParallelConfig) -> None:
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def fp8_notice(cfg: ParallelConfig, layers: int, device_type: str) -> str:
+def fp8_notice(cfg: ComputeConfig, layers: int, device_type: str) -> str:
     """The line the trainer prints at start: what runs in FP8, and what would keep it from paying."""
     if layers == 0:
         return (f"fp8 {cfg.fp8}: no linear layer is large enough to gain by torchao's thresholds (see "
@@ -114,6 +114,6 @@ def fp8_notice(cfg: ParallelConfig, layers: int, device_type: str) -> str:
     if device_type != "cuda":
         line += "; emulated on the CPU (same numerics, no speed-up)"
     elif not cfg.compile:
-        line += ("; without parallel.compile each cast is a separate pass over its tensor and FP8 gains little or "
-                 "nothing: set --parallel.compile=true")
+        line += ("; without compute.compile each cast is a separate pass over its tensor and FP8 gains little or "
+                 "nothing: set --compute.compile=true")
     return line

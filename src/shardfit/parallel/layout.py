@@ -161,7 +161,7 @@ def check_layout(cfg: Config, world: int) -> None:
     check_replicate(cfg.parallel.replicate, world)
     check_expert_parallel(cfg.parallel.expert_parallel, world, cfg.model.n_experts, cfg.parallel.replicate,
                           cfg.parallel.offload, cfg.parallel.expert_overlap)
-    check_offload(cfg.parallel, cfg.model.n_layers)
+    check_offload(cfg.parallel, cfg.compute.fp8, cfg.model.n_layers)
     if cfg.train.micro_batch_tokens:
         check_token_budget(cfg.train.micro_batch_tokens, cfg.data.seq_len, sp)
     else:
@@ -253,18 +253,14 @@ def _check_overlap(overlap: str, ep: int, world: int, replicate: int) -> None:
                             f" or parallel.expert_parallel={world}" if world > 1 and ep != world else ""))
 
 
-def check_offload(cfg: ParallelConfig, n_layers: int | None = None) -> None:
-    """Refuse what offload cannot do (one line, exit 2). n_layers (model.n_layers) bounds
-    parallel.offload_gpu_blocks; unchecked when not given."""
-    if cfg.offload == "optimizer":
-        raise ShardfitError("parallel.offload=optimizer is not supported: FSDP2 offloads parameters, gradients and "
-                            "optimizer states together or not at all (parallel/offload.py says why)",
-                            where="parallel.offload", fix="use parallel.offload=all, or none")
-    if cfg.offload == "all" and cfg.fp8 != "none":
+def check_offload(cfg: ParallelConfig, fp8: str = "none", n_layers: int | None = None) -> None:
+    """Refuse what offload cannot do (one line, exit 2): with compute.fp8 (`fp8`), or keeping more blocks on the GPU
+    than the model's n_layers (model.n_layers; unchecked when not given) by parallel.offload_gpu_blocks."""
+    if cfg.offload == "all" and fp8 != "none":
         # FP8 weights refresh their scales with an all-reduce of amaxes computed on the weights (on the host here)
         # and all-gather through torchao's own pre-all-gather hook: neither is built for host-resident shards.
-        raise ShardfitError("parallel.offload=all does not combine with parallel.fp8", where="parallel.offload",
-                            fix="set parallel.fp8=none, or parallel.offload=none")
+        raise ShardfitError("parallel.offload=all does not combine with compute.fp8", where="parallel.offload",
+                            fix="set compute.fp8=none, or parallel.offload=none")
     if cfg.offload_gpu_blocks and cfg.offload != "all":
         raise ShardfitError(f"parallel.offload_gpu_blocks={cfg.offload_gpu_blocks} keeps blocks on the GPU out of "
                             f"an offload, but parallel.offload={cfg.offload}", where="parallel.offload_gpu_blocks",

@@ -7,7 +7,7 @@ parameters while it computes, the unsharded gradients being reduced, activations
 group's shard to the GPU before its all-gather and each reduced gradient shard back (async in the reduce-scatter
 stream; the host waits once, in finalize_backward). The pinned allocator rounds each allocation up to a power of two.
 parallel.offload_gpu_blocks = N keeps the FIRST N blocks' states on the GPU (stepped there, on the main thread);
-the embedding, head and root groups stay on the host. offload=optimizer is refused (docs/offload.md says why).
+the embedding, head and root groups stay on the host. FSDP2 has no optimizer-only offload (docs/offload.md).
 Initial values are drawn on the device and copied into the host shards (_DeviceTwins): the same weights as without
 offload. OverlappedStep issues no collective: every rank's step is its own shards'.
 """
@@ -148,7 +148,7 @@ def step_threads(device: torch.device) -> str | None:
     """Intra-op threads for the CPU optimizer step, set process-wide; a notice for the banner, or None on the CPU.
 
     Each rank steps its own shards, so a rank gets its share of the cores it may run on: len(affinity) cores, of
-    which the ranks of this node (LOCAL_WORLD_SIZE) share os.cpu_count() (NUMA binding, parallel.numa_bind, already
+    which the ranks of this node (LOCAL_WORLD_SIZE) share os.cpu_count() (NUMA binding, compute.numa_bind, already
     narrowed the affinity to the GPU's node, shared by that node's ranks). torchrun sets OMP_NUM_THREADS=1 for more
     than one process per node, which would leave the step, memory-bound on ~16 bytes read and 12 written per
     parameter, on one core. One of the rank's cores is left to the main thread: it launches the GPU work of the next

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from shardfit.config.schema import ParallelConfig
+from shardfit.config.schema import ComputeConfig, Config, ParallelConfig
 from shardfit.models.moe import MoE
 from shardfit.parallel.dtensor import local_view
 from shardfit.parallel.expert import ExpertExchange, LocalExperts, apply_expert_parallel, shard_experts
@@ -47,7 +47,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_mm.default,  # FP8 matmuls (parallel.fp8): as expensive to recompute as the bf16 ones
+    torch.ops.aten._scaled_mm.default,  # FP8 matmuls (compute.fp8): as expensive to recompute as the bf16 ones
 }
 # Document-masked attention (models/attention.py): FlashAttention's varlen forward, called directly or through
 # torch.nn.attention.varlen's custom op (the op selective checkpointing sees depends on the release).
@@ -89,7 +89,7 @@ def apply_compile(blocks: list[nn.Module]) -> None:
         block.forward = torch.compile(block.forward)
 
 
-def mixed_precision(cfg: ParallelConfig, device: torch.device) -> MixedPrecisionPolicy:
+def mixed_precision(cfg: ComputeConfig, device: torch.device) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 gradient reduction on GPU; fp32 throughout on CPU (gloo and CPU kernels)."""
     if cfg.param_dtype == "auto":
         param = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -160,14 +160,16 @@ class ParallelizeReport:
     offload_notice: str | None = None  # offload=all: where the states live and the CPU step's threads
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, world_size: int, seed: int,
+def parallelize(model: nn.Module, config: Config, device: torch.device, world_size: int, seed: int,
                 init: bool = True) -> ParallelizeReport:
-    """Meta model in, sharded and initialised in place. See the module docstring for the order.
+    """Meta model in, sharded and initialised in place, as config.parallel places it and config.compute asks. See
+    the module docstring for the order.
 
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
     """
+    cfg, compute = config.parallel, config.compute
     check_replicate(cfg.replicate, world_size)
-    check_offload(cfg)
+    check_offload(cfg, compute.fp8)
     moe = any(isinstance(m, MoE) for m in model.modules())
     layout = ParallelLayout.of(cfg, world_size, dist.get_rank(), moe=moe)
     meshes = layout.meshes(device.type)  # every mesh, once, in the same order on every rank
@@ -175,26 +177,26 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
     blocks = list(model.model.layers)
     capability = None
     if device.type == "cuda":
-        select_attention_kernel(cfg.attention)
+        select_attention_kernel(compute.attention)
         capability = torch.cuda.get_device_capability(device)
-    report.fp8_layers = apply_fp8(model, cfg, device.type, capability)  # 0
+    report.fp8_layers = apply_fp8(model, compute, device.type, capability)  # 0
     if meshes.sequence is not None:
         apply_sequence_parallel(model, meshes.sequence)  # 0
     if meshes.expert is not None:  # EP, or one rank's experts out of FSDP (LocalExperts)
         exchange = {"none": ExpertExchange, "dispatch": OverlappedExpertExchange,
                     "both": FullyOverlappedExpertExchange}[cfg.expert_overlap] if world_size > 1 else LocalExperts
         apply_expert_parallel(model, meshes.expert, exchange)  # 0
-    apply_activation_checkpointing(blocks, cfg.activation_checkpoint, cfg.ac_every)  # 1
-    if cfg.compile:
+    apply_activation_checkpointing(blocks, compute.activation_checkpoint, compute.ac_every)  # 1
+    if compute.compile:
         apply_compile(blocks)  # 2
         # The loss's per-chunk softmax and gradient too (one fused kernel instead of ~8 passes over each fp32
         # [chunk, vocab] buffer); its matmuls stay outside, as cuBLAS calls.
-        model.use_compiled_loss(cfg.compile_loss)
-        report.loss_compiled = cfg.compile_loss
+        model.use_compiled_loss(compute.compile_loss)
+        report.loss_compiled = compute.compile_loss
     # FSDP shards over every rank, sequence-parallel peers included: each holds 1/world of the parameters (HSDP:
     # 1/(world/R)). The sequence-parallel groups and the data each rank reads do not depend on R.
     policy = functools.partial(offload_policy, cfg, device)
-    apply_fsdp(model, blocks, layout, meshes, mixed_precision(cfg, device), cfg, policy)  # 3, 4
+    apply_fsdp(model, blocks, layout, meshes, mixed_precision(compute, device), cfg, policy)  # 3, 4
     if cfg.offload == "all":
         materialize_offloaded(model, device, seed, init)  # 5, 6
         report.offload_notice = step_threads(device)

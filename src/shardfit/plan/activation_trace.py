@@ -3,7 +3,7 @@
 Eager blocks: every tensor autograd saves is counted once per storage, parameters and views of them excluded
 (saved_storages); selective checkpointing keeps the block input and the outputs of the operations
 parallel/parallelize.py keeps (counted by a dispatch mode). Attention is the flash kernel's own operator (q, k, v,
-output, fp32 log-sum-exp), not the math fallback the meta device would pick. Compiled blocks (parallel.compile): a
+output, fp32 log-sum-exp), not the math fallback the meta device would pick. Compiled blocks (compute.compile): a
 dense block is traced with AOTAutograd and split by Inductor's min-cut partitioner; an MoE block is compiled by
 dynamo with the graph breaks a GPU run has (meta_moe: the model's own MoE.forward with the CUDA grouped-GEMM path);
 the tensors each forward graph hands to its backward are counted. Compiled counts are linear in the micro-batch:
@@ -21,14 +21,14 @@ import types
 
 import torch
 
-from shardfit.config.schema import Config, ModelConfig, ParallelConfig
+from shardfit.config.schema import ComputeConfig, Config, ModelConfig
 from shardfit.parallel.fp8 import apply_fp8
 from shardfit.plan import moe, torch_internals
 
 
-def compute_dtype(par: ParallelConfig) -> torch.dtype:
+def compute_dtype(compute: ComputeConfig) -> torch.dtype:
     """The dtype a GPU run computes in (parallel.mixed_precision: auto is bf16 on CUDA)."""
-    return torch.bfloat16 if par.param_dtype in ("auto", "bfloat16") else torch.float32
+    return torch.bfloat16 if compute.param_dtype in ("auto", "bfloat16") else torch.float32
 
 
 def model_key(m: ModelConfig) -> tuple:
@@ -144,7 +144,7 @@ def meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torc
         cos = torch.empty(micro_batch, S, head_dim, dtype=dtype)
         sin = torch.empty_like(cos)
     # the layers a GPU run converts (the plan is for GPUs); the weights are cast in the graph here
-    apply_fp8(block, ParallelConfig(fp8=fp8, fp8_all_gather=False), "cuda", None, prefix=f"model.layers.{layer}.")
+    apply_fp8(block, ComputeConfig(fp8=fp8, fp8_all_gather=False), "cuda", None, prefix=f"model.layers.{layer}.")
     block.self_attn.core = _flash_core
     if is_moe_layer(m, layer):
         meta_moe(block.mlp, eager_experts)
@@ -193,8 +193,9 @@ def _saved_ops_mode() -> type:
 def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0, world: int = 0) -> dict[str, int]:
     """Bytes one block keeps for backward per checkpointing mode, for micro_batch sequences on one rank of `world`
     (it matters only for a world of one, whose experts run outside the compiled graph: parallel/expert.py)."""
-    par, S = cfg.parallel, cfg.data.seq_len // cfg.parallel.sequence_parallel  # Ulysses: each rank keeps S/P tokens
-    return dict(_block_bytes(model_key(cfg.model), micro_batch, S, compute_dtype(par), layer, par.compile, par.fp8,
+    par, comp = cfg.parallel, cfg.compute
+    S = cfg.data.seq_len // par.sequence_parallel  # Ulysses: each rank keeps S/P tokens
+    return dict(_block_bytes(model_key(cfg.model), micro_batch, S, compute_dtype(comp), layer, comp.compile, comp.fp8,
                              par.expert_parallel, moe.eager_experts(par, world)))
 
 

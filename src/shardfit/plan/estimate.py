@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardfit.config.schema import Config, ModelConfig, ParallelConfig
+from shardfit.config.schema import ComputeConfig, Config, ModelConfig
 from shardfit.parallel.fp8 import fp8_linears, gathers_in_fp8
 from shardfit.plan import moe
 from shardfit.plan.activation_trace import block_activation_bytes, compute_dtype, model_key
@@ -45,7 +45,7 @@ def _param_counts(model: tuple, fp8: str, fp8_all_gather: bool) -> tuple[int, tu
     built = _meta_model(model)
     blocks = tuple(sum(p.numel() for p in b.parameters()) for b in built.model.layers)
     fp8_bytes = 0
-    if gathers_in_fp8(ParallelConfig(fp8=fp8, fp8_all_gather=fp8_all_gather)):
+    if gathers_in_fp8(ComputeConfig(fp8=fp8, fp8_all_gather=fp8_all_gather)):
         fp8_bytes = max(sum(mod.weight.numel() for _, mod in fp8_linears(b, fp8, True, f"model.layers.{i}."))
                         for i, b in enumerate(built.model.layers))
     return sum(p.numel() for p in built.parameters()), blocks, fp8_bytes
@@ -109,8 +109,8 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     check_replicate(cfg.parallel.replicate, world)
     cfg = as_rows(cfg)  # token budgets: micro_batch counts [1, micro_batch_tokens] rows
     shard = world // cfg.parallel.replicate  # ranks the states are sharded over (HSDP: one replica's group)
-    m, par = cfg.model, cfg.parallel
-    n_params, block_params, fp8_bytes = _param_counts(model_key(m), par.fp8, par.fp8_all_gather)
+    m, par, comp = cfg.model, cfg.parallel, cfg.compute
+    n_params, block_params, fp8_bytes = _param_counts(model_key(m), comp.fp8, comp.fp8_all_gather)
     root_params = n_params - sum(block_params)
     # offload=all keeps only the first offload_gpu_blocks blocks' states on the GPU (parallel/offload.py)
     kept = par.offload_gpu_blocks
@@ -133,9 +133,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         elif not keep:
             grads, idle_cache = sharded_grads - fresh, 0  # live from the first micro-batch on: allocated, not idle
     host = copies = 0
-    if par.offload == "optimizer":  # the moments and the step on the CPU; parameters and gradients stay
-        host, moments = moments, 0
-    elif par.offload == "all":  # FSDP2's CPUOffloadPolicy: the other groups' sharded states in host memory
+    if par.offload == "all":  # FSDP2's CPUOffloadPolicy: the other groups' sharded states in host memory
         # gradients copied there after each reduce-scatter; parameters and gradients pinned, each shard rounded up
         # to a power of two by the pinned allocator; the moments are plain host memory
         host = 2 * pinned_shard_bytes(model_key(m), shard, kept) + 8 * (n_params - on_gpu) // shard
@@ -148,24 +146,24 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # reduce-scatter input; FP8 all-gather gathers the converted weights at 1 byte each. The same with offload=all.
     big_block = max(moe.gathered_params(block_params, experts, par.expert_parallel, fresh > 0))
     fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
-    mode = par.activation_checkpoint
-    fsdp += moe.outside_transient_bytes(experts, par, compute_dtype(par).itemsize) if fresh else 0
+    mode = comp.activation_checkpoint
+    fsdp += moe.outside_transient_bytes(experts, cfg, compute_dtype(comp).itemsize) if fresh else 0
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
     per_block = {k: block_activation_bytes(cfg, micro_batch, layer=next(
         i for i in range(m.n_layers) if is_moe_layer(m, i) == k), world=world) for k in kinds}
     acts = 0
     for i in range(m.n_layers):
         b = per_block[is_moe_layer(m, i)]
-        checkpointed = mode == "selective" or (mode == "full" and i % par.ac_every == 0)
+        checkpointed = mode == "selective" or (mode == "full" and i % comp.ac_every == 0)
         acts += b[mode] if checkpointed else b["none"] + moe.held_expert_bytes(
-            experts[i], par.expert_parallel, world, compute_dtype(par).itemsize, par.offload)
+            experts[i], par.expert_parallel, world, compute_dtype(comp).itemsize, par.offload)
     # fresh expert gradients replace activations in backward (the larger counts), or stay between micro-batches
     grads += fresh if accumulating else max(0, fresh - acts)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
     # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16, and one logits chunk [c, V]: eager bf16
     # logits, an fp32 copy, logsumexp's fp32 temporary (10 B); compiled (compile_loss) bf16 logits and gradient (4 B)
-    per_logit = 4 if par.compile and par.compile_loss and par.kernels != "liger" else 10
-    loss = tokens * m.dim * 2 + m.vocab_size * m.dim * 2 + par.loss_chunk * m.vocab_size * per_logit
+    per_logit = 4 if comp.compile and comp.compile_loss and comp.kernels != "liger" else 10
+    loss = tokens * m.dim * 2 + m.vocab_size * m.dim * 2 + comp.loss_chunk * m.vocab_size * per_logit
     # backward of one block: gradients of its input and output, of the gate and up projections' outputs, expert
     # parallelism's exchange buffers, and under checkpointing the block's recomputed tensors on top
     backward = max(2 * b["block_input"] + b["ffn_grads"] + b["exchange"] + (b["none"] if mode != "none" else 0)

@@ -61,7 +61,7 @@ def choose_micro_batch(cfg: Config, world: int, budget_bytes: float, per_rank: i
     e = estimate(cfg, world, 1)
     raise ShardfitError(f"even micro-batch 1 is predicted to need {e.peak / GiB:.1f} GiB per GPU, more than the "
                         f"{budget_bytes / GiB:.1f} GiB budget", where="train.micro_batch=0",
-                        fix="set parallel.activation_checkpoint=selective or full, shorten data.seq_len, or add GPUs")
+                        fix="set compute.activation_checkpoint=selective or full, shorten data.seq_len, or add GPUs")
 
 
 def auto_micro_batch(cfg: Config, world: int, device_bytes: float, per_rank: int) -> tuple[Estimate, str]:

@@ -45,12 +45,12 @@ def gathered_params(block_params: tuple[int, ...], experts: tuple[int, ...], ep:
     return tuple(b - e + (0 if outside else e // ep) for b, e in zip(block_params, experts))
 
 
-def outside_transient_bytes(experts: tuple[int, ...], par, element: int) -> int:
+def outside_transient_bytes(experts: tuple[int, ...], cfg, element: int) -> int:
     """Experts outside FSDP, in one block's backward: the grouped GEMMs' weight gradients [n/E, ...] in the compute
     dtype until _ComputeCast's backward has written them into the fp32 .grad, and under checkpointing the
     recomputed cast of the weights (not held from the forward then: held_expert_bytes)."""
-    recomputed = par.activation_checkpoint != "none"
-    return max(experts, default=0) // par.expert_parallel * element * (2 if recomputed else 1)
+    recomputed = cfg.compute.activation_checkpoint != "none"
+    return max(experts, default=0) // cfg.parallel.expert_parallel * element * (2 if recomputed else 1)
 
 
 def held_expert_bytes(experts: int, ep: int, world: int, element: int, offload: str = "none") -> int:

@@ -92,7 +92,7 @@ def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any],
     order = ([(mode, mb) for mb in sizes for mode in MODES] if largest_first
              else [(mode, mb) for mode in MODES for mb in sizes])
     for mode, mb in order:
-        ch = {**changes, "parallel.activation_checkpoint": mode, **extra}
+        ch = {**changes, "compute.activation_checkpoint": mode, **extra}
         if not base.train.micro_batch_tokens:
             ch["train.micro_batch"] = mb
         c = apply(cfg, ch)
@@ -136,7 +136,7 @@ def _gpu_counts(world: int):
 
 def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_node: int) -> str:
     host = host_per_node(e, world, gpus_per_node) / GiB
-    mode = ch["parallel.activation_checkpoint"]
+    mode = ch["compute.activation_checkpoint"]
     P, R = ch.get("parallel.sequence_parallel", 1), ch.get("parallel.replicate", 1)
     kept = ch.get("parallel.offload_gpu_blocks", cfg.parallel.offload_gpu_blocks)
     E = ch.get("parallel.expert_parallel", 1)

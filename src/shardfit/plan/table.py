@@ -32,7 +32,7 @@ MODES = ("none", "selective", "full")  # activation checkpointing, from the leas
 
 
 def with_mode(cfg: Config, mode: str) -> Config:
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpoint=mode))
+    return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, activation_checkpoint=mode))
 
 
 def with_micro_batch(cfg: Config, micro_batch: int) -> Config:
@@ -64,13 +64,10 @@ def host_line(e: Estimate, cfg: Config, world: int, gpus_per_node: int, host_gib
     """What parallel.offload asks of each node's host memory, and whether it exceeds --host-memory."""
     ranks = min(world, gpus_per_node)
     kept = cfg.parallel.offload_gpu_blocks
-    what = ("Adam moments" if cfg.parallel.offload == "optimizer"
-            else "fp32 parameters and gradients, pinned, and Adam moments"
+    what = ("fp32 parameters and gradients, pinned, and Adam moments"
             + (f", the first {kept} blocks' on the GPU instead" if kept else ""))
     line = (f"host memory per node: {host_per_node(e, world, gpus_per_node) / GiB:.1f} GiB ({what}, of {ranks} "
             f"rank(s), {e.host / GiB:.1f} GiB each)")
-    if cfg.parallel.offload == "optimizer":
-        line += "; counted for comparison: shardfit train refuses parallel.offload=optimizer"
     if host_gib is not None:
         usable = f"{host_budget(host_gib) / GiB:.1f} GiB usable: 10% left to the processes and the page cache"
         line += (f": {'within' if host_fits(e, world, gpus_per_node, host_gib) else 'EXCEEDS'} the host's "
@@ -107,8 +104,8 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
              + (f", expert parallel {cfg.parallel.expert_parallel}" if cfg.parallel.expert_parallel > 1 else "")
              + (f" but the first {cfg.parallel.offload_gpu_blocks} blocks" if cfg.parallel.offload_gpu_blocks else "")
              + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
-             + (", compiled blocks" if cfg.parallel.compile else ", eager blocks")
-             + (f", FP8 {cfg.parallel.fp8}" if cfg.parallel.fp8 != "none" else "")
+             + (", compiled blocks" if cfg.compute.compile else ", eager blocks")
+             + (f", FP8 {cfg.compute.fp8}" if cfg.compute.fp8 != "none" else "")
              + f"; budget for allocated memory {budget / GiB:.1f} GiB",
              "", f"{'checkpointing':13} {'micro-batch':>11} {'peak GiB':>9} {'states':>7} {'fsdp':>6} "
              f"{'activations':>11} {'working':>8}"]
@@ -129,7 +126,7 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
                      f"{gpu_gib - 4.5:.1f} GiB")
     verdict = ("fits" if ok else "DOES NOT FIT" if not fits(mine, budget, gpu_gib * GiB)
                else "DOES NOT FIT the host" if refused is None else "memory counted for comparison")
-    lines.append(row(cfg.parallel.activation_checkpoint, mine, f"  <- as configured: {verdict}"))
+    lines.append(row(cfg.compute.activation_checkpoint, mine, f"  <- as configured: {verdict}"))
     if refused is not None:  # train's own line: every layout printed as fitting is one train accepts
         lines.append(f"  REFUSED by shardfit train: {refused}")
     for mode, best in largest_per_mode(given, world, gpu_gib).items():

@@ -122,7 +122,7 @@ class Executor:
         from shardfit.parallel.parallelize import mixed_precision
 
         e = self.engine
-        dtype = mixed_precision(e.cfg.parallel, e.dist.device).param_dtype or torch.float32
+        dtype = mixed_precision(e.cfg.compute, e.dist.device).param_dtype or torch.float32
         t0 = time.perf_counter()
         seqs, prompt_lp = sample(e.model, args, dtype, e.dist.device, e.dist.rank, e.dist.world_size,
                                  self.tokenizer)

@@ -46,8 +46,8 @@ class BatchSource:
         self.device = device
         self.budget = cfg.train.micro_batch_tokens
         self.masked = cfg.data.document_mask
-        fp32 = cfg.parallel.param_dtype == "float32"  # "auto" computes in bf16 on CUDA (parallel.mixed_precision)
-        self.kernel = choose_doc_kernel(cfg.parallel.doc_attention, device, self.budget or cfg.data.seq_len,
+        fp32 = cfg.compute.param_dtype == "float32"  # "auto" computes in bf16 on CUDA (parallel.mixed_precision)
+        self.kernel = choose_doc_kernel(cfg.compute.doc_attention, device, self.budget or cfg.data.seq_len,
                                         torch.float32 if fp32 else torch.bfloat16)
 
     def step(self, step: int) -> list[LocalBatch]:

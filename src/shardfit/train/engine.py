@@ -51,8 +51,8 @@ _SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _MEM = 0, 1, 2, 3, 4, 5
 
 def choose_loss_kernel(kind: str, device: torch.device) -> str:
     if kind == "liger" and (device.type != "cuda" or not liger_available()):
-        raise ShardfitError("parallel.kernels=liger needs CUDA and the liger-kernel package",
-                            where="parallel.kernels", fix="pip install 'shardfit[liger]' on a GPU machine, or use auto")
+        raise ShardfitError("compute.kernels=liger needs CUDA and the liger-kernel package",
+                            where="compute.kernels", fix="pip install 'shardfit[liger]' on a GPU machine, or use auto")
     if kind == "auto":
         return "liger" if device.type == "cuda" and liger_available() else "torch"
     return kind
@@ -121,18 +121,18 @@ class Engine:
         # progress display and the watchdog's beat
         self.on_micro_batch: Callable[[int, int, int], None] | None = None
         with torch.device("meta"):
-            model = build_model(cfg.model, loss_chunk=cfg.parallel.loss_chunk)
-        model.loss_impl = choose_loss_kernel(cfg.parallel.kernels, self.device)
-        if self.device.type == "cuda" and cfg.parallel.numa_bind:
+            model = build_model(cfg.model, loss_chunk=cfg.compute.loss_chunk)
+        model.loss_impl = choose_loss_kernel(cfg.compute.kernels, self.device)
+        if self.device.type == "cuda" and cfg.compute.numa_bind:
             from shardfit.parallel.affinity import bind_to_numa_node, gpu_pci_bus_id
 
             self.notices.append(f"rank {dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
         from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
-        self.parallel = parallelize(model, cfg.parallel, self.device, dist.world_size, cfg.train.seed,
+        self.parallel = parallelize(model, cfg, self.device, dist.world_size, cfg.train.seed,
                                     init=not from_hf)
         self.model, self.layout = model, self.parallel.layout
-        if cfg.parallel.fp8 != "none":
-            self.notices.append(fp8_notice(cfg.parallel, self.parallel.fp8_layers, self.device.type))
+        if cfg.compute.fp8 != "none":
+            self.notices.append(fp8_notice(cfg.compute, self.parallel.fp8_layers, self.device.type))
         self.expert_load = ExpertLoad(self.model, self.device, cfg.model.router_bias_rate)
         if self.parallel.offload_notice:
             self.notices.append(self.parallel.offload_notice)
@@ -155,7 +155,7 @@ class Engine:
             self.step, self.skipped = state["step"], state.get("skipped", 0)
             self.tokens_seen = state.get("tokens_seen", 0)
             self.run_id = state.get("run_id") or self.run_id
-        refresh_fp8_scales(self.model, cfg.parallel)  # FP8 scales of the weights in place: initialised, loaded, resumed
+        refresh_fp8_scales(self.model, cfg.compute)  # FP8 scales of the weights in place: initialised, loaded, resumed
         self.runner = build_step_runner(cfg, self.model, self.optimizer, self.device)
 
     # ------------------------------------------------------------------ one step
@@ -242,9 +242,9 @@ class Engine:
         else:
             torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None], scale * coef)
         self.runner.launch()  # an overlapped runner takes the gradients and frees them group by group
-        if gathers_in_fp8(self.cfg.parallel):
+        if gathers_in_fp8(self.cfg.compute):
             self.runner.wait()  # the FP8 scales are read from the updated weights, all of them, now
-        refresh_fp8_scales(self.model, self.cfg.parallel)
+        refresh_fp8_scales(self.model, self.cfg.compute)
 
     def finish(self) -> None:
         """Wait for a launched overlapped step: parameters and optimizer are then those after the last optim_step."""
@@ -313,8 +313,8 @@ class Engine:
         return t.micro_batch_tokens or self.cfg.data.seq_len * max(t.micro_batch, 1)
 
     def _doc_kernel(self, budget: int) -> str:
-        fp32 = self.cfg.parallel.param_dtype == "float32"
-        return choose_doc_kernel(self.cfg.parallel.doc_attention, self.device, budget,
+        fp32 = self.cfg.compute.param_dtype == "float32"
+        return choose_doc_kernel(self.cfg.compute.doc_attention, self.device, budget,
                                  torch.float32 if fp32 else torch.bfloat16)
 
     def optim_step(self, adam: AdamParams | None = None) -> dict[str, float]:
@@ -365,7 +365,7 @@ class Engine:
         state = load_checkpoint(path, self.model, self.optimizer if optimizer else None, self.device)
         if optimizer:
             self.step, self.skipped = state["step"], state.get("skipped", 0)
-        refresh_fp8_scales(self.model, self.cfg.parallel)
+        refresh_fp8_scales(self.model, self.cfg.compute)
 
     def weights(self, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 1 << 28):
         """Full tensors under Hugging Face names, bucket after bucket (lists of (name, tensor) of about

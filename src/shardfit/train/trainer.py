@@ -152,7 +152,7 @@ class Trainer:
         first = str(err).splitlines()[0] if str(err) else "CUDA out of memory"
         raise OutOfMemory(f"rank {self.dist.rank} ran out of GPU memory in step {step} ({first})"
                           + (f"; snapshot {path}" if path else "") + verdict, where=f"step {step}",
-                          fix="lower train.micro_batch or data.seq_len, or set parallel.activation_checkpoint")
+                          fix="lower train.micro_batch or data.seq_len, or set compute.activation_checkpoint")
 
     def train_step(self) -> StepRecord:
         """One step of the data loader's batches through the Engine."""
