@@ -108,7 +108,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     explicit: set[str] = set()
     weights = False
-    in_file, on_line = Spellings(str(path)), Spellings("command line")  # old key spellings of each (renamed.py)
+    in_file, on_line = Spellings(""), Spellings("command line")  # the old key spellings of each (renamed.py)
     if path:
         from shardfit.config.recipes import resolve
 
