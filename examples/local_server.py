@@ -23,7 +23,7 @@ LOCAL_KEY = "tml-local"  # any tml- key: the server on loopback needs none, the 
 def common_args(parser) -> None:
     """The options every example takes to reach (or start) a server."""
     parser.add_argument("--base-url", default=None,
-                        help="a running `shardfit serve` (default: start one on 127.0.0.1, a free port)")
+                        help="a running `shardfit serve --model.name=tiny` (default: start one on 127.0.0.1)")
     parser.add_argument("--api-key", default=os.environ.get("TINKER_API_KEY", LOCAL_KEY),
                         help="the server's key (a server off loopback writes its key to <run_dir>/api_key)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the sampler")

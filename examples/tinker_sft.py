@@ -3,8 +3,8 @@
 What a Tinker user writes, with only base_url and api_key changed: Tinker-style datums (input tokens[:-1], target
 tokens[1:], per-token weights 0 on the prompt and 1 on the completion), `forward_backward(..., "cross_entropy")`
 and `optim_step` each step, then `save_weights_and_get_sampling_client` and samples from the trained weights.
-The model is the embedded tiny one (random initial weights, byte tokenizer: ids 0-255 are UTF-8 bytes, 257 is EOS),
-so the task is one it can learn in a minute: the capitals of a few countries.
+The model is the embedded tiny one (random initial weights; byte tokenizer: ids 0-255 are UTF-8 bytes, 256 BOS,
+257 EOS, in a vocabulary of 264), so the task is one it can learn in a minute: the capitals of a few countries.
 
     python examples/tinker_sft.py                      # starts `shardfit serve --model.name=tiny` on CPU
     python examples/tinker_sft.py --base-url http://127.0.0.1:8000
