@@ -114,6 +114,13 @@ def counted(d: Datum) -> np.ndarray:
     return np.ones(len(d.tokens), dtype=bool)
 
 
+def sampled(d: Datum) -> np.ndarray:
+    """[L] bool: the counted tokens the sampler gave a log-prob for. Tinker's RL datums hold 0 at the prompt's
+    positions (no mask input: its cookbook strips it); a sampled token's log-prob is exactly 0 only where its
+    probability rounds to 1, where sampler and trainer agree anyway."""
+    return counted(d) & (d.inputs["logprobs"] != 0)
+
+
 def coefficients(datums: list[Datum], spec: LossSpec) -> list[np.ndarray]:
     """c_t per datum ([L] float32 each), from the global list: the same on every rank, no collective."""
     masks = [d.inputs["mask"].astype(np.float64) if "mask" in d.inputs else np.ones(len(d.tokens)) for d in datums]
@@ -146,9 +153,9 @@ def token_loss(spec: LossSpec, logp: torch.Tensor, entropy: torch.Tensor | None,
 
 
 def sampler_gap(datums: list[Datum], logprobs: list[np.ndarray]) -> dict[str, float]:
-    """The train/sample mismatch where datums carry the sampler's log-probs: over counted tokens, mean and max
+    """The train/sample mismatch where datums carry the sampler's log-probs: over sampled tokens, mean and max
     |logp_train - logp_sampler| and a KL(sampler || trainer) estimate (k3). Empty when none carries them."""
-    deltas = [(lp - d.inputs["logprobs"])[counted(d)] for d, lp in zip(datums, logprobs) if "logprobs" in d.inputs]
+    deltas = [(lp - d.inputs["logprobs"])[sampled(d)] for d, lp in zip(datums, logprobs) if "logprobs" in d.inputs]
     if not deltas:
         return {}
     delta = np.concatenate(deltas).astype(np.float64)  # log(p_train / p_sampler)
@@ -163,6 +170,6 @@ def ppo_clip_fraction(datums: list[Datum], logprobs: list[np.ndarray], spec: Los
     if spec.name != "ppo":
         return {}
     lo, hi = float(spec.config.get("clip_low_threshold", 0.8)), float(spec.config.get("clip_high_threshold", 1.2))
-    r = [np.exp(lp - d.inputs["logprobs"])[counted(d)] for d, lp in zip(datums, logprobs)]
+    r = [np.exp(lp - d.inputs["logprobs"])[sampled(d)] for d, lp in zip(datums, logprobs)]
     r = np.concatenate(r) if r else np.zeros(0)
     return {"clip_fraction:mean": float(((r < lo) | (r > hi)).mean())} if r.size else {}
