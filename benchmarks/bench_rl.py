@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rollouts as ro  # noqa: E402
 from bench_moe import why  # noqa: E402
 from bench_rl_workers import SHAPES, TAG, WORKERS, engine_overrides, vocab_of  # noqa: E402
-from bench_train import ROOT, _run_group, _stop  # noqa: E402  (bench_train's private helpers, on purpose)
+from bench_train import ROOT, _run_group  # noqa: E402  (bench_train's private helpers, on purpose)
 
 CAPS = {"sf": 200, "hf": 200, "sf-moe": 240, "hf-moe": 220, "server": 180, "sdk": 150}
 MIN_START = 0.4  # a run is not started with less than this fraction of its cap left of the budget
@@ -73,8 +73,6 @@ def lines_of(stdout: str) -> list[dict]:
             with contextlib.suppress(ValueError):
                 out.append(json.loads(x))
     return out
-
-
 
 
 # ---------------------------------------------------------------------------------------------- the parent
@@ -99,7 +97,10 @@ def run(label: str, cmd: list[str], cap: int, env: dict | None = None) -> dict:
         rc, out, err, timed_out, s = _run_group(cmd, cap)
     finally:
         for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     row = {"label": label, "rc": rc, "timed_out": timed_out, "wall_s": round(s, 1), "cap_s": cap,
            "lines": lines_of(out)}
     if rc != 0:
@@ -138,8 +139,15 @@ def serve(a, shape: str, T: int, cap_start: int, cap_sdk: int, inputs: Path) -> 
                                        str(inputs)), cap_sdk, env={"TINKER_TELEMETRY": "0"}))
         else:
             row["error"] = "no 'listening on' line: " + "".join(log[-8:])[-600:]
-    finally:
-        _stop(p)  # the server and its CUDA context, before the next part (or on SIGTERM)
+    finally:  # the server and its CUDA context go before the next part (or on SIGTERM): its whole session
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)  # serve stops after the command in hand
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         reader.join(5)
     row["log_tail"] = "".join(log[-6:])[-800:]
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -194,7 +202,9 @@ def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
     inproc = _sf(_get(rows, "serve", "shardfit") or _get(rows, "dense-ppo", "shardfit"), "ppo")
     if sdk and inproc and sdk["shape"] == inproc["shape"]:
         S["serve_vs_inprocess"] = round(sdk["step_s"] / inproc["step_s"], 4)
-        S["serve_shape"] = sdk["shape"]
+        m = sdk.get("metrics", {})  # the server's own view of the last step: queue wait, fwd/bwd, optimizer
+        S["serve_step_s"] = {"shape": sdk["shape"], "sdk": sdk["step_s"], "in_process": inproc["step_s"],
+                             **{k.split(":")[0]: round(v, 3) for k, v in m.items() if k.startswith("server_")}}
     return S
 
 
@@ -210,13 +220,16 @@ def table(rows: list[dict], S: dict) -> None:
                       f"{x.get('peak_reserved_GiB', x.get('peak_resv_gib', '-'))}"
                 print(f"{row['part']:<10} {row['label'][:34]:<34} {kind:<16} {x['real_tok_s']:>10,} "
                       f"{x['step_s']:>8} {mem:>15}")
-            elif x.get("oom") or x.get("skipped"):
+            elif x.get("oom") or x.get("skipped") or x.get("error"):
                 print(f"{row['part']:<10} {row['label'][:34]:<34} {x.get('part')} {x.get('layout')}: "
-                      f"{'OOM' if x.get('oom') else x['skipped']}")
+                      f"{'OOM' if x.get('oom') else x.get('skipped') or x['error']}"[:200])
             elif kind in ("weights", "export"):
                 print(f"{row['part']:<10} {row['label'][:34]:<34} {kind:<16} {x['GB']} GB at {x['GBps']} GB/s"
                       + (f" ({x['with_sync_GBps']} GB/s with os.sync)" if kind == "export" else ""))
-    print("summary: " + json.dumps({k: v for k, v in S.items() if v not in ({}, None)}))
+    for k, v in S.items():  # the ratios first
+        if v not in ({}, None) and k not in ("same_data", "params"):
+            print(f"{k}: {json.dumps(v)}")
+    print(f"same data as the anchor: {json.dumps(S['same_data'])}; parameters: {json.dumps(S['params'])}")
 
 
 # ---------------------------------------------------------------------------------------------- main

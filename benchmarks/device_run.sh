@@ -220,7 +220,7 @@ for stage in "$@"; do
         rl-moe) parts=moe; reps=3; cap=330; more=() ;;
         rl-serve4b) parts=serve; reps=3; cap=400; more=(--serve-shape 4b) ;;
       esac
-      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -22 ;;
+      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
