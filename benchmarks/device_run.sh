@@ -72,6 +72,20 @@
 #   house1-dense  Llama-3.2-1B shape compiled mbs 4 (suite single), old then new then old then new (4 x ~60 s)
 #   house1-moe    moe1's fastest shardfit case (6 layers, compiled, overlapped step), 40 steps, old/new/old/new:
 #                 wall-clock ms per step from timestamped log lines (benchmarks/wall_per_step.py; ~110 s)
+# Issue 24, the training side of RL (benchmarks/bench_rl.py: shardfit's Engine against the anchor hf_rl_step.py on
+# its own rollout data, one GPU). Carry .anchors (a copy of shared/anchors) and benchmarks/wheels_rl (tinker 0.38.0,
+# fastapi, uvicorn and their dependencies missing on the device, ~15 MB, for Python 3.12; made here by
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
+# manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d benchmarks/wheels_rl NAME==VERSION ...`, the list in
+# bench_rl.py's docstring); each stage installs them into /tmp/site first. RL_PARTS=dense-fwd,... picks parts.
+#   rl        every part in one call, 2 reps each, the anchor's forward in its fastest layout only (padnm; cap 530 s;
+#             a part the budget cannot hold is recorded as skipped): log-prob recompute at the Qwen3-8B shape, PPO
+#             step with full fine-tuning at the 1.7B shape (the anchor's E), the same step through the tinker SDK +
+#             `shardfit serve`, Qwen3-30B-A3B with 6 of its 48 layers (4 on an H100): forward, PPO step, weights()
+#             GB/s and export_hf to disk. JSON: $OUT/rl.json (summary: rl_fwd_vs_hf, rl_fwdbwd_vs_hf, ...), log rl.log
+#   rl-dense  dense-fwd (padnm and pad), dense-ppo, serve, 3 reps (cap 500 s); rl-moe the MoE part, 3 reps (cap 330 s)
+#   rl-serve4b  the serve comparison at the Qwen3-4B shape (the largest dense full fine-tune one H100 holds, full AC):
+#             in process, then through the SDK (cap 400 s)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -198,6 +212,15 @@ for stage in "$@"; do
       cp /tmp/moeprof/profile/step8_summary.json "$OUT/moeprof_summary.json"
       t=/tmp/moeprof/profile/step8_rank0.json.gz; [ "$(stat -c %s $t)" -lt 16000000 ] && cp $t "$OUT/moeprof_trace.json.gz"
       python3 -c "import json; print(json.dumps(json.load(open('$OUT/moeprof_summary.json'))['idle'], indent=1))" ;;
+    rl|rl-dense|rl-moe|rl-serve4b)
+      [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
+      case $stage in
+        rl) parts=dense-fwd,dense-ppo,serve,moe; reps=2; cap=530; more=(--hf-fwd padnm) ;;
+        rl-dense) parts=dense-fwd,dense-ppo,serve; reps=3; cap=500; more=() ;;
+        rl-moe) parts=moe; reps=3; cap=330; more=() ;;
+        rl-serve4b) parts=serve; reps=3; cap=400; more=(--serve-shape 4b) ;;
+      esac
+      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

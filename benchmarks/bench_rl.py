@@ -1,0 +1,359 @@
+"""Issue 24, the training side of RL on one GPU: shardfit's Engine against the Hugging Face recipe of RL frameworks
+(the anchor hf_rl_step.py), over the anchor's own rollout-shaped data (benchmarks/rollouts.py), in one invocation.
+
+  python benchmarks/bench_rl.py --out rl.json                     # every part (device_run.sh rl, ~8 min)
+  python benchmarks/bench_rl.py --parts moe --out rl_moe.json     # some parts
+  python benchmarks/bench_rl.py --cpu-check                       # every part on tiny shapes on CPU (machinery)
+
+Parts (each system a fresh process, under a cap cut to what is left of --budget; the JSON is rewritten after each):
+  dense-fwd  log-prob recompute, Qwen3-8B shape: Engine.forward (fp32 master weights, bf16 compute, compiled blocks)
+             against the anchor's part C (bf16 HF model, inference_mode) in layouts --hf-fwd (padnm: its fastest;
+             pad: the HF default with the 2-D mask)
+  dense-ppo  PPO step with full fine-tuning, Qwen3-1.7B shape: Engine.forward_backward("ppo", token_mean) +
+             optim_step against the anchor's part E (fp32 master + bf16 autocast, checkpointing, fused AdamW, clip
+             1.0) in --hf-ppo (pack_flex: its fastest). Like with like: the anchor's 8B PPO (part D) is LoRA, and no
+             full fine-tune of an 8B shape fits one GPU (16 B/parameter = 122 GiB of states; offload needs 142 GiB
+             of host memory, the machine has 128)
+  moe        Qwen3-30B-A3B shape, --moe-layers of its 48 (auto: 6 on a GPU over 100 GiB, as moe1; else 4): Engine
+             forward and PPO step (compiled, overlapped optimizer step) against transformers' Qwen3MoeForCausalLM
+             (grouped_mm experts) driven by the anchor's own run_forward / run_ppo: the forward as the anchor's C
+             (plain bf16 model: FSDP2 does not run under inference_mode), the PPO step under FSDP2 (fp32 master, bf16
+             compute, HF checkpointing), as verl / SkyRL run it. Then Engine.weights(bf16, 256 MiB buckets) streamed
+             twice (GB/s of HF-named full tensors on the GPU) and Engine.export_hf to local disk (GB/s, and with
+             os.sync())
+  serve      the same PPO step through the official tinker SDK and `shardfit serve` (one rank, loopback) against
+             Engine in process (--serve-shape; the dense-ppo shape reuses that part's in-process figure and
+             inputs). Step time = interval between the SDK's consecutive completed steps (forward_backward and
+             optim_step pipelined, as an RL loop sends them).
+Figures: real tokens/s = the anchor's count (prompt + response tokens, 178,786) over the median of --reps timed
+passes / steps, after one warm-up call over the longest and the shortest sequence (compiles; the anchor warms on its
+largest and last micro-batch). Both sides micro-batch under the same token budget T = the longest sequence rounded
+up to 128 (17,408). shardfit's time includes packing the datums and returning per-datum outputs (the API's work);
+the anchor builds its micro-batches before its clock starts. Peak memory: torch.cuda.max_memory_* of the phase.
+JSON summary: rl_fwd_vs_hf and rl_fwdbwd_vs_hf (dicts by shape: shardfit over the anchor's fastest layout measured),
+*_vs_hf_default (over `pad`), weights_GBps, export_hf_GBps, serve_vs_inprocess (SDK step / in-process step).
+The device lacks the SDK and the server stack: benchmarks/wheels_rl (git-ignored, carried; device_run.sh's rl stages
+install it into /tmp/site) holds, for CPython 3.12 manylinux x86_64 (pip download --no-deps): tinker==0.38.0
+fastapi==0.165.0 uvicorn==0.54.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2 pyqwest==0.12.0 orjson==3.13.0
+zstandard==0.25.0 distro==1.9.0 sniffio==1.3.1 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 annotated-doc==0.0.7
+anyio==4.16.0 (~15 MB; the rest of their imports, httpx, click, rich, protobuf, numpy, are on the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rollouts as ro  # noqa: E402
+from bench_moe import why  # noqa: E402
+from bench_rl_workers import SHAPES, TAG, WORKERS, engine_overrides, vocab_of  # noqa: E402
+from bench_train import ROOT, _run_group  # noqa: E402  (bench_train's private helpers, on purpose)
+
+CAPS = {"sf": 200, "hf": 200, "sf-moe": 240, "hf-moe": 220, "server": 180, "sdk": 150}
+MIN_START = 0.4  # a run is not started with less than this fraction of its cap left of the budget
+
+
+def lines_of(stdout: str) -> list[dict]:
+    out = []
+    for x in stdout.splitlines():
+        if x.startswith("{"):
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(x))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the parent
+def worker_cmd(a, kind: str, *extra: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--device", a.device, "--scale",
+            str(a.scale), "--reps", str(a.reps), "--anchor", str(a.anchor), "--moe-layers", str(a.moe_layers),
+            "--hf-fwd", a.hf_fwd, "--hf-ppo", a.hf_ppo, "--sf-extra", a.sf_extra, *extra]
+
+
+def anchor_cmd(a, shape: str, T: int, full: bool, cap: int) -> list[str]:
+    specs = a.hf_ppo if full else a.hf_fwd
+    spec = ",".join(f"{s}:{T}" for s in specs.split(",") if s)
+    return [sys.executable, str(a.anchor), "--shape", shape, "--reps", str(a.reps), "--scale", str(a.scale),
+            "--check", "", "--lora", "", "--deadline", str(max(cap - 60, 30)),
+            *(["--full", spec] if full else ["--fwd", spec])]
+
+
+def run(label: str, cmd: list[str], cap: int, env: dict | None = None) -> dict:
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        rc, out, err, timed_out, s = _run_group(cmd, cap)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    row = {"label": label, "rc": rc, "timed_out": timed_out, "wall_s": round(s, 1), "cap_s": cap,
+           "lines": lines_of(out)}
+    if rc != 0:
+        row["error"] = why(out, err) or err[-600:]
+    return row
+
+
+def serve(a, shape: str, T: int, cap_start: int, cap_sdk: int, inputs: Path) -> list[dict]:
+    """`shardfit serve` (one rank) in a session of its own, the SDK worker against it, then the server stopped."""
+    run_dir = Path(tempfile.mkdtemp(prefix="rlbench-serve-"))
+    cmd = [sys.executable, "-m", "shardfit", "serve", "--port=0", *engine_overrides(a, shape, T, run_dir / "run")]
+    env = {**os.environ, "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1"}
+    t0 = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                         start_new_session=True)
+    log: list[str] = []
+    found: dict = {}
+
+    def read():
+        for line in p.stdout:
+            log.append(line)
+            if not found and (m := re.search(r"listening on (http://\S+)", line)):
+                found["url"], found["t"] = m.group(1), time.time()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    row = {"label": f"shardfit serve {shape}", "cmd": " ".join(cmd[1:])}
+    rows = [row]
+    try:
+        while not found and p.poll() is None and time.time() - t0 < cap_start:
+            time.sleep(0.5)
+        row["start_s"] = round(time.time() - t0, 1)
+        if found:
+            rows.append(run(f"tinker SDK -> serve {shape}",
+                            worker_cmd(a, "sdk", "--shape", shape, "--url", found["url"], "--save-inputs",
+                                       str(inputs)), cap_sdk, env={"TINKER_TELEMETRY": "0"}))
+        else:
+            row["error"] = "no 'listening on' line: " + "".join(log[-8:])[-600:]
+    finally:  # the server and its CUDA context go before the next part (or on SIGTERM): its whole session
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)  # serve stops after the command in hand
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        reader.join(5)
+    row["log_tail"] = "".join(log[-6:])[-800:]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def _get(rows: list[dict], part: str, system: str) -> list[dict]:
+    return [x for r in rows if r.get("part") == part and r.get("system") == system for x in r.get("lines", [])]
+
+
+def _sf(lines: list[dict], kind: str) -> dict | None:
+    return next((x for x in reversed(lines) if x.get(TAG) == kind), None)
+
+
+def _hf(lines: list[dict], part: str, layout: str | None = None) -> dict | None:
+    c = [x for x in lines if x.get("part") == part and "real_tok_s" in x and layout in (None, x.get("layout"))]
+    return max(c, key=lambda x: x["real_tok_s"]) if c else None
+
+
+def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
+    S: dict = {"rl_fwd_vs_hf": {}, "rl_fwdbwd_vs_hf": {}, "rl_fwd_vs_hf_default": {}, "rl_fwdbwd_vs_hf_default": {},
+               "same_data": {}, "params": {}}
+    keys = {"dense-fwd": f"dense-{a.fwd_shape}", "dense-ppo": f"dense-{a.ppo_shape}-full",
+            "moe": f"moe-{a.moe_layers}L"}
+    for part, key in keys.items():
+        sf, hf = _get(rows, part, "shardfit"), _get(rows, part, "hf")
+        for line in (x for x in hf if x.get("part") == "A"):
+            ok, diff = ro.same_data(r, line)
+            S["same_data"][key] = ok if ok else diff
+        eng = _sf(sf, "engine")
+        hf_params = next((x["params"] for x in hf if x.get("part") in ("B", "E_model")), None)
+        if eng:
+            S["params"][key] = {"shardfit": eng["params"], "hf": hf_params}
+        for what, hpart, out in (("fwd", "C", "rl_fwd_vs_hf"), ("ppo", "E", "rl_fwdbwd_vs_hf")):
+            mine = _sf(sf, what)
+            if mine is None or (part == "dense-fwd" and what == "ppo") or (part == "dense-ppo" and what == "fwd"):
+                continue
+            best, default = _hf(hf, hpart), _hf(hf, hpart, "pad")
+            if best:
+                S[out][key] = round(mine["real_tok_s"] / best["real_tok_s"], 3)
+                S[out + "_layout"] = {**S.get(out + "_layout", {}), key: best["layout"]}
+            if default:
+                S[out + "_default"][key] = round(mine["real_tok_s"] / default["real_tok_s"], 3)
+    moe = _get(rows, "moe", "shardfit")
+    w = [x for x in moe if x.get(TAG) == "weights"]
+    if w:
+        S["weights_GBps"] = max(x["GBps"] for x in w)
+    if ex := _sf(moe, "export"):
+        S["export_hf_GBps"], S["export_hf_with_sync_GBps"] = ex["GBps"], ex["with_sync_GBps"]
+    sdk = _sf(_get(rows, "serve", "sdk"), "sdk-ppo")
+    inproc = _sf(_get(rows, "serve", "shardfit") or _get(rows, "dense-ppo", "shardfit"), "ppo")
+    if sdk and inproc and sdk["shape"] == inproc["shape"]:
+        S["serve_vs_inprocess"] = round(sdk["step_s"] / inproc["step_s"], 4)
+        m = sdk.get("metrics", {})  # the server's own view of the last step: queue wait, fwd/bwd, optimizer
+        S["serve_step_s"] = {"shape": sdk["shape"], "sdk": sdk["step_s"], "in_process": inproc["step_s"],
+                             **{k.split(":")[0]: round(v, 3) for k, v in m.items() if k.startswith("server_")}}
+    return S
+
+
+def table(rows: list[dict], S: dict) -> None:
+    print(f"\n{'part':<10} {'system':<34} {'what':<16} {'real tok/s':>10} {'step s':>8} {'alloc/resv GiB':>15}")
+    for row in rows:
+        if "skipped" in row or row.get("error"):
+            print(f"{row.get('part', ''):<10} {row['label'][:34]:<34} {row.get('skipped') or row.get('error')}"[:150])
+        for x in row.get("lines", []):
+            kind = x.get(TAG) or (x.get("part") in ("C", "E") and f"{x['part']} {x.get('layout')}")
+            if kind and "real_tok_s" in x:
+                mem = f"{x.get('peak_alloc_GiB', x.get('peak_alloc_gib', '-'))}/" \
+                      f"{x.get('peak_reserved_GiB', x.get('peak_resv_gib', '-'))}"
+                print(f"{row['part']:<10} {row['label'][:34]:<34} {kind:<16} {x['real_tok_s']:>10,} "
+                      f"{x['step_s']:>8} {mem:>15}")
+            elif x.get("oom") or x.get("skipped") or x.get("error"):
+                print(f"{row['part']:<10} {row['label'][:34]:<34} {x.get('part')} {x.get('layout')}: "
+                      f"{'OOM' if x.get('oom') else x.get('skipped') or x['error']}"[:200])
+            elif kind in ("weights", "export"):
+                print(f"{row['part']:<10} {row['label'][:34]:<34} {kind:<16} {x['GB']} GB at {x['GBps']} GB/s"
+                      + (f" ({x['with_sync_GBps']} GB/s with os.sync)" if kind == "export" else ""))
+    for k, v in S.items():  # the ratios first
+        if v not in ({}, None) and k not in ("same_data", "params"):
+            print(f"{k}: {json.dumps(v)}")
+    print(f"same data as the anchor: {json.dumps(S['same_data'])}; parameters: {json.dumps(S['params'])}")
+
+
+# ---------------------------------------------------------------------------------------------- main
+def gpu_memory_gib() -> float:
+    """The GPU's memory from nvidia-smi (no CUDA context in this process); 0 without one."""
+    if not shutil.which("nvidia-smi"):
+        return 0.0
+    q = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True).stdout.split()
+    return float(q[0]) / 1024 if q else 0.0
+
+
+def main_parent(a) -> int:
+    t0 = time.time()
+    # SIGTERM (the stage's `timeout`) ends the running run's processes (_run_group, serve's finally) and leaves the
+    # JSON of the runs done: it is rewritten after each.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    gib = gpu_memory_gib()
+    if a.moe_layers == 0:
+        a.moe_layers = 2 if a.device == "cpu" else 6 if gib > 100 else 4
+    a.anchor = ro.find_anchor(a.anchor)
+    r = ro.make_rollouts(vocab_of(a.fwd_shape), scale=a.scale, anchor=a.anchor)
+    T = ro.token_budget(r)
+    tmp = Path(tempfile.mkdtemp(prefix="rlbench-parent-"))
+    anchor_env = {"OUT": str(tmp)}  # the anchor appends its lines to $OUT/results.jsonl: kept out of the stage's
+    from importlib.metadata import version
+
+    env = {"gpu_memory_GiB": round(gib, 1), "torch": version("torch"), "transformers": version("transformers"),
+           "T": T, "data": r.summary(), "moe_layers": a.moe_layers, "args": {k: str(v) for k, v in vars(a).items()}}
+    rows: list[dict] = []
+    parts = [p for p in a.parts.split(",") if p]
+
+    def write(complete: bool) -> None:
+        S = summarize(rows, r, a)
+        if a.out:
+            Path(a.out).write_text(json.dumps({"env": env, "summary": S, "rows": rows, "complete": complete},
+                                              indent=1))
+        return S
+
+    def go(part: str, system: str, label: str, cap_key: str, make, env_add=None) -> None:
+        left = a.budget - (time.time() - t0)
+        if left < MIN_START * CAPS[cap_key]:
+            rows.append({"part": part, "system": system, "label": label, "skipped": f"budget ({left:.0f} s left)"})
+        else:
+            cap = int(min(CAPS[cap_key], left - 5))
+            rows.append({"part": part, "system": system, **run(label, make(cap), cap, env_add)})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "lines"})[:400], flush=True)
+        write(False)
+
+    inputs = {s: tmp / f"inputs_{s}.npz" for s in SHAPES}
+    if "dense-fwd" in parts:
+        s = a.fwd_shape
+        go("dense-fwd", "shardfit", f"shardfit Engine.forward {s}", "sf",
+           lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "fwd"))
+        go("dense-fwd", "hf", f"HF anchor C {s} ({a.hf_fwd})", "hf", lambda cap: anchor_cmd(a, s, T, False, cap),
+           anchor_env)
+    if "dense-ppo" in parts:
+        s = a.ppo_shape
+        go("dense-ppo", "shardfit", f"shardfit Engine PPO {s} full FT", "sf",
+           lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--save-inputs", str(inputs[s])))
+        go("dense-ppo", "hf", f"HF anchor E {s} ({a.hf_ppo})", "hf", lambda cap: anchor_cmd(a, s, T, True, cap),
+           anchor_env)
+    if "moe" in parts:
+        go("moe", "shardfit", f"shardfit Engine moe{a.moe_layers}", "sf-moe",
+           lambda cap: worker_cmd(a, "sf", "--shape", "moe", "--what", "ppo,weights,export"))
+        go("moe", "hf", f"HF Qwen3Moe moe{a.moe_layers} (grouped_mm)", "hf-moe", lambda cap: worker_cmd(a, "hf-moe"),
+           anchor_env)
+    if "serve" in parts:
+        s = a.serve_shape
+        if not inputs[s].is_file():  # the in-process figure and the PPO inputs of this shape
+            go("serve", "shardfit", f"shardfit Engine PPO {s} in process", "sf",
+               lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--save-inputs", str(inputs[s])))
+        left = a.budget - (time.time() - t0)
+        if not inputs[s].is_file() or left < MIN_START * (CAPS["server"] + CAPS["sdk"]):
+            rows.append({"part": "serve", "system": "sdk", "label": f"tinker SDK -> serve {s}",
+                         "skipped": f"no in-process inputs for {s}" if not inputs[s].is_file() else
+                         f"budget ({left:.0f} s left)"})
+        else:
+            srv, *sdk = serve(a, s, T, int(min(CAPS["server"], left / 2)), int(min(CAPS["sdk"], left / 2)),
+                              inputs[s])
+            rows.append({"part": "serve", "system": "server", **srv})
+            rows += [{"part": "serve", "system": "sdk", **x} for x in sdk]
+        for row in rows[-2:]:
+            print(json.dumps({k: v for k, v in row.items() if k != "lines"})[:400], flush=True)
+        write(False)
+    S = write(True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    table(rows, S)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="dense-fwd,dense-ppo,moe,serve")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--budget", type=float, default=510.0, help="seconds for all parts (runs capped to what is left)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0, help="rollout lengths x this (CPU checks)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--anchor", default=None, help="hf_rl_step.py (default: .anchors/, then shared/anchors/)")
+    ap.add_argument("--fwd-shape", default="8b", choices=list(SHAPES))
+    ap.add_argument("--ppo-shape", default="1.7b", choices=list(SHAPES))
+    ap.add_argument("--serve-shape", default="1.7b", choices=list(SHAPES))
+    ap.add_argument("--moe-layers", type=int, default=0, help="0: 6 on a GPU over 100 GiB, else 4")
+    ap.add_argument("--hf-fwd", default="padnm,pad", help="the anchor's forward layouts")
+    ap.add_argument("--hf-ppo", default="pack_flex", help="the anchor's PPO layouts")
+    ap.add_argument("--sf-extra", default="", help="more Engine overrides, space-separated (one change)")
+    ap.add_argument("--cpu-check", action="store_true", help="tiny shapes on CPU, scale 0.02, one rep: machinery")
+    ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--shape", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--what", default="fwd", help=argparse.SUPPRESS)
+    ap.add_argument("--save-inputs", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--url", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return WORKERS[a.worker](a)
+    if a.cpu_check:
+        a.device, a.scale, a.reps, a.budget = "cpu", 0.02, 1, max(a.budget, 1800)
+        a.fwd_shape = a.ppo_shape = a.serve_shape = "tiny"
+        a.hf_ppo = "pad"  # flex_attention on CPU compiles for minutes
+        for k in CAPS:
+            CAPS[k] = 600
+    return main_parent(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

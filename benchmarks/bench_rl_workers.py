@@ -1,0 +1,315 @@
+"""The worker processes of benchmarks/bench_rl.py (issue 24): each prints JSON lines {"rlbench": KIND, ...}.
+
+  sf      shardfit's Engine in process: forward, the PPO step (forward_backward + optim_step), weights(), export_hf
+  hf-moe  transformers' Qwen3MoeForCausalLM through the anchor hf_rl_step.py's own run_forward / run_ppo
+  sdk     the PPO step through the official tinker SDK against a running `shardfit serve`
+
+Shapes: the anchor's SHAPES, key for key, as Engine overrides (bench_rl.py's JSON compares the parameter counts);
+MOE the Qwen3-30B-A3B shape (bench_moe.py's constants) and a tiny one for CPU checks. Timing: one warm-up call over
+the longest and the shortest sequence, then --reps calls between device syncs; tokens/s counts the anchor's real
+tokens (prompt + response).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rollouts as ro  # noqa: E402
+
+QWEN3 = ["--model.qk_norm=true", "--model.rope_theta=1000000", "--model.norm_eps=1e-6"]
+BIG = [*QWEN3, "--model.vocab_size=151936", "--model.n_kv_heads=8", "--model.head_dim=128"]
+# the anchor's SHAPES, key for key (the part's JSON compares the parameter counts), plus 4b for --serve-shape
+SHAPES = {
+    "8b": [*BIG, "--model.dim=4096", "--model.n_layers=36", "--model.n_heads=32", "--model.ffn_dim=12288",
+           "--model.tie_embeddings=false"],
+    "4b": [*BIG, "--model.dim=2560", "--model.n_layers=36", "--model.n_heads=32", "--model.ffn_dim=9728",
+           "--model.tie_embeddings=true", "--parallel.activation_checkpoint=full"],  # 60 GiB of states: AC on H100
+    "1.7b": [*BIG, "--model.dim=2048", "--model.n_layers=28", "--model.n_heads=16", "--model.ffn_dim=6144",
+             "--model.tie_embeddings=true"],
+    "tiny": [*QWEN3, "--model.vocab_size=3000", "--model.dim=256", "--model.n_layers=2", "--model.n_heads=4",
+             "--model.n_kv_heads=2", "--model.head_dim=64", "--model.ffn_dim=512", "--model.tie_embeddings=false"],
+}
+MOE = {"big": dict(vocab=151936, hidden=2048, heads=32, kv=4, head_dim=128, experts=128, topk=8, inner=768),
+       "tiny": dict(vocab=3000, hidden=64, heads=4, kv=2, head_dim=16, experts=8, topk=2, inner=32)}
+PPO_CFG = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "normalize": "token_mean"}
+ADAM = dict(learning_rate=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)  # E's AdamW
+TAG = "rlbench"  # workers' JSON lines: {"rlbench": KIND, ...}
+
+
+def vocab_of(shape: str) -> int:
+    return 3000 if shape == "tiny" else 151936
+
+
+def moe_overrides(layers: int, tiny: bool) -> list[str]:
+    m = MOE["tiny" if tiny else "big"]
+    out = ["--model.name=qwen3-30b-a3b", f"--model.n_layers={layers}"]
+    if tiny:
+        out += [f"--model.vocab_size={m['vocab']}", f"--model.dim={m['hidden']}", f"--model.n_heads={m['heads']}",
+                f"--model.n_kv_heads={m['kv']}", f"--model.head_dim={m['head_dim']}", "--model.ffn_dim=128",
+                f"--model.n_experts={m['experts']}", f"--model.experts_per_token={m['topk']}",
+                f"--model.moe_ffn_dim={m['inner']}"]
+    return out
+
+
+def engine_overrides(a, shape: str, T: int, run_dir: Path) -> list[str]:
+    """The Engine's config for a shape (`moe` or a SHAPES key): the same list for in-process and `shardfit serve`."""
+    gpu = a.device == "cuda"
+    ov = moe_overrides(a.moe_layers, not gpu) if shape == "moe" else list(SHAPES[shape])
+    ov += [f"--train.micro_batch_tokens={T}", f"--data.seq_len={min(T, 4096)}", f"--model.max_seq_len={max(T, 40960)}",
+           f"--train.device={a.device}", f"--logging.run_dir={run_dir}", "--logging.progress=none"]
+    if gpu:
+        ov.append("--parallel.compile=true")
+        if shape == "moe":
+            ov.append("--parallel.overlap_optimizer=true")  # moe1's fastest shardfit case
+    return [*ov, *a.sf_extra.split()]
+
+
+def emit(kind: str, **kw) -> None:
+    print(json.dumps({TAG: kind, **kw}), flush=True)
+
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def _cuda():
+    import torch
+
+    on = torch.cuda.is_available()
+
+    def sync():
+        if on:
+            torch.cuda.synchronize()
+
+    def reset():
+        if on:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peaks() -> dict:
+        if not on:
+            return {}
+        return dict(peak_alloc_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                    peak_reserved_GiB=round(torch.cuda.max_memory_reserved() / 2**30, 2))
+    return sync, reset, peaks
+
+
+def timed(fn, warm, reps: int, sync, reset) -> tuple[object, float, list[float]]:
+    """warm() once, then reps x fn() between syncs: (last result, warm-up seconds, timed seconds)."""
+    t = time.perf_counter()
+    warm()
+    sync()
+    warm_s = time.perf_counter() - t
+    reset()
+    times, res = [], None
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        res = fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return res, warm_s, times
+
+
+def rate(r: ro.Rollouts, times: list[float]) -> dict:
+    s = statistics.median(times)
+    return dict(times_s=[round(x, 3) for x in times], step_s=round(s, 3), real_tok_s=round(r.real_tokens / s),
+                resp_tok_s=round(r.response_tokens / s))
+
+
+def warm_idx(r: ro.Rollouts) -> list[int]:
+    lens = [len(s) for s in r.seqs]
+    return [lens.index(max(lens)), lens.index(min(lens))]
+
+
+def worker_sf(a) -> int:
+    """shardfit's Engine in this process: forward, PPO step, weights() and export_hf as --what says."""
+    import numpy as np
+    import torch
+
+    from shardfit import Engine
+    from shardfit.rl import AdamParams
+
+    sync, reset, peaks = _cuda()
+    what = set(a.what.split(","))
+    r = ro.make_rollouts(vocab_of("tiny" if a.shape == "moe" and a.device == "cpu" else a.shape), scale=a.scale,
+                         anchor=a.anchor)
+    T = ro.token_budget(r)
+    emit("data", **r.summary(), T=T)
+    tmp = Path(tempfile.mkdtemp(prefix="rlbench-"))
+    t = time.perf_counter()
+    engine = Engine.start(overrides=engine_overrides(a, a.shape, T, tmp / "run"))
+    sync()
+    emit("engine", shape=a.shape, params=engine.n_params, build_s=round(time.perf_counter() - t, 1),
+         overrides=engine_overrides(a, a.shape, T, tmp / "run"), **peaks())
+    fwd = ro.to_datums(r)
+    w = warm_idx(r)
+    res, warm_s, times = timed(lambda: engine.forward(fwd), lambda: engine.forward([fwd[i] for i in w]), a.reps,
+                               sync, reset)
+    emit("fwd", shape=a.shape, warm_s=round(warm_s, 1), **rate(r, times), **peaks())
+    if "ppo" in what:
+        old, adv = ro.sampler_inputs(r, ro.response_logprobs(r, res.outputs))
+        if a.save_inputs:
+            np.savez(a.save_inputs, old=np.concatenate(old), adv=np.concatenate(adv))
+        data = ro.to_datums(r, old, adv)
+        adam = AdamParams(**ADAM)
+        box = {}
+
+        def step(d):
+            box["fb"] = engine.forward_backward(d, "ppo", PPO_CFG)
+            box["opt"] = engine.optim_step(adam)
+
+        _, warm_s, times = timed(lambda: step(data), lambda: step([data[i] for i in w]), a.reps, sync, reset)
+        emit("ppo", shape=a.shape, warm_s=round(warm_s, 1), **rate(r, times), **peaks(),
+             metrics={**box["fb"].metrics, **box["opt"]})
+    if "weights" in what:
+        for rep in range(2):  # the first pass also allocates the buckets' blocks in the caching allocator
+            sync()
+            t, n, k = time.perf_counter(), 0, 0
+            for bucket in engine.weights(torch.bfloat16, 1 << 28):
+                n += sum(x.nbytes for _, x in bucket)
+                k += len(bucket)
+            sync()
+            dt = time.perf_counter() - t
+            emit("weights", rep=rep, tensors=k, GB=round(n / 1e9, 3), s=round(dt, 3), GBps=round(n / 1e9 / dt, 2))
+    if "export" in what:
+        out = tmp / "hf"
+        sync()
+        t = time.perf_counter()
+        engine.export_hf(str(out), "bfloat16", None)
+        dt = time.perf_counter() - t
+        os.sync()  # what the page cache still held, written: the export as far as the disk
+        dts = time.perf_counter() - t
+        n = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        emit("export", GB=round(n / 1e9, 3), s=round(dt, 2), GBps=round(n / 1e9 / dt, 2), with_sync_s=round(dts, 2),
+             with_sync_GBps=round(n / 1e9 / dts, 2), where=str(out))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def worker_hf_moe(a) -> int:
+    """transformers' Qwen3MoeForCausalLM through the anchor's own functions (its data, micro-batching, timing and
+    JSON lines): C on a plain bf16 model, then E under FSDP2 (fp32 master, bf16 compute) with HF checkpointing."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    A = ro.load_anchor(a.anchor)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m = MOE["big" if device == "cuda" else "tiny"]
+    P, R, seqs = A.make_rollouts(64, 1234, m["vocab"], a.scale)
+    r = ro.Rollouts(list(P), list(R), [s.numpy() for s in seqs])
+    A.emit(dict(part="A", **r.summary()))
+    T = ro.token_budget(r)
+    cfg = Qwen3MoeConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=3 * m["hidden"],
+                         num_hidden_layers=a.moe_layers, num_attention_heads=m["heads"], num_key_value_heads=m["kv"],
+                         head_dim=m["head_dim"], num_experts=m["experts"], num_experts_per_tok=m["topk"],
+                         moe_intermediate_size=m["inner"], norm_topk_prob=True, max_position_embeddings=40960,
+                         rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, output_router_logits=False,
+                         use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"  # as benchmarks/anchor_hf_qwen3moe.py (eager is ~10x slower)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg)  # HF's own init, in bf16: the anchor's build() for this class
+    torch.set_default_dtype(torch.float32)
+    A.emit(dict(part="B", shape=f"moe{a.moe_layers}", params=sum(p.numel() for p in model.parameters())))
+    old = None
+    for spec in filter(None, a.hf_fwd.split(",")):
+        lp = A.run_forward(model, P, R, seqs, spec, T, device, a.reps)
+        old = old if old is not None else lp
+    del model
+    A.reset_mem()
+    # a group of one over an in-process store (no port, no launcher variables), as shardfit's one-process runs
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh(device, (1,))
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0, 0.02)
+            else:
+                p.fill_(1.0)  # norms at 1, as HF's init
+        rot = model.model.rotary_emb  # a meta buffer until now
+        d = m["head_dim"]
+        inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        rot.inv_freq = inv
+        if hasattr(rot, "original_inv_freq"):
+            rot.original_inv_freq = inv
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, fused=device == "cuda")
+    g = torch.Generator(device=device).manual_seed(7)
+    if old is None:
+        old = [torch.full((n,), -math.log(m["vocab"]), device=device) for n in R]
+    old = [(o.float() + 0.1 * torch.randn(o.shape, generator=g, device=device)).clone() for o in old]
+    adv = [torch.randn(n, generator=g, device=device) for n in R]
+
+    def ppo(spec: str) -> bool:
+        try:
+            A.run_ppo(model, opt, params, P, R, seqs, old, adv, spec, T, device, a.reps, part="E", autocast=False)
+            return True
+        except Exception as e:  # noqa: BLE001 (recorded; the next layout runs)
+            opt.zero_grad(set_to_none=True)
+            A.emit(dict(part="E", layout=spec, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            return False
+
+    specs = [x for x in a.hf_ppo.split(",") if x]
+    if not [ppo(spec) for spec in specs].count(True) and "pad" not in specs:
+        ppo("pad")  # the HF default layout, when every one asked for failed
+    dist.destroy_process_group()
+    return 0
+
+
+def worker_sdk(a) -> int:
+    """The PPO step through the tinker SDK against a running `shardfit serve` at --url."""
+    import numpy as np
+    import tinker
+    from tinker import types
+
+    r = ro.make_rollouts(vocab_of(a.shape), scale=a.scale, anchor=a.anchor)
+    saved = np.load(a.save_inputs)
+    cut = np.cumsum(r.responses)[:-1]
+    data = ro.to_tinker(ro.to_datums(r, np.split(saved["old"], cut), np.split(saved["adv"], cut)))
+    t = time.perf_counter()
+    tc = tinker.ServiceClient(base_url=a.url, api_key="tml-local").create_lora_training_client(
+        base_model="tiny", rank=8)  # the server's model.name: the dense shapes set every size over the default
+    emit("sdk-client", s=round(time.perf_counter() - t, 2))
+
+    def step(d):
+        fb = tc.forward_backward(d, "ppo", PPO_CFG)
+        op = tc.optim_step(types.AdamParams(**ADAM))  # pipelined: sent before the first result is read
+        return fb.result(), op.result()
+
+    t = time.perf_counter()
+    step([data[i] for i in warm_idx(r)])
+    last = time.perf_counter()
+    warm_s, times = last - t, []
+    for _ in range(a.reps):
+        fb, op = step(data)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    emit("sdk-ppo", shape=a.shape, warm_s=round(warm_s, 1), **rate(r, times),
+         metrics={**fb.metrics, **op.metrics})
+    return 0
+
+
+WORKERS = {"sf": worker_sf, "hf-moe": worker_hf_moe, "sdk": worker_sdk}
