@@ -32,7 +32,7 @@ SHAPES = {
     "8b": [*BIG, "--model.dim=4096", "--model.n_layers=36", "--model.n_heads=32", "--model.ffn_dim=12288",
            "--model.tie_embeddings=false"],
     "4b": [*BIG, "--model.dim=2560", "--model.n_layers=36", "--model.n_heads=32", "--model.ffn_dim=9728",
-           "--model.tie_embeddings=true", "--parallel.activation_checkpoint=full"],  # 60 GiB of states: AC on H100
+           "--model.tie_embeddings=true", "--compute.activation_checkpoint=full"],  # 60 GiB of states: AC on H100
     "1.7b": [*BIG, "--model.dim=2048", "--model.n_layers=28", "--model.n_heads=16", "--model.ffn_dim=6144",
              "--model.tie_embeddings=true"],
     "tiny": [*QWEN3, "--model.vocab_size=3000", "--model.dim=256", "--model.n_layers=2", "--model.n_heads=4",
@@ -67,7 +67,7 @@ def engine_overrides(a, shape: str, T: int, run_dir: Path) -> list[str]:
     ov += [f"--train.micro_batch_tokens={T}", f"--data.seq_len={min(T, 4096)}", f"--model.max_seq_len={max(T, 40960)}",
            f"--train.device={a.device}", f"--logging.run_dir={run_dir}", "--logging.progress=none"]
     if gpu:
-        ov.append("--parallel.compile=true")
+        ov.append("--compute.compile=true")
         if shape == "moe":
             ov.append("--parallel.overlap_optimizer=true")  # moe1's fastest shardfit case
     return [*ov, *a.sf_extra.split()]

@@ -148,7 +148,7 @@ def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_no
         "sequence_parallel": f"each sequence split over {P} GPUs (two all-to-alls per attention layer), "
                              f"{world // P} data-parallel ranks",
         "offload_all": f"parameters, gradients and the optimizer step on the CPU ({host:.0f} GiB of host memory per "
-                       "node), every block's weights copied over PCIe: much slower, not measured yet" + (
+                       "node), every block's weights copied over PCIe each step: slower (benchmarks/README.md)" + (
                            f"; the first {kept} blocks' states stay on the GPU (the fewest whose host memory fits "
                            "90% of --host-memory)" if kept else ""),
         "more_gpus": f"{world} GPUs, no offload" + (
