@@ -42,7 +42,7 @@ def test_recipe_fits_every_layout_it_names(name, capsys):
         assert main(["plan", "--config", f"recipe:{name}", "--nproc", str(gpus), "--gpu-memory", str(gib)]) == 0
         out = capsys.readouterr().out
         assert "<- as configured: fits" in out, (name, gpus, gib, out)
-        assert f"{gpus} GPU(s) of {gib:.0f} GiB" in out
+        assert f"{gpus} GPU{'s' if gpus > 1 else ''} of {gib:.4g} GiB" in out
 
 
 def test_measured_figures_are_in_benchmarks():

@@ -241,3 +241,34 @@ def test_plan_text_lists_flags_and_host_memory(capsys):
     assert "as configured: DOES NOT FIT the host" in out and "host memory per node: 125.8 GiB" in out
     assert "EXCEEDS the host's 100 GiB" in out
     assert "--nproc=2 --parallel.offload=none" in out  # more GPUs, without offload
+
+
+def test_an_offload_proposal_without_host_memory_states_its_assumption(capsys):
+    """Issue 27: a 70B proposal must not silently assume 1.1 TB of host memory a node; given --host-memory, the
+    same proposal is checked and stated as a figure, and with too little it is left out."""
+    from shardfit.cli.main import main
+
+    args = ["plan", "--config", "recipe:llama3-70b-sft", "--nproc", "8", "--gpu-memory", "79"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "offload_all: peak" in x)
+    assert "IF each node has" in line and "not checked, add --host-memory" in line
+    assert main([*args, "--host-memory", "2TiB"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "offload_all: peak" in x)
+    assert "IF" not in line and "host memory" in line and "GiB per node" in line
+    assert main([*args, "--host-memory", "512GB"]) == 0
+    out = capsys.readouterr().out
+    assert "offload_all: peak" not in out and "left out: offload_all" in out
+
+
+@pytest.mark.parametrize("per_node, nodes_text", [(8, "3 nodes of 8 GPUs (shardfit train --nproc 8 --nnodes 3"),
+                                                  (3, "nodes of 3 GPUs (shardfit train --nproc 3 --nnodes")])
+def test_more_gpus_proposes_whole_nodes(capsys, per_node, nodes_text):
+    from shardfit.cli.main import main
+
+    assert main(["plan", "--config", "recipe:llama3-70b-sft", "--nproc", "8", "--gpu-memory", "79",
+                 "--gpus-per-node", str(per_node)]) == 0
+    out = capsys.readouterr().out
+    flags = next(x for x in out.splitlines() if "--nproc=" in x and "offload" not in x)
+    world = int(flags.split("--nproc=")[1].split()[0])
+    assert world % per_node == 0 and nodes_text in out and "1 nodes" not in out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 from shardfit.config.options import read_options
 from shardfit.errors import ShardfitError
@@ -37,12 +38,24 @@ def count(value: str, name: str, what: str) -> int:
     return n
 
 
+# Units a size may carry: binary (what nvidia-smi and free print: MiB, GiB) and decimal (what datasheets print: an
+# "80 GB" H100 is 80 x 10**9 bytes nominal). A bare number is GiB.
+_UNITS = {"": 2**30, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40,
+          "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
 def gib(value: str, name: str, fix: str) -> float:
-    """A memory size in GiB: a finite number above 0 and below 2**30 GiB (2**60 bytes: byte counts stay within
-    int64 with room to add them up)."""
-    size = number(value, name, float)
+    """A memory size in GiB from `80`, `80GiB`, `80GB` (10**9 bytes), `81559MiB`, `1.5TB`: a finite number above 0
+    and below 2**30 GiB (2**60 bytes: byte counts stay within int64 with room to add them up)."""
+    m = re.fullmatch(r"\s*(.*?[0-9.])\s*([A-Za-z]*)\s*", str(value))  # a number ends in a digit or a point
+    digits, unit = (m.group(1), m.group(2)) if m else (str(value), "")
+    if unit.lower() not in _UNITS:
+        raise ShardfitError(f"'{value}': unknown unit '{unit}'", where=name,
+                            fix=fix + "; units: GiB, GB, MiB, MB, TiB, TB (a bare number is GiB)")
+    unit = unit.lower()
+    size = number(digits, name, float) * _UNITS[unit] / 2**30
     if not 0 < size < 2**30:
-        raise ShardfitError(f"{value} GiB is out of range", where=name, fix=fix)
+        raise ShardfitError(f"{value} is out of range", where=name, fix=fix)
     return size
 
 

@@ -20,7 +20,16 @@ from typing import Any
 
 from shardfit.config.schema import Config
 from shardfit.plan.checks import check_plan_inputs
-from shardfit.plan.estimate import Estimate, GiB, allocation_budget, estimate, fits, host_fits, host_per_node
+from shardfit.plan.estimate import (
+    HOST_USABLE,
+    Estimate,
+    GiB,
+    allocation_budget,
+    estimate,
+    fits,
+    host_fits,
+    host_per_node,
+)
 from shardfit.plan.table import MODES, configured, largest_per_mode
 
 SCHEMA = "shardfit.plan/1"
@@ -125,11 +134,12 @@ def expert_parallel_degree(cfg: Config, world: int, gpus_per_node: int) -> int:
     return max(e for e in range(1, min(group, gpus_per_node) + 1) if n % e == 0 and group % e == 0)
 
 
-def _gpu_counts(world: int):
-    """World sizes above world: powers of two below 8, then multiples of 8 (whole nodes)."""
+def _gpu_counts(world: int, gpus_per_node: int):
+    """World sizes above world: within one node powers of two and the whole node, beyond it whole nodes (the
+    launcher starts the same number of ranks on every node)."""
     n = world + 1
     while n <= MAX_GPUS:
-        if (n < 8 and n & (n - 1) == 0) or n % 8 == 0:
+        if (n <= gpus_per_node and (n & (n - 1) == 0 or n == gpus_per_node)) or n % gpus_per_node == 0:
             yield n
         n += 1
 
@@ -152,7 +162,7 @@ def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_no
                            f"; the first {kept} blocks' states stay on the GPU (the fewest whose host memory fits "
                            "90% of --host-memory)" if kept else ""),
         "more_gpus": f"{world} GPUs, no offload" + (
-            f", {world // gpus_per_node} nodes of {gpus_per_node} (shardfit train --nproc {gpus_per_node} "
+            f", {world // gpus_per_node} nodes of {gpus_per_node} GPUs (shardfit train --nproc {gpus_per_node} "
             f"--nnodes {world // gpus_per_node} on each)" if world > gpus_per_node else ""),
         "hsdp": f"{R} replicas of {world // R}-GPU shard groups ("
                 + ("one node" if world // R == gpus_per_node else f"{world // R // gpus_per_node} nodes") + " each): "
@@ -204,7 +214,8 @@ def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = 
              **({"parallel.offload_gpu_blocks": 0} if par.offload_gpu_blocks else {}),
              **({"parallel.replicate": 1} if par.replicate > 1 else {})}
     # more GPUs only when this world does not fit without offload
-    more = None if fits_here else next((n for n in _gpu_counts(world) if propose("more_gpus", plain, n)), None)
+    more = None if fits_here else next(
+        (n for n in _gpu_counts(world, gpus_per_node) if propose("more_gpus", plain, n)), None)
     # HSDP on the multi-node world given, else on the one more_gpus found: shard groups of the fewest whole nodes
     for w in (world, more):
         if w and w > gpus_per_node and w % gpus_per_node == 0 and any(
@@ -224,7 +235,12 @@ def proposals_text(props: list[Proposal], short: list[Proposal], gpu_gib: float,
         lines = ["proposals, each predicted to fit (add the flags to the command; what is given up grows down the "
                  "list):"]
     for i, p in enumerate(props, 1):
-        host = f", host memory {p.host_per_node / GiB:.1f} GiB per node" if p.host_per_node else ""
+        host = ""
+        if p.host_per_node:  # an assumption unless the user said how much host memory a node has
+            states = p.host_per_node / GiB
+            host = (f", host memory {states:.1f} GiB per node" if host_gib is not None else
+                    f", IF each node has {states / HOST_USABLE:.0f} GiB of host memory ({states:.0f} GiB of states, "
+                    f"{HOST_USABLE:.0%} of it): not checked, add --host-memory GIB")
         lines += [f"  {i}. {p.kind}: peak {p.estimate.peak / GiB:.1f} of {budget:.1f} GiB{host}",
                   "     " + " ".join(p.flags), "     " + p.note]
     for p in short:

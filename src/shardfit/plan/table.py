@@ -95,7 +95,8 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
     m = cfg.model
     budget_rows = cfg.train.micro_batch_tokens
     given, cfg = cfg, as_rows(cfg)
-    lines = [f"shardfit plan: {m.name}, {world} GPU(s) of {gpu_gib:.0f} GiB, seq {cfg.data.seq_len}"
+    gpus = f"{world} GPU{'s' if world > 1 else ''}"
+    lines = [f"shardfit plan: {m.name}, {gpus} of {gpu_gib:.4g} GiB, seq {cfg.data.seq_len}"
              + (" (token-budget rows: micro-batch k is k rows)" if budget_rows else "")
              + (f" (Ulysses over {cfg.parallel.sequence_parallel})" if cfg.parallel.sequence_parallel > 1 else "")
              + (f", HSDP: {cfg.parallel.replicate} replicas of {world // cfg.parallel.replicate}-GPU shard groups"
