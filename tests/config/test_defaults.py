@@ -146,3 +146,15 @@ def test_defaults_only_the_loss_falls(tmp_path, weights, data, family):
     losses = [h["loss"] for h in history]
     # fine-tuning rates move a randomly initialised "pretrained" model slowly: a fall of 10% in 25 steps, no divergence
     assert sum(losses[-5:]) / 5 < 0.9 * losses[0] and max(losses) <= losses[0] + 0.05, losses
+
+
+@pytest.mark.parametrize("args, seq", [([], 256), (["--model.name=llama3-8b"], 4096),
+                                       (["--model.name=llama3-8b", "--data.seq_len=8192"], 8192),
+                                       (["--model.name=llama3-1b", "--model.max_seq_len=2048"], 2048),
+                                       (["--model.name=qwen3-30b-a3b"], 4096)])
+def test_real_models_default_to_a_real_context_length(args, seq):
+    """Issue 27: `shardfit plan --model.name=llama3-8b` planned at the tiny model's 256 tokens."""
+    cfg = load_config(None, args)
+    assert cfg.data.seq_len == seq
+    if seq == 4096:  # the pretraining batch follows the context length: 512K tokens a step at 2B-20B parameters
+        assert cfg.train.global_batch * seq in (1 << 19, 1 << 20)

@@ -19,7 +19,7 @@ from typing import Any
 
 from shardfit.config.options import parse_overrides
 from shardfit.config.renamed import Spellings, announce
-from shardfit.config.schema import PRESETS, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
+from shardfit.config.schema import PRESETS, REAL_SEQ_LEN, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
 from shardfit.errors import ShardfitError
 
 if sys.version_info >= (3, 11):
@@ -233,6 +233,9 @@ def _apply_training_defaults(cfg: Config, explicit: set[str], weights: bool = Fa
 
     with torch.device("meta"):  # counted as built (tied weights once, every expert): no memory, ~0.1 s at 70B
         n_params = count_params(build_model(cfg.model))
+    if "data.seq_len" not in explicit and n_params >= SIZE_DEFAULTS[0][0]:
+        # the schema's 256 is the tiny model's; real models train (and are planned) at a real context length
+        cfg.data.seq_len = min(REAL_SEQ_LEN, cfg.model.max_seq_len)
     pretrained, sft = training_regime(cfg)
     values = training_defaults(n_params, pretrained or weights, sft, cfg.data.seq_len, cfg.train.steps)
     for key, value in values.items():
@@ -254,6 +257,8 @@ def defaults_table() -> str:
                      f"{'8' if not tokens else '0 (auto)':>11}")
     lines.append(f"  warmup_steps: {WARMUP_FRACTION['scratch']:.0%} of train.steps from scratch, "
                  f"{WARMUP_FRACTION['pretrained']:.0%} fine-tuning, at least 1")
+    lines.append(f"  data.seq_len: {REAL_SEQ_LEN} from {SIZE_DEFAULTS[0][1].replace('< ', '')} up (at most "
+                 "model.max_seq_len); the schema's default below that")
     return "\n".join(lines)
 
 

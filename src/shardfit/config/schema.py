@@ -294,6 +294,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Warm-up is a fraction of train.steps; the pretraining batch a number of tokens per step (in sequences: that over
 # data.seq_len, rounded to a power of two, at least 8); micro_batch 0 lets shardfit plan choose it on CUDA.
 WARMUP_FRACTION = {"scratch": 0.1, "pretrained": 0.03}
+REAL_SEQ_LEN = 4096  # data.seq_len left unset, at 100M parameters and up (Llama 3's pretraining context)
 SFT_GLOBAL_BATCH = 32  # examples (or packed rows) per step on fine-tuning data, at 100M parameters and up
 SIZE_DEFAULTS: tuple[tuple[float, str, float, float, int], ...] = (
     # (below this many parameters, label, from-scratch lr, fine-tuning lr, pretraining tokens per step; 0: the
