@@ -20,6 +20,7 @@ from typing import Any
 from shardfit.config.options import parse_overrides
 from shardfit.config.renamed import Spellings, announce
 from shardfit.config.schema import PRESETS, REAL_SEQ_LEN, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
+from shardfit.config.spellings import foreign_spelling
 from shardfit.errors import ShardfitError
 
 if sys.version_info >= (3, 11):
@@ -99,7 +100,8 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
     fields = _fields(sections[section])
     if key not in fields:
         all_keys = [f"{s}.{k}" for s, obj in sections.items() for k in _fields(obj)]
-        raise ShardfitError(f"unknown key '{section}.{key}'", where=where, fix=_closest(f"{section}.{key}", all_keys))
+        raise ShardfitError(f"unknown key '{section}.{key}'", where=where,
+                            fix=foreign_spelling(key) or _closest(f"{section}.{key}", all_keys))
     setattr(sections[section], key, _coerce(value, fields[key].type, f"{where} {section}.{key}", from_text))
     explicit.add(f"{section}.{key}")
 
