@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
 from shardfit.config.renamed import Spellings, announce
 from shardfit.config.schema import PRESETS, REAL_SEQ_LEN, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
@@ -179,6 +180,7 @@ def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
     """model.path: the architecture comes from config.json; the tokenizer from the directory unless given."""
     from shardfit.models.families import read_hf_config
 
+    cfg.model.path = resolve_model_path(cfg.model.path)  # a Hub id: its snapshot in the local cache
     family, fields = read_hf_config(cfg.model.path)
     fields_by_name = _fields(cfg.model)
     for key, value in fields.items():
