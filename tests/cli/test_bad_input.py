@@ -27,7 +27,7 @@ def _setup(case, tmp_path):
     if case == "unknown key":
         return ["train", "--train.stpes=3"], "did you mean 'train.steps'"
     if case == "wrong type":
-        return ["train", "--train.lr=fast"], "train.lr: 'fast' is not a valid float"
+        return ["train", "--train.lr=fast"], "train.lr: 'fast' is not a number"
     if case == "out of range":
         return ["train", "--train.micro_batch=-1"], "train.micro_batch: -1 is out of range"
     if case == "missing model dir":

@@ -102,7 +102,7 @@ def test_bad_value_is_one_line_naming_key_value_and_fix(args, key, needle):
     ("[train]\nbeta2 = inf\n", "train.beta2: inf is not a finite number"),
     ("[train]\nlr = 1" + "0" * 400 + "\n", "is too large for a float"),  # TOML ints are unbounded in tomllib
     ("[train]\nsteps = 9223372036854775808\n", "does not fit a 64-bit integer"),
-    ("[model]\nn_heads = true\n", "expected int, got bool True"),
+    ("[model]\nn_heads = true\n", "expected a whole number, got bool True"),
     ("[recipe]\nneeds = 5\n[train]\nsteps = 3\n", None),  # a malformed [recipe] table is not a training key
 ])
 def test_bad_value_in_a_toml_file(tmp_path, toml, needle):
@@ -148,7 +148,7 @@ def test_hf_config_json_with_a_wrong_type_is_one_line(tmp_path):
           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
           "max_position_embeddings": 128, "rms_norm_eps": "tiny"}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ShardfitError, match=r"config.json model.norm_eps: expected float, got str 'tiny'"):
+    with pytest.raises(ShardfitError, match=r"config.json model.norm_eps: expected a number, got str 'tiny'"):
         load_config(None, [f"--model.path={tmp_path}"])
     hf["rms_norm_eps"], hf["rope_theta"] = 1e-5, float("inf")
     (tmp_path / "config.json").write_text(json.dumps(hf).replace("Infinity", "1e999"))

@@ -31,7 +31,7 @@ def test_resolved_config_round_trips(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["--train.lrr=1"], "did you mean 'train.lr'"),
     (["--trian.lr=1"], "did you mean 'train'"),
-    (["--train.steps=ten"], "--train.steps train.steps: 'ten' is not a valid int"),
+    (["--train.steps=ten"], "--train.steps: 'ten' is not a whole number; fix: give a whole number"),
     (["--train.steps=0"], "train.steps: 0 is out of range; fix: give a value > 0"),
     (["--model.n_heads=0"], "model.n_heads: 0 is out of range"),  # before the model is built to size the defaults
     (["--model.dim=-5"], "model.dim: -5 is out of range"),
@@ -56,7 +56,7 @@ def test_bad_toml_names_file(tmp_path):
     with pytest.raises(ShardfitError, match=r"bad.toml: malformed TOML"):
         load_config(f)
     f.write_text('[train]\nlr = "fast"\n')
-    with pytest.raises(ShardfitError, match=r"bad.toml train.lr: expected float"):
+    with pytest.raises(ShardfitError, match=r"bad.toml train.lr: expected a number"):
         load_config(f)
     with pytest.raises(ShardfitError, match="config file not found"):
         load_config(tmp_path / "missing.toml")

@@ -81,7 +81,7 @@ def test_one_notice_per_run(capsys, monkeypatch):
 
 
 def test_a_bad_config_is_still_one_line(capsys):
-    with pytest.raises(ShardfitError, match=r"--parallel.compile compute.compile: 'maybe' is not a valid bool"):
+    with pytest.raises(ShardfitError, match=r"--parallel.compile compute.compile: 'maybe' is not true or false"):
         load_config(None, ["--parallel.compile=maybe"])
     with pytest.raises(ShardfitError, match=r"train.steps: 0 is out of range"):
         load_config(None, ["--parallel.compile=true", "--train.steps=0"])

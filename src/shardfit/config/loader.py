@@ -32,6 +32,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 INT64 = (-(1 << 63), (1 << 63) - 1)
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
+_KIND = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string"}
 
 
 def _sections(cfg: Config) -> dict[str, Any]:
@@ -65,8 +66,8 @@ def _coerce(value: Any, ftype: str, where: str, from_text: bool) -> Any:
             if kind == "float":
                 value = float(text)
         except ValueError:  # also an int of more digits than Python converts (sys.get_int_max_str_digits)
-            raise ShardfitError(f"'{_shown(value)}' is not a valid {kind}", where=where,
-                                fix=f"give a {kind}" + (" (true/false)" if kind == "bool" else "")) from None
+            raise ShardfitError(f"'{_shown(value)}' is not {_KIND[kind]}", where=where,
+                                fix=f"give {_KIND[kind]}") from None
     if kind == "bool" and isinstance(value, bool):
         return value
     if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
@@ -82,8 +83,8 @@ def _coerce(value: Any, ftype: str, where: str, from_text: bool) -> Any:
                                 fix="give a smaller number") from None
     if kind == "str" and isinstance(value, str):
         return value
-    raise ShardfitError(f"expected {kind}, got {type(value).__name__} {_shown(repr(value))}", where=where,
-                        fix=f"give a {kind}")
+    raise ShardfitError(f"expected {_KIND[kind]}, got {type(value).__name__} {_shown(repr(value))}", where=where,
+                        fix=f"give {_KIND[kind]}")
 
 
 def _shown(value: Any, limit: int = 60) -> str:
@@ -103,7 +104,8 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
         all_keys = [f"{s}.{k}" for s, obj in sections.items() for k in _fields(obj)]
         raise ShardfitError(f"unknown key '{section}.{key}'", where=where,
                             fix=foreign_spelling(key) or _closest(f"{section}.{key}", all_keys))
-    setattr(sections[section], key, _coerce(value, fields[key].type, f"{where} {section}.{key}", from_text))
+    named = where if where.endswith(f"{section}.{key}") else f"{where} {section}.{key}"  # a flag names itself
+    setattr(sections[section], key, _coerce(value, fields[key].type, named, from_text))
     explicit.add(f"{section}.{key}")
 
 

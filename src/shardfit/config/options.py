@@ -43,7 +43,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     for name, value in read_options(args, is_override):
         if name is None:
             raise ShardfitError(f"cannot read argument '{value}'", where="command line",
-                                fix=foreign_spelling(str(value))
+                                fix=(foreign_spelling(str(value)) if str(value).startswith("--") else None)
                                 or "write overrides as --section.key=value (see shardfit train --help)")
         section, _, key = name[2:].partition(".")
         out.append((section.replace("-", "_"), key.replace("-", "_"), value))
