@@ -21,6 +21,7 @@ MOE_CURVE = ["--model.name=qwen3-30b-a3b", "--model.n_layers=6", "--data.seq_len
              "--train.warmup_steps=10", "--train.lr=1e-4", "--train.micro_batch=2", "--train.global_batch=4"]
 SINGLE_1B = ["--model.name=llama3-1b", "--data.seq_len=4096", "--train.steps=14", "--train.warmup_steps=2",
              "--train.lr=1e-4", "--compute.compile=true", "--train.micro_batch=4", "--train.global_batch=4"]
+LORA8B = [*LLAMA8B_4K, "--compute.compile=true", "--lora.rank=16", "--lora.alpha=32", "--train.steps=12"]
 LIGER_ANCHOR = ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger", "--ac", "none"]
 SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     "tiny": [
@@ -182,6 +183,16 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("shardfit", "llama3-1b compile mbs4 fp8 tensorwise", [*SINGLE_1B, "--compute.fp8=tensorwise"]),
         ("anchor", "anchor 1b liger no-AC mbs4", ["--size", "1b", "--seq", "4096", "--mbs", "4", "--liger",
                                                  "--ac", "none"]),
+    ],
+    # Issue 23: LoRA r=16 (alpha 32) on every linear layer of the blocks, Llama-3-8B shape, seq 4096 rows, one GPU,
+    # against HF + PEFT (benchmarks/anchor_peft_lora.py) at its fastest measured micro-batch (4, full AC). Targets:
+    # >= 1.5x its tokens/s at <= 0.8x its peak. Predictions: benchmarks/notes/2026-11-25_s14.md.
+    "lora8b": [
+        ("peft", "HF+PEFT LoRA full-AC mbs4", ["--size", "8b", "--seq", "4096", "--mbs", "4"]),
+        ("shardfit", "shardfit LoRA compile no-AC mbs1", [*LORA8B, "--train.micro_batch=1", "--train.global_batch=4"]),
+        ("shardfit", "shardfit LoRA compile selective mbs2", [*LORA8B, "--train.micro_batch=2",
+                                                              "--train.global_batch=4",
+                                                              "--compute.activation_checkpoint=selective"]),
     ],
     # one GPU (H100): a model that fits, against the anchor at the same size
     "single": [

@@ -86,13 +86,18 @@ def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:
     return out
 
 
-def run_anchor(label: str, args: list[str], nproc: int, anchors: Path, timeout: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(anchors / "plain_fsdp2_llama.py"), *args, "--steps", "14"]
+def run_anchor(label: str, args: list[str], nproc: int, anchors: Path, timeout: int, kind: str = "anchor") -> dict:
+    """The dense FSDP2 recipe (shared/anchors/plain_fsdp2_llama.py, under torchrun), or with kind "peft" the HF +
+    PEFT LoRA recipe (benchmarks/anchor_peft_lora.py, one process on one GPU, as PEFT users run it)."""
+    if kind == "peft":
+        cmd = [sys.executable, str(ROOT / "benchmarks/anchor_peft_lora.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(anchors / "plain_fsdp2_llama.py"), *args, "--steps", "14"]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     out = {"system": "anchor", "label": label, "nproc": nproc, "wall_s": round(time.time() - t0, 1),
-           "rc": p.returncode, "cmd": "torchrun plain_fsdp2_llama.py " + " ".join(args)}
+           "rc": p.returncode, "cmd": " ".join(Path(c).name if i < 2 else c for i, c in enumerate(cmd[1:]))}
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
     if not lines:
         out["error"] = (p.stderr or p.stdout)[-1500:]
@@ -432,7 +437,7 @@ def main() -> int:
         args = _fill(args, a.nproc)
         try:
             row = (run_shardfit(label, args, a.nproc, a.timeout) if kind == "shardfit"
-                   else run_anchor(label, args, a.nproc, Path(a.anchors), a.timeout))
+                   else run_anchor(label, args, a.nproc, Path(a.anchors), a.timeout, kind))
         except subprocess.TimeoutExpired:
             row = {"system": kind, "label": label, "nproc": a.nproc, "error": "timeout"}
         rows.append(row)
