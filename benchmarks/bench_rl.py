@@ -82,12 +82,14 @@ def worker_cmd(a, kind: str, *extra: str) -> list[str]:
             "--hf-fwd", a.hf_fwd, "--hf-ppo", a.hf_ppo, "--sf-extra", a.sf_extra, *extra]
 
 
-def anchor_cmd(a, shape: str, T: int, full: bool, cap: int) -> list[str]:
-    specs = a.hf_ppo if full else a.hf_fwd
+def anchor_cmd(a, shape: str, T: int, full: bool, cap: int, lora: bool = False) -> list[str]:
+    """The anchor's part C (forward), E (full PPO step, `full`) or D (LoRA PPO step, `lora`) in a.hf_* layouts."""
+    specs = a.hf_ppo if full or lora else a.hf_fwd
     spec = ",".join(f"{s}:{T}" for s in specs.split(",") if s)
+    which = ["--fwd", "", "--lora", spec] if lora else ["--lora", "", "--full", spec] if full else ["--lora", "",
+                                                                                                  "--fwd", spec]
     return [sys.executable, str(a.anchor), "--shape", shape, "--reps", str(a.reps), "--scale", str(a.scale),
-            "--check", "", "--lora", "", "--deadline", str(max(cap - 60, 30)),
-            *(["--full", spec] if full else ["--fwd", spec])]
+            "--check", "", "--deadline", str(max(cap - 60, 30)), *which]
 
 
 def run(label: str, cmd: list[str], cap: int, env: dict | None = None) -> dict:
@@ -172,7 +174,7 @@ def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
     S: dict = {"rl_fwd_vs_hf": {}, "rl_fwdbwd_vs_hf": {}, "rl_fwd_vs_hf_default": {}, "rl_fwdbwd_vs_hf_default": {},
                "same_data": {}, "params": {}}
     keys = {"dense-fwd": f"dense-{a.fwd_shape}", "dense-ppo": f"dense-{a.ppo_shape}-full",
-            "moe": f"moe-{a.moe_layers}L"}
+            "lora-ppo": f"dense-{a.fwd_shape}-lora", "moe": f"moe-{a.moe_layers}L"}
     for part, key in keys.items():
         sf, hf = _get(rows, part, "shardfit"), _get(rows, part, "hf")
         for line in (x for x in hf if x.get("part") == "A"):
@@ -182,9 +184,11 @@ def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
         hf_params = next((x["params"] for x in hf if x.get("part") in ("B", "E_model")), None)
         if eng:
             S["params"][key] = {"shardfit": eng["params"], "hf": hf_params}
-        for what, hpart, out in (("fwd", "C", "rl_fwd_vs_hf"), ("ppo", "E", "rl_fwdbwd_vs_hf")):
+        for what, hpart, out in (("fwd", "C", "rl_fwd_vs_hf"), ("ppo", "D" if part == "lora-ppo" else "E",
+                                                                 "rl_fwdbwd_vs_hf")):
             mine = _sf(sf, what)
-            if mine is None or (part == "dense-fwd" and what == "ppo") or (part == "dense-ppo" and what == "fwd"):
+            if mine is None or (part == "dense-fwd" and what == "ppo") or (part in ("dense-ppo", "lora-ppo")
+                                                                           and what == "fwd"):
                 continue
             best, default = _hf(hf, hpart), _hf(hf, hpart, "pad")
             if best:
@@ -214,7 +218,7 @@ def table(rows: list[dict], S: dict) -> None:
         if "skipped" in row or row.get("error"):
             print(f"{row.get('part', ''):<10} {row['label'][:34]:<34} {row.get('skipped') or row.get('error')}"[:150])
         for x in row.get("lines", []):
-            kind = x.get(TAG) or (x.get("part") in ("C", "E") and f"{x['part']} {x.get('layout')}")
+            kind = x.get(TAG) or (x.get("part") in ("C", "D", "E") and f"{x['part']} {x.get('layout')}")
             if kind and "real_tok_s" in x:
                 mem = f"{x.get('peak_alloc_GiB', x.get('peak_alloc_gib', '-'))}/" \
                       f"{x.get('peak_reserved_GiB', x.get('peak_resv_gib', '-'))}"
@@ -292,6 +296,13 @@ def main_parent(a) -> int:
            lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--save-inputs", str(inputs[s])))
         go("dense-ppo", "hf", f"HF anchor E {s} ({a.hf_ppo})", "hf", lambda cap: anchor_cmd(a, s, T, True, cap),
            anchor_env)
+    if "lora-ppo" in parts:  # issue 23 + 24: the PPO step of the anchor's part D, LoRA r=16 alpha 32, all 7 linears
+        s = a.fwd_shape
+        go("lora-ppo", "shardfit", f"shardfit Engine PPO {s} LoRA r16", "sf",
+           lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--sf-extra",
+                                  f"{a.sf_extra} --lora.rank=16 --lora.alpha=32"))
+        go("lora-ppo", "hf", f"HF anchor D {s} PEFT ({a.hf_ppo})", "hf",
+           lambda cap: anchor_cmd(a, s, T, False, cap, lora=True), anchor_env)
     if "moe" in parts:
         go("moe", "shardfit", f"shardfit Engine moe{a.moe_layers}", "sf-moe",
            lambda cap: worker_cmd(a, "sf", "--shape", "moe", "--what", "ppo,weights,export"))

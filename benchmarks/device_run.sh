@@ -84,6 +84,10 @@
 #             `shardfit serve`, Qwen3-30B-A3B with 6 of its 48 layers (4 on an H100): forward, PPO step, weights()
 #             GB/s and export_hf to disk. JSON: $OUT/rl.json (summary: rl_fwd_vs_hf, rl_fwdbwd_vs_hf, ...), log rl.log
 #   rl-dense  dense-fwd (padnm and pad), dense-ppo, serve, 3 reps (cap 500 s); rl-moe the MoE part, 3 reps (cap 330 s)
+#   rl-lora   the 8B PPO step with LoRA r=16 on the 7 linears (issues 23 + 24) against the anchor's part D
+#             (PEFT, pack_flex), 2 reps (cap RL_CAP, 300 s)
+#   lora8b    issue 23: LoRA SFT, Llama-3-8B shape seq 4096, shardfit (compiled: no AC mbs 1, selective mbs 2)
+#             against HF + PEFT (benchmarks/anchor_peft_lora.py, full AC mbs 4), one GPU (cap LORA_CAP, 420 s)
 #   rl-serve4b  the serve comparison at the Qwen3-4B shape (the largest dense full fine-tune one H100 holds, full AC):
 #             in process, then through the SDK (cap 400 s)
 set -u
@@ -212,13 +216,15 @@ for stage in "$@"; do
       cp /tmp/moeprof/profile/step8_summary.json "$OUT/moeprof_summary.json"
       t=/tmp/moeprof/profile/step8_rank0.json.gz; [ "$(stat -c %s $t)" -lt 16000000 ] && cp $t "$OUT/moeprof_trace.json.gz"
       python3 -c "import json; print(json.dumps(json.load(open('$OUT/moeprof_summary.json'))['idle'], indent=1))" ;;
-    rl|rl-dense|rl-moe|rl-serve4b)
+    lora8b) env CUDA_VISIBLE_DEVICES=0 timeout ${LORA_CAP:-420} python3 benchmarks/bench_train.py --suite lora8b --nproc 1 --timeout 200 --out "$OUT/lora8b_x1.json" 2>&1 | tail -6 ;;
+    rl|rl-dense|rl-moe|rl-serve4b|rl-lora)
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       case $stage in
         rl) parts=dense-fwd,dense-ppo,serve,moe; reps=2; cap=530; more=(--hf-fwd padnm) ;;
         rl-dense) parts=dense-fwd,dense-ppo,serve; reps=3; cap=500; more=() ;;
         rl-moe) parts=moe; reps=3; cap=330; more=() ;;
         rl-serve4b) parts=serve; reps=3; cap=400; more=(--serve-shape 4b) ;;
+        rl-lora) parts=lora-ppo; reps=2; cap=${RL_CAP:-300}; more=() ;;
       esac
       env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -30 ;;
     *) echo "unknown stage $stage" ;;
