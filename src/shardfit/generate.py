@@ -2,10 +2,11 @@
 
 One process, no sharding: the model is built whole on one device (CPU or one GPU), so this is for looking at the
 models one GPU holds, not for serving. Greedy decoding (the default) or temperature + top-p sampling, with a KV
-cache (models.decoder.KVCache: the prompt runs once, then one token per step). When the tokenizer has a chat
-template (tokenizer_config.json "chat_template") the prompt is sent as a user message with the assistant's turn
-opened, as the model was fine-tuned to see it (--raw sends the text as it is). Decoding stops at the tokenizer's
-EOS or any EOS id in generation_config.json.
+cache (models.decoder.KVCache: the prompt runs once, then one token per step). A prompt is sent as a user message
+with the assistant's turn opened, in the chat template the model was fine-tuned with (one stderr line names it): a
+checkpoint's config.toml records it (data.chat_template), a model directory holds it as its tokenizer's template
+(an export writes shardfit's plain one there); a model trained on no chat gets the text as it is, as --raw sends
+it. Decoding stops at the tokenizer's EOS or any EOS id in generation_config.json.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def load_hf(path: str, device: torch.device, dtype: torch.dtype) -> tuple[Causal
     return _in_dtype(model, dtype), str(tok) if tok.is_file() else "byte"
 
 
-def load_dcp(path: str, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
+def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | None = None) -> tuple[CausalLM, str]:
     """A shardfit checkpoint (step_XXXXXXXX), a checkpoints directory or a run directory (the newest complete
-    checkpoint in it): the model part only, on one device, whatever the number of ranks that wrote it."""
+    checkpoint in it): the model part only, on one device, whatever the number of ranks that wrote it. saved, when
+    given, receives the run's data.chat_template and the config.toml that records it."""
     from shardfit.train.checkpoint import COMPLETE, resolve_resume
     from shardfit.train.checkpoint_verify import load_tensors
 
@@ -57,6 +59,8 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype) -> tuple[Causa
     for line in skipped:
         print(f"shardfit: {line}", file=sys.stderr)
     cfg = _checkpoint_config(ckpt)
+    if saved is not None:
+        saved.update(chat_template=cfg.data.chat_template, where=str(ckpt / "config.toml"))
     model = _build(cfg.model, device)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -69,6 +73,7 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype) -> tuple[Causa
 def _checkpoint_config(ckpt: Path):
     """The run's config saved in the checkpoint, its model and data keys checked as `train` checks them."""
     from shardfit.config.loader import _set, validate
+    from shardfit.config.renamed import Spellings
     from shardfit.config.schema import Config
     from shardfit.train.checkpoint_verify import CheckpointProblem, config_toml
 
@@ -77,14 +82,15 @@ def _checkpoint_config(ckpt: Path):
     except CheckpointProblem as e:
         raise ShardfitError(str(e), where=str(ckpt), fix="give the step directory of a whole checkpoint") from None
     cfg, where = Config(), str(ckpt / "config.toml")
+    spellings = Spellings(where)  # a run of an older shardfit: its data.format=jsonl is data.file_format now
     for section in ("model", "data"):
         table = saved.get(section, {})
         if not isinstance(table, dict):
             raise ShardfitError(f"[{section}] is not a table", where=where, fix="restore the run's config.toml")
-        known = set(type(getattr(cfg, section)).__dataclass_fields__)
         for key, value in table.items():
-            if key in known:
-                _set(cfg, section, key, value, f"{where} [{section}] {key}", set())
+            new_section, new_key = spellings.key(section, key, value)
+            if new_key in type(getattr(cfg, new_section)).__dataclass_fields__:
+                _set(cfg, new_section, new_key, value, f"{where} [{section}] {key}", set())
     validate(cfg)
     return cfg
 
@@ -160,15 +166,40 @@ def eos_ids(tokenizer, model_dir: Path | None) -> set[int]:
     return ids
 
 
-def prompt_ids(tokenizer, tokenizer_spec: str, text: str, raw: bool) -> list[int]:
-    """The prompt's tokens: through the tokenizer's chat template as one user message when it has one."""
-    from shardfit.data.sft import chat_renderer
+def prompt_ids(tokenizer, tokenizer_spec: str, text: str, raw: bool, renderer=None) -> list[int]:
+    """The prompt's tokens: through `renderer` (else the tokenizer's chat template, when it has one) as one user
+    message with the assistant's turn opened; as they are with raw."""
+    from shardfit.data.chat import chat_renderer
 
-    renderer = None if raw else chat_renderer(tokenizer_spec)
-    if renderer is None or renderer.template is None:
+    if renderer is None and not raw:
+        renderer = chat_renderer(tokenizer_spec)
+        renderer = renderer if renderer.template is not None else None
+    if raw or renderer is None:
         return tokenizer.encode(text)
-    # the same renderer, special tokens included, as fine-tuning's (data/sft.py)
+    # the same renderer, special tokens included, as fine-tuning's (data/chat.py)
     return tokenizer.encode(renderer.render([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+def training_template(tok_spec: str, model_dir: str | None, saved: dict):
+    """(renderer, the line that says so) for the template the model was fine-tuned with: a checkpoint's run records
+    it in config.toml (data.chat_template: tokenizer, plain or none; auto in runs of older shardfits: the tokenizer's
+    when it has one); a model directory holds it as its tokenizer's template (an export writes shardfit's plain one
+    there). (None, None): prompts go as they are."""
+    from shardfit.data.chat import ChatRenderer, chat_renderer
+
+    choice = saved.get("chat_template", "auto")
+    if choice == "none":
+        return None, None
+    if choice == "plain":
+        renderer = ChatRenderer(None)
+    else:
+        renderer = chat_renderer(tok_spec, Path(model_dir) if model_dir else None)
+        if renderer.template is None:
+            return None, None
+    why = (f"data.chat_template={choice} in {saved['where']}" if saved.get("where") else
+           f"the model directory {model_dir}")
+    return renderer, (f"shardfit: each prompt is a user message in the chat template the model was fine-tuned with, "
+                      f"{renderer.describe()} ({why}); --raw sends it as it is")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -183,8 +214,9 @@ def main(argv: list[str]) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model.path", dest="model_path", help="Hugging Face model directory")
     src.add_argument("--checkpoint", help="a step_XXXXXXXX directory, or a checkpoints/run directory (newest)")
-    p.add_argument("--prompt", action="append", required=True, help="text to continue, or the user's message when "
-                   "the tokenizer has a chat template (repeatable: one answer each)")
+    p.add_argument("--prompt", action="append", required=True, help="the user's message, in the chat template the "
+                   "model was fine-tuned with; text to continue for a model trained on no chat (repeatable: one "
+                   "answer each)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens (default 128); "
                    "decoding stops earlier at an EOS token")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
@@ -192,7 +224,7 @@ def main(argv: list[str]) -> int:
                    "probability (needs --temperature > 0; default 1: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--tokenizer", help="tokenizer.json or 'byte' (default: the model's or the run's)")
-    p.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    p.add_argument("--raw", action="store_true", help="send the prompt as it is, with no chat template")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -212,10 +244,11 @@ def main(argv: list[str]) -> int:
                           else "cpu")
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else (torch.bfloat16 if device.type == "cuda"
                                                               else torch.float32)
+    saved: dict = {}  # a checkpoint's record of its chat template
     if a.model_path:
         model, tok_spec = load_hf(a.model_path, device, dtype)
     else:
-        model, tok_spec = load_dcp(a.checkpoint, device, dtype)
+        model, tok_spec = load_dcp(a.checkpoint, device, dtype, saved)
     tok_spec = a.tokenizer or tok_spec
     from shardfit.data.tokenizer import build_tokenizer
 
@@ -227,8 +260,12 @@ def main(argv: list[str]) -> int:
     # generation_config.json sits beside config.json, and beside the tokenizer.json a checkpoint's run used
     where = Path(a.model_path) if a.model_path else Path(tok_spec).parent if tok_spec != "byte" else None
     stops = eos_ids(tokenizer, where)
+    renderer, line = (None, None) if a.raw else training_template(tok_spec, a.model_path, saved)
+    if line:
+        print(line, file=sys.stderr, flush=True)
     for text in a.prompt:
-        ids = prompt_ids(tokenizer, tok_spec, text, a.raw)
+        ids = prompt_ids(tokenizer, tok_spec, text, True) if renderer is None else prompt_ids(
+            tokenizer, tok_spec, text, False, renderer)
         out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, eos_ids=stops,
                        seed=a.seed, use_cache=not a.no_cache)
         print(tokenizer.decode([t for t in out if t not in stops]), flush=True)

@@ -74,13 +74,19 @@ def test_tokenizer_chat_template(tmp_path):
     assert trained.count(tok.eos_id) == 1  # the template's own end token, no extra EOS
 
 
-@pytest.mark.parametrize("row, needle", [
-    ({"prompt": "x"}, "expected 'prompt' and 'completion' strings or 'messages' (found: prompt)"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
-    ({"messages": [{"role": "user"}]}, "'messages' must be a list of {role, content} strings"),
+PC, CHAT = {"prompt": "a", "completion": "b"}, {"messages": [{"role": "user", "content": "a"},
+                                                             {"role": "assistant", "content": "b"}]}
+
+
+@pytest.mark.parametrize("first, row, needle", [
+    (PC, {"prompt": "x"}, "no 'completion' key (found: prompt) but data.format is prompt_completion (detected from "
+                          "line 1); fix: write every record as prompt_completion ('prompt', 'completion')"),
+    (PC, CHAT, "no 'prompt' key (found: messages, a record of messages) but data.format is prompt_completion"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+    (CHAT, {"messages": [{"role": "user"}]}, "'messages' must be a list of {role, content} strings"),
 ])
-def test_bad_examples_name_the_line(tmp_path, row, needle):
-    path = _write(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}, row])
+def test_bad_examples_name_the_line(tmp_path, first, row, needle):
+    path = _write(tmp_path / "d.jsonl", [first, row])
     with pytest.raises(ShardfitError, match=re.escape(needle)) as e:
         _ds(path, "--data.mode=sft")
     assert "d.jsonl:2" in str(e.value)
@@ -92,8 +98,13 @@ def test_truncation_is_counted(tmp_path):
             {"prompt": "a", "completion": "b"}]
     ds = _ds(_write(tmp_path / "d.jsonl", rows))
     assert ds.truncated == 1 and len(ds.examples) == 2
-    assert ds.notices == (f"{tmp_path / 'd.jsonl'}: 1 of 3 examples left out: no loss-bearing token within "
-                          "data.seq_len=24 (raise data.seq_len to keep them)",)
+    assert ds.notices[1:] == (
+        "warning: truncation cuts 1 of 2 training examples (50%) at data.seq_len=24, losing 16 tokens; fix: "
+        "--data.seq_len=40 keeps 95% of them whole",
+        f"{tmp_path / 'd.jsonl'}: 1 of 3 examples left out: no loss-bearing token within data.seq_len=24 (raise "
+        "data.seq_len to keep them)")
+    assert ds.notices[0].endswith("28 tokens after truncation at data.seq_len=24 (cut: 1 of 2 examples, 16 of 44 "
+                                  "tokens)")
     assert all(len(x) == 24 for x in ds.pair(0))
 
 
@@ -126,7 +137,7 @@ def test_two_rank_sft_matches_single_process_with_uneven_token_counts(tmp_path):
 
 def test_fine_tuning_renders_the_templates_special_tokens_as_generate_does(tmp_path):
     """A template that writes {{ bos_token }} (Llama-3's does) gets it in training as at inference."""
-    from shardfit.data.sft import chat_renderer
+    from shardfit.data.chat import chat_renderer
 
     template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
                 "{% if add_generation_prompt %}<assistant>{% endif %}")

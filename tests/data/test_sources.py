@@ -35,7 +35,7 @@ def test_reads_text_jsonl_parquet_and_directories(tmp_path):
     ("bad.jsonl", b'{"text": 5}\n', "text", "bad.jsonl:1: 'text' is int, not a string"),
     ("bad.txt", b"fine\nfine\n\xff\xfe broken\n", "text", "bad.txt:3: line is not valid UTF-8"),
     ("bad.jsonl", b'{"text": "ok"}\n\xff\n', "text", "bad.jsonl:2: line is not valid UTF-8"),
-    ("x.bin", b"data", "text", "cannot tell the format"),
+    ("x.bin", b"data", "text", "cannot tell the file format"),
 ])
 def test_bad_files_name_file_and_line(tmp_path, name, content, field, needle):
     (tmp_path / name).write_bytes(content)

@@ -130,11 +130,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                                     fix=_closest(section, list(_sections(cfg))) if section not in _sections(cfg)
                                     else f"put its keys under [{section}]")
             for key, value in table.items():
-                new = in_file.key(section, key)  # an old spelling is named beside the new one in errors
+                new = in_file.key(section, key, value)  # an old spelling is named beside the new one in errors
                 where = str(path) if new == (section, key) else f"{path} {section}.{key}"
                 _set(cfg, *new, value, where, explicit)
+    in_file_keys, file_epochs, on_line_keys = set(explicit), cfg.train.epochs, set()
     for section, key, value in parse_overrides(overrides or []):
-        _set(cfg, *on_line.key(section, key), value, f"--{section}.{key}", explicit, from_text=True)
+        _set(cfg, *on_line.key(section, key, value), value, f"--{section}.{key}", on_line_keys, from_text=True)
+    explicit |= on_line_keys
+    _steps_or_epochs(cfg, (in_file_keys, file_epochs, str(path)), (on_line_keys, cfg.train.epochs, "--train.epochs"))
     _apply_preset(cfg, explicit)
     _check_keys(cfg)
     _check_rules(cfg, MODEL_RULES)
@@ -142,6 +145,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     validate(cfg)
     announce(in_file, on_line)  # once the config is good: a bad one stays one error line
     return cfg
+
+
+def _steps_or_epochs(cfg: Config, in_file: tuple[set[str], float, str], on_line: tuple[set[str], float, str]) -> None:
+    """train.steps and train.epochs > 0 from one source (the file, or the command line) is an error; from both, the
+    command line's wins (steps given there turn the file's epochs off)."""
+    for keys, epochs, where in (in_file, on_line):
+        if epochs > 0 and {"train.steps", "train.epochs"} <= keys:
+            raise ShardfitError(f"train.steps={cfg.train.steps} and train.epochs={epochs:g} are both given",
+                                where=where, fix="keep one: train.epochs passes over the data, or train.steps "
+                                                 "optimizer steps")
+    if "train.steps" in on_line[0] and "train.epochs" not in on_line[0]:
+        cfg.train.epochs = 0.0
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -205,11 +220,15 @@ def training_regime(cfg: Config) -> tuple[bool, bool]:
     from the files' first lines; data that cannot be read yet count as pretraining data (the data loader reports
     them when training starts, and `shardfit plan` needs none)."""
     mode = cfg.data.mode
+    if mode == "auto" and cfg.data.format != "auto":
+        mode = "pretrain" if cfg.data.format == "text" else "sft"
     if mode == "auto" and cfg.data.path:
-        from shardfit.data.sources import is_sft_file, resolve_files  # torch-free: no import circle through data/
+        from shardfit.data.formats import is_sft_file  # torch-free: no import circle through data/
+        from shardfit.data.sources import resolve_files
 
         try:
-            mode = "sft" if all(is_sft_file(f) for f in resolve_files(cfg.data.path)) else "pretrain"
+            mode = "sft" if all(is_sft_file(f, cfg.data.file_format) for f in resolve_files(cfg.data.path)) \
+                else "pretrain"
         except (ShardfitError, OSError):
             mode = "pretrain"
     return bool(cfg.model.path), mode == "sft"
@@ -247,6 +266,8 @@ def _apply_training_defaults(cfg: Config, explicit: set[str], weights: bool = Fa
     for key, value in values.items():
         if f"train.{key}" not in explicit:
             setattr(cfg.train, key, value)
+    if cfg.train.epochs and "train.warmup_steps" not in explicit:  # steps come from the data (train/schedule.py)
+        cfg.train.warmup_fraction = WARMUP_FRACTION["pretrained" if pretrained or weights else "scratch"]
 
 
 def defaults_table() -> str:
@@ -269,9 +290,15 @@ def defaults_table() -> str:
 
 
 def validate(cfg: Config) -> None:
-    """Per-key checks from the schema's metadata, then the rules that tie keys together."""
+    """Per-key checks from the schema's metadata, then the rules that tie keys together (those of train.steps once
+    it is known: with train.epochs the trainer derives it from the data, then calls check_steps)."""
     _check_keys(cfg)
-    _check_rules(cfg, MODEL_RULES + RULES)
+    _check_rules(cfg, MODEL_RULES + RULES + (() if cfg.train.epochs else STEP_RULES))
+
+
+def check_steps(cfg: Config) -> None:
+    """The rules that name a step of the run, against train.steps (derived from train.epochs by the trainer)."""
+    _check_rules(cfg, STEP_RULES)
 
 
 def range_text(meta: dict) -> str:
@@ -371,12 +398,14 @@ RULES: tuple[Rule, ...] = (
     ("data.seq_len", lambda c: c.model.sliding_window and c.data.seq_len > c.model.sliding_window,
      lambda c: f"seq_len={c.data.seq_len} is longer than the model's sliding window {c.model.sliding_window}, "
                "which shardfit does not implement", lambda c: f"use data.seq_len <= {c.model.sliding_window}"),
-    ("logging.profile_step", lambda c: c.logging.profile_step > c.train.steps,
-     lambda c: f"step {c.logging.profile_step} is after the last step {c.train.steps}: nothing would be profiled",
-     lambda c: f"give a step in 1..{c.train.steps}, or 0"),
-    ("memory.snapshot_steps", lambda c: _bad_step_list(c.memory.snapshot_steps, c.train.steps),
-     lambda c: _bad_step_list(c.memory.snapshot_steps, c.train.steps),
-     lambda c: f"give steps like 3,4 or 10-12 within 1..{c.train.steps}"),
+    ("data.format", lambda c: c.data.mode == "pretrain" and c.data.format not in ("auto", "text"),
+     lambda c: f"{c.data.format} records are fine-tuning examples, but data.mode=pretrain",
+     lambda c: "set data.mode=sft (or auto), or data.format=text to pretrain on data.text_field"),
+    ("data.format", lambda c: c.data.mode == "sft" and c.data.format == "text",
+     lambda c: "text is pretraining documents, but data.mode=sft", lambda c: "drop data.format or data.mode"),
+    ("data.format", lambda c: c.data.format not in ("auto", "text") and not c.data.path,
+     lambda c: f"{c.data.format} needs data.path: the embedded corpus is text",
+     lambda c: "set data.path to your fine-tuning records"),
     ("data.val_path", lambda c: c.data.val_path and c.data.val_path == c.data.path,
      lambda c: "is the same as data.path: the validation loss would measure the training data",
      lambda c: "give held-out files, or data.val_fraction to hold out part of data.path"),
@@ -386,11 +415,21 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+STEP_RULES: tuple[Rule, ...] = (
+    ("logging.profile_step", lambda c: c.logging.profile_step > c.train.steps,
+     lambda c: f"step {c.logging.profile_step} is after the last step {c.train.steps}: nothing would be profiled",
+     lambda c: f"give a step in 1..{c.train.steps}, or 0"),
+    ("memory.snapshot_steps", lambda c: _bad_step_list(c.memory.snapshot_steps, c.train.steps),
+     lambda c: _bad_step_list(c.memory.snapshot_steps, c.train.steps),
+     lambda c: f"give steps like 3,4 or 10-12 within 1..{c.train.steps}"),
+)
+
+
 def _check_rules(cfg: Config, rules: tuple[Rule, ...]) -> None:
     for where, broken, what, fix in rules:
         if broken(cfg):
             raise ShardfitError(what(cfg), where=where, fix=fix(cfg))
-    if rules is MODEL_RULES:
+    if rules is MODEL_RULES or rules is STEP_RULES:
         return
     for key in ("tensorboard", "wandb"):  # the package, and shardfit's extra, of the same name
         # checked before any process starts or any model is built, not at the first log line

@@ -6,7 +6,9 @@ run's config.toml included), still load as `compute.compile`. Each old spelling 
 run, printed once the config has loaded (a bad config stays one error line), by the launching process only: not
 again by the ranks `shardfit train --nproc` starts, nor by ranks other than 0 under a torchrun the user started.
 Both spellings of one key in the same file, or both on the command line, is an error naming both: which one was
-meant cannot be told.
+meant cannot be told. data.format named the file format before 0.2 and names the record layout now (sharegpt,
+alpaca, ...): its file-format values jsonl and parquet move to data.file_format the same way (auto and text mean
+the same under both keys).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from shardfit.errors import ShardfitError
 
 UNTIL = "0.3"  # the release that drops the old spellings
 RENAMED: dict[str, str] = {f"parallel.{f.name}": f"compute.{f.name}" for f in dataclasses.fields(ComputeConfig)}
+# a key whose old meaning is told by its value: (the key those values belong to now, the values)
+MOVED_VALUES: dict[str, tuple[str, frozenset[str]]] = {"data.format": ("data.file_format",
+                                                                       frozenset({"jsonl", "parquet"}))}
 _announced: set[str] = set()  # old spellings already named by this process
 
 
@@ -32,22 +37,29 @@ class Spellings:
         self.given: dict[str, str] = {}  # new key -> the spelling this source used
         self.old: list[str] = []  # old spellings used, in order
 
-    def key(self, section: str, key: str) -> tuple[str, str]:
-        """(section, key) as the schema names it now."""
+    def key(self, section: str, key: str, value: object = None) -> tuple[str, str]:
+        """(section, key) as the schema names it now; value tells a MOVED_VALUES key's meaning."""
         name = f"{section}.{key}"
-        new = RENAMED.get(name, name)
+        new, label = RENAMED.get(name, name), name
+        moved = MOVED_VALUES.get(name)
+        if moved and isinstance(value, str) and value.strip().lower() in moved[1]:
+            new, label = moved[0], f"{name}={value.strip()}"
         first = self.given.setdefault(new, name)
         if first != name:
-            old = first if first in RENAMED else name
+            old = first if first != new else name
             raise ShardfitError(f"{old} and {new} are both given ({old} is the old spelling of {new})",
                                 where=self.where, fix=f"keep {new} only")
-        if name in RENAMED and name not in self.old:
-            self.old.append(name)
+        if new != name and label not in self.old:
+            self.old.append(label)
         new_section, _, new_key = new.partition(".")
         return new_section, new_key
 
 
 def notice(old: str) -> str:
+    name, eq, value = old.partition("=")
+    if eq:
+        return (f"shardfit: {old} is now {MOVED_VALUES[name][0]}={value} ({name} names the record layout: "
+                f"messages, sharegpt, alpaca, prompt_completion or text); the old spelling is accepted until {UNTIL}")
     return f"shardfit: {old} is now {RENAMED[old]}; the old spelling is accepted until {UNTIL}"
 
 

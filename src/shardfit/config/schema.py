@@ -74,12 +74,22 @@ class ModelConfig:
 class DataConfig:
     path: str = opt("", "text (.txt), JSON lines (.jsonl) or Parquet files, a directory or a glob; "
                         "empty: the embedded corpus")
-    format: str = opt("auto", "file format; auto picks by extension", choices=("auto", "text", "jsonl", "parquet"))
-    mode: str = opt("auto", "pretrain: pack documents; sft: one prompt/completion or chat example per sequence, loss "
-                            "on completions only; auto: sft when JSON lines hold prompt/completion or messages",
+    format: str = opt("auto", "record layout: messages (OpenAI chat), sharegpt (conversations of from/value), alpaca "
+                              "(instruction, input, output), prompt_completion, or text (documents in "
+                              "data.text_field, for pretraining); auto: the layout of data.path's first record",
+                      choices=("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"))
+    file_format: str = opt("auto", "file format; auto picks by extension (named data.format before 0.2)",
+                           choices=("auto", "text", "jsonl", "parquet"))
+    mode: str = opt("auto", "pretrain: pack documents; sft: one example per sequence (data.format), loss on "
+                            "completions and assistant turns only; auto: sft when data.path holds fine-tuning records",
                     choices=("auto", "pretrain", "sft"))
     text_field: str = opt("text", "JSON key or Parquet column that holds the text")
     tokenizer: str = opt("byte", "'byte' for the built-in byte tokenizer, or a path to a tokenizer.json")
+    chat_template: str = opt("auto", "how chats (messages, sharegpt, alpaca) become text: tokenizer (its "
+                                     "chat_template), plain (shardfit's <|role|> template), auto (the tokenizer's when "
+                                     "it has one, else plain), none (chats refused); the run's config.toml records "
+                                     "the one applied (none: no chat in the data), which shardfit generate applies",
+                             choices=("auto", "tokenizer", "plain", "none"))
     seq_len: int = opt(256, "tokens per training sequence (at least 2)", ge=2)
     seed: int = opt(1234, "seed of the sample order", ge=0)
     document_mask: bool = opt(True, "packed rows: a token attends only to earlier tokens of its own document and RoPE "
@@ -97,7 +107,10 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(150, "optimizer steps", gt=0)
+    steps: int = opt(150, "optimizer steps (or train.epochs)", gt=0)
+    epochs: float = opt(0.0, "passes over the training data instead of train.steps: steps = ceil(epochs x rows / "
+                             "global_batch), warm-up a fraction of them unless set; fractions allowed; 0: "
+                             "train.steps", ge=0)
     global_batch: int = opt(16, "sequences per optimizer step, over all ranks and micro-batches", gt=0)
     micro_batch: int = opt(8, "sequences per rank per forward/backward; 0: on CUDA the largest that divides the "
                               "per-rank batch and fits the GPU by shardfit plan's estimate (no accumulation on CPU)",
@@ -122,6 +135,9 @@ class TrainConfig:
     watchdog_s: float = opt(900.0, "a rank with no progress for this long dumps its stacks and exits (hang "
                                    "report); 0 disables", ge=0)
     device: str = opt("auto", "where to train; auto uses CUDA when present", choices=("auto", "cpu", "cuda"))
+    # Not a key: with train.epochs and no train.warmup_steps, the fraction of the derived steps that warms up (set by
+    # the loader, applied by train/schedule.py)
+    warmup_fraction = None
 
 
 @dataclass

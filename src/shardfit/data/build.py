@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from shardfit.data.dataset import ShuffledDataset
+from shardfit.data.formats import is_sft_file
 from shardfit.data.packing import PackedDataset, tokenize_documents
 from shardfit.data.sft import ExampleDataset, dropped_notice, read_examples
 from shardfit.data.sft_packed import PackedExamples
-from shardfit.data.sources import is_sft_file, resolve_files
+from shardfit.data.sources import resolve_files
 from shardfit.data.token_shards import check_token_ids, open_token_shards, shard_dir_state
 from shardfit.data.tokenizer import build_tokenizer
 from shardfit.errors import ShardfitError
@@ -39,7 +40,8 @@ def build_datasets(data_cfg, vocab_size: int,
     stream, with document starts when data.document_mask is on. Validation comes from data.val_path (read like
     data.path) or holds out data.val_fraction of the training items; it is visited in order. Token ids beyond
     vocab_size, and a validation set inside the training set, are refused; the training set's `notices` are the
-    start-up lines about examples left out and validation items also in training (the trainer prints them)."""
+    start-up lines about its format, chat template and truncation, examples left out and validation items also in
+    training (the trainer prints them); its `info` the format and the template applied (config.toml records it)."""
     tokenizer = build_tokenizer(data_cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ShardfitError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is {vocab_size}",
@@ -48,35 +50,12 @@ def build_datasets(data_cfg, vocab_size: int,
         raise ShardfitError(f"names the same files as data.path ({data_cfg.path}): the validation loss would "
                             "measure the training data", where="data.val_path",
                             fix="give held-out files, or data.val_fraction to hold out part of data.path")
-    if data_cfg.path and data_cfg.mode != "pretrain" and shard_dir_state(data_cfg.path) is None:
-
+    if data_cfg.path and data_cfg.mode != "pretrain" and data_cfg.format != "text" and \
+            shard_dir_state(data_cfg.path) is None:
         files = resolve_files(data_cfg.path)
-        if data_cfg.mode == "sft" or all(is_sft_file(f) for f in files):
-            notices: list[str | None] = []
-
-            def read(spec: str, spec_files: list[Path]):
-                found = read_examples(spec_files, data_cfg, tokenizer, spec)
-                check_token_ids(max((int(ids.max()) for ids, _ in found.examples), default=-1), vocab_size, spec)
-                notices.append(dropped_notice(found.dropped, len(found.examples), data_cfg.seq_len, spec))
-                return found
-
-            got = read(data_cfg.path, files)
-            cls = PackedExamples if data_cfg.pack and not token_budget else ExampleDataset
-            make = lambda ex, trunc, where, ordered=False: cls(ex, data_cfg.seq_len, data_cfg.seed, got.pad,  # noqa
-                                                               trunc, where, ordered)
-            examples, val = got.examples, None
-            if data_cfg.val_path:
-                val_got = read(data_cfg.val_path, resolve_files(data_cfg.val_path))
-                notices.append(overlap_notice([ids for ids, _ in examples], [ids for ids, _ in val_got.examples],
-                                              "example"))
-                val = make(val_got.examples, val_got.truncated, data_cfg.val_path, True)
-            elif data_cfg.val_fraction > 0:
-                examples, val_ex = ExampleDataset(examples, data_cfg.seq_len, data_cfg.seed, got.pad, 0,
-                                                  str(files[0])).holdout(data_cfg.val_fraction)
-                val = make(val_ex, 0, f"{files[0]} (held out)", True)
-            train = make(examples, got.truncated, str(files[0]))
-            train.notices = tuple(n for n in notices if n)
-            return train, val, tokenizer
+        if data_cfg.mode == "sft" or data_cfg.format != "auto" or all(is_sft_file(f, data_cfg.file_format)
+                                                                      for f in files):
+            return _fine_tuning(data_cfg, vocab_size, tokenizer, files, token_budget)
 
     def stream(path: str, where: str) -> tuple[PackedDataset, list[np.ndarray] | None]:
         """The dataset, and its documents when read from text (None for memory-mapped token shards)."""
@@ -87,7 +66,8 @@ def build_datasets(data_cfg, vocab_size: int,
             tokens, starts, _manifest = open_token_shards(path, data_cfg.tokenizer, tokenizer, vocab_size)
             docs = None
         else:
-            tokens, starts = tokenize_documents(path, data_cfg.format, data_cfg.text_field, tokenizer)
+            tokens, starts = tokenize_documents(path, data_cfg.file_format, data_cfg.text_field, tokenizer,
+                                                "text" if data_cfg.format == "text" else None)
             check_token_ids(int(tokens.max()), vocab_size, where)  # in memory already: one pass, no copy
             docs = np.split(tokens, starts[1:]) if data_cfg.val_path else None  # views, for the overlap check
         return PackedDataset(tokens, data_cfg.seq_len, data_cfg.seed, where=where,
@@ -103,8 +83,64 @@ def build_datasets(data_cfg, vocab_size: int,
         train, val = train.holdout(data_cfg.val_fraction)
     if val is not None:
         val.ordered = True
-    train.notices = tuple(n for n in notices if n)
+    why = ("the embedded corpus" if not data_cfg.path else "token shards" if shard_dir_state(data_cfg.path)
+           else "data.format=text" if data_cfg.format == "text" else "data.mode=pretrain"
+           if data_cfg.mode == "pretrain" else "no fine-tuning records in data.path")
+    head = (f"data: text documents for pretraining ({why}), {train.num_windows:,} training windows of "
+            f"{data_cfg.seq_len + 1} tokens, no chat template")
+    train.notices = tuple(n for n in [head, *notices] if n)
+    train.info = {"format": "text", "template": "none"}
     return train, val, tokenizer
+
+
+def _fine_tuning(data_cfg, vocab_size: int, tokenizer, files: list[Path],
+                 token_budget: bool) -> tuple[ShuffledDataset, ShuffledDataset | None, object]:
+    """build_datasets for fine-tuning examples. The training set's notices: its format, chat template, size and
+    truncation (counted after any held-out split), then examples left out and validation items also in training;
+    its `info` records the format and the template applied (the trainer saves the template in config.toml)."""
+    notices: list[str | None] = []
+
+    def read(spec: str, spec_files: list[Path]):
+        found = read_examples(spec_files, data_cfg, tokenizer, spec)
+        check_token_ids(max((int(ids.max()) for ids, _ in found.examples), default=-1), vocab_size, spec)
+        notices.append(dropped_notice(found.dropped, len(found.examples), data_cfg.seq_len, spec))
+        return found
+
+    got = read(data_cfg.path, files)
+    cls = PackedExamples if data_cfg.pack and not token_budget else ExampleDataset
+    make = lambda ex, where, ordered=False: cls(ex, data_cfg.seq_len, data_cfg.seed, got.pad, where,  # noqa: E731
+                                                ordered)
+    examples, val, template = got.examples, None, got.template
+    if data_cfg.val_path:
+        val_got = read(data_cfg.val_path, resolve_files(data_cfg.val_path))
+        notices.append(overlap_notice([ids for ids, _ in examples], [ids for ids, _ in val_got.examples],
+                                      "example"))
+        val = make(val_got.examples, data_cfg.val_path, True)
+        if template == "none":
+            template = val_got.template
+    elif data_cfg.val_fraction > 0:
+        examples, val_ex = holdout(examples, data_cfg.val_fraction, data_cfg.seed)
+        val = make(val_ex, f"{files[0]} (held out)", True)
+    train = make(examples, str(files[0]))
+    cut = train.truncation
+    held = f" (+{len(val.examples):,} for validation)" if val is not None else ""
+    head = (f"data: {got.format} ({got.origin}), chat template: {got.template_text}; {len(examples):,} training "
+            f"examples{held}, {cut.kept:,} tokens after truncation at data.seq_len={data_cfg.seq_len} "
+            f"({cut.describe()})")
+    train.notices = tuple(n for n in [head, cut.warning(data_cfg.seq_len), *notices] if n)
+    train.info = {"format": got.format, "template": template}
+    return train, val, tokenizer
+
+
+def holdout(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(training, validation) examples: a seeded `fraction` of them held out, each list in file order."""
+    n = len(examples)
+    n_val = max(1, int(round(n * fraction)))
+    if n_val >= n:
+        raise ShardfitError(f"data.val_fraction={fraction} leaves no training example of {n}",
+                            where="data.val_fraction", fix="use a smaller fraction")
+    val = set(np.random.default_rng([seed, 7919]).permutation(n)[:n_val].tolist())
+    return ([e for i, e in enumerate(examples) if i not in val], [e for i, e in enumerate(examples) if i in val])
 
 
 def same_files(a: str, b: str) -> bool:

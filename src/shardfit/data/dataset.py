@@ -9,6 +9,7 @@ one from the config.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,7 @@ class ShuffledDataset:
     ordered: bool = False  # validation: items in their own order, every epoch
     pad_id: int = 0  # the input id of padding (labels -100 there)
     notices: tuple[str, ...] = ()  # the training set's start-up lines about its data (set by build_datasets)
+    info: dict | None = None  # the training set's record format and the chat template applied (build_datasets)
     _perm_epoch: int = -1
     _perm: np.ndarray | None = None
 
@@ -65,6 +67,10 @@ class ShuffledDataset:
             self._perm = perm
             self._perm_epoch = epoch
         return int(self._perm[pos])
+
+    def items_in(self, epochs: float) -> int:
+        """Items in the first `epochs` passes over the data (a fraction of the last pass rounded up)."""
+        return math.ceil(round(epochs * self.num_windows, 6))
 
     def row(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
         """Sample k as one row of seq_len: (inputs, labels, position ids or None, real tokens)."""

@@ -21,11 +21,13 @@ from shardfit.data.token_shards import (
 from shardfit.errors import ShardfitError
 
 
-def tokenize_documents(spec: str, fmt: str, field: str, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_documents(spec: str, fmt: str, field: str, tokenizer,
+                       unknown: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """All documents as one uint32 token stream with EOS after each document, and the offset of each document's
     first token in it (int64, ascending): where document masking starts a new document. `shardfit tokenize` writes
-    the same stream to disk (data/token_shards.py), through the same encode_batches."""
-    texts = (text for text, _where in read_documents(spec, fmt, field))
+    the same stream to disk (data/token_shards.py), through the same encode_batches. fmt: the file format; unknown:
+    that of files with other extensions (sources.read_documents)."""
+    texts = (text for text, _where in read_documents(spec, fmt, field, unknown))
     parts = [ids for batch in encode_batches(texts, tokenizer) for ids in batch]
     if not parts:
         raise ShardfitError("the dataset holds no text", where=spec or "embedded corpus",

@@ -1,168 +1,81 @@
-"""Fine-tuning data: JSON lines of {"prompt", "completion"} or chat {"messages": [{"role", "content"}, ...]}.
+"""Fine-tuning data: records of any layout in data/formats.py (messages, ShareGPT, Alpaca, prompt/completion) as
+token ids with a trained mask.
 
 Loss is taken only on what the model should produce: the completion, or every assistant message. A chat is
-rendered with the tokenizer's chat template (tokenizer_config.json "chat_template", Jinja, rendered in a sandbox)
-when there is one, else with the plain template below. Each example is one sequence: truncated to data.seq_len
-(counted and reported) or padded, with labels -100 on prompts and padding. An example with no loss-bearing token
-within data.seq_len is left out (counted; a data set of only such examples is refused).
-
-Plain template (documented, stable):   <|role|>\\ncontent\\n   per message, then EOS after each assistant message;
-prompt/completion is   prompt + completion + EOS   with loss on completion + EOS.
+rendered with the template data.chat_template picks (data/chat.py: the tokenizer's, or shardfit's plain one);
+prompt/completion strings are   prompt + completion + EOS   with loss on completion + EOS. Each example is one
+sequence: truncated to data.seq_len (examples and tokens cut are counted per data set, after any held-out split, and
+reported with the seq_len that keeps 95% of examples whole) or padded, with labels -100 on prompts and padding. An
+example with no loss-bearing token within data.seq_len is left out (counted; a data set of only such examples is
+refused).
 """
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from shardfit.data.chat import template_for
 from shardfit.data.dataset import ShuffledDataset
-from shardfit.data.sources import open_data, parse_json_line
+from shardfit.data.formats import file_format, to_example
+from shardfit.data.sources import read_records
 from shardfit.errors import ShardfitError
 
 IGNORE = -100
+WARN_TRUNCATED = 0.1  # a warning, with the fix, when truncation cuts more than this fraction of the examples
 
 
-def chat_renderer(tokenizer_spec: str) -> ChatRenderer:
-    """The tokenizer's chat template (tokenizer_config.json's "chat_template", else chat_template.jinja, beside
-    tokenizer.json) with its special tokens, or the plain template when it has none: fine-tuning and `shardfit
-    generate` render chats through this one object."""
-    if tokenizer_spec == "byte":
-        return ChatRenderer(None)
-    path = Path(tokenizer_spec)
-    folder = path if path.is_dir() else path.parent
-    cfg = folder / "tokenizer_config.json"
-    settings, source = {}, str(cfg)
-    if cfg.is_file():
-        try:
-            settings = json.loads(cfg.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise ShardfitError(f"unreadable ({getattr(e, 'msg', None) or e})", where=str(cfg),
-                                fix="give a valid tokenizer_config.json (JSON, UTF-8)") from None
-        if not isinstance(settings, dict):
-            raise ShardfitError("is not a JSON object", where=str(cfg), fix="give a valid tokenizer_config.json")
-    template = settings.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
-    jinja = folder / "chat_template.jinja"
-    if not template and jinja.is_file():
-        # transformers >= 4.43 saves the template in a file of its own, and 5.x only there
-        try:
-            template, source = jinja.read_text(encoding="utf-8"), str(jinja)
-        except (OSError, ValueError) as e:
-            raise ShardfitError(f"unreadable ({e})", where=str(jinja), fix="give a UTF-8 Jinja file") from None
-    special = {}
-    for key in ("bos_token", "eos_token"):  # templates often write {{ bos_token }}
-        value = settings.get(key)
-        special[key] = value.get("content", "") if isinstance(value, dict) else value or ""
-    return ChatRenderer(template if isinstance(template, str) else None, special, source)
+@dataclass
+class Truncation:
+    """What cutting examples to data.seq_len costs one data set: examples cut, their tokens lost, tokens kept, and
+    the data.seq_len that would keep 95% of the examples whole."""
 
+    examples: int
+    total: int  # examples in the data set
+    cut: int  # tokens beyond the first seq_len + 1 of each example
+    kept: int
+    p95: int  # 95th percentile of the tokens an example's row needs (its length - 1)
 
-class TemplateRaised(Exception):
-    """A chat template's own refusal: HF templates call raise_exception("...") on conversations they reject."""
+    @staticmethod
+    def of(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int) -> Truncation:
+        need = np.fromiter((len(ids) - 1 for ids, _ in examples), dtype=np.int64, count=len(examples))
+        over = np.maximum(need - seq_len, 0)
+        p95 = int(math.ceil(float(np.percentile(need, 95)))) if len(need) else 0
+        return Truncation(int((over > 0).sum()), len(need), int(over.sum()), int((need + 1).sum() - over.sum()), p95)
 
+    def describe(self) -> str:
+        if not self.examples:
+            return "none cut"
+        return (f"cut: {self.examples:,} of {self.total:,} examples, {self.cut:,} of {self.cut + self.kept:,} "
+                "tokens")
 
-def _raise_exception(message: str):
-    raise TemplateRaised(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    import datetime
-
-    return datetime.datetime.now().strftime(fmt)
-
-
-class ChatRenderer:
-    """A chat template compiled in a sandbox, with the globals HF's templates call (raise_exception, strftime_now).
-    source names the template's file in error lines."""
-
-    def __init__(self, template: str | None, special: dict[str, str] | None = None,
-                 source: str = "chat template"):
-        self.template, self.special, self.source = None, special or {}, source
-        if template:
-            from jinja2 import TemplateSyntaxError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment  # a template must not run code either
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-            try:
-                self.template = env.from_string(template)
-            except TemplateSyntaxError as e:
-                raise ShardfitError(f"the chat template has a Jinja syntax error ({e.message}, template line "
-                                    f"{e.lineno})", where=f"{source} chat_template",
-                                    fix="fix the template, or remove it to use the plain template") from None
-
-    def render(self, messages: list[dict], add_generation_prompt: bool, where: str | None = None) -> str:
-        """The chat as text; where (the example's file:line) is named when the template refuses it."""
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special)
-        except TemplateRaised as e:
-            raise ShardfitError(f"the chat template refuses this conversation: {e}", where=where or self.source,
-                                fix="fix the example to follow the template's rules (" + self.source + ")") from None
-        except Exception as e:  # the template is user code: its own errors (undefined names, bad types) are input
-            first = (str(e).splitlines() or [""])[0]
-            raise ShardfitError(f"the chat template failed ({type(e).__name__}: {first})",
-                                where=where or self.source, fix=f"fix the template in {self.source}") from None
-
-    def segments(self, messages: list[dict], where: str | None = None) -> list[tuple[str, bool]]:
-        """(text, trained) pieces whose concatenation is the rendered chat; trained marks assistant output."""
-        out: list[tuple[str, bool]] = []
-        done = ""
-        for i, msg in enumerate(messages):
-            if self.template is None:
-                head = f"<|{msg['role']}|>\n"
-                if msg["role"] == "assistant":
-                    out += [(head, False), (msg["content"] + "\n", True)]
-                else:
-                    out.append((head + msg["content"] + "\n", False))
-                continue
-            full = self.render(messages[:i + 1], add_generation_prompt=False, where=where)
-            if msg["role"] == "assistant":
-                prefix = self.render(messages[:i], add_generation_prompt=True, where=where)
-                if not full.startswith(prefix) or not prefix.startswith(done):
-                    raise ShardfitError("the chat template does not render conversations incrementally",
-                                        where=f"{self.source} chat_template",
-                                        fix="use prompt/completion data or a template without look-ahead")
-                out += [(prefix[len(done):], False), (full[len(prefix):], True)]
-            else:
-                out.append((full[len(done):], False))
-            done = full
-        return out
-
-
-def _example(obj: dict, where: str) -> list[tuple[str, bool]] | list[dict]:
-    if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise ShardfitError("'messages' must be a list of {role, content} strings", where=where)
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise ShardfitError("conversation has no assistant message to learn from", where=where)
-        return msgs
-    if isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str):
-        return [(obj["prompt"], False), (obj["completion"], True)]
-    keys = ", ".join(sorted(obj))
-    raise ShardfitError(f"expected 'prompt' and 'completion' strings or 'messages' (found: {keys})", where=where,
-                        fix="one fine-tuning example per line")
+    def warning(self, seq_len: int) -> str | None:
+        """The warning and its fix when truncation cuts more than WARN_TRUNCATED of the examples, else None."""
+        if self.examples <= WARN_TRUNCATED * self.total:
+            return None
+        fix = -(-self.p95 // 8) * 8
+        return (f"warning: truncation cuts {self.examples:,} of {self.total:,} training examples "
+                f"({self.examples / self.total:.0%}) at data.seq_len={seq_len}, losing {self.cut:,} tokens; fix: "
+                f"--data.seq_len={fix} keeps 95% of them whole")
 
 
 class ExampleDataset(ShuffledDataset):
     """One example per item: a padded row of seq_len (data.pack=false), or unpadded for token-budget micro-batches.
-    An example longer than seq_len + 1 tokens is truncated (counted in `truncated`)."""
+    An example longer than seq_len + 1 tokens is truncated (counted in `truncation`)."""
 
     def __init__(self, examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, seed: int, pad_id: int,
-                 truncated: int, where: str, ordered: bool = False):
+                 where: str, ordered: bool = False):
         if not examples:
             raise ShardfitError("no fine-tuning examples", where=where, fix="check data.path")
         self.examples, self.seq_len, self.seed, self.pad_id = examples, seq_len, seed, pad_id
         self.num_windows = len(examples)
-        self.truncated, self.where, self.ordered = truncated, where, ordered
-        self.n_tokens = sum(len(e[0]) for e in examples)  # the start-up line's size (no copy of the examples)
+        self.where, self.ordered = where, ordered
+        self.truncation = Truncation.of(examples, seq_len)
+        self.truncated = self.truncation.examples
+        self.n_tokens = self.truncation.kept  # the start-up line's size: tokens after truncation
 
     def item(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return example_tokens(*self.examples[self._item(k)], self.seq_len)
@@ -174,17 +87,6 @@ class ExampleDataset(ShuffledDataset):
         inputs, labels, _ = self.item(k)
         n = len(inputs)
         return (pad_to(inputs, self.seq_len, self.pad_id), pad_to(labels, self.seq_len, IGNORE), None, n)
-
-    def holdout(self, fraction: float) -> tuple[list, list]:
-        """(training, validation) examples: a seeded `fraction` of them held out, each list in file order."""
-        n = len(self.examples)
-        n_val = max(1, int(round(n * fraction)))
-        if n_val >= n:
-            raise ShardfitError(f"data.val_fraction={fraction} leaves no training example of {n}",
-                                where="data.val_fraction", fix="use a smaller fraction")
-        val = set(np.random.default_rng([self.seed, 7919]).permutation(n)[:n_val].tolist())
-        return ([e for i, e in enumerate(self.examples) if i not in val],
-                [e for i, e in enumerate(self.examples) if i in val])
 
 
 def example_tokens(ids: np.ndarray, trained: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -203,55 +105,71 @@ def pad_to(x: np.ndarray, length: int, value: int) -> np.ndarray:
 
 @dataclass
 class Examples:
-    """What read_examples found: the examples that train, and how many were cut or left out."""
+    """What read_examples found: the examples that train, how many were left out, and how they were read."""
 
     examples: list[tuple[np.ndarray, np.ndarray]]  # (token ids, trained mask) each
-    truncated: int  # kept, but longer than seq_len + 1 tokens: cut to seq_len
     dropped: int  # no loss-bearing token within the first seq_len + 1: left out (they would train nothing)
     pad: int  # the input id of padding
+    format: str  # the record layout (data/formats.py)
+    origin: str  # where it came from: "data.format" or "detected from file:line"
+    template: str  # the chat template applied: tokenizer, plain, or none (no chat in the data)
+    template_text: str  # the header's words for it
+
+
+def data_format(files: list[Path], data_cfg) -> tuple[str, str]:
+    """(record layout, where it came from): data.format, or the layout of the first record of the files."""
+    if data_cfg.format != "auto":
+        return data_cfg.format, "data.format"
+    for path in files:
+        found = file_format(path, data_cfg.file_format)
+        if found is not None:
+            return found[0], f"detected from {found[1]}"
+    return "text", "no record found"
 
 
 def read_examples(files: list[Path], data_cfg, tokenizer, spec: str | None = None) -> Examples:
     """Every example of the files with at least one loss-bearing token within data.seq_len. An example without one
     (a prompt longer than seq_len, or a template that masks every token) is left out and counted; a data set that
     keeps none is refused here, not trained for zero steps. spec: the data set as error lines name it."""
-    renderer = chat_renderer(data_cfg.tokenizer)
+    fmt, origin = data_format(files, data_cfg)
+    if fmt == "text":
+        raise ShardfitError(f"holds no fine-tuning records ({origin})", where=spec or str(files[0]),
+                            fix="give records of one layout: messages, sharegpt, alpaca or prompt_completion")
+    renderer, chats = None, 0
     eos_id = tokenizer.eos_id
-    examples, truncated, dropped, seq_len = [], 0, 0, data_cfg.seq_len
+    examples, dropped, seq_len = [], 0, data_cfg.seq_len
     for path in files:
-        with open_data(path) as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                obj = parse_json_line(raw, where)
-                if not isinstance(obj, dict):
-                    raise ShardfitError("line is not a JSON object", where=where, fix="one JSON object per line")
-                ex = _example(obj, where)
-                chat = isinstance(ex[0], dict)
-                pieces = renderer.segments(ex, where) if chat else ex
-                # A chat template writes its own end-of-turn tokens; otherwise EOS follows each trained piece.
-                add_eos = eos_id is not None and not (chat and renderer.template is not None)
-                ids, mask = [], []
-                for text, trained in pieces:
-                    toks = tokenizer.encode(text) if text else []
-                    ids += toks
-                    mask += [trained] * len(toks)
-                    if trained and add_eos:
-                        ids.append(eos_id)
-                        mask.append(True)
-                if not any(mask[1:seq_len + 1]):  # label t is token t + 1: these are the labels a row keeps
-                    dropped += 1
-                    continue
-                truncated += len(ids) - 1 > seq_len
-                examples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
+        for obj, where in read_records(path, data_cfg.file_format):
+            ex = to_example(obj, fmt, origin, where)
+            if isinstance(ex[0], dict):  # a chat: through the template
+                if renderer is None:
+                    renderer = template_for(data_cfg.chat_template, data_cfg.tokenizer)
+                    if renderer is None:
+                        raise ShardfitError("a chat example, but data.chat_template=none", where=where,
+                                            fix="set data.chat_template to auto, tokenizer or plain")
+                chats += 1
+                pieces = renderer.segments(ex, where)
+            else:
+                pieces = ex
+            ids, mask = [], []
+            for text, trained in pieces:
+                toks = (tokenizer.encode(text) if text else []) if text is not None else (
+                    [eos_id] if eos_id is not None else [])  # None: EOS after a completion or an assistant turn
+                ids += toks
+                mask += [trained] * len(toks)
+            if not any(mask[1:seq_len + 1]):  # label t is token t + 1: these are the labels a row keeps
+                dropped += 1
+                continue
+            examples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
     if not examples and dropped:
         raise ShardfitError(f"none of the {dropped:,} examples has a loss-bearing token within data.seq_len="
                             f"{seq_len} (prompts longer than that, or every completion token masked)",
                             where=spec or str(files[0]),
                             fix="raise data.seq_len, shorten the prompts, or check the chat template's masks")
     pad = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else (eos_id or 0)
-    return Examples(examples, truncated, dropped, pad)
+    template = renderer.kind if chats else "none"
+    return Examples(examples, dropped, pad, fmt, origin, template,
+                    renderer.describe() if chats else "none (no chat: records are trained as they are)")
 
 
 def dropped_notice(dropped: int, kept: int, seq_len: int, where: str) -> str | None:

@@ -13,11 +13,12 @@ reproduces exactly the rows an uninterrupted run would have seen.
 from __future__ import annotations
 
 import bisect
+import math
 
 import numpy as np
 
 from shardfit.data.dataset import ShuffledDataset
-from shardfit.data.sft import IGNORE, example_tokens
+from shardfit.data.sft import IGNORE, Truncation, example_tokens
 
 OPEN_ROWS = 64  # first-fit over this many partly filled rows: rows nearly full on skewed lengths, O(1) numpy each
 
@@ -53,15 +54,17 @@ class PackedExamples(ShuffledDataset):
     """Rows of packed examples; `num_windows` and `fill` describe epoch 0 (the start-up report)."""
 
     def __init__(self, examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, seed: int, pad_id: int,
-                 truncated: int, where: str, ordered: bool = False):
+                 where: str, ordered: bool = False):
         from shardfit.errors import ShardfitError
 
         if not examples:
             raise ShardfitError("no fine-tuning examples", where=where, fix="check data.path")
         self.examples, self.seq_len, self.seed, self.pad_id = examples, seq_len, seed, pad_id
-        self.truncated, self.where, self.ordered = truncated, where, ordered
+        self.where, self.ordered = where, ordered
+        self.truncation = Truncation.of(examples, seq_len)
+        self.truncated = self.truncation.examples
         self.lengths = np.array([min(len(ids) - 1, seq_len) for ids, _ in examples], dtype=np.int64)
-        self.n_tokens = sum(len(e[0]) for e in examples)  # the start-up line's size (no copy of the examples)
+        self.n_tokens = self.truncation.kept  # the start-up line's size: tokens after truncation
         # Rows (example indices) of the two epochs used last: packing depends only on (seed, epoch), so an epoch
         # is repacked when asked again instead of every epoch's rows being kept for the whole run.
         self._rows: dict[int, list[list[int]]] = {}
@@ -80,11 +83,24 @@ class PackedExamples(ShuffledDataset):
                 self._rows.pop(next(iter(self._rows)))  # the oldest entry
         return rows
 
+    def _count_epochs(self, n: int) -> None:
+        """Row counts of epochs 0..n-1 in _ends (each epoch packed once more if not counted yet)."""
+        while len(self._ends) < n:
+            e = len(self._ends)
+            self._ends.append((self._ends[-1] if self._ends else 0) + len(self._epoch_rows(e)))
+
+    def items_in(self, epochs: float) -> int:
+        """Rows in the first `epochs` passes: each pass packs its own permutation, so the passes' row counts differ
+        a little; a fraction of the last pass is rounded up."""
+        full = math.floor(round(epochs, 9))
+        self._count_epochs(full + 1)
+        before = self._ends[full - 1] if full else 0
+        return before + math.ceil(round((epochs - full) * (self._ends[full] - before), 6))
+
     def _locate(self, k: int) -> list[int]:
         """Example indices of row k of the run."""
         while not self._ends or k >= self._ends[-1]:
-            e = len(self._ends)
-            self._ends.append((self._ends[-1] if self._ends else 0) + len(self._epoch_rows(e)))
+            self._count_epochs(len(self._ends) + 1)
         epoch = bisect.bisect_right(self._ends, k)
         return self._epoch_rows(epoch)[k - (self._ends[epoch - 1] if epoch else 0)]
 

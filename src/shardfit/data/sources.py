@@ -98,30 +98,69 @@ def parse_json_line(raw: bytes, where: str) -> object:
     return obj
 
 
-def _format(path: Path, fmt: str) -> str:
+def _format(path: Path, fmt: str, unknown: str | None = None) -> str:
+    """The file format: fmt (data.file_format) unless auto, else from the extension; unknown: the format of a file
+    with any other extension (text when data.format=text asks for documents), else an error."""
     if fmt != "auto":
         return fmt
-    kind = _EXT.get(path.suffix.lower())
+    kind = _EXT.get(path.suffix.lower(), unknown)
     if kind is None:
-        raise ShardfitError(f"cannot tell the format from the extension '{path.suffix}'", where=str(path),
-                            fix="set data.format to text, jsonl or parquet")
+        raise ShardfitError(f"cannot tell the file format from the extension '{path.suffix}'", where=str(path),
+                            fix="set data.file_format to text, jsonl or parquet")
     return kind
 
 
-def is_sft_file(path: Path) -> bool:
-    """A JSON-lines file whose first object is a fine-tuning example (data/sft.py reads them). Here, not in sft.py,
-    so that the config loader can ask without importing sft.py, which imports the loader back (through packing)."""
-    if path.suffix.lower() not in (".jsonl", ".json"):
-        return False
+def read_records(path: Path, file_fmt: str = "auto", first_only: bool = False) -> Iterator[tuple[object, str]]:
+    """The records of a fine-tuning file as (object, where): JSON lines ('file:line'), a JSON array such as
+    Alpaca's alpaca_data.json ('file:record N'), or Parquet rows ('file:row N'). first_only: the first record
+    alone; of a Parquet file its columns (keys, values None), read from the schema without decoding a row group."""
+    kind = _format(path, file_fmt)
+    if kind == "text":
+        raise ShardfitError("fine-tuning examples are read from JSON lines, JSON or Parquet files, not text",
+                            where=str(path), fix="convert the file, or set data.format=text to pretrain on it")
+    if kind == "parquet":
+        yield from _parquet_records(path, first_only)
+        return
     with open_data(path) as f:
-        for raw in f:
+        head = f.read(64).lstrip()
+        f.seek(0)
+        if head.startswith(b"["):  # one JSON array, not JSON lines
+            where = f"{path}:1"
+            records = parse_json_line(f.read(), where)
+            if not isinstance(records, list):  # a list of lists would be JSON lines of lists: refused per record
+                raise ShardfitError("is not a JSON array of records", where=where, fix="one JSON object per line")
+            for i, obj in enumerate(records[:1] if first_only else records, 1):
+                yield obj, f"{path}:record {i}"
+            return
+        for lineno, raw in enumerate(f, 1):
             if raw.strip():
-                try:
-                    obj = json.loads(raw)
-                except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply: not an example
-                    return False
-                return isinstance(obj, dict) and ("messages" in obj or {"prompt", "completion"} <= set(obj))
-    return False
+                yield parse_json_line(raw, f"{path}:{lineno}"), f"{path}:{lineno}"
+                if first_only:
+                    return
+
+
+def _parquet_records(path: Path, first_only: bool) -> Iterator[tuple[dict, str]]:
+    pf = _parquet_file(path)
+    if first_only:
+        yield dict.fromkeys(pf.schema_arrow.names), f"{path}:row 1"
+        return
+    row = 0
+    for batch in pf.iter_batches():
+        for obj in batch.to_pylist():
+            row += 1
+            yield obj, f"{path}:row {row}"
+
+
+def _parquet_file(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ShardfitError("reading Parquet needs pyarrow", where=str(path),
+                            fix="pip install 'shardfit[parquet]'") from None
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid and friends for corrupt files
+        raise ShardfitError(f"not a readable Parquet file ({e})", where=str(path), fix="check the file") from None
 
 
 def _read_text(path: Path) -> Iterator[tuple[str, str]]:
@@ -155,7 +194,9 @@ def _read_jsonl(path: Path, field: str, start: int = 0, end: int | None = None,
             if not isinstance(obj, dict) or field not in obj:
                 keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
                 raise ShardfitError(f"no '{field}' field (found: {keys})", where=where,
-                                    fix="set data.text_field to the key that holds the text")
+                                    fix="set data.text_field to the key that holds the text, or data.format to the "
+                                        "layout of fine-tuning records (messages, sharegpt, alpaca, "
+                                        "prompt_completion)")
             if not isinstance(obj[field], str):
                 raise ShardfitError(f"'{field}' is {type(obj[field]).__name__}, not a string", where=where,
                                     fix="store the text as a JSON string")
@@ -166,15 +207,7 @@ def _read_parquet(path: Path, field: str, row_groups: tuple[int, int] | None = N
                   first_row: int = 0) -> Iterator[tuple[str, str]]:
     """Rows of the text column; with row_groups=(a, b) only row groups a..b-1, whose first row is number
     first_row + 1 of the file (error messages name the file's own row)."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ShardfitError("reading Parquet needs pyarrow", where=str(path),
-                            fix="pip install 'shardfit[parquet]'") from None
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid and friends for corrupt files
-        raise ShardfitError(f"not a readable Parquet file ({e})", where=str(path), fix="check the file") from None
+    pf = _parquet_file(path)
     names = pf.schema_arrow.names
     if field not in names:
         raise ShardfitError(f"no column '{field}' (columns: {', '.join(names)})", where=str(path),
@@ -193,13 +226,15 @@ def _read_parquet(path: Path, field: str, row_groups: tuple[int, int] | None = N
             yield value, f"{path}:row {row}"
 
 
-def read_documents(spec: str, fmt: str = "auto", field: str = "text") -> Iterator[tuple[str, str]]:
-    """(text, where) for every document; where is 'file:line' for error messages."""
+def read_documents(spec: str, fmt: str = "auto", field: str = "text",
+                   unknown: str | None = None) -> Iterator[tuple[str, str]]:
+    """(text, where) for every document; where is 'file:line' for error messages. fmt: the file format (auto: by
+    extension; unknown: the format of other extensions, else they are refused)."""
     if not spec:
         yield from embedded_corpus()
         return
     for path in resolve_files(spec):
-        kind = _format(path, fmt)
+        kind = _format(path, fmt, unknown)
         if kind == "text":
             yield from _read_text(path)
         elif kind == "jsonl":

@@ -88,17 +88,17 @@ class BatchSource:
                           int((labels != -100).sum()))
 
     def describe(self) -> str | None:
-        """The start-up line about how examples became rows (fine-tuning), or None."""
+        """The start-up line about how examples became rows (fine-tuning), or None; truncation has its own line
+        (data/build.py)."""
         ds = self.train
         if not hasattr(ds, "examples"):
             return None
         n = len(ds.examples)
-        trunc = f", {ds.truncated:,} truncated to data.seq_len" if ds.truncated else ""
         if self.budget:
             return (f"fine-tuning: {n:,} examples in token-budget micro-batches of {self.budget:,} tokens, "
-                    f"{self.cfg.train.global_batch} examples per step{trunc}")
+                    f"{self.cfg.train.global_batch} examples per step")
         if hasattr(ds, "fill"):
             return (f"fine-tuning: {n:,} examples packed into {ds.num_windows:,} rows of {ds.seq_len} tokens "
-                    f"(epoch 0), fill {ds.fill:.1%}, document-masked: {self.masked}{trunc}")
+                    f"(epoch 0), fill {ds.fill:.1%}, document-masked: {self.masked}")
         mean_fill = sum(ds.item_length(k) for k in range(min(n, 4096))) / (min(n, 4096) * ds.seq_len)
-        return f"fine-tuning: {n:,} examples, one padded example per row, fill {mean_fill:.1%}{trunc}"
+        return f"fine-tuning: {n:,} examples, one padded example per row, fill {mean_fill:.1%}"

@@ -9,6 +9,7 @@ Every decision that must agree is read from those collectives, so every rank tak
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import weakref
@@ -18,6 +19,7 @@ import torch
 
 from shardfit.config import Config, accumulation_steps, config_to_toml
 from shardfit.data.build import build_datasets
+from shardfit.data.chat import export_template
 from shardfit.errors import ShardfitError
 from shardfit.fsutil import write_atomic
 from shardfit.memory import MemoryMonitor
@@ -32,6 +34,7 @@ from shardfit.train.optim import lr_at
 from shardfit.train.profile import StepProfiler
 from shardfit.train.progress import Progress
 from shardfit.train.run_dir import RunClaim, check_no_overwrite
+from shardfit.train.schedule import apply_epochs, schedule_lines
 from shardfit.train.watchdog import EXIT_CODE as WATCHDOG_EXIT
 from shardfit.train.watchdog import Watchdog
 
@@ -94,6 +97,7 @@ class Trainer:
                                    self.sp, self.device)
         if self.batches.describe():
             self.notices.append(self.batches.describe())
+        self._resolve_data(cfg)
 
         resume = agree_on_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices, self.device)
         check_no_overwrite(self.ckpt_dir, resume, self.dist.rank, self.device, self.notices)
@@ -112,6 +116,17 @@ class Trainer:
                                          self.device, cfg.memory.snapshot_max_entries)
         self.profiler = StepProfiler(cfg.logging.profile_step, self.run_dir / "profile", self.dist.is_main,
                                      self.device)
+
+    def _resolve_data(self, cfg: Config) -> None:
+        """What the data decide: train.steps from train.epochs, the schedule's header lines, and the chat template
+        applied, recorded in config.toml for `shardfit generate` (train/schedule.py, data/chat.py)."""
+        note = apply_epochs(cfg, self.dataset)
+        per_round = self.dp_size * (1 if cfg.train.micro_batch_tokens else cfg.train.micro_batch)
+        self.notices += schedule_lines(cfg, self.dataset, per_round)
+        if self.dataset.info:
+            cfg.data.chat_template = self.dataset.info["template"]
+        resolved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=0.0)) if note else cfg
+        self.config_toml = (note or "") + config_to_toml(resolved)
 
     # ------------------------------------------------------------------ the Engine's state, for callers and tests
     model = property(lambda self: self.engine.model)
@@ -249,7 +264,10 @@ class Trainer:
         self.watchdog.beat(f"step {self.step} Hugging Face export")
         source = self.cfg.model.path or (str(Path(self.cfg.data.tokenizer).parent)
                                          if self.cfg.data.tokenizer != "byte" else None)
-        return self.engine.export_hf(out, self.cfg.checkpoint.export_dtype, source)
+        path = self.engine.export_hf(out, self.cfg.checkpoint.export_dtype, source)
+        if self.dist.is_main:  # the chat template the model was fine-tuned with, where generate and HF tools read it
+            export_template(path, self.cfg.data.chat_template)
+        return path
 
     def _on_skip(self, rec: StepRecord, progress: Progress) -> None:
         limit = self.cfg.train.max_skipped_steps

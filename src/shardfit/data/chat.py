@@ -1,0 +1,182 @@
+"""Chat templates: how a conversation becomes text, for fine-tuning (data/sft.py) and `shardfit generate`.
+
+data.chat_template picks one: tokenizer (tokenizer_config.json's "chat_template", else chat_template.jinja beside
+tokenizer.json: Jinja rendered in a sandbox, with the tokenizer's special tokens), plain (shardfit's template below)
+or auto (the tokenizer's when it has one, else plain). The run's config.toml records the one applied (none when the
+data held no chat), and an export holds it as the tokenizer's template (PLAIN_JINJA for plain), so `shardfit
+generate` renders a prompt as the model was fine-tuned to see it.
+
+Plain template (documented, stable):   <|role|>\\ncontent\\n   per message, EOS after each assistant message (an
+id, not text: PLAIN_JINJA writes the tokenizer's eos_token there); <|assistant|>\\n opens the assistant's turn.
+Loss is taken on each assistant message (content, newline, EOS), unless the message says "weight": 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shardfit.errors import ShardfitError
+from shardfit.fsutil import write_atomic
+
+# The plain template as Jinja, for exports (transformers, vLLM and `shardfit generate` read it): the same text as
+# ChatRenderer(None) renders, EOS written as the tokenizer's eos_token.
+PLAIN_JINJA = (r"{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '\n' }}"
+               r"{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+               r"{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+
+
+def template_for(choice: str, tokenizer_spec: str) -> ChatRenderer | None:
+    """The renderer data.chat_template asks for (None for none: chats are refused), its `kind` the one applied."""
+    if choice == "none":
+        return None
+    renderer = ChatRenderer(None) if choice == "plain" else chat_renderer(tokenizer_spec)
+    if choice == "tokenizer" and renderer.template is None:
+        raise ShardfitError("the tokenizer has no chat template (no chat_template in tokenizer_config.json, no "
+                            "chat_template.jinja)", where=f"data.chat_template={choice}",
+                            fix="set data.chat_template=auto or plain to use shardfit's plain template")
+    return renderer
+
+
+def export_template(out: Path, kind: str) -> None:
+    """Write the template a run applied into its Hugging Face export `out`: the tokenizer's is there already (its
+    files are copied); plain is written as chat_template.jinja, and into a copied tokenizer_config.json whose own
+    template it replaces (that file's template is read first)."""
+    if kind != "plain":
+        return
+    write_atomic(out / "chat_template.jinja", PLAIN_JINJA)
+    cfg = out / "tokenizer_config.json"
+    if cfg.is_file():
+        try:
+            settings = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # copied as it was; chat_renderer names it when it is read
+        if isinstance(settings, dict) and settings.get("chat_template"):
+            write_atomic(cfg, json.dumps({**settings, "chat_template": PLAIN_JINJA}, indent=2))
+
+
+def chat_renderer(tokenizer_spec: str, folder: Path | None = None) -> ChatRenderer:
+    """The tokenizer's chat template (tokenizer_config.json's "chat_template", else chat_template.jinja, beside
+    tokenizer.json, or in `folder`: a model directory) with its special tokens, or the plain template when it has
+    none: fine-tuning and `shardfit generate` render chats through this one object."""
+    if tokenizer_spec == "byte" and folder is None:
+        return ChatRenderer(None)
+    path = Path(tokenizer_spec)
+    folder = folder if folder is not None else path if path.is_dir() else path.parent
+    cfg = folder / "tokenizer_config.json"
+    settings, source = {}, str(cfg)
+    if cfg.is_file():
+        try:
+            settings = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ShardfitError(f"unreadable ({getattr(e, 'msg', None) or e})", where=str(cfg),
+                                fix="give a valid tokenizer_config.json (JSON, UTF-8)") from None
+        if not isinstance(settings, dict):
+            raise ShardfitError("is not a JSON object", where=str(cfg), fix="give a valid tokenizer_config.json")
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    jinja = folder / "chat_template.jinja"
+    if not template and jinja.is_file():
+        # transformers >= 4.43 saves the template in a file of its own, and 5.x only there
+        try:
+            template, source = jinja.read_text(encoding="utf-8"), str(jinja)
+        except (OSError, ValueError) as e:
+            raise ShardfitError(f"unreadable ({e})", where=str(jinja), fix="give a UTF-8 Jinja file") from None
+    special = {}
+    for key in ("bos_token", "eos_token"):  # templates often write {{ bos_token }}
+        value = settings.get(key)
+        special[key] = value.get("content", "") if isinstance(value, dict) else value or ""
+    return ChatRenderer(template if isinstance(template, str) else None, special, source)
+
+
+class TemplateRaised(Exception):
+    """A chat template's own refusal: HF templates call raise_exception("...") on conversations they reject."""
+
+
+def _raise_exception(message: str):
+    raise TemplateRaised(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
+
+
+class ChatRenderer:
+    """A chat template compiled in a sandbox, with the globals HF's templates call (raise_exception, strftime_now).
+    source names the template's file in error lines."""
+
+    def __init__(self, template: str | None, special: dict[str, str] | None = None,
+                 source: str = "chat template"):
+        self.template, self.special, self.source, self.text = None, special or {}, source, template
+        if template:
+            from jinja2 import TemplateSyntaxError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # a template must not run code either
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+            try:
+                self.template = env.from_string(template)
+            except TemplateSyntaxError as e:
+                raise ShardfitError(f"the chat template has a Jinja syntax error ({e.message}, template line "
+                                    f"{e.lineno})", where=f"{source} chat_template",
+                                    fix="fix the template, or remove it to use the plain template") from None
+
+    @property
+    def kind(self) -> str:
+        """What data.chat_template records: the tokenizer's template, or shardfit's plain one."""
+        return "plain" if self.template is None or self.text == PLAIN_JINJA else "tokenizer"
+
+    def describe(self) -> str:
+        """The template as the training header and `shardfit generate` name it."""
+        if self.template is None:
+            return "shardfit's plain template (<|role|>\\n...)"
+        whose = "shardfit's plain" if self.kind == "plain" else "the tokenizer's"
+        return f"{whose} template from {self.source}"
+
+    def render(self, messages: list[dict], add_generation_prompt: bool, where: str | None = None) -> str:
+        """The chat as text; where (the example's file:line) is named when the template refuses it. The plain
+        template's EOS is an id, not text: it is left out here (segments() places it)."""
+        if self.template is None:
+            return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + (
+                "<|assistant|>\n" if add_generation_prompt else "")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special)
+        except TemplateRaised as e:
+            raise ShardfitError(f"the chat template refuses this conversation: {e}", where=where or self.source,
+                                fix="fix the example to follow the template's rules (" + self.source + ")") from None
+        except Exception as e:  # the template is user code: its own errors (undefined names, bad types) are input
+            first = (str(e).splitlines() or [""])[0]
+            raise ShardfitError(f"the chat template failed ({type(e).__name__}: {first})",
+                                where=where or self.source, fix=f"fix the template in {self.source}") from None
+
+    def segments(self, messages: list[dict], where: str | None = None) -> list[tuple[str | None, bool]]:
+        """(text, trained) pieces whose concatenation is the rendered chat; trained marks assistant output (not
+        an assistant message with "weight": 0). Text None is the plain template's EOS after an assistant message."""
+        out: list[tuple[str | None, bool]] = []
+        done = ""
+        for i, msg in enumerate(messages):
+            trained = msg["role"] == "assistant" and msg.get("weight", 1) != 0
+            if self.template is None:
+                head = f"<|{msg['role']}|>\n"
+                if msg["role"] == "assistant":
+                    out += [(head, False), (msg["content"] + "\n", trained), (None, trained)]
+                else:
+                    out.append((head + msg["content"] + "\n", False))
+                continue
+            full = self.render(messages[:i + 1], add_generation_prompt=False, where=where)
+            if msg["role"] == "assistant":
+                prefix = self.render(messages[:i], add_generation_prompt=True, where=where)
+                if not full.startswith(prefix) or not prefix.startswith(done):
+                    raise ShardfitError("the chat template does not render conversations incrementally",
+                                        where=f"{self.source} chat_template",
+                                        fix="use prompt/completion data or a template without look-ahead")
+                out += [(prefix[len(done):], False), (full[len(prefix):], trained)]
+            else:
+                out.append((full[len(done):], False))
+            done = full
+        return out

@@ -1,0 +1,161 @@
+"""Record layouts of fine-tuning data (data.format): which keys a record holds, detected or chosen, and the example
+each becomes.
+
+  messages           {"messages": [{"role", "content"}, ...]} (OpenAI chat)
+  sharegpt           {"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...], "system"?}; turns written
+                     as {"role", "content"} are accepted too
+  alpaca             {"instruction", "input"?, "output", "system"?}: instruction + input is the user turn, output the
+                     assistant's
+  prompt_completion  {"prompt", "completion"}: strings are trained as they are (prompt + completion + EOS, no chat
+                     template); lists of messages (TRL's conversational form) are a chat of prompt then completion
+  text               documents in data.text_field: pretraining, not examples
+
+data.format=auto takes the layout of data.path's first record (data.val_path: its own first record) for every
+record; a record of another layout is one error naming its file:line and the key it lacks. Chats (messages,
+sharegpt, alpaca, conversational prompt/completion) become messages here; data/chat.py renders them. Torch-free:
+the config loader asks `file_format` without importing the training stack.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardfit.data.sources import read_records
+from shardfit.errors import ShardfitError
+
+LAYOUT = {"messages": "'messages': [{role, content}, ...]", "sharegpt": "'conversations': [{from, value}, ...]",
+          "alpaca": "'instruction', 'input' (optional), 'output'", "prompt_completion": "'prompt', 'completion'",
+          "text": "the text in data.text_field"}
+# ShareGPT speakers (the names its public sets use) -> chat roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                  "chatgpt": "assistant", "system": "system", "tool": "tool", "function": "tool",
+                  "observation": "tool"}
+
+
+def detect(obj: object) -> str:
+    """The layout a record's keys say (text when none of the fine-tuning layouts')."""
+    if not isinstance(obj, dict):
+        return "text"
+    if "messages" in obj:
+        return "messages"
+    if "conversations" in obj:
+        return "sharegpt"
+    if "instruction" in obj and "output" in obj:
+        return "alpaca"
+    if "prompt" in obj and "completion" in obj:
+        return "prompt_completion"
+    return "text"
+
+
+def file_format(path: Path, file_fmt: str = "auto") -> tuple[str, str] | None:
+    """(layout of the file's first record, that record's file:line), or None for a file of plain text or with no
+    record. Unreadable first records count as text: the reader reports them with their reason."""
+    try:
+        for obj, where in read_records(path, file_fmt, first_only=True):
+            return detect(obj), where
+    except ShardfitError:
+        return None
+    return None
+
+
+def is_sft_file(path: Path, file_fmt: str = "auto") -> bool:
+    found = file_format(path, file_fmt)
+    return found is not None and found[0] != "text"
+
+
+def _keys(obj: dict) -> str:
+    return ", ".join(sorted(map(str, obj))) or "none"
+
+
+def _missing(obj: dict, key: str, fmt: str, origin: str, where: str) -> ShardfitError:
+    other = detect(obj)
+    seen = f", a record of {other}" if other not in ("text", fmt) else ""
+    origin = origin.replace(f"from {where.rpartition(':')[0]}:", "from line ")  # the same file: its line
+    return ShardfitError(f"no '{key}' key (found: {_keys(obj)}{seen}) but data.format is {fmt} ({origin})",
+                         where=where, fix=f"write every record as {fmt} ({LAYOUT[fmt]})")
+
+
+def _messages(msgs: object, key: str, where: str) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in msgs):
+        raise ShardfitError(f"'{key}' must be a list of {{role, content}} strings", where=where,
+                            fix="one conversation per record, each message a {\"role\", \"content\"} object")
+    return msgs
+
+
+def _sharegpt(obj: dict, where: str) -> list[dict]:
+    turns = obj["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise ShardfitError("'conversations' must be a non-empty list of {from, value} turns", where=where,
+                            fix="one conversation per record")
+    msgs = []
+    if isinstance(obj.get("system"), str) and obj["system"]:
+        msgs.append({"role": "system", "content": obj["system"]})
+    for i, turn in enumerate(turns, 1):
+        if isinstance(turn, dict) and "role" in turn and "from" not in turn:  # messages-style turns
+            msgs += _messages([turn], "conversations", where)
+            continue
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"),
+                                                                                                 str):
+            found = _keys(turn) if isinstance(turn, dict) else type(turn).__name__
+            raise ShardfitError(f"'conversations' turn {i} needs 'from' and 'value' strings (found: {found})",
+                                where=where, fix="write each turn as {\"from\": \"human\"|\"gpt\", \"value\": ...}")
+        role = SHAREGPT_ROLES.get(turn["from"].lower())
+        if role is None:
+            raise ShardfitError(f"'conversations' turn {i} is from '{turn['from']}', not a known speaker",
+                                where=where, fix="use one of " + ", ".join(SHAREGPT_ROLES))
+        msgs.append({"role": role, "content": turn["value"], **({"weight": turn["weight"]} if "weight" in turn
+                                                                else {})})
+    return msgs
+
+
+def _alpaca(obj: dict, where: str) -> list[dict]:
+    for key in ("instruction", "input", "output", "system"):
+        if obj.get(key) is not None and not isinstance(obj[key], str):
+            raise ShardfitError(f"'{key}' is {type(obj[key]).__name__}, not a string", where=where,
+                                fix="store instruction, input and output as strings")
+    user = obj["instruction"] + (f"\n\n{obj['input']}" if obj.get("input") else "")
+    system = [{"role": "system", "content": obj["system"]}] if obj.get("system") else []
+    return [*system, {"role": "user", "content": user}, {"role": "assistant", "content": obj["output"]}]
+
+
+def _prompt_completion(obj: dict, where: str) -> list[dict] | list[tuple[str | None, bool]]:
+    prompt, completion = obj["prompt"], obj["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [(prompt, False), (completion, True), (None, True)]  # None: EOS, trained
+    if isinstance(prompt, list) and isinstance(completion, list):  # conversational: loss on the completion only
+        head = [{**m, "weight": 0} if isinstance(m, dict) and m.get("role") == "assistant" else m
+                for m in _messages(prompt, "prompt", where)]
+        return head + _messages(completion, "completion", where)
+    raise ShardfitError(f"'prompt' is {type(prompt).__name__} and 'completion' {type(completion).__name__}",
+                        where=where, fix="give two strings, or two lists of {role, content} messages")
+
+
+REQUIRED = {"messages": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output"),
+            "prompt_completion": ("prompt", "completion")}
+
+
+def to_example(obj: object, fmt: str, origin: str, where: str) -> list[dict] | list[tuple[str | None, bool]]:
+    """A record of layout `fmt` as messages (a chat) or (text, trained) pieces (prompt/completion strings; text
+    None is EOS). origin says where fmt came from, for the error line of a record that lacks a key of it."""
+    if not isinstance(obj, dict):
+        raise ShardfitError(f"line is a JSON {type(obj).__name__}, not an object", where=where,
+                            fix="one JSON object per line")
+    for key in REQUIRED[fmt]:
+        if key not in obj:
+            raise _missing(obj, key, fmt, origin, where)
+    if fmt == "messages":
+        msgs = _messages(obj["messages"], "messages", where)
+    elif fmt == "sharegpt":
+        msgs = _sharegpt(obj, where)
+    elif fmt == "alpaca":
+        msgs = _alpaca(obj, where)
+    else:
+        msgs = _prompt_completion(obj, where)
+        if isinstance(msgs[0], tuple):
+            return msgs
+    if not any(m["role"] == "assistant" and m.get("weight", 1) != 0 for m in msgs):
+        raise ShardfitError("conversation has no assistant message to learn from", where=where,
+                            fix="give every conversation an assistant turn, or leave the record out")
+    return msgs
