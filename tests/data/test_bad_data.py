@@ -236,13 +236,13 @@ def test_some_examples_left_out_and_partial_overlap_are_notices(tmp_path):
     _files(tmp_path, {"t.jsonl": _jsonl(rows), "v.jsonl": _jsonl([SFT[0], {"prompt": "9+9=", "completion": "18"}])})
     train, val, _ = _build(tmp_path, {}, "t.jsonl", ["--data.seq_len=32", f"--data.val_path={tmp_path}/v.jsonl"])
     assert len(train.examples) == 2 and len(val.examples) == 2
-    assert train.notices[0].startswith("data: prompt_completion (detected from ")
-    assert train.notices[1:] == (f"{tmp_path}/t.jsonl: 1 of 3 examples left out: no loss-bearing token within "
+    assert train.header[0].startswith("data: prompt_completion (detected from ")
+    assert train.notices == (f"{tmp_path}/t.jsonl: 1 of 3 examples left out: no loss-bearing token within "
                              "data.seq_len=32 (raise data.seq_len to keep them)",
                              "data.val_path: 1 of 2 validation examples are also in the training data (their loss "
                              "is not held out)")
     train, _, _ = _build(tmp_path, {}, "v.jsonl", [])
-    assert len(train.notices) == 1 and train.notices[0].startswith("data: ")  # nothing to say beyond the data
+    assert train.notices == ()  # nothing to say
 
 
 def test_new_manifests_record_the_largest_id(tmp_path):

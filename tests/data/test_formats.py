@@ -154,7 +154,7 @@ def test_truncation_is_counted_on_the_training_set_after_the_split(tmp_path):
     assert half.truncated == sum(n > 64 for n in need) < whole.truncated == 24
     assert half.n_tokens == sum(min(n + 1, 65) for n in need)  # tokens after truncation, not before
     assert half.truncation.cut == sum(max(n - 64, 0) for n in need)
-    warning = half.notices[1]
+    warning = half.header[1]
     assert warning.startswith(f"warning: truncation cuts {half.truncated} of 20 training examples")
     fix = int(re.search(r"--data.seq_len=(\d+)", warning).group(1))
     assert fix % 8 == 0 and sum(n <= fix for n in need) >= 0.95 * len(need)

@@ -98,12 +98,11 @@ def test_truncation_is_counted(tmp_path):
             {"prompt": "a", "completion": "b"}]
     ds = _ds(_write(tmp_path / "d.jsonl", rows))
     assert ds.truncated == 1 and len(ds.examples) == 2
-    assert ds.notices[1:] == (
-        "warning: truncation cuts 1 of 2 training examples (50%) at data.seq_len=24, losing 16 tokens; fix: "
-        "--data.seq_len=40 keeps 95% of them whole",
-        f"{tmp_path / 'd.jsonl'}: 1 of 3 examples left out: no loss-bearing token within data.seq_len=24 (raise "
-        "data.seq_len to keep them)")
-    assert ds.notices[0].endswith("28 tokens after truncation at data.seq_len=24 (cut: 1 of 2 examples, 16 of 44 "
+    assert ds.notices == (f"{tmp_path / 'd.jsonl'}: 1 of 3 examples left out: no loss-bearing token within "
+                          "data.seq_len=24 (raise data.seq_len to keep them)",)
+    assert ds.header[1] == ("warning: truncation cuts 1 of 2 training examples (50%) at data.seq_len=24, losing 16 "
+                            "tokens; fix: --data.seq_len=40 keeps 95% of them whole")
+    assert ds.header[0].endswith("28 tokens after truncation at data.seq_len=24 (cut: 1 of 2 examples, 16 of 44 "
                                   "tokens)")
     assert all(len(x) == 24 for x in ds.pair(0))
 

@@ -39,9 +39,9 @@ def build_datasets(data_cfg, vocab_size: int,
     micro-batches, unpadded examples that the batcher lays end to end. Pretraining items are windows of the token
     stream, with document starts when data.document_mask is on. Validation comes from data.val_path (read like
     data.path) or holds out data.val_fraction of the training items; it is visited in order. Token ids beyond
-    vocab_size, and a validation set inside the training set, are refused; the training set's `notices` are the
-    start-up lines about its format, chat template and truncation, examples left out and validation items also in
-    training (the trainer prints them); its `info` the format and the template applied (config.toml records it)."""
+    vocab_size, and a validation set inside the training set, are refused. The training set's `header` holds the
+    start-up lines about its format, chat template and truncation, its `notices` those about examples left out and
+    validation items also in training (the trainer prints both); its `info` the format and the template applied."""
     tokenizer = build_tokenizer(data_cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ShardfitError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is {vocab_size}",
@@ -88,16 +88,17 @@ def build_datasets(data_cfg, vocab_size: int,
            if data_cfg.mode == "pretrain" else "no fine-tuning records in data.path")
     head = (f"data: text documents for pretraining ({why}), {train.num_windows:,} training windows of "
             f"{data_cfg.seq_len + 1} tokens, no chat template")
-    train.notices = tuple(n for n in [head, *notices] if n)
+    train.header, train.notices = (head,), tuple(n for n in notices if n)
     train.info = {"format": "text", "template": "none"}
     return train, val, tokenizer
 
 
 def _fine_tuning(data_cfg, vocab_size: int, tokenizer, files: list[Path],
                  token_budget: bool) -> tuple[ShuffledDataset, ShuffledDataset | None, object]:
-    """build_datasets for fine-tuning examples. The training set's notices: its format, chat template, size and
-    truncation (counted after any held-out split), then examples left out and validation items also in training;
-    its `info` records the format and the template applied (the trainer saves the template in config.toml)."""
+    """build_datasets for fine-tuning examples. The training set's header: its format, chat template, size and
+    truncation (counted after any held-out split, a warning with the fix above WARN_TRUNCATED); its notices:
+    examples left out and validation items also in training; its `info`: the format and the template applied (the
+    trainer saves the template in config.toml)."""
     notices: list[str | None] = []
 
     def read(spec: str, spec_files: list[Path]):
@@ -127,7 +128,8 @@ def _fine_tuning(data_cfg, vocab_size: int, tokenizer, files: list[Path],
     head = (f"data: {got.format} ({got.origin}), chat template: {got.template_text}; {len(examples):,} training "
             f"examples{held}, {cut.kept:,} tokens after truncation at data.seq_len={data_cfg.seq_len} "
             f"({cut.describe()})")
-    train.notices = tuple(n for n in [head, cut.warning(data_cfg.seq_len), *notices] if n)
+    train.header = tuple(n for n in [head, cut.warning(data_cfg.seq_len)] if n)
+    train.notices = tuple(n for n in notices if n)
     train.info = {"format": got.format, "template": template}
     return train, val, tokenizer
 

@@ -48,7 +48,8 @@ class ShuffledDataset:
     seq_len: int
     ordered: bool = False  # validation: items in their own order, every epoch
     pad_id: int = 0  # the input id of padding (labels -100 there)
-    notices: tuple[str, ...] = ()  # the training set's start-up lines about its data (set by build_datasets)
+    header: tuple[str, ...] = ()  # the training set's start-up lines: format, chat template, truncation (build.py)
+    notices: tuple[str, ...] = ()  # and about examples left out, validation items in training (build_datasets)
     info: dict | None = None  # the training set's record format and the chat template applied (build_datasets)
     _perm_epoch: int = -1
     _perm: np.ndarray | None = None

@@ -49,8 +49,9 @@ def schedule_lines(cfg: Config, ds, per_round: int) -> list[str]:
     decay = (f"cosine decay to {t.min_lr_ratio:g} x {t.lr:g} at step {t.steps}" if t.steps > t.warmup_steps
              else "no decay")
     warm = min(t.warmup_steps, t.steps)
-    lines = [f"schedule: {t.steps:,} step{'s' if t.steps != 1 else ''} x {t.global_batch} {unit} = {passes:,.2f} passes over the training set's "
-             f"{n:,} {unit} ({given}); lr warm-up {warm} step{'s' if warm != 1 else ''}, then {decay}"]
+    plural = lambda k: "s" if k != 1 else ""  # noqa: E731
+    lines = [f"schedule: {t.steps:,} step{plural(t.steps)} x {t.global_batch} {unit} = {passes:,.2f} passes over the "
+             f"training set's {n:,} {unit} ({given}); lr warm-up {warm} step{plural(warm)}, then {decay}"]
     if t.global_batch > n:
         fit = n // per_round * per_round
         fix = f"--train.global_batch={fit}" if fit else "lower train.micro_batch"

@@ -87,6 +87,7 @@ class Trainer:
         self.sp, self.sp_rank = self.layout.sequence, self.layout.sequence_rank
         self.dp_rank, self.dp_size = self.layout.data_rank, self.layout.data_size
         self.notices: list[str] = list(self.dataset.notices)  # printed by rank 0 when fit() starts
+        self.header: list[str] = list(self.dataset.header)  # the data and the schedule: printed first
         if cfg.train.micro_batch_tokens:
             self.accum = None  # micro-batches per step follow from the step's lengths (data/batching.py)
         else:
@@ -122,7 +123,7 @@ class Trainer:
         applied, recorded in config.toml for `shardfit generate` (train/schedule.py, data/chat.py)."""
         note = apply_epochs(cfg, self.dataset)
         per_round = self.dp_size * (1 if cfg.train.micro_batch_tokens else cfg.train.micro_batch)
-        self.notices += schedule_lines(cfg, self.dataset, per_round)
+        self.header += schedule_lines(cfg, self.dataset, per_round)
         if self.dataset.info:
             cfg.data.chat_template = self.dataset.info["template"]
         resolved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=0.0)) if note else cfg
@@ -208,7 +209,7 @@ class Trainer:
         progress = Progress(self.run_dir, total, self.step, cfg.logging.progress, self.dist.is_main,
                             cfg.logging.tensorboard, debug=cfg.logging.level == "debug")
         self.progress = progress
-        for notice in self.notices:
+        for notice in self.header + self.notices:
             progress.message(notice)
         progress.message(self._banner())
         monitor = MemoryMonitor(cfg.memory.warn_growth_mib / 1024)
