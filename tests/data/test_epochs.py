@@ -91,3 +91,9 @@ def test_rules_naming_a_step_wait_for_the_derived_steps(tmp_path):
     train, _, _ = build_datasets(cfg.data, cfg.model.vocab_size)
     with pytest.raises(ShardfitError, match=r"logging.profile_step: step 9 is after the last step 3"):
         apply_epochs(cfg, train)
+
+
+@pytest.mark.parametrize("arg", ["--num_train_epochs=3", "--epochs=3", "--train.num_epochs=3"])
+def test_other_tools_epochs_name_train_epochs(arg):
+    with pytest.raises(ShardfitError, match=r"is train.epochs in shardfit"):
+        load_config(None, [arg])

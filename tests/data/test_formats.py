@@ -198,3 +198,12 @@ def test_old_data_format_values_move_to_file_format(tmp_path, capsys, fresh):
 
     (tmp_path / "config.toml").write_text('[data]\nformat = "jsonl"\nseq_len = 64\n')
     assert _checkpoint_config(tmp_path).data.file_format == "jsonl"
+
+
+@pytest.mark.parametrize("arg, key", [("--conversation_style=sharegpt", "data.format"),
+                                      ("--data.chat_template_name=chatml", None),
+                                      ("--chat_template=chatml", "data.chat_template")])
+def test_other_tools_spellings_name_the_key(arg, key):
+    with pytest.raises(ShardfitError) as e:
+        load_config(None, [arg])
+    assert (f"is {key} (" in str(e.value)) if key else "did you mean 'data.chat_template'" in str(e.value)

@@ -36,6 +36,8 @@ FOREIGN: dict[str, str] = {
     "batch_size": _MICRO, "max_seq_len": _SEQ, "epochs": "train.epochs", "clip_grad_norm": "train.grad_clip",
     "enable_activation_checkpointing": "compute.activation_checkpoint=full", "compile": "compute.compile",
     "dtype": "compute.param_dtype", "log_every_n_steps": "logging.log_every",
+    "conversation_style": "data.format (sharegpt, messages, alpaca, prompt_completion or text)",
+    "chat_template": "data.chat_template (auto, tokenizer, plain or none)",
     # axolotl
     "micro_batch_size": _MICRO, "sequence_len": _SEQ, "base_model": "model.path (a local Hugging Face model "
     "directory)", "datasets": "data.path", "val_set_size": "data.val_fraction", "sample_packing": "data.pack",
