@@ -20,7 +20,16 @@ from typing import Any
 from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
 from shardfit.config.renamed import Spellings, announce
-from shardfit.config.schema import PRESETS, REAL_SEQ_LEN, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
+from shardfit.config.schema import (
+    LORA_LINEAR,
+    LORA_OPTIONAL,
+    PRESETS,
+    REAL_SEQ_LEN,
+    SFT_GLOBAL_BATCH,
+    SIZE_DEFAULTS,
+    WARMUP_FRACTION,
+    Config,
+)
 from shardfit.config.spellings import foreign_spelling
 from shardfit.errors import ShardfitError
 
@@ -101,6 +110,10 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
         raise ShardfitError(f"unknown section '{section}'", where=where, fix=_closest(section, list(sections)))
     fields = _fields(sections[section])
     if key not in fields:
+        head, _, rest = key.partition(".")
+        if head in sections:  # [model.lora] or --model.lora.rank: LoRA's keys are a section of their own
+            raise ShardfitError(f"unknown key '{section}.{key}': [{head}] is a section of its own, not part of "
+                                f"[{section}]", where=where, fix=f"write {head}.{rest or 'KEY'} (a [{head}] table)")
         all_keys = [f"{s}.{k}" for s, obj in sections.items() for k in _fields(obj)]
         raise ShardfitError(f"unknown key '{section}.{key}'", where=where,
                             fix=foreign_spelling(key) or _closest(f"{section}.{key}", all_keys))
@@ -139,6 +152,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     explicit |= on_line_keys
     _steps_or_epochs(cfg, (in_file_keys, file_epochs, str(path)), (on_line_keys, cfg.train.epochs, "--train.epochs"))
     _apply_preset(cfg, explicit)
+    _apply_adapter_config(cfg, explicit)
     _check_keys(cfg)
     _check_rules(cfg, MODEL_RULES)
     _apply_training_defaults(cfg, explicit, weights)
@@ -199,20 +213,37 @@ def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
 
     cfg.model.path = resolve_model_path(cfg.model.path)  # a Hub id: its snapshot in the local cache
     family, fields = read_hf_config(cfg.model.path)
-    fields_by_name = _fields(cfg.model)
-    for key, value in fields.items():
-        if key in _TRAINING_CHOICES and f"model.{key}" in explicit:
-            continue  # a training setting stored in config.json, not architecture: the command line wins
-        value = _coerce(value, fields_by_name[key].type, f"{cfg.model.path}/config.json model.{key}", False)
-        if f"model.{key}" in explicit and getattr(cfg.model, key) != value:
-            raise ShardfitError(f"model.{key}={getattr(cfg.model, key)} conflicts with {key}={value} in "
-                                f"{cfg.model.path}/config.json", where=f"model.{key}",
-                                fix=f"drop the model.{key} override: the checkpoint fixes the architecture")
-        setattr(cfg.model, key, value)
+    _fill(cfg, "model", fields, f"{cfg.model.path}/config.json", explicit, "the checkpoint fixes the architecture",
+          skip={k for k in _TRAINING_CHOICES if f"model.{k}" in explicit})  # training settings: the command line wins
     cfg.model.name = family.model_type
     tok = Path(cfg.model.path) / "tokenizer.json"
     if "data.tokenizer" not in explicit and tok.is_file():
         cfg.data.tokenizer = str(tok)
+
+
+def _fill(cfg: Config, section: str, fields: dict[str, Any], source: str, explicit: set[str], why: str,
+          skip: set[str] = frozenset()) -> None:
+    """Set section.key from a file's values (config.json, adapter_config.json); a key also given explicitly must
+    agree with the file."""
+    obj, by_name = getattr(cfg, section), _fields(getattr(cfg, section))
+    for key, value in fields.items():
+        if key in skip:
+            continue
+        value = _coerce(value, by_name[key].type, f"{source} {section}.{key}", False)
+        if f"{section}.{key}" in explicit and getattr(obj, key) != value:
+            raise ShardfitError(f"{section}.{key}={getattr(obj, key)} conflicts with {key}={value} in {source}",
+                                where=f"{section}.{key}", fix=f"drop the {section}.{key} override: {why}")
+        setattr(obj, key, value)
+
+
+def _apply_adapter_config(cfg: Config, explicit: set[str]) -> None:
+    """lora.adapter: rank, alpha, dropout and targets come from the PEFT adapter's adapter_config.json."""
+    if not cfg.lora.adapter:
+        return
+    from shardfit.adapters.peft_config import ADAPTER_CONFIG, read_adapter_config  # torch-free
+
+    _fill(cfg, "lora", read_adapter_config(cfg.lora.adapter), f"{cfg.lora.adapter}/{ADAPTER_CONFIG}", explicit,
+          "the adapter's shapes fix it")
 
 
 def training_regime(cfg: Config) -> tuple[bool, bool]:
@@ -367,6 +398,16 @@ def _bad_step_list(spec: str, steps: int) -> str | None:
     return None
 
 
+def _bad_lora_targets(c) -> str | None:
+    """Why lora.targets is not a list of modules shardfit adapts, or None."""
+    names = [t.strip() for t in c.lora.targets.split(",")]
+    allowed = (*LORA_LINEAR, *LORA_OPTIONAL, "all-linear")
+    for name in names:
+        if name not in allowed:
+            return f"'{_shown(name)}' is not a module shardfit puts an adapter on"
+    return f"'{_shown(names[0])}' is given twice" if len(set(names)) < len(names) else None
+
+
 # Rules over several keys: (key to name, broken(cfg), what is wrong(cfg), fix(cfg)). MODEL_RULES run before the
 # loader builds the model to count its parameters (a shape the model cannot take must not reach the build).
 Rule = tuple[str, Any, Any, Any]
@@ -409,6 +450,17 @@ RULES: tuple[Rule, ...] = (
     ("data.val_path", lambda c: c.data.val_path and c.data.val_path == c.data.path,
      lambda c: "is the same as data.path: the validation loss would measure the training data",
      lambda c: "give held-out files, or data.val_fraction to hold out part of data.path"),
+    ("lora.targets", lambda c: _bad_lora_targets(c), lambda c: _bad_lora_targets(c),
+     lambda c: f"give comma-separated names of {', '.join(LORA_LINEAR + LORA_OPTIONAL)}, or all-linear"),
+    ("lora.dropout", lambda c: c.lora.rank and c.lora.dropout and "lm_head" in c.lora.targets.split(","),
+     lambda c: f"{c.lora.dropout} with an adapter on lm_head, whose adapter is merged into the head's weight for the "
+               "fused loss (no dropout there)", lambda c: "set lora.dropout=0, or leave lm_head out of lora.targets"),
+    ("checkpoint.export_merged", lambda c: c.checkpoint.export_merged and not c.lora.rank,
+     lambda c: "merges LoRA adapters into the base, and lora.rank is 0 (no adapters)",
+     lambda c: "use checkpoint.export_hf, or set lora.rank"),
+    ("checkpoint.export_merged", lambda c: c.checkpoint.export_merged
+     and c.checkpoint.export_merged == c.checkpoint.export_hf,
+     lambda c: "is the same directory as checkpoint.export_hf (the adapter)", lambda c: "give another directory"),
     ("data.val_fraction", lambda c: c.data.val_path and c.data.val_fraction,
      lambda c: f"{c.data.val_fraction} is set together with data.val_path, which takes its place",
      lambda c: "give one of data.val_path and data.val_fraction"),

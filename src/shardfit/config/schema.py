@@ -70,6 +70,30 @@ class ModelConfig:
     dense_layers: str = opt("", "comma-separated layer indices that stay dense (mlp_only_layers)")
 
 
+# LoRA's default targets: every linear layer of a dense block (attention and MLP), as Hugging Face names them.
+LORA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_OPTIONAL = ("embed_tokens", "lm_head")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA: low-rank adapters trained on a frozen base (shardfit/adapters/, docs/lora.md). A section of its own,
+    not [model]: model.* is the architecture (config.json fills it and refuses a conflicting override), LoRA is how
+    it is trained."""
+
+    rank: int = opt(0, "LoRA rank r: train adapters B A (fp32, AdamW) on a frozen base (no optimizer state, gradients "
+                       "or fp32 master for it; bf16 on CUDA); 0: off, every weight trains", ge=0, le=MAX_HEADS)
+    alpha: float = opt(16.0, "LoRA alpha: each adapter adds (alpha / rank) x B A x to its layer's output", gt=0,
+                       le=MAX_WIDTH)
+    dropout: float = opt(0.0, "dropout on the adapters' input (the base layer sees the whole input)", ge=0, lt=1)
+    targets: str = opt(",".join(LORA_LINEAR), "comma-separated module names that get adapters: "
+                       + ", ".join(LORA_LINEAR + LORA_OPTIONAL) + "; or all-linear (every linear layer of the "
+                       "blocks but MoE routers)")
+    adapter: str = opt("", "a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start the "
+                           "adapters from (continue training it); its r, lora_alpha, lora_dropout and target_modules "
+                           "fill the lora.* keys you leave unset")
+
+
 @dataclass
 class DataConfig:
     path: str = opt("", "text (.txt), JSON lines (.jsonl) or Parquet files, a directory or a glob; "
@@ -224,8 +248,11 @@ class CheckpointConfig:
     keep: int = opt(3, "complete checkpoints to keep (older ones are deleted); 0 keeps all", ge=0)
     final: bool = opt(True, "save a checkpoint when training ends")
     export_hf: str = opt("", "at the end, write a Hugging Face model directory here (safetensors shards, config, "
-                             "tokenizer); empty: none")
+                             "tokenizer); LoRA runs: the PEFT adapter (adapter_config.json, "
+                             "adapter_model.safetensors); empty: none")
     export_dtype: str = opt("bfloat16", "dtype of the exported weights", choices=("bfloat16", "float32", "float16"))
+    export_merged: str = opt("", "LoRA runs (checkpoint.export_hf then holds the PEFT adapter): at the end, also write "
+                                 "the base with the adapters merged in, a plain Hugging Face model, here; empty: none")
 
 
 @dataclass
@@ -269,6 +296,7 @@ class MemoryConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,94 @@
+"""PEFT's adapter_config.json: read into lora.* values, and written for an export. Torch-free: the config loader reads
+it (lora.adapter) before any model is built.
+
+What shardfit reads and writes is the plain LoRA of PEFT's LoraConfig: one rank r and one lora_alpha for every
+adapted module (scale alpha / r), lora_dropout, and target_modules as a list of module names (or "all-linear").
+What it cannot reproduce is refused with one line naming the field, never approximated: DoRA, rsLoRA (scale
+alpha / sqrt(r)), per-module rank or alpha patterns, layer subsets, bias training, modules_to_save, a regular
+expression as target_modules, fan_in_fan_out, and pickled weights (adapter_model.bin).
+
+Key mapping (adapters/peft.py applies it to tensors): a parameter `<fqn>.lora_A` of shardfit's model is PEFT's
+`base_model.model.<fqn>.lora_A.weight` (lora_B alike); an embedding's `<fqn>.lora_embedding_A` is
+`base_model.model.<fqn>.lora_embedding_A` (no `.weight`: PEFT stores them as bare parameters). The fqn is the
+Hugging Face module name (shardfit's names are Hugging Face's), so the file loads in peft.PeftModel on the
+transformers model as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from shardfit.errors import ShardfitError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+# field: the value shardfit can honour (anything else is refused); a missing field takes PEFT's default, which is it
+_PLAIN: dict[str, Any] = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {},
+                          "layers_to_transform": None, "modules_to_save": None, "bias": "none",
+                          "fan_in_fan_out": False, "lora_bias": False, "target_parameters": None,
+                          "trainable_token_indices": None, "layer_replication": None, "exclude_modules": None}
+
+
+def peft_key(name: str) -> str:
+    """shardfit's adapter parameter name -> PEFT's key in adapter_model.safetensors."""
+    return PREFIX + name + ("" if ".lora_embedding_" in name else ".weight")
+
+
+def shardfit_name(key: str) -> str:
+    """PEFT's key -> shardfit's adapter parameter name (the inverse of peft_key)."""
+    name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    return name[:-len(".weight")] if name.endswith(".weight") else name
+
+
+def read_adapter_config(path: str | Path) -> dict[str, Any]:
+    """A PEFT adapter directory's LoRA settings as lora.* values: {rank, alpha, dropout, targets}; one
+    ShardfitError line naming the file and field for anything shardfit does not reproduce."""
+    path = Path(path)
+    where = str(path / ADAPTER_CONFIG)
+    if not path.is_dir():
+        raise ShardfitError("not a directory", where=str(path), fix="give a PEFT adapter directory (lora.adapter)")
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        pickled = (path / "adapter_model.bin").is_file()
+        raise ShardfitError(f"no {ADAPTER_WEIGHTS}" + (" (adapter_model.bin is a pickle: refused, it could run code)"
+                                                       if pickled else ""), where=str(path),
+                            fix="save the adapter with safetensors (PEFT's default, safe_serialization=True)")
+    try:
+        hf = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ShardfitError(f"no {ADAPTER_CONFIG}", where=str(path), fix="give a PEFT adapter directory") from None
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise ShardfitError(f"unreadable ({e})", where=where, fix="restore the adapter's config") from None
+    if not isinstance(hf, dict) or hf.get("peft_type") != "LORA":
+        raise ShardfitError(f"peft_type is {hf.get('peft_type') if isinstance(hf, dict) else None!r}, not LORA",
+                            where=where, fix="give a LoRA adapter")
+    for field, plain in _PLAIN.items():
+        value = hf.get(field, plain)
+        if value != plain and not (plain is None and value in ([], {}, "")):
+            raise ShardfitError(f"{field}={value!r} is not supported (plain LoRA only)", where=where,
+                                fix=f"re-train or convert the adapter with {field}={json.dumps(plain)}")
+    r, alpha, dropout = hf.get("r", 8), hf.get("lora_alpha", 8), hf.get("lora_dropout", 0.0)
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise ShardfitError(f"r={r!r} is not a rank", where=where, fix="give a positive integer r")
+    targets = hf.get("target_modules")
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ShardfitError(f"target_modules is a regular expression ({targets!r})", where=where,
+                            fix="list the module names instead (e.g. [\"q_proj\", \"v_proj\"])")
+    if isinstance(targets, list) and all(isinstance(t, str) for t in targets) and targets:
+        targets = ",".join(sorted(targets))
+    elif targets != "all-linear":
+        raise ShardfitError(f"target_modules={targets!r} is not a list of module names", where=where,
+                            fix="list the module names the adapters sit on")
+    return {"rank": r, "alpha": alpha, "dropout": dropout, "targets": targets}
+
+
+def adapter_config_json(rank: int, alpha: float, dropout: float, targets: list[str], base: str | None) -> dict:
+    """adapter_config.json of an export: PEFT's plain LoRA (the fields _PLAIN names at their values)."""
+    alpha_out: float | int = int(alpha) if float(alpha).is_integer() else alpha
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base or None, "r": rank,
+            "lora_alpha": alpha_out, "lora_dropout": dropout, "target_modules": sorted(targets),
+            "inference_mode": True, "init_lora_weights": True, "revision": None, "layers_pattern": None,
+            **_PLAIN}
