@@ -5,7 +5,9 @@ order), cast, moved to rank 0's host memory and written in safetensors shards of
 ever holds more than one full parameter on its GPU, and rank 0's host holds at most one shard. Everything is written
 into <out>.tmp and renamed to <out> at the end, so a crash never leaves a half-written model under the final name.
 With parallel.offload=all on CUDA the shards live in pinned host memory but the gather runs over NCCL, which takes
-device tensors only: each shard is copied to the GPU just before its gather (`_gatherable`).
+device tensors only: each shard is copied to the GPU just before its gather (`_gatherable`). A LoRA model passes
+its own (name, full tensor) stream (`params`: the base with the adapters merged in, adapters/peft.py); its adapter
+export reuses `publish` and the tokenizer copy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardfit.adapters.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardfit.hf.load import STACKED, expert_key
 from shardfit.models.families import hf_config_json
 from shardfit.parallel.agreement import agree
@@ -36,7 +39,8 @@ def export_problem(out: Path) -> str | None:
     if out.is_file():
         return "is a file, not a directory"
     if out.is_dir():
-        ours = {"config.json", "model.safetensors", "model.safetensors.index.json", *_TOKENIZER_FILES}
+        ours = {"config.json", "model.safetensors", "model.safetensors.index.json", ADAPTER_CONFIG, ADAPTER_WEIGHTS,
+                *_TOKENIZER_FILES}
         foreign = sorted(p.name for p in out.iterdir() if p.name not in ours
                          and not (p.name.startswith("model-") and p.suffix == ".safetensors"))
         if foreign:
@@ -50,7 +54,8 @@ def export_problem(out: Path) -> str | None:
 
 
 def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source: str | Path | None = None,
-              max_shard_bytes: int = 5 * 10**9) -> Path | None:
+              max_shard_bytes: int = 5 * 10**9, params=None) -> Path | None:
+    """params: (name, full tensor) pairs to write instead of full_parameters(model) (every rank iterates them)."""
     out = Path(out)
     rank = dist.get_rank() if dist.is_initialized() else 0
     tmp = out.with_name(out.name + ".tmp")
@@ -64,22 +69,24 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
 
     def flush():
         name = f"shard-{len(files):05d}.safetensors"
-        save_file(shards[0], str(tmp / name), metadata={"format": "pt"})
-        os.chmod(tmp / name, 0o666 & ~_umask())  # safetensors creates files 0600; the export is for everyone
+        write_safetensors(shards[0], tmp / name)
         files.append(name)
         weight_map.update({k: name for k in shards[0]})
         shards[0], sizes[0] = {}, 0
 
-    for key, piece in hf_tensors(model, getattr(torch, dtype), keep=rank == 0, device=torch.device("cpu")):
+    total = 0
+    for key, piece in hf_tensors(model, getattr(torch, dtype), keep=rank == 0, device=torch.device("cpu"),
+                                 params=params):
         if shards[0] and sizes[0] + piece.nbytes > max_shard_bytes:
             flush()
         shards[0][key] = piece.contiguous()
         sizes[0] += piece.nbytes
+        total += piece.nbytes
     problem = None
     if rank == 0:
         try:
             flush()
-            problem = _finish(model, tmp, out, files, weight_map, dtype, source)
+            problem = _finish(model, tmp, out, files, weight_map, total, dtype, source)
         except OSError as e:
             problem = f"could not write {tmp} ({e.strerror or e})"
     # every rank returns or raises together: rank 0's outcome, in one collective (this was the final barrier)
@@ -87,12 +94,24 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
     return out if rank == 0 else None
 
 
-def hf_tensors(model: nn.Module, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None):
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The whole of a (sharded) parameter: a collective for a DTensor, which every rank issues in the same order."""
+    return _gatherable(p).full_tensor() if isinstance(p, DTensor) else p
+
+
+def full_parameters(model: nn.Module):
+    """(name, full tensor) of every parameter, one gathered at a time, in the same order on every rank."""
+    for name, p in model.named_parameters():
+        yield name, full_tensor(p)
+
+
+def hf_tensors(model: nn.Module, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None,
+               params=None):
     """(Hugging Face name, full tensor in dtype) for every parameter, one gathered at a time: every rank must
     iterate to the end, in the same order (each DTensor's gather is a collective). keep=False: gather (the
-    collective) but yield nothing on this rank. device: where the yielded tensors go (default: where gathered)."""
-    for name, p in model.named_parameters():  # same order on every rank: the gathers line up
-        full = _gatherable(p).full_tensor() if isinstance(p, DTensor) else p
+    collective) but yield nothing on this rank. device: where the yielded tensors go (default: where gathered).
+    params: the (name, full tensor) pairs to convert instead of full_parameters(model)."""
+    for name, full in (params if params is not None else full_parameters(model)):
         if keep:
             t = full.detach().to(device=device, dtype=dtype)
             # stacked experts are given per expert, as Hugging Face checkpoints store them
@@ -124,13 +143,18 @@ def _gatherable(p: DTensor) -> DTensor:
                                   run_check=False)
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())  # safetensors creates files 0600; the export is for everyone
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
-def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str, str], dtype: str,
+def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str, str], total: int, dtype: str,
             source) -> str | None:
     """Name the shards, write config and tokenizer files, and rename tmp to out; else why not."""
     n = len(files)
@@ -139,17 +163,26 @@ def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str,
     for old, new in names.items():
         os.replace(tmp / old, tmp / new)
     if n > 1:
-        total = sum(p.numel() for p in model.parameters()) * getattr(torch, dtype).itemsize
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}},
             indent=2))
     config = {**hf_config_json(model.cfg), "torch_dtype": dtype, "dtype": dtype}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    copy_tokenizer(source, tmp)
+    return publish(tmp, out)
+
+
+def copy_tokenizer(source: str | Path | None, tmp: Path) -> None:
+    """The tokenizer's files of the source model directory, where it has them."""
     if source:
         for fname in _TOKENIZER_FILES:
             src = Path(source) / fname
             if src.is_file():
                 shutil.copy2(src, tmp / fname)
+
+
+def publish(tmp: Path, out: Path) -> str | None:
+    """Rename the finished tmp directory to out (replacing a previous export); else why not."""
     problem = export_problem(out)  # checked at start-up too: files may have appeared since
     if problem:
         return f"{out} {problem}; the export is left in {tmp}"

@@ -63,10 +63,15 @@ def weight_map(path: Path) -> dict[str, Path]:
     if not single.is_file():
         raise ShardfitError("no model.safetensors or model.safetensors.index.json", where=str(path),
                             fix="point model.path at a directory saved with safetensors")
-    view = _open(single)
+    return file_map(single)
+
+
+def file_map(file: Path) -> dict[str, Path]:
+    """Tensor name -> file, for the tensors of one safetensors file."""
+    view = _open(file)
     names = list(view.header)
     view.close()
-    return dict.fromkeys(names, single)
+    return dict.fromkeys(names, file)
 
 
 def _open(file: Path) -> SafetensorsView:
@@ -99,12 +104,15 @@ class LoadResult(NamedTuple):
 
 
 @torch.no_grad()
-def load_hf_checkpoint(model: nn.Module, path: str | Path) -> LoadResult:
-    """Fill every parameter of `model` (plain or FSDP-sharded) from the checkpoint."""
+def load_hf_checkpoint(model: nn.Module, path: str | Path, params: dict[str, nn.Parameter] | None = None,
+                       files: dict[str, Path] | None = None) -> LoadResult:
+    """Fill every parameter of `model` (plain or FSDP-sharded) from the checkpoint. params: {checkpoint key:
+    parameter} to fill instead (a LoRA model's base without its adapters; its adapters under PEFT's keys,
+    adapters/peft.py); files: {checkpoint key: file} instead of the directory's weight map."""
     t0 = time.perf_counter()
     path = Path(path)
-    files = weight_map(path)
-    params = dict(model.named_parameters())  # tied weights appear once
+    files = weight_map(path) if files is None else files
+    params = dict(model.named_parameters()) if params is None else params  # tied weights appear once
     tied_extra = {"lm_head.weight"} if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings else set()
     # plan: what this rank holds, one _Item per checkpoint tensor. The local shard of each parameter is looked up
     # once here (a DTensor query costs ~50 us; a 30B MoE checkpoint has 18,867 tensors).

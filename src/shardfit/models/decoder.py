@@ -227,13 +227,18 @@ class OutputHead(nn.Linear):
     """The output projection. Called with labels it returns the summed fused cross-entropy instead of the logits, so
     the loss runs inside this module's forward: FSDP can then shard the head as a group of its own (parallelize)."""
 
+    def head_weight(self) -> torch.Tensor:
+        """The [V, D] matrix every path multiplies by (a LoRA head, adapters/lora.py, adds its adapter to it)."""
+        return self.weight
+
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 1024, impl: str = "torch",
                 compiled: bool = False, logprobs: bool = False, entropy: bool = False):
+        weight = self.head_weight()
         if labels is None:
-            return super().forward(h)  # logits [..., V]
+            return F.linear(h, weight, self.bias)  # logits [..., V]
         if logprobs:  # per-token log-probs of the labels (and entropies): (logp [N], entropy [N] or None)
-            return fused_linear_logprobs(h, self.weight, labels, chunk, entropy)
-        return fused_linear_cross_entropy(h, self.weight, labels, chunk, impl=impl, compiled=compiled)
+            return fused_linear_logprobs(h, weight, labels, chunk, entropy)
+        return fused_linear_cross_entropy(h, weight, labels, chunk, impl=impl, compiled=compiled)
 
 
 class CausalLM(nn.Module):

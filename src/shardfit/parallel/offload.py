@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
+from shardfit.adapters.lora import init_adapters
 from shardfit.config.schema import ParallelConfig
 from shardfit.parallel.dtensor import local_view
 from shardfit.parallel.step_overlap import (
@@ -111,9 +112,11 @@ class _DeviceTwins:
         self.model.init_buffers()
 
 
-def materialize_offloaded(model: nn.Module, device: torch.device, seed: int, init: bool) -> None:
+def materialize_offloaded(model: nn.Module, device: torch.device, seed: int, init: bool,
+                          adapters: bool = False) -> None:
     """Steps 5 and 6 of parallelize for offload=all: shards in host memory (those of the blocks kept on the device
-    there), buffers on the device, weights drawn on the device (or left for a checkpoint to fill: init=False).
+    there), buffers on the device, weights drawn on the device (or left for a checkpoint to fill: init=False);
+    LoRA adapters (adapters=True) drawn on the device in any case.
 
     FSDP2 requires offloaded shards to be materialised on the CPU (it checks at the first forward) and pins them
     itself (CPUOffloadPolicy.pin_memory) when they are set; the buffers are not FSDP's and must sit where the
@@ -124,12 +127,13 @@ def materialize_offloaded(model: nn.Module, device: torch.device, seed: int, ini
             for key, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[key] = torch.empty_like(buf, device=device)
+    target = model if device.type == "cpu" else _DeviceTwins(model, device)
     if not init:
         model.init_buffers()
-    elif device.type == "cpu":
-        model.init_weights(seed, view=local_view)
     else:
-        type(model).init_weights(_DeviceTwins(model, device), seed, view=local_view)
+        type(model).init_weights(target, seed, view=local_view)
+    if adapters:
+        init_adapters(target, seed, view=local_view)
 
 
 def _to_empty(module: nn.Module, device: torch.device, where: torch.device) -> None:

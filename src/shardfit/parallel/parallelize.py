@@ -3,14 +3,15 @@ meta device. Why each step comes where it does: docs/architecture.md, "The layou
 
 The order is fixed and each step relies on the previous ones:
   0. module swaps on the meta model, so that everything after sees the final modules: FP8 Float8Linear layers
-     (parallel/fp8.py), Ulysses around each attention kernel (parallel/ulysses.py), expert weights as DTensors over
-     the EP group and each MoE layer's exchange (parallel/expert.py);
+     (parallel/fp8.py), then LoRA adapters on them and the frozen base in the compute dtype (adapters/lora.py),
+     Ulysses around each attention kernel (parallel/ulysses.py), expert weights as DTensors over the EP group and
+     each MoE layer's exchange (parallel/expert.py);
   1. activation checkpointing of each block's forward (non-reentrant; parameter names stay Hugging Face's);
   2. torch.compile of each block's forward, checkpoint included (FSDP's hooks, added next, stay outside the graph);
   3. fully_shard each block (its experts first, as a group of their own or left out when E = W), the embedding and
      an untied head, then the root, over a 1-D mesh of every rank or a (replicate R, shard W/R) HSDP mesh;
   4. explicit prefetch, if asked; 5. to_empty on the target device: each rank allocates only its own shards;
-  6. init_weights / init_buffers on the shards, from (seed, parameter name) alone.
+  6. init_weights / init_buffers on the shards, from (seed, parameter name) alone; LoRA adapters likewise, always.
 With parallel.offload=all (parallel/offload.py) step 3 gives every group FSDP2's CPU offload policy, step 5 puts the
 shards in host memory, and step 6 draws on the device and copies into the host shards. Every rank runs the same steps
 in the same order (mesh creation is a collective).
@@ -28,6 +29,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from shardfit.adapters.lora import apply_lora, init_adapters
 from shardfit.config.schema import ComputeConfig, Config, ParallelConfig
 from shardfit.models.moe import MoE
 from shardfit.parallel.dtensor import local_view
@@ -158,6 +160,7 @@ class ParallelizeReport:
     fp8_layers: int = 0  # linear layers swapped for FP8 ones (parallel/fp8.py)
     loss_compiled: bool = False  # the loss's per-chunk softmax and gradient compiled (CausalLM.use_compiled_loss)
     offload_notice: str | None = None  # offload=all: where the states live and the CPU step's threads
+    lora_targets: list[str] | None = None  # the modules that carry LoRA adapters (lora.rank > 0)
 
 
 def parallelize(model: nn.Module, config: Config, device: torch.device, world_size: int, seed: int,
@@ -180,6 +183,16 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
         select_attention_kernel(compute.attention)
         capability = torch.cuda.get_device_capability(device)
     report.fp8_layers = apply_fp8(model, compute, device.type, capability)  # 0
+    mp = mixed_precision(compute, device)
+    if config.lora.rank:  # 0
+        # After FP8: its swap takes plain nn.Linear layers only, and an adapter on a Float8Linear keeps the base
+        # matmul in FP8 (the adapter's own runs in the compute dtype). Before FSDP: fully_shard reads requires_grad
+        # and dtypes when it builds each group. The frozen base is stored in the compute dtype (bf16 on CUDA): no
+        # fp32 master to keep for weights that never change. One FSDP group then holds a frozen bf16 base and fp32
+        # adapters: FSDP2 (torch >= 2.6) needs one original dtype among the parameters that train (the adapters:
+        # fp32) and casts every parameter to param_dtype for the all-gather (no cast for the base); gradients are
+        # reduced for the adapters only, in reduce_dtype.
+        report.lora_targets = apply_lora(model, config.lora, mp.param_dtype)
     if meshes.sequence is not None:
         apply_sequence_parallel(model, meshes.sequence)  # 0
     if meshes.expert is not None:  # EP, or one rank's experts out of FSDP (LocalExperts)
@@ -196,9 +209,10 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
     # FSDP shards over every rank, sequence-parallel peers included: each holds 1/world of the parameters (HSDP:
     # 1/(world/R)). The sequence-parallel groups and the data each rank reads do not depend on R.
     policy = functools.partial(offload_policy, cfg, device)
-    apply_fsdp(model, blocks, layout, meshes, mixed_precision(compute, device), cfg, policy)  # 3, 4
+    apply_fsdp(model, blocks, layout, meshes, mp, cfg, policy)  # 3, 4
+    adapters = report.lora_targets is not None
     if cfg.offload == "all":
-        materialize_offloaded(model, device, seed, init)  # 5, 6
+        materialize_offloaded(model, device, seed, init, adapters)  # 5, 6
         report.offload_notice = step_threads(device)
         return report
     model.to_empty(device=device)  # 5
@@ -206,4 +220,6 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
         model.init_weights(seed, view=local_view)  # 6
     else:
         model.init_buffers()
+    if adapters:  # drawn whatever the base's source (a resume or lora.adapter loads over them)
+        init_adapters(model, seed, view=local_view)
     return report

@@ -37,15 +37,16 @@ def forward_order_groups(model: nn.Module, optimizer: torch.optim.Optimizer
     group's shards, and optimized parameters outside every group (experts kept out of FSDP) in the innermost listed
     module holding them. Raises if an optimized parameter would be stepped twice or never."""
     modules = [model] + [m for m in model.modules() if m is not model and hasattr(m, "_get_fsdp_state")]
+    stepped = {id(p): p for group in optimizer.param_groups for p in group["params"]}
     owned: set[int] = set()
     groups: list[list[nn.Parameter]] = []
     for m in modules:
         group = param_group(m)
         params = [p.sharded_param for p in group.fsdp_params] if group is not None else []
-        params = [p for p in params if id(p) not in owned]
+        # frozen parameters (a LoRA run's base) sit in FSDP's groups but not in the optimizer: nothing to step
+        params = [p for p in params if id(p) not in owned and id(p) in stepped]
         owned.update(id(p) for p in params)
         groups.append(params)
-    stepped = {id(p): p for group in optimizer.param_groups for p in group["params"]}
     for i in reversed(range(len(modules))):  # innermost first: a block before the root that contains it
         for p in modules[i].parameters():
             if id(p) in stepped and id(p) not in owned:

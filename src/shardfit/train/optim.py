@@ -1,4 +1,5 @@
-"""AdamW with decoupled decay on matrices only, and the warm-up + cosine learning-rate schedule."""
+"""AdamW with decoupled decay on matrices only (over the parameters that train: a LoRA run's adapters), and the
+warm-up + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, of
                     ) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for p in model.parameters():
-        (decay if p.dim() >= 2 else no_decay).append(p)  # norms and biases are not decayed
+        if p.requires_grad:  # frozen parameters (a LoRA run's base) get no optimizer state
+            (decay if p.dim() >= 2 else no_decay).append(p)  # norms and biases are not decayed
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Fused AdamW on CUDA: one kernel for all parameters instead of a handful per tensor. With offload=all the
     # shards, gradients and moments are host tensors and the step runs on the CPU: fused there too (torch >= 2.4

@@ -1,0 +1,129 @@
+"""LoRA in and out in PEFT's format: the adapter directory a run exports (and loads to continue training), the
+merged model, and an adapter attached to a loaded model (shardfit generate --adapter).
+
+Export (`export_adapter`, checkpoint.export_hf of a LoRA run): adapter_config.json (peft_config.py) and
+adapter_model.safetensors holding every adapter parameter in fp32 under PEFT's key (peft_config.peft_key:
+`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), which peft.PeftModel.from_pretrained loads on
+the transformers model. Each adapter is gathered whole (`full_tensor`, a collective every rank issues in the same
+order); rank 0 writes into <out>.tmp and renames it (hf/export.py's publish); the outcome is agreed in one
+collective, so every rank returns or raises together. Adapters are small (r x (in + out) per layer): rank 0 holds
+them all at once.
+Merged (`merged_parameters`, checkpoint.export_merged and Engine.weights): the base's parameters, each adapted
+weight as W + (alpha/r) B A in fp32, streamed through hf/export.py one parameter at a time. A tied embedding has
+one weight for two uses, so adapters on embed_tokens or lm_head of a tied model cannot be merged: refused.
+Load (`load_adapter`, lora.adapter): through hf/load.py's reader, each rank reading its own rows of each adapter,
+no collective. The base weights PEFT saves beside an embedding adapter (`...base_layer.weight`) are not read:
+the base is model.path's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardfit.adapters.lora import (
+    LoRAEmbedding,
+    LoRAModule,
+    LoRAOutputHead,
+    apply_lora,
+    is_adapter,
+    target_names,
+)
+from shardfit.adapters.peft_config import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_config_json,
+    peft_key,
+    read_adapter_config,
+)
+from shardfit.config.schema import LoraConfig
+from shardfit.errors import ShardfitError
+from shardfit.hf.export import copy_tokenizer, full_tensor, publish, write_safetensors
+from shardfit.hf.load import LoadResult, file_map, load_hf_checkpoint
+from shardfit.parallel.agreement import agree
+
+
+def export_adapter(model: nn.Module, out: str | Path, lora: LoraConfig, targets: list[str], base: str | None,
+                   source: str | Path | None = None) -> Path | None:
+    """Write the PEFT adapter directory `out` (module docstring); rank 0 returns it, the others None."""
+    out = Path(out)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tensors = {}
+    for name, p in model.named_parameters():  # the same order on every rank: the gathers line up
+        if is_adapter(name):
+            full = full_tensor(p)
+            if rank == 0:
+                tensors[peft_key(name)] = full.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    problem = None
+    if rank == 0:
+        tmp = out.with_name(out.name + ".tmp")
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            write_safetensors(tensors, tmp / ADAPTER_WEIGHTS)
+            config = adapter_config_json(lora.rank, lora.alpha, lora.dropout, target_names(targets), base)
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+            copy_tokenizer(source, tmp)
+            problem = publish(tmp, out)
+        except OSError as e:
+            problem = f"could not write {tmp} ({e.strerror or e})"
+    agree(problem, "checkpoint.export_hf", f"free {out} (or choose another directory) and export again")
+    return out if rank == 0 else None
+
+
+def check_mergeable(model: nn.Module) -> None:
+    """Refuse (on every rank alike: the model decides) a merge a tied embedding cannot hold."""
+    if getattr(model.cfg, "tie_embeddings", False) and any(isinstance(m, (LoRAEmbedding, LoRAOutputHead))
+                                                            for m in model.modules()):
+        raise ShardfitError("the embedding is tied to the output head (one weight), and an adapter sits on one of "
+                            "them: merged, the two uses would need different weights", where="lora.targets",
+                            fix="leave embed_tokens and lm_head out of lora.targets, or export the adapter only")
+
+
+def merged_parameters(model: nn.Module):
+    """(name, full tensor) of the base with every adapter merged in (fp32 where merged), in model order, adapters
+    left out. Every rank must iterate to the end (each gather is a collective)."""
+    check_mergeable(model)
+    seen: set[int] = set()
+    for prefix, mod in model.named_modules():
+        for key, p in list(mod._parameters.items()):
+            if p is None or id(p) in seen or is_adapter(key):
+                continue
+            seen.add(id(p))
+            full = full_tensor(p)
+            if isinstance(mod, LoRAModule) and key == "weight":
+                a, b = mod.adapter_pair()
+                full = full.float() + mod.delta_weight(full_tensor(a), full_tensor(b))
+            yield (f"{prefix}.{key}" if prefix else key), full
+
+
+def load_adapter(model: nn.Module, path: str | Path) -> LoadResult:
+    """Fill the model's adapters from a PEFT adapter directory (this rank's rows of each; no collective). Every
+    adapter must be in the file with its shape, and every adapter of the file must have a place in the model."""
+    path = Path(path)
+    files = {k: f for k, f in file_map(path / ADAPTER_WEIGHTS).items() if not k.endswith(".base_layer.weight")}
+    params = {peft_key(n): p for n, p in model.named_parameters() if is_adapter(n)}
+    return load_hf_checkpoint(model, path, params=params, files=files)
+
+
+def attach_adapter(model: nn.Module, path: str | Path) -> list[str]:
+    """Put the adapter directory's LoRA on a loaded, unsharded model (its dtype kept) and load it: shardfit generate
+    --adapter. Returns the adapted modules' names."""
+    lora = LoraConfig(**read_adapter_config(path), adapter=str(path))
+    targets = apply_lora(model, lora, None)
+    load_adapter(model, path)
+    return targets
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """base_model_name_or_path of the adapter's config when it names a local directory, else None."""
+    try:
+        base = json.loads((Path(path) / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return base if isinstance(base, str) and base and Path(base).is_dir() else None
