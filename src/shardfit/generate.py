@@ -7,6 +7,9 @@ with the assistant's turn opened, in the chat template the model was fine-tuned 
 checkpoint's config.toml records it (data.chat_template), a model directory holds it as its tokenizer's template
 (an export writes shardfit's plain one there); a model trained on no chat gets the text as it is, as --raw sends
 it. Decoding stops at the tokenizer's EOS or any EOS id in generation_config.json.
+LoRA: --adapter puts a PEFT adapter directory on the Hugging Face model (its base: --model.path, or the adapter's
+base_model_name_or_path when that is a local directory), unmerged; a LoRA run's checkpoint (its adapters only) is
+put on its base (the run's model.path, or the seeded initialisation it started from, drawn on this device).
 """
 
 from __future__ import annotations
@@ -61,17 +64,27 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | 
     cfg = _checkpoint_config(ckpt)
     if saved is not None:
         saved.update(chat_template=cfg.data.chat_template, where=str(ckpt / "config.toml"))
-    model = _build(cfg.model, device)
-    state = {"model": model.state_dict()}
+    if not cfg.lora.rank:
+        model = _build(cfg.model, device)
+    else:  # the checkpoint holds the adapters (and buffers); the frozen base is rebuilt as the run built it
+        from shardfit.adapters.lora import apply_lora
+
+        model = load_hf(cfg.model.path, device, torch.float32)[0] if cfg.model.path else _build(cfg.model, device)
+        if not cfg.model.path:
+            model.init_weights(cfg.train.seed)
+        apply_lora(model, cfg.lora, None)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         load_tensors(state, ckpt)  # no process group: every shard is read into these full tensors
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=not frozen)
     return _in_dtype(model, dtype), cfg.data.tokenizer
 
 
 def _checkpoint_config(ckpt: Path):
-    """The run's config saved in the checkpoint, its model and data keys checked as `train` checks them."""
+    """The run's config saved in the checkpoint, its model, lora and data keys (and train.seed) checked as `train`
+    checks them."""
     from shardfit.config.loader import _set, validate
     from shardfit.config.renamed import Spellings
     from shardfit.config.schema import Config
@@ -83,13 +96,15 @@ def _checkpoint_config(ckpt: Path):
         raise ShardfitError(str(e), where=str(ckpt), fix="give the step directory of a whole checkpoint") from None
     cfg, where = Config(), str(ckpt / "config.toml")
     spellings = Spellings(where)  # a run of an older shardfit: its data.format=jsonl is data.file_format now
-    for section in ("model", "data"):
+    for section in ("model", "lora", "data", "train"):
         table = saved.get(section, {})
         if not isinstance(table, dict):
             raise ShardfitError(f"[{section}] is not a table", where=where, fix="restore the run's config.toml")
         for key, value in table.items():
             new_section, new_key = spellings.key(section, key, value)
-            if new_key in type(getattr(cfg, new_section)).__dataclass_fields__:
+            fields = type(getattr(cfg, new_section)).__dataclass_fields__
+            # of [train], the seed only (a LoRA run's seeded base): its batch keys are checked against a world size
+            if new_key in fields and (section != "train" or new_key == "seed"):
                 _set(cfg, new_section, new_key, value, f"{where} [{section}] {key}", set())
     validate(cfg)
     return cfg
@@ -211,9 +226,11 @@ def main(argv: list[str]) -> int:
     p = _Parser(prog="shardfit generate", description="Generate text from a Hugging Face model directory "
                 "(--model.path, e.g. a --checkpoint.export_hf output) or a shardfit checkpoint (--checkpoint), on "
                 "one device. Greedy by default; --temperature > 0 samples, within --top-p.")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--model.path", dest="model_path", help="Hugging Face model directory")
     src.add_argument("--checkpoint", help="a step_XXXXXXXX directory, or a checkpoints/run directory (newest)")
+    p.add_argument("--adapter", help="a PEFT LoRA adapter directory to put on the --model.path model (default base: "
+                   "the adapter's base_model_name_or_path, when a local directory)")
     p.add_argument("--prompt", action="append", required=True, help="the user's message, in the chat template the "
                    "model was fine-tuned with; text to continue for a model trained on no chat (repeatable: one "
                    "answer each)")
@@ -230,6 +247,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="auto: bfloat16 on CUDA, float32 on the CPU")
     a = p.parse_args(argv)
+    if a.adapter and a.checkpoint:
+        raise ShardfitError("--adapter goes on a Hugging Face model, not a checkpoint", where="--adapter",
+                            fix="give --model.path (a LoRA run's checkpoint carries its adapters already)")
+    if a.adapter and not a.model_path:
+        from shardfit.adapters.peft import adapter_base
+
+        a.model_path = adapter_base(a.adapter)
+        if a.model_path is None:
+            raise ShardfitError("the adapter's base_model_name_or_path is not a local directory", where="--adapter",
+                                fix="give the base model with --model.path")
+    if not (a.model_path or a.checkpoint):
+        p.error("one of the arguments --model.path --checkpoint is required")
     for name, ok, fix in (("--max-new-tokens", a.max_new_tokens >= 1, "give 1 or more"),
                           ("--temperature", a.temperature >= 0, "give 0 (greedy) or more"),
                           ("--top-p", 0 < a.top_p <= 1, "give a value in (0, 1]")):
@@ -247,6 +276,11 @@ def main(argv: list[str]) -> int:
     saved: dict = {}  # a checkpoint's record of its chat template
     if a.model_path:
         model, tok_spec = load_hf(a.model_path, device, dtype)
+        if a.adapter:
+            from shardfit.adapters.peft import attach_adapter
+
+            attach_adapter(model, a.adapter)
+            model = _in_dtype(model, dtype)  # the adapters (fp32) in the model's dtype, as the base
     else:
         model, tok_spec = load_dcp(a.checkpoint, device, dtype, saved)
     tok_spec = a.tokenizer or tok_spec

@@ -2,7 +2,7 @@
 checkpoint under a final name, and read so that a crafted or damaged one never runs code or loads garbage.
 
 Layout of <dir>/step_00000100/:
-  .metadata, __*.distcp    DCP: model and optimizer tensors, each rank writing its own shards
+  .metadata, __*.distcp    DCP: model (frozen parameters left out) and optimizer tensors, each rank its own shards
   rng/rank<r>.safetensors  each rank's RNG state
   trainer.json             step, skipped steps, tokens seen, the run's id (the data position is the step)
   config.toml              the resolved config of the run
@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -41,6 +42,18 @@ from shardfit.parallel.agreement import agree
 from shardfit.train.checkpoint_verify import COMPLETE, check_files, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# Frozen parameters (a LoRA run's base) are not saved: the Engine rebuilds them from model.path or the seed, as the
+# run started, and a checkpoint holds what training changes (adapters, buffers, optimizer). strict=False on load:
+# the frozen keys are then absent from the state dict by design.
+_TRAINED_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def trained_state(model) -> dict:
+    """The model's state dict without its frozen parameters (DCP's ignore_frozen_params keeps a tied alias of one:
+    lm_head.weight beside the frozen embed_tokens.weight, so the names are dropped here too)."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 class NonFiniteWeights(ShardfitError):
@@ -118,7 +131,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
                                             "no checkpoint of this run exists yet")) from None
 
     settle(attempt(prepare) if rank == 0 else None)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+    state = {"model": trained_state(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
     try:
         dcp.save(state, checkpoint_id=str(tmp))
         problem = attempt(lambda: save_file(_rng_state(device), str(tmp / "rng" / f"rank{rank}.safetensors")))
@@ -250,12 +263,12 @@ def load_checkpoint(path: Path, model, optimizer, device: torch.device) -> dict:
     The files were checked whole when the checkpoint was chosen; here the tensors are checked against this model
     and optimizer before DCP reads them (checkpoint_verify.load_tensors)."""
     trainer_state = json.loads((path / "trainer.json").read_text())
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": trained_state(model)}
     if optimizer is not None:  # None: the weights alone
         osd = get_optimizer_state_dict(model, optimizer)  # creates the optimizer state to load into
         state["optim"] = osd["state"]
     load_tensors(state, path)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_TRAINED_LOAD)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": osd["param_groups"]})
     rng_file = path / "rng" / f"rank{dist.get_rank()}.safetensors"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from shardfit.adapters.lora import base_parameters, lora_summary
 from shardfit.config import Config
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
@@ -127,10 +128,14 @@ class Engine:
             from shardfit.parallel.affinity import bind_to_numa_node, gpu_pci_bus_id
 
             self.notices.append(f"rank {dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
-        from_hf = bool(cfg.model.path) and resume is None  # a resumed run takes its weights from the checkpoint
+        # A resumed run takes its weights from the checkpoint; a LoRA checkpoint holds no base (frozen: rebuilt from
+        # model.path or the seed, as the run started), only adapters, optimizer and buffers.
+        lora = cfg.lora.rank > 0
+        from_hf = bool(cfg.model.path) and (resume is None or lora)
         self.parallel = parallelize(model, cfg, self.device, dist.world_size, cfg.train.seed,
                                     init=not from_hf)
         self.model, self.layout = model, self.parallel.layout
+        self.lora_targets = self.parallel.lora_targets
         if cfg.compute.fp8 != "none":
             self.notices.append(fp8_notice(cfg.compute, self.parallel.fp8_layers, self.device.type))
         self.expert_load = ExpertLoad(self.model, self.device, cfg.model.router_bias_rate)
@@ -140,8 +145,14 @@ class Engine:
             from shardfit.hf.load import load_hf_checkpoint, load_report
 
             t0 = time.perf_counter()
-            loaded = load_hf_checkpoint(self.model, cfg.model.path)
+            loaded = load_hf_checkpoint(self.model, cfg.model.path, params=base_parameters(self.model))
             self.notices.append(load_report(cfg.model.path, time.perf_counter() - t0, loaded, self.device))
+        if lora:
+            if cfg.lora.adapter and resume is None:
+                from shardfit.adapters.peft import load_adapter
+
+                load_adapter(self.model, cfg.lora.adapter)
+            self.notices.append(lora_summary(self.model, self.lora_targets))
         self.timer = StepTimer(self.device, cfg.logging.step_timing)
         self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
                                      self.model])
@@ -375,7 +386,7 @@ class Engine:
 
         self.finish()
         bucket, size = [], 0
-        for name, t in hf_tensors(self.model, dtype):
+        for name, t in hf_tensors(self.model, dtype, params=self._merged()):
             if bucket and size + t.nbytes > bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
@@ -399,9 +410,24 @@ class Engine:
         self.finish()
         refuse_non_finite(self.model, self.device, self.step, root, what)
 
-    def export_hf(self, out: str, dtype: str, source: str | None) -> Path:
+    def export_hf(self, out: str, dtype: str, source: str | None, merged: bool = False) -> Path:
+        """A Hugging Face model directory; of a LoRA run the PEFT adapter (fp32), or with merged=True the base with
+        the adapters merged in (adapters/peft.py)."""
         from shardfit.hf import export_hf
 
         self.finish()
-        export_hf(self.model, out, dtype, source)
+        if self.lora_targets is not None and not merged:
+            from shardfit.adapters.peft import export_adapter
+
+            export_adapter(self.model, out, self.cfg.lora, self.lora_targets, self.cfg.model.path or None, source)
+        else:
+            export_hf(self.model, out, dtype, source, params=self._merged())
         return Path(out)
+
+    def _merged(self):
+        """The (name, full tensor) stream of a LoRA model's merged weights; None (every parameter) otherwise."""
+        if self.lora_targets is None:
+            return None
+        from shardfit.adapters.peft import merged_parameters
+
+        return merged_parameters(self.model)

@@ -73,7 +73,8 @@ class RunClaim:
     rank checks that it can write there too (on a filesystem of its own it makes them: it removes what it made if
     the start fails). Ordered so that only the rank that made a directory removes it."""
 
-    def __init__(self, run_dir: Path, ckpt_dir: Path, export: str, rank: int, device: torch.device):
+    def __init__(self, run_dir: Path, ckpt_dir: Path, exports: dict[str, str], rank: int, device: torch.device):
+        """exports: {config key: directory} of the export targets (checkpoint.export_hf, export_merged)."""
         self.created: list[Path] = []
         self.locks: list[_Lock] = []
         dirs = list(dict.fromkeys((run_dir, ckpt_dir)))
@@ -91,10 +92,11 @@ class RunClaim:
                             problem = self._lock(d)
                             if problem:
                                 break
-                    if problem is None and export and rank == 0:
-                        where, fix = "checkpoint.export_hf", "export to a new or empty directory, or remove it first"
-                        problem = export_problem(Path(export))
-                        problem = problem and f"{export} {problem}"
+                    for key, target in exports.items():
+                        if problem is None and target and rank == 0:
+                            where, fix = key, "export to a new or empty directory, or remove it first"
+                            problem = export_problem(Path(target))
+                            problem = problem and f"{target} {problem}"
                 except OSError as e:
                     problem = f"cannot write here ({e.strerror or e})"
             try:

@@ -68,7 +68,9 @@ class Trainer:
         self.watchdog.beat("start-up (data, model, checkpoint)")
         try:
             # Locked, writable, no export target to clobber: checked before anything the run could lose.
-            self.claim = RunClaim(self.run_dir, self.ckpt_dir, cfg.checkpoint.export_hf, self.dist.rank, self.device)
+            exports = {"checkpoint.export_hf": cfg.checkpoint.export_hf,
+                       "checkpoint.export_merged": cfg.checkpoint.export_merged}
+            self.claim = RunClaim(self.run_dir, self.ckpt_dir, exports, self.dist.rank, self.device)
             weakref.finalize(self, self.claim.release)  # a Trainer dropped without fit() frees its directories
             self._set_up(cfg)
         except BaseException:
@@ -240,7 +242,8 @@ class Trainer:
                     window.restart()
             self.finish_step()
             if history and not cfg.checkpoint.final:  # the final save checks them itself (the export follows it)
-                self.engine.refuse_non_finite(self.ckpt_dir, "exporting them" if cfg.checkpoint.export_hf
+                exporting = cfg.checkpoint.export_hf or cfg.checkpoint.export_merged
+                self.engine.refuse_non_finite(self.ckpt_dir, "exporting them" if exporting
                                               else "ending the run with them")
             done = [h["loss"] for h in history if not h["skipped"]]
             if done:
@@ -249,7 +252,11 @@ class Trainer:
             if history and cfg.checkpoint.final:
                 progress.message(f"saved checkpoint {self.save()}")
             if cfg.checkpoint.export_hf:
-                progress.message(f"exported Hugging Face model to {self.export_hf(cfg.checkpoint.export_hf)}")
+                what = "the PEFT adapter" if cfg.lora.rank else "Hugging Face model"
+                progress.message(f"exported {what} to {self.export_hf(cfg.checkpoint.export_hf)}")
+            if cfg.checkpoint.export_merged:
+                progress.message(f"exported the merged Hugging Face model to "
+                                 f"{self.export_hf(cfg.checkpoint.export_merged, merged=True)}")
             self.recorder.diagnose_last(self.dist.is_main, progress.message)
         except Exception:
             if self.watchdog.fired.is_set():  # the hang is already reported; a peer's exit broke the collective
@@ -261,11 +268,11 @@ class Trainer:
             self.claim.release()
         return history
 
-    def export_hf(self, out: str) -> Path:
+    def export_hf(self, out: str, merged: bool = False) -> Path:
         self.watchdog.beat(f"step {self.step} Hugging Face export")
         source = self.cfg.model.path or (str(Path(self.cfg.data.tokenizer).parent)
                                          if self.cfg.data.tokenizer != "byte" else None)
-        path = self.engine.export_hf(out, self.cfg.checkpoint.export_dtype, source)
+        path = self.engine.export_hf(out, self.cfg.checkpoint.export_dtype, source, merged)
         if self.dist.is_main:  # the chat template the model was fine-tuned with, where generate and HF tools read it
             export_template(path, self.cfg.data.chat_template)
         return path

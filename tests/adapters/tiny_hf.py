@@ -1,0 +1,54 @@
+"""Tiny Hugging Face models with random weights, saved with save_pretrained (no network), and shardfit's LoRA model
+built on the same weights: what the PEFT parity tests compare."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def save_tiny(kind: str, root: Path, tied: bool = False) -> Path:
+    """A tiny LlamaForCausalLM or Qwen3ForCausalLM (fp32, random weights) saved under root/kind."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, tie_word_embeddings=tied))
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**SIZES, "head_dim": 32},
+                                                                    tie_word_embeddings=tied))
+    out = Path(root) / kind
+    hf.float().save_pretrained(out)
+    return out
+
+
+def hf_model(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def shardfit_model(path: Path):
+    """shardfit's CausalLM of the saved model, unsharded, fp32, weights loaded."""
+    from shardfit.config.schema import ModelConfig
+    from shardfit.hf import load_hf_checkpoint
+    from shardfit.models import build_model
+    from shardfit.models.families import read_hf_config
+
+    family, fields = read_hf_config(path)
+    model = build_model(ModelConfig(**{**fields, "name": family.model_type}))
+    load_hf_checkpoint(model, path)
+    return model
+
+
+@torch.no_grad()
+def randomize_adapters(model, seed: int = 1) -> None:
+    """Non-zero B (and embedding A): a fresh adapter is the identity, which would compare nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("lora_B", "lora_embedding_A")):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
