@@ -242,8 +242,10 @@ def _apply_adapter_config(cfg: Config, explicit: set[str]) -> None:
         return
     from shardfit.adapters.peft_config import ADAPTER_CONFIG, read_adapter_config  # torch-free
 
-    _fill(cfg, "lora", read_adapter_config(cfg.lora.adapter), f"{cfg.lora.adapter}/{ADAPTER_CONFIG}", explicit,
-          "the adapter's shapes fix it")
+    fields = read_adapter_config(cfg.lora.adapter)
+    if {t.strip() for t in cfg.lora.targets.split(",")} == set(fields["targets"].split(",")):
+        fields["targets"] = cfg.lora.targets  # the same modules, in another order
+    _fill(cfg, "lora", fields, f"{cfg.lora.adapter}/{ADAPTER_CONFIG}", explicit, "the adapter's shapes fix it")
 
 
 def training_regime(cfg: Config) -> tuple[bool, bool]:
