@@ -4,6 +4,8 @@ adapters share one FSDP group; every checkpointing mode and compile agree; the R
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -47,7 +49,9 @@ def _train(rank, world, overrides, run_dir):
     pytest.param(["--parallel.sequence_parallel=2"], marks=pytest.mark.slow),
     pytest.param(["--parallel.offload=all"], marks=pytest.mark.slow),
     pytest.param([*MOE, "--train.micro_batch=2", "--parallel.expert_parallel=2"], marks=pytest.mark.slow),
-], ids=["plain", "accum2-fullac", "ulysses", "offload", "moe-ep"])
+    pytest.param(["--compute.fp8=tensorwise"], marks=[pytest.mark.slow, pytest.mark.skipif(
+        importlib.util.find_spec("torchao") is None, reason="FP8 needs the optional torchao extra")]),
+], ids=["plain", "accum2-fullac", "ulysses", "offload", "moe-ep", "fp8"])
 def test_two_ranks_equal_one_and_only_adapters_train(tmp_path, overrides):
     two = run_ranks(_train, 2, overrides, str(tmp_path / "two"))
     single = [o for o in overrides if "sequence_parallel" not in o and "expert_parallel" not in o]
@@ -123,3 +127,10 @@ def test_rl_api_trains_the_adapters_only():
     assert all(torch.equal(p, base[n]) for n, p in engine.model.named_parameters() if n in base)
     after = engine.forward(datums).outputs[0]["logprobs"]
     assert not torch.equal(torch.as_tensor(before), torch.as_tensor(after))
+    # weights() hands an inference engine the merged weights under Hugging Face names, no adapter among them
+    weights = dict(t for bucket in engine.weights(torch.float32) for t in bucket)
+    q = engine.model.model.layers[0].self_attn.q_proj
+    full = {n: p.detach().full_tensor() for n, p in (("W", q.weight), ("A", q.lora_A), ("B", q.lora_B))}
+    merged = full["W"] + q.lora_scale * full["B"] @ full["A"]
+    assert not any(is_adapter(n) for n in weights) and set(weights) == set(base)
+    torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"], merged)
