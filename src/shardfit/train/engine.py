@@ -12,6 +12,8 @@ same on every rank: same micro-batch count and shapes), and FSDP averages over r
 gradients by world x C / N (N = loss tokens of the global batch) and the clip coefficient: exactly the gradient of
 the mean token loss over the global batch. Fused AdamW takes that factor as grad_scale (no pass of its own); the
 foreach AdamW of CPU runs gets the gradients multiplied first.
+LoRA (lora.rank, docs/lora.md): the same step over the parameters that train (the adapters): the norm, clip and
+skip decision cover them only; the frozen base comes from model.path (or the seed) at every start, resumes included.
 """
 
 from __future__ import annotations
