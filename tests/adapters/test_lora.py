@@ -125,3 +125,32 @@ def test_an_fp8_layer_takes_an_adapter():
     assert isinstance(q, Float8Linear) and type(q).__name__ == "LoRAFloat8Linear"
     delta = (x @ q.lora_A.t() @ q.lora_B.t()) * q.lora_scale
     torch.testing.assert_close(q(x), base_out + delta)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--lora.targets=q_proj,qproj"], "lora.targets: 'qproj' is not a module shardfit puts an adapter on"),
+    (["--lora.rank=-1"], "lora.rank: -1 is out of range"),
+    (["--lora.alpha=0"], "lora.alpha: 0.0 is out of range"),
+    (["--model.lora.rank=8"], "[lora] is a section of its own"),
+    (["--lora.rank=4", "--lora.dropout=0.1", "--lora.targets=q_proj,lm_head"], "lora.dropout: 0.1 with an adapter"),
+    (["--checkpoint.export_merged=out"], "checkpoint.export_merged: merges LoRA adapters"),
+])
+def test_bad_lora_keys_are_one_line(args, needle):
+    from shardfit.config import load_config
+
+    with pytest.raises(ShardfitError) as e:
+        load_config(None, args)
+    assert needle in str(e.value) and "\n" not in str(e.value) and "fix:" in str(e.value)
+
+
+def test_lora_keys_in_toml(tmp_path):
+    from shardfit.config import config_to_toml, load_config
+
+    (tmp_path / "nested.toml").write_text("[model.lora]\nrank = 8\n")
+    with pytest.raises(ShardfitError, match=r"\[lora\] is a section of its own.*fix: write lora.KEY"):
+        load_config(tmp_path / "nested.toml")
+    (tmp_path / "lora.toml").write_text('[lora]\nrank = 8\nalpha = 16\ntargets = "all-linear,embed_tokens"\n')
+    cfg = load_config(tmp_path / "lora.toml")
+    assert (cfg.lora.rank, cfg.lora.targets) == (8, "all-linear,embed_tokens")
+    (tmp_path / "saved.toml").write_text(config_to_toml(cfg))
+    assert load_config(tmp_path / "saved.toml").lora == cfg.lora
