@@ -44,14 +44,14 @@ def _train(rank, world, overrides, run_dir):
 
 
 @pytest.mark.parametrize("overrides", [
-    [],
+    ["--lora.targets=all-linear,embed_tokens,lm_head"],
     ["--train.micro_batch=2", "--compute.activation_checkpoint=full"],
     pytest.param(["--parallel.sequence_parallel=2"], marks=pytest.mark.slow),
     pytest.param(["--parallel.offload=all"], marks=pytest.mark.slow),
     pytest.param([*MOE, "--train.micro_batch=2", "--parallel.expert_parallel=2"], marks=pytest.mark.slow),
     pytest.param(["--compute.fp8=tensorwise"], marks=[pytest.mark.slow, pytest.mark.skipif(
         importlib.util.find_spec("torchao") is None, reason="FP8 needs the optional torchao extra")]),
-], ids=["plain", "accum2-fullac", "ulysses", "offload", "moe-ep", "fp8"])
+], ids=["plain-embed-head", "accum2-fullac", "ulysses", "offload", "moe-ep", "fp8"])
 def test_two_ranks_equal_one_and_only_adapters_train(tmp_path, overrides):
     two = run_ranks(_train, 2, overrides, str(tmp_path / "two"))
     single = [o for o in overrides if "sequence_parallel" not in o and "expert_parallel" not in o]
@@ -63,10 +63,11 @@ def test_two_ranks_equal_one_and_only_adapters_train(tmp_path, overrides):
         torch.testing.assert_close(torch.tensor(two[0]["adapters"][k]), torch.tensor(v), rtol=1e-4, atol=1e-5,
                                    msg=k)
     layers = 7 if "--model.n_experts=4" not in overrides else 4  # MoE blocks: attention only (experts frozen)
+    extra = 2 if "embed_tokens" in " ".join(overrides) else 0
     for r in [one, *two]:
         assert r["base_same"] and not r["base_grads"] and r["n_base"] > 0
         assert r["in_optimizer"] and all(is_adapter(n) for n in r["in_optimizer"])
-        assert len(r["in_optimizer"]) == len(one["adapters"]) == 2 * layers * 2  # A and B x layers x 2 blocks
+        assert len(r["in_optimizer"]) == len(one["adapters"]) == 2 * (layers * 2 + extra)  # A, B x layers x blocks
         assert r["group"] == ["float32:False", "float32:True"] and r["moments"] == ["float32"]
 
 
