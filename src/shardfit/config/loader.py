@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardfit.config.lora_rules import LORA_RULES
 from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
 from shardfit.config.renamed import Spellings, announce
 from shardfit.config.schema import (
-    LORA_LINEAR,
-    LORA_OPTIONAL,
     PRESETS,
     REAL_SEQ_LEN,
     SFT_GLOBAL_BATCH,
@@ -400,16 +399,6 @@ def _bad_step_list(spec: str, steps: int) -> str | None:
     return None
 
 
-def _bad_lora_targets(c) -> str | None:
-    """Why lora.targets is not a list of modules shardfit adapts, or None."""
-    names = [t.strip() for t in c.lora.targets.split(",")]
-    allowed = (*LORA_LINEAR, *LORA_OPTIONAL, "all-linear")
-    for name in names:
-        if name not in allowed:
-            return f"'{_shown(name)}' is not a module shardfit puts an adapter on"
-    return f"'{_shown(names[0])}' is given twice" if len(set(names)) < len(names) else None
-
-
 # Rules over several keys: (key to name, broken(cfg), what is wrong(cfg), fix(cfg)). MODEL_RULES run before the
 # loader builds the model to count its parameters (a shape the model cannot take must not reach the build).
 Rule = tuple[str, Any, Any, Any]
@@ -433,7 +422,7 @@ MODEL_RULES: tuple[Rule, ...] = (
                f" <= {c.model.rope_low_freq_factor}", lambda c: "use the checkpoint's values (e.g. 4.0 and 1.0)"),
     ("model.dense_layers", lambda c: _bad_layer_list(c.model), lambda c: _bad_layer_list(c.model),
      lambda c: "give comma-separated layer indices like 0,2"),
-)
+) + LORA_RULES
 RULES: tuple[Rule, ...] = (
     ("data.seq_len", lambda c: c.data.seq_len > c.model.max_seq_len,
      lambda c: f"seq_len={c.data.seq_len} is above the model's limit max_seq_len={c.model.max_seq_len}",
@@ -452,17 +441,6 @@ RULES: tuple[Rule, ...] = (
     ("data.val_path", lambda c: c.data.val_path and c.data.val_path == c.data.path,
      lambda c: "is the same as data.path: the validation loss would measure the training data",
      lambda c: "give held-out files, or data.val_fraction to hold out part of data.path"),
-    ("lora.targets", lambda c: _bad_lora_targets(c), lambda c: _bad_lora_targets(c),
-     lambda c: f"give comma-separated names of {', '.join(LORA_LINEAR + LORA_OPTIONAL)}, or all-linear"),
-    ("lora.dropout", lambda c: c.lora.rank and c.lora.dropout and "lm_head" in c.lora.targets.split(","),
-     lambda c: f"{c.lora.dropout} with an adapter on lm_head, whose adapter is merged into the head's weight for the "
-               "fused loss (no dropout there)", lambda c: "set lora.dropout=0, or leave lm_head out of lora.targets"),
-    ("checkpoint.export_merged", lambda c: c.checkpoint.export_merged and not c.lora.rank,
-     lambda c: "merges LoRA adapters into the base, and lora.rank is 0 (no adapters)",
-     lambda c: "use checkpoint.export_hf, or set lora.rank"),
-    ("checkpoint.export_merged", lambda c: c.checkpoint.export_merged
-     and c.checkpoint.export_merged == c.checkpoint.export_hf,
-     lambda c: "is the same directory as checkpoint.export_hf (the adapter)", lambda c: "give another directory"),
     ("data.val_fraction", lambda c: c.data.val_path and c.data.val_fraction,
      lambda c: f"{c.data.val_fraction} is set together with data.val_path, which takes its place",
      lambda c: "give one of data.val_path and data.val_fraction"),

@@ -42,7 +42,8 @@ FOREIGN: dict[str, str] = {
     "micro_batch_size": _MICRO, "sequence_len": _SEQ, "base_model": "model.path (a local Hugging Face model "
     "directory)", "datasets": "data.path", "val_set_size": "data.val_fraction", "sample_packing": "data.pack",
     "lora_r": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
-    "lora_target_modules": "lora.targets", "lora_model_dir": "lora.adapter", "num_epochs": "train.epochs", "optimizer": "train.* (AdamW; "
+    "lora_target_modules": "lora.targets", "lora_model_dir": "lora.adapter", "num_epochs": "train.epochs",
+    "optimizer": "train.* (AdamW; "
     "lr, beta1, beta2, eps, weight_decay)",
 }
 

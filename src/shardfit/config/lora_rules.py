@@ -1,0 +1,40 @@
+"""The rules that tie the [lora] keys to each other and to the rest of the config (config/loader.py runs them with
+its own, after every key's range is checked; each broken rule is one ShardfitError line naming the key and the fix).
+
+lora.targets names modules, not patterns: the linear layers of a block by their Hugging Face names, all-linear, and
+embed_tokens / lm_head; a name the model lacks is refused later, by the swap (adapters/lora.py), which sees the
+model. The output head's adapter is merged into the weight the fused loss reads, so it takes no dropout. A merged
+export needs adapters, and a directory of its own beside the adapter's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardfit.config.schema import LORA_LINEAR, LORA_OPTIONAL
+
+
+def bad_targets(c) -> str | None:
+    """Why lora.targets is not a list of modules shardfit adapts, or None."""
+    names = [t.strip() for t in c.lora.targets.split(",")]
+    for name in names:
+        if name not in (*LORA_LINEAR, *LORA_OPTIONAL, "all-linear"):
+            shown = name if len(name) <= 40 else name[:37] + "..."
+            return f"'{shown}' is not a module shardfit puts an adapter on"
+    return f"'{names[0]}' is given twice" if len(set(names)) < len(names) else None
+
+
+# (key to name, broken(cfg), what is wrong(cfg), fix(cfg)), as config/loader.py's RULES
+LORA_RULES: tuple[tuple[str, Any, Any, Any], ...] = (
+    ("lora.targets", bad_targets, bad_targets,
+     lambda c: f"give comma-separated names of {', '.join(LORA_LINEAR + LORA_OPTIONAL)}, or all-linear"),
+    ("lora.dropout", lambda c: c.lora.rank and c.lora.dropout and "lm_head" in c.lora.targets.split(","),
+     lambda c: f"{c.lora.dropout} with an adapter on lm_head, whose adapter is merged into the head's weight for the "
+               "fused loss (no dropout there)", lambda c: "set lora.dropout=0, or leave lm_head out of lora.targets"),
+    ("checkpoint.export_merged", lambda c: c.checkpoint.export_merged and not c.lora.rank,
+     lambda c: "merges LoRA adapters into the base, and lora.rank is 0 (no adapters)",
+     lambda c: "use checkpoint.export_hf, or set lora.rank"),
+    ("checkpoint.export_merged", lambda c: c.checkpoint.export_merged
+     and c.checkpoint.export_merged == c.checkpoint.export_hf,
+     lambda c: "is the same directory as checkpoint.export_hf (the adapter)", lambda c: "give another directory"),
+)
