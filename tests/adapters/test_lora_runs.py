@@ -79,11 +79,12 @@ def _train_and_export(rank, world, base, root):
             "n": len(trained)}
 
 
-def test_exports_load_in_peft_and_transformers_and_continue(tmp_path, capsys):
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"])
+def test_exports_load_in_peft_and_transformers_and_continue(tmp_path, world):
     from shardfit.generate import load_dcp
 
     base = save_tiny("llama", tmp_path)
-    r = run_ranks(_train_and_export, 2, str(base), str(tmp_path))[0]
+    r = run_ranks(_train_and_export, world, str(base), str(tmp_path))[0]
     assert r["continued"] and r["n"] == 2 * (4 * 2 + 1)  # A and B of 4 targets x 2 blocks, and the head
     trained = torch.tensor(r["logits"])
     ids = torch.tensor(IDS)
