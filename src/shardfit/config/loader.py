@@ -17,18 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardfit.config.lora_rules import LORA_RULES
+from shardfit.config.lora_rules import LORA_RULES, adapter_fields, nested_section
 from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
 from shardfit.config.renamed import Spellings, announce
-from shardfit.config.schema import (
-    PRESETS,
-    REAL_SEQ_LEN,
-    SFT_GLOBAL_BATCH,
-    SIZE_DEFAULTS,
-    WARMUP_FRACTION,
-    Config,
-)
+from shardfit.config.schema import PRESETS, REAL_SEQ_LEN, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
 from shardfit.config.spellings import foreign_spelling
 from shardfit.errors import ShardfitError
 
@@ -109,13 +102,9 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
         raise ShardfitError(f"unknown section '{section}'", where=where, fix=_closest(section, list(sections)))
     fields = _fields(sections[section])
     if key not in fields:
-        head, _, rest = key.partition(".")
-        if head in sections:  # [model.lora] or --model.lora.rank: LoRA's keys are a section of their own
-            raise ShardfitError(f"unknown key '{section}.{key}': [{head}] is a section of its own, not part of "
-                                f"[{section}]", where=where, fix=f"write {head}.{rest or 'KEY'} (a [{head}] table)")
         all_keys = [f"{s}.{k}" for s, obj in sections.items() for k in _fields(obj)]
-        raise ShardfitError(f"unknown key '{section}.{key}'", where=where,
-                            fix=foreign_spelling(key) or _closest(f"{section}.{key}", all_keys))
+        raise ShardfitError(f"unknown key '{section}.{key}'", where=where, fix=nested_section(key, sections)
+                            or foreign_spelling(key) or _closest(f"{section}.{key}", all_keys))
     named = where if where.endswith(f"{section}.{key}") else f"{where} {section}.{key}"  # a flag names itself
     setattr(sections[section], key, _coerce(value, fields[key].type, named, from_text))
     explicit.add(f"{section}.{key}")
@@ -151,7 +140,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     explicit |= on_line_keys
     _steps_or_epochs(cfg, (in_file_keys, file_epochs, str(path)), (on_line_keys, cfg.train.epochs, "--train.epochs"))
     _apply_preset(cfg, explicit)
-    _apply_adapter_config(cfg, explicit)
+    if cfg.lora.adapter:  # lora.* from the PEFT adapter's adapter_config.json, as model.* from config.json
+        _fill(cfg, "lora", *adapter_fields(cfg.lora), explicit, "the adapter's shapes fix it")
     _check_keys(cfg)
     _check_rules(cfg, MODEL_RULES)
     _apply_training_defaults(cfg, explicit, weights)
@@ -203,7 +193,7 @@ def _apply_preset(cfg: Config, explicit: set[str]) -> None:
             setattr(cfg.model, key, value)
 
 
-_TRAINING_CHOICES = {"router_aux_coef"}
+_TRAINING_CHOICES = {"router_aux_coef"}  # training settings config.json stores: an explicit key wins
 
 
 def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
@@ -212,39 +202,23 @@ def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
 
     cfg.model.path = resolve_model_path(cfg.model.path)  # a Hub id: its snapshot in the local cache
     family, fields = read_hf_config(cfg.model.path)
-    _fill(cfg, "model", fields, f"{cfg.model.path}/config.json", explicit, "the checkpoint fixes the architecture",
-          skip={k for k in _TRAINING_CHOICES if f"model.{k}" in explicit})  # training settings: the command line wins
+    fields = {k: v for k, v in fields.items() if k not in _TRAINING_CHOICES or f"model.{k}" not in explicit}
+    _fill(cfg, "model", fields, f"{cfg.model.path}/config.json", explicit, "the checkpoint fixes the architecture")
     cfg.model.name = family.model_type
     tok = Path(cfg.model.path) / "tokenizer.json"
     if "data.tokenizer" not in explicit and tok.is_file():
         cfg.data.tokenizer = str(tok)
 
 
-def _fill(cfg: Config, section: str, fields: dict[str, Any], source: str, explicit: set[str], why: str,
-          skip: set[str] = frozenset()) -> None:
-    """Set section.key from a file's values (config.json, adapter_config.json); a key also given explicitly must
-    agree with the file."""
+def _fill(cfg: Config, section: str, fields: dict[str, Any], source: str, explicit: set[str], why: str) -> None:
+    """section.key from a file's values (config.json, adapter_config.json); an explicit key must agree with it."""
     obj, by_name = getattr(cfg, section), _fields(getattr(cfg, section))
     for key, value in fields.items():
-        if key in skip:
-            continue
         value = _coerce(value, by_name[key].type, f"{source} {section}.{key}", False)
         if f"{section}.{key}" in explicit and getattr(obj, key) != value:
             raise ShardfitError(f"{section}.{key}={getattr(obj, key)} conflicts with {key}={value} in {source}",
                                 where=f"{section}.{key}", fix=f"drop the {section}.{key} override: {why}")
         setattr(obj, key, value)
-
-
-def _apply_adapter_config(cfg: Config, explicit: set[str]) -> None:
-    """lora.adapter: rank, alpha, dropout and targets come from the PEFT adapter's adapter_config.json."""
-    if not cfg.lora.adapter:
-        return
-    from shardfit.adapters.peft_config import ADAPTER_CONFIG, read_adapter_config  # torch-free
-
-    fields = read_adapter_config(cfg.lora.adapter)
-    if {t.strip() for t in cfg.lora.targets.split(",")} == set(fields["targets"].split(",")):
-        fields["targets"] = cfg.lora.targets  # the same modules, in another order
-    _fill(cfg, "lora", fields, f"{cfg.lora.adapter}/{ADAPTER_CONFIG}", explicit, "the adapter's shapes fix it")
 
 
 def training_regime(cfg: Config) -> tuple[bool, bool]:
@@ -422,7 +396,7 @@ MODEL_RULES: tuple[Rule, ...] = (
                f" <= {c.model.rope_low_freq_factor}", lambda c: "use the checkpoint's values (e.g. 4.0 and 1.0)"),
     ("model.dense_layers", lambda c: _bad_layer_list(c.model), lambda c: _bad_layer_list(c.model),
      lambda c: "give comma-separated layer indices like 0,2"),
-) + LORA_RULES
+)
 RULES: tuple[Rule, ...] = (
     ("data.seq_len", lambda c: c.data.seq_len > c.model.max_seq_len,
      lambda c: f"seq_len={c.data.seq_len} is above the model's limit max_seq_len={c.model.max_seq_len}",
@@ -444,7 +418,7 @@ RULES: tuple[Rule, ...] = (
     ("data.val_fraction", lambda c: c.data.val_path and c.data.val_fraction,
      lambda c: f"{c.data.val_fraction} is set together with data.val_path, which takes its place",
      lambda c: "give one of data.val_path and data.val_fraction"),
-)
+) + LORA_RULES
 
 
 STEP_RULES: tuple[Rule, ...] = (

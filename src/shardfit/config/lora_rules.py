@@ -1,5 +1,7 @@
-"""The rules that tie the [lora] keys to each other and to the rest of the config (config/loader.py runs them with
-its own, after every key's range is checked; each broken rule is one ShardfitError line naming the key and the fix).
+"""The [lora] section's part of the loader: the rules that tie its keys to each other and to the rest of the config
+(config/loader.py runs them with its own, after every key's range is checked; each broken rule is one ShardfitError
+line naming the key and the fix), the lora.* values a PEFT adapter directory gives (lora.adapter), and the hint for
+a key written inside another section ([model.lora], --model.lora.rank).
 
 lora.targets names modules, not patterns: the linear layers of a block by their Hugging Face names, all-linear, and
 embed_tokens / lm_head; a name the model lacks is refused later, by the swap (adapters/lora.py), which sees the
@@ -11,7 +13,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardfit.config.schema import LORA_LINEAR, LORA_OPTIONAL
+from shardfit.config.schema import LORA_LINEAR, LORA_OPTIONAL, LoraConfig
+
+
+def adapter_fields(lora: LoraConfig) -> tuple[dict[str, Any], str]:
+    """(lora.* values, their source) from lora.adapter's adapter_config.json; lora.targets as given when it names
+    the same modules in another order."""
+    from shardfit.adapters.peft_config import ADAPTER_CONFIG, read_adapter_config  # torch-free
+
+    fields = read_adapter_config(lora.adapter)
+    if {t.strip() for t in lora.targets.split(",")} == set(fields["targets"].split(",")):
+        fields["targets"] = lora.targets
+    return fields, f"{lora.adapter}/{ADAPTER_CONFIG}"
+
+
+def nested_section(key: str, sections) -> str | None:
+    """The fix for a key that names a section inside another ('lora.rank' under [model]), else None."""
+    head, _, rest = key.partition(".")
+    return f"[{head}] is a section of its own: write {head}.{rest or 'KEY'}" if head in sections else None
 
 
 def bad_targets(c) -> str | None:
