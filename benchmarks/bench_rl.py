@@ -300,7 +300,8 @@ def main_parent(a) -> int:
         s = a.fwd_shape
         go("lora-ppo", "shardfit", f"shardfit Engine PPO {s} LoRA r16", "sf",
            lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--sf-extra",
-                                  f"{a.sf_extra} --lora.rank=16 --lora.alpha=32"))
+                                  f"{a.sf_extra} --lora.rank=16 --lora.alpha=32 "
+                                  "--compute.activation_checkpoint=full"))  # as the anchor: 17k-token rows of 8B
         go("lora-ppo", "hf", f"HF anchor D {s} PEFT ({a.hf_ppo})", "hf",
            lambda cap: anchor_cmd(a, s, T, False, cap, lora=True), anchor_env)
     if "moe" in parts:

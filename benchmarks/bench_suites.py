@@ -190,9 +190,9 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     "lora8b": [
         ("peft", "HF+PEFT LoRA full-AC mbs4", ["--size", "8b", "--seq", "4096", "--mbs", "4"]),
         ("shardfit", "shardfit LoRA compile no-AC mbs1", [*LORA8B, "--train.micro_batch=1", "--train.global_batch=4"]),
-        ("shardfit", "shardfit LoRA compile selective mbs2", [*LORA8B, "--train.micro_batch=2",
-                                                              "--train.global_batch=4",
-                                                              "--compute.activation_checkpoint=selective"]),
+        ("shardfit", "shardfit LoRA compile full-AC mbs4", [*LORA8B, "--train.micro_batch=4",
+                                                            "--train.global_batch=4",
+                                                            "--compute.activation_checkpoint=full"]),
     ],
     # one GPU (H100): a model that fits, against the anchor at the same size
     "single": [

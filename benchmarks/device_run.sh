@@ -86,7 +86,7 @@
 #   rl-dense  dense-fwd (padnm and pad), dense-ppo, serve, 3 reps (cap 500 s); rl-moe the MoE part, 3 reps (cap 330 s)
 #   rl-lora   the 8B PPO step with LoRA r=16 on the 7 linears (issues 23 + 24) against the anchor's part D
 #             (PEFT, pack_flex), 2 reps (cap RL_CAP, 300 s)
-#   lora8b    issue 23: LoRA SFT, Llama-3-8B shape seq 4096, shardfit (compiled: no AC mbs 1, selective mbs 2)
+#   lora8b    issue 23: LoRA SFT, Llama-3-8B shape seq 4096, shardfit (compiled: no AC mbs 1, full AC mbs 4)
 #             against HF + PEFT (benchmarks/anchor_peft_lora.py, full AC mbs 4), one GPU (cap LORA_CAP, 420 s)
 #   rl-serve4b  the serve comparison at the Qwen3-4B shape (the largest dense full fine-tune one H100 holds, full AC):
 #             in process, then through the SDK (cap 400 s)
