@@ -66,7 +66,7 @@ def evaluate(sampler, probs: list[tuple[str, str]], seed: int) -> float:
 def train(base_url: str, api_key: str, *, warmup_steps: int, warmup_lr: float, steps: int, lr: float, prompts: int,
           samples: int, loss: str, max_operand: int, seed: int, log=print) -> dict:
     service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
-    client = service.create_lora_training_client(base_model="tiny", rank=8).result()  # full-parameter for now
+    client = service.create_lora_training_client(base_model="tiny", rank=8).result()  # rank 8 with `shardfit serve --lora.rank=8`; this server trains every parameter
     probs = problems(max_operand)
     rng = random.Random(seed)
     t0 = time.perf_counter()

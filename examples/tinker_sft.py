@@ -49,7 +49,7 @@ def make_datum(prompt: str, completion: str) -> types.Datum:
 def train(base_url: str, api_key: str, *, steps: int, batch: int, lr: float, seed: int, log=print) -> dict:
     """SFT for `steps` steps, then greedy answers for every country; returns the losses and the answers."""
     service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
-    client = service.create_lora_training_client(base_model="tiny", rank=8).result()  # full-parameter for now
+    client = service.create_lora_training_client(base_model="tiny", rank=8).result()  # rank 8 with `shardfit serve --lora.rank=8`; this server trains every parameter
     data = [make_datum(prompt_of(country), " " + capital) for country, capital in FACTS]
     rng = random.Random(seed)
     losses = []

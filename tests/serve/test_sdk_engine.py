@@ -33,12 +33,13 @@ def _datum(text: bytes) -> types.Datum:
 
 
 @pytest.fixture
-def server(tmp_path):
+def server(tmp_path, request):
+    extra = getattr(request, "param", [])  # more `shardfit serve` keys (LoRA)
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardfit",
            "serve", "--port=0", f"--logging.run_dir={tmp_path / 'run'}", "--model.max_seq_len=128",
-           "--data.seq_len=128", "--train.device=cpu"]
+           "--data.seq_len=128", "--train.device=cpu", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []
@@ -89,3 +90,34 @@ def test_sdk_round_trip_on_two_ranks(server):
     resumed = sc.create_training_client_from_state_with_optimizer(path).result()
     again = resumed.forward(data, "cross_entropy").result()
     assert again.metrics["loss:sum"] == pytest.approx(fwd.metrics["loss:sum"], rel=1e-4)
+
+
+@pytest.mark.parametrize("server", [["--lora.rank=8", "--lora.alpha=16"]], indirect=True)
+def test_sdk_trains_lora_adapters_and_samples_with_them(server):
+    """A server started with --lora.rank trains adapters (get_info says so), refuses another rank in one line, and
+    its sampler decodes with the trained adapters: the trainer's forward gives the sampled tokens' log-probs back."""
+    url, lines = server
+    sc = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    with pytest.raises(Exception, match="rank 8, not 16"):
+        sc.create_lora_training_client(base_model="tiny", rank=16).result()
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+    info = tc.get_info()
+    assert info.is_lora and info.lora_rank == 8
+    data = [_datum(b"hello world, hello shardfit!"), _datum(b"two ranks serve one model")]
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    assert losses[-1] < losses[0] - 0.05, losses
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    seq = sampler.sample(types.ModelInput.from_ints(list(b"hello")), num_samples=1,
+                         sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)).result(
+                         ).sequences[0]
+    full = list(b"hello") + list(seq.tokens)
+    check = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                                    loss_fn_inputs={"target_tokens": np.asarray(full[1:], np.int64)})],
+                       "cross_entropy").result()
+    assert np.allclose(check.loss_fn_outputs[0]["logprobs"].to_numpy()[len(b"hello") - 1:], seq.logprobs,
+                       atol=1e-3)
+    assert any("LoRA rank 8" in x for x in lines)

@@ -109,11 +109,13 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
         st.session(body.session_id, "/create_model session_id")
         st.check_base_model(body.base_model, "/create_model base_model")
         rank = (body.lora_config or {}).get("rank")
+        facts.check_lora_rank(rank, "/create_model lora_config.rank")
         model_id = st.add_model(body.session_id, body.model_seq_id, body.base_model, body.user_metadata, rank)
-        if not said_full:
+        if not said_full and not facts.lora_rank:
             said_full.append(True)
-            print(f"shardfit serve: {model_id}: LoRA (rank {rank}) was asked for; shardfit trains every parameter "
-                  "until LoRA lands (get_info says is_lora=false)", file=sys.stderr, flush=True)
+            print(f"shardfit serve: {model_id}: LoRA (rank {rank}) was asked for; this server trains every parameter "
+                  "(get_info says is_lora=false): start it with --lora.rank=R to train adapters",
+                  file=sys.stderr, flush=True)
         return done_now(request, "create_model", {"model_id": model_id, "type": "create_model"},
                         {"model_id": model_id})
 
@@ -124,7 +126,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
         return {"type": "get_info", "model_id": body.model_id, "model_name": facts.base_model,
                 "model_data": {"model_name": facts.base_model, "arch": facts.arch,
                                "tokenizer_id": facts.tokenizer_id},
-                "is_lora": False, "lora_rank": None}
+                "is_lora": bool(facts.lora_rank), "lora_rank": facts.lora_rank or None}
 
     @app.post(V1 + "/forward_backward")
     async def forward_backward(request: Request):

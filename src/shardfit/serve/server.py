@@ -43,7 +43,7 @@ def model_facts(cfg) -> tuple[ModelFacts, object]:
                        max_seq_len=cfg.model.max_seq_len,
                        eos_ids=eos_ids(tokenizer, model_dir) if tokenizer is not None else set(),
                        tokenizer_id=str(model_dir) if hf_tok is not None and hf_tok.is_file() else None,
-                       has_tokenizer=tokenizer is not None, arch=cfg.model.name)
+                       has_tokenizer=tokenizer is not None, arch=cfg.model.name, lora_rank=cfg.lora.rank)
     return facts, tokenizer
 
 
@@ -123,8 +123,12 @@ def run(cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None =
     state = serving.state
     previous = {sig: signal.signal(sig, lambda *_: state.scheduler.close()) for sig in (signal.SIGINT, signal.SIGTERM)}
     key_note = (f" (API key in {state.run_dir / 'api_key'})" if state.api_key else " (any tml- key on loopback)")
+    for notice in engine.notices:  # what the Engine's build chose (LoRA, offload, FP8, loading), as train says it
+        print(f"shardfit serve: {notice}", flush=True)
+    training = (f"LoRA adapters of rank {cfg.lora.rank}" if cfg.lora.rank else
+                "every parameter (start with --lora.rank=R for LoRA adapters)")
     print(f"shardfit serve: listening on {serving.url}{key_note}; {state.facts.base_model}, {world} rank(s); "
-          "training is full-parameter (LoRA is not built yet)", flush=True)
+          f"training {training}", flush=True)
     try:
         serving.loop.run()
     finally:

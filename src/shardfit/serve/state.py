@@ -1,9 +1,10 @@
 """What rank 0's HTTP side knows: the served model's facts, sessions, training models, sampling sessions, the
 checkpoints listing and the idempotency cache. No torch here: the HTTP threads never touch the Engine.
 
-One Engine serves one set of weights: every training model created on it trains those weights (full-parameter
-until LoRA lands, which get_info and the start-up line say), and a sampling session samples them as they are when
-its request runs. A model's seq_id order is kept by ordering.Scheduler.
+One Engine serves one set of weights: every training model created on it trains those weights (LoRA adapters of
+the server's --lora.rank, or every parameter when it was started without one, which get_info and the first
+create_model say), and a sampling session samples them as they are when its request runs. A model's seq_id order
+is kept by ordering.Scheduler.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ class ModelFacts:
     tokenizer_id: str | None = None  # what get_info reports (an HF directory), or None
     has_tokenizer: bool = False
     arch: str = ""
+    lora_rank: int = 0  # the Engine's lora.rank: 0 trains every parameter
+
+    def check_lora_rank(self, rank: int | None, where: str) -> None:
+        """A LoRA server trains adapters of its own rank only: a client asking for another would get different
+        numbers of trainable parameters than it asked for, silently."""
+        if self.lora_rank and rank is not None and rank != self.lora_rank:
+            raise ShardfitError(f"this server trains LoRA adapters of rank {self.lora_rank}, not {rank}", where=where,
+                                fix=f"pass rank={self.lora_rank}, or start shardfit serve with --lora.rank={rank}")
 
     def accepts(self, name: str) -> bool:
         if name == self.base_model:
@@ -162,5 +171,6 @@ class ServerState:
     def training_run(self, run: str) -> dict:
         m = self.model(run, f"/training_runs/{run[:80]}")
         return {"training_run_id": run, "base_model": m["base_model"], "model_owner": "shardfit",
-                "is_lora": False, "lora_rank": None, "last_request_time": m["seen"], "corrupted": False,
+                "is_lora": bool(self.facts.lora_rank), "lora_rank": self.facts.lora_rank or None,
+                "last_request_time": m["seen"], "corrupted": False,
                 "user_metadata": m["user_metadata"]}
