@@ -12,10 +12,12 @@ from shardfit.models import build_model
 from shardfit.models.attention import DocumentMask
 from shardfit.train.optim import build_optimizer, lr_at, set_lr
 
+# a resumed run with a longer schedule than its checkpoint's (train/run_config.py: refused unless allowed)
+EXTEND = "--checkpoint.allow_changes=train.steps"
 SMALL = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
          "--model.max_seq_len=64", "--data.seq_len=32", "--train.global_batch=8", "--train.micro_batch=4",
          "--train.warmup_steps=2", "--train.steps=4", "--train.lr=3e-3", "--logging.progress=none",
-         "--checkpoint.final=false", "--compute.loss_chunk=48"]
+         "--checkpoint.final=false", "--compute.loss_chunk=48", "--logging.plot=false"]
 
 
 def small_config(*extra: str, run_dir: str = ""):

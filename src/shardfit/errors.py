@@ -40,3 +40,22 @@ class ShardfitError(Exception):
     def cli_line(self) -> str:
         """The line the CLI prints."""
         return f"shardfit: error: {self}"
+
+
+class Stopped(ShardfitError):
+    """A run stopped on purpose by SIGINT or SIGTERM (train/stop.py): its line says what was saved, or what was lost
+    and the key that keeps it. Printed as `shardfit: <line>` (not an error), exit code 128 + the signal."""
+
+    exit_code = 130
+
+    def cli_line(self) -> str:
+        return f"shardfit: {self}"
+
+
+class SignalInterrupt(KeyboardInterrupt):
+    """SIGTERM outside the training loop of a single process (start-up): reported like Ctrl-C, with its own exit code
+    (128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

@@ -8,10 +8,12 @@ import sys
 import pytest
 
 from shardfit.config import load_config
+from tests.helpers import EXTEND
 
 TINY = ["--train.device=cpu", "--model.dim=32", "--model.n_layers=1",
         "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
-        "--data.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2", "--logging.log_every=1"]
+        "--data.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2", "--logging.log_every=1",
+        "--logging.plot=false"]
 
 
 def _run(*args, cwd=None, timeout=240):
@@ -31,14 +33,17 @@ def test_train_smoke_then_auto_resume(tmp_path):
             "alloc_retries_max"} <= set(records[0])
     assert load_config(run_dir / "config.toml").train.steps == 3
     assert (run_dir / "checkpoints" / "step_00000003" / "complete.json").is_file()
-    p = _run("train", *TINY, "--train.steps=5", f"--logging.run_dir={run_dir}")
+    # a longer schedule continues the run only when asked (another experiment otherwise: tests/train/test_run_config)
+    p = _run("train", *TINY, "--train.steps=5", EXTEND, f"--logging.run_dir={run_dir}")
     assert p.returncode == 0, p.stderr
     assert "resumed from" in p.stdout and "step 4/5" in p.stdout and "step 1/5" not in p.stdout
     # the same command once more: a finished run trains nothing, says so, exits non-zero, keeps its recorded config
     before = (run_dir / "config.toml").read_bytes()
-    p = _run("train", *TINY, "--train.steps=5", "--train.lr=1e-3", f"--logging.run_dir={run_dir}")
+    p = _run("train", *TINY, "--train.steps=5", "--train.lr=1e-3", "--checkpoint.allow_changes=train.lr",
+             f"--logging.run_dir={run_dir}")
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and "nothing to train: resumed at step 5" in lines[0], p.stderr
+    assert "train.lr 0.003 -> 0.001 (checkpoint.allow_changes)" in p.stdout  # allowed, said, and nothing trained
     assert "train.steps=5" in lines[0] and "step 5/5" not in p.stdout
     assert (run_dir / "config.toml").read_bytes() == before
 

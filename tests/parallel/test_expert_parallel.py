@@ -7,7 +7,7 @@ from shardfit.models.moe import Experts
 from shardfit.parallel.expert import ShardedExperts, experts_outside_fsdp
 from shardfit.train import Trainer
 from tests._dist import run_ranks
-from tests.helpers import full_state, small_config
+from tests.helpers import EXTEND, full_state, small_config
 
 MOE = ["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn_dim=32", "--train.micro_batch=2"]
 
@@ -119,8 +119,8 @@ def test_expert_parallel_checkpoint_and_export_are_the_plain_models(tmp_path):
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
     step3 = f"--checkpoint.resume={tmp_path}/a/checkpoints/step_00000003"
-    resumed = run_ranks(_run, 2, ["--parallel.expert_parallel=2", step3, f"--checkpoint.export_hf={tmp_path}/b_hf"],
-                        str(tmp_path / "b"), timeout=300)[0]
+    resumed = run_ranks(_run, 2, ["--parallel.expert_parallel=2", step3, EXTEND,
+                                  f"--checkpoint.export_hf={tmp_path}/b_hf"], str(tmp_path / "b"), timeout=300)[0]
     plain = run_ranks(_run, 1, [f"--checkpoint.export_hf={tmp_path}/p6_hf"], str(tmp_path / "p6"))[0]
     assert resumed["start"] == 3
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(plain["losses"][3:]), rtol=1e-5,
@@ -173,7 +173,7 @@ def test_hsdp_expert_parallel_checkpoint_resumes_under_another_layout(tmp_path):
     run_ranks(_run, 4, ["--parallel.expert_parallel=2", "--parallel.replicate=2", "--train.steps=3",
                         "--checkpoint.final=true", "--train.global_batch=8"], str(tmp_path / "a"), timeout=300)
     step3 = f"--checkpoint.resume={tmp_path}/a/checkpoints/step_00000003"
-    resumed = run_ranks(_run, 2, ["--parallel.expert_parallel=2", step3, "--train.global_batch=8"],
+    resumed = run_ranks(_run, 2, ["--parallel.expert_parallel=2", step3, "--train.global_batch=8", EXTEND],
                         str(tmp_path / "b"), timeout=300)[0]
     plain = run_ranks(_run, 1, ["--train.global_batch=8"], str(tmp_path / "p6"))[0]
     assert resumed["start"] == 3

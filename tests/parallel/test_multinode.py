@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli.test_cli import TINY
+from tests.helpers import EXTEND
 
 ROOT = Path(__file__).parents[2]
 ARGS = [*TINY, "--train.steps=3"]  # global batch 4 = 2 ranks x micro-batch 2, accumulation 1
@@ -198,7 +199,8 @@ def test_shardfit_launcher_on_two_nodes_then_resume_on_one(tmp_path):
                                    "--train.steps=2", f"--logging.run_dir={run_dir}"], run_dir)
     assert all(rc == 0 for rc, _, _ in res), _tail(res)
     assert json.loads((run_dir / "checkpoints/step_00000002/complete.json").read_text())["world_size"] == 2
-    resumed = subprocess.run([sys.executable, "-m", "shardfit", "train", *ARGS, f"--logging.run_dir={run_dir}"],
+    resumed = subprocess.run([sys.executable, "-m", "shardfit", "train", *ARGS, EXTEND,
+                              f"--logging.run_dir={run_dir}"],
                              capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(), cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 x cpu" in resumed.stdout and "resumed from" in resumed.stdout and "step 3/3" in resumed.stdout

@@ -22,7 +22,7 @@ from shardfit.parallel.layout import check_offload
 from shardfit.parallel.offload import _DeviceTwins, offload_policy, offloaded, step_threads
 from shardfit.train import Trainer
 from tests._dist import run_ranks
-from tests.helpers import full_state, small_config
+from tests.helpers import EXTEND, full_state, small_config
 
 CLIP = 0.5  # below every step's gradient norm in these runs: the clip coefficient is < 1 at each step
 ARGS = ["--train.micro_batch=2", "--train.steps=4", f"--train.grad_clip={CLIP}"]
@@ -144,7 +144,7 @@ def _resume_across_offload(rank, world, root):
     losses_a = [h["loss"] for h in a.fit()]
     b = Trainer(small_config(*args, "--train.steps=2", "--parallel.offload=all", run_dir=f"{root}/b"))
     b.fit()
-    c = Trainer(small_config(*args, run_dir=f"{root}/b"))  # resumes step 2 without offload
+    c = Trainer(small_config(*args, EXTEND, run_dir=f"{root}/b"))  # resumes step 2 without offload
     assert c.step == 2
     losses_c = [h["loss"] for h in c.fit()]
     return {"a": losses_a, "c": losses_c}

@@ -9,7 +9,7 @@ from shardfit.errors import ShardfitError
 from shardfit.train import Trainer
 from shardfit.train.checkpoint import complete_checkpoints, resolve_resume
 from tests._dist import run_ranks
-from tests.helpers import full_state, small_config
+from tests.helpers import EXTEND, full_state, small_config
 
 ARGS = ["--train.steps=6", "--train.micro_batch=2", "--compute.activation_checkpoint=full", "--checkpoint.final=true"]
 
@@ -20,7 +20,7 @@ def _uninterrupted_then_resumed(rank, world, root, extra=()):
     state_a = full_state(full.model)
     first = Trainer(small_config(*ARGS, *extra, "--train.steps=3", run_dir=f"{root}/b"))
     first.fit()  # saves step 3 at the end
-    resumed = Trainer(small_config(*ARGS, *extra, run_dir=f"{root}/b"))
+    resumed = Trainer(small_config(*ARGS, *extra, EXTEND, run_dir=f"{root}/b"))
     assert resumed.step == 3
     losses_b = [h["loss"] for h in resumed.fit()]
     state_b = full_state(resumed.model)
@@ -30,7 +30,8 @@ def _uninterrupted_then_resumed(rank, world, root, extra=()):
 
 def _resume_on_one_rank(rank, world, root):
     # continue from the 2-rank checkpoint of step 3 (not the final one), in a new run directory
-    t = Trainer(small_config(*ARGS, f"--checkpoint.resume={root}/b/checkpoints/step_00000003", run_dir=f"{root}/c"))
+    t = Trainer(small_config(*ARGS, f"--checkpoint.resume={root}/b/checkpoints/step_00000003", EXTEND,
+                             run_dir=f"{root}/c"))
     assert t.step == 3
     return {"losses": [h["loss"] for h in t.fit()]}
 
@@ -90,7 +91,7 @@ def _two_checkpoints_then_resume_after_damage(rank, world, root, damage):
 
             (newest / ".metadata").write_bytes(pickle.dumps(Evil()))
     torch.distributed.barrier()
-    resumed = Trainer(small_config(*ARGS, "--train.steps=5", run_dir=root))
+    resumed = Trainer(small_config(*ARGS, "--train.steps=4", run_dir=root))
     return {"step": resumed.step, "notices": resumed.notices}
 
 
@@ -120,7 +121,7 @@ def _ranks_see_different_checkpoints(rank, world, root, rank1_keeps):
     torch.distributed.barrier()
     ckpt = f"{root}/a/checkpoints" if rank == 0 else f"{root}/b"
     try:
-        t = Trainer(small_config(*ARGS, f"--checkpoint.dir={ckpt}", run_dir=f"{root}/run{rank}"))
+        t = Trainer(small_config(*ARGS, "--train.steps=4", f"--checkpoint.dir={ckpt}", run_dir=f"{root}/run{rank}"))
     except ShardfitError as e:
         return {"error": str(e)}
     return {"step": t.step, "notices": t.notices}
@@ -163,7 +164,7 @@ def test_hsdp_checkpoint_resumes_on_another_layout(tmp_path):
     run_ranks(_train_then_return, 4, str(tmp_path), [*no_clip, "--parallel.replicate=2", "--train.steps=3"], "a",
               timeout=240)
     step3 = f"--checkpoint.resume={tmp_path}/a/checkpoints/step_00000003"
-    res = run_ranks(_train_then_return, 2, str(tmp_path), [*no_clip, step3], "b", timeout=240)[0]
+    res = run_ranks(_train_then_return, 2, str(tmp_path), [*no_clip, step3, EXTEND], "b", timeout=240)[0]
     ref_model, ref_losses = reference_train(small_config(*ARGS, *no_clip))
     assert res["start"] == 3
     torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-5)

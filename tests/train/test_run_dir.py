@@ -20,7 +20,7 @@ from shardfit.errors import ShardfitError
 from shardfit.train.checkpoint import complete_checkpoints, prune
 from shardfit.train.run_dir import LOCK, _Lock
 from tests._dist import run_ranks
-from tests.helpers import small_config
+from tests.helpers import EXTEND, small_config
 
 ARGS = ["--train.steps=4", "--checkpoint.every=2", "--checkpoint.final=true"]
 
@@ -76,7 +76,8 @@ def _two_trainers_on_one_directory(rank, world, root):
     except ShardfitError as e:
         second = str(e)
     first.fit()
-    third = Trainer(small_config(*ARGS, "--train.steps=6", run_dir=root))  # the first has finished: free again
+    # the first has finished: free again
+    third = Trainer(small_config(*ARGS, "--train.steps=6", EXTEND, run_dir=root))
     return {"second": second, "third_step": third.step}
 
 
@@ -145,8 +146,8 @@ def _fresh_run_over_checkpoints(rank, world, root):
 
     Trainer(small_config(*ARGS, run_dir=root)).fit()
     out = _start(rank, world, [*ARGS, "--checkpoint.resume=none"], root)
-    resumed = _start(rank, world, [*ARGS, "--train.steps=6", f"--checkpoint.resume={root}/checkpoints/step_00000002"],
-                     root)
+    resumed = _start(rank, world, [*ARGS, "--train.steps=6", EXTEND,
+                                   f"--checkpoint.resume={root}/checkpoints/step_00000002"], root)
     return {"fresh": out["error"], "older_step_of_same_run": resumed["error"]}
 
 

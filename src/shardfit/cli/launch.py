@@ -4,9 +4,11 @@ torchrun (torch.distributed.run.main, in this process) starts the ranks; its own
 LOGLEVEL is set (torchrun's switch for them), and its failure report (ChildFailedError, a block per rank with
 tracebacks) becomes one line: a rank's ShardfitError as the rank wrote it (shardfit.cli.rank_errors; the rank named
 when only some failed) with the rank's exit code; a rank killed by a signal, or crashed, named with what to check
-(exit 1). Ctrl-C and SIGTERM stop the ranks (torchrun forwards the signal) and exit 128 + the signal number
-(130, 143) with one line. A malformed rendezvous endpoint is refused before anything starts; an unreachable one after
-torchrun's wait for it (read_timeout, 60 s by default), in one line.
+(exit 1). Ctrl-C and SIGTERM stop the ranks (torchrun forwards the signal; they save a checkpoint, train/stop.py)
+and exit 128 + the signal number (130, 143) with one line: rank 0's, naming the checkpoint, passed back in the file
+SHARDFIT_STOP_NOTE names; torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s) for them before SIGKILL. A
+malformed rendezvous endpoint is refused before anything starts; an unreachable one after torchrun's wait for it
+(read_timeout, 60 s by default), in one line.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import socket
 import sys
 
 from shardfit.cli.args import count, number
-from shardfit.cli.rank_errors import LAUNCHER_PID, read_error_file
-from shardfit.errors import ShardfitError
+from shardfit.cli.rank_errors import LAUNCHER_PID, STOP_NOTE, read_error_file
+from shardfit.errors import ShardfitError, Stopped
 
 # torchrun's multi-node flags that `shardfit train` passes through (either spelling; docs/multinode.md).
 RDZV_FLAGS = ("--nnodes", "--node-rank", "--node_rank", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",
@@ -109,6 +111,10 @@ def launch_torchrun(nproc: int, config_path: str | None, rest: list[str], launch
         args.append(f"--config={config_path}")
     quiet = not os.environ.get("LOGLEVEL")
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks are this process's children: they leave the line to it
+    import tempfile
+
+    note = os.path.join(tempfile.gettempdir(), f"shardfit-stop-{os.getpid()}.txt")
+    os.environ[STOP_NOTE] = note  # rank 0 writes its stop line there (rank_errors.report_error)
     if quiet:
         logging.disable(logging.CRITICAL)  # torchrun's log lines: each failure is said below, once
     try:
@@ -116,21 +122,34 @@ def launch_torchrun(nproc: int, config_path: str | None, rest: list[str], launch
     except ChildFailedError as e:
         raise explain_failures(e.failures, nproc) from None
     except SignalException as e:
-        return _stopped(e.sigval)
+        return _stopped(e.sigval, note)
     except RendezvousError as e:
         raise _rendezvous_error(e, dict(a.split("=", 1) for a in launcher)) from None
     finally:
         os.environ.pop(LAUNCHER_PID, None)
+        os.environ.pop(STOP_NOTE, None)
+        if os.path.exists(note):
+            os.unlink(note)
         if quiet:
             logging.disable(logging.NOTSET)
     return 0
 
 
-def _stopped(sig: int) -> int:
-    """This launcher got Ctrl-C or a termination signal: torchrun has stopped the ranks with it."""
+def _stopped(sig: int, note: str) -> int:
+    """This launcher got Ctrl-C or a termination signal: torchrun has passed it to the ranks and waited for them.
+    Rank 0's line says what they saved; without one, they were stopped before they could save."""
+    try:
+        with open(note, encoding="utf-8") as f:
+            line = f.read().strip()
+    except OSError:
+        line = ""
+    if line:
+        print(f"shardfit: {line}", file=sys.stderr)
+        return 128 + int(sig)
     name = signal.Signals(sig).name
     what = "interrupted" if sig == signal.SIGINT else f"stopped by {name}"
-    print(f"shardfit: {what}: the ranks were stopped", file=sys.stderr)
+    print(f"shardfit: {what}: the ranks were stopped before saving a checkpoint (during start-up, or beyond "
+          "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default: raise it to give them time)", file=sys.stderr)
     return 128 + int(sig)
 
 
@@ -162,6 +181,8 @@ def explain_failures(failures: dict, nproc: int) -> ShardfitError:
                    if (read_error_file(os.path.join(d, str(lr), "error.json")) or {}).get("message")
                    == errors[rank]["message"])
         code = errors[rank].get("exit_code")
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # the ranks stopped on a signal, and said so
+            return Stopped(errors[rank]["message"], exit_code=code)
         return ShardfitError(errors[rank]["message"], where=None if same >= nproc else f"rank {rank}",
                              exit_code=code if isinstance(code, int) and 0 < code < 126 else 2)
     if signalled:

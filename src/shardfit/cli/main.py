@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import difflib
 import os
+import signal
 import sys
 
 from shardfit import __version__
 from shardfit.cli import rank_errors
 from shardfit.cli.args import ArgumentParser
 from shardfit.cli.doctor import doctor
+from shardfit.cli.export import export
 from shardfit.cli.generate import generate
 from shardfit.cli.plan import plan
+from shardfit.cli.plot import plot
 from shardfit.cli.profile import profile
 from shardfit.cli.recipes import recipes
 from shardfit.cli.serve import serve
@@ -25,7 +28,7 @@ from shardfit.cli.train import train
 from shardfit.errors import ShardfitError
 
 COMMANDS = {"train": train, "doctor": doctor, "plan": plan, "recipes": recipes, "generate": generate,
-            "tokenize": tokenize, "profile": profile, "serve": serve}
+            "tokenize": tokenize, "profile": profile, "serve": serve, "export": export, "plot": plot}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(--config recipe:NAME); generate: text from a trained model or checkpoint (shardfit generate "
                         "--help); tokenize: text to token shards for data.path (shardfit tokenize --help); "
                         "profile: where a profiled step's GPU time went (shardfit profile --help); serve: the Tinker "
-                        "API for training and sampling (shardfit serve --help)")
+                        "API for training and sampling (shardfit serve --help); export: a checkpoint as a Hugging Face "
+                        "model directory (shardfit export --help); plot: a run's metrics as a PNG (shardfit plot "
+                        "--help)")
     try:
         if not argv or argv[0] in ("-h", "--help", "--version"):
             parser.parse_args(argv or ["--help"])
@@ -52,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[command](rest)
     except ShardfitError as e:
         return rank_errors.report_error(e)
-    except KeyboardInterrupt:
-        print("shardfit: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM outside the training loop (cli/train.py)
+        sig = getattr(e, "signum", signal.SIGINT)
+        print("shardfit: interrupted" if sig == signal.SIGINT else f"shardfit: stopped by {signal.Signals(sig).name}"
+              + " before training started: nothing was trained", file=sys.stderr)
+        return 128 + int(sig)
     except Exception as e:
         if rank_errors.torchrun_worker():
             return rank_errors.report_crash(e)  # a bug keeps its traceback, printed once per job

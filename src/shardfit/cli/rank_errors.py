@@ -17,9 +17,10 @@ import sys
 import time
 import traceback
 
-from shardfit.errors import ShardfitError
+from shardfit.errors import ShardfitError, Stopped
 
 LAUNCHER_PID = "SHARDFIT_LAUNCHER_PID"
+STOP_NOTE = "SHARDFIT_STOP_NOTE"  # where rank 0 leaves its stop line for a launcher stopped by a signal (launch.py)
 # A rank of several that fails with an exception (not a ShardfitError) waits this long before it prints: when another
 # rank died first (killed, out of memory), this one's collective fails with a connection error that is only an echo,
 # and torchrun stops it within its monitor interval (0.1 s by default) without a traceback from it.
@@ -47,6 +48,14 @@ def report_error(e: ShardfitError) -> int:
     written = _write_error_file({
         "message": str(e), "timestamp": int(time.time()),
         "shardfit": {"kind": "error", "message": str(e), "exit_code": e.exit_code}})
+    note = os.environ.get(STOP_NOTE, "")
+    if isinstance(e, Stopped) and note and os.environ.get("RANK") == "0":
+        try:
+            with open(note + ".tmp", "w", encoding="utf-8") as f:
+                f.write(str(e))
+            os.replace(note + ".tmp", note)
+        except OSError:
+            pass
     launcher_prints = written and os.environ.get(LAUNCHER_PID) == str(os.getppid())
     if not launcher_prints and _claim_printing():
         print(e.cli_line(), file=sys.stderr)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 from shardfit.cli.args import count, take_options
 from shardfit.cli.launch import RDZV_FLAGS, import_torch_quietly, launch_torchrun, rendezvous_flags
 
@@ -58,10 +61,20 @@ def train(argv: list[str]) -> int:
     from shardfit.train import Trainer, apply_alloc_conf
 
     apply_alloc_conf(cfg.memory.alloc_conf)  # before torch touches CUDA
+    # a torchrun rank dies of SIGTERM at start-up (its launcher speaks); the loop saves on it (train/stop.py)
+    previous = None if os.environ.get("TORCHELASTIC_RUN_ID") else signal.signal(signal.SIGTERM, _sigterm)
     global trained_here
     try:
         Trainer(cfg).fit()
     finally:
         shutdown_distributed()
         trained_here = True
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _sigterm(signum, frame):
+    from shardfit.errors import SignalInterrupt
+
+    raise SignalInterrupt(signum)

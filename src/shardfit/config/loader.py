@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardfit.config.init_from import apply_init_from
 from shardfit.config.lora_rules import LORA_RULES, adapter_fields, nested_section
 from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
@@ -182,8 +183,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _apply_preset(cfg: Config, explicit: set[str]) -> None:
-    if cfg.model.path:
-        _apply_hf_config(cfg, explicit)
+    if cfg.model.path or cfg.model.init_from:  # init_from: a shardfit checkpoint's config (config/init_from.py)
+        _apply_hf_config(cfg, explicit) if cfg.model.path else apply_init_from(cfg, explicit, _fill)
         return
     if cfg.model.name not in PRESETS:
         raise ShardfitError(f"unknown model preset '{cfg.model.name}'", where="model.name",
@@ -222,9 +223,8 @@ def _fill(cfg: Config, section: str, fields: dict[str, Any], source: str, explic
 
 
 def training_regime(cfg: Config) -> tuple[bool, bool]:
-    """(starts from pretrained weights: model.path, fine-tuning data). data.mode=auto decides as the data loader does,
-    from the files' first lines; data that cannot be read yet count as pretraining data (the data loader reports
-    them when training starts, and `shardfit plan` needs none)."""
+    """(pretrained weights: model.path or model.init_from; fine-tuning data). data.mode=auto decides as the data
+    loader does, from the files' first lines (unreadable ones count as pretraining data: the loader reports them)."""
     mode = cfg.data.mode
     if mode == "auto" and cfg.data.format != "auto":
         mode = "pretrain" if cfg.data.format == "text" else "sft"
@@ -237,7 +237,7 @@ def training_regime(cfg: Config) -> tuple[bool, bool]:
                 else "pretrain"
         except (ShardfitError, OSError):
             mode = "pretrain"
-    return bool(cfg.model.path), mode == "sft"
+    return bool(cfg.model.path or cfg.model.init_from), mode == "sft"
 
 
 def training_defaults(n_params: int, pretrained: bool, sft: bool, seq_len: int, steps: int) -> dict[str, Any]:

@@ -31,6 +31,9 @@ MAX_TOKENS = 1 << 24  # vocabulary and context lengths
 class ModelConfig:
     name: str = opt("tiny", "architecture preset whose sizes fill every model key you do not set (see PRESETS)")
     path: str = opt("", "a Hugging Face model directory (config.json, safetensors): its architecture and weights")
+    init_from: str = opt("", "start from the weights of a shardfit checkpoint: a step_XXXXXXXX directory, or a run "
+                             "directory (its newest complete checkpoint); its architecture and tokenizer too, a fresh "
+                             "optimizer, schedule and step 0, on any parallel layout (docs/checkpoints.md)")
     vocab_size: int = opt(264, "vocabulary size (must cover the tokenizer's ids)", gt=0,
                           le=MAX_TOKENS)
     dim: int = opt(256, "hidden size", gt=0, le=MAX_WIDTH)
@@ -253,11 +256,20 @@ class CheckpointConfig:
     export_dtype: str = opt("bfloat16", "dtype of the exported weights", choices=("bfloat16", "float32", "float16"))
     export_merged: str = opt("", "LoRA runs (checkpoint.export_hf then holds the PEFT adapter): at the end, also write "
                                  "the base with the adapters merged in, a plain Hugging Face model, here; empty: none")
+    allow_changes: str = opt("", "comma-separated keys (e.g. train.steps,data.path) that may differ from the config of "
+                                 "the checkpoint being resumed; any other difference in the model, data or schedule "
+                                 "keys is refused (train/run_config.py lists the keys compared)")
+    on_signal: bool = opt(True, "on SIGINT (Ctrl-C) or SIGTERM, finish the step and save a checkpoint every rank "
+                                "agrees on, then exit 130 / 143; false: exit without saving")
 
 
 @dataclass
 class LoggingConfig:
-    run_dir: str = opt("", "where metrics, the resolved config and checkpoints go; empty: runs/<model.name>")
+    run_dir: str = opt("", "where metrics, the resolved config and checkpoints go; empty: runs/<model.name>-<hash>, "
+                           "the hash of the keys that define the experiment (model, data, schedule), so that the same "
+                           "command resumes its own run and another experiment gets its own directory")
+    plot: bool = opt(True, "at the end of the run, draw <run_dir>/metrics.png (loss, validation loss, learning rate, "
+                           "tokens/s, memory; needs matplotlib: pip install 'shardfit[plot]')")
     log_every: int = opt(10, "steps between metric lines (memory and throughput are reduced across ranks then)", gt=0)
     progress: str = opt("auto", "rank-0 progress display", choices=("auto", "bar", "lines", "none"))
     tensorboard: bool = opt(False, "also write every metrics.jsonl record's numbers as TensorBoard scalars into "

@@ -4,6 +4,8 @@ Streaming: parameters are gathered one at a time (`full_tensor()`, a collective 
 order), cast, moved to rank 0's host memory and written in safetensors shards of at most `max_shard_bytes`; no rank
 ever holds more than one full parameter on its GPU, and rank 0's host holds at most one shard. Everything is written
 into <out>.tmp and renamed to <out> at the end, so a crash never leaves a half-written model under the final name.
+Tokenizer files: copied from `source`, or written for the byte tokenizer (hf/tokenizer_files.py), so that
+`AutoTokenizer.from_pretrained(out)` works whatever the run trained with.
 With parallel.offload=all on CUDA the shards live in pinned host memory but the gather runs over NCCL, which takes
 device tensors only: each shard is copied to the GPU just before its gather (`_gatherable`). A LoRA model passes
 its own (name, full tensor) stream (`params`: the base with the adapters merged in, adapters/peft.py); its adapter
@@ -54,8 +56,9 @@ def export_problem(out: Path) -> str | None:
 
 
 def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source: str | Path | None = None,
-              max_shard_bytes: int = 5 * 10**9, params=None) -> Path | None:
-    """params: (name, full tensor) pairs to write instead of full_parameters(model) (every rank iterates them)."""
+              max_shard_bytes: int = 5 * 10**9, params=None, tokenizer: str | None = None) -> Path | None:
+    """params: (name, full tensor) pairs to write instead of full_parameters(model) (every rank iterates them);
+    tokenizer files from the directory `source`, or, for tokenizer="byte", the byte tokenizer's."""
     out = Path(out)
     rank = dist.get_rank() if dist.is_initialized() else 0
     tmp = out.with_name(out.name + ".tmp")
@@ -86,7 +89,7 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
     if rank == 0:
         try:
             flush()
-            problem = _finish(model, tmp, out, files, weight_map, total, dtype, source)
+            problem = _finish(model, tmp, out, files, weight_map, total, dtype, source, tokenizer)
         except OSError as e:
             problem = f"could not write {tmp} ({e.strerror or e})"
     # every rank returns or raises together: rank 0's outcome, in one collective (this was the final barrier)
@@ -155,7 +158,7 @@ def _umask() -> int:
 
 
 def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str, str], total: int, dtype: str,
-            source) -> str | None:
+            source, tokenizer: str | None = None) -> str | None:
     """Name the shards, write config and tokenizer files, and rename tmp to out; else why not."""
     n = len(files)
     names = {f: ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
@@ -168,13 +171,17 @@ def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str,
             indent=2))
     config = {**hf_config_json(model.cfg), "torch_dtype": dtype, "dtype": dtype}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    copy_tokenizer(source, tmp)
+    copy_tokenizer(source, tmp, tokenizer, model.cfg.max_seq_len)
     return publish(tmp, out)
 
 
-def copy_tokenizer(source: str | Path | None, tmp: Path) -> None:
-    """The tokenizer's files of the source model directory, where it has them."""
-    if source:
+def copy_tokenizer(source: str | Path | None, tmp: Path, tokenizer: str | None = None, max_length: int = 0) -> None:
+    """The tokenizer's files of the source model directory, where it has them; the byte tokenizer's, written."""
+    if tokenizer == "byte":
+        from shardfit.hf.tokenizer_files import write_byte_tokenizer
+
+        write_byte_tokenizer(tmp, max_length)
+    elif source:
         for fname in _TOKENIZER_FILES:
             src = Path(source) / fname
             if src.is_file():

@@ -257,8 +257,8 @@ def agree_on_resume(spec: str, root: Path, notices: list[str], device: torch.dev
     return path
 
 
-def load_checkpoint(path: Path, model, optimizer, device: torch.device) -> dict:
-    """Restore model and optimizer shards (any world size) and this rank's RNG; return trainer.json.
+def load_checkpoint(path: Path, model, optimizer, device: torch.device, rng: bool = True) -> dict:
+    """Restore model and optimizer shards (any world size) and this rank's RNG (rng=False: not); return trainer.json.
 
     The files were checked whole when the checkpoint was chosen; here the tensors are checked against this model
     and optimizer before DCP reads them (checkpoint_verify.load_tensors)."""
@@ -272,7 +272,7 @@ def load_checkpoint(path: Path, model, optimizer, device: torch.device) -> dict:
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": osd["param_groups"]})
     rng_file = path / "rng" / f"rank{dist.get_rank()}.safetensors"
-    if rng_file.is_file() and trainer_state.get("world_size") == dist.get_world_size():
+    if rng and rng_file.is_file() and trainer_state.get("world_size") == dist.get_world_size():
         rng = load_file(str(rng_file))
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and device.type == "cuda":

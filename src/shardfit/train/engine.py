@@ -4,8 +4,9 @@ Collectives of one step, identical on every rank and in this order: FSDP's own a
 (gradients reduced after every micro-batch, or with parallel.reduce_every_micro_batch=false after the last one),
 with sequence parallelism the attention all-to-alls, with expert parallelism the MoE exchanges; then exactly one
 all-gather of a small stats vector per rank, after all micro-batches (forward_backward's last act, and the step's
-only host-device sync); with tensorwise FP8 all-gather, after an applied update, one all-reduce of the weights'
-amaxes. Every rank derives the same token count, gradient norm and skip decision from the stats rows.
+only host-device sync; it also carries each rank's stop request, train/stop.py); with tensorwise FP8 all-gather,
+after an applied update, one all-reduce of the weights' amaxes. Every rank derives the same token count, gradient
+norm, skip and stop decisions from the stats rows.
 
 Loss scaling: each micro-batch backpropagates (summed token loss) / C, C = this rank's token capacity per step (the
 same on every rank: same micro-batch count and shapes), and FSDP averages over ranks. optim_step scales the
@@ -49,7 +50,7 @@ from shardfit.train.metrics import MEMORY_FIELDS, ExpertLoad, memory_vector
 from shardfit.train.optim import build_optimizer, set_hyperparameters, set_lr
 from shardfit.train.timing import StepTimer
 
-_SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _MEM = 0, 1, 2, 3, 4, 5
+_SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _STOP, _MEM = 0, 1, 2, 3, 4, 5, 6
 
 
 def choose_loss_kernel(kind: str, device: torch.device) -> str:
@@ -88,6 +89,8 @@ class StepRecord:
     moe: dict
     phases: dict[str, float]
     time_s: float = 0.0
+    stop: int = 0  # a signal any rank received before this step's stats collective (0: none): every rank stops
+    stop_ranks: list[int] = field(default_factory=list)  # the ranks that received it
 
 
 def apply_alloc_conf(alloc_conf: str) -> None:
@@ -131,11 +134,17 @@ class Engine:
 
             self.notices.append(f"rank {dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
         # A resumed run takes its weights from the checkpoint; a LoRA checkpoint holds no base (frozen: rebuilt from
-        # model.path or the seed, as the run started), only adapters, optimizer and buffers.
+        # model.path or the seed, as the run started), only adapters, optimizer and buffers. A new run takes them
+        # from model.init_from's checkpoint, or model.path's.
         lora = cfg.lora.rank > 0
+        self.init_from = None
+        if resume is None and cfg.model.init_from:
+            from shardfit.train.init_from import resolve_init_from
+
+            self.init_from = resolve_init_from(cfg.model.init_from, self.notices, self.device)
         from_hf = bool(cfg.model.path) and (resume is None or lora)
         self.parallel = parallelize(model, cfg, self.device, dist.world_size, cfg.train.seed,
-                                    init=not from_hf)
+                                    init=not from_hf and self.init_from is None)
         self.model, self.layout = model, self.parallel.layout
         self.lora_targets = self.parallel.lora_targets
         if cfg.compute.fp8 != "none":
@@ -149,6 +158,10 @@ class Engine:
             t0 = time.perf_counter()
             loaded = load_hf_checkpoint(self.model, cfg.model.path, params=base_parameters(self.model))
             self.notices.append(load_report(cfg.model.path, time.perf_counter() - t0, loaded, self.device))
+        if self.init_from is not None:
+            from shardfit.train.init_from import load_init_weights
+
+            load_init_weights(self.init_from, self.model, self.device, self.notices)
         if lora:
             if cfg.lora.adapter and resume is None:
                 from shardfit.adapters.peft import load_adapter
@@ -162,6 +175,7 @@ class Engine:
         self.n_params = count_params(self.model)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device, cfg.parallel.offload)
         self.step, self.skipped, self.tokens_seen = 0, 0, 0
+        self.stop_requested = 0  # a signal number, set by a handler at any time (train/stop.py); read by _reduce
         self.run_id = new_run_id()  # follows the run across resumes: checkpoint.keep prunes only its own
         if resume is not None:
             state = load_checkpoint(resume, self.model, self.optimizer, self.device)
@@ -209,7 +223,8 @@ class Engine:
         sq = grad_sq_norm([local_tensor(p.grad) for p in self.params if p.grad is not None], self.device)
         f64 = {"dtype": torch.float64, "device": self.device}
         head = torch.stack([sq, loss_sum.double(), torch.tensor(float(tokens), **f64),
-                            (~torch.isfinite(loss_sum)).double(), torch.tensor(float(real), **f64)])
+                            (~torch.isfinite(loss_sum)).double(), torch.tensor(float(real), **f64),
+                            torch.tensor(float(self.stop_requested), **f64)])
         mem = torch.tensor(memory_vector(self.device), **f64)
         moe = self.expert_load.take()  # [L*E] rows per expert (MoE models; empty otherwise)
         return all_gather_rows(torch.cat([head, mem, moe])).cpu()  # the one host-device sync of the step
@@ -242,7 +257,8 @@ class Engine:
                           no_tokens=n_tokens == 0, capacity=stats.capacity, loss_tokens=n_tokens,
                           real_tokens=float(rows[:, _REAL].sum()), memory=rows[:, _MEM:_MEM + len(MEMORY_FIELDS)],
                           moe=self.expert_load.finish_step(rows[:, _MEM + len(MEMORY_FIELDS):], ok),
-                          phases=stats.phases)
+                          phases=stats.phases, stop=int(rows[:, _STOP].max()),
+                          stop_ranks=[r for r in range(world) if rows[r, _STOP] > 0])
 
     def _update(self, scale: float, grad_norm: float, clip: float) -> None:
         """Launch the optimizer on gradients x scale x (clip coefficient)."""
@@ -412,9 +428,10 @@ class Engine:
         self.finish()
         refuse_non_finite(self.model, self.device, self.step, root, what)
 
-    def export_hf(self, out: str, dtype: str, source: str | None, merged: bool = False) -> Path:
+    def export_hf(self, out: str, dtype: str, source: str | None, merged: bool = False,
+                  tokenizer: str | None = None) -> Path:
         """A Hugging Face model directory; of a LoRA run the PEFT adapter (fp32), or with merged=True the base with
-        the adapters merged in (adapters/peft.py)."""
+        the adapters merged in (adapters/peft.py). tokenizer: the run's data.tokenizer ("byte": its files written)."""
         from shardfit.hf import export_hf
 
         self.finish()
@@ -423,7 +440,7 @@ class Engine:
 
             export_adapter(self.model, out, self.cfg.lora, self.lora_targets, self.cfg.model.path or None, source)
         else:
-            export_hf(self.model, out, dtype, source, params=self._merged())
+            export_hf(self.model, out, dtype, source, params=self._merged(), tokenizer=tokenizer)
         return Path(out)
 
     def _merged(self):

@@ -1,5 +1,10 @@
 """Rank-0 progress: a live bar on a terminal, one line per log step elsewhere, and metrics.jsonl always.
 
+Every metrics.jsonl record says its kind: "train" (a step's log line) or "eval" (a validation loss; also tagged
+"eval": true). The first record a process writes carries "start_step", the step it started from: records of an
+earlier process with a later step are of steps this one redoes (a resume from an older checkpoint, or a new run
+from scratch), and readers (train/curves.py) drop them.
+
 Trackers receive the same records as metrics.jsonl, every numeric field of them, at the record's step: TensorBoard
 (logging.tensorboard) and Weights & Biases (logging.wandb). Only rank 0 makes a Progress that is enabled, so only
 rank 0 ever opens a tracker. The W&B settings and the run config it shows come from <run_dir>/config.toml, the
@@ -47,7 +52,7 @@ def format_line(rec: dict) -> str:
 def scalars(rec: dict) -> dict[str, float]:
     """The numeric fields of a record, as trackers take them (the step is their x axis; None and text are left out)."""
     return {k: v for k, v in rec.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "start_step")}
 
 
 def _read_config(run_dir: Path) -> dict:
@@ -78,13 +83,15 @@ def open_wandb(run_dir: Path, logging: dict, config: dict):
 
 class Progress:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, mode: str, enabled: bool,
-                 tensorboard: bool = False, debug: bool = False, logging: dict | None = None):
-        """logging: the [logging] settings (wandb, wandb_project, wandb_name, wandb_mode); None reads them from
-        <run_dir>/config.toml."""
+                 tensorboard: bool = False, debug: bool = False, logging: dict | None = None,
+                 config: dict | None = None):
+        """logging: the [logging] settings (wandb, wandb_project, wandb_name, wandb_mode); config: the whole
+        resolved config (W&B shows it); with neither, both are read from <run_dir>/config.toml."""
         self.enabled, self.debug = enabled, debug
         self.total, self.start = total_steps, start_step
         self.t0 = time.perf_counter()
         self.file = None
+        self.first = True  # the next record is this process's first: it carries start_step
         self.bar = None
         self.tb = None
         self.wandb = None
@@ -106,10 +113,18 @@ class Progress:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        config = _read_config(run_dir) if logging is None else {"logging": logging}
+        if config is None:
+            config = _read_config(run_dir) if logging is None else {"logging": logging}
         settings = config.get("logging", {})
         if settings.get("wandb"):
             self.wandb = open_wandb(run_dir, settings, config)
+
+    def _write(self, rec: dict) -> None:
+        if self.first:
+            rec = {**rec, "start_step": self.start}
+            self.first = False
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
 
     def _track(self, rec: dict) -> None:
         values = scalars(rec)
@@ -139,8 +154,7 @@ class Progress:
     def log(self, rec: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
+        self._write({"kind": "train", **rec})
         self._track(rec)
         if self.bar is not None:
             self.bar.update(self.task, completed=rec["step"], status=format_line(rec).split(" | ", 1)[1])
@@ -148,12 +162,11 @@ class Progress:
             print(format_line(rec), flush=True)
 
     def log_eval(self, rec: dict) -> None:
-        """A validation record ({"step", "val_loss", "val_tokens", ...}): metrics.jsonl (with "eval": true, so that
-        step records and evaluations are told apart), TensorBoard, and one printed line."""
+        """A validation record ({"step", "val_loss", "val_tokens", ...}): metrics.jsonl (kind "eval", and "eval":
+        true, so that step records and evaluations are told apart), TensorBoard, and one printed line."""
         if not self.enabled:
             return
-        self.file.write(json.dumps({**rec, "eval": True}) + "\n")
-        self.file.flush()
+        self._write({"kind": "eval", **rec, "eval": True})
         self._track(rec)
         self.message(f"eval step {rec['step']}: val_loss {rec['val_loss']:.4f} over {rec['val_tokens']:,} tokens "
                      f"({rec['val_s']:.1f} s)")

@@ -3,13 +3,15 @@ one step implementation) from the data loader, with evaluation, logging, checkpo
 
 Besides the step's collectives (see engine.py), the loop issues: every train.eval_every steps the validation
 forwards (the same count on every rank) and one all-gather of their summed loss and token count; at start-up the
-run directory's and the resume point's agreements (run_dir.py, checkpoint.py); the saves' and export's agreements.
-Every decision that must agree is read from those collectives, so every rank takes the same branch.
+run directory's, the resume point's and the saved config's agreements (run_dir.py, checkpoint.py, run_config.py);
+the saves' and export's agreements. Every decision that must agree is read from those collectives, so every rank
+takes the same branch; a stop on SIGINT / SIGTERM is read from the step's own stats collective (stop.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 import weakref
@@ -17,22 +19,28 @@ from pathlib import Path
 
 import torch
 
-from shardfit.config import Config, accumulation_steps, config_to_toml
+from shardfit.config import Config, accumulation_steps, config_to_dict, config_to_toml
 from shardfit.data.build import build_datasets
 from shardfit.data.chat import export_template
 from shardfit.errors import ShardfitError
 from shardfit.fsutil import write_atomic
+from shardfit.hf.tokenizer_files import tokenizer_source
 from shardfit.memory import MemoryMonitor
 from shardfit.memory.record import SnapshotRecorder
 from shardfit.parallel import init_distributed
+from shardfit.parallel.agreement import agree
 from shardfit.parallel.layout import ParallelLayout
+from shardfit.train import stop
 from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume
+from shardfit.train.checkpoint_verify import COMPLETE
+from shardfit.train.curves import end_of_run
 from shardfit.train.engine import Engine, StepRecord, apply_alloc_conf
 from shardfit.train.metrics import LogWindow, flops_per_token, peak_flops, reset_peaks, summarize_memory
 from shardfit.train.optim import lr_at
 from shardfit.train.profile import StepProfiler
 from shardfit.train.progress import Progress
+from shardfit.train.run_config import check_config, default_run_dir, saved_config, sibling_hint
 from shardfit.train.run_dir import RunClaim, check_no_overwrite
 from shardfit.train.schedule import apply_epochs, schedule_lines
 from shardfit.train.watchdog import EXIT_CODE as WATCHDOG_EXIT
@@ -59,7 +67,10 @@ class Trainer:
         self.device = self.dist.device
         if self.device.type == "cuda" and cfg.memory.max_fraction:
             torch.cuda.set_per_process_memory_fraction(min(cfg.memory.max_fraction, 1.0), self.device)
-        self.run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.model.name}")
+        # the default directory is the experiment's own (run_config.py); the config records where the run went
+        self.default_dir = not cfg.logging.run_dir
+        self.run_dir = Path(cfg.logging.run_dir or default_run_dir(cfg))
+        cfg.logging.run_dir = str(self.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.config_toml = config_to_toml(cfg)
         # Nothing is written until fit(): a bad dataset or checkpoint found here leaves no half-made run directory.
@@ -103,6 +114,7 @@ class Trainer:
         self._resolve_data(cfg)
 
         resume = agree_on_resume(cfg.checkpoint.resume, self.ckpt_dir, self.notices, self.device)
+        self._check_run_config(resume)
         check_no_overwrite(self.ckpt_dir, resume, self.dist.rank, self.device, self.notices)
         self.resumed_from = resume
         self.engine = Engine(cfg, self.dist, resume, self.notices)
@@ -130,6 +142,21 @@ class Trainer:
             cfg.data.chat_template = self.dataset.info["template"]
         resolved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=0.0)) if note else cfg
         self.config_toml = (note or "") + config_to_toml(resolved)
+
+    def _check_run_config(self, resume: Path | None) -> None:
+        """This config against the run it continues (the resumed checkpoint's config, or the one a run that trained
+        recorded here): refused on every rank alike (one collective) unless only compatible or allowed keys differ."""
+        problem = where = fix = None
+        try:
+            saved, source = saved_config(resume, self.run_dir)
+            step = json.loads((resume / COMPLETE).read_text())["step"] if resume is not None else 0
+            self.notices += check_config(self.cfg, saved, source, step, str(resume) if resume else None)
+        except ShardfitError as e:
+            problem, where, fix = e.what, e.where, e.fix
+        agree(problem, where or str(self.run_dir), fix or "", self.device)
+        hint = sibling_hint(self.cfg, self.run_dir) if resume is None and self.default_dir else None
+        if hint:
+            self.notices.append(hint)
 
     # ------------------------------------------------------------------ the Engine's state, for callers and tests
     model = property(lambda self: self.engine.model)
@@ -203,13 +230,12 @@ class Trainer:
             self.watchdog.stop()
             self.claim.release()
             raise ShardfitError(f"nothing to train: resumed at step {self.step} ({self.resumed_from}), and "
-                                f"train.steps={total}", where="train.steps", fix=f"raise train.steps above "
-                                f"{self.step} to continue this run, or give a new run its own logging.run_dir")
-        if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.run_dir / "config.toml", self.config_toml)
+                                f"train.steps={total}", where="train.steps", fix=f"to continue this run, "
+                                f"--train.steps=N (above {self.step}) --checkpoint.allow_changes=train.steps; another "
+                                "experiment gets its own directory (leave logging.run_dir empty)")
         progress = Progress(self.run_dir, total, self.step, cfg.logging.progress, self.dist.is_main,
-                            cfg.logging.tensorboard, debug=cfg.logging.level == "debug")
+                            cfg.logging.tensorboard, debug=cfg.logging.level == "debug",
+                            config=config_to_dict(cfg))
         self.progress = progress
         for notice in self.header + self.notices:
             progress.message(notice)
@@ -217,10 +243,13 @@ class Trainer:
         monitor = MemoryMonitor(cfg.memory.warn_growth_mib / 1024)
         history: list[dict] = []
         window = LogWindow()  # since the last log line
+        signals = stop.StopSignals(self.engine).install()  # a signal stops the loop at a step boundary (stop.py)
         try:
             while self.step < total:
                 with self.profiler.around(self.step + 1):
                     rec = self.train_step()
+                if not history and self.dist.is_main:  # the run's record, once it has trained (never before)
+                    write_atomic(self.run_dir / "config.toml", self.config_toml)
                 if self.profiler.summary:
                     progress.message(self.profiler.summary)
                     self.profiler.summary = None
@@ -229,9 +258,12 @@ class Trainer:
                 progress.advance(self.step)
                 if rec.skipped:
                     self._on_skip(rec, progress)
-                if self.step % cfg.logging.log_every == 0 or self.step in (1, total):
+                halt = rec.stop and self.step < total  # at the last step the run finishes as it would
+                if self.step % cfg.logging.log_every == 0 or self.step in (1, total) or halt:
                     self._log(rec, window, progress, monitor)
                     window = LogWindow(since=window.mark)  # the log line's own time counts in the next window
+                if halt:
+                    raise self._stop(rec, progress)
                 if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == total):
                     self.watchdog.beat(f"step {self.step} validation")
                     progress.log_eval({"step": self.step, **self.engine.evaluate(self.batches.validation())})
@@ -258,21 +290,37 @@ class Trainer:
                 progress.message(f"exported the merged Hugging Face model to "
                                  f"{self.export_hf(cfg.checkpoint.export_merged, merged=True)}")
             self.recorder.diagnose_last(self.dist.is_main, progress.message)
+            if cfg.logging.plot and self.dist.is_main:
+                progress.message(end_of_run(self.run_dir))
+        except KeyboardInterrupt:  # a second Ctrl-C of a single process (stop.py): out at once, said what is lost
+            raise stop.interrupted(self.step, total, self) from None
         except Exception:
             if self.watchdog.fired.is_set():  # the hang is already reported; a peer's exit broke the collective
                 os._exit(WATCHDOG_EXIT)
             raise
         finally:
+            signals.uninstall()
             progress.close()
             self.watchdog.stop()
             self.claim.release()
         return history
 
+    def _stop(self, rec: StepRecord, progress: Progress) -> ShardfitError:
+        """Every rank read the same stop request from the step's stats: save (checkpoint.on_signal), draw the
+        picture, and return the one line to raise."""
+        who = "every rank" if len(rec.stop_ranks) == self.dist.world_size else \
+            "rank " + ", ".join(map(str, rec.stop_ranks))
+        progress.message(f"step {self.step}: {stop.name(rec.stop)} received ({who}): "
+                         + ("saving a checkpoint and stopping" if self.cfg.checkpoint.on_signal else "stopping"))
+        err = stop.stopped(rec.stop, self.step, self.cfg.train.steps, self, self.cfg.checkpoint.on_signal)
+        if self.cfg.logging.plot and self.dist.is_main:
+            progress.message(end_of_run(self.run_dir))
+        return err
+
     def export_hf(self, out: str, merged: bool = False) -> Path:
         self.watchdog.beat(f"step {self.step} Hugging Face export")
-        source = self.cfg.model.path or (str(Path(self.cfg.data.tokenizer).parent)
-                                         if self.cfg.data.tokenizer != "byte" else None)
-        path = self.engine.export_hf(out, self.cfg.checkpoint.export_dtype, source, merged)
+        source, tokenizer = tokenizer_source(self.cfg)
+        path = self.engine.export_hf(out, self.cfg.checkpoint.export_dtype, source, merged, tokenizer=tokenizer)
         if self.dist.is_main:  # the chat template the model was fine-tuned with, where generate and HF tools read it
             export_template(path, self.cfg.data.chat_template)
         return path

@@ -1,0 +1,52 @@
+"""`shardfit export RUN_OR_STEP OUT`: a shardfit checkpoint as a Hugging Face model directory, in one process.
+
+The checkpoint (a step_XXXXXXXX directory, or a run or checkpoints directory: its newest whole checkpoint) is
+checked whole and read through the checked loader (generate.load_dcp: checkpoint_verify, nothing unpickled) into
+one unsharded model on the CPU, whatever number of ranks wrote it and in whatever layout; the trainer's own exporter
+(hf/export.py) then writes it with the run's tokenizer files, the byte tokenizer's included, so that transformers'
+AutoModelForCausalLM and AutoTokenizer load OUT. OUT must be new, empty, or a previous export (replaced whole).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardfit.cli.args import ArgumentParser
+from shardfit.errors import ShardfitError
+
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+def export(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="shardfit export", description=(
+        "Write a shardfit checkpoint as a Hugging Face model directory (safetensors, config.json, tokenizer files) "
+        "that transformers loads; one process on the CPU, from a checkpoint written by any number of ranks."))
+    parser.add_argument("checkpoint", metavar="RUN_OR_STEP", help="a run directory (its newest complete "
+                        "checkpoint), a checkpoints directory, or a step_XXXXXXXX directory")
+    parser.add_argument("out", metavar="OUT", help="the directory to write (new, empty, or a previous export)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the weights (default "
+                        "bfloat16, as checkpoint.export_dtype)")
+    parser.add_argument("--tokenizer", help="tokenizer.json or 'byte' (default: the run's data.tokenizer)")
+    args = parser.parse_args(argv)
+    from shardfit.hf.export import export_problem
+
+    out = Path(args.out)
+    problem = export_problem(out)
+    if problem:
+        raise ShardfitError(f"{out} {problem}", where="OUT", fix="export to a new or empty directory, or remove it")
+    import torch
+
+    from shardfit.generate import load_dcp
+    from shardfit.hf.export import export_hf
+
+    model, spec = load_dcp(args.checkpoint, torch.device("cpu"), torch.float32)
+    spec = args.tokenizer or spec
+    if spec != "byte" and not Path(spec).exists():
+        raise ShardfitError(f"the run's tokenizer {spec} is not found", where="data.tokenizer",
+                            fix="run shardfit export from the directory the run was started in, or give --tokenizer")
+    source = None if spec == "byte" else str(Path(spec).parent if Path(spec).suffix == ".json" else Path(spec))
+    export_hf(model, out, args.dtype, source, tokenizer=spec)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"exported {args.checkpoint} to {out}: {n / 1e6:.1f}M parameters in {args.dtype}, tokenizer "
+          f"{'byte (written as tokenizer.json)' if spec == 'byte' else spec}")
+    return 0
