@@ -15,3 +15,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory):
+    """A run directory with checkpoints of steps 1 and 2 that two gloo ranks wrote (small_config): what model.init_from
+    and shardfit export read in another layout."""
+    from tests._dist import run_ranks
+    from tests.helpers import train_small
+
+    run = tmp_path_factory.mktemp("two_rank") / "run"
+    run_ranks(train_small, 2, str(run), "--train.steps=2", "--checkpoint.every=1", "--checkpoint.final=true")
+    return run

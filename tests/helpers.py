@@ -67,3 +67,10 @@ def full_state(model) -> dict[str, torch.Tensor]:
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                 broadcast_from_rank0=False))
+
+
+def train_small(rank: int, world: int, run_dir: str, *extra: str) -> dict:
+    """A short run of small_config (for tests/_dist.run_ranks); its losses."""
+    from shardfit.train import Trainer
+
+    return {"losses": [h["loss"] for h in Trainer(small_config(*extra, run_dir=run_dir)).fit()]}

@@ -1,6 +1,21 @@
-"""Training: the step (Engine), the loop (Trainer), optimizer and schedule, checkpoints, metrics and progress."""
+"""Training: the step (Engine), the loop (Trainer), optimizer and schedule, checkpoints, metrics and progress.
 
-from shardfit.train.engine import Engine, apply_alloc_conf
-from shardfit.train.trainer import Trainer, TrainingHalted
+The names below load on first use, so that the torch-free modules of this package (curves.py: `shardfit plot`,
+progress.py, run_config.py's naming) import without torch.
+"""
+
+from __future__ import annotations
 
 __all__ = ["Engine", "Trainer", "TrainingHalted", "apply_alloc_conf"]
+
+
+def __getattr__(name: str):
+    if name in ("Engine", "apply_alloc_conf"):
+        from shardfit.train import engine
+
+        return getattr(engine, name)
+    if name in ("Trainer", "TrainingHalted"):
+        from shardfit.train import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'shardfit.train' has no attribute {name!r}")

@@ -57,8 +57,11 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
 def series(train: list[dict], evals: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     """name -> (steps, values) for every panel's field the records hold (None and non-numbers left out)."""
     out = {}
+    cpu = bool(train) and train[-1].get("device") == "cpu"  # one figure for memory: the host's peak resident set
     for _, fields, _ in PANELS:
         for name in fields:
+            if cpu and name == "peak_reserved_max":
+                continue
             recs = evals if name.startswith("val_") else train
             pts = [(r["step"], float(r[name])) for r in recs
                    if isinstance(r.get(name), (int, float)) and not isinstance(r.get(name), bool)]
@@ -132,7 +135,7 @@ def _legend(name: str, train: list[dict]) -> str:
     cpu = bool(train) and train[-1].get("device") == "cpu"
     return {"loss": "train loss", "val_loss": "validation loss", "lr": "lr", "tokens_per_s_per_gpu": "tokens/s",
             "peak_allocated_max": "host peak RSS, max rank" if cpu else "peak allocated, max rank",
-            "peak_reserved_max": "" if cpu else "peak reserved, max rank"}.get(name, name)
+            "peak_reserved_max": "peak reserved, max rank"}.get(name, name)
 
 
 def _tokens_axis(axes, train: list[dict], formatter) -> None:

@@ -4,7 +4,8 @@ Every key is in one of three groups (`group`):
   - compatible: how and where the run computes, logs and saves ([parallel], [compute], [checkpoint], [logging],
     [memory], and COMPATIBLE below): a resumed run may change them freely (DCP reshards for another layout);
   - schedule (SCHEDULE): the learning-rate schedule and AdamW's settings; a change re-stretches the schedule from the
-    step resumed, so it is refused unless named in checkpoint.allow_changes, and then said in one line;
+    step resumed, so it is refused unless named in checkpoint.allow_changes (train.steps brings the warm-up, which
+    follows it by default), and then said in one line;
   - experiment: everything else ([model], [data], the batch, the seed): what is trained, on what. A change is
     refused unless named in checkpoint.allow_changes.
 A resumed run is compared with the config saved in the checkpoint it resumes; a new run with the config.toml a
@@ -107,6 +108,8 @@ def check_config(cfg: Config, saved: dict | None, source: Path | None, step: int
     if saved is None:
         return []
     allowed = allowed_keys(cfg)
+    if "train.steps" in allowed:  # the warm-up follows the steps unless set (config/schema.py WARMUP_FRACTION)
+        allowed.add("train.warmup_steps")
     diffs = differences(saved, cfg)
     refused = [d for d in diffs if d[0] not in allowed]
     what = f"the checkpoint of step {step}" if step else "the run recorded in this directory"
