@@ -43,7 +43,6 @@ def test_train_smoke_then_auto_resume(tmp_path):
              f"--logging.run_dir={run_dir}")
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and "nothing to train: resumed at step 5" in lines[0], p.stderr
-    assert "train.lr 0.003 -> 0.001 (checkpoint.allow_changes)" in p.stdout  # allowed, said, and nothing trained
     assert "train.steps=5" in lines[0] and "step 5/5" not in p.stdout
     assert (run_dir / "config.toml").read_bytes() == before
 

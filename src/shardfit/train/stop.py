@@ -8,7 +8,8 @@ and raises `Stopped`, one line naming the checkpoint, or what was lost and the k
 
 A second signal more than GRACE_S after the first stops at once (a terminal's Ctrl-C and torchrun's copy of it
 arrive together and count once): a single process raises KeyboardInterrupt (reported as not saved), a torchrun rank
-dies of the signal as before. Handlers are installed only from the main thread, for the loop's duration.
+dies of the signal as before; so does a torchrun rank whose loop fails after a signal (torchrun's teardown once a
+peer died). Handlers are installed only from the main thread, for the loop's duration.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ class StopSignals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
+
+    def die_if_stopping(self) -> None:
+        """The loop failed (a collective broken by a peer's exit) after a signal arrived: under torchrun that signal is
+        its teardown of this rank, so die of it, silently, as without the handler (the launcher names the rank that
+        failed first; this one is its echo)."""
+        sig = self.engine.stop_requested
+        if sig and os.environ.get("TORCHELASTIC_RUN_ID"):
+            self.uninstall()
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
 
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()

@@ -22,7 +22,7 @@ import torch
 from shardfit.config import Config, accumulation_steps, config_to_dict, config_to_toml
 from shardfit.data.build import build_datasets
 from shardfit.data.chat import export_template
-from shardfit.errors import ShardfitError
+from shardfit.errors import ShardfitError, Stopped
 from shardfit.fsutil import write_atomic
 from shardfit.hf.tokenizer_files import tokenizer_source
 from shardfit.memory import MemoryMonitor
@@ -294,9 +294,11 @@ class Trainer:
                 progress.message(end_of_run(self.run_dir))
         except KeyboardInterrupt:  # a second Ctrl-C of a single process (stop.py): out at once, said what is lost
             raise stop.interrupted(self.step, total, self) from None
-        except Exception:
+        except Exception as e:
             if self.watchdog.fired.is_set():  # the hang is already reported; a peer's exit broke the collective
                 os._exit(WATCHDOG_EXIT)
+            if not isinstance(e, Stopped):
+                signals.die_if_stopping()
             raise
         finally:
             signals.uninstall()
