@@ -41,6 +41,7 @@ def test_a_one_rank_run_starts_from_the_weights_two_ranks_saved(two_rank_run, tm
 @pytest.mark.parametrize("args, needle", [
     (["--model.dim=32"], "model.dim: model.dim=32 conflicts with dim=64 in"),
     (["--model.path=/somewhere"], "model.init_from and model.path both name starting weights"),
+    (["--lora.rank=8"], "model.init_from does not start LoRA runs yet"),
 ])
 def test_a_contradicting_key_is_one_line(two_rank_run, args, needle):
     with pytest.raises(ShardfitError) as e:

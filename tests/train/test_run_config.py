@@ -23,7 +23,8 @@ from tests.cli.test_cli import TINY
     ("model.dim", "experiment"), ("model.init_from", "experiment"), ("data.path", "experiment"),
     ("data.seed", "experiment"), ("train.global_batch", "experiment"), ("train.seed", "experiment"),
     ("train.steps", "schedule"), ("train.lr", "schedule"), ("train.warmup_steps", "schedule"),
-    ("train.grad_clip", "schedule"), ("train.micro_batch", "compatible"), ("train.eval_every", "compatible"),
+    ("train.grad_clip", "schedule"), ("train.epochs", "schedule"), ("train.micro_batch", "compatible"),
+    ("train.eval_every", "compatible"),
     ("data.val_path", "compatible"), ("parallel.replicate", "compatible"), ("compute.fp8", "compatible"),
     ("checkpoint.every", "compatible"), ("logging.run_dir", "compatible"), ("memory.keep_grads", "compatible"),
 ])
@@ -37,6 +38,7 @@ def test_key_groups(key, want):
     ([], ["--logging.log_every=1", "--parallel.replicate=1", "--train.micro_batch=4", "--checkpoint.every=5"], True),
     ([], ["--train.lr=1e-3"], False),
     ([], ["--train.steps=300"], False),  # a longer schedule is another experiment (continue one: allow_changes)
+    ([], ["--train.epochs=2"], False),
     ([], ["--data.path=corpus.txt"], False),
     ([], ["--model.dim=128"], False),
 ])
@@ -71,6 +73,24 @@ def test_check_config(saved, new, refused, notice):
     else:
         notes = check_config(cfg, _saved(*saved), "ckpt/config.toml", 100, "ckpt")
         assert (notes == []) if notice is None else (len(notes) == 1 and notice in notes[0])
+
+
+def test_epochs_resume_as_the_steps_they_gave():
+    """train.epochs is resolved to train.steps when training starts, and saved as 0 beside them: the steps compare."""
+    from shardfit.train.schedule import apply_epochs
+
+    class Rows:  # a training set of 296 rows (train/schedule.py asks only these)
+        num_windows, info = 296, None
+
+        def items_in(self, epochs):
+            return epochs * self.num_windows
+
+    first, again = load_config(None, ["--train.epochs=2"]), load_config(None, ["--train.epochs=2"])
+    apply_epochs(first, Rows())
+    apply_epochs(again, Rows())
+    saved = json.loads(json.dumps(config_to_dict(first)))
+    saved["train"]["epochs"] = 0.0  # as the trainer records it
+    assert saved["train"]["steps"] == 37 and check_config(again, saved, "ckpt/config.toml", 10, "ckpt") == []
 
 
 def test_allow_changes_names_config_keys():

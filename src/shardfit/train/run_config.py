@@ -34,8 +34,9 @@ else:  # pragma: no cover - Python 3.10
 COMPATIBLE_SECTIONS = ("parallel", "compute", "checkpoint", "logging", "memory")
 COMPATIBLE = {"data.val_path", "train.micro_batch", "train.eval_every", "train.eval_batches",
               "train.max_skipped_steps", "train.watchdog_s", "train.device"}
-SCHEDULE = ("train.steps", "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
-            "train.beta1", "train.beta2", "train.eps", "train.grad_clip")
+SCHEDULE = ("train.steps", "train.epochs", "train.lr", "train.min_lr_ratio", "train.warmup_steps",
+            "train.weight_decay", "train.beta1", "train.beta2", "train.eps", "train.grad_clip")
+RESOLVED = {"train.epochs"}  # named in the hash; not compared: saved as 0, the train.steps it gave is compared
 _SHOWN = 4  # differing keys named in the refusal
 
 
@@ -92,7 +93,7 @@ def differences(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     """(key, saved value, new value) of the experiment and schedule keys that differ; a key the saved config does
     not have (an older shardfit's) is not compared."""
     old = flat(saved)
-    return [(k, old[k], v) for k, v in defining_keys(cfg).items() if k in old and old[k] != v]
+    return [(k, old[k], v) for k, v in defining_keys(cfg).items() if k in old and old[k] != v and k not in RESOLVED]
 
 
 def _show(v: Any) -> str:
