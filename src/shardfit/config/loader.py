@@ -184,7 +184,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _apply_preset(cfg: Config, explicit: set[str]) -> None:
     if cfg.model.path or cfg.model.init_from:  # init_from: a shardfit checkpoint's config (config/init_from.py)
-        _apply_hf_config(cfg, explicit) if cfg.model.path else apply_init_from(cfg, explicit, _fill)
+        apply_init_from(cfg, explicit, _fill) if cfg.model.init_from else _apply_hf_config(cfg, explicit)
         return
     if cfg.model.name not in PRESETS:
         raise ShardfitError(f"unknown model preset '{cfg.model.name}'", where="model.name",
