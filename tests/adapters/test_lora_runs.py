@@ -13,7 +13,7 @@ from shardfit.adapters.lora import is_adapter
 from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.adapters.tiny_hf import hf_model, save_tiny
-from tests.helpers import full_state
+from tests.helpers import EXTEND, full_state
 
 peft = pytest.importorskip("peft")
 RUN = ["--data.seq_len=32", "--train.global_batch=8", "--train.micro_batch=4", "--train.warmup_steps=1",
@@ -41,7 +41,7 @@ def _uninterrupted_then_resumed(rank, world, base, root):
     losses_a = [h["loss"] for h in full.fit()]
     state_a = full_state(full.model)
     Trainer(_config(base, "--train.steps=2", run_dir=f"{root}/b")).fit()  # saves step 2 at the end
-    resumed = Trainer(_config(base, "--train.steps=4", "--checkpoint.final=false", run_dir=f"{root}/b"))
+    resumed = Trainer(_config(base, "--train.steps=4", "--checkpoint.final=false", EXTEND, run_dir=f"{root}/b"))
     assert resumed.step == 2
     losses_b = [h["loss"] for h in resumed.fit()]
     state_b = full_state(resumed.model)

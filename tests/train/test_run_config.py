@@ -93,6 +93,15 @@ def test_epochs_resume_as_the_steps_they_gave():
     assert saved["train"]["steps"] == 37 and check_config(again, saved, "ckpt/config.toml", 10, "ckpt") == []
 
 
+def test_more_epochs_are_named_as_epochs():
+    cfg = load_config(None, ["--train.epochs=2"])
+    cfg.train.steps = 3  # resolved from the data: 1 epoch gave 2
+    with pytest.raises(ShardfitError, match=r"train.steps 2 -> 3 \(train.epochs=2\).*allow_changes=train.epochs$"):
+        check_config(cfg, _saved("--train.steps=2"), "ckpt/config.toml", 2, "ckpt")
+    cfg.checkpoint.allow_changes = "train.epochs"
+    assert "train.steps 2 -> 3" in check_config(cfg, _saved("--train.steps=2"), "ckpt/config.toml", 2, "ckpt")[0]
+
+
 def test_allow_changes_names_config_keys():
     with pytest.raises(ShardfitError, match="'train.stpes' is not a config key.*did you mean 'train.steps'"):
         check_config(load_config(None, ["--checkpoint.allow_changes=train.stpes"]), _saved(), "x", 1, None)

@@ -108,21 +108,25 @@ def check_config(cfg: Config, saved: dict | None, source: Path | None, step: int
     the step resumed (0: a new run); init_hint: the checkpoint a new run could start from (model.init_from)."""
     if saved is None:
         return []
-    allowed = allowed_keys(cfg)
-    if "train.steps" in allowed:  # the warm-up follows the steps unless set (config/schema.py WARMUP_FRACTION)
-        allowed.add("train.warmup_steps")
+    given = allowed_keys(cfg)
+    steps = given & {"train.steps", "train.epochs"}  # the steps (or the epochs that give them) bring the warm-up
+    allowed = given | ({"train.steps", "train.warmup_steps"} if steps else set())
     diffs = differences(saved, cfg)
     refused = [d for d in diffs if d[0] not in allowed]
     what = f"the checkpoint of step {step}" if step else "the run recorded in this directory"
+    via = f" (train.epochs={cfg.train.epochs:g})" if cfg.train.epochs else ""
     if refused:
-        listed = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in refused[:_SHOWN])
+        listed = ", ".join(f"{k} {_show(a)} -> {_show(b)}{via if k == 'train.steps' else ''}"
+                           for k, a, b in refused[:_SHOWN])
         more = f" and {len(refused) - _SHOWN} more" if len(refused) > _SHOWN else ""
-        keys = ",".join(sorted({*allowed, *(k for k, _, _ in refused)}))
+        named = {"train.epochs" if k == "train.steps" and via else k for k, _, _ in refused}
+        if named & {"train.steps", "train.epochs"}:
+            named.discard("train.warmup_steps")  # follows them
         start = f"; --model.init_from={init_hint} starts it from these weights" if init_hint else ""
         raise ShardfitError(f"this config differs from {what} in {listed}{more}", where=str(source),
                             fix=f"start a new run in its own directory (leave logging.run_dir empty: each "
                             f"experiment gets one{start}), or continue this run with the change: "
-                            f"--checkpoint.allow_changes={keys}")
+                            f"--checkpoint.allow_changes={','.join(sorted(given | named))}")
     if not diffs:
         return []
     listed = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in diffs)
