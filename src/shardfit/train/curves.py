@@ -97,7 +97,7 @@ def render(runs: list[Path], where: str = "shardfit plot") -> bytes:
                                 fix="plot once the run has logged a step (logging.log_every)")
         loaded.append((Path(run), train, series(train, evals)))
     plt = _pyplot(where)
-    from matplotlib.ticker import EngFormatter, MaxNLocator
+    from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), dpi=100)
     colors = plt.get_cmap("tab10")
@@ -119,7 +119,7 @@ def render(runs: list[Path], where: str = "shardfit plot") -> bytes:
             ax.legend(fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if title == "learning rate":
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
     if len(loaded) == 1:
         _tokens_axis(axes, loaded[0][1], EngFormatter())
     fig.suptitle(", ".join(str(r) for r, _, _ in loaded), fontsize=11)
@@ -147,9 +147,16 @@ def _tokens_axis(axes, train: list[dict], formatter) -> None:
         return
     steps, tokens = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
     tokens = np.maximum.accumulate(tokens)
+
+    def along(x, xs, ys):  # piecewise linear through the records, extended straight beyond them
+        x = np.asarray(x, float)
+        slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+        y = np.interp(x, xs, ys)
+        return np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * slope, np.where(x < xs[0], ys[0] + (x - xs[0]) * slope, y))
+
     for ax in axes.flat:
-        top = ax.secondary_xaxis("top", functions=(lambda s: np.interp(s, steps, tokens),
-                                                   lambda t: np.interp(t, tokens, steps)))
+        top = ax.secondary_xaxis("top", functions=(lambda s: along(s, steps, tokens),
+                                                   lambda t: along(t, tokens, steps)))
         top.xaxis.set_major_formatter(formatter)
         top.set_xlabel("tokens", fontsize=8)
 
