@@ -88,3 +88,20 @@ def test_a_step_directory_exports_that_step(two_rank_run, tmp_path, capsys):
     a, b = load_file(tmp_path / "s1" / "model.safetensors"), load_file(tmp_path / "s2" / "model.safetensors")
     assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)  # two steps, two sets of weights
     assert main(["export", str(step1), str(tmp_path / "s1")]) == 0  # a previous export is replaced whole
+
+
+def test_a_lora_run_exports_its_base_with_the_adapters_merged(tmp_path, capsys):
+    """A LoRA run's checkpoint holds adapters only: the export is the rebuilt base with them merged in."""
+    transformers = pytest.importorskip("transformers")
+    from shardfit.cli.main import main
+    from shardfit.generate import load_dcp
+    from tests._dist import run_ranks
+    from tests.helpers import train_small
+
+    run_ranks(train_small, 1, str(tmp_path / "run"), "--lora.rank=4", "--train.steps=2", "--checkpoint.final=true")
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype=float32"]) == 0
+    ours, _ = load_dcp(str(tmp_path / "run"), torch.device("cpu"), torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    x = torch.tensor([ByteTokenizer().encode(TEXT)[:24]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x), rtol=1e-4, atol=1e-4)

@@ -4,7 +4,8 @@ The checkpoint (a step_XXXXXXXX directory, or a run or checkpoints directory: it
 checked whole and read through the checked loader (generate.load_dcp: checkpoint_verify, nothing unpickled) into
 one unsharded model on the CPU, whatever number of ranks wrote it and in whatever layout; the trainer's own exporter
 (hf/export.py) then writes it with the run's tokenizer files, the byte tokenizer's included, so that transformers'
-AutoModelForCausalLM and AutoTokenizer load OUT. OUT must be new, empty, or a previous export (replaced whole).
+AutoModelForCausalLM and AutoTokenizer load OUT; a LoRA run's adapters are merged into its base. OUT must be new,
+empty, or a previous export (replaced whole).
 """
 
 from __future__ import annotations
@@ -39,14 +40,22 @@ def export(argv: list[str]) -> int:
     from shardfit.generate import load_dcp
     from shardfit.hf.export import export_hf
 
-    model, spec = load_dcp(args.checkpoint, torch.device("cpu"), torch.float32)
+    saved: dict = {}
+    model, spec = load_dcp(args.checkpoint, torch.device("cpu"), torch.float32, saved=saved)
     spec = args.tokenizer or spec
     if spec != "byte" and not Path(spec).exists():
         raise ShardfitError(f"the run's tokenizer {spec} is not found", where="data.tokenizer",
                             fix="run shardfit export from the directory the run was started in, or give --tokenizer")
     source = None if spec == "byte" else str(Path(spec).parent if Path(spec).suffix == ".json" else Path(spec))
-    export_hf(model, out, args.dtype, source, tokenizer=spec)
-    n = sum(p.numel() for p in model.parameters())
+    from shardfit.adapters.lora import is_adapter
+    from shardfit.data.chat import export_template
+
+    lora = any(is_adapter(name) for name, _ in model.named_parameters())
+    if lora:  # a LoRA run's checkpoint: the base with its adapters merged in, as checkpoint.export_merged writes it
+        from shardfit.adapters.peft import merged_parameters
+    export_hf(model, out, args.dtype, source, params=merged_parameters(model) if lora else None, tokenizer=spec)
+    export_template(out, saved.get("chat_template", ""))  # the template the run applied, as the trainer's export
+    n = sum(p.numel() for name, p in model.named_parameters() if not is_adapter(name))
     print(f"exported {args.checkpoint} to {out}: {n / 1e6:.1f}M parameters in {args.dtype}, tokenizer "
           f"{'byte (written as tokenizer.json)' if spec == 'byte' else spec}")
     return 0
