@@ -23,6 +23,8 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn, args, backend: s
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if one_gpu else str(rank),
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    import shardfit.parallel.dist  # noqa: F401  as every shardfit start-up does before the group exists (its comment)
+
     kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)

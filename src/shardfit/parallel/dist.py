@@ -9,6 +9,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: when torch.distributed.checkpoint is first imported after
+# init_process_group (torch 2.13, gloo), the default group's worker threads outlive destroy_process_group and
+# shutdown_distributed, and such a thread can abort the interpreter at exit (tests/parallel/test_dist.py fails that
+# way when the import comes late). Every shardfit start-up imports this module before it initialises the group.
+import torch.distributed.checkpoint  # noqa: F401,E402  (isort: keep with torch.distributed)
+
 from shardfit.errors import ShardfitError
 
 
