@@ -123,3 +123,19 @@ def test_only_an_enabled_progress_opens_trackers(tmp_path):
     p.log(STEP)
     p.close()
     assert p.tb is None and p.wandb is None and sorted(tmp_path.iterdir()) == [tmp_path / "config.toml"]
+
+
+@pytest.mark.parametrize("device, world, has, hasnt", [
+    ("cpu", 1, ["1,234 tok/s |", "host rss 0.50 GiB |", "fwd/bwd/opt 0.100/0.200/0.010 s"], ["gpu", "comm", "max"]),
+    ("cpu", 2, ["1,234 tok/s/process", "host rss 0.50 GiB (max process)", "fwd/bwd/opt/comm"], ["gpu"]),
+    ("cuda", 2, ["1,234 tok/s/gpu", "mem 0.50/0.75 GiB (alloc/resv, max rank)", "fwd/bwd/opt/comm"], ["rss"]),
+])
+def test_the_log_line_says_what_applies(device, world, has, hasnt):
+    """Issue 27: a CPU run said tok/s/gpu, showed a communication time for one process and called RSS allocated."""
+    from shardfit.train.progress import format_line
+
+    rec = {"step": 3, "total_steps": 10, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s_per_gpu": 1234.4,
+           "device": device, "world": world, "peak_allocated_max": 0.5, "peak_reserved_max": 0.75, "eta_s": 5,
+           "time_forward_s": 0.1, "time_backward_s": 0.2, "time_optimizer_s": 0.01, "time_comm_wait_s": 0.001}
+    line = format_line(rec)
+    assert all(x in line for x in has) and not any(x in line for x in hasnt), line

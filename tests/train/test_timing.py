@@ -35,4 +35,4 @@ def test_debug_level_prints_each_micro_batch_and_metrics_hold_phases(tmp_path, c
     assert "debug: step 1/2 micro-batch 1/4" in out and "debug: step 2/2 micro-batch 4/4" in out
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert all(rec[f"time_{k}_s"] > 0 for k in PHASES)
-    assert "fwd/bwd/opt/comm" in out
+    assert "fwd/bwd/opt " in out and "comm" not in out  # one process: no communication to wait for

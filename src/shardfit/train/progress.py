@@ -31,16 +31,23 @@ def _fmt_eta(seconds: float) -> str:
 
 
 def format_line(rec: dict) -> str:
+    """One log line. On the CPU: tokens/s per process (no GPU), the host's peak resident set (there is no allocator),
+    and with one process no communication time (there is none to wait for)."""
+    cpu, world = rec.get("device") == "cpu", rec.get("world", 1)
+    per = ("/process" if world > 1 else "") if cpu else "/gpu"
     parts = [f"step {rec['step']}/{rec['total_steps']}", f"loss {rec['loss']:.4f}", f"gnorm {rec['grad_norm']:.3f}",
-             f"lr {rec['lr']:.2e}", f"{rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"]
+             f"lr {rec['lr']:.2e}", f"{rec['tokens_per_s_per_gpu']:,.0f} tok/s{per}"]
     if rec.get("mfu") is not None:
         parts.append(f"mfu {rec['mfu']:.3f}")
-    if rec.get("device") == "cpu":
-        parts.append(f"host rss {rec['peak_allocated_max']:.2f} GiB (max rank)")
+    if cpu:
+        parts.append(f"host rss {rec['peak_allocated_max']:.2f} GiB" + (" (max process)" if world > 1 else ""))
     elif "peak_allocated_max" in rec:
         parts.append(f"mem {rec['peak_allocated_max']:.2f}/{rec['peak_reserved_max']:.2f} GiB (alloc/resv, max rank)")
     if "time_forward_s" in rec:
-        parts.append("fwd/bwd/opt/comm " + "/".join(f"{rec[f'time_{k}_s']:.3f}" for k in PHASES) + " s")
+        phases = [k for k in PHASES if not (k == "comm_wait" and world == 1)]
+        names = "/".join({"forward": "fwd", "backward": "bwd", "optimizer": "opt", "comm_wait": "comm"}[k]
+                         for k in phases)
+        parts.append(f"{names} " + "/".join(f"{rec[f'time_{k}_s']:.3f}" for k in phases) + " s")
     if "moe_load_max_over_mean" in rec:
         parts.append(f"expert load max/mean {rec['moe_load_max_over_mean']:.2f} (layer {rec['moe_load_worst_layer']})")
     if rec.get("skipped_steps"):

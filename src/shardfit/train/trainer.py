@@ -343,7 +343,7 @@ class Trainer:
         tps = window.capacity / window.seconds  # this rank's tokens per second, padding included
         world = self.dist.world_size
         progress.log({"step": self.step, "total_steps": self.cfg.train.steps, "device": self.device.type,
-                      "loss": rec.loss, "grad_norm": rec.grad_norm, "lr": rec.lr,
+                      "world": world, "loss": rec.loss, "grad_norm": rec.grad_norm, "lr": rec.lr,
                       "tokens_per_s_per_gpu": tps,
                       "real_tokens_per_s_per_gpu": window.real_tokens / world / window.seconds,
                       "loss_tokens_per_s_per_gpu": window.loss_tokens / world / window.seconds,
