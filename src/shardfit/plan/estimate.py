@@ -123,6 +123,13 @@ def _trained(cfg: Config, n_params: int, block_params: tuple[int, ...], element:
     return _Trained(c.adapters, c.block_adapters, c.base_bytes, c.block_base_bytes, c)
 
 
+def adapter_params(cfg: Config) -> tuple[int, int]:
+    """(parameters that train, parameters of the model): every one, or under LoRA the adapters' of the base's."""
+    m, comp = cfg.model, cfg.compute
+    n_params, block_params, _ = _param_counts(model_key(m), comp.fp8, comp.fp8_all_gather)
+    return _trained(cfg, n_params, block_params, compute_dtype(comp).itemsize).params, n_params
+
+
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     from shardfit.models.decoder import is_moe_layer
     from shardfit.parallel.parallelize import check_replicate
@@ -171,7 +178,8 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     if t.lora:
         blocks = adapters.adapted_block_bytes(t.lora, gathered, element)
         root = t.frozen_bytes - sum(t.block_frozen_bytes) + (t.params - sum(t.block_params)) * element
-        fsdp = root + 2 * max(blocks) - 2 * fp8_bytes + 4 * max(t.block_params) + adapters.dequant_bytes(t.lora, element)
+        fsdp = root + 2 * max(blocks) - 2 * fp8_bytes + 4 * max(t.block_params)
+        fsdp += adapters.dequant_bytes(t.lora, element)  # QLoRA: one weight dequantised at a time
     else:
         big_block = max(gathered)
         fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
