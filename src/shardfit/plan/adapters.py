@@ -88,11 +88,10 @@ def counts(built: nn.Module, lora: tuple, quant: str, element: int) -> Counts:
             largest = max(largest, mod.weight.numel())
     block_params = [sum(p.numel() for p in b.parameters()) for b in built.model.layers]
     block_bytes = tuple(int(n * element - q * (element - NF4_BYTES)) for n, q in zip(block_params, quantized))
-    total = sum(p.numel() for p in built.parameters())
+    root_bytes = (sum(p.numel() for p in built.parameters()) - sum(block_params)) * element  # never quantized
     head = not lora or any(fqn == "lm_head" for fqn, _ in targets)
-    return Counts(sum(r * c for _, r, c in shapes), tuple(block_adapters),
-                  int(total * element - sum(quantized) * (element - NF4_BYTES)), block_bytes, tuple(quantized),
-                  largest, max(width, default=0), head, tuple(shapes))
+    return Counts(sum(r * c for _, r, c in shapes), tuple(block_adapters), root_bytes + sum(block_bytes),
+                  block_bytes, tuple(quantized), largest, max(width, default=0), head, tuple(shapes))
 
 
 def adapted_block_bytes(c: Counts, gathered_params: tuple[int, ...], element: int) -> tuple[int, ...]:
