@@ -7,7 +7,8 @@ output, fp32 log-sum-exp), not the math fallback the meta device would pick. Com
 dense block is traced with AOTAutograd and split by Inductor's min-cut partitioner; an MoE block is compiled by
 dynamo with the graph breaks a GPU run has (meta_moe: the model's own MoE.forward with the CUDA grouped-GEMM path);
 the tensors each forward graph hands to its backward are counted. Compiled counts are linear in the micro-batch:
-traced at 1 and 2 and extended (compiled_line). Every private torch API comes from torch_internals.py.
+traced at 1 and 2 and extended (compiled_line). LoRA runs trace the block with its adapters on a frozen base
+(adapters.adapt_block). Every private torch API comes from torch_internals.py.
 Shapes: x [B, S, D]; S is a rank's share of data.seq_len under Ulysses. Results are bytes, cached per model config.
 Design and measurements: docs/memory-plan.md.
 """
