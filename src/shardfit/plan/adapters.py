@@ -1,14 +1,15 @@
 """The LoRA and QLoRA terms of the plan (adapters/lora.py, docs/lora.md): what a frozen base and its adapters take.
 
   states     the frozen base as stored: the compute dtype's bytes a parameter (bf16 on CUDA), or under
-             model.quantize=nf4 NF4_BYTES for each quantized linear weight; no fp32 master, gradient or moment for
-             it. The adapters are fp32 with fp32 gradients and AdamW's two moments (16 B a parameter), sharded alike.
+             model.quantize=nf4 NF4_BYTES for each adapted linear weight of the blocks; no fp32 master, gradient or
+             moment for it. The adapters: fp32, fp32 gradients and AdamW's two moments (16 B a parameter), sharded.
   gathered   FSDP gathers the base as stored (no fp32 -> bf16 cast copy) and the adapters cast to the compute dtype;
              it reduce-scatters the adapters' gradients only. QLoRA: one dequantised weight in flight (dequant_bytes).
   activations  the traced block has its adapters (adapt_block): what autograd saves for them, nothing for the base.
   backward   an adapted MLP's backward holds three more [T, ffn] buffers than a dense one (mlp_extra_width).
-lora_key and quantize are the config's adapter keys as the planner's caches take them; every figure is bytes or
-parameters of one model built on the meta device (the estimate's). Design and measurements: docs/memory-plan.md.
+lora_key and quantize are the config's adapter keys as the planner's caches take them (model.quantize read with
+getattr: a shardfit without it plans LoRA alone); every figure is bytes or parameters of one model built on the meta
+device (the estimate's). Design and measurements: docs/memory-plan.md.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from torch import nn
 from shardfit.adapters.lora import add_adapter, freeze_base, lora_targets
 from shardfit.config.schema import Config
 
-# NF4 with double quantisation (QLoRA): 4 bits a weight, one 8-bit absmax per 64 weights, one fp32 scale per 256 of
-# those absmax values
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+# NF4 with double-quantised scales as adapters/nf4.py stores a weight (QLoRA): groups of NF4_GROUP weights padded to
+# a whole group, each 4-bit codes (NF4_GROUP / 2 bytes), an int8 absmax per 64 weights (256) and an fp32 mean and
+# scale (8 bytes): 0.516113 bytes a weight
+NF4_GROUP = 16_384
+NF4_GROUP_BYTES = NF4_GROUP // 2 + NF4_GROUP // 64 + 8
+NF4_BYTES = NF4_GROUP_BYTES / NF4_GROUP
 _MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)$")
 _BLOCK = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -49,8 +53,8 @@ class Counts:
     block_adapters: tuple[int, ...]  # of each block
     base_bytes: int  # the frozen base as stored
     block_base_bytes: tuple[int, ...]  # of each block
-    quantized: tuple[int, ...]  # quantized weights' parameters in each block (0 without model.quantize)
-    largest_quantized: int  # parameters of the largest quantized weight (its dequantised copy in flight)
+    nf4_saving: tuple[int, ...]  # bytes each block's NF4 weights take less than in the compute dtype (0: none)
+    largest_quantized: int  # elements of the largest NF4 weight, padded to whole groups (dequantised in flight)
     mlp_extra_width: int  # elements a token of the adapted MLP's extra backward buffers (see backward_extra)
     head_trains: bool  # the output head's weight takes a gradient (full fine-tuning, or an adapter on lm_head)
     adapter_shapes: tuple[tuple[int, int, int], ...]  # (block or -1, rows, row length) of each adapter tensor
@@ -61,11 +65,16 @@ def _block_of(fqn: str) -> int:
     return int(found.group(1)) if found else -1
 
 
+def nf4_bytes(numel: int) -> int:
+    """Bytes of one weight of numel elements in NF4 (whole groups)."""
+    return -(-numel // NF4_GROUP) * NF4_GROUP_BYTES
+
+
 @functools.lru_cache(maxsize=16)
 def counts(built: nn.Module, lora: tuple, quant: str, element: int) -> Counts:
-    """Counts of `built` (the estimate's meta model, read only): the adapters lora.targets would add, the base's
-    bytes at `element` bytes a parameter with each linear weight of the blocks (MoE routers excepted, as
-    lora.targets=all-linear picks them) at NF4_BYTES under quantize="nf4"."""
+    """Counts of `built` (the estimate's meta model, read only): the adapters lora.targets would add, and the base's
+    bytes at `element` bytes a parameter, with under quantize="nf4" the adapted linear layers of the blocks in NF4
+    (adapters/qlora.py: embeddings, norms, the head and MoE experts stay in the compute dtype)."""
     n_blocks = len(built.model.layers)
     block_adapters, shapes, width = [0] * n_blocks, [], [0] * n_blocks
     rank = lora[0] if lora else 0
@@ -80,32 +89,33 @@ def counts(built: nn.Module, lora: tuple, quant: str, element: int) -> Counts:
             mlp = _MLP.match(fqn)
             if mlp:
                 width[i] += cols if mlp.group(2) == "down_proj" else rows
-    quantized = [0] * n_blocks
+    saving = [0] * n_blocks
     largest = 0
-    if quant == "nf4":
-        for fqn, mod in lora_targets(built, "all-linear"):
-            quantized[_block_of(fqn)] += mod.weight.numel()
-            largest = max(largest, mod.weight.numel())
+    for fqn, mod in targets if quant == "nf4" else []:
+        if (i := _block_of(fqn)) >= 0 and isinstance(mod, nn.Linear):
+            n = mod.weight.numel()
+            saving[i] += n * element - nf4_bytes(n)
+            largest = max(largest, -(-n // NF4_GROUP) * NF4_GROUP)
     block_params = [sum(p.numel() for p in b.parameters()) for b in built.model.layers]
-    block_bytes = tuple(int(n * element - q * (element - NF4_BYTES)) for n, q in zip(block_params, quantized))
+    block_bytes = tuple(n * element - q for n, q in zip(block_params, saving))
     root_bytes = (sum(p.numel() for p in built.parameters()) - sum(block_params)) * element  # never quantized
     head = not lora or any(fqn == "lm_head" for fqn, _ in targets)
     return Counts(sum(r * c for _, r, c in shapes), tuple(block_adapters), root_bytes + sum(block_bytes),
-                  block_bytes, tuple(quantized), largest, max(width, default=0), head, tuple(shapes))
+                  block_bytes, tuple(saving), largest, max(width, default=0), head, tuple(shapes))
 
 
 def adapted_block_bytes(c: Counts, gathered_params: tuple[int, ...], element: int) -> tuple[int, ...]:
     """Bytes FSDP gathers for each block of a LoRA run: its base as stored (gathered_params: the parameters it
-    gathers, expert parallelism's share included; the quantized weights, never experts, gathered whole at
-    NF4_BYTES) and its adapters cast to the compute dtype."""
-    return tuple(int(g * element - q * (element - NF4_BYTES)) + a * element
-                 for g, q, a in zip(gathered_params, c.quantized, c.block_adapters))
+    gathers, expert parallelism's share included; the NF4 weights, never experts, gathered whole as their integer
+    storage, uncast) and its adapters cast to the compute dtype."""
+    return tuple(g * element - s + a * element for g, s, a in zip(gathered_params, c.nf4_saving, c.block_adapters))
 
 
-def dequant_bytes(c: Counts, element: int) -> int:
-    """QLoRA: one quantized weight dequantised to the compute dtype for its matmul, in forward and again in backward
-    (for the input gradient), freed after it: one such weight in flight at a time."""
-    return c.largest_quantized * element
+def dequant_bytes(c: Counts, element: int, compiled: bool) -> int:
+    """QLoRA: each NF4 layer dequantises its whole weight (padded to whole groups) for its matmul, in forward and
+    again in backward (for the input gradient), and frees it: one in flight at a time. Compiled, one fused kernel
+    writes it in the compute dtype; eager, the fp32 levels come first, then the copy (adapters/nf4.py: 4 + 2 B)."""
+    return c.largest_quantized * (element if compiled else element + 4)
 
 
 def backward_extra(c: Counts, tokens: int, element: int) -> int:
