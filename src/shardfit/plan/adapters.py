@@ -151,5 +151,5 @@ def adapt_block(block: nn.Module, lora: tuple, dtype: torch.dtype) -> None:
     holder.model.layers = nn.ModuleList([block])
     freeze_base(holder, None)
     for _, mod in lora_targets(holder, targets):
-        add_adapter(mod, rank, 2.0 * rank, dropout)
+        add_adapter(mod, rank, 2.0 * rank, dropout)  # alpha scales values, not shapes: any will do
     block.to(dtype)
