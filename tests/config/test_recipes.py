@@ -17,7 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def test_the_common_cases_are_shipped():
     assert {"llama3-8b-sft-1gpu", "llama3-8b-sft-8gpu", "qwen3-30b-a3b-sft", "llama3-70b-sft",
-            "llama3-8b-long-context", "llama3-8b-fp8-pretrain"} <= set(RECIPES)
+            "llama3-8b-long-context", "llama3-8b-fp8-pretrain", "llama3-8b-lora-1gpu"} <= set(RECIPES)
     text = listing()
     assert all(name in text for name in RECIPES) and "needs: --model.path" in text
     # every recipe says whether it was measured
@@ -52,7 +52,7 @@ def test_measured_figures_are_in_benchmarks():
         pytest.skip("benchmarks/ is in the source tree only")
     measured = {n: read(f"recipe:{n}").measured for n in RECIPES}
     assert {n for n, m in measured.items() if m} == {"llama3-8b-fp8-pretrain", "llama3-8b-long-context",
-                                                    "qwen3-30b-a3b-sft"}
+                                                    "qwen3-30b-a3b-sft", "llama3-8b-lora-1gpu"}
     for name, text in measured.items():
         if not text:
             assert "not measured" in resolve(f"recipe:{name}").read_text().lower(), name
@@ -99,7 +99,8 @@ def test_recipe_with_its_checkpoint_is_the_model_it_planned(name, tmp_path):
     assert {k: v for k, v in vars(real.model).items() if k not in skip} == \
         {k: v for k, v in vars(planned.model).items() if k not in skip}
     assert real.train == planned.train
-    assert planned.train.lr in {row[3] for row in SIZE_DEFAULTS}  # a fine-tuning rate (2e-5, 1e-5), not 3e-4
+    # a fine-tuning rate (2e-5, 1e-5), not 3e-4; LoRA recipes LoRA's (the adapters start at zero: about 10x)
+    assert planned.train.lr in ({1e-4} if planned.lora.rank else {row[3] for row in SIZE_DEFAULTS})
     gpus, gib = read(f"recipe:{name}").layouts[0]
     assert estimate(real, gpus, real.train.micro_batch).peak == estimate(planned, gpus, planned.train.micro_batch).peak
 
@@ -122,6 +123,25 @@ def test_70b_says_truthfully_that_one_node_fits_only_with_cpu_offload():
     assert round(offload.estimate.peak / GiB, 1) == 53.6 and round(offload.host_per_node / GiB) == 1112
     text = resolve("recipe:llama3-70b-sft").read_text()
     assert "53.6 GiB per GPU at micro-batch 6" in text and "1,112 GiB of host memory" in text
+
+
+def test_lora_recipe_is_the_measured_run_and_fits_one_80_gb_gpu():
+    """The 8B LoRA recipe is the measured run's configuration (its row in benchmarks/results, without the steps and
+    batch of the benchmark), planned within 3% of its peak; full fine-tuning of the same model does not fit there."""
+    import shlex
+
+    cfg = load_config("recipe:llama3-8b-lora-1gpu")
+    row = next(r for r in json.loads((BENCHMARKS / "results/2026-11-25_s14_h100x1_lora8b.json").read_text())["rows"]
+               if r["label"] == "shardfit LoRA compile no-AC mbs1")
+    run = load_config(None, shlex.split(row["cmd"].split("shardfit train", 1)[1]))
+    assert (run.lora.rank, run.lora.alpha, run.lora.targets) == (cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    assert (run.compute, run.data.seq_len, run.train.micro_batch) == (cfg.compute, cfg.data.seq_len,
+                                                                      cfg.train.micro_batch)
+    peak = estimate(cfg, 1, cfg.train.micro_batch).peak / GiB
+    assert abs(peak / row["peak_alloc_GiB"] - 1) < 0.03 and f"predicts {peak:.1f}" in resolve(
+        "recipe:llama3-8b-lora-1gpu").read_text()
+    full = load_config("recipe:llama3-8b-lora-1gpu", ["--lora.rank=0"])
+    assert not fits(estimate(full, 1, 1), allocation_budget(79 * GiB), 79 * GiB)
 
 
 def test_recipes_take_the_size_defaults_and_overrides_win():

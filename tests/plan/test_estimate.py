@@ -46,6 +46,10 @@ MEASURED = [
     ("2026-11-23_s11_h200x1_moe1_local.json", "shardfit no-AC compile overlap-opt", []),
     # CPU offload (parallel/offload.py): Llama-3-8B on one H100, the first 5 blocks' states on the GPU
     ("2026-11-23_s8_h100x1_offload8b_keep5.json", "8B offload=all keep 5 blocks full-AC mbs16", []),
+    # LoRA r16 on the 7 linear layers (plan/adapters.py): bf16 frozen base, fp32 adapters, compiled, one H100.
+    # Session 14: no AC mbs 1 -0.8%, full AC mbs 4 +0.1% (the adapted MLP's backward buffers: docs/memory-plan.md)
+    ("2026-11-25_s14_h100x1_lora8b.json", "shardfit LoRA compile no-AC mbs1", []),
+    ("2026-11-25_s14_h100x1_lora8b.json", "shardfit LoRA compile full-AC mbs4", []),
 ]
 
 

@@ -96,7 +96,8 @@ def test_every_proposal_fits_when_replanned_from_its_flags(base, world, gib, _):
         accumulation_steps(got.train.global_batch, got.train.micro_batch, nproc // sp)
         assert accepted(got, nproc) and apply(cfg, p.changes) == got
     kinds = [p.kind for p in props]
-    order = ["expert_parallel", "checkpointing", "sequence_parallel", "offload_all", "more_gpus", "hsdp"]
+    order = ["expert_parallel", "checkpointing", "sequence_parallel", "offload_all", "lora", "qlora", "more_gpus",
+             "hsdp"]
     assert kinds == sorted(kinds, key=order.index)  # what the user gives up grows down the list
 
 
@@ -138,7 +139,7 @@ def test_70b_on_one_node_of_80_gb_and_8b_on_one_gpu_have_a_proposal_that_fits():
     big = load_config(None, SCENARIOS[0][0])
     props, _ = proposals(big, 8, 80)
     one_node = [p for p in props if p.world == 8]
-    assert [p.kind for p in one_node] == ["offload_all"]
+    assert [p.kind for p in one_node] == ["offload_all", "lora"]  # the same training first, then LoRA's
     assert next(p for p in props if p.kind == "more_gpus").world == 24  # without offload: three nodes
     small = load_config(None, BASE_8B)
     offload = next(p for p in proposals(small, 1, 80)[0] if p.kind == "offload_all")

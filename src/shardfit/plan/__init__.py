@@ -4,6 +4,7 @@ No GPU and no weights are needed: blocks run on the meta device (shapes only). T
 those below it:
   torch_internals   every private PyTorch API the planner uses, looked up when first needed (one clear error)
   moe               the mixture-of-experts terms (arithmetic; parallel/expert.py decides the layout)
+  adapters          the LoRA and QLoRA terms: a frozen base as stored, the adapters, the adapted block
   activation_trace  what one block saves for backward, eager or compiled, per checkpointing mode
   checks            the planner's inputs, one line for each bad number or impossible model
   estimate          one rank's peak, term by term (states, fsdp, activations, working, host)

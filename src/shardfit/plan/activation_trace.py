@@ -7,7 +7,8 @@ output, fp32 log-sum-exp), not the math fallback the meta device would pick. Com
 dense block is traced with AOTAutograd and split by Inductor's min-cut partitioner; an MoE block is compiled by
 dynamo with the graph breaks a GPU run has (meta_moe: the model's own MoE.forward with the CUDA grouped-GEMM path);
 the tensors each forward graph hands to its backward are counted. Compiled counts are linear in the micro-batch:
-traced at 1 and 2 and extended (compiled_line). Every private torch API comes from torch_internals.py.
+traced at 1 and 2 and extended (compiled_line). LoRA runs trace the block with its adapters on a frozen base
+(adapters.adapt_block). Every private torch API comes from torch_internals.py.
 Shapes: x [B, S, D]; S is a rank's share of data.seq_len under Ulysses. Results are bytes, cached per model config.
 Design and measurements: docs/memory-plan.md.
 """
@@ -23,7 +24,7 @@ import torch
 
 from shardfit.config.schema import ComputeConfig, Config, ModelConfig
 from shardfit.parallel.fp8 import apply_fp8
-from shardfit.plan import moe, torch_internals
+from shardfit.plan import adapters, moe, torch_internals
 
 
 def compute_dtype(compute: ComputeConfig) -> torch.dtype:
@@ -132,9 +133,10 @@ def compiled_moe_saved_bytes(block: torch.nn.Module, *inputs: torch.Tensor) -> i
 
 
 def meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torch.dtype, fp8: str = "none",
-               eager_experts: bool = False):
+               eager_experts: bool = False, lora: tuple = ()):
     """One decoder block on the meta device, with the flash attention core (and an MoE layer's CUDA expert path:
-    meta_moe), its chosen linear layers FP8 if asked, and its inputs: (block, x [b, S, D], cos, sin)."""
+    meta_moe), its chosen linear layers FP8 if asked, LoRA adapters on a frozen base if lora (adapters.lora_key),
+    and its inputs: (block, x [b, S, D], cos, sin)."""
     from shardfit.models.decoder import DecoderBlock, is_moe_layer
 
     head_dim = m.head_dim or m.dim // m.n_heads
@@ -145,6 +147,7 @@ def meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torc
         sin = torch.empty_like(cos)
     # the layers a GPU run converts (the plan is for GPUs); the weights are cast in the graph here
     apply_fp8(block, ComputeConfig(fp8=fp8, fp8_all_gather=False), "cuda", None, prefix=f"model.layers.{layer}.")
+    adapters.adapt_block(block, lora, dtype)  # after FP8, as parallelize orders them
     block.self_attn.core = _flash_core
     if is_moe_layer(m, layer):
         meta_moe(block.mlp, eager_experts)
@@ -153,7 +156,7 @@ def meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torc
 
 @functools.lru_cache(maxsize=16)
 def compiled_line(model: tuple, S: int, dtype: torch.dtype, layer: int, fp8: str = "none",
-                  moe: bool = False, eager_experts: bool = False) -> tuple[int, int]:
+                  moe: bool = False, eager_experts: bool = False, lora: tuple = ()) -> tuple[int, int]:
     """(bytes at micro-batch 1, bytes per further sequence) a compiled block saves, for the model config given as
     a tuple of its fields (model_key). Every saved tensor is [B, ...] except two RNG scalars of the attention, so
     the count is linear in B: traced once at micro-batch 1 and 2 per shape, not once per candidate micro-batch and
@@ -162,10 +165,10 @@ def compiled_line(model: tuple, S: int, dtype: torch.dtype, layer: int, fp8: str
     what is counted; the casts of the weights, the graph's one other constant part, are not held from forward to
     backward in a run (FSDP gathers the weights again for backward), so the line starts at the per-sequence slope.
     moe: an MoE block, traced as the GPU compiles it, graph breaks included (eager_experts: its experts outside
-    the graph)."""
+    the graph). lora: the block with adapters (adapters.lora_key); their [B*S, r] tensors are linear in B too."""
     m = ModelConfig(**dict(model))
     count = compiled_moe_saved_bytes if moe else compiled_saved_bytes
-    first, second = (count(*meta_block(m, layer, b, S, dtype, fp8, eager_experts)) for b in (1, 2))
+    first, second = (count(*meta_block(m, layer, b, S, dtype, fp8, eager_experts, lora)) for b in (1, 2))
     per_sequence = second - first
     return (per_sequence if fp8 != "none" else first), per_sequence
 
@@ -196,22 +199,22 @@ def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0, world:
     par, comp = cfg.parallel, cfg.compute
     S = cfg.data.seq_len // par.sequence_parallel  # Ulysses: each rank keeps S/P tokens
     return dict(_block_bytes(model_key(cfg.model), micro_batch, S, compute_dtype(comp), layer, comp.compile, comp.fp8,
-                             par.expert_parallel, moe.eager_experts(par, world)))
+                             par.expert_parallel, moe.eager_experts(par, world), adapters.lora_key(cfg)))
 
 
 @functools.lru_cache(maxsize=512)
 def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, layer: int, compile: bool,
-                 fp8: str, ep: int = 1, eager_experts: bool = False) -> tuple[tuple[str, int], ...]:
+                 fp8: str, ep: int = 1, eager_experts: bool = False, lora: tuple = ()) -> tuple[tuple[str, int], ...]:
     """block_activation_bytes, cached (the sharding and offload change nothing here): `plan --propose` traces once."""
     from shardfit.models.decoder import is_moe_layer
     from shardfit.parallel.parallelize import _SAVE_OPS
 
     m = ModelConfig(**dict(model))
     is_moe = is_moe_layer(m, layer)
-    block, x, cos, sin = meta_block(m, layer, micro_batch, S, dtype, eager_experts=eager_experts)
+    block, x, cos, sin = meta_block(m, layer, micro_batch, S, dtype, eager_experts=eager_experts, lora=lora)
     compiled = None  # compiled blocks: what the partitioner saves (MoE: graph by graph)
     if compile:
-        first, per_sequence = compiled_line(model, S, dtype, layer, fp8, is_moe, eager_experts and is_moe)
+        first, per_sequence = compiled_line(model, S, dtype, layer, fp8, is_moe, eager_experts and is_moe, lora)
         compiled = first + per_sequence * (micro_batch - 1)
     saved_ops = _saved_ops_mode()(_SAVE_OPS)
     with saved_storages(block) as seen, saved_ops:

@@ -2,9 +2,10 @@
 
   states       fp32 parameters, Adam's two moments and fp32 gradients (16 B/param) over the shard group (world, or
                world / parallel.replicate under HSDP); freed gradients (memory.keep_grads=false) are counted as
-               idle cache, not peak, unless micro-batches accumulate; parallel.offload moves states to host memory
+               idle cache, not peak, unless micro-batches accumulate; parallel.offload moves states to host memory.
+               LoRA (lora.rank): 16 B per adapter parameter, the frozen base as stored (adapters.py)
   fsdp         bf16 gathered parameters: the root group, the running and the prefetched block, one fp32
-               reduce-scatter input; offload=all adds one block's shards in transit (offload_copies)
+               reduce-scatter input (LoRA: the adapters'); offload=all adds one block's shards in transit
   activations  per block what activation_trace.py counts for its checkpointing mode, times the blocks
   working      the larger of the fused loss's buffers and one block's backward
   host         what parallel.offload keeps in host memory per rank (pinned shards rounded to powers of two)
@@ -24,7 +25,7 @@ import torch
 
 from shardfit.config.schema import ComputeConfig, Config, ModelConfig
 from shardfit.parallel.fp8 import fp8_linears, gathers_in_fp8
-from shardfit.plan import moe
+from shardfit.plan import adapters, moe
 from shardfit.plan.activation_trace import block_activation_bytes, compute_dtype, model_key
 
 GiB = 1 << 30
@@ -52,17 +53,18 @@ def _param_counts(model: tuple, fp8: str, fp8_all_gather: bool) -> tuple[int, tu
 
 
 @functools.lru_cache(maxsize=256)
-def pinned_shard_bytes(model: tuple, shard: int, gpu_blocks: int = 0) -> int:
-    """Pinned host bytes of one rank's fp32 parameter shards under offload=all: FSDP2 pins each shard (dim 0 split
-    over `shard` ranks, padded to a whole row count) as an allocation of its own, and PyTorch's pinned allocator rounds
-    each up to a power of two. The gradient shards copied back are pinned the same way: the same bytes again. The
-    first gpu_blocks blocks' shards stay on the GPU (parallel.offload_gpu_blocks): not counted."""
+def pinned_shard_bytes(model: tuple, shard: int, gpu_blocks: int = 0, element: int = 4) -> int:
+    """Pinned host bytes of one rank's parameter shards (fp32; a LoRA run's frozen base: element, its compute dtype)
+    under offload=all: FSDP2 pins each shard (dim 0 split over `shard` ranks, padded to a whole row count) as an
+    allocation of its own, and PyTorch's pinned allocator rounds each up to a power of two. The fp32 gradient shards
+    copied back are pinned the same way: the same bytes again. The first gpu_blocks blocks' shards stay on the GPU
+    (parallel.offload_gpu_blocks): not counted."""
     built = _meta_model(model)
     kept = {id(p) for b in built.model.layers[:gpu_blocks] for p in b.parameters()}
     total = 0
     for p in (p for p in built.parameters() if id(p) not in kept):
         rows = -(-p.shape[0] // shard) if p.dim() else 1
-        nbytes = 4 * rows * (p[0].numel() if p.dim() else 1)
+        nbytes = element * rows * (p[0].numel() if p.dim() else 1)
         total += 1 << max(0, (nbytes - 1).bit_length())  # the next power of two
     return total
 
@@ -102,6 +104,32 @@ def as_rows(cfg: Config) -> Config:
                                train=dataclasses.replace(cfg.train, micro_batch=1, micro_batch_tokens=0))
 
 
+@dataclass
+class _Trained:
+    """What a run keeps of its parameters, counted once per estimate: full fine-tuning trains every parameter (fp32
+    master, gradient, moments); a LoRA run trains its adapters and stores the frozen base as it is (adapters.py)."""
+
+    params: int  # parameters that train, whole model
+    block_params: tuple[int, ...]  # of each block
+    frozen_bytes: int  # the frozen base as stored, whole model (0: full fine-tuning)
+    block_frozen_bytes: tuple[int, ...]
+    lora: adapters.Counts | None
+
+
+def _trained(cfg: Config, n_params: int, block_params: tuple[int, ...], element: int) -> _Trained:
+    if not cfg.lora.rank:
+        return _Trained(n_params, block_params, 0, (0,) * len(block_params), None)
+    c = adapters.counts(_meta_model(model_key(cfg.model)), adapters.lora_key(cfg), adapters.quantize(cfg), element)
+    return _Trained(c.adapters, c.block_adapters, c.base_bytes, c.block_base_bytes, c)
+
+
+def adapter_params(cfg: Config) -> tuple[int, int]:
+    """(parameters that train, parameters of the model): every one, or under LoRA the adapters' of the base's."""
+    m, comp = cfg.model, cfg.compute
+    n_params, block_params, _ = _param_counts(model_key(m), comp.fp8, comp.fp8_all_gather)
+    return _trained(cfg, n_params, block_params, compute_dtype(comp).itemsize).params, n_params
+
+
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     from shardfit.models.decoder import is_moe_layer
     from shardfit.parallel.parallelize import check_replicate
@@ -110,44 +138,53 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     cfg = as_rows(cfg)  # token budgets: micro_batch counts [1, micro_batch_tokens] rows
     shard = world // cfg.parallel.replicate  # ranks the states are sharded over (HSDP: one replica's group)
     m, par, comp = cfg.model, cfg.parallel, cfg.compute
+    element = compute_dtype(comp).itemsize
     n_params, block_params, fp8_bytes = _param_counts(model_key(m), comp.fp8, comp.fp8_all_gather)
     root_params = n_params - sum(block_params)
+    t = _trained(cfg, n_params, block_params, element)  # LoRA: adapters train, the base is frozen as stored
     # offload=all keeps only the first offload_gpu_blocks blocks' states on the GPU (parallel/offload.py)
     kept = par.offload_gpu_blocks
-    on_gpu = sum(block_params[:kept]) if par.offload == "all" else n_params
-    # fp32 weights, Adam's two fp32 moments, fp32 gradients
-    weights, moments, sharded_grads = 4 * on_gpu // shard, 8 * on_gpu // shard, 4 * on_gpu // shard
+    offloaded = par.offload == "all"
+    on_gpu = sum(t.block_params[:kept]) if offloaded else t.params
+    frozen_on_gpu = sum(t.block_frozen_bytes[:kept]) if offloaded else t.frozen_bytes
+    # fp32 weights, Adam's two fp32 moments, fp32 gradients of what trains; the frozen base as stored
+    weights, moments, sharded_grads = (frozen_on_gpu + 4 * on_gpu) // shard, 8 * on_gpu // shard, 4 * on_gpu // shard
     # under offload=all the trainer frees every gradient after the step, the GPU-kept blocks' too
-    keep = cfg.memory.keep_grads and par.offload != "all"
+    keep = cfg.memory.keep_grads and not offloaded
     # experts outside FSDP (E = W) free their gradients after every step whatever keep says (step_overlap.zero_grads)
-    # and the backward writes them again as it frees the activations: added below, never idle in FSDP's pool
+    # and the backward writes them again as it frees the activations: added below, never idle in FSDP's pool. A LoRA
+    # run's experts are frozen (no adapter): no gradient, and stored in the compute dtype, no cast held or recomputed
     experts = moe.expert_params(_meta_model(model_key(m)))
-    fresh = 4 * moe.outside_fsdp_params(experts, par.expert_parallel, world, par.offload)
+    outside = moe.outside_fsdp_params(experts, par.expert_parallel, world, par.offload)
+    fresh = 0 if t.lora else 4 * outside
     grads, idle_cache = (sharded_grads - fresh, 0) if keep else (0, sharded_grads - fresh)  # freed: cached (fits)
     unsharded = 0
     accumulating = cfg.train.global_batch > micro_batch * (world // par.sequence_parallel)
     if accumulating:
         if not par.reduce_every_micro_batch:
             # accumulated unsharded in fp32 between micro-batches, on every GPU (EP: a rank's n/E experts; E = W: fresh)
-            unsharded = 4 * (n_params - sum(experts) + (0 if fresh else sum(experts) // par.expert_parallel))
+            unsharded = 4 * (t.params if t.lora else
+                             n_params - sum(experts) + (0 if fresh else sum(experts) // par.expert_parallel))
         elif not keep:
             grads, idle_cache = sharded_grads - fresh, 0  # live from the first micro-batch on: allocated, not idle
     host = copies = 0
-    if par.offload == "all":  # FSDP2's CPUOffloadPolicy: the other groups' sharded states in host memory
-        # gradients copied there after each reduce-scatter; parameters and gradients pinned, each shard rounded up
-        # to a power of two by the pinned allocator; the moments are plain host memory
-        host = 2 * pinned_shard_bytes(model_key(m), shard, kept) + 8 * (n_params - on_gpu) // shard
-        # FSDP2 copies a group's fp32 shard to the GPU before its all-gather (the prefetched block's, while one
-        # computes), and each reduced gradient shard sits on the GPU until its copy to the host is done: one
-        # offloaded block's shard of each, 4 B/param/shard twice
-        copies = 2 * 4 * max(block_params[kept:], default=0) // shard
+    if offloaded:  # FSDP2's CPUOffloadPolicy: the other groups' sharded states in host memory
+        host, copies = _offloaded(cfg, t, shard, n_params, on_gpu, element)
     grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
-    # bf16 gathered params of the root and two blocks (EP: only a rank's n/E experts, moe.py), one fp32
-    # reduce-scatter input; FP8 all-gather gathers the converted weights at 1 byte each. The same with offload=all.
-    big_block = max(moe.gathered_params(block_params, experts, par.expert_parallel, fresh > 0))
-    fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
+    # gathered params of the root and two blocks in the compute dtype (EP: only a rank's n/E experts, moe.py), one
+    # fp32 reduce-scatter input; FP8 all-gather gathers the converted weights at 1 byte each. The same with
+    # offload=all. LoRA: the base as stored, the adapters cast; only the adapters' gradients are reduced
+    gathered = moe.gathered_params(block_params, experts, par.expert_parallel, outside > 0)
+    if t.lora:
+        blocks = adapters.adapted_block_bytes(t.lora, gathered, element)
+        root = t.frozen_bytes - sum(t.block_frozen_bytes) + (t.params - sum(t.block_params)) * element
+        fsdp = root + 2 * max(blocks) - 2 * fp8_bytes + 4 * max(t.block_params)
+        fsdp += adapters.dequant_bytes(t.lora, element, comp.compile)  # QLoRA: one weight dequantised at a time
+    else:
+        big_block = max(gathered)
+        fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
     mode = comp.activation_checkpoint
-    fsdp += moe.outside_transient_bytes(experts, cfg, compute_dtype(comp).itemsize) if fresh else 0
+    fsdp += moe.outside_transient_bytes(experts, cfg, element) if fresh else 0
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
     per_block = {k: block_activation_bytes(cfg, micro_batch, layer=next(
         i for i in range(m.n_layers) if is_moe_layer(m, i) == k), world=world) for k in kinds}
@@ -155,21 +192,44 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     for i in range(m.n_layers):
         b = per_block[is_moe_layer(m, i)]
         checkpointed = mode == "selective" or (mode == "full" and i % comp.ac_every == 0)
-        acts += b[mode] if checkpointed else b["none"] + moe.held_expert_bytes(
-            experts[i], par.expert_parallel, world, compute_dtype(comp).itemsize, par.offload)
+        acts += b[mode] if checkpointed else b["none"] + (0 if t.lora else moe.held_expert_bytes(
+            experts[i], par.expert_parallel, world, element, par.offload))
     # fresh expert gradients replace activations in backward (the larger counts), or stay between micro-batches
     grads += fresh if accumulating else max(0, fresh - acts)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
-    # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16, and one logits chunk [c, V]: eager bf16
-    # logits, an fp32 copy, logsumexp's fp32 temporary (10 B); compiled (compile_loss) bf16 logits and gradient (4 B)
+    # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16 (a frozen head: none; an adapter on it:
+    # the merged weight too), and one logits chunk [c, V]: eager bf16 logits, an fp32 copy, logsumexp's fp32
+    # temporary (10 B); compiled (compile_loss) bf16 logits and gradient (4 B)
     per_logit = 4 if comp.compile and comp.compile_loss and comp.kernels != "liger" else 10
-    loss = tokens * m.dim * 2 + m.vocab_size * m.dim * 2 + comp.loss_chunk * m.vocab_size * per_logit
+    head = 1 if not t.lora else 2 if t.lora.head_trains else 0  # [V, D] buffers: dW; LoRA's merged weight and dW
+    loss = tokens * m.dim * 2 + head * m.vocab_size * m.dim * 2 + comp.loss_chunk * m.vocab_size * per_logit
     # backward of one block: gradients of its input and output, of the gate and up projections' outputs, expert
-    # parallelism's exchange buffers, and under checkpointing the block's recomputed tensors on top
+    # parallelism's exchange buffers, and under checkpointing the block's recomputed tensors on top; an adapted
+    # MLP's extra buffers (adapters.backward_extra)
     backward = max(2 * b["block_input"] + b["ffn_grads"] + b["exchange"] + (b["none"] if mode != "none" else 0)
                    for b in per_block.values())
+    backward += adapters.backward_extra(t.lora, tokens, element) if t.lora else 0
     return Estimate(micro_batch, weights, grads, moments, fsdp, acts, max(loss, backward), offload_copies=copies,
                     idle_cache=idle_cache, host=host)
+
+
+def _offloaded(cfg: Config, t: _Trained, shard: int, n_params: int, on_gpu: int, element: int) -> tuple[int, int]:
+    """offload=all: (host bytes per rank, shards in transit on the GPU). Host: gradients copied there after each
+    reduce-scatter; parameters and gradients pinned, each shard rounded up to a power of two by the pinned allocator;
+    the moments plain host memory. In transit: FSDP2 copies a group's shard to the GPU before its all-gather (the
+    prefetched block's, while one computes), and each reduced gradient shard sits on the GPU until its copy to the
+    host is done: one offloaded block's shard of each (fp32: 4 B/param/shard twice; LoRA: the base as stored, the
+    adapters' fp32 shard and gradient). LoRA: no gradient for the frozen base (NF4 shards counted unrounded)."""
+    kept = cfg.parallel.offload_gpu_blocks
+    key = model_key(cfg.model)
+    if not t.lora:
+        host = 2 * pinned_shard_bytes(key, shard, kept) + 8 * (n_params - on_gpu) // shard
+        return host, 2 * 4 * max(t.block_params[kept:], default=0) // shard
+    base = (pinned_shard_bytes(key, shard, kept, element) if adapters.quantize(cfg) == "none"
+            else (t.frozen_bytes - sum(t.block_frozen_bytes[:kept])) // shard)
+    host = base + 2 * adapters.pinned_adapter_bytes(t.lora, shard, kept) + 8 * (t.params - on_gpu) // shard
+    transit = max((f + 8 * a for f, a in zip(t.block_frozen_bytes[kept:], t.block_params[kept:])), default=0)
+    return host, transit // shard
 
 
 def host_per_node(e: Estimate, world: int, gpus_per_node: int = 8) -> int:

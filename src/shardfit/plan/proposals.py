@@ -3,10 +3,12 @@
 One proposal per kind, in the order of what the user gives up, least first: expert_parallel (MoE models: the
 experts split within a node, with the overlapped optimizer step), checkpointing (heavier checkpointing or a smaller
 micro-batch), sequence_parallel (Ulysses over the smallest P that fits), offload_all (FSDP2's CPU offload, the
-fewest GPU-kept blocks whose host memory fits --host-memory), more_gpus (the smallest fitting world without
-offload), hsdp (replicas of whole-node shard groups). Each kind takes the lightest checkpointing at which some
-micro-batch fits and there the largest micro-batch dividing a data-parallel rank's share of the global batch;
-offload_all the largest micro-batch first (one micro-batch per step wins under offload). A proposal is config keys
+fewest GPU-kept blocks whose host memory fits --host-memory), lora then qlora (adapters on a frozen base, an NF4 one
+where model.quantize exists: they change what is trained, so they follow every layout that trains what was asked
+on these GPUs), more_gpus (the smallest fitting world without offload), hsdp (replicas of whole-node shard
+groups). Each kind takes the lightest checkpointing at which some micro-batch fits and there the largest
+micro-batch dividing a data-parallel rank's share of the global batch; offload_all the largest micro-batch first
+(one micro-batch per step wins under offload). A proposal is config keys
 and a world size: applied to the config, checked as the loader, the launcher and parallelize check it (accepted),
 and re-planned by the same estimate, so what is printed is what `shardfit plan` with those flags predicts.
 plan_json is `--json` (schema shardfit.plan/1, every figure in bytes). Why each kind, and in this order:
@@ -19,11 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfit.config.schema import Config
+from shardfit.plan.adapters import quantize
 from shardfit.plan.checks import check_plan_inputs
 from shardfit.plan.estimate import (
     HOST_USABLE,
     Estimate,
     GiB,
+    adapter_params,
     allocation_budget,
     estimate,
     fits,
@@ -34,6 +38,7 @@ from shardfit.plan.table import MODES, configured, largest_per_mode
 
 SCHEMA = "shardfit.plan/1"
 MAX_GPUS = 4096  # more_gpus gives up beyond this
+LORA = {"lora.rank": 16, "lora.alpha": 32}  # what the lora and qlora proposals set (docs/lora.md)
 CHECKPOINTING = {"none": "no recomputation", "selective": "selective checkpointing recomputes the elementwise work "
                  "(a few percent more compute)", "full": "full checkpointing recomputes each block's forward in "
                  "backward (about 1/3 more compute)"}
@@ -144,6 +149,26 @@ def _gpu_counts(world: int, gpus_per_node: int):
         n += 1
 
 
+def adapter_kinds(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
+    """The adapter proposals for cfg, in order: LoRA (full fine-tuning as given), then QLoRA (an NF4 base; only on a
+    shardfit with model.quantize, and not already quantized); each tried only if the one before does not fit."""
+    kinds = [] if cfg.lora.rank else [("lora", dict(LORA))]
+    if hasattr(cfg.model, "quantize") and quantize(cfg) == "none":
+        kinds.append(("qlora", {"model.quantize": "nf4", **({} if cfg.lora.rank else LORA)}))
+    return kinds
+
+
+def _adapter_note(kind: str, cfg: Config, ch: dict) -> str:
+    """What a LoRA or QLoRA proposal changes: what trains, and what the base becomes."""
+    c = apply(cfg, ch)
+    trained, total = adapter_params(c)
+    base = "in NF4 (4-bit, dequantised layer by layer: its forward is not the bf16 model's)" if kind == "qlora" \
+        else "in the compute dtype"
+    return (f"changes what is trained: rank-{c.lora.rank} adapters on {c.lora.targets} ({trained / 1e6:.0f}M "
+            f"parameters, {trained / total:.2%} of {total / 1e9:.1f}B) on a frozen base {base}, not every weight; the "
+            "result is the base plus a low-rank update (docs/lora.md)")
+
+
 def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_node: int) -> str:
     host = host_per_node(e, world, gpus_per_node) / GiB
     mode = ch["compute.activation_checkpoint"]
@@ -169,7 +194,7 @@ def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_no
                 "all-gathers and reduce-scatters stay inside a group, traffic across groups is only the gradient "
                 "all-reduce",
     }
-    note = notes[kind]
+    note = _adapter_note(kind, cfg, ch) if kind in ("lora", "qlora") else notes[kind]
     if kind != "checkpointing" and mode != "none":
         note += f"; {mode} checkpointing"
     if "train.global_batch" in ch:
@@ -210,9 +235,15 @@ def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = 
         kept = {"parallel.offload_gpu_blocks": n} if n != par.offload_gpu_blocks else {}
         if propose("offload_all", {"parallel.offload": "all", **kept}):
             break
-    plain = {**({"parallel.offload": "none"} if par.offload != "none" else {}),
-             **({"parallel.offload_gpu_blocks": 0} if par.offload_gpu_blocks else {}),
-             **({"parallel.replicate": 1} if par.replicate > 1 else {})}
+    on_gpu = {**({"parallel.offload": "none"} if par.offload != "none" else {}),
+              **({"parallel.offload_gpu_blocks": 0} if par.offload_gpu_blocks else {})}
+    plain = {**on_gpu, **({"parallel.replicate": 1} if par.replicate > 1 else {})}
+    # LoRA, then QLoRA, on these GPUs when full fine-tuning does not fit them without offload: they change what is
+    # trained, so they come after every layout that trains what was asked here, before asking for more GPUs
+    if not fits_here:
+        for kind, changes in adapter_kinds(cfg):
+            if propose(kind, {**on_gpu, **changes}):
+                break
     # more GPUs only when this world does not fit without offload
     more = None if fits_here else next(
         (n for n in _gpu_counts(world, gpus_per_node) if propose("more_gpus", plain, n)), None)

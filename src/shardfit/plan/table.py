@@ -14,6 +14,7 @@ import dataclasses
 from shardfit.config.schema import Config
 from shardfit.errors import ShardfitError
 from shardfit.parallel.layout import refusal
+from shardfit.plan.adapters import quantize
 from shardfit.plan.checks import check_plan_inputs
 from shardfit.plan.estimate import (
     Estimate,
@@ -107,6 +108,8 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
              + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
              + (", compiled blocks" if cfg.compute.compile else ", eager blocks")
              + (f", FP8 {cfg.compute.fp8}" if cfg.compute.fp8 != "none" else "")
+             + (f", {'QLoRA (NF4 base)' if quantize(cfg) == 'nf4' else 'LoRA'} rank {cfg.lora.rank}"
+                if cfg.lora.rank else "")
              + f"; budget for allocated memory {budget / GiB:.1f} GiB",
              "", f"{'checkpointing':13} {'micro-batch':>11} {'peak GiB':>9} {'states':>7} {'fsdp':>6} "
              f"{'activations':>11} {'working':>8}"]

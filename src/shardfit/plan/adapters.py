@@ -1,0 +1,155 @@
+"""The LoRA and QLoRA terms of the plan (adapters/lora.py, docs/lora.md): what a frozen base and its adapters take.
+
+  states     the frozen base as stored: the compute dtype's bytes a parameter (bf16 on CUDA), or under
+             model.quantize=nf4 NF4_BYTES for each adapted linear weight of the blocks; no fp32 master, gradient or
+             moment for it. The adapters: fp32, fp32 gradients and AdamW's two moments (16 B a parameter), sharded.
+  gathered   FSDP gathers the base as stored (no fp32 -> bf16 cast copy) and the adapters cast to the compute dtype;
+             it reduce-scatters the adapters' gradients only. QLoRA: one dequantised weight in flight (dequant_bytes).
+  activations  the traced block has its adapters (adapt_block): what autograd saves for them, nothing for the base.
+  backward   an adapted MLP's backward holds three more [T, ffn] buffers than a dense one (mlp_extra_width).
+lora_key and quantize are the config's adapter keys as the planner's caches take them (model.quantize read with
+getattr: a shardfit without it plans LoRA alone); every figure is bytes or parameters of one model built on the meta
+device (the estimate's). Design and measurements: docs/memory-plan.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardfit.adapters.lora import add_adapter, freeze_base, lora_targets
+from shardfit.config.schema import Config
+
+# NF4 with double-quantised scales as adapters/nf4.py stores a weight (QLoRA): groups of NF4_GROUP weights padded to
+# a whole group, each 4-bit codes (NF4_GROUP / 2 bytes), an int8 absmax per 64 weights (256) and an fp32 mean and
+# scale (8 bytes): 0.516113 bytes a weight
+NF4_GROUP = 16_384
+NF4_GROUP_BYTES = NF4_GROUP // 2 + NF4_GROUP // 64 + 8
+NF4_BYTES = NF4_GROUP_BYTES / NF4_GROUP
+_MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)$")
+_BLOCK = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def quantize(cfg: Config) -> str:
+    """model.quantize ("none" on a shardfit without the key, and with it unset)."""
+    return getattr(cfg.model, "quantize", "none") or "none"
+
+
+def lora_key(cfg: Config) -> tuple:
+    """The [lora] keys that change memory, as a cache key: (rank, dropout, targets); () when LoRA is off."""
+    lora = cfg.lora
+    return (lora.rank, lora.dropout, lora.targets) if lora.rank else ()
+
+
+@dataclass(frozen=True)
+class Counts:
+    """A model with adapters, counted once per (model, lora_key, quantize, compute dtype)."""
+
+    adapters: int  # trainable adapter parameters, whole model
+    block_adapters: tuple[int, ...]  # of each block
+    base_bytes: int  # the frozen base as stored
+    block_base_bytes: tuple[int, ...]  # of each block
+    nf4_saving: tuple[int, ...]  # bytes each block's NF4 weights take less than in the compute dtype (0: none)
+    largest_quantized: int  # elements of the largest NF4 weight, padded to whole groups (dequantised in flight)
+    mlp_extra_width: int  # elements a token of the adapted MLP's extra backward buffers (see backward_extra)
+    head_trains: bool  # the output head's weight takes a gradient (full fine-tuning, or an adapter on lm_head)
+    adapter_shapes: tuple[tuple[int, int, int], ...]  # (block or -1, rows, row length) of each adapter tensor
+
+
+def _block_of(fqn: str) -> int:
+    found = _BLOCK.match(fqn)
+    return int(found.group(1)) if found else -1
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes of one weight of numel elements in NF4 (whole groups)."""
+    return -(-numel // NF4_GROUP) * NF4_GROUP_BYTES
+
+
+@functools.lru_cache(maxsize=16)
+def counts(built: nn.Module, lora: tuple, quant: str, element: int) -> Counts:
+    """Counts of `built` (the estimate's meta model, read only): the adapters lora.targets would add, and the base's
+    bytes at `element` bytes a parameter, with under quantize="nf4" the adapted linear layers of the blocks in NF4
+    (adapters/qlora.py: embeddings, norms, the head and MoE experts stay in the compute dtype)."""
+    n_blocks = len(built.model.layers)
+    block_adapters, shapes, width = [0] * n_blocks, [], [0] * n_blocks
+    rank = lora[0] if lora else 0
+    targets = lora_targets(built, lora[2]) if lora else []
+    for fqn, mod in targets:
+        rows, cols = mod.weight.shape  # linear [out, in]; embedding [V, D]
+        pair = ((rank, rows), (cols, rank)) if isinstance(mod, nn.Embedding) else ((rank, cols), (rows, rank))
+        i = _block_of(fqn)
+        shapes += [(i, *s) for s in pair]
+        if i >= 0:
+            block_adapters[i] += rank * (rows + cols)
+            mlp = _MLP.match(fqn)
+            if mlp:
+                width[i] += cols if mlp.group(2) == "down_proj" else rows
+    saving = [0] * n_blocks
+    largest = 0
+    for fqn, mod in targets if quant == "nf4" else []:
+        if (i := _block_of(fqn)) >= 0 and isinstance(mod, nn.Linear):
+            n = mod.weight.numel()
+            saving[i] += n * element - nf4_bytes(n)
+            largest = max(largest, -(-n // NF4_GROUP) * NF4_GROUP)
+    block_params = [sum(p.numel() for p in b.parameters()) for b in built.model.layers]
+    block_bytes = tuple(n * element - q for n, q in zip(block_params, saving))
+    root_bytes = (sum(p.numel() for p in built.parameters()) - sum(block_params)) * element  # never quantized
+    head = not lora or any(fqn == "lm_head" for fqn, _ in targets)
+    return Counts(sum(r * c for _, r, c in shapes), tuple(block_adapters), root_bytes + sum(block_bytes),
+                  block_bytes, tuple(saving), largest, max(width, default=0), head, tuple(shapes))
+
+
+def adapted_block_bytes(c: Counts, gathered_params: tuple[int, ...], element: int) -> tuple[int, ...]:
+    """Bytes FSDP gathers for each block of a LoRA run: its base as stored (gathered_params: the parameters it
+    gathers, expert parallelism's share included; the NF4 weights, never experts, gathered whole as their integer
+    storage, uncast) and its adapters cast to the compute dtype."""
+    return tuple(g * element - s + a * element for g, s, a in zip(gathered_params, c.nf4_saving, c.block_adapters))
+
+
+def dequant_bytes(c: Counts, element: int, compiled: bool) -> int:
+    """QLoRA: each NF4 layer dequantises its whole weight (padded to whole groups) for its matmul, in forward and
+    again in backward (for the input gradient), and frees it: one in flight at a time. Compiled, one fused kernel
+    writes it in the compute dtype; eager, the fp32 levels come first, then the copy (adapters/nf4.py: 4 + 2 B)."""
+    return c.largest_quantized * (element if compiled else element + 4)
+
+
+def backward_extra(c: Counts, tokens: int, element: int) -> int:
+    """What an adapted MLP's backward holds beyond a dense one's: the down projection's base and adapter input
+    gradients summed into a new buffer (not in place), and the gate and up projections' output gradients scaled by
+    alpha/r for their adapters, written by the same fused kernel as the plain ones ([T, ffn] each; Inductor's
+    generated code for the LoRA MLP, docs/memory-plan.md). Attention's adapters add [T, dim]-sized buffers at a
+    point where the MLP's are freed: not counted."""
+    return tokens * c.mlp_extra_width * element
+
+
+def pinned_adapter_bytes(c: Counts, shard: int, gpu_blocks: int) -> int:
+    """offload=all: pinned host bytes of the adapters' fp32 shards (each rounded up to a power of two, as
+    estimate.pinned_shard_bytes), the first gpu_blocks blocks' excepted. The gradient shards: the same again."""
+    total = 0
+    for block, rows, cols in c.adapter_shapes:
+        if 0 <= block < gpu_blocks:
+            continue
+        nbytes = 4 * -(-rows // shard) * cols
+        total += 1 << max(0, (nbytes - 1).bit_length())
+    return total
+
+
+def adapt_block(block: nn.Module, lora: tuple, dtype: torch.dtype) -> None:
+    """A meta block as a LoRA run computes it: the targets lora.targets picks in a block get adapters, everything
+    else frozen, the adapters cast to the compute dtype as FSDP's mixed precision casts them for the forward (the
+    trace then sees what autograd saves for them, and nothing for the frozen weights' own gradients)."""
+    if not lora:
+        return
+    rank, dropout, targets = lora
+    holder = nn.Module()
+    holder.model = nn.Module()
+    holder.model.layers = nn.ModuleList([block])
+    freeze_base(holder, None)
+    for _, mod in lora_targets(holder, targets):
+        add_adapter(mod, rank, 2.0 * rank, dropout)  # alpha scales values, not shapes: any will do
+    block.to(dtype)

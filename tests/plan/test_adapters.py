@@ -1,0 +1,181 @@
+"""The plan of LoRA and QLoRA runs (plan/adapters.py): a frozen base as stored, fp32 adapters with AdamW, what the
+adapted block saves and its backward holds, and the adapter proposals. The measured LoRA peaks are rows of
+test_estimate.py's MEASURED; the PPO step through the Engine is checked here."""
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from shardfit.config import load_config
+from shardfit.config.schema import ModelConfig
+from shardfit.plan import adapters
+from shardfit.plan.activation_trace import block_activation_bytes, model_key
+from shardfit.plan.estimate import GiB, _meta_model, estimate, pinned_shard_bytes
+from shardfit.plan.table import plan_table
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+N_8B, BLOCK_8B = 8_030_261_248, 218_112_000  # Llama-3-8B's parameters, one block's
+# r = 16 on the 7 linear layers of each of its 32 blocks: 16 x (in + out) each
+BLOCK_LORA_8B = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+BASE_8B = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.micro_batch=1", "--train.global_batch=2"]
+LORA = ["--lora.rank=16", "--lora.alpha=32"]
+HAS_QUANTIZE = "quantize" in {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def test_a_lora_run_keeps_the_frozen_base_in_bf16_and_16_bytes_per_adapter_parameter():
+    """No fp32 master, gradient or moment for the base: its bf16 bytes, plus the adapters' fp32 weights, gradients
+    and two moments, each over the world; what FSDP gathers is the bf16 base (no cast copy) and the adapters cast to
+    bf16, and it reduce-scatters the adapters' fp32 gradients only."""
+    dense = estimate(load_config(None, BASE_8B), 2, 1)
+    lora = estimate(load_config(None, [*BASE_8B, *LORA]), 2, 1)
+    A = 32 * BLOCK_LORA_8B
+    assert (lora.weights, lora.grads, lora.moments) == ((2 * N_8B + 4 * A) // 2, 4 * A // 2, 8 * A // 2)
+    assert dense.states == 16 * N_8B // 2 and lora.states < dense.states / 7
+    root = N_8B - 32 * BLOCK_8B
+    assert dense.fsdp == 2 * (root + 2 * BLOCK_8B) + 4 * BLOCK_8B
+    assert lora.fsdp == 2 * root + 2 * 2 * (BLOCK_8B + BLOCK_LORA_8B) + 4 * BLOCK_LORA_8B
+
+
+def test_the_adapted_block_saves_the_adapters_tensors_and_nothing_for_frozen_weights():
+    """The trace runs the block with its adapters: each adapter's down-projection A x [T, r] is saved for B's
+    gradient; a frozen norm weight saves nothing for its own gradient (eager: its normalised input, [T, D] per norm,
+    is no longer kept; the compiled partitioner recomputed it anyway); selective checkpointing keeps every matmul's
+    output, the adapters' [T, r] and [T, out] too."""
+    base = ["--model.name=llama3-1b", "--data.seq_len=1024"]
+    T, D, ffn, kv, r = 1024, 2048, 8192, 8 * 64, 16
+    for compiled in (False, True):
+        args = [*base, f"--compute.compile={str(compiled).lower()}"]
+        dense = block_activation_bytes(load_config(None, args), 1)
+        lora = block_activation_bytes(load_config(None, [*args, *LORA]), 1)
+        adapter_inputs = 7 * T * r * 2
+        assert lora["none"] - dense["none"] == adapter_inputs - (0 if compiled else 2 * T * D * 2)
+        assert lora["selective"] - dense["selective"] == adapter_inputs + T * (3 * D + 2 * kv + 2 * ffn) * 2
+        assert lora["full"] == dense["full"] == T * D * 2
+
+
+def test_the_adapted_mlp_backward_holds_three_more_ffn_wide_buffers():
+    """Inductor's code for a LoRA MLP's backward (docs/memory-plan.md): down_proj's base and adapter input gradients
+    summed into a new buffer, and gate/up's output gradients written with their alpha/r-scaled copies by one
+    kernel: three [T, ffn] more than the dense block's two; full checkpointing recomputes the block on top."""
+    args = [*BASE_8B, "--compute.compile=true", "--compute.activation_checkpoint=full", "--train.micro_batch=4",
+            "--train.global_batch=4"]
+    cfg = load_config(None, [*args, *LORA])
+    b = block_activation_bytes(cfg, 4)
+    T = 4 * 4096
+    assert estimate(cfg, 1, 4).working == 2 * b["block_input"] + b["ffn_grads"] + b["none"] + 3 * T * 14336 * 2
+    assert b["ffn_grads"] == 2 * T * 14336 * 2
+
+
+def test_a_frozen_head_keeps_no_weight_gradient_in_the_fused_loss():
+    """Eager loss chunk at micro-batch 1 (the loss is the working set): full fine-tuning keeps dloss/dW [V, D] in
+    bf16; a frozen head none; an adapter on lm_head that and the merged weight W + (alpha/r) B A."""
+    dense, lora = (estimate(load_config(None, [*BASE_8B, *x]), 1, 1).working for x in ([], LORA))
+    head = estimate(load_config(None, [*BASE_8B, *LORA, "--lora.targets=q_proj,v_proj,lm_head"]), 1, 1).working
+    VD = 128_256 * 4096 * 2
+    assert dense - lora == VD and head - lora == 2 * VD
+
+
+def test_the_8b_ppo_step_with_lora_is_planned_within_3_percent():
+    """The Engine's PPO step (datums in 17,408-token rows, LoRA r16, full AC, compiled, 1 x H100): 28.13 GiB
+    measured. Its loss is the token log-probabilities', counted as the fused loss; the block's backward is the
+    working set here, so the loss's difference does not reach the peak."""
+    data = json.loads((RESULTS / "2026-11-25_s14_h100x1_rl_lora.json").read_text())
+    lines = data["rows"][0]["lines"]
+    overrides = next(x for x in lines if x.get("rlbench") == "engine")["overrides"]
+    measured = next(x for x in lines if x.get("rlbench") == "ppo")["peak_alloc_GiB"]
+    args = [a for a in overrides if not a.startswith(("--logging.", "--train.device"))]
+    cfg = load_config(None, [*args, f"--train.global_batch={lines[0]['n']}"])  # 64 examples: accumulation
+    got = estimate(cfg, 1, 1)
+    assert abs(got.peak / GiB / measured - 1) < 0.03, (got.peak / GiB, measured)
+    assert got.working > 2 * got.activations / cfg.model.n_layers  # the block's backward, not the loss
+
+
+def test_offloaded_lora_keeps_the_bf16_base_pinned_and_no_base_gradient():
+    cfg = load_config(None, [*BASE_8B, *LORA, "--parallel.offload=all"])
+    e = estimate(cfg, 1, 1)
+    c = adapters.counts(_meta_model(model_key(cfg.model)), adapters.lora_key(cfg), "none", 2)
+    assert e.states == 0 and 2 * N_8B <= pinned_shard_bytes(model_key(cfg.model), 1, 0, 2) < 2.3 * N_8B
+    assert e.host == pinned_shard_bytes(model_key(cfg.model), 1, 0, 2) + 2 * adapters.pinned_adapter_bytes(
+        c, 1, 0) + 8 * c.adapters
+    assert e.offload_copies == 2 * BLOCK_8B + 8 * BLOCK_LORA_8B  # one block's bf16 shard, its adapters' and grads
+
+
+def _nf4(cfg):
+    """cfg with model.quantize=nf4, set by hand where this shardfit's ModelConfig has no such key yet (the estimate
+    reads it with getattr; the caches key on it explicitly)."""
+    object.__setattr__(cfg.model, "quantize", "nf4")
+    return cfg
+
+
+def test_qlora_stores_the_adapted_linear_weights_in_nf4_and_dequantises_one_at_a_time():
+    """NF4 as the QLoRA work stores it: groups of 16,384 weights, 4-bit codes, an int8 absmax per 64 weights, an fp32
+    mean and scale per group (0.516113 B a weight); embeddings, head and norms stay bf16. One dequantised weight
+    (the largest, an MLP matrix) in flight: 6 B a weight eagerly (fp32 levels, then bf16), 2 B compiled."""
+    assert adapters.NF4_GROUP_BYTES == 8456 and abs(adapters.NF4_BYTES - 0.516113) < 1e-6
+    assert adapters.nf4_bytes(1) == adapters.nf4_bytes(16_384) == 8456  # whole groups, the last one padded
+    lora = estimate(load_config(None, [*BASE_8B, *LORA]), 1, 1)
+    q = estimate(_nf4(load_config(None, [*BASE_8B, *LORA])), 1, 1)
+    linear = BLOCK_8B - 2 * 4096  # the 7 adapted linear weights of a block: 13,312 whole groups
+    A = 32 * BLOCK_LORA_8B
+    block_nf4 = 2 * BLOCK_8B - 2 * linear + linear // 16_384 * 8456
+    assert q.weights == 2 * N_8B + 32 * (block_nf4 - 2 * BLOCK_8B) + 4 * A
+    assert (q.grads, q.moments, q.activations, q.working) == (lora.grads, lora.moments, lora.activations, lora.working)
+    assert q.fsdp - lora.fsdp == 2 * (block_nf4 - 2 * BLOCK_8B) + 6 * 14336 * 4096
+    compiled = [*BASE_8B, *LORA, "--compute.compile=true"]
+    assert (estimate(_nf4(load_config(None, compiled)), 1, 1).fsdp - estimate(load_config(None, compiled), 1, 1).fsdp
+            == 2 * (block_nf4 - 2 * BLOCK_8B) + 2 * 14336 * 4096)
+    # only the adapted layers are quantized
+    two = estimate(_nf4(load_config(None, [*BASE_8B, *LORA, "--lora.targets=q_proj,v_proj"])), 1, 1)
+    qv = 4096 * 4096 + 4096 * 1024
+    assert two.weights - 4 * 32 * 16 * (8192 + 5120) == 2 * N_8B - 32 * (2 * qv - qv // 16_384 * 8456)
+
+
+def test_the_nf4_bytes_are_the_qlora_storage_where_it_exists():
+    nf4 = pytest.importorskip("shardfit.adapters.nf4", reason="the QLoRA work (adapters/nf4.py) is not merged yet")
+    assert (adapters.NF4_GROUP, adapters.NF4_BYTES) == (nf4.GROUP, nf4.BYTES_PER_WEIGHT)
+    assert "QLoRA (NF4 base) rank 16" in plan_table(_nf4(load_config(None, [*BASE_8B, *LORA])), 1, 79).splitlines()[0]
+
+
+@pytest.mark.skipif(not HAS_QUANTIZE, reason="model.quantize is not in this shardfit yet (the QLoRA work adds it)")
+def test_qlora_from_the_config_key():
+    cfg = load_config(None, [*BASE_8B, *LORA, "--model.quantize=nf4"])
+    assert adapters.quantize(cfg) == "nf4"
+    assert estimate(cfg, 1, 1).peak == estimate(_nf4(load_config(None, [*BASE_8B, *LORA])), 1, 1).peak
+
+
+def test_lora_is_proposed_after_offload_and_before_more_gpus_only_when_full_fine_tuning_does_not_fit():
+    """8B on one 80 GB GPU: offload trains what was asked (slower), LoRA changes what is trained, more GPUs need
+    hardware; re-planned from its flags, LoRA fits without offload. Full fine-tuning that fits gets no LoRA
+    proposal, nor does a run that already is LoRA."""
+    from shardfit.plan.proposals import accepted, proposals
+
+    props, _ = proposals(load_config(None, BASE_8B[:2]), 1, 80)
+    kinds = [p.kind for p in props]
+    assert kinds.index("offload_all") < kinds.index("lora") < kinds.index("more_gpus")
+    lora = props[kinds.index("lora")]
+    assert lora.flags[:2] == ["--lora.rank=16", "--lora.alpha=32"] and "parallel.offload" not in lora.changes
+    assert "changes what is trained" in lora.note and "0.52% of 8.0B" in lora.note
+    cfg = load_config(None, [*BASE_8B[:2], *lora.flags])
+    assert accepted(cfg, 1) and estimate(cfg, 1, cfg.train.micro_batch) == lora.estimate
+    assert "lora" not in [p.kind for p in proposals(load_config(None, BASE_8B[:2]), 8, 80)[0]]
+    big = load_config(None, ["--model.name=llama3-70b", "--data.seq_len=4096", *LORA])  # 131 GiB of bf16 base
+    kinds = {p.kind for p in proposals(big, 1, 80)[0]}
+    assert "lora" not in kinds and ("qlora" in kinds) == HAS_QUANTIZE
+
+
+def test_qlora_is_proposed_only_where_the_quantize_key_exists_and_lora_does_not_fit():
+    from shardfit.plan.proposals import adapter_kinds
+
+    def cfg(rank, **model):
+        return SimpleNamespace(lora=SimpleNamespace(rank=rank), model=SimpleNamespace(**model))
+
+    assert [k for k, _ in adapter_kinds(cfg(0))] == ["lora"]  # no quantize key: LoRA only
+    assert adapter_kinds(cfg(16)) == []
+    assert adapter_kinds(cfg(0, quantize="none")) == [
+        ("lora", {"lora.rank": 16, "lora.alpha": 32}),
+        ("qlora", {"model.quantize": "nf4", "lora.rank": 16, "lora.alpha": 32})]
+    assert adapter_kinds(cfg(8, quantize="none")) == [("qlora", {"model.quantize": "nf4"})]
+    assert adapter_kinds(cfg(8, quantize="nf4")) == []
