@@ -36,20 +36,23 @@ _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 def _table(kind: str, device: torch.device) -> torch.Tensor:
-    """Constants per device, made once: "levels" [16] fp32, "mids" [15] fp32 (the midpoints between neighbouring
-    levels: a value goes to the nearest level), "pairs" [256, 2] fp32 (the two levels a packed byte holds)."""
-    key = (kind, device)
-    if key not in _TABLES:
-        levels = torch.tensor(NF4_LEVELS, dtype=torch.float32)
-        if kind == "levels":
-            t = levels
-        elif kind == "mids":
-            t = ((levels[1:].double() + levels[:-1].double()) / 2).float()
-        else:
-            byte = torch.arange(256)
-            t = torch.stack([levels[byte >> 4], levels[byte & 15]], dim=1)
-        _TABLES[key] = t.to(device)
-    return _TABLES[key]
+    """Constants per device: "mids" [15] fp32 (the midpoints between neighbouring levels: a value goes to the nearest
+    level), "pairs" [256, 2] fp32 (the two levels a packed byte holds, high nibble first). Made once per device in
+    eager code; under torch.compile made in the graph (a cache filled inside a traced autograd.Function would be a
+    side effect dynamo refuses), where they fold into constants."""
+    if torch.compiler.is_compiling():
+        return _make(kind, device)
+    if (kind, device) not in _TABLES:
+        _TABLES[kind, device] = _make(kind, device)
+    return _TABLES[kind, device]
+
+
+def _make(kind: str, device: torch.device) -> torch.Tensor:
+    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+    if kind == "mids":
+        return ((levels[1:].double() + levels[:-1].double()) / 2).float()
+    byte = torch.arange(256, device=device)
+    return torch.stack([levels[byte >> 4], levels[byte & 15]], dim=1)
 
 
 def n_groups(numel: int) -> int:
