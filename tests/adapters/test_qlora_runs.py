@@ -1,4 +1,5 @@
-"""A QLoRA run end to end (test_lora_runs.py's runs with model.quantize=nf4): its checkpoints hold neither base nor
+"""A QLoRA run end to end (test_lora_runs.py's runs with model.quantize=nf4): model.path is quantised shard by shard
+into the codes of the whole weights quantised at once, on 1 and 2 ranks; its checkpoints hold neither base nor
 codes and resume exactly (the NF4 base quantised again, identically, from model.path or the seed); its PEFT adapter
 exports and continues training as LoRA's does; its merged export (the base dequantised) and `shardfit generate`
 on its checkpoint give the trained model's logits."""
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from shardfit.adapters.lora import is_adapter
+from shardfit.adapters.qlora import is_storage
 from tests._dist import run_ranks
 from tests.adapters.test_lora_runs import IDS, _train_and_export, _uninterrupted_then_resumed
 from tests.adapters.tiny_hf import hf_model, save_tiny
@@ -53,3 +55,31 @@ def test_exports_and_generate_give_the_trained_logits(tmp_path):
     # the adapter on the unquantised base: close, but not the trained model (that one carries NF4's rounding)
     gap = ((on_the_original_base - trained).norm() / trained.norm()).item()
     assert 1e-4 < gap < 0.2, gap
+
+
+def _loaded_codes(rank, world, base, root):
+    import shardfit.adapters.qlora_io as qlora_io
+    from shardfit.train.engine import Engine
+    from tests.adapters.test_lora_runs import _config
+    from tests.helpers import full_state
+
+    qlora_io._STAGE_BYTES = 40_000  # a batch of one or two layers' rows: several batches, one oversized layer alone
+    engine = Engine.start(_config(base, *NF4, "--lora.targets=all-linear", run_dir=f"{root}/{world}"))
+    state = full_state(engine.model)  # a collective: every rank
+    return {k: v.tolist() for k, v in state.items() if is_storage(k)} if rank == 0 else None
+
+
+def test_model_path_is_quantised_shard_by_shard_as_a_whole(tmp_path):
+    """intermediate_size 544: each MLP weight is 3 groups (2 rows of the codes on rank 0, 1 on rank 1, the last
+    padded; the rows a rank reads start and end inside a weight row)."""
+    from shardfit.adapters.lora import apply_lora
+    from shardfit.adapters.qlora import apply_nf4
+    from shardfit.config.schema import LoraConfig
+    from tests.adapters.tiny_hf import shardfit_model
+
+    base = save_tiny("llama", tmp_path, intermediate_size=544)
+    whole = shardfit_model(base)
+    apply_nf4(whole, apply_lora(whole, LoraConfig(rank=4, targets="all-linear"), None))
+    expected = {n: p.tolist() for n, p in whole.named_parameters() if is_storage(n)}
+    two = run_ranks(_loaded_codes, 2, str(base), str(tmp_path))[0]
+    assert len(expected) == 3 * 7 * 2 and two == expected
