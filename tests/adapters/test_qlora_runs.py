@@ -1,8 +1,8 @@
 """A QLoRA run end to end (test_lora_runs.py's runs with model.quantize=nf4): model.path is quantised shard by shard
 into the codes of the whole weights quantised at once, on 1 and 2 ranks; its checkpoints hold neither base nor
 codes and resume exactly (the NF4 base quantised again, identically, from model.path or the seed); its PEFT adapter
-exports and continues training as LoRA's does; its merged export (the base dequantised) and `shardfit generate`
-on its checkpoint give the trained model's logits."""
+exports and continues training as LoRA's does; its merged exports (checkpoint.export_merged and `shardfit export`:
+the base dequantised) and `shardfit generate` on its checkpoint give the trained model's logits."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def test_resume_equals_uninterrupted_and_saves_no_codes(tmp_path, world, base):
     assert model_keys and all(is_adapter(k) for k in model_keys)
 
 
-def test_exports_and_generate_give_the_trained_logits(tmp_path):
+def test_exports_and_generate_give_the_trained_logits(tmp_path, capsys):
+    from shardfit.cli.export import export
     from shardfit.generate import load_dcp
 
     base = save_tiny("llama", tmp_path)
@@ -43,14 +44,17 @@ def test_exports_and_generate_give_the_trained_logits(tmp_path):
     assert r["continued"] and r["n"] == 2 * (4 * 2 + 1)  # the PEFT adapter, as LoRA's
     trained = torch.tensor(r["logits"])
     ids = torch.tensor(IDS)
+    assert export([str(tmp_path / "run"), str(tmp_path / "exported"), "--dtype", "float32"]) == 0  # shardfit export
+    assert "carry NF4's rounding" in capsys.readouterr().out
     with torch.no_grad():
         merged = hf_model(tmp_path / "merged")(input_ids=ids).logits
+        exported = hf_model(tmp_path / "exported")(input_ids=ids).logits
         model, _ = load_dcp(str(tmp_path / "run"), torch.device("cpu"), torch.float32)  # generate --checkpoint
         from_ckpt = model(ids)
         on_the_original_base = peft.PeftModel.from_pretrained(hf_model(base), tmp_path / "adapter")(
             input_ids=ids).logits
     assert any(n.endswith("weight_nf4") for n, _ in model.named_parameters())
-    for got in (merged, from_ckpt):
+    for got in (merged, exported, from_ckpt):
         assert ((got - trained).norm() / trained.norm()).item() < 1e-5
     # the adapter on the unquantised base: close, but not the trained model (that one carries NF4's rounding)
     gap = ((on_the_original_base - trained).norm() / trained.norm()).item()
