@@ -9,7 +9,8 @@ checkpoint's config.toml records it (data.chat_template), a model directory hold
 it. Decoding stops at the tokenizer's EOS or any EOS id in generation_config.json.
 LoRA: --adapter puts a PEFT adapter directory on the Hugging Face model (its base: --model.path, or the adapter's
 base_model_name_or_path when that is a local directory), unmerged; a LoRA run's checkpoint (its adapters only) is
-put on its base (the run's model.path, or the seeded initialisation it started from, drawn on this device).
+put on its base (the run's model.path, or the seeded initialisation it started from, drawn on this device; a QLoRA
+run's base quantised to NF4 as training quantised it).
 """
 
 from __future__ import annotations
@@ -72,7 +73,11 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | 
         model = load_hf(cfg.model.path, device, torch.float32)[0] if cfg.model.path else _build(cfg.model, device)
         if not cfg.model.path:
             model.init_weights(cfg.train.seed)
-        apply_lora(model, cfg.lora, None)
+        targets = apply_lora(model, cfg.lora, None)
+        if cfg.model.quantize == "nf4":  # QLoRA: the base the adapters trained on, quantised as training did
+            from shardfit.adapters.qlora import apply_nf4
+
+            apply_nf4(model, targets)
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is

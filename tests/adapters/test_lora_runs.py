@@ -36,12 +36,13 @@ def _logits(model) -> list:
         return model(torch.tensor(IDS)).tolist()
 
 
-def _uninterrupted_then_resumed(rank, world, base, root):
-    full = Trainer(_config(base, "--train.steps=4", "--checkpoint.final=false", run_dir=f"{root}/a"))
+def _uninterrupted_then_resumed(rank, world, base, root, extra=()):
+    full = Trainer(_config(base, "--train.steps=4", "--checkpoint.final=false", *extra, run_dir=f"{root}/a"))
     losses_a = [h["loss"] for h in full.fit()]
     state_a = full_state(full.model)
-    Trainer(_config(base, "--train.steps=2", run_dir=f"{root}/b")).fit()  # saves step 2 at the end
-    resumed = Trainer(_config(base, "--train.steps=4", "--checkpoint.final=false", EXTEND, run_dir=f"{root}/b"))
+    Trainer(_config(base, "--train.steps=2", *extra, run_dir=f"{root}/b")).fit()  # saves step 2 at the end
+    resumed = Trainer(_config(base, "--train.steps=4", "--checkpoint.final=false", EXTEND, *extra,
+                              run_dir=f"{root}/b"))
     assert resumed.step == 2
     losses_b = [h["loss"] for h in resumed.fit()]
     state_b = full_state(resumed.model)
@@ -63,17 +64,17 @@ def test_resume_equals_uninterrupted_and_saves_no_base(tmp_path, world, base):
     assert model_keys and all(is_adapter(k) for k in model_keys)  # no frozen base, no tied alias
 
 
-def _train_and_export(rank, world, base, root):
+def _train_and_export(rank, world, base, root, extra=()):
     from shardfit.train.engine import Engine
 
     t = Trainer(_config(base, "--train.steps=3", f"--checkpoint.export_hf={root}/adapter",
-                        f"--checkpoint.export_merged={root}/merged", "--checkpoint.export_dtype=float32",
+                        f"--checkpoint.export_merged={root}/merged", "--checkpoint.export_dtype=float32", *extra,
                         run_dir=f"{root}/run"))
     t.fit()
     trained = {k: v for k, v in full_state(t.model).items() if is_adapter(k)}
     logits = _logits(t.model)
     # continue training from the exported adapter: the Engine starts from exactly the trained adapters
-    more = Engine(_config(base, f"--lora.adapter={root}/adapter", run_dir=f"{root}/more"), t.dist)
+    more = Engine(_config(base, f"--lora.adapter={root}/adapter", *extra, run_dir=f"{root}/more"), t.dist)
     loaded = {k: v for k, v in full_state(more.model).items() if is_adapter(k)}
     return {"logits": logits, "continued": all(torch.equal(loaded[k], v) for k, v in trained.items()),
             "n": len(trained)}

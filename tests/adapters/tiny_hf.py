@@ -11,15 +11,16 @@ SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6)
 
 
-def save_tiny(kind: str, root: Path, tied: bool = False) -> Path:
-    """A tiny LlamaForCausalLM or Qwen3ForCausalLM (fp32, random weights) saved under root/kind."""
+def save_tiny(kind: str, root: Path, tied: bool = False, **sizes) -> Path:
+    """A tiny LlamaForCausalLM or Qwen3ForCausalLM (fp32, random weights) saved under root/kind; sizes: SIZES
+    overridden."""
     import transformers
 
     torch.manual_seed(0)
     if kind == "llama":
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, tie_word_embeddings=tied))
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES, **sizes}, tie_word_embeddings=tied))
     else:
-        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**SIZES, "head_dim": 32},
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**SIZES, "head_dim": 32, **sizes},
                                                                     tie_word_embeddings=tied))
     out = Path(root) / kind
     hf.float().save_pretrained(out)

@@ -26,7 +26,7 @@ from torch import nn
 
 from shardfit.config.schema import LORA_LINEAR, LoraConfig
 from shardfit.errors import ShardfitError
-from shardfit.models.decoder import OutputHead
+from shardfit.models.decoder import OutputHead, count_params
 from shardfit.models.init import ShardView, seeded_normal_, whole_view
 
 LINEAR_LEAVES = ("lora_A", "lora_B")
@@ -90,7 +90,7 @@ class LoRAOutputHead(LoRAModule, OutputHead):
 _CLASSES: dict[type, type] = {nn.Linear: LoRALinear, nn.Embedding: LoRAEmbedding, OutputHead: LoRAOutputHead}
 
 
-def _lora_class(cls: type) -> type:
+def lora_class(cls: type) -> type:
     """The adapted class of a module class: one of the above, or for another nn.Linear subclass (torchao's
     Float8Linear) a subclass made once, whose forward is that class's plus the adapter."""
     if cls not in _CLASSES:
@@ -142,7 +142,7 @@ def freeze_base(model: nn.Module, dtype: torch.dtype | None) -> None:
 
 def add_adapter(mod: nn.Module, rank: int, alpha: float, dropout: float) -> None:
     """Register fp32 adapter parameters on `mod` (zeros: init_adapters draws them) and swap in its LoRA class."""
-    new = _lora_class(type(mod))
+    new = lora_class(type(mod))
     f32 = {"dtype": torch.float32, "device": mod.weight.device}
     if issubclass(new, LoRAEmbedding):
         vocab, dim = mod.weight.shape
@@ -200,8 +200,8 @@ def init_adapters(model, seed: int, view: ShardView = whole_view) -> None:
 def lora_summary(model: nn.Module, targets: list[str]) -> str:
     """One notice line: what trains and what is frozen."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    total = count_params(model)  # an NF4 weight (adapters/qlora.py) as its weights, not its bytes
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
     dtype = ", ".join(sorted(str(d).replace("torch.", "") for d in frozen))
     first = next(m for m in model.modules() if isinstance(m, LoRAModule))
     return (f"LoRA rank {first.lora_rank} (scale {first.lora_scale:g}) on {len(targets)} modules "
@@ -211,4 +211,4 @@ def lora_summary(model: nn.Module, targets: list[str]) -> str:
 
 __all__ = ["LORA_LINEAR", "LoRAEmbedding", "LoRALinear", "LoRAModule", "LoRAOutputHead", "add_adapter",
            "apply_lora", "base_parameters", "freeze_base", "has_adapters", "init_adapters", "is_adapter",
-           "lora_summary", "lora_targets", "target_names"]
+           "lora_class", "lora_summary", "lora_targets", "target_names"]

@@ -9,7 +9,8 @@ order); rank 0 writes into <out>.tmp and renames it (hf/export.py's publish); th
 collective, so every rank returns or raises together. Adapters are small (r x (in + out) per layer): rank 0 holds
 them all at once.
 Merged (`merged_parameters`, checkpoint.export_merged and Engine.weights): the base's parameters, each adapted
-weight as W + (alpha/r) B A in fp32, streamed through hf/export.py one parameter at a time. A tied embedding has
+weight as W + (alpha/r) B A in fp32 (an NF4 base, adapters/qlora.py: W dequantised, its rounding kept), streamed
+through hf/export.py one parameter at a time. A tied embedding has
 one weight for two uses, so adapters on embed_tokens or lm_head of a tied model cannot be merged: refused.
 Load (`load_adapter`, lora.adapter): through hf/load.py's reader, each rank reading its own rows of each adapter,
 no collective. The base weights PEFT saves beside an embedding adapter (`...base_layer.weight`) are not read:
@@ -41,6 +42,8 @@ from shardfit.adapters.peft_config import (
     peft_key,
     read_adapter_config,
 )
+from shardfit.adapters.qlora import STORAGE
+from shardfit.adapters.qlora_io import merged_weight
 from shardfit.config.schema import LoraConfig
 from shardfit.errors import ShardfitError
 from shardfit.hf.export import copy_tokenizer, full_tensor, publish, write_safetensors
@@ -92,10 +95,13 @@ def merged_parameters(model: nn.Module):
     seen: set[int] = set()
     for prefix, mod in model.named_modules():
         for key, p in list(mod._parameters.items()):
-            if p is None or id(p) in seen or is_adapter(key):
+            if p is None or id(p) in seen or is_adapter(key) or key in STORAGE[1:]:
                 continue
             seen.add(id(p))
-            full = full_tensor(p)
+            if key == STORAGE[0]:  # an NF4 base: its dequantised weight (the NF4 rounding is in the merged model)
+                key, full = "weight", merged_weight(mod)
+            else:
+                full = full_tensor(p)
             if isinstance(mod, LoRAModule) and key == "weight":
                 a, b = mod.adapter_pair()
                 full = full.float() + mod.delta_weight(full_tensor(a), full_tensor(b))

@@ -55,7 +55,12 @@ def export(argv: list[str]) -> int:
         from shardfit.adapters.peft import merged_parameters
     export_hf(model, out, args.dtype, source, params=merged_parameters(model) if lora else None, tokenizer=spec)
     export_template(out, saved.get("chat_template", ""))  # the template the run applied, as the trainer's export
-    n = sum(p.numel() for name, p in model.named_parameters() if not is_adapter(name))
+    from shardfit.adapters.qlora import quantized_modules
+    from shardfit.models import count_params
+
+    n = count_params(model) - sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
+    nf4 = "; the base dequantised from NF4 (QLoRA): its weights carry NF4's rounding" if quantized_modules(model) \
+        else ""
     print(f"exported {args.checkpoint} to {out}: {n / 1e6:.1f}M parameters in {args.dtype}, tokenizer "
-          f"{'byte (written as tokenizer.json)' if spec == 'byte' else spec}")
+          f"{'byte (written as tokenizer.json)' if spec == 'byte' else spec}{nf4}")
     return 0

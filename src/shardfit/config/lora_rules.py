@@ -6,7 +6,9 @@ a key written inside another section ([model.lora], --model.lora.rank).
 lora.targets names modules, not patterns: the linear layers of a block by their Hugging Face names, all-linear, and
 embed_tokens / lm_head; a name the model lacks is refused later, by the swap (adapters/lora.py), which sees the
 model. The output head's adapter is merged into the weight the fused loss reads, so it takes no dropout. A merged
-export needs adapters, and a directory of its own beside the adapter's.
+export needs adapters, and a directory of its own beside the adapter's. model.quantize=nf4 (QLoRA, adapters/qlora.py)
+stores the adapted linear layers' frozen weights in NF4: it needs adapters on linear layers, and refuses what would
+multiply or hold that base otherwise (FP8 matmuls, FSDP's CPU offload).
 """
 
 from __future__ import annotations
@@ -56,4 +58,17 @@ LORA_RULES: tuple[tuple[str, Any, Any, Any], ...] = (
     ("checkpoint.export_merged", lambda c: c.checkpoint.export_merged
      and c.checkpoint.export_merged == c.checkpoint.export_hf,
      lambda c: "is the same directory as checkpoint.export_hf (the adapter)", lambda c: "give another directory"),
+    ("model.quantize", lambda c: c.model.quantize == "nf4" and not c.lora.rank,
+     lambda c: "nf4 stores the frozen base of LoRA's adapted layers in 4 bits, and lora.rank is 0: a quantized base "
+               "cannot train", lambda c: "set lora.rank (QLoRA), or model.quantize=none"),
+    ("model.quantize", lambda c: c.model.quantize == "nf4" and c.lora.rank
+     and not {t.strip() for t in c.lora.targets.split(",")} - set(LORA_OPTIONAL),
+     lambda c: f"nf4 quantizes the linear layers LoRA adapts, and lora.targets={c.lora.targets} names none",
+     lambda c: "add linear layers to lora.targets (q_proj, ..., or all-linear), or set model.quantize=none"),
+    ("compute.fp8", lambda c: c.model.quantize == "nf4" and c.compute.fp8 != "none",
+     lambda c: f"{c.compute.fp8} with model.quantize=nf4: the NF4 base is dequantised to the compute dtype for its "
+               "matmuls, which FP8 would not use", lambda c: "set compute.fp8=none, or model.quantize=none"),
+    ("parallel.offload", lambda c: c.model.quantize == "nf4" and c.parallel.offload != "none",
+     lambda c: f"{c.parallel.offload} with model.quantize=nf4: QLoRA's NF4 base is not supported with CPU offload "
+               "yet", lambda c: "set parallel.offload=none (an NF4 base is ~1/4 of bf16), or model.quantize=none"),
 )

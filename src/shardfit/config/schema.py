@@ -71,6 +71,10 @@ class ModelConfig:
                                        "even load after every step (their gamma: 0.001); 0: off", ge=0)
     moe_every: int = opt(1, "every k-th layer is MoE (decoder_sparse_step)", gt=0, le=MAX_LAYERS)
     dense_layers: str = opt("", "comma-separated layer indices that stay dense (mlp_only_layers)")
+    quantize: str = opt("none", "how the frozen base of the LoRA-adapted linear layers is stored: nf4 (QLoRA: 4-bit "
+                                "NormalFloat with double-quantised scales, ~0.52 bytes a weight, dequantised one "
+                                "layer at a time; needs lora.rank) or none (the compute dtype)",
+                        choices=("none", "nf4"))
 
 
 # LoRA's default targets: every linear layer of a dense block (attention and MLP), as Hugging Face names them.

@@ -94,6 +94,14 @@ def expert_key(name: str, e: int) -> str:
     return f"{m.group(1)}.{e}.{m.group(2)}.weight"
 
 
+class Rows(NamedTuple):
+    """A destination that is part of a tensor: rows [row0, row0 + len(local)) of a tensor of `shape`, read into
+    `local` (a caller that transforms what it reads: adapters/qlora.py quantises its staged rows)."""
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    row0: int
+
+
 class LoadResult(NamedTuple):
     bytes: int  # read by this rank
     tensors: int  # checkpoint tensors (or expert slices) this rank read
@@ -107,8 +115,9 @@ class LoadResult(NamedTuple):
 def load_hf_checkpoint(model: nn.Module, path: str | Path, params: dict[str, nn.Parameter] | None = None,
                        files: dict[str, Path] | None = None) -> LoadResult:
     """Fill every parameter of `model` (plain or FSDP-sharded) from the checkpoint. params: {checkpoint key:
-    parameter} to fill instead (a LoRA model's base without its adapters; its adapters under PEFT's keys,
-    adapters/peft.py); files: {checkpoint key: file} instead of the directory's weight map."""
+    parameter or Rows} to fill instead (a LoRA model's base without its adapters; its adapters under PEFT's keys,
+    adapters/peft.py; the staged rows of NF4 weights, adapters/qlora.py); files: {checkpoint key: file} instead of
+    the directory's weight map."""
     t0 = time.perf_counter()
     path = Path(path)
     files = weight_map(path) if files is None else files
@@ -119,7 +128,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, params: dict[str, nn.
     plan: list[_Item] = []
     expected: set[str] = set()
     for name, p in params.items():
-        local, shape, row0 = local_view(p)
+        local, shape, row0 = p if isinstance(p, Rows) else local_view(p)
         if name in files:
             expected.add(name)
             rows = (row0, row0 + local.shape[0]) if local.dim() else None

@@ -304,9 +304,12 @@ class CausalLM(nn.Module):
         parameter's rows: parallel/dtensor.py's local_view).
 
         Values depend only on (seed, parameter name), never on the sharding, so a 2-rank run starts from exactly
-        the weights a 1-rank run starts from.
+        the weights a 1-rank run starts from. Integer parameters (a quantized weight's storage, adapters/nf4.py)
+        are not drawn: their owner fills them (adapters/qlora.py's init_quantized).
         """
         for name, p in self.named_parameters():
+            if not p.is_floating_point():
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
@@ -317,5 +320,7 @@ class CausalLM(nn.Module):
 
 
 def count_params(model: nn.Module) -> int:
-    """Parameters counted once each (tied weights once), global sizes for sharded tensors."""
-    return sum(p.numel() for p in model.parameters())
+    """Parameters counted once each (tied weights once), global sizes for sharded tensors; a quantized weight
+    (integer storage, adapters/nf4.py) as the weights it stands for (its module's quantized_numel), not its bytes."""
+    floats = sum(p.numel() for p in model.parameters() if p.is_floating_point())
+    return floats + sum(getattr(m, "quantized_numel", 0) for m in model.modules())

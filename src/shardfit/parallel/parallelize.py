@@ -3,15 +3,17 @@ meta device. Why each step comes where it does: docs/architecture.md, "The layou
 
 The order is fixed and each step relies on the previous ones:
   0. module swaps on the meta model, so that everything after sees the final modules: FP8 Float8Linear layers
-     (parallel/fp8.py), then LoRA adapters on them and the frozen base in the compute dtype (adapters/lora.py),
-     Ulysses around each attention kernel (parallel/ulysses.py), expert weights as DTensors over the EP group and
-     each MoE layer's exchange (parallel/expert.py);
+     (parallel/fp8.py), then LoRA adapters on them and the frozen base in the compute dtype (adapters/lora.py), the
+     adapted linear layers' base in NF4 with model.quantize=nf4 (adapters/qlora.py), Ulysses around each attention
+     kernel (parallel/ulysses.py), expert weights as DTensors over the EP group and each MoE layer's exchange
+     (parallel/expert.py);
   1. activation checkpointing of each block's forward (non-reentrant; parameter names stay Hugging Face's);
   2. torch.compile of each block's forward, checkpoint included (FSDP's hooks, added next, stay outside the graph);
   3. fully_shard each block (its experts first, as a group of their own or left out when E = W), the embedding and
      an untied head, then the root, over a 1-D mesh of every rank or a (replicate R, shard W/R) HSDP mesh;
   4. explicit prefetch, if asked; 5. to_empty on the target device: each rank allocates only its own shards;
-  6. init_weights / init_buffers on the shards, from (seed, parameter name) alone; LoRA adapters likewise, always.
+  6. init_weights / init_buffers on the shards, from (seed, parameter name) alone (NF4 weights drawn the same way,
+     then quantised); LoRA adapters likewise, always.
 With parallel.offload=all (parallel/offload.py) step 3 gives every group FSDP2's CPU offload policy, step 5 puts the
 shards in host memory, and step 6 draws on the device and copies into the host shards. Every rank runs the same steps
 in the same order (mesh creation is a collective).
@@ -30,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardfit.adapters.lora import apply_lora, init_adapters
+from shardfit.adapters.qlora import apply_nf4, init_quantized
 from shardfit.config.schema import ComputeConfig, Config, ParallelConfig
 from shardfit.models.moe import MoE
 from shardfit.parallel.dtensor import local_view
@@ -161,6 +164,7 @@ class ParallelizeReport:
     loss_compiled: bool = False  # the loss's per-chunk softmax and gradient compiled (CausalLM.use_compiled_loss)
     offload_notice: str | None = None  # offload=all: where the states live and the CPU step's threads
     lora_targets: list[str] | None = None  # the modules that carry LoRA adapters (lora.rank > 0)
+    nf4_layers: int = 0  # adapted linear layers whose base is NF4 (model.quantize=nf4)
 
 
 def parallelize(model: nn.Module, config: Config, device: torch.device, world_size: int, seed: int,
@@ -193,6 +197,10 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
         # fp32) and casts every parameter to param_dtype for the all-gather (no cast for the base); gradients are
         # reduced for the adapters only, in reduce_dtype.
         report.lora_targets = apply_lora(model, config.lora, mp.param_dtype)
+        if config.model.quantize == "nf4":
+            # QLoRA: the adapted linear layers' base becomes integer NF4 storage, which FSDP shards along dim 0 and
+            # gathers uncast (param_dtype applies to floating parameters only); adapters/qlora.py.
+            report.nf4_layers = apply_nf4(model, report.lora_targets)
     if meshes.sequence is not None:
         apply_sequence_parallel(model, meshes.sequence)  # 0
     if meshes.expert is not None:  # EP, or one rank's experts out of FSDP (LocalExperts)
@@ -218,6 +226,7 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
     model.to_empty(device=device)  # 5
     if init:
         model.init_weights(seed, view=local_view)  # 6
+        init_quantized(model, seed, view=local_view)  # NF4 weights: drawn as above, then quantised
     else:
         model.init_buffers()
     if adapters:  # drawn whatever the base's source (a resume or lora.adapter loads over them)

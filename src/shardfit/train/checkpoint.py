@@ -84,7 +84,8 @@ def weights_finite(model, device: torch.device) -> bool:
     from shardfit.parallel.offload import grad_sq_norm
     from shardfit.parallel.step_overlap import local_tensor
 
-    sq = grad_sq_norm([local_tensor(p.detach()) for p in model.parameters()], device)
+    # integer parameters (NF4 storage) are finite by construction, and norms take floating tensors only
+    sq = grad_sq_norm([local_tensor(p.detach()) for p in model.parameters() if p.is_floating_point()], device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         sq = all_gather_rows(sq.reshape(1))
     return bool(torch.isfinite(sq).all())

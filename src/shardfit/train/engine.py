@@ -14,7 +14,8 @@ gradients by world x C / N (N = loss tokens of the global batch) and the clip co
 the mean token loss over the global batch. Fused AdamW takes that factor as grad_scale (no pass of its own); the
 foreach AdamW of CPU runs gets the gradients multiplied first.
 LoRA (lora.rank, docs/lora.md): the same step over the parameters that train (the adapters): the norm, clip and
-skip decision cover them only; the frozen base comes from model.path (or the seed) at every start, resumes included.
+skip decision cover them only; the frozen base comes from model.path (or the seed) at every start, resumes included
+(QLoRA, model.quantize=nf4: quantised again, identically, adapters/qlora.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from shardfit.adapters.lora import base_parameters, lora_summary
+from shardfit.adapters.lora import lora_summary
 from shardfit.config import Config
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
@@ -153,10 +154,11 @@ class Engine:
         if self.parallel.offload_notice:
             self.notices.append(self.parallel.offload_notice)
         if from_hf:
-            from shardfit.hf.load import load_hf_checkpoint, load_report
+            from shardfit.adapters.qlora_io import load_base
+            from shardfit.hf.load import load_report
 
             t0 = time.perf_counter()
-            loaded = load_hf_checkpoint(self.model, cfg.model.path, params=base_parameters(self.model))
+            loaded = load_base(self.model, cfg.model.path)  # an NF4 base quantised as it is read
             self.notices.append(load_report(cfg.model.path, time.perf_counter() - t0, loaded, self.device))
         if self.init_from is not None:
             from shardfit.train.init_from import load_init_weights
@@ -168,6 +170,10 @@ class Engine:
 
                 load_adapter(self.model, cfg.lora.adapter)
             self.notices.append(lora_summary(self.model, self.lora_targets))
+            if self.parallel.nf4_layers:
+                from shardfit.adapters.qlora import qlora_summary
+
+                self.notices.append(qlora_summary(self.model))
         self.timer = StepTimer(self.device, cfg.logging.step_timing)
         self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
                                      self.model])

@@ -287,8 +287,10 @@ class Trainer:
                 what = "the PEFT adapter" if cfg.lora.rank else "Hugging Face model"
                 progress.message(f"exported {what} to {self.export_hf(cfg.checkpoint.export_hf)}")
             if cfg.checkpoint.export_merged:
+                nf4 = " (its base weights carry NF4's rounding: the QLoRA base, dequantised)" \
+                    if cfg.model.quantize == "nf4" else ""
                 progress.message(f"exported the merged Hugging Face model to "
-                                 f"{self.export_hf(cfg.checkpoint.export_merged, merged=True)}")
+                                 f"{self.export_hf(cfg.checkpoint.export_merged, merged=True)}{nf4}")
             self.recorder.diagnose_last(self.dist.is_main, progress.message)
             if cfg.logging.plot and self.dist.is_main:
                 progress.message(end_of_run(self.run_dir))

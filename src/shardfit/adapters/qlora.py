@@ -1,0 +1,185 @@
+"""QLoRA (model.quantize=nf4): the adapted linear layers' frozen base weights stored in NF4 (adapters/nf4.py), how
+they are sharded, filled (seeded or from model.path), multiplied and merged.
+
+The module: each LoRA target that is a linear layer of a block loses its `weight` parameter; in its place (same
+position, so module order is kept) come weight_nf4 [g, 8192] uint8, weight_absmax [g, 256] int8 and weight_stats
+[g, 2] int32 (g = ceil(out x in / 16,384) groups of the flattened weight), all frozen. Its forward dequantises the
+whole weight to the input's dtype inside a custom autograd Function, multiplies and frees it; backward dequantises
+again for dX = dY W (saved: the codes, never the dequantised weight). Checkpointing's recompute repeats the forward,
+dequantisation included. Embeddings, norms, the head and MoE experts stay in the compute dtype.
+FSDP2: the three are parameters of the block's group, sharded along dim 0, so a rank holds rows [g0, g0 + n) of each,
+the same rows of all three (same dim-0 size), whole groups (a group never straddles ranks) and 1/world of the codes.
+FSDP2 casts only floating parameters to param_dtype, so the codes are all-gathered as they are; a group of mixed
+dtypes (uint8, int8, int32 beside the bf16 base and fp32 adapters) is all-gathered as bytes, which FSDP2 does
+itself. Only the adapters train, so the group's one trainable dtype (fp32) is unchanged.
+Filling: a rank's groups cover rows [r0, r1) of the weight; those rows alone are staged in fp32 (drawn from (seed,
+name) as plain LoRA draws them, or read from model.path through hf/load.py), quantised into the local shards and
+freed, a bounded batch of layers at a time: no rank holds the whole model in bf16, and 1 and N ranks hold the same
+codes (quantisation is per group and deterministic). No collectives. Loading from model.path and the merge's
+whole weight: adapters/qlora_io.py.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardfit.adapters.lora import LoRAModule, lora_class
+from shardfit.adapters.nf4 import (
+    BYTES_PER_WEIGHT,
+    GROUP,
+    GROUP_BLOCKS,
+    ROW_BYTES,
+    dequantize,
+    n_groups,
+    pad_to_groups,
+    quantize,
+)
+from shardfit.models.init import ShardView, seeded_normal_, whole_view
+
+STORAGE = ("weight_nf4", "weight_absmax", "weight_stats")
+_CHUNK_GROUPS = 64  # groups quantised at once: ~1M weights, ~20 MB of transients
+
+
+def dequantized(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, shape: tuple[int, int],
+                dtype: torch.dtype) -> torch.Tensor:
+    """The weight [out, in] in dtype from its whole (gathered) storage."""
+    return dequantize(codes, absmax, stats, dtype)[:shape[0] * shape[1]].view(shape)
+
+
+class _NF4Matmul(torch.autograd.Function):
+    """y = x W^T with W dequantised in forward and again in backward: only the codes are saved."""
+
+    @staticmethod
+    def forward(ctx, x, codes, absmax, stats, shape):
+        ctx.save_for_backward(codes, absmax, stats)
+        ctx.shape = shape
+        return F.linear(x, dequantized(codes, absmax, stats, shape, x.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        codes, absmax, stats = ctx.saved_tensors
+        return dy @ dequantized(codes, absmax, stats, ctx.shape, dy.dtype), None, None, None, None
+
+
+class NF4Linear(nn.Linear):
+    """A frozen linear layer whose weight is stored in NF4 (module docstring); LoRA's class for it adds the adapter
+    (adapters/lora.py's lora_class)."""
+
+    quantized_numel: int  # out x in: the weights it stands for (models.count_params counts these, not its bytes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _NF4Matmul.apply(x, self.weight_nf4, self.weight_absmax, self.weight_stats,
+                               (self.out_features, self.in_features))
+        return out if self.bias is None else out + self.bias
+
+
+def is_storage(name: str) -> bool:
+    """Whether a parameter name is an NF4 weight's storage."""
+    return name.rpartition(".")[2] in STORAGE
+
+
+def quantized_modules(model: nn.Module) -> list[tuple[str, NF4Linear]]:
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, NF4Linear)]
+
+
+class Span(NamedTuple):
+    """What this rank holds of one NF4 weight: its shards of the three (the same groups [g0, g0 + n) of each),
+    the elements [e0, e1) of the flattened weight they stand for, and the weight's rows [r0, r1) that cover them."""
+    shards: list[torch.Tensor]
+    groups: int
+    elems: tuple[int, int]
+    rows: tuple[int, int]
+
+
+def shard_span(mod: NF4Linear, view: ShardView) -> Span:
+    local = [view(getattr(mod, n)) for n in STORAGE]
+    shards, g0, n = [t for t, _, _ in local], local[0][2], local[0][0].shape[0]
+    assert all(t.shape[0] == n and row0 == g0 for t, _, row0 in local), "NF4 shards must hold the same groups"
+    numel, width = mod.quantized_numel, mod.in_features
+    e0, e1 = min(g0 * GROUP, numel), min((g0 + n) * GROUP, numel)
+    return Span(shards, n, (e0, e1), (e0 // width, -(-e1 // width) if n else e0 // width))
+
+
+@torch.no_grad()
+def quantize_rows(mod: NF4Linear, rows: torch.Tensor, span: Span) -> None:
+    """Quantise this rank's groups from `rows` (the weight's rows span.rows, any float dtype) into its shards, a
+    chunk of groups at a time."""
+    (e0, e1), skip = span.elems, span.rows[0] * mod.in_features
+    flat = pad_to_groups(rows.reshape(-1)[e0 - skip:e1 - skip].float(), span.groups)
+    for c0 in range(0, span.groups, _CHUNK_GROUPS):
+        c1 = min(span.groups, c0 + _CHUNK_GROUPS)
+        for dst, src in zip(span.shards, quantize(flat[c0 * GROUP:c1 * GROUP])):
+            dst[c0:c1].copy_(src)
+
+
+def staging_rows(mod: NF4Linear, span: Span) -> torch.Tensor:
+    """An empty fp32 buffer for the weight's rows span.rows, where the shards live."""
+    r0, r1 = span.rows
+    return torch.empty(r1 - r0, mod.in_features, dtype=torch.float32, device=span.shards[0].device)
+
+
+def to_nf4(mod: nn.Linear) -> NF4Linear:
+    """Replace the module's weight by its NF4 storage, in place (on meta: empty; else quantised from the weight); an
+    adapted module keeps its adapters."""
+    w = mod.weight
+    g = n_groups(w.numel())
+    new = {"weight_nf4": (ROW_BYTES, torch.uint8), "weight_absmax": (GROUP_BLOCKS, torch.int8),
+           "weight_stats": (2, torch.int32)}
+    params = {}
+    for key, p in mod._parameters.items():  # the storage where the weight was: module order unchanged
+        if key != "weight":
+            params[key] = p
+            continue
+        for name, (width, dtype) in new.items():
+            params[name] = nn.Parameter(torch.empty(g, width, dtype=dtype, device=w.device), requires_grad=False)
+    mod._parameters.clear()
+    mod._parameters.update(params)
+    mod.__class__ = lora_class(NF4Linear) if isinstance(mod, LoRAModule) else NF4Linear
+    mod.quantized_numel = w.numel()
+    if w.device.type != "meta":
+        quantize_rows(mod, w.detach(), shard_span(mod, whole_view))
+    return mod
+
+
+def apply_nf4(model: nn.Module, targets: list[str]) -> int:
+    """Store the base weight of every adapted linear layer among `targets` (apply_lora's names) in NF4; returns how
+    many. Called right after apply_lora: on the meta model (parallelize's step 0) or a materialised one (generate)."""
+    mods = dict(model.named_modules())  # the blocks' linear layers: not the output head (an nn.Linear too)
+    chosen = [mods[t] for t in targets if t.startswith("model.layers.") and isinstance(mods[t], nn.Linear)]
+    for mod in chosen:
+        to_nf4(mod)
+    return len(chosen)
+
+
+@torch.no_grad()
+def init_quantized(model: nn.Module, seed: int, view: ShardView = whole_view) -> None:
+    """Draw this rank's rows of each NF4 weight as the seeded initialisation draws an unquantised one (models/init.py:
+    the same values from (seed, name)), quantise them into the local shards, free them; one layer at a time."""
+    std = model.cfg.init_std
+    for fqn, mod in quantized_modules(model):
+        span = shard_span(mod, view)
+        if not span.groups or span.shards[0].device.type == "meta":
+            continue
+        rows, shape = staging_rows(mod, span), (mod.out_features, mod.in_features)
+        seeded_normal_(rows, std, seed, f"{fqn}.weight", view=lambda t, s=shape, r=span.rows[0]: (t, s, r))
+        quantize_rows(mod, rows, span)
+
+
+def qlora_summary(model: nn.Module) -> str:
+    """One notice line: how much of the base is NF4 and its bytes."""
+    mods = quantized_modules(model)
+    n = sum(m.quantized_numel for _, m in mods)
+    stored = sum(getattr(m, k).numel() * getattr(m, k).element_size() for _, m in mods for k in STORAGE)
+    return (f"QLoRA: the base weights of {len(mods)} adapted linear layers ({n:,} weights) are NF4 with "
+            f"double-quantised scales, {stored / 2**20:,.1f} MiB in all (~{BYTES_PER_WEIGHT:.3f} bytes a weight, "
+            f"sharded over the ranks); they dequantise one layer at a time in forward and backward")
+
+
+__all__ = ["NF4Linear", "STORAGE", "apply_nf4", "dequantized", "init_quantized", "is_storage", "qlora_summary",
+           "quantize_rows", "quantized_modules", "shard_span", "staging_rows", "to_nf4"]

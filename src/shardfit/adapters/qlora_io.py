@@ -1,0 +1,84 @@
+"""An NF4 base in and out (adapters/qlora.py): loaded from model.path shard by shard, and dequantised whole for a
+merged export.
+
+Loading (`load_base`, the Engine's start from model.path, resumes included): the unquantised parameters (embeddings,
+norms, head, the base of layers without an adapter) are read as for plain LoRA, in one pass of hf/load.py's reader
+(each rank its own rows, no collective). Then the NF4 weights, a batch of layers at a time: for each, this rank's
+rows [r0, r1) that cover its groups (qlora.shard_span) are read into an fp32 staging buffer (hf/load.py's Rows),
+quantised into its shards and dropped before the next batch. A batch stages at most _STAGE_BYTES on this rank's
+device (a layer larger than that goes alone: one 14336 x 4096 Llama-3-8B MLP weight is 235 MB in fp32 on one rank,
+1/world of that on each of world ranks). So loading holds the NF4 shards plus one batch of fp32 rows, never the
+whole model in bf16, and a missing or misshapen tensor is the loader's one error line, the same on every rank (a
+rank with no rows of a layer still checks its shape).
+Merging (`merged_weight`): the three storage tensors gathered whole (hf/export.py's full_tensor, a collective every
+rank issues in the same order) and dequantised in fp32: the merged weight carries the NF4 rounding (the model
+trained on that base, not on the original weights).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardfit.adapters.lora import base_parameters
+from shardfit.adapters.qlora import (
+    STORAGE,
+    NF4Linear,
+    Span,
+    dequantized,
+    is_storage,
+    quantize_rows,
+    quantized_modules,
+    shard_span,
+    staging_rows,
+)
+from shardfit.hf.export import full_tensor
+from shardfit.hf.load import LoadResult, Rows, load_hf_checkpoint, weight_map
+from shardfit.parallel.dtensor import local_view
+
+_STAGE_BYTES = 256 << 20  # fp32 rows staged per batch of NF4 layers while loading
+
+
+@torch.no_grad()
+def load_base(model: nn.Module, path: str | Path) -> LoadResult:
+    """Fill the model's frozen base (every parameter but the adapters) from a Hugging Face directory; NF4 weights
+    quantised as they are read (module docstring). Without NF4 layers: one call of load_hf_checkpoint."""
+    files = weight_map(Path(path))
+    quantized = {f"{fqn}.weight": mod for fqn, mod in quantized_modules(model)}
+    plain = {n: p for n, p in base_parameters(model).items() if not is_storage(n)}
+    results = [load_hf_checkpoint(model, path, params=plain,
+                                  files={k: f for k, f in files.items() if k not in quantized})]
+    batches: list[list[tuple[str, NF4Linear, Span]]] = [[]]
+    staged = 0
+    for key, mod in quantized.items():
+        span = shard_span(mod, local_view)
+        size = (span.rows[1] - span.rows[0]) * mod.in_features * 4
+        if batches[-1] and staged + size > _STAGE_BYTES:
+            batches.append([])
+            staged = 0
+        batches[-1].append((key, mod, span))
+        staged += size
+    quantize_s = 0.0
+    for batch in batches if quantized else []:
+        rows = {k: Rows(staging_rows(m, s), (m.out_features, m.in_features), s.rows[0]) for k, m, s in batch}
+        results.append(load_hf_checkpoint(model, path, params=rows, files={k: files[k] for k in rows if k in files}))
+        t0 = time.perf_counter()
+        for key, mod, span in batch:
+            quantize_rows(mod, rows[key].local, span)
+        quantize_s += time.perf_counter() - t0
+        del rows  # the batch's staging, freed before the next one is allocated
+    return LoadResult(sum(r.bytes for r in results), sum(r.tensors for r in results), sum(r.reads for r in results),
+                      results[0].threads, sum(r.plan_s for r in results),
+                      sum(r.read_s for r in results) + quantize_s)
+
+
+def merged_weight(mod: NF4Linear) -> torch.Tensor:
+    """The whole dequantised weight [out, in], fp32, on every rank (three gathers, module docstring)."""
+    codes, absmax, stats = (full_tensor(getattr(mod, n)) for n in STORAGE)
+    return dequantized(codes, absmax, stats, (mod.out_features, mod.in_features), torch.float32)
+
+
+__all__ = ["load_base", "merged_weight"]

@@ -1,0 +1,97 @@
+"""QLoRA's module (adapters/qlora.py), one process: the quantized model's logits and gradients equal those of a
+model whose base is the dequantised weights (so NF4's rounding is the only difference from LoRA), backward saves
+no dequantised weight, the parameters and counts, and the config's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardfit.adapters.lora import apply_lora, is_adapter
+from shardfit.adapters.qlora import STORAGE, NF4Linear, apply_nf4, quantized_modules
+from shardfit.adapters.qlora_io import merged_weight
+from shardfit.config.schema import LoraConfig, ModelConfig
+from shardfit.errors import ShardfitError
+from shardfit.models import build_model, count_params
+from tests.adapters.tiny_hf import randomize_adapters
+from tests.helpers import SMALL, small_config
+
+IDS = torch.tensor([[5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 1, 2]])
+
+
+def _pair(dtype: torch.dtype):
+    """(QLoRA model, LoRA model whose base weights are the QLoRA model's dequantised ones), same adapters."""
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=264, max_seq_len=64,
+                      tie_embeddings=False, qkv_bias=True)
+    models = []
+    for _ in range(2):
+        m = build_model(cfg)
+        m.init_weights(3)
+        targets = apply_lora(m, LoraConfig(rank=4, alpha=8, targets="all-linear,lm_head"), None)
+        randomize_adapters(m)
+        models.append((m, targets))
+    (q, targets), (plain, _) = models
+    assert apply_nf4(q, targets) == 2 * 7  # linear targets only: the head keeps its weight
+    with torch.no_grad():
+        for fqn, mod in quantized_modules(q):
+            plain.get_submodule(fqn).weight.copy_(merged_weight(mod))
+    return q.to(dtype), plain.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logits_and_gradients_equal_a_lora_model_on_the_dequantised_base(dtype):
+    q, plain = _pair(dtype)
+    assert all(p.dtype in (torch.uint8, torch.int8, torch.int32) for n, p in q.named_parameters() if "weight_" in n)
+    assert q.lm_head.weight.dtype == dtype and q.model.embed_tokens.weight.dtype == dtype
+    out_q, out_p = q(IDS), plain(IDS)
+    assert torch.equal(out_q, out_p)
+    out_q.float().square().mean().backward()
+    out_p.float().square().mean().backward()
+    grads_p = {n: p.grad for n, p in plain.named_parameters() if is_adapter(n)}
+    for n, p in q.named_parameters():
+        if is_adapter(n):
+            assert torch.equal(p.grad, grads_p[n]), n
+        else:
+            assert p.grad is None, n
+
+
+def test_backward_saves_the_codes_not_the_dequantised_weight():
+    q, _ = _pair(torch.float32)
+    layer = q.model.layers[0].mlp.down_proj  # [64, 160]
+    x = torch.randn(3, 160, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = NF4Linear.forward(layer, x)  # the base matmul alone
+    assert [t.dtype for t in saved] == [torch.uint8, torch.int8, torch.int32]
+    assert not any(t.is_floating_point() and t.numel() >= 64 * 160 for t in saved)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, merged_weight(layer).sum(0).expand(3, -1))
+
+
+def test_storage_replaces_the_weight_in_place_and_counts_as_its_weights():
+    cfg = small_config()
+    with torch.device("meta"):
+        q = build_model(cfg.model)
+        plain = build_model(cfg.model)
+    n = count_params(plain)
+    targets = apply_lora(q, LoraConfig(rank=4), torch.float32)
+    apply_nf4(q, targets)
+    names = [k for k, _ in q.model.layers[0].self_attn.q_proj.named_parameters()]
+    assert names == [*STORAGE, "lora_A", "lora_B"]  # where the weight was, adapters after
+    assert count_params(q) == n + sum(p.numel() for k, p in q.named_parameters() if is_adapter(k))
+    assert not hasattr(q.model.layers[0].self_attn.q_proj, "weight")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model.quantize=nf4"], "a quantized base cannot train"),
+    (["--model.quantize=nf4", "--lora.rank=4", "--lora.targets=lm_head"], "names none"),
+    (["--model.quantize=nf4", "--lora.rank=4", "--compute.fp8=tensorwise"], "FP8 would not use"),
+    (["--model.quantize=nf4", "--lora.rank=4", "--parallel.offload=all"], "not supported with CPU offload"),
+    (["--model.quantize=int4", "--lora.rank=4"], "int4"),
+], ids=["no-rank", "no-linear-target", "fp8", "offload", "unknown"])
+def test_config_refusals(extra, message):
+    from shardfit.config import load_config
+
+    with pytest.raises(ShardfitError, match=message):
+        load_config(None, [*SMALL, *extra])
+    assert load_config(None, [*SMALL, "--model.quantize=nf4", "--lora.rank=4"]).model.quantize == "nf4"
