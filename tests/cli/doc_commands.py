@@ -2,7 +2,9 @@
 cannot drift from the code). The pages mark what a test runs:
 
   <!-- test -->              on the line before a ```bash fence: a test runs that block's commands, in order;
-  <!-- test-file: NAME -->   on the line before any fence: a test writes that block's text to NAME first.
+  <!-- test-file: NAME -->   on the line before any fence: a test writes that block's text to NAME first;
+  <!-- test-output -->       on the line before any fence: what the tested commands print (a test checks the lines
+                             it names in its docstring).
 
 In a marked bash block: one command a line; a line ending in `\\` continues on the next; `#` starts a comment, and
 `(exit N)` in it is the exit code the page says the command ends with (0 when it says none). Run them with
@@ -15,7 +17,7 @@ import re
 import shlex
 from pathlib import Path
 
-_MARKED = re.compile(r"^<!-- (test|test-file: (\S+)) -->\n```\w*\n(.*?)^```", re.S | re.M)
+_MARKED = re.compile(r"^<!-- (test|test-output|test-file: (\S+)) -->\n```\w*\n(.*?)^```", re.S | re.M)
 
 
 def marked_blocks(page: Path) -> list[str]:
@@ -26,6 +28,11 @@ def marked_blocks(page: Path) -> list[str]:
 def marked_files(page: Path) -> dict[str, str]:
     """name -> text of every block marked `<!-- test-file: NAME -->`."""
     return {m.group(2): m.group(3) for m in _MARKED.finditer(page.read_text()) if m.group(2)}
+
+
+def marked_outputs(page: Path) -> list[str]:
+    """The text of every block marked `<!-- test-output -->`, in page order."""
+    return [m.group(3) for m in _MARKED.finditer(page.read_text()) if m.group(1) == "test-output"]
 
 
 def commands(block: str) -> list[tuple[list[str], int]]:
