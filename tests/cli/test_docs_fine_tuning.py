@@ -88,7 +88,10 @@ def test_the_pages_commands_do_what_it_says(tmp_path, monkeypatch):
     assert "40 training examples" in train and "(none cut)" in train
     assert (tmp_path / "chat-model" / "model.safetensors").is_file()
     assert "chat template the model was fine-tuned with" in out[2].stderr
-    assert "eval" in {json.loads(r)["kind"] for r in (tmp_path / "runs/chat-val/metrics.jsonl").read_text().splitlines()}
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {f.name for f in (tmp_path / "chat-adapter").iterdir()}
-    assert (tmp_path / "chat-merged" / "config.json").is_file() and (tmp_path / "chat-model-2" / "config.json").is_file()
+    records = (tmp_path / "runs/chat-val/metrics.jsonl").read_text().splitlines()
+    assert "eval" in {json.loads(r)["kind"] for r in records}  # the validation loss was taken
+    adapter = {f.name for f in (tmp_path / "chat-adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= adapter
+    assert (tmp_path / "chat-merged" / "config.json").is_file()
+    assert (tmp_path / "chat-model-2" / "config.json").is_file()
     assert (tmp_path / "runs/chat-val/metrics.png").is_file()
