@@ -1,16 +1,17 @@
-"""docs/checkpoints.md's commands, run in order as written (with a smaller model appended to each `shardfit train`,
-and the run directory that model gets in place of the page's), each with the exit code the page states."""
+"""docs/checkpoints.md's commands (its `<!-- test -->` block: tests/cli/doc_commands.py), run in order as written (with
+a smaller model appended to each `shardfit train`, and the run directory that model gets in place of the page's), each
+with the exit code the page states."""
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
 from pathlib import Path
 
 from shardfit.config import load_config
 from shardfit.train.optim import lr_at
 from shardfit.train.run_config import default_run_dir
+from tests.cli.doc_commands import commands, marked_blocks
 from tests.cli.session import run_commands
 
 DOC = Path(__file__).parents[2] / "docs" / "checkpoints.md"
@@ -19,28 +20,19 @@ SMALLER = ["--train.device=cpu", "--model.dim=32", "--model.n_layers=1", "--mode
            "--logging.log_every=50", "--logging.plot=false"]
 
 
-def _commands() -> list[tuple[list[str], int]]:
-    block = re.search(r"```bash\n(.*?)```", DOC.read_text(), re.S).group(1)
-    out = []
-    for line in block.splitlines():
-        command, _, comment = line.partition("#")
-        code = re.search(r"\(exit (\d+)\)", comment)
-        out.append((shlex.split(command), int(code.group(1)) if code else 0))
-    return out
-
-
 def test_the_pages_commands_do_what_it_says(tmp_path, monkeypatch):
-    commands = _commands()
+    [block] = marked_blocks(DOC)
+    page = commands(block)
     monkeypatch.chdir(tmp_path)  # the recorded configs name paths as the commands gave them: relative to here
     page_dir = re.search(r"runs/tiny-[0-9a-f]{8}", DOC.read_text()).group(0)
     assert default_run_dir(load_config()) == Path(page_dir)  # plain `shardfit train` goes where the page says
-    assert [c[0][:2] for c in commands] == [["shardfit", "train"]] * 4 + [["shardfit", "export"], ["shardfit", "plot"]]
+    assert [c[0][:2] for c in page] == [["shardfit", "train"]] * 4 + [["shardfit", "export"], ["shardfit", "plot"]]
     rows = [{"prompt": f"{i} + {i} = ", "completion": f"{2 * i}"} for i in range(64)]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = str(default_run_dir(load_config(None, SMALLER)))  # where the first command goes: its header says so
-    argvs = [[a.replace(page_dir, run) for a in argv[1:]] for argv, _ in commands]
+    argvs = [[a.replace(page_dir, run) for a in argv[1:]] for argv, _ in page]
     out = run_commands([[*a, *(SMALLER if a[0] == "train" else [])] for a in argvs], tmp_path)
-    assert [p.returncode for p in out] == [code for _, code in commands], [p.stderr for p in out]
+    assert [p.returncode for p in out] == [code for _, code in page], [p.stderr for p in out]
     assert f"run dir {run}" in out[0].stdout
     assert "nothing to train: resumed at step 150" in out[1].stderr
     assert "resumed from" in out[2].stdout and "train.steps 150 -> 300" in out[2].stdout

@@ -26,7 +26,8 @@ training (forward, forward_backward, optim_step, save/load state) and sampling f
   --nproc N     ranks on this node (torchrun); multi-node flags as for shardfit train
 
 The model is the train config's (--model.name=tiny, --model.path=HF_DIR, parallel.*, compute.*); clients pass that name
-(or directory) as base_model. Training is full-parameter until LoRA lands. Example (Python):
+(or directory) as base_model. Training is full-parameter unless --lora.rank=R (LoRA adapters of rank R on a frozen
+base, docs/lora.md). Example (Python):
   tinker.ServiceClient(base_url=URL, api_key="tml-local").create_lora_training_client(base_model="tiny")
 """
 
