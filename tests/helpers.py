@@ -74,3 +74,10 @@ def train_small(rank: int, world: int, run_dir: str, *extra: str) -> dict:
     from shardfit.train import Trainer
 
     return {"losses": [h["loss"] for h in Trainer(small_config(*extra, run_dir=run_dir)).fit()]}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality: NF4 storage is carried in a float dtype (adapters/nf4.py), where some byte patterns
+    are NaNs that torch.equal calls unequal to themselves."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))

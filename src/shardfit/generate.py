@@ -118,7 +118,9 @@ def _checkpoint_config(ckpt: Path):
 def _in_dtype(model: CausalLM, dtype: torch.dtype) -> CausalLM:
     """The weights in `dtype`, the RoPE frequencies in fp32 as in training (FSDP's mixed precision casts parameters
     only): a bf16 inv_freq turns positions into angles off by ~0.7 rad at position 4,000."""
-    model.to(dtype).eval()
+    from shardfit.adapters.qlora import to_dtype
+
+    to_dtype(model, dtype).eval()  # NF4 storage (a QLoRA checkpoint's base) kept bit for bit
     model.init_buffers_fp32()
     return model
 

@@ -50,7 +50,7 @@ def test_qlora_trains_on_an_nf4_base(tmp_path, extra):
     # the LoRA CUDA test's bound (5.60 -> 5.27 over 20 steps, bf16 base): NF4's rounding must not stop learning
     assert res["losses"][-1] < res["losses"][0] - 0.15, res["losses"]
     assert res["codes_same"] and res["graph_breaks"] == 0
-    assert res["dtypes"] == ["torch.bfloat16", "torch.int32", "torch.int8", "torch.uint8"]
+    assert res["dtypes"] == ["torch.bfloat16"]  # the frozen norms and the NF4 storage carried in bf16
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

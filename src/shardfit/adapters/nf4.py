@@ -11,7 +11,9 @@ an 8-bit dynamic map), the mean and a linear int8 scale are per group: every gro
 quantises its own rows with no collective and a shard boundary never splits a group (adapters/qlora.py).
 Layout, for g groups (a weight of n elements: g = ceil(n / GROUP), the last group zero-padded): codes [g, 8192] uint8,
 two codes a byte, the even element in the high nibble (as bitsandbytes packs); absmax [g, 256] int8; stats [g, 2]
-int32 holding the bits of (m, s) in fp32 (an integer dtype: FSDP's mixed precision casts floating parameters only).
+int32 holding the bits of (m, s) in fp32. A module stores the three as bit-for-bit views in a floating "carrier"
+dtype (`carried`), the compute dtype FSDP gathers in: FSDP2 before torch 2.13 cannot shard integer parameters (it
+makes every sharded parameter require grad), and a carrier equal to FSDP's param_dtype is gathered uncast.
 Memory: 0.5 + 1/64 + 8/16384 = 0.516113 bytes a weight (4.13 bits; bf16: 2 bytes), plus < 16,384 padded weights
 a tensor. Dequantisation is exact: fp32(level x absmax) (two fp32 values, one rounding), then the compute dtype; its
 transient is ~6 bytes a weight eagerly (fp32 levels, then the copy in dtype), one fused kernel under torch.compile.
@@ -60,8 +62,23 @@ def n_groups(numel: int) -> int:
     return -(-numel // GROUP)
 
 
+STORED = (torch.uint8, torch.int8, torch.int32)  # codes, absmax, stats as quantize makes them
+ROW_STORED_BYTES = (ROW_BYTES, GROUP_BLOCKS, 8)  # bytes a group takes in each
+
+
+def carried(parts: tuple[torch.Tensor, ...], carrier: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(codes, absmax, stats) as views of dtype `carrier` (same bytes; each row's bytes divide by its size)."""
+    return tuple(t.view(carrier) for t in parts)
+
+
+def stored(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The integer views of carried (or already integer) storage: bit for bit, no copy."""
+    return tuple(t if t.dtype == d else t.view(d) for t, d in zip((codes, absmax, stats), STORED))
+
+
 def block_absmax(absmax: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     """The blocks' absmaxes as stored, fp32 [g, 256], from the int8 codes [g, 256] and the int32 stats [g, 2]."""
+    absmax = absmax if absmax.dtype == torch.int8 else absmax.view(torch.int8)
     mean_scale = stats.view(torch.float32).double()
     return (absmax.double() * mean_scale[:, 1:2] + mean_scale[:, 0:1]).float()
 
@@ -89,7 +106,8 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The g * GROUP weights, flat, in dtype: fp32(level x block absmax), then dtype."""
+    """The g * GROUP weights, flat, in dtype: fp32(level x block absmax), then dtype. Takes carried storage too."""
+    codes, absmax, stats = stored(codes, absmax, stats)
     g = codes.shape[0]
     pairs = _table("pairs", codes.device)[codes.int()]  # [g, 8192, 2] fp32: one gather for both nibbles
     pairs.view(g, GROUP_BLOCKS, BLOCK).mul_(block_absmax(absmax, stats).unsqueeze(-1))
@@ -104,8 +122,10 @@ def pad_to_groups(flat: torch.Tensor, groups: int) -> torch.Tensor:
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     """The level index of every weight, [g * GROUP] int64, in weight order (tests, inspection)."""
+    codes = codes if codes.dtype == torch.uint8 else codes.view(torch.uint8)
     return torch.stack([codes >> 4, codes & 15], dim=-1).view(-1).long()
 
 
-__all__ = ["BLOCK", "BYTES_PER_WEIGHT", "GROUP", "GROUP_BLOCKS", "NF4_LEVELS", "ROW_BYTES", "block_absmax",
-           "dequantize", "n_groups", "pad_to_groups", "quantize", "unpack_codes"]
+__all__ = ["BLOCK", "BYTES_PER_WEIGHT", "GROUP", "GROUP_BLOCKS", "NF4_LEVELS", "ROW_BYTES", "ROW_STORED_BYTES",
+           "STORED", "block_absmax", "carried", "dequantize", "n_groups", "pad_to_groups", "quantize", "stored",
+           "unpack_codes"]

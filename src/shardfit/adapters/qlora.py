@@ -2,16 +2,17 @@
 they are sharded, filled (seeded or from model.path), multiplied and merged.
 
 The module: each LoRA target that is a linear layer of a block loses its `weight` parameter; in its place (same
-position, so module order is kept) come weight_nf4 [g, 8192] uint8, weight_absmax [g, 256] int8 and weight_stats
-[g, 2] int32 (g = ceil(out x in / 16,384) groups of the flattened weight), all frozen. Its forward dequantises the
+position, so module order is kept) come weight_nf4 (8192 bytes a group), weight_absmax (256) and weight_stats (8)
+(g = ceil(out x in / 16,384) groups of the flattened weight), all frozen, stored bit for bit as [g, bytes / size]
+views in the replaced weight's dtype (the "carrier": nf4.py's `carried`; the compute dtype). Its forward dequantises the
 whole weight to the input's dtype inside a custom autograd Function, multiplies and frees it; backward dequantises
 again for dX = dY W (saved: the codes, never the dequantised weight). Checkpointing's recompute repeats the forward,
 dequantisation included. Embeddings, norms, the head and MoE experts stay in the compute dtype.
 FSDP2: the three are parameters of the block's group, sharded along dim 0, so a rank holds rows [g0, g0 + n) of each,
 the same rows of all three (same dim-0 size), whole groups (a group never straddles ranks) and 1/world of the codes.
-FSDP2 casts only floating parameters to param_dtype, so the codes are all-gathered as they are; a group of mixed
-dtypes (uint8, int8, int32 beside the bf16 base and fp32 adapters) is all-gathered as bytes, which FSDP2 does
-itself. Only the adapters train, so the group's one trainable dtype (fp32) is unchanged.
+The carrier is FSDP's param_dtype, so the codes are all-gathered uncast, as copies of their bytes (FSDP2 before
+torch 2.13 cannot hold integer parameters at all). Only the adapters train, so the group's one trainable dtype (fp32)
+is unchanged; nothing reads the carriers as numbers (init, norms and finiteness checks skip STORAGE by name).
 Filling: a rank's groups cover rows [r0, r1) of the weight; those rows alone are staged in fp32 (drawn from (seed,
 name) as plain LoRA draws them, or read from model.path through hf/load.py), quantised into the local shards and
 freed, a bounded batch of layers at a time: no rank holds the whole model in bf16, and 1 and N ranks hold the same
@@ -31,16 +32,16 @@ from shardfit.adapters.lora import LoRAModule, lora_class
 from shardfit.adapters.nf4 import (
     BYTES_PER_WEIGHT,
     GROUP,
-    GROUP_BLOCKS,
-    ROW_BYTES,
+    ROW_STORED_BYTES,
+    carried,
     dequantize,
     n_groups,
     pad_to_groups,
     quantize,
 )
-from shardfit.models.init import ShardView, seeded_normal_, whole_view
+from shardfit.models.init import QUANTIZED_STORAGE as STORAGE
+from shardfit.models.init import ShardView, is_quantized_storage, seeded_normal_, whole_view
 
-STORAGE = ("weight_nf4", "weight_absmax", "weight_stats")
 _CHUNK_GROUPS = 64  # groups quantised at once: ~1M weights, ~20 MB of transients
 
 
@@ -79,9 +80,7 @@ class NF4Linear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-def is_storage(name: str) -> bool:
-    """Whether a parameter name is an NF4 weight's storage."""
-    return name.rpartition(".")[2] in STORAGE
+is_storage = is_quantized_storage  # whether a parameter name is an NF4 weight's storage
 
 
 def quantized_modules(model: nn.Module) -> list[tuple[str, NF4Linear]]:
@@ -114,8 +113,8 @@ def quantize_rows(mod: NF4Linear, rows: torch.Tensor, span: Span) -> None:
     flat = pad_to_groups(rows.reshape(-1)[e0 - skip:e1 - skip].float(), span.groups)
     for c0 in range(0, span.groups, _CHUNK_GROUPS):
         c1 = min(span.groups, c0 + _CHUNK_GROUPS)
-        for dst, src in zip(span.shards, quantize(flat[c0 * GROUP:c1 * GROUP])):
-            dst[c0:c1].copy_(src)
+        for dst, src in zip(span.shards, carried(quantize(flat[c0 * GROUP:c1 * GROUP]), span.shards[0].dtype)):
+            dst[c0:c1].copy_(src)  # the same dtype: a copy of the bytes
 
 
 def staging_rows(mod: NF4Linear, span: Span) -> torch.Tensor:
@@ -125,19 +124,18 @@ def staging_rows(mod: NF4Linear, span: Span) -> torch.Tensor:
 
 
 def to_nf4(mod: nn.Linear) -> NF4Linear:
-    """Replace the module's weight by its NF4 storage, in place (on meta: empty; else quantised from the weight); an
-    adapted module keeps its adapters."""
+    """Replace the module's weight by its NF4 storage, in place (on meta: empty; else quantised from the weight),
+    carried in the weight's dtype; an adapted module keeps its adapters."""
     w = mod.weight
-    g = n_groups(w.numel())
-    new = {"weight_nf4": (ROW_BYTES, torch.uint8), "weight_absmax": (GROUP_BLOCKS, torch.int8),
-           "weight_stats": (2, torch.int32)}
+    g, size = n_groups(w.numel()), w.element_size()
     params = {}
     for key, p in mod._parameters.items():  # the storage where the weight was: module order unchanged
         if key != "weight":
             params[key] = p
             continue
-        for name, (width, dtype) in new.items():
-            params[name] = nn.Parameter(torch.empty(g, width, dtype=dtype, device=w.device), requires_grad=False)
+        for name, nbytes in zip(STORAGE, ROW_STORED_BYTES):
+            params[name] = nn.Parameter(torch.empty(g, nbytes // size, dtype=w.dtype, device=w.device),
+                                        requires_grad=False)
     mod._parameters.clear()
     mod._parameters.update(params)
     mod.__class__ = lora_class(NF4Linear) if isinstance(mod, LoRAModule) else NF4Linear
@@ -171,6 +169,17 @@ def init_quantized(model: nn.Module, seed: int, view: ShardView = whole_view) ->
         quantize_rows(mod, rows, span)
 
 
+def to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """model.to(dtype), NF4 storage kept bit for bit (a cast would turn its bytes into other bytes): it is carried in
+    the new dtype instead, as FSDP would gather it."""
+    storage = {n: p for n, p in model.named_parameters() if is_storage(n)}
+    raw = {n: p.data.view(torch.uint8) for n, p in storage.items()}
+    model.to(dtype)
+    for n, p in storage.items():
+        p.data = raw[n].view(dtype)
+    return model
+
+
 def qlora_summary(model: nn.Module) -> str:
     """One notice line: how much of the base is NF4 and its bytes."""
     mods = quantized_modules(model)
@@ -182,4 +191,4 @@ def qlora_summary(model: nn.Module) -> str:
 
 
 __all__ = ["NF4Linear", "STORAGE", "apply_nf4", "dequantized", "init_quantized", "is_storage", "qlora_summary",
-           "quantize_rows", "quantized_modules", "shard_span", "staging_rows", "to_nf4"]
+           "quantize_rows", "quantized_modules", "shard_span", "staging_rows", "to_dtype", "to_nf4"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from shardfit.config.schema import ModelConfig
 from shardfit.models.attention import DocumentMask, sdpa_attention
-from shardfit.models.init import ShardView, seeded_normal_, whole_view
+from shardfit.models.init import ShardView, is_quantized_storage, seeded_normal_, whole_view
 from shardfit.models.logprobs import fused_linear_logprobs
 from shardfit.models.loss import fused_linear_cross_entropy
 from shardfit.models.moe import MoE, router_aux_loss
@@ -304,11 +304,11 @@ class CausalLM(nn.Module):
         parameter's rows: parallel/dtensor.py's local_view).
 
         Values depend only on (seed, parameter name), never on the sharding, so a 2-rank run starts from exactly
-        the weights a 1-rank run starts from. Integer parameters (a quantized weight's storage, adapters/nf4.py)
-        are not drawn: their owner fills them (adapters/qlora.py's init_quantized).
+        the weights a 1-rank run starts from. A quantized weight's storage (models/init.py QUANTIZED_STORAGE) is not
+        drawn: its owner fills it (adapters/qlora.py's init_quantized).
         """
         for name, p in self.named_parameters():
-            if not p.is_floating_point():
+            if is_quantized_storage(name):  # codes, filled by their owner
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
@@ -321,6 +321,6 @@ class CausalLM(nn.Module):
 
 def count_params(model: nn.Module) -> int:
     """Parameters counted once each (tied weights once), global sizes for sharded tensors; a quantized weight
-    (integer storage, adapters/nf4.py) as the weights it stands for (its module's quantized_numel), not its bytes."""
-    floats = sum(p.numel() for p in model.parameters() if p.is_floating_point())
-    return floats + sum(getattr(m, "quantized_numel", 0) for m in model.modules())
+    (its storage, models/init.py QUANTIZED_STORAGE) as the weights it stands for (its module's quantized_numel)."""
+    weights = sum(p.numel() for n, p in model.named_parameters() if not is_quantized_storage(n))
+    return weights + sum(getattr(m, "quantized_numel", 0) for m in model.modules())

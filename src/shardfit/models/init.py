@@ -16,6 +16,14 @@ import torch
 
 _BLOCK_ELEMS = 1 << 20
 
+# The parameters a quantized weight is stored in (adapters/qlora.py), named here so that this package skips them
+# without importing adapters/: their bytes are codes, not numbers (never drawn, counted or checked as weights).
+QUANTIZED_STORAGE = ("weight_nf4", "weight_absmax", "weight_stats")
+
+
+def is_quantized_storage(name: str) -> bool:
+    return name.rpartition(".")[2] in QUANTIZED_STORAGE
+
 
 # (local rows, global shape, global row offset of the local rows): how a parameter's shard sits in the whole
 ShardView = Callable[[torch.Tensor], tuple[torch.Tensor, tuple[int, ...], int]]

@@ -198,8 +198,8 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
         # reduced for the adapters only, in reduce_dtype.
         report.lora_targets = apply_lora(model, config.lora, mp.param_dtype)
         if config.model.quantize == "nf4":
-            # QLoRA: the adapted linear layers' base becomes integer NF4 storage, which FSDP shards along dim 0 and
-            # gathers uncast (param_dtype applies to floating parameters only); adapters/qlora.py.
+            # QLoRA: the adapted linear layers' base becomes NF4 storage carried bit for bit in the base's dtype
+            # (param_dtype, so FSDP shards it along dim 0 and gathers it uncast); adapters/qlora.py.
             report.nf4_layers = apply_nf4(model, report.lora_targets)
     if meshes.sequence is not None:
         apply_sequence_parallel(model, meshes.sequence)  # 0

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardfit.errors import ShardfitError
 from shardfit.fsutil import write_atomic
+from shardfit.models.init import is_quantized_storage
 from shardfit.parallel.agreement import agree
 from shardfit.train.checkpoint_verify import COMPLETE, check_files, load_tensors
 
@@ -84,8 +85,9 @@ def weights_finite(model, device: torch.device) -> bool:
     from shardfit.parallel.offload import grad_sq_norm
     from shardfit.parallel.step_overlap import local_tensor
 
-    # integer parameters (NF4 storage) are finite by construction, and norms take floating tensors only
-    sq = grad_sq_norm([local_tensor(p.detach()) for p in model.parameters() if p.is_floating_point()], device)
+    # an NF4 weight's storage is codes carried in a float dtype (adapters/nf4.py): its bytes are not numbers
+    sq = grad_sq_norm([local_tensor(p.detach()) for n, p in model.named_parameters() if not is_quantized_storage(n)],
+                      device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         sq = all_gather_rows(sq.reshape(1))
     return bool(torch.isfinite(sq).all())
