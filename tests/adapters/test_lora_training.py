@@ -81,10 +81,11 @@ def test_frozen_bf16_base_and_fp32_adapters_share_an_fsdp_group(tmp_path):
     assert r[0]["base_same"] and not r[0]["base_grads"] and r[0]["moments"] == ["float32"]
 
 
-def _modes(rank, world, run_dir):
+def _modes(rank, world, run_dir, flags=LORA):
+    """The same run under each checkpointing mode (flags: LoRA's, or QLoRA's in test_qlora_training.py)."""
     out = {}
     for mode in ("none", "full", "selective"):
-        t = Trainer(small_config(*LORA, "--train.micro_batch=2", f"--compute.activation_checkpoint={mode}",
+        t = Trainer(small_config(*flags, "--train.micro_batch=2", f"--compute.activation_checkpoint={mode}",
                                  run_dir=f"{run_dir}/{mode}"))
         out[mode] = [h["loss"] for h in t.fit()]
     return out

@@ -12,7 +12,7 @@ from shardfit.adapters.lora import is_adapter
 from shardfit.adapters.qlora import is_storage
 from shardfit.train import Trainer
 from tests._dist import run_ranks
-from tests.adapters.test_lora_training import LORA, MOE, _local
+from tests.adapters.test_lora_training import LORA, MOE, _local, _modes
 from tests.helpers import full_state, same_bits, small_config
 
 # ffn_dim 544: each MLP weight is 64 x 544 = 34,816 weights = 3 groups (the last padded): 2 rows on rank 0, 1 on
@@ -92,18 +92,9 @@ def test_two_ranks_equal_one_with_other_parallelisms(tmp_path, overrides):
     assert two[0]["codes"] == one["codes"] and all(r["frozen_same"] for r in [one, *two])
 
 
-def _modes(rank, world, run_dir):
-    out = {}
-    for mode in ("none", "full", "selective"):
-        t = Trainer(small_config(*QLORA, "--train.micro_batch=2", f"--compute.activation_checkpoint={mode}",
-                                 run_dir=f"{run_dir}/{mode}"))
-        out[mode] = [h["loss"] for h in t.fit()]
-    return out
-
-
 def test_every_checkpointing_mode_gives_the_same_run(tmp_path):
     """The recompute dequantises again, as the forward did: the same losses, bit for bit."""
-    r = run_ranks(_modes, 1, str(tmp_path))[0]
+    r = run_ranks(_modes, 1, str(tmp_path), QLORA)[0]
     assert r["full"] == r["none"] and r["selective"] == r["none"]
 
 
