@@ -210,6 +210,16 @@ def steady_summary(recs: list[dict]) -> dict:
     return out
 
 
+def lora_vs_peft(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """{shardfit label: {"speed": tok/s over the anchor's, "peak_alloc": peak allocated over the anchor's}}."""
+    anchor = next((r for r in rows if r["system"] == "anchor" and r.get("tok_s_gpu")), None)
+    if anchor is None:
+        return {}
+    return {r["label"]: {"speed": round(r["tok_s_gpu"] / anchor["tok_s_gpu"], 3),
+                         "peak_alloc": round(r["peak_alloc_GiB"] / anchor["peak_alloc_GiB"], 3)}
+            for r in rows if r["system"] == "shardfit" and r.get("tok_s_gpu")}
+
+
 def run_shardfit_vl(label: str, args: list[str], nproc: int, timeout: int) -> dict:
     """A variable-length case: `shardfit train` with one metrics record per step; figures from whatever steps
     were recorded (a run cut short by the timeout still reports them, flagged)."""
@@ -465,8 +475,12 @@ def main() -> int:
                                    "final": r["losses"][-1]}
             print(f"{r['label']:40} max |diff| {max(d):.4f}, mean |diff| {sum(d) / len(d):.4f}, "
                   f"final {r['losses'][-1]:.4f}")
+    summary = {}
+    if a.suite == "lora8b":  # issue 23's key: each shardfit case against the PEFT anchor of the same call
+        summary["lora_vs_peft"] = lora_vs_peft(rows)
+        print(f"lora_vs_peft: {json.dumps(summary['lora_vs_peft'])}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        Path(a.out).write_text(json.dumps({"env": env, "summary": summary, "rows": rows}, indent=1))
     return 0
 
 
