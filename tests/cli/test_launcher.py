@@ -125,7 +125,7 @@ def test_torchrun_by_hand_prints_the_error_once(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
     assert p.returncode != 0
     lines = [x for x in p.stderr.splitlines() if x.startswith("shardfit: error:")]
-    assert lines == ["shardfit: error: /nonexistent.jsonl: no such file, directory or glob match; fix: check "
+    assert lines == ["shardfit: error: /nonexistent.jsonl: no such file or directory; fix: check "
                      "data.path"], p.stderr[-3000:]
 
 
