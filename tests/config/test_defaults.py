@@ -158,3 +158,14 @@ def test_real_models_default_to_a_real_context_length(args, seq):
     assert cfg.data.seq_len == seq
     if seq == 4096:  # the pretraining batch follows the context length: 512K tokens a step at 2B-20B parameters
         assert cfg.train.global_batch * seq in (1 << 19, 1 << 20)
+
+
+def test_lora_fine_tuning_takes_a_lora_rate(tmp_path):
+    """The full fine-tune's 2e-5 barely moves adapters that start at zero; LoRA recipes use 1e-4 to 3e-4."""
+    path = tmp_path / "m"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(ONE_B))
+    assert load_config(None, [f"--model.path={path}"]).train.lr == 2e-5
+    assert load_config(None, [f"--model.path={path}", "--lora.rank=16"]).train.lr == 1e-4
+    assert load_config(None, [f"--model.path={path}", "--lora.rank=16", "--train.lr=3e-4"]).train.lr == 3e-4
+    assert load_config(None, ["--lora.rank=8"]).train.lr == Config().train.lr  # the tiny model keeps its setting
