@@ -111,6 +111,8 @@ def render(runs: list[Path], where: str = "shardfit plot") -> bytes:
                 marker = "o" if name.startswith("val_") or len(steps) == 1 else None
                 ax.plot(steps, values, "--" if j else "-", marker=marker, markersize=3, color=colors(i % 10),
                         label=" ".join(filter(None, (label, _legend(name, train)))))
+            if title.endswith(" per GPU") and train and train[-1].get("device") == "cpu":
+                title = title.replace(" per GPU", " per process")  # no GPU to divide by
             ax.set_title(title + (f" ({unit})" if unit else ""), fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -134,7 +136,8 @@ def render(runs: list[Path], where: str = "shardfit plot") -> bytes:
 def _legend(name: str, train: list[dict]) -> str:
     cpu = bool(train) and train[-1].get("device") == "cpu"
     return {"loss": "train loss", "val_loss": "validation loss", "lr": "lr", "tokens_per_s_per_gpu": "tokens/s",
-            "peak_allocated_max": "host peak RSS, max rank" if cpu else "peak allocated, max rank",
+            "peak_allocated_max": ("host peak RSS" + (", max process" if train[-1].get("world", 1) > 1 else "")
+                                   if cpu else "peak allocated, max rank"),
             "peak_reserved_max": "peak reserved, max rank"}.get(name, name)
 
 
