@@ -93,6 +93,11 @@ def _escape_path(meta) -> None:
     meta.storage_data[index].relative_path = "../../../etc/passwd"
 
 
+def _orphan_chunk(meta) -> None:  # a byte flip in a storage key's name: its chunk has no place (CI found it)
+    index = next(k for k in meta.storage_data if k.fqn == "model.model.norm.weight")
+    meta.storage_data[type(index)("model.model.norn.weight", index.offset, index.index)] = meta.storage_data.pop(index)
+
+
 def _shard(d: Path) -> Path:
     return sorted(d.glob("*.distcp"))[0]
 
@@ -124,6 +129,8 @@ CASES = {
     "metadata runs a command": (_write(".metadata", pickle.dumps(_Touch("MARKER"))), "refused to load global"),
     "metadata reaches os via an allowed module": (_module_global, "refused to load global"),
     "data file outside the checkpoint": (_rewrite_metadata(_escape_path), "not one of this checkpoint's"),
+    "a chunk with no place": (_rewrite_metadata(_orphan_chunk),
+                              ".metadata gives 'model.model.norm.weight' chunk 0 no place"),
     "shard zeroed at full size": (lambda d: _shard(d).write_bytes(bytes(_shard(d).stat().st_size)),
                                   "is corrupt at byte 0"),
     "shard of random bytes": (lambda d: _shard(d).write_bytes(os.urandom(_shard(d).stat().st_size)),

@@ -25,7 +25,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from shardfit.errors import ShardfitError
 from shardfit.safe_pickle import DCP_GLOBALS, DCP_MODULES, RefusedGlobal, safe_loads
@@ -64,6 +69,14 @@ def read_metadata(path: Path) -> Metadata:
                                     "tensors only): refused, it would run code")
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointProblem(f".metadata entry '{key}' is not a tensor")
+        # every chunk must say where its bytes are: DCP's reader would otherwise fail on a bare KeyError mid-load
+        for i, chunk in enumerate(getattr(md, "chunks", None) or []):
+            try:
+                where = MetadataIndex(key, getattr(chunk, "offsets", None), i) in meta.storage_data
+            except TypeError:  # an unhashable offsets value, from a garbled index
+                where = False
+            if not where:
+                raise CheckpointProblem(f".metadata gives '{key}' chunk {i} no place in the data files")
     return meta
 
 
