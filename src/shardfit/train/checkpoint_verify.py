@@ -249,7 +249,10 @@ def load_tensors(state: dict, path: Path) -> None:
         dcp.load(state, storage_reader=TensorReader(path, meta))
     except CheckpointException as e:  # every rank's failure, gathered by DCP and raised on all ranks alike
         rank, (err, _trace) = min(e.failures.items())
-        if not isinstance(err, (CheckpointProblem, OSError, RuntimeError, ValueError, pickle.UnpicklingError)):
+        # what a damaged file can raise inside DCP's reader (KeyError, IndexError: an index that does not match the
+        # files); anything else is a bug of ours and propagates
+        if not isinstance(err, (CheckpointProblem, OSError, RuntimeError, ValueError, KeyError, IndexError,
+                                pickle.UnpicklingError)):
             raise
         raise ShardfitError(f"corrupt checkpoint: rank {rank} could not read it ({type(err).__name__}: "
                             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})", where=str(path),
