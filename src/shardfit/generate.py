@@ -45,7 +45,7 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | 
     """A shardfit checkpoint (step_XXXXXXXX), a checkpoints directory or a run directory (the newest complete
     checkpoint in it): the model part only, on one device, whatever the number of ranks that wrote it. saved, when
     given, receives the run's data.chat_template and the config.toml that records it."""
-    from shardfit.train.checkpoint import COMPLETE, resolve_resume
+    from shardfit.train.checkpoint import COMPLETE, frozen_names, resolve_resume
     from shardfit.train.checkpoint_verify import load_tensors
 
     root = Path(path)
@@ -78,7 +78,7 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | 
             from shardfit.adapters.qlora import apply_nf4
 
             apply_nf4(model, targets)
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    frozen = frozen_names(model)  # a LoRA run's base: not in its checkpoint
     state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
@@ -305,8 +305,7 @@ def main(argv: list[str]) -> int:
     if line:
         print(line, file=sys.stderr, flush=True)
     for text in a.prompt:
-        ids = prompt_ids(tokenizer, tok_spec, text, True) if renderer is None else prompt_ids(
-            tokenizer, tok_spec, text, False, renderer)
+        ids = prompt_ids(tokenizer, tok_spec, text, raw=renderer is None, renderer=renderer)
         out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, eos_ids=stops,
                        seed=a.seed, use_cache=not a.no_cache)
         print(tokenizer.decode([t for t in out if t not in stops]), flush=True)

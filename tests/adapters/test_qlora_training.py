@@ -12,7 +12,7 @@ from shardfit.adapters.lora import is_adapter
 from shardfit.adapters.qlora import is_storage
 from shardfit.train import Trainer
 from tests._dist import run_ranks
-from tests.adapters.test_lora_training import LORA, MOE, _local, _modes
+from tests.adapters.test_lora_training import LORA, MOE, _local, _modes, plain_and_compiled
 from tests.helpers import full_state, same_bits, small_config
 
 # ffn_dim 544: each MLP weight is 64 x 544 = 34,816 weights = 3 groups (the last padded): 2 rows on rank 0, 1 on
@@ -100,9 +100,6 @@ def test_every_checkpointing_mode_gives_the_same_run(tmp_path):
 
 @pytest.mark.slow  # CPU compile of the blocks: ~30 s
 def test_compiled_blocks_train_the_same_adapters(tmp_path):
-    plain = run_ranks(_train, 1, [], str(tmp_path / "plain"))[0]
-    compiled = run_ranks(_train, 1, ["--compute.compile=true"], str(tmp_path / "compiled"))[0]
-    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(plain["losses"]), rtol=1e-4,
-                               atol=1e-4)
+    plain, compiled = plain_and_compiled(_train, tmp_path)
     assert compiled["frozen_same"] and compiled["codes"] == plain["codes"]
     assert compiled["graph_breaks"] == 0  # the NF4 matmul's autograd.Function traces whole

@@ -46,7 +46,9 @@ def export(argv: list[str]) -> int:
     if spec != "byte" and not Path(spec).exists():
         raise ShardfitError(f"the run's tokenizer {spec} is not found", where="data.tokenizer",
                             fix="run shardfit export from the directory the run was started in, or give --tokenizer")
-    source = None if spec == "byte" else str(Path(spec).parent if Path(spec).suffix == ".json" else Path(spec))
+    from shardfit.hf.tokenizer_files import tokenizer_source
+
+    source = tokenizer_source(spec)
     from shardfit.adapters.lora import is_adapter
     from shardfit.data.chat import export_template
 

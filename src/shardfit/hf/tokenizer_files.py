@@ -17,12 +17,12 @@ from shardfit.data.tokenizer import ByteTokenizer
 SPECIAL = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 
 
-def tokenizer_source(cfg) -> tuple[str | None, str]:
-    """(directory to copy tokenizer files from, or None; the tokenizer spec) of a run's config."""
-    spec = cfg.data.tokenizer
+def tokenizer_source(spec: str) -> str | None:
+    """The directory to copy a tokenizer's files from (data.tokenizer: a tokenizer.json or its directory); None for
+    the byte tokenizer, whose files are written instead."""
     if spec == "byte":
-        return None, spec
-    return str(Path(spec).parent if Path(spec).suffix == ".json" else Path(spec)), spec
+        return None
+    return str(Path(spec).parent if Path(spec).suffix == ".json" else Path(spec))
 
 
 def _byte_alphabet() -> dict[int, str]:

@@ -49,10 +49,15 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TRAINED_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
+def frozen_names(model) -> set[str]:
+    """Every name of a frozen parameter, tied aliases included (lm_head.weight beside a frozen embed_tokens.weight)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def trained_state(model) -> dict:
-    """The model's state dict without its frozen parameters (DCP's ignore_frozen_params keeps a tied alias of one:
-    lm_head.weight beside the frozen embed_tokens.weight, so the names are dropped here too)."""
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    """The model's state dict without its frozen parameters (DCP's ignore_frozen_params keeps a tied alias of one,
+    so the names are dropped here too)."""
+    frozen = frozen_names(model)
     state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
     return {k: v for k, v in state.items() if k not in frozen}
 

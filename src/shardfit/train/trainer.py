@@ -323,8 +323,9 @@ class Trainer:
 
     def export_hf(self, out: str, merged: bool = False) -> Path:
         self.watchdog.beat(f"step {self.step} Hugging Face export")
-        source, tokenizer = tokenizer_source(self.cfg)
-        path = self.engine.export_hf(out, self.cfg.checkpoint.export_dtype, source, merged, tokenizer=tokenizer)
+        tokenizer = self.cfg.data.tokenizer
+        path = self.engine.export_hf(out, self.cfg.checkpoint.export_dtype, tokenizer_source(tokenizer), merged,
+                                     tokenizer=tokenizer)
         if self.dist.is_main:  # the chat template the model was fine-tuned with, where generate and HF tools read it
             export_template(path, self.cfg.data.chat_template)
         return path
