@@ -178,14 +178,16 @@ def _saved_ops_mode() -> type:
     """The dispatch mode counting the output bytes of the operations selective checkpointing keeps; built on first
     use, so that importing the planner needs no private torch API (torch_internals)."""
 
+    from shardfit.parallel.parallelize import keeps_output  # the runtime's own rule, so the two cannot drift
+
     class SavedOps(torch_internals.dispatch_mode_base()):
-        def __init__(self, ops):
+        def __init__(self, adapter_rank: int):
             super().__init__()
-            self.ops, self.nbytes = ops, 0
+            self.rank, self.nbytes = adapter_rank, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func in self.ops:
+            if keeps_output(func, args, self.rank):
                 self.nbytes += sum(t.nbytes for t in (out if isinstance(out, (tuple, list)) else [out])
                                    if isinstance(t, torch.Tensor))
             return out
@@ -207,7 +209,6 @@ def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, lay
                  fp8: str, ep: int = 1, eager_experts: bool = False, lora: tuple = ()) -> tuple[tuple[str, int], ...]:
     """block_activation_bytes, cached (the sharding and offload change nothing here): `plan --propose` traces once."""
     from shardfit.models.decoder import is_moe_layer
-    from shardfit.parallel.parallelize import _SAVE_OPS
 
     m = ModelConfig(**dict(model))
     is_moe = is_moe_layer(m, layer)
@@ -216,7 +217,7 @@ def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, lay
     if compile:
         first, per_sequence = compiled_line(model, S, dtype, layer, fp8, is_moe, eager_experts and is_moe, lora)
         compiled = first + per_sequence * (micro_batch - 1)
-    saved_ops = _saved_ops_mode()(_SAVE_OPS)
+    saved_ops = _saved_ops_mode()(lora[0] if lora else 0)
     with saved_storages(block) as seen, saved_ops:
         block(x, cos, sin)
     block_input = x.nbytes  # selective: the attention kernel's outputs (out, log-sum-exp) are among saved_ops' bytes
