@@ -46,7 +46,6 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | 
     checkpoint in it): the model part only, on one device, whatever the number of ranks that wrote it. saved, when
     given, receives the run's data.chat_template and the config.toml that records it."""
     from shardfit.train.checkpoint import COMPLETE, frozen_names, resolve_resume
-    from shardfit.train.checkpoint_verify import load_tensors
 
     root = Path(path)
     if not root.exists():
@@ -73,6 +72,12 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | 
         model = load_hf(cfg.model.path, device, torch.float32)[0] if cfg.model.path else _build(cfg.model, device)
         if not cfg.model.path:
             model.init_weights(cfg.train.seed)
+        if cfg.model.init_from:  # the full checkpoint the run's base came from, as its trainer.json records it
+            from shardfit.train.init_from import base_source
+
+            base = {"model": model.state_dict()}
+            _load_quietly(base, base_source(ckpt))
+            model.load_state_dict(base["model"])
         targets = apply_lora(model, cfg.lora, None)
         if cfg.model.quantize == "nf4":  # QLoRA: the base the adapters trained on, quantised as training did
             from shardfit.adapters.qlora import apply_nf4
@@ -80,11 +85,18 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | 
             apply_nf4(model, targets)
     frozen = frozen_names(model)  # a LoRA run's base: not in its checkpoint
     state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        load_tensors(state, ckpt)  # no process group: every shard is read into these full tensors
+    _load_quietly(state, ckpt)
     model.load_state_dict(state["model"], strict=not frozen)
     return _in_dtype(model, dtype), cfg.data.tokenizer
+
+
+def _load_quietly(state: dict, ckpt: Path) -> None:
+    """The checked loader without a process group: every shard is read into these full tensors."""
+    from shardfit.train.checkpoint_verify import load_tensors
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        load_tensors(state, ckpt)
 
 
 def _checkpoint_config(ckpt: Path):

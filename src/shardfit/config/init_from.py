@@ -59,12 +59,19 @@ def apply_init_from(cfg, explicit: set[str], fill) -> None:
         raise ShardfitError("model.init_from and model.path both name starting weights", where="model.init_from",
                             fix="give one: model.path (a Hugging Face directory) or model.init_from (a shardfit "
                             "checkpoint or run directory)")
-    if getattr(getattr(cfg, "lora", None), "rank", 0):
-        raise ShardfitError("model.init_from does not start LoRA runs yet (their checkpoints hold no base weights "
-                            "to rebuild on resume)", where="model.init_from", fix="export the run (shardfit export "
-                            "RUN DIR) and give DIR as model.path")
     step = newest_step_dir(cfg.model.init_from)
     saved = saved_config(step, "model.init_from")
+    if getattr(getattr(cfg, "lora", None), "rank", 0):
+        # the base comes from a full checkpoint, read as it is stored (NF4 is quantised from Hugging Face weights as
+        # they are read: hf/load), and a LoRA run's checkpoints hold adapters only
+        merged = "export it (shardfit export RUN DIR merges the adapters in) and give DIR as model.path"
+        if getattr(cfg.model, "quantize", "none") != "none":
+            raise ShardfitError("model.init_from does not start QLoRA runs: the NF4 base is quantised from Hugging "
+                                "Face weights", where="model.init_from", fix="export the run (shardfit export RUN "
+                                "DIR) and give DIR as model.path")
+        if (saved.get("lora") or {}).get("rank"):
+            raise ShardfitError(f"{step} is a LoRA run's checkpoint: it holds adapters, not the weights they adapt",
+                                where="model.init_from", fix=merged)
     known = type(cfg.model).__dataclass_fields__
     fields = {k: v for k, v in (saved.get("model") or {}).items() if k in known and k not in _NOT_COPIED
               and not (k in TRAINING_CHOICES and f"model.{k}" in explicit)}

@@ -24,6 +24,7 @@ from shardfit.serve.commands import Loop
 from shardfit.serve.executor import Executor
 from shardfit.serve.security import setup_api_key
 from shardfit.serve.state import ModelFacts, ServerState
+from shardfit.train.run_config import default_run_dir
 
 
 def model_facts(cfg) -> tuple[ModelFacts, object]:
@@ -92,7 +93,7 @@ class Serving:
 
 def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                 rl_types: tuple | None = None, poll_s: float = 20.0, max_body: int = 256 << 20) -> Serving:
-    run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.model.name}")
+    run_dir = Path(cfg.logging.run_dir or default_run_dir(cfg, "serve"))
     facts, tokenizer = model_facts(cfg)
     state = ServerState(facts, run_dir, setup_api_key(host, run_dir, api_key), poll_s=poll_s,
                         max_body=max_body)

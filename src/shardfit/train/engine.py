@@ -139,10 +139,14 @@ class Engine:
         # from model.init_from's checkpoint, or model.path's.
         lora = cfg.lora.rank > 0
         self.init_from = None
-        if resume is None and cfg.model.init_from:
+        if cfg.model.init_from and resume is None:
             from shardfit.train.init_from import resolve_init_from
 
             self.init_from = resolve_init_from(cfg.model.init_from, self.notices, self.device)
+        elif cfg.model.init_from and lora:  # a resumed LoRA run: the base it trained on, as recorded
+            from shardfit.train.init_from import base_source
+
+            self.init_from = base_source(resume)
         from_hf = bool(cfg.model.path) and (resume is None or lora)
         self.parallel = parallelize(model, cfg, self.device, dist.world_size, cfg.train.seed,
                                     init=not from_hf and self.init_from is None)
@@ -163,7 +167,7 @@ class Engine:
         if self.init_from is not None:
             from shardfit.train.init_from import load_init_weights
 
-            load_init_weights(self.init_from, self.model, self.device, self.notices)
+            load_init_weights(self.init_from, self.model, self.device, self.notices, lora)
         if lora:
             if cfg.lora.adapter and resume is None:
                 from shardfit.adapters.peft import load_adapter
@@ -427,7 +431,8 @@ class Engine:
     def save(self, root: Path, config_toml: str, keep: int = 0) -> Path:
         self.finish()
         return save_checkpoint(root, self.step, self.model, self.optimizer,
-                               {"skipped": self.skipped, "tokens_seen": self.tokens_seen, "run_id": self.run_id},
+                               {"skipped": self.skipped, "tokens_seen": self.tokens_seen, "run_id": self.run_id,
+                                "base_from": str(self.init_from.resolve()) if self.init_from and self.cfg.lora.rank else None},
                                config_toml, self.device, keep=keep)
 
     def refuse_non_finite(self, root: Path, what: str) -> None:

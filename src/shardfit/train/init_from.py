@@ -1,6 +1,8 @@
 """`model.init_from`: a new run's starting weights from a shardfit checkpoint, on any parallel layout.
 
-Weights only: the optimizer, the schedule and the step start afresh, and the RNG is the run's own seed's. The
+Weights only: the optimizer, the schedule and the step start afresh, and the RNG is the run's own seed's. A LoRA run
+takes its frozen base from there, at its start and at every resume (its own checkpoints hold only the adapters):
+the step directory is recorded in each checkpoint's trainer.json (`base_from`). The
 checkpoint is chosen as resume chooses one (`agree_on_resume`: every file checked whole, one all-gather so that every
 rank loads the same step) and read through the checked loader (checkpoint_verify.load_tensors: nothing unpickled,
 every tensor's shape compared first). The loader has already taken the architecture from its config.toml
@@ -9,14 +11,16 @@ every tensor's shape compared first). The loader has already taken the architect
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from shardfit.config.init_from import newest_step_dir
 from shardfit.errors import ShardfitError
-from shardfit.train.checkpoint import agree_on_resume, load_checkpoint
-from shardfit.train.checkpoint_verify import COMPLETE
+from shardfit.train.checkpoint import agree_on_resume, frozen_names, load_checkpoint
+from shardfit.train.checkpoint_verify import COMPLETE, load_tensors
 
 
 def resolve_init_from(spec: str, notices: list[str], device: torch.device) -> Path:
@@ -33,11 +37,39 @@ def resolve_init_from(spec: str, notices: list[str], device: torch.device) -> Pa
     return chosen
 
 
-def load_init_weights(path: Path, model, device: torch.device, notices: list[str]) -> None:
+def base_source(resume: Path) -> Path:
+    """The step directory a resumed LoRA run's frozen base came from (trainer.json's `base_from`, written at every
+    save): pinned, so that a resume never takes a newer step of the source run than the one the adapters trained on."""
+    recorded = json.loads((resume / "trainer.json").read_text()).get("base_from")
+    if recorded is None:
+        raise ShardfitError("this LoRA checkpoint does not record the base it trained on (model.init_from)",
+                            where=str(resume), fix="start the run again from model.init_from")
+    if not (Path(recorded) / COMPLETE).is_file():
+        raise ShardfitError(f"the frozen base this LoRA run trained on is gone ({recorded})", where=str(resume),
+                            fix="restore that checkpoint: the run's own checkpoints hold only its adapters")
+    return Path(recorded)
+
+
+def load_frozen_base(path: Path, model) -> None:
+    """A LoRA run's frozen parameters from a full checkpoint (its adapters keep their fresh init). Read through the
+    checked loader like any checkpoint; the tensors are the checkpoint's own names, those of the model before
+    adapters (a LoRALinear keeps its base's `weight`)."""
+    frozen = frozen_names(model)
+    state = {"model": {k: v for k, v in get_model_state_dict(model).items() if k in frozen}}
+    load_tensors(state, path)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+
+
+def load_init_weights(path: Path, model, device: torch.device, notices: list[str], lora: bool = False) -> None:
+    """Weights only. lora: the run's frozen base alone, from a full fine-tune's checkpoint."""
     try:
-        state = load_checkpoint(path, model, None, device, rng=False)
+        if lora:
+            load_frozen_base(path, model)
+            step = json.loads((path / "trainer.json").read_text()).get("step")
+        else:
+            step = load_checkpoint(path, model, None, device, rng=False).get("step")
     except ShardfitError as e:
         raise ShardfitError(e.what, where=f"model.init_from={path}", fix="drop the model.* overrides that change "
                             "its shape (model.init_from takes the architecture saved with it)") from None
-    notices.append(f"weights from {path} (step {state.get('step')}, model.init_from); a fresh optimizer and "
-                   "schedule from step 0")
+    what = "frozen base for the LoRA adapters" if lora else "weights"
+    notices.append(f"{what} from {path} (step {step}, model.init_from); a fresh optimizer and schedule from step 0")

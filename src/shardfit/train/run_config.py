@@ -62,8 +62,11 @@ def run_hash(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:8]
 
 
-def default_run_dir(cfg: Config) -> Path:
-    return Path("runs") / f"{re.sub(r'[^A-Za-z0-9_.-]', '-', cfg.model.name)}-{run_hash(cfg)}"
+def default_run_dir(cfg: Config, kind: str = "") -> Path:
+    """runs/<model>-<hash of the keys that define the run>; kind (e.g. "serve") prefixes the name, so that a server
+    and a training run of one config keep their files (API key, Tinker checkpoints; checkpoints, logs) apart."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.model.name)
+    return Path("runs") / f"{kind + '-' if kind else ''}{name}-{run_hash(cfg)}"
 
 
 def read_toml(path: Path) -> dict:
