@@ -178,6 +178,45 @@ def test_cli_on_a_chat_model_answers_as_transformers_does(tmp_path, capsys):
         assert capsys.readouterr().out == want + "\n"
 
 
+def test_cli_answers_conversations_and_a_system_message_as_transformers_does(tmp_path, capsys):
+    """--messages FILE: each record (messages or sharegpt, as fine-tuning reads them) up to its last user turn, so a
+    trailing assistant answer of an evaluation set is regenerated; --system goes before --prompt. The text is
+    transformers' for the same messages."""
+    path, hf = _save("llama", tmp_path)
+    _chat_tokenizer(path)
+    template = json.loads((path / "tokenizer_config.json").read_text())["chat_template"]
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), chat_template=template)
+    eos = sorted({hf_tok.convert_tokens_to_ids("<|im_end|>"), hf.generation_config.eos_token_id})
+
+    def transformers_says(messages):
+        ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        new = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=eos,
+                          pad_token_id=eos[0])[0, len(ids):].tolist()
+        return hf_tok.decode([t for t in new if t not in eos], skip_special_tokens=True)
+
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "fine thanks"}, {"role": "user", "content": "how are you?"}]
+    records = [{"messages": [*chat, {"role": "assistant", "content": "an answer to regenerate"}]},
+               {"conversations": [{"from": "human", "value": "how are you today?"}]}]
+    file = tmp_path / "eval.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    want = [transformers_says(chat), transformers_says([{"role": "system", "content": "terse"},
+                                                        {"role": "user", "content": "how are you today?"}])]
+    common = ["--model.path", str(path), "--max-new-tokens", "16", "--device", "cpu"]
+    capsys.readouterr()
+    assert main([*common, "--messages", str(file), "--system", "terse"]) == 0  # the first record's own system wins
+    assert capsys.readouterr().out == "".join(w + "\n" for w in want)
+    assert main([*common, "--prompt", "how are you today?", "--system", "terse"]) == 0
+    assert capsys.readouterr().out == want[1] + "\n"
+    file.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
+    from shardfit.errors import ShardfitError
+
+    with pytest.raises(ShardfitError) as e:
+        main([*common, "--messages", str(file)])
+    assert str(e.value).startswith(f"{file}:1: the conversation has no user turn to answer")
+
+
 @pytest.mark.parametrize("args, where", [
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--temperature", "-1"], "--temperature"),

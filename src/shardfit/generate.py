@@ -200,18 +200,47 @@ def eos_ids(tokenizer, model_dir: Path | None) -> set[int]:
     return ids
 
 
-def prompt_ids(tokenizer, tokenizer_spec: str, text: str, raw: bool, renderer=None) -> list[int]:
+def prompt_ids(tokenizer, tokenizer_spec: str, text: str | list[dict], raw: bool, renderer=None) -> list[int]:
     """The prompt's tokens: through `renderer` (else the tokenizer's chat template, when it has one) as one user
-    message with the assistant's turn opened; as they are with raw."""
+    message, or the conversation `text` is, with the assistant's turn opened; as they are with raw."""
     from shardfit.data.chat import chat_renderer
 
     if renderer is None and not raw:
         renderer = chat_renderer(tokenizer_spec)
         renderer = renderer if renderer.template is not None else None
     if raw or renderer is None:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text)  # a string: main refuses conversations without a template
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
     # the same renderer, special tokens included, as fine-tuning's (data/chat.py)
-    return tokenizer.encode(renderer.render([{"role": "user", "content": text}], add_generation_prompt=True))
+    return tokenizer.encode(renderer.render(messages, add_generation_prompt=True))
+
+
+def conversations(path: str, system: str | None) -> list[list[dict]]:
+    """The prompts of --messages: each record of a chat file (messages, sharegpt or alpaca, as fine-tuning reads
+    them) up to its last user turn, so that the answer is generated where the record may hold one (an evaluation
+    set). One line naming file:line for a record that is no conversation or has no user turn."""
+    from shardfit.data.formats import CHAT, chat_messages, detect
+    from shardfit.data.sources import read_records
+
+    if not Path(path).is_file():
+        raise ShardfitError("no such file", where=f"--messages {path}", fix="give a JSON lines, JSON or Parquet file")
+    out = []
+    for obj, where in read_records(Path(path)):
+        fmt = detect(obj)
+        if fmt not in CHAT:
+            raise ShardfitError(f"a record of {fmt}, not a conversation", where=where, fix="give each record as "
+                                "{\"messages\": [{\"role\": \"user\", \"content\": ...}, ...]} (or sharegpt, alpaca)")
+        msgs = [{"role": m["role"], "content": m["content"]} for m in chat_messages(obj, fmt, where)]
+        last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+        if last is None:
+            raise ShardfitError("the conversation has no user turn to answer", where=where,
+                                fix="end each conversation with the user's message")
+        msgs = msgs[:last + 1]
+        out.append(msgs if system is None or msgs[0]["role"] == "system" else
+                   [{"role": "system", "content": system}, *msgs])
+    if not out:
+        raise ShardfitError("no conversation in the file", where=f"--messages {path}", fix="give one per line")
+    return out
 
 
 def training_template(tok_spec: str, model_dir: str | None, saved: dict):
@@ -250,9 +279,14 @@ def main(argv: list[str]) -> int:
     src.add_argument("--checkpoint", help="a step_XXXXXXXX directory, or a checkpoints/run directory (newest)")
     p.add_argument("--adapter", help="a PEFT LoRA adapter directory to put on the --model.path model (default base: "
                    "the adapter's base_model_name_or_path, when a local directory)")
-    p.add_argument("--prompt", action="append", required=True, help="the user's message, in the chat template the "
-                   "model was fine-tuned with; text to continue for a model trained on no chat (repeatable: one "
-                   "answer each)")
+    asks = p.add_mutually_exclusive_group(required=True)
+    asks.add_argument("--prompt", action="append", help="the user's message, in the chat template the model was "
+                      "fine-tuned with; text to continue for a model trained on no chat (repeatable: one answer "
+                      "each)")
+    asks.add_argument("--messages", metavar="FILE", help="conversations (JSON lines, JSON or Parquet; messages, "
+                      "sharegpt or alpaca records, as fine-tuning reads them): one answer each, after its last user "
+                      "turn")
+    p.add_argument("--system", help="a system message before each prompt (a conversation's own system turn wins)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens (default 128); "
                    "decoding stops earlier at an EOS token")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
@@ -283,6 +317,12 @@ def main(argv: list[str]) -> int:
                           ("--top-p", 0 < a.top_p <= 1, "give a value in (0, 1]")):
         if not ok:
             raise ShardfitError(f"{getattr(a, name[2:].replace('-', '_'))} is out of range", where=name, fix=fix)
+    if a.system is not None and a.raw:
+        raise ShardfitError("--system needs the chat template, but --raw sends text as it is", where="--system",
+                            fix="drop --raw, or put the system text into the prompt")
+    prompts = conversations(a.messages, a.system) if a.messages else [
+        t if a.system is None else [{"role": "system", "content": a.system}, {"role": "user", "content": t}]
+        for t in a.prompt]
     if a.top_p < 1 and a.temperature == 0:  # greedy decoding would ignore it
         raise ShardfitError(f"{a.top_p} needs sampling, but --temperature is 0 (greedy)", where="--top-p",
                             fix="add --temperature (e.g. 0.7) to sample, or drop --top-p")
@@ -316,7 +356,11 @@ def main(argv: list[str]) -> int:
     renderer, line = (None, None) if a.raw else training_template(tok_spec, a.model_path, saved)
     if line:
         print(line, file=sys.stderr, flush=True)
-    for text in a.prompt:
+    if renderer is None and not all(isinstance(t, str) for t in prompts):
+        raise ShardfitError("conversations and --system need a chat template, and this model was fine-tuned with "
+                            "none", where="--messages" if a.messages else "--system",
+                            fix="give plain --prompt text, or --tokenizer with a chat template")
+    for text in prompts:
         ids = prompt_ids(tokenizer, tok_spec, text, raw=renderer is None, renderer=renderer)
         out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, eos_ids=stops,
                        seed=a.seed, use_cache=not a.no_cache)

@@ -136,6 +136,16 @@ REQUIRED = {"messages": ("messages",), "sharegpt": ("conversations",), "alpaca":
             "prompt_completion": ("prompt", "completion")}
 
 
+CHAT = ("messages", "sharegpt", "alpaca")  # the layouts whose records are conversations
+
+
+def chat_messages(obj: dict, fmt: str, where: str) -> list[dict]:
+    """A conversation record of a CHAT layout as {role, content} messages, checked (no assistant turn needed)."""
+    if fmt == "messages":
+        return _messages(obj["messages"], "messages", where)
+    return _sharegpt(obj, where) if fmt == "sharegpt" else _alpaca(obj, where)
+
+
 def to_example(obj: object, fmt: str, origin: str, where: str) -> list[dict] | list[tuple[str | None, bool]]:
     """A record of layout `fmt` as messages (a chat) or (text, trained) pieces (prompt/completion strings; text
     None is EOS). origin says where fmt came from, for the error line of a record that lacks a key of it."""
@@ -145,12 +155,8 @@ def to_example(obj: object, fmt: str, origin: str, where: str) -> list[dict] | l
     for key in REQUIRED[fmt]:
         if key not in obj:
             raise _missing(obj, key, fmt, origin, where)
-    if fmt == "messages":
-        msgs = _messages(obj["messages"], "messages", where)
-    elif fmt == "sharegpt":
-        msgs = _sharegpt(obj, where)
-    elif fmt == "alpaca":
-        msgs = _alpaca(obj, where)
+    if fmt in CHAT:
+        msgs = chat_messages(obj, fmt, where)
     else:
         msgs = _prompt_completion(obj, where)
         if isinstance(msgs[0], tuple):
