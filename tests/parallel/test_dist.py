@@ -45,6 +45,35 @@ def test_shutdown_ends_the_gloo_threads_after_fully_shard(tmp_path, extra):
         assert r["after"] == [], r
 
 
+_GROUP_FIRST = """
+import os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the caller's group, made first
+from shardfit.parallel import shutdown_distributed  # imports torch.distributed.checkpoint now, after the group
+from shardfit.train import Trainer
+from tests.helpers import small_config
+Trainer(small_config("--train.steps=1", "--train.device=cpu", run_dir=sys.argv[1])).fit()
+names = lambda: [n for t in os.listdir("/proc/self/task") if "gloo" in (n := open(f"/proc/self/task/{t}/comm").read())]
+during = names()
+shutdown_distributed()
+print(len(during), len(names()))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from /proc")
+def test_a_group_made_before_shardfit_is_imported_ends_at_shutdown(tmp_path):
+    """As a Ray worker runs it: the process group first, then shardfit (torch.distributed.nn.functional captures the
+    default group as a default argument at that import); after a run, shutdown_distributed still ends its threads."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _GROUP_FIRST, str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    during, after = map(int, out.stdout.split()[-2:])
+    assert during > 0 and after == 0, (during, after)
+
+
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "job", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 

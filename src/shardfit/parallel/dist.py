@@ -9,10 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# Imported before any process group exists, on purpose: when torch.distributed.checkpoint is first imported after
-# init_process_group (torch 2.13, gloo), the default group's worker threads outlive destroy_process_group and
-# shutdown_distributed, and such a thread can abort the interpreter at exit (tests/parallel/test_dist.py fails that
-# way when the import comes late). Every shardfit start-up imports this module before it initialises the group.
+# Imported before any process group exists where shardfit starts the group itself: torch.distributed.checkpoint
+# imports torch.distributed.nn.functional, whose functions take `group=group.WORLD` as a default argument, evaluated
+# at import: imported after init_process_group, the default group is held there for good (release_captured_groups).
 import torch.distributed.checkpoint  # noqa: F401,E402  (isort: keep with torch.distributed)
 
 from shardfit.errors import ShardfitError
@@ -175,6 +174,24 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         release_dtensor_caches()
         dist.destroy_process_group()
+        release_captured_groups()
+
+
+def release_captured_groups() -> None:
+    """Drop the process groups torch.distributed.nn.functional captured as default arguments (`group=group.WORLD`
+    is evaluated when the module is imported: after init_process_group, e.g. a Ray worker that creates the group and
+    imports shardfit after, the default group itself). Held there, a destroyed gloo group's worker threads never end,
+    and one can abort the interpreter at exit. None is what those defaults are when the module is imported first,
+    and means the default group to every torch.distributed call."""
+    import gc
+    import sys
+
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(functional).values() if functional is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+    gc.collect()
 
 
 def release_dtensor_caches() -> None:
