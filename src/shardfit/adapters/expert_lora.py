@@ -89,6 +89,19 @@ def expert_targets(model: nn.Module, spec: str) -> list[tuple[str, Experts]]:
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Experts)]
 
 
+def peft_caveat(model: nn.Module, targets: list[str]) -> str | None:
+    """The notice for adapters on the dense MLP layers of an MoE model (decoder_sparse_step, mlp_only_layers): PEFT
+    (0.18+ on transformers 5) reads gate_proj / up_proj / down_proj in a Qwen3-MoE adapter's target_modules as
+    transformers 4's expert layers and moves them to the fused experts (transformers_weight_conversion.py), so its
+    PeftModel would not load those adapters. shardfit's own reading (lora.adapter, generate --adapter) and the merged
+    export are unaffected. None otherwise."""
+    dense = sorted({t.rpartition(".")[2] for t in targets if ".mlp." in t and not is_expert_target(t)})
+    if not dense or not any(isinstance(m, Experts) for m in model.modules()):
+        return None
+    return (f"the exported adapter's {'/'.join(dense)} adapters sit on dense MLP layers of an MoE model: PEFT on "
+            f"transformers 5 takes those names for the experts' weights and will not load them (shardfit does)")
+
+
 def add_expert_adapters(mod: Experts, adapted: tuple[str, ...], rank: int, alpha: float) -> None:
     """Register fp32 adapters (zeros: init_adapters draws them) for `adapted` and make `mod` a LoRAExperts."""
     n, inner, dim = mod.gate_proj.shape
@@ -151,4 +164,4 @@ def from_peft(name: str, t: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 __all__ = ["DOWN", "EXPERT_LEAVES", "EXPERT_TARGETS", "GATE_UP", "LoRAExperts", "adapted_experts", "adapter_of",
            "add_expert_adapters", "expert_names", "expert_targets", "from_peft", "is_expert_adapter",
-           "is_expert_target", "peft_expert_key", "target_parameters", "to_peft"]
+           "is_expert_target", "peft_caveat", "peft_expert_key", "target_parameters", "to_peft"]

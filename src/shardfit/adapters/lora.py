@@ -9,6 +9,8 @@ Shapes: a linear layer W [out, in] gets lora_A [r, in] and lora_B [out, r]: y = 
 An embedding E [V, D] gets PEFT's lora_embedding_A [r, V] and lora_embedding_B [D, r]: y = E[ids] + (alpha/r)
 (A^T[ids] B^T), no dropout (PEFT applies none there). The output head's adapter is added to its weight,
 W + (alpha/r) B A, which the fused loss then reads (no dropout: the config refuses it).
+MoE experts (stacked [E, out, in] weights, not linear modules) take per-expert adapters run as grouped GEMMs:
+adapters/expert_lora.py (LoRAExperts); apply_lora, is_adapter and init_adapters here cover them.
 Frozen base (`freeze_base`): every parameter but the adapters has requires_grad=False and is stored in the compute
 dtype (bf16 on CUDA): no fp32 master, no gradient, no optimizer state. Adapters are fp32 (FSDP casts them for the
 forward and reduces their gradients in fp32; optimizer state fp32).
@@ -31,6 +33,7 @@ from shardfit.adapters.expert_lora import (
     expert_names,
     expert_targets,
     is_expert_target,
+    peft_caveat,
 )
 from shardfit.config.schema import LORA_LINEAR, LoraConfig
 from shardfit.errors import ShardfitError
@@ -228,8 +231,9 @@ def lora_summary(model: nn.Module, targets: list[str]) -> str:
                                                f"({', '.join(experts[0].adapted)})")
     elif expert_targets(model, "experts"):
         where += " (the MoE experts frozen: add experts to lora.targets to adapt them)"
+    caveat = peft_caveat(model, targets)
     return (f"LoRA rank {first.lora_rank} (scale {first.lora_scale:g}) on {where}: {trainable:,} trainable parameters "
-            f"of {total:,}; the base is frozen in {dtype}")
+            f"of {total:,}; the base is frozen in {dtype}" + (f"; {caveat}" if caveat else ""))
 
 
 __all__ = ["LORA_LINEAR", "LoRAEmbedding", "LoRAExperts", "LoRALinear", "LoRAModule", "LoRAOutputHead", "add_adapter",
