@@ -24,6 +24,7 @@ ParamWrapper per parameter, nested in the module's parameter order: with both ad
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardfit.adapters.peft_config import PREFIX
@@ -56,7 +57,7 @@ class LoRAExperts(Experts):
             d = self._low_rank(xs, a_gu, b_gu, linear)  # [N, 2I]: the gate's rows, then the up's
             half = gate.shape[1]
             g, u = g + d[:, :half], u + d[:, half:]
-        h = torch.nn.functional.silu(g) * u  # [N, I]
+        h = F.silu(g) * u  # [N, I]
         y = linear(h, down)  # [N, H]
         return y if a_d is None else y + self._low_rank(h, a_d, b_d, linear)
 

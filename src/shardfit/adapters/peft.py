@@ -22,6 +22,7 @@ weights PEFT saves beside an embedding adapter (`...base_layer.weight`) are not 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -158,10 +159,14 @@ def load_adapter(model: nn.Module, path: str | Path) -> LoadResult:
     results = [load_hf_checkpoint(model, path, params=params, files={k: f for k, f in files.items()
                                                                      if k not in staged})]
     batches: list[list] = [[]]
+    staged_bytes = 0
     for item in strided:
-        if batches[-1] and 4 * sum(s[1] * s[2] * s[0] for *_, s, _ in batches[-1]) >= _STAGE_BYTES:
+        nbytes = 4 * math.prod(item[3])  # the whole B, fp32
+        if batches[-1] and staged_bytes + nbytes > _STAGE_BYTES:
             batches.append([])
+            staged_bytes = 0
         batches[-1].append(item)
+        staged_bytes += nbytes
     for batch in batches if strided else []:
         rows = {key: Rows(torch.empty(s[1], s[2] * s[0], dtype=torch.float32, device=local.device),
                           (s[1], s[2] * s[0]), 0) for key, _, local, s, _ in batch}
