@@ -52,9 +52,12 @@ def _train_export_continue(rank, world, base, root, extra):
     # E = W: the experts and their adapters outside FSDP, cast by the computation, gradients written by its backward
     (2, ["--parallel.expert_parallel=2", "--compute.activation_checkpoint=full"]),
     pytest.param(2, [], marks=pytest.mark.slow),  # no EP: the experts and their adapters in the blocks' FSDP groups
+    # the exchanges overlapped with the own rows: the experts (and their adapters' casts) run three times a layer
+    pytest.param(2, ["--parallel.expert_parallel=2", "--parallel.expert_overlap=both",
+                     "--compute.activation_checkpoint=selective"], marks=pytest.mark.slow),
     # E < W: the experts' own FSDP group over the 2 ranks holding the same experts (gradients divided by W)
     pytest.param(4, ["--parallel.expert_parallel=2", "--train.micro_batch=2"], marks=pytest.mark.slow),
-], ids=["ep2-fullac", "fsdp", "4ranks-ep2"])
+], ids=["ep2-fullac", "fsdp", "ep2-overlap-both", "4ranks-ep2"])
 def test_ranks_equal_one_and_exports_load_in_peft_and_transformers(tmp_path, world, extra):
     base = save_tiny("qwen3_moe", tmp_path)
     two = run_ranks(_train_export_continue, world, str(base), str(tmp_path / "two"), extra)
