@@ -90,6 +90,8 @@
 #             (PEFT, pack_flex), 2 reps (cap RL_CAP, 300 s)
 #   lora8b    issue 23: LoRA SFT, Llama-3-8B shape seq 4096, shardfit (compiled: no AC mbs 1, full AC mbs 4)
 #             against HF + PEFT (benchmarks/anchor_peft_lora.py, full AC mbs 4), one GPU (cap LORA_CAP, 420 s)
+#   lora30b   issue 23's MoE part: LoRA r=16, Qwen3-30B-A3B shape, all 48 layers, seq 4096, compiled, full AC,
+#             mbs 2, one GPU: attention + the experts' grouped adapters, then attention alone (cap LORA30B_CAP, 300 s)
 #   rl-serve4b  the serve comparison at the Qwen3-4B shape (the largest dense full fine-tune one H100 holds, full AC):
 #             in process, then through the SDK (cap 400 s)
 set -u
@@ -222,6 +224,7 @@ for stage in "$@"; do
       t=/tmp/moeprof/profile/step8_rank0.json.gz; [ "$(stat -c %s $t)" -lt 16000000 ] && cp $t "$OUT/moeprof_trace.json.gz"
       python3 -c "import json; print(json.dumps(json.load(open('$OUT/moeprof_summary.json'))['idle'], indent=1))" ;;
     lora8b) env CUDA_VISIBLE_DEVICES=0 timeout ${LORA_CAP:-420} python3 benchmarks/bench_train.py --suite lora8b --nproc 1 --timeout 200 --out "$OUT/lora8b_x1.json" 2>&1 | tail -6 ;;
+    lora30b) env CUDA_VISIBLE_DEVICES=0 timeout ${LORA30B_CAP:-300} python3 benchmarks/bench_train.py --suite lora30b --nproc 1 --timeout 145 --out "$OUT/lora30b_x1.json" 2>&1 | tail -5 ;;
     rl|rl-dense|rl-moe|rl-serve4b|rl-lora)
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       case $stage in

@@ -11,14 +11,22 @@ SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6)
 
 
+# Qwen3-MoE: 4 experts, 2 a token, the second block dense (mlp_only_layers): experts and a dense MLP side by side
+MOE_SIZES = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                 mlp_only_layers=[1])
+
+
 def save_tiny(kind: str, root: Path, tied: bool = False, **sizes) -> Path:
-    """A tiny LlamaForCausalLM or Qwen3ForCausalLM (fp32, random weights) saved under root/kind; sizes: SIZES
-    overridden."""
+    """A tiny LlamaForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM ("qwen3_moe": MOE_SIZES) (fp32, random
+    weights) saved under root/kind; sizes: SIZES overridden."""
     import transformers
 
     torch.manual_seed(0)
     if kind == "llama":
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES, **sizes}, tie_word_embeddings=tied))
+    elif kind == "qwen3_moe":
+        hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **{**SIZES, "head_dim": 32, **MOE_SIZES, **sizes}, tie_word_embeddings=tied))
     else:
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**SIZES, "head_dim": 32, **sizes},
                                                                     tie_word_embeddings=tied))
@@ -51,5 +59,5 @@ def randomize_adapters(model, seed: int = 1) -> None:
     """Non-zero B (and embedding A): a fresh adapter is the identity, which would compare nothing."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith(("lora_B", "lora_embedding_A")):
+        if name.endswith(("lora_B", "lora_embedding_A")):  # expert adapters' B too (..._proj_lora_B)
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)

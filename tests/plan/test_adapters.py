@@ -179,3 +179,35 @@ def test_qlora_is_proposed_only_where_the_quantize_key_exists_and_lora_does_not_
         ("qlora", {"model.quantize": "nf4", "lora.rank": 16, "lora.alpha": 32})]
     assert adapter_kinds(cfg(8, quantize="none")) == [("qlora", {"model.quantize": "nf4"})]
     assert adapter_kinds(cfg(8, quantize="nf4")) == []
+
+
+def test_expert_adapters_are_counted_where_their_experts_sit():
+    """MoE experts' adapters (adapters/expert_lora.py), Qwen3-30B-A3B's shape at 4 layers: E x r x (in + out) per
+    adapted weight, fp32 states sharded like the rest; FSDP gathers a rank's n/E of them with its experts (E < W) or
+    none (E = W: the computation casts them, transiently, and writes their fp32 gradients fresh); unrecomputed
+    blocks with experts outside FSDP hold that cast; the trace saves their inputs (xs [T*k, H], h [T*k, I]) and
+    their [T*k, r] products; the backward holds [T*k, 2I] + [T*k, I] more."""
+    E, H, I, k, r, L = 128, 2048, 768, 8, 16, 4
+    attention = r * (2 * (H + 4096) + 2 * (H + 512))  # q, o; k, v
+    experts = E * r * ((H + 2 * I) + (I + H))  # gate_up A [E, r, H], B [E, 2I, r]; down A [E, r, I], B [E, H, r]
+    base = ["--model.name=qwen3-30b-a3b", f"--model.n_layers={L}", "--data.seq_len=1024", "--train.micro_batch=1",
+            "--train.global_batch=1", *LORA]
+    targets = "--lora.targets=q_proj,k_proj,v_proj,o_proj"
+    cfg = load_config(None, [*base, f"{targets},experts"])
+    c = adapters.counts(_meta_model(model_key(cfg.model)), adapters.lora_key(cfg), "none", 2)
+    assert c.block_expert_adapters == (experts,) * L and c.adapters == L * (attention + experts)
+    assert c.mlp_extra_width == k * (2 * I + I)
+    T = 1024 * k  # routed rows of a micro-batch
+    traced = block_activation_bytes(cfg, 1)["none"] - block_activation_bytes(load_config(None, [*base, targets]), 1)[
+        "none"]
+    assert traced == T * (H + I + 2 * r) * 2
+    for world, ep, gathered, transient, held in ((1, 1, 0, experts, experts), (2, 2, 0, experts // 2, experts // 2),
+                                                 (4, 2, experts // 2, 0, 0), (2, 1, experts, 0, 0)):
+        plain, adapted = (estimate(load_config(None, [*base, t, f"--parallel.expert_parallel={ep}"]), world, 1)
+                          for t in (targets, f"{targets},experts"))
+        ours = L * experts // world
+        assert (adapted.weights - plain.weights, adapted.moments - plain.moments) == (4 * ours, 8 * ours)
+        assert adapted.grads - plain.grads == (0 if transient else 4 * ours)  # E = W: written fresh in backward
+        # two blocks gathered in bf16 and one fp32 reduce-scatter input; E = W: the cast's transient bf16 copy
+        assert adapted.fsdp - plain.fsdp == 2 * 2 * gathered + 4 * gathered + 2 * transient, (world, ep)
+        assert adapted.activations - plain.activations == L * (traced + 2 * held)

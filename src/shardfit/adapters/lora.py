@@ -9,6 +9,8 @@ Shapes: a linear layer W [out, in] gets lora_A [r, in] and lora_B [out, r]: y = 
 An embedding E [V, D] gets PEFT's lora_embedding_A [r, V] and lora_embedding_B [D, r]: y = E[ids] + (alpha/r)
 (A^T[ids] B^T), no dropout (PEFT applies none there). The output head's adapter is added to its weight,
 W + (alpha/r) B A, which the fused loss then reads (no dropout: the config refuses it).
+MoE experts (stacked [E, out, in] weights, not linear modules) take per-expert adapters run as grouped GEMMs:
+adapters/expert_lora.py (LoRAExperts); apply_lora, is_adapter and init_adapters here cover them.
 Frozen base (`freeze_base`): every parameter but the adapters has requires_grad=False and is stored in the compute
 dtype (bf16 on CUDA): no fp32 master, no gradient, no optimizer state. Adapters are fp32 (FSDP casts them for the
 forward and reduces their gradients in fp32; optimizer state fp32).
@@ -24,6 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardfit.adapters.expert_lora import (
+    EXPERT_LEAVES,
+    LoRAExperts,
+    add_expert_adapters,
+    expert_names,
+    expert_targets,
+    is_expert_target,
+    peft_caveat,
+)
 from shardfit.config.schema import LORA_LINEAR, LoraConfig
 from shardfit.errors import ShardfitError
 from shardfit.models.decoder import OutputHead, count_params
@@ -121,8 +132,9 @@ def lora_targets(model: nn.Module, spec: str) -> list[tuple[str, nn.Module]]:
 
 
 def target_names(targets: list[str]) -> list[str]:
-    """The module names (adapter_config.json's target_modules) of the adapted modules' full names."""
-    return sorted({fqn.rpartition(".")[2] for fqn in targets})
+    """The module names (adapter_config.json's target_modules) of the adapted modules' full names (apply_lora's);
+    the experts' weights left out (PEFT's target_parameters: adapters/expert_lora.py)."""
+    return sorted({fqn.rpartition(".")[2] for fqn in targets if not is_expert_target(fqn)})
 
 
 def freeze_base(model: nn.Module, dtype: torch.dtype | None) -> None:
@@ -157,25 +169,32 @@ def add_adapter(mod: nn.Module, rank: int, alpha: float, dropout: float) -> None
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, base_dtype: torch.dtype | None) -> list[str]:
-    """Freeze the base (stored in base_dtype) and put adapters on lora.targets; returns the adapted modules' names.
+    """Freeze the base (stored in base_dtype) and put adapters on lora.targets; returns the adapted modules' names,
+    then the adapted expert weights' (`model.layers.0.mlp.experts.gate_up_proj`: adapters/expert_lora.py).
     Called on the meta model before checkpointing, compile and FSDP (parallel/parallelize.py, step 0)."""
     targets = lora_targets(model, cfg.targets)
-    if not targets:
+    experts, adapted = expert_targets(model, cfg.targets), expert_names(cfg.targets)
+    if adapted and not experts:
+        raise ShardfitError(f"'{cfg.targets}' names the experts of MoE layers, and this model has none",
+                            where="lora.targets", fix="leave experts out of lora.targets")
+    if not targets and not experts:
         raise ShardfitError(f"'{cfg.targets}' matches no module of this model", where="lora.targets",
-                            fix="name modules the model has (its MoE experts take no adapter)")
+                            fix="name modules the model has (on an MoE model, experts adapts its experts)")
     freeze_base(model, base_dtype)
     for _, mod in targets:
         add_adapter(mod, cfg.rank, cfg.alpha, cfg.dropout)
-    return [fqn for fqn, _ in targets]
+    for _, mod in experts:
+        add_expert_adapters(mod, adapted, cfg.rank, cfg.alpha)
+    return [fqn for fqn, _ in targets] + [f"{fqn}.{w}" for fqn, _ in experts for w in adapted]
 
 
 def is_adapter(name: str) -> bool:
     """Whether a parameter name is an adapter's."""
-    return name.rpartition(".")[2] in LINEAR_LEAVES + EMBEDDING_LEAVES
+    return name.rpartition(".")[2] in LINEAR_LEAVES + EMBEDDING_LEAVES + EXPERT_LEAVES
 
 
 def has_adapters(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRAModule) for m in model.modules())
+    return any(isinstance(m, (LoRAModule, LoRAExperts)) for m in model.modules())
 
 
 def base_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -189,26 +208,34 @@ def init_adapters(model, seed: int, view: ShardView = whole_view) -> None:
     named_parameters (parallel/offload.py's device twins of host shards)."""
     for name, p in model.named_parameters():
         leaf = name.rpartition(".")[2]
-        if leaf == "lora_A":
-            seeded_normal_(p, (3 * p.shape[1]) ** -0.5, seed, name, view)
+        if leaf in ("lora_A", *EXPERT_LEAVES[::2]):  # [r, in], an expert's [E, r, in]: PEFT's variance, 1/(3 in)
+            seeded_normal_(p, (3 * p.shape[-1]) ** -0.5, seed, name, view)
         elif leaf == "lora_embedding_B":
             seeded_normal_(p, 1.0, seed, name, view)
-        elif leaf in ("lora_B", "lora_embedding_A"):
+        elif leaf in ("lora_B", "lora_embedding_A", *EXPERT_LEAVES[1::2]):
             view(p)[0].zero_()
 
 
 def lora_summary(model: nn.Module, targets: list[str]) -> str:
-    """One notice line: what trains and what is frozen."""
+    """One notice line: what trains and what is frozen (on an MoE model, whether its experts are adapted)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = count_params(model)  # an NF4 weight (adapters/qlora.py) as its weights, not its bytes
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
     dtype = ", ".join(sorted(str(d).replace("torch.", "") for d in frozen))
-    first = next(m for m in model.modules() if isinstance(m, LoRAModule))
-    return (f"LoRA rank {first.lora_rank} (scale {first.lora_scale:g}) on {len(targets)} modules "
-            f"({', '.join(target_names(targets))}): {trainable:,} trainable parameters of {total:,}; the base is "
-            f"frozen in {dtype}")
+    first = next(m for m in model.modules() if isinstance(m, (LoRAModule, LoRAExperts)))
+    modules = [t for t in targets if not is_expert_target(t)]
+    experts = [m for m in model.modules() if isinstance(m, LoRAExperts)]
+    where = f"{len(modules)} modules ({', '.join(target_names(targets))})" if modules else ""
+    if experts:
+        where += (" and " if where else "") + (f"the experts of {len(experts)} MoE layers "
+                                               f"({', '.join(experts[0].adapted)})")
+    elif expert_targets(model, "experts"):
+        where += " (the MoE experts frozen: add experts to lora.targets to adapt them)"
+    caveat = peft_caveat(model, targets)
+    return (f"LoRA rank {first.lora_rank} (scale {first.lora_scale:g}) on {where}: {trainable:,} trainable parameters "
+            f"of {total:,}; the base is frozen in {dtype}" + (f"; {caveat}" if caveat else ""))
 
 
-__all__ = ["LORA_LINEAR", "LoRAEmbedding", "LoRALinear", "LoRAModule", "LoRAOutputHead", "add_adapter",
+__all__ = ["LORA_LINEAR", "LoRAEmbedding", "LoRAExperts", "LoRALinear", "LoRAModule", "LoRAOutputHead", "add_adapter",
            "apply_lora", "base_parameters", "freeze_base", "has_adapters", "init_adapters", "is_adapter",
            "lora_class", "lora_summary", "lora_targets", "target_names"]

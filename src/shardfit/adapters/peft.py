@@ -6,20 +6,23 @@ adapter_model.safetensors holding every adapter parameter in fp32 under PEFT's k
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), which peft.PeftModel.from_pretrained loads on
 the transformers model. Each adapter is gathered whole (`full_tensor`, a collective every rank issues in the same
 order); rank 0 writes into <out>.tmp and renames it (hf/export.py's publish); the outcome is agreed in one
-collective, so every rank returns or raises together. Adapters are small (r x (in + out) per layer): rank 0 holds
-them all at once.
+collective, so every rank returns or raises together. Adapters are small (r x (in + out) per layer; MoE experts'
+E times that: 2.5 GB fp32 on Qwen3-30B-A3B at r=16): rank 0 holds them all at once. MoE experts' adapters are
+written in PEFT's layout and keys for target_parameters (adapters/expert_lora.py).
 Merged (`merged_parameters`, checkpoint.export_merged and Engine.weights): the base's parameters, each adapted
-weight as W + (alpha/r) B A in fp32 (an NF4 base, adapters/qlora.py: W dequantised, its rounding kept), streamed
-through hf/export.py one parameter at a time. A tied embedding has
-one weight for two uses, so adapters on embed_tokens or lm_head of a tied model cannot be merged: refused.
-Load (`load_adapter`, lora.adapter): through hf/load.py's reader, each rank reading its own rows of each adapter,
-no collective. The base weights PEFT saves beside an embedding adapter (`...base_layer.weight`) are not read:
-the base is model.path's.
+weight as W + (alpha/r) B A in fp32 (an NF4 base, adapters/qlora.py: W dequantised, its rounding kept; stacked
+experts per expert, gate_up's B split between gate and up), streamed through hf/export.py one parameter at a time.
+A tied embedding has one weight for two uses, so adapters on embed_tokens or lm_head of a tied model cannot be
+merged: refused.
+Load (`load_adapter`, lora.adapter): through hf/load.py's reader, each rank reading its own rows of each adapter
+(an MoE expert adapter's B whole: its experts are strided columns in PEFT's layout), no collective. The base
+weights PEFT saves beside an embedding adapter (`...base_layer.weight`) are not read: the base is model.path's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -27,6 +30,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardfit.adapters.expert_lora import (
+    LoRAExperts,
+    adapted_experts,
+    adapter_of,
+    from_peft,
+    is_expert_adapter,
+    peft_expert_key,
+    target_parameters,
+    to_peft,
+)
 from shardfit.adapters.lora import (
     LoRAEmbedding,
     LoRAModule,
@@ -47,8 +60,11 @@ from shardfit.adapters.qlora_io import merged_weight
 from shardfit.config.schema import LoraConfig
 from shardfit.errors import ShardfitError
 from shardfit.hf.export import copy_tokenizer, full_tensor, publish, write_safetensors
-from shardfit.hf.load import LoadResult, file_map, load_hf_checkpoint
+from shardfit.hf.load import LoadResult, Rows, file_map, load_hf_checkpoint
 from shardfit.parallel.agreement import agree
+from shardfit.parallel.dtensor import local_view
+
+_STAGE_BYTES = 256 << 20  # expert B adapters staged whole per batch while loading (load_adapter)
 
 
 def export_adapter(model: nn.Module, out: str | Path, lora: LoraConfig, targets: list[str], base: str | None,
@@ -57,11 +73,16 @@ def export_adapter(model: nn.Module, out: str | Path, lora: LoraConfig, targets:
     out = Path(out)
     rank = dist.get_rank() if dist.is_initialized() else 0
     tensors = {}
+    experts = adapted_experts(targets)
     for name, p in model.named_parameters():  # the same order on every rank: the gathers line up
         if is_adapter(name):
             full = full_tensor(p)
             if rank == 0:
-                tensors[peft_key(name)] = full.detach().to(device="cpu", dtype=torch.float32).contiguous()
+                t = full.detach().to(device="cpu", dtype=torch.float32)
+                if is_expert_adapter(name):  # PEFT's layout of a 3-D parameter's adapter (adapters/expert_lora.py)
+                    tensors[peft_expert_key(name, experts)] = to_peft(name, t).contiguous()
+                else:
+                    tensors[peft_key(name)] = t.contiguous()
     problem = None
     if rank == 0:
         tmp = out.with_name(out.name + ".tmp")
@@ -69,7 +90,8 @@ def export_adapter(model: nn.Module, out: str | Path, lora: LoraConfig, targets:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             write_safetensors(tensors, tmp / ADAPTER_WEIGHTS)
-            config = adapter_config_json(lora.rank, lora.alpha, lora.dropout, target_names(targets), base)
+            config = adapter_config_json(lora.rank, lora.alpha, lora.dropout, target_names(targets), base,
+                                         target_parameters(experts))
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
             copy_tokenizer(source, tmp)
             problem = publish(tmp, out)
@@ -105,16 +127,54 @@ def merged_parameters(model: nn.Module):
             if isinstance(mod, LoRAModule) and key == "weight":
                 a, b = mod.adapter_pair()
                 full = full.float() + mod.delta_weight(full_tensor(a), full_tensor(b))
+            elif isinstance(mod, LoRAExperts) and adapter_of(key) in mod.adapted:  # [E, out, in], per expert
+                a, b = (getattr(mod, f"{adapter_of(key)}_lora_{ab}") for ab in "AB")
+                full = full.float() + mod.delta(key, full_tensor(a), full_tensor(b))
             yield (f"{prefix}.{key}" if prefix else key), full
 
 
+@torch.no_grad()
 def load_adapter(model: nn.Module, path: str | Path) -> LoadResult:
     """Fill the model's adapters from a PEFT adapter directory (this rank's rows of each; no collective). Every
-    adapter must be in the file with its shape, and every adapter of the file must have a place in the model."""
+    adapter must be in the file with its shape, and every adapter of the file must have a place in the model.
+    Experts' adapters (adapters/expert_lora.py): A's experts are whole rows of PEFT's [E*r, in], read as any rows;
+    B's are strided columns of PEFT's [out, r*E], so each B is read whole into a staging buffer (batches of at most
+    _STAGE_BYTES, where the shards live) and this rank's experts copied out of it."""
     path = Path(path)
     files = {k: f for k, f in file_map(path / ADAPTER_WEIGHTS).items() if not k.endswith(".base_layer.weight")}
-    params = {peft_key(n): p for n, p in model.named_parameters() if is_adapter(n)}
-    return load_hf_checkpoint(model, path, params=params, files=files)
+    params, strided = {}, []
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        if not is_expert_adapter(name):
+            params[peft_key(name)] = p
+            continue
+        key = peft_expert_key(name, model.get_submodule(name.rpartition(".")[0]).adapted)
+        local, shape, row0 = local_view(p)  # [n, r, in] or [n, out, r] of [E, ...]: this rank's experts
+        if name.endswith("_A"):
+            params[key] = Rows(local.view(-1, shape[2]), (shape[0] * shape[1], shape[2]), row0 * shape[1])
+        else:
+            strided.append((key, name, local, shape, row0))
+    staged = {key for key, *_ in strided}
+    results = [load_hf_checkpoint(model, path, params=params, files={k: f for k, f in files.items()
+                                                                     if k not in staged})]
+    batches: list[list] = [[]]
+    staged_bytes = 0
+    for item in strided:
+        nbytes = 4 * math.prod(item[3])  # the whole B, fp32
+        if batches[-1] and staged_bytes + nbytes > _STAGE_BYTES:
+            batches.append([])
+            staged_bytes = 0
+        batches[-1].append(item)
+        staged_bytes += nbytes
+    for batch in batches if strided else []:
+        rows = {key: Rows(torch.empty(s[1], s[2] * s[0], dtype=torch.float32, device=local.device),
+                          (s[1], s[2] * s[0]), 0) for key, _, local, s, _ in batch}
+        results.append(load_hf_checkpoint(model, path, params=rows, files={k: files[k] for k in rows if k in files}))
+        for key, name, local, s, row0 in batch:
+            local.copy_(from_peft(name, rows[key].local, s[0])[row0:row0 + local.shape[0]])
+        del rows  # the batch's staging, freed before the next one is allocated
+    return LoadResult.total(results)
 
 
 def attach_adapter(model: nn.Module, path: str | Path) -> list[str]:

@@ -3,9 +3,11 @@ it (lora.adapter) before any model is built.
 
 What shardfit reads and writes is the plain LoRA of PEFT's LoraConfig: one rank r and one lora_alpha for every
 adapted module (scale alpha / r), lora_dropout, and target_modules as a list of module names (or "all-linear").
+target_parameters names the MoE experts' stacked weights PEFT adapts as parameters (adapters/expert_lora.py):
+`mlp.experts.gate_up_proj` and `mlp.experts.down_proj` (or a suffix of them), read as lora.targets' experts names.
 What it cannot reproduce is refused with one line naming the field, never approximated: DoRA, rsLoRA (scale
 alpha / sqrt(r)), per-module rank or alpha patterns, layer subsets, bias training, modules_to_save, a regular
-expression as target_modules, fan_in_fan_out, and pickled weights (adapter_model.bin).
+expression as target_modules, fan_in_fan_out, other target_parameters, and pickled weights (adapter_model.bin).
 
 Key mapping (adapters/peft.py applies it to tensors): a parameter `<fqn>.lora_A` of shardfit's model is PEFT's
 `base_model.model.<fqn>.lora_A.weight` (lora_B alike); an embedding's `<fqn>.lora_embedding_A` is
@@ -25,11 +27,13 @@ from shardfit.errors import ShardfitError
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
+# target_parameters entry -> the lora.targets name it is (PEFT matches an entry as a suffix of "<module>.<parameter>")
+_EXPERT_PARAMS = {f"{head}{w}": w for w in ("gate_up_proj", "down_proj") for head in ("", "experts.", "mlp.experts.")}
 
 # field: the value shardfit can honour (anything else is refused); a missing field takes PEFT's default, which is it
 _PLAIN: dict[str, Any] = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {},
                           "layers_to_transform": None, "modules_to_save": None, "bias": "none",
-                          "fan_in_fan_out": False, "lora_bias": False, "target_parameters": None,
+                          "fan_in_fan_out": False, "lora_bias": False,
                           "trainable_token_indices": None, "layer_replication": None, "exclude_modules": None}
 
 
@@ -73,22 +77,42 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     r, alpha, dropout = hf.get("r", 8), hf.get("lora_alpha", 8), hf.get("lora_dropout", 0.0)
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
         raise ShardfitError(f"r={r!r} is not a rank", where=where, fix="give a positive integer r")
+    experts = _expert_parameters(hf.get("target_parameters"), where)
     targets = hf.get("target_modules")
     if isinstance(targets, str) and targets != "all-linear":
         raise ShardfitError(f"target_modules is a regular expression ({targets!r})", where=where,
                             fix="list the module names instead (e.g. [\"q_proj\", \"v_proj\"])")
-    if isinstance(targets, list) and all(isinstance(t, str) for t in targets) and targets:
-        targets = ",".join(sorted(targets))
-    elif targets != "all-linear":
+    if experts and targets in (None, []):
+        targets = []  # the experts alone
+    elif not (isinstance(targets, list) and all(isinstance(t, str) for t in targets) and targets
+              or targets == "all-linear"):
         raise ShardfitError(f"target_modules={targets!r} is not a list of module names", where=where,
                             fix="list the module names the adapters sit on")
-    return {"rank": r, "alpha": alpha, "dropout": dropout, "targets": targets}
+    names = [targets] if isinstance(targets, str) else sorted(targets)
+    names += ["experts"] if len(experts) == 2 else [f"experts.{w}" for w in experts]
+    return {"rank": r, "alpha": alpha, "dropout": dropout, "targets": ",".join(names)}
 
 
-def adapter_config_json(rank: int, alpha: float, dropout: float, targets: list[str], base: str | None) -> dict:
-    """adapter_config.json of an export: PEFT's plain LoRA (the fields _PLAIN names at their values)."""
+def _expert_parameters(value: Any, where: str) -> list[str]:
+    """target_parameters -> the expert weights it adapts (gate_up_proj, down_proj); anything else refused."""
+    if value in (None, []):
+        return []
+    bad = value if not isinstance(value, list) else next(
+        (v for v in value if not isinstance(v, str) or v not in _EXPERT_PARAMS), None)
+    if bad is not None:
+        raise ShardfitError(f"target_parameters entry {bad!r} is not an MoE expert weight shardfit adapts",
+                            where=where, fix="adapt mlp.experts.gate_up_proj and/or mlp.experts.down_proj in every "
+                                             "layer, or convert the adapter")
+    found = {_EXPERT_PARAMS[v] for v in value}
+    return [w for w in ("gate_up_proj", "down_proj") if w in found]
+
+
+def adapter_config_json(rank: int, alpha: float, dropout: float, targets: list[str], base: str | None,
+                        parameters: list[str] | None = None) -> dict:
+    """adapter_config.json of an export: PEFT's plain LoRA (the fields _PLAIN names at their values); parameters:
+    target_parameters (the MoE experts' adapted weights, adapters/expert_lora.py), None without."""
     alpha_out: float | int = int(alpha) if float(alpha).is_integer() else alpha
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base or None, "r": rank,
             "lora_alpha": alpha_out, "lora_dropout": dropout, "target_modules": sorted(targets),
             "inference_mode": True, "init_lora_weights": True, "revision": None, "layers_pattern": None,
-            **_PLAIN}
+            **_PLAIN, "target_parameters": parameters or None}

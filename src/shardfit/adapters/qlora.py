@@ -146,10 +146,11 @@ def to_nf4(mod: nn.Linear) -> NF4Linear:
 
 
 def apply_nf4(model: nn.Module, targets: list[str]) -> int:
-    """Store the base weight of every adapted linear layer among `targets` (apply_lora's names) in NF4; returns how
-    many. Called right after apply_lora: on the meta model (parallelize's step 0) or a materialised one (generate)."""
+    """Store the base weight of every adapted linear layer among `targets` (apply_lora's names; adapted experts stay in
+    the compute dtype) in NF4; returns how many. Called right after apply_lora: on the meta model (parallelize's
+    step 0) or a materialised one (generate)."""
     mods = dict(model.named_modules())  # the blocks' linear layers: not the output head (an nn.Linear too)
-    chosen = [mods[t] for t in targets if t.startswith("model.layers.") and isinstance(mods[t], nn.Linear)]
+    chosen = [mods[t] for t in targets if t.startswith("model.layers.") and isinstance(mods.get(t), nn.Linear)]
     for mod in chosen:
         to_nf4(mod)
     return len(chosen)

@@ -70,9 +70,7 @@ def load_base(model: nn.Module, path: str | Path) -> LoadResult:
             quantize_rows(mod, rows[key].local, span)
         quantize_s += time.perf_counter() - t0
         del rows  # the batch's staging, freed before the next one is allocated
-    return LoadResult(sum(r.bytes for r in results), sum(r.tensors for r in results), sum(r.reads for r in results),
-                      results[0].threads, sum(r.plan_s for r in results),
-                      sum(r.read_s for r in results) + quantize_s)
+    return LoadResult.total(results, quantize_s)
 
 
 def merged_weight(mod: NF4Linear) -> torch.Tensor:

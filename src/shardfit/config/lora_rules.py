@@ -3,9 +3,11 @@
 line naming the key and the fix), the lora.* values a PEFT adapter directory gives (lora.adapter), and the hint for
 a key written inside another section ([model.lora], --model.lora.rank).
 
-lora.targets names modules, not patterns: the linear layers of a block by their Hugging Face names, all-linear, and
-embed_tokens / lm_head; a name the model lacks is refused later, by the swap (adapters/lora.py), which sees the
-model. The output head's adapter is merged into the weight the fused loss reads, so it takes no dropout. A merged
+lora.targets names modules, not patterns: the linear layers of a block by their Hugging Face names, all-linear,
+embed_tokens / lm_head, and the MoE experts' weights (experts, or experts.gate_up_proj / experts.down_proj); a name
+the model lacks is refused later, by the swap (adapters/lora.py), which sees the model. The output head's adapter is
+merged into the weight the fused loss reads, and PEFT folds expert adapters into their weights: neither takes
+dropout. A merged
 export needs adapters, and a directory of its own beside the adapter's. model.quantize=nf4 (QLoRA, adapters/qlora.py)
 stores the adapted linear layers' frozen weights in NF4: it needs adapters on linear layers, and refuses what would
 multiply or hold that base otherwise (FP8 matmuls, FSDP's CPU offload).
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardfit.config.schema import LORA_LINEAR, LORA_OPTIONAL, LoraConfig
+from shardfit.config.schema import LORA_EXPERTS, LORA_LINEAR, LORA_OPTIONAL, LoraConfig
 
 
 def adapter_fields(lora: LoraConfig) -> tuple[dict[str, Any], str]:
@@ -39,19 +41,28 @@ def bad_targets(c) -> str | None:
     """Why lora.targets is not a list of modules shardfit adapts, or None."""
     names = [t.strip() for t in c.lora.targets.split(",")]
     for name in names:
-        if name not in (*LORA_LINEAR, *LORA_OPTIONAL, "all-linear"):
+        if name not in (*LORA_LINEAR, *LORA_OPTIONAL, *LORA_EXPERTS, "all-linear"):
             shown = name if len(name) <= 40 else name[:37] + "..."
             return f"'{shown}' is not a module shardfit puts an adapter on"
     return f"'{names[0]}' is given twice" if len(set(names)) < len(names) else None
 
 
+def _experts(c) -> bool:
+    return bool({t.strip() for t in c.lora.targets.split(",")} & set(LORA_EXPERTS))
+
+
 # (key to name, broken(cfg), what is wrong(cfg), fix(cfg)), as config/loader.py's RULES
 LORA_RULES: tuple[tuple[str, Any, Any, Any], ...] = (
     ("lora.targets", bad_targets, bad_targets,
-     lambda c: f"give comma-separated names of {', '.join(LORA_LINEAR + LORA_OPTIONAL)}, or all-linear"),
+     lambda c: f"give comma-separated names of {', '.join(LORA_LINEAR + LORA_OPTIONAL + LORA_EXPERTS)}, or "
+               "all-linear"),
     ("lora.dropout", lambda c: c.lora.rank and c.lora.dropout and "lm_head" in c.lora.targets.split(","),
      lambda c: f"{c.lora.dropout} with an adapter on lm_head, whose adapter is merged into the head's weight for the "
                "fused loss (no dropout there)", lambda c: "set lora.dropout=0, or leave lm_head out of lora.targets"),
+    ("lora.dropout", lambda c: c.lora.rank and c.lora.dropout and _experts(c),
+     lambda c: f"{c.lora.dropout} with adapters on the MoE experts: PEFT folds expert adapters into the weights "
+               "(target_parameters) and refuses dropout there, so the adapter would not load in PEFT",
+     lambda c: "set lora.dropout=0, or leave experts out of lora.targets"),
     ("checkpoint.export_merged", lambda c: c.checkpoint.export_merged and not c.lora.rank,
      lambda c: "merges LoRA adapters into the base, and lora.rank is 0 (no adapters)",
      lambda c: "use checkpoint.export_hf, or set lora.rank"),
@@ -62,7 +73,7 @@ LORA_RULES: tuple[tuple[str, Any, Any, Any], ...] = (
      lambda c: "nf4 stores the frozen base of LoRA's adapted layers in 4 bits, and lora.rank is 0: a quantized base "
                "cannot train", lambda c: "set lora.rank (QLoRA), or model.quantize=none"),
     ("model.quantize", lambda c: c.model.quantize == "nf4" and c.lora.rank
-     and not {t.strip() for t in c.lora.targets.split(",")} - set(LORA_OPTIONAL),
+     and not {t.strip() for t in c.lora.targets.split(",")} - set(LORA_OPTIONAL) - set(LORA_EXPERTS),
      lambda c: f"nf4 quantizes the linear layers LoRA adapts, and lora.targets={c.lora.targets} names none",
      lambda c: "add linear layers to lora.targets (q_proj, ..., or all-linear), or set model.quantize=none"),
     ("compute.fp8", lambda c: c.model.quantize == "nf4" and c.compute.fp8 != "none",

@@ -80,6 +80,9 @@ class ModelConfig:
 # LoRA's default targets: every linear layer of a dense block (attention and MLP), as Hugging Face names them.
 LORA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_OPTIONAL = ("embed_tokens", "lm_head")
+# MoE experts' stacked weights (adapters/expert_lora.py): both, or one, by PEFT's target_parameters names. Not a
+# default: on Qwen3-30B-A3B at r=16 they are ~630M adapter parameters (10 GB of states) against ~13M for attention.
+LORA_EXPERTS = ("experts", "experts.gate_up_proj", "experts.down_proj")
 
 
 @dataclass
@@ -95,7 +98,8 @@ class LoraConfig:
     dropout: float = opt(0.0, "dropout on the adapters' input (the base layer sees the whole input)", ge=0, lt=1)
     targets: str = opt(",".join(LORA_LINEAR), "comma-separated module names that get adapters: "
                        + ", ".join(LORA_LINEAR + LORA_OPTIONAL) + "; or all-linear (every linear layer of the "
-                       "blocks but MoE routers)")
+                       "blocks but MoE routers); experts (MoE experts' gate_up_proj and down_proj, grouped "
+                       "per-expert adapters; not a default), or experts.gate_up_proj / experts.down_proj alone")
     adapter: str = opt("", "a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start the "
                            "adapters from (continue training it); its r, lora_alpha, lora_dropout and target_modules "
                            "fill the lora.* keys you leave unset")

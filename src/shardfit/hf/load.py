@@ -110,6 +110,14 @@ class LoadResult(NamedTuple):
     plan_s: float  # matching parameters to checkpoint tensors and checking shapes
     read_s: float  # reading and copying (to the GPU: finished)
 
+    @staticmethod
+    def total(results: list[LoadResult], extra_s: float = 0.0) -> LoadResult:
+        """Several loads (batches of staged rows) as one; extra_s: time spent on the staged rows, counted as
+        reading."""
+        return LoadResult(sum(r.bytes for r in results), sum(r.tensors for r in results),
+                          sum(r.reads for r in results), results[0].threads, sum(r.plan_s for r in results),
+                          sum(r.read_s for r in results) + extra_s)
+
 
 @torch.no_grad()
 def load_hf_checkpoint(model: nn.Module, path: str | Path, params: dict[str, nn.Parameter] | None = None,

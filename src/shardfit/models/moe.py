@@ -14,6 +14,7 @@ Shapes: T tokens, H hidden, E experts, k experts per token, I expert inner size.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -82,6 +83,24 @@ def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) ->
     return _PermuteRows.apply(x, index, inverse)
 
 
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [N, in] sorted by expert, w [E, out, in], offs [E] int32 (cumulative rows) -> [N, out]: each expert's rows
+    times its w[e]^T, one grouped GEMM. grouped_mm wants rows of 16 bytes' multiples (a LoRA adapter's rank of 4 in
+    bf16 is 8 bytes): a narrower in or out is zero-padded to one, the padded outputs dropped (nothing else changes)."""
+    align = 16 // x.element_size()
+    out_f, in_f = w.shape[-2:]
+    pad_in, pad_out = -in_f % align, -out_f % align
+    if pad_in or pad_out:
+        x, w = F.pad(x, (0, pad_in)), F.pad(w, (0, pad_in, 0, pad_out))
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return y[:, :out_f] if pad_out else y
+
+
+def split_linear(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """grouped_linear as a loop: expert e's sizes[e] rows of x [N, in] times w[e]^T, every expert, every call."""
+    return torch.cat([F.linear(part, w[e]) for e, part in enumerate(x.split(sizes))])
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as stacked weights; the checkpoint stores them per expert (see shardfit.hf)."""
 
@@ -91,14 +110,19 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))  # [E, I, H]
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))  # [E, H, I]
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate [E, I, H], up [E, I, H], down [E, H, I]) as the computation reads them (expert parallelism,
-        parallel/expert.py, swaps in a subclass whose weights are this rank's experts)."""
+    def weight_params(self) -> tuple[nn.Parameter | None, ...]:
+        """The parameters the computation reads, in the order `swiglu` takes them: (gate, up, down); a subclass may
+        read more (adapters/expert_lora.py: LoRA adapters on the experts), each stacked [E, ...] along the experts."""
         return self.gate_proj, self.up_proj, self.down_proj
 
+    def weights(self) -> tuple[torch.Tensor | None, ...]:
+        """weight_params() as the computation reads them (expert parallelism, parallel/expert.py, swaps in a
+        subclass whose weights are this rank's experts, in the compute dtype)."""
+        return self.weight_params()
+
     def forward(self, xs: torch.Tensor, counts: torch.Tensor, weights=None) -> torch.Tensor:
-        """xs [N, H] sorted by expert, counts [E] rows per expert -> [N, H] in the same order. weights: the
-        (gate, up, down) to use instead of self.weights() (an exchange that runs the experts twice a layer)."""
+        """xs [N, H] sorted by expert, counts [E] rows per expert -> [N, H] in the same order. weights: what
+        self.weights() gives, to use instead (an exchange that runs the experts twice a layer)."""
         if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             return self.run_grouped(xs, counts, weights)
         return self.run_split(xs, counts.tolist(), weights)
@@ -106,20 +130,18 @@ class Experts(nn.Module):
     def run_grouped(self, xs: torch.Tensor, counts: torch.Tensor, weights=None) -> torch.Tensor:
         """One grouped GEMM per projection over every expert (the CUDA bf16 path, and shardfit plan's model of it):
         grouped_mm saves its input for backward, SiLU(g) * u saves g and u."""
-        gate, up, down = weights or self.weights()
         offs = counts.cumsum(0).to(torch.int32)  # stays on the device: no host sync
-        g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)  # [N, I]
-        u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)  # [N, I]
-        return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)  # [N, H]
+        return self.swiglu(xs, functools.partial(grouped_linear, offs=offs), weights or self.weights())
 
     def run_split(self, xs: torch.Tensor, sizes: list[int], weights=None) -> torch.Tensor:
-        """Every expert, every call, on its `sizes[e]` rows of xs (the path off CUDA/bf16, and shardfit plan's)."""
-        gate, up, down = weights or self.weights()
-        outs = []
-        for e, part in enumerate(xs.split(sizes)):
-            h = F.silu(F.linear(part, gate[e])) * F.linear(part, up[e])
-            outs.append(F.linear(h, down[e]))
-        return torch.cat(outs)
+        """Every expert, every call, on its `sizes[e]` rows of xs (the path off CUDA/bf16)."""
+        return self.swiglu(xs, functools.partial(split_linear, sizes=sizes), weights or self.weights())
+
+    def swiglu(self, xs: torch.Tensor, linear, weights) -> torch.Tensor:
+        """xs [N, H] -> down(SiLU(gate xs) * up xs) [N, H], each projection `linear(x, w [E, out, in])` over the
+        experts' row groups (grouped_linear or split_linear)."""
+        gate, up, down = weights
+        return linear(F.silu(linear(xs, gate)) * linear(xs, up), down)
 
 
 class MoE(nn.Module):

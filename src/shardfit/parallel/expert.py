@@ -67,25 +67,37 @@ class _ComputeCast(torch.autograd.Function):
 class ShardedExperts(Experts):
     """Experts whose weights are DTensors sharded over the EP group: the computation reads this rank's slice
     [n/E, ...] (to_local is differentiable: the gradient arrives as a DTensor of the same placement). Outside FSDP
-    (E = W) compute_dtype is set and the slice is cast here (module docstring: E = W). Made by
-    apply_expert_parallel in place of the model's Experts, under the same parameter names (checkpoints unchanged)."""
+    (E = W) compute_dtype is set and the slice is cast here (module docstring: E = W). apply_expert_parallel makes
+    the model's Experts one in place (sharded_class): the same module, parameter names (checkpoints unchanged) and
+    whatever else its class reads: every parameter of weight_params() is sharded and cast alike (LoRA adapters on
+    the experts, adapters/expert_lora.py, included: a frozen parameter's cast simply takes no gradient)."""
 
-    def __init__(self, gate_proj: nn.Parameter, up_proj: nn.Parameter, down_proj: nn.Parameter):
-        nn.Module.__init__(self)  # not Experts.__init__: the weights are given, not allocated
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
-        self.compute_dtype: torch.dtype | None = None  # set by shard_experts when the experts stay out of FSDP
-        self.grad_divide = 1.0
+    compute_dtype: torch.dtype | None = None  # set by shard_experts when the experts stay out of FSDP
+    grad_divide = 1.0
 
     def weights(self):
         return self.weight_uses(1)[0]
 
-    def weight_uses(self, uses: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(gate, up, down) for each of `uses` runs of the experts in one layer (parallel/expert_overlap.py)."""
-        params = (self.gate_proj, self.up_proj, self.down_proj)
+    def weight_uses(self, uses: int) -> list[tuple[torch.Tensor | None, ...]]:
+        """weight_params() as local tensors, for each of `uses` runs of the experts in one layer
+        (parallel/expert_overlap.py)."""
+        params = self.weight_params()
         if self.compute_dtype is None:
-            return [tuple(w.to_local() for w in params)] * uses
-        cast = [_ComputeCast.apply(w, self.compute_dtype, self.grad_divide, uses) for w in params]
-        return [tuple(cast)] if uses == 1 else list(zip(*cast))
+            return [tuple(None if w is None else w.to_local() for w in params)] * uses
+        cast = [(None,) * uses if w is None else _ComputeCast.apply(w, self.compute_dtype, self.grad_divide, uses)
+                for w in params]
+        return list(zip(*(c if isinstance(c, tuple) else (c,) for c in cast)))  # one use: a tensor each
+
+
+_SHARDED: dict[type, type] = {Experts: ShardedExperts}
+
+
+def sharded_class(cls: type) -> type:
+    """The sharded class of an experts class: ShardedExperts, or for a subclass of Experts (adapters/expert_lora.py's
+    LoRAExperts) a class made once whose weights are ShardedExperts' and whose computation is that subclass's."""
+    if cls not in _SHARDED:
+        _SHARDED[cls] = type(f"Sharded{cls.__name__}", (ShardedExperts, cls), {})
+    return _SHARDED[cls]
 
 
 def fresh_grad_params(model: nn.Module) -> list[nn.Parameter]:
@@ -182,10 +194,10 @@ def regroup_destinations(received: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def apply_expert_parallel(model: nn.Module, mesh, exchange: type[ExpertExchange] = ExpertExchange) -> list[MoE]:
-    """On the meta model (parallelize step 0): each MoE layer's experts are replaced by ShardedExperts whose weights
-    are DTensors sharded over mesh["ep"] along the experts (the layout's expert mesh), and each layer exchanges its
-    rows through the EP group with `exchange` (or its overlapped form, parallel/expert_overlap.py). Returns the MoE
-    layers."""
+    """On the meta model (parallelize step 0): each MoE layer's experts become ShardedExperts (in place) whose
+    weights are DTensors sharded over mesh["ep"] along the experts (the layout's expert mesh), and each layer
+    exchanges its rows through the EP group with `exchange` (or its overlapped form, parallel/expert_overlap.py).
+    Returns the MoE layers."""
     from torch.distributed.tensor import Shard
 
     ep_mesh = mesh["ep"]
@@ -194,12 +206,11 @@ def apply_expert_parallel(model: nn.Module, mesh, exchange: type[ExpertExchange]
     for moe in layers:
         experts = moe.experts
         n = experts.gate_proj.shape[0]
-        sharded = {}
-        for name, p in experts.named_parameters(recurse=False):
+        for name, p in list(experts.named_parameters(recurse=False)):  # every one is stacked [n, ...]
             local = p.detach()[pos * n // ep:(pos + 1) * n // ep]  # meta: a view, no memory
             d = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
-            sharded[name] = nn.Parameter(d, requires_grad=p.requires_grad)
-        moe.experts = ShardedExperts(**sharded).train(experts.training)
+            setattr(experts, name, nn.Parameter(d, requires_grad=p.requires_grad))
+        experts.__class__ = sharded_class(type(experts))  # in place: the module and its names stay
         moe.exchange = exchange(ep_mesh.get_group(), ep, n, pos)
     return layers
 

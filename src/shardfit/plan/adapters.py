@@ -2,11 +2,15 @@
 
   states     the frozen base as stored: the compute dtype's bytes a parameter (bf16 on CUDA), or under
              model.quantize=nf4 NF4_BYTES for each adapted linear weight of the blocks; no fp32 master, gradient or
-             moment for it. The adapters: fp32, fp32 gradients and AdamW's two moments (16 B a parameter), sharded.
+             moment for it. The adapters: fp32, fp32 gradients and AdamW's two moments (16 B a parameter), sharded;
+             MoE experts' adapters (adapters/expert_lora.py: E x r x (in + out) per adapted weight) alike.
   gathered   FSDP gathers the base as stored (no fp32 -> bf16 cast copy) and the adapters cast to the compute dtype;
              it reduce-scatters the adapters' gradients only. QLoRA: one dequantised weight in flight (dequant_bytes).
+             Expert adapters go where their experts go (plan/moe.py: n/E of them under EP; none with E = W, where
+             the computation casts them and writes their fp32 gradients fresh, as it does full fine-tuning's experts).
   activations  the traced block has its adapters (adapt_block): what autograd saves for them, nothing for the base.
-  backward   an adapted MLP's backward holds three more [T, ffn] buffers than a dense one (mlp_extra_width).
+  backward   an adapted MLP's backward holds three more [T, ffn] buffers than a dense one, adapted experts [T*k, 2I]
+             (gate_up) and [T*k, I] (down) more (mlp_extra_width).
 lora_key and quantize are the config's adapter keys as the planner's caches take them (model.quantize read with
 getattr: a shardfit without it plans LoRA alone); every figure is bytes or parameters of one model built on the meta
 device (the estimate's). Design and measurements: docs/memory-plan.md.
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardfit.adapters.expert_lora import GATE_UP, add_expert_adapters, expert_names, expert_targets
 from shardfit.adapters.lora import add_adapter, freeze_base, lora_targets
 from shardfit.config.schema import Config
 
@@ -51,6 +56,7 @@ class Counts:
 
     adapters: int  # trainable adapter parameters, whole model
     block_adapters: tuple[int, ...]  # of each block
+    block_expert_adapters: tuple[int, ...]  # of each block, on its MoE experts (a part of block_adapters)
     base_bytes: int  # the frozen base as stored
     block_base_bytes: tuple[int, ...]  # of each block
     nf4_saving: tuple[int, ...]  # bytes each block's NF4 weights take less than in the compute dtype (0: none)
@@ -89,6 +95,16 @@ def counts(built: nn.Module, lora: tuple, quant: str, element: int) -> Counts:
             mlp = _MLP.match(fqn)
             if mlp:
                 width[i] += cols if mlp.group(2) == "down_proj" else rows
+    expert_adapters = [0] * n_blocks
+    for fqn, mod in expert_targets(built, lora[2]) if lora else []:
+        n, inner, dim = mod.gate_proj.shape  # [E, I, H]
+        i = _block_of(fqn)
+        for w in expert_names(lora[2]):  # A [E, r, in], B [E, out, r]; the backward's extra [T*k, out] buffers
+            in_f, out_f = (dim, 2 * inner) if w == GATE_UP else (inner, dim)
+            shapes += [(i, n, rank * in_f), (i, n, out_f * rank)]
+            expert_adapters[i] += n * rank * (in_f + out_f)
+            width[i] += built.cfg.experts_per_token * (out_f if w == GATE_UP else in_f)
+        block_adapters[i] += expert_adapters[i]
     saving = [0] * n_blocks
     largest = 0
     for fqn, mod in targets if quant == "nf4" else []:
@@ -100,15 +116,18 @@ def counts(built: nn.Module, lora: tuple, quant: str, element: int) -> Counts:
     block_bytes = tuple(n * element - q for n, q in zip(block_params, saving))
     root_bytes = (sum(p.numel() for p in built.parameters()) - sum(block_params)) * element  # never quantized
     head = not lora or any(fqn == "lm_head" for fqn, _ in targets)
-    return Counts(sum(r * c for _, r, c in shapes), tuple(block_adapters), root_bytes + sum(block_bytes),
+    return Counts(sum(r * c for _, r, c in shapes), tuple(block_adapters), tuple(expert_adapters),
+                  root_bytes + sum(block_bytes),
                   block_bytes, tuple(saving), largest, max(width, default=0), head, tuple(shapes))
 
 
-def adapted_block_bytes(c: Counts, gathered_params: tuple[int, ...], element: int) -> tuple[int, ...]:
+def adapted_block_bytes(c: Counts, gathered_params: tuple[int, ...], gathered_adapters: tuple[int, ...],
+                        element: int) -> tuple[int, ...]:
     """Bytes FSDP gathers for each block of a LoRA run: its base as stored (gathered_params: the parameters it
     gathers, expert parallelism's share included; the NF4 weights, never experts, gathered whole as their integer
-    storage, uncast) and its adapters cast to the compute dtype."""
-    return tuple(g * element - s + a * element for g, s, a in zip(gathered_params, c.nf4_saving, c.block_adapters))
+    storage, uncast) and its adapters cast to the compute dtype (gathered_adapters: the experts' by the same
+    share)."""
+    return tuple(g * element - s + a * element for g, s, a in zip(gathered_params, c.nf4_saving, gathered_adapters))
 
 
 def dequant_bytes(c: Counts, element: int, compiled: bool) -> int:
@@ -122,8 +141,9 @@ def backward_extra(c: Counts, tokens: int, element: int) -> int:
     """What an adapted MLP's backward holds beyond a dense one's: the down projection's base and adapter input
     gradients summed into a new buffer (not in place), and the gate and up projections' output gradients scaled by
     alpha/r for their adapters, written by the same fused kernel as the plain ones ([T, ffn] each; Inductor's
-    generated code for the LoRA MLP, docs/memory-plan.md). Attention's adapters add [T, dim]-sized buffers at a
-    point where the MLP's are freed: not counted."""
+    generated code for the LoRA MLP, docs/memory-plan.md). Adapted experts (T*k routed rows): the gradient of
+    gate_up's adapter output [T*k, 2I] (its gate and up halves in one buffer) and down's input gradients summed
+    [T*k, I]. Attention's adapters add [T, dim]-sized buffers at a point where the MLP's are freed: not counted."""
     return tokens * c.mlp_extra_width * element
 
 
@@ -152,4 +172,6 @@ def adapt_block(block: nn.Module, lora: tuple, dtype: torch.dtype) -> None:
     freeze_base(holder, None)
     for _, mod in lora_targets(holder, targets):
         add_adapter(mod, rank, 2.0 * rank, dropout)  # alpha scales values, not shapes: any will do
+    for _, mod in expert_targets(holder, targets):
+        add_expert_adapters(mod, expert_names(targets), rank, 2.0 * rank)
     block.to(dtype)

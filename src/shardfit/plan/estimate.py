@@ -153,18 +153,20 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     keep = cfg.memory.keep_grads and not offloaded
     # experts outside FSDP (E = W) free their gradients after every step whatever keep says (step_overlap.zero_grads)
     # and the backward writes them again as it frees the activations: added below, never idle in FSDP's pool. A LoRA
-    # run's experts are frozen (no adapter): no gradient, and stored in the compute dtype, no cast held or recomputed
+    # run's experts are frozen, stored in the compute dtype (no cast held or recomputed); what trains there is their
+    # adapters, if lora.targets names them (adapters/expert_lora.py), which sit where the experts sit
     experts = moe.expert_params(_meta_model(model_key(m)))
     outside = moe.outside_fsdp_params(experts, par.expert_parallel, world, par.offload)
-    fresh = 0 if t.lora else 4 * outside
+    trained_experts = (t.lora.block_expert_adapters if t.lora else experts)  # parameters that train, per block
+    fresh = 4 * moe.outside_fsdp_params(trained_experts, par.expert_parallel, world, par.offload)
     grads, idle_cache = (sharded_grads - fresh, 0) if keep else (0, sharded_grads - fresh)  # freed: cached (fits)
     unsharded = 0
     accumulating = cfg.train.global_batch > micro_batch * (world // par.sequence_parallel)
     if accumulating:
         if not par.reduce_every_micro_batch:
             # accumulated unsharded in fp32 between micro-batches, on every GPU (EP: a rank's n/E experts; E = W: fresh)
-            unsharded = 4 * (t.params if t.lora else
-                             n_params - sum(experts) + (0 if fresh else sum(experts) // par.expert_parallel))
+            unsharded = 4 * (t.params - sum(trained_experts)
+                             + (0 if fresh else sum(trained_experts) // par.expert_parallel))
         elif not keep:
             grads, idle_cache = sharded_grads - fresh, 0  # live from the first micro-batch on: allocated, not idle
     host = copies = 0
@@ -176,15 +178,16 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # offload=all. LoRA: the base as stored, the adapters cast; only the adapters' gradients are reduced
     gathered = moe.gathered_params(block_params, experts, par.expert_parallel, outside > 0)
     if t.lora:
-        blocks = adapters.adapted_block_bytes(t.lora, gathered, element)
+        adapted = moe.gathered_params(t.block_params, trained_experts, par.expert_parallel, outside > 0)
+        blocks = adapters.adapted_block_bytes(t.lora, gathered, adapted, element)
         root = t.frozen_bytes - sum(t.block_frozen_bytes) + (t.params - sum(t.block_params)) * element
-        fsdp = root + 2 * max(blocks) - 2 * fp8_bytes + 4 * max(t.block_params)
+        fsdp = root + 2 * max(blocks) - 2 * fp8_bytes + 4 * max(adapted)
         fsdp += adapters.dequant_bytes(t.lora, element, comp.compile)  # QLoRA: one weight dequantised at a time
     else:
         big_block = max(gathered)
         fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
     mode = comp.activation_checkpoint
-    fsdp += moe.outside_transient_bytes(experts, cfg, element) if fresh else 0
+    fsdp += moe.outside_transient_bytes(trained_experts, cfg, element) if fresh else 0
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
     per_block = {k: block_activation_bytes(cfg, micro_batch, layer=next(
         i for i in range(m.n_layers) if is_moe_layer(m, i) == k), world=world) for k in kinds}
@@ -192,8 +195,8 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     for i in range(m.n_layers):
         b = per_block[is_moe_layer(m, i)]
         checkpointed = mode == "selective" or (mode == "full" and i % comp.ac_every == 0)
-        acts += b[mode] if checkpointed else b["none"] + (0 if t.lora else moe.held_expert_bytes(
-            experts[i], par.expert_parallel, world, element, par.offload))
+        acts += b[mode] if checkpointed else b["none"] + moe.held_expert_bytes(
+            trained_experts[i], par.expert_parallel, world, element, par.offload)
     # fresh expert gradients replace activations in backward (the larger counts), or stay between micro-batches
     grads += fresh if accumulating else max(0, fresh - acts)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
