@@ -18,11 +18,11 @@ With --parallel.offload=all the host memory each node needs is printed; --host-m
 
 Proposals, printed when the configuration does not fit or always with --propose, cheapest first: fewer checkpointed
 blocks (--compute.ac_blocks; also printed when a configuration with full checkpointing fits with room), expert
-parallelism within a node with the overlapped optimizer step (MoE models), checkpointing and micro-batch, sequence parallelism,
-CPU offload, more GPUs, HSDP with shard groups of whole nodes (--gpus-per-node, default 8). Each is the flags to
-add, re-planned with them; --nproc=N in a proposal is the world size (on several nodes: shardfit train --nproc G
---nnodes N/G). --json prints the plan and the proposals as JSON, every figure in bytes (schema shardfit.plan/1,
-described in src/shardfit/plan/proposals.py).
+parallelism within a node with the overlapped optimizer step (MoE models), checkpointing and micro-batch, sequence
+parallelism, CPU offload, more GPUs, HSDP with shard groups of whole nodes (--gpus-per-node, default 8). Each is the
+flags to add, re-planned with them; --nproc=N in a proposal is the world size (on several nodes: shardfit train
+--nproc G --nnodes N/G). --json prints the plan and the proposals as JSON, every figure in bytes (schema
+shardfit.plan/1, described in src/shardfit/plan/proposals.py).
 """
 
 

@@ -153,48 +153,48 @@ def _gpu_counts(world: int, gpus_per_node: int):
 
 
 def partial_checkpointing(cfg: Config, world: int, gpu_gib: float, gpus_per_node: int = 8) -> Proposal | None:
-    """Full checkpointing that fits with room: the fewest checkpointed blocks at the configured micro-batch that
-    still fit, as compute.ac_blocks = N (the first N blocks; parallel/parallelize.py's checkpointed_blocks), or no
-    checkpointing at all; None when no block can go (or the config does not fit, or its micro-batch is chosen at
-    launch). Searched by bisection: each block left unrecomputed keeps its activations, so the peak only grows as N
-    falls (but for the last block, whose recompute runs at the peak itself: N = L - 1 is never above N = L)."""
+    """At the configured micro-batch, the fewest checkpointed blocks that fit, as compute.ac_blocks = N (the first N
+    blocks; parallel/parallelize.py's checkpointed_blocks), when that saves at least MIN_SAVING of a step's compute
+    against what is configured: full checkpointing that fits with room (then N = 0, no checkpointing, may be the
+    answer), or no or selective checkpointing that does not fit (against checkpointing every block). None otherwise,
+    and when the micro-batch is chosen at launch. Bisection: each block left unrecomputed keeps its activations, so
+    the peak only grows as N falls (but for the last block, whose recompute runs at the peak itself: N = L - 1 is
+    never above N = L, and is not proposed: it saves 1/L of the recompute)."""
     from shardfit.parallel.parallelize import checkpointed_blocks
     from shardfit.plan.estimate import as_rows
 
     comp, L = cfg.compute, cfg.model.n_layers
-    if comp.activation_checkpoint != "full" or not (cfg.train.micro_batch or cfg.train.micro_batch_tokens):
+    if not (cfg.train.micro_batch or cfg.train.micro_batch_tokens) or L < 2:
         return None
-    now = sum(checkpointed_blocks(comp, L))
     budget, device = allocation_budget(gpu_gib * GiB), gpu_gib * GiB
     mb = as_rows(cfg).train.micro_batch
+    full = comp.activation_checkpoint == "full"
+    now = sum(checkpointed_blocks(comp, L)) if full else L  # not full: against checkpointing every block
 
     def changes(n: int) -> dict[str, Any]:
-        ch: dict[str, Any] = ({"compute.activation_checkpoint": "none", "compute.ac_blocks": 0} if n == 0
-                              else {"compute.ac_blocks": n})
-        if comp.ac_every != 1:
-            ch["compute.ac_every"] = 1
+        ch = {"compute.activation_checkpoint": "full" if n else "none", "compute.ac_blocks": n,
+              "compute.ac_every": 1}
         return {k: v for k, v in ch.items() if getattr(comp, k.split(".")[1]) != v}
 
-    def fitting_estimate(n: int) -> Estimate | None:
-        c = apply(cfg, changes(n))
+    def fitting_estimate(c: Config) -> Estimate | None:
         e = estimate(c, world, mb)
         return e if accepted(c, world) and fits(e, budget, device) else None
 
-    lo, hi = 0, min(now, L - 1)  # the answer lies in [lo, hi]; hi fits if the configuration does
-    if not now or fitting_estimate(hi) is None:
+    share = 1 / 2 if cfg.lora.rank else 1 / 3  # a block's recomputed forward against the rest of its work
+    lo = 0 if full else 1  # not full: no checkpointing is the configuration, which does not fit
+    hi = min(L - 1, now - int(-(-MIN_SAVING * L * (1 + share) // share)))  # saves at least MIN_SAVING
+    if hi < lo or (not full and fitting_estimate(cfg) is not None) or fitting_estimate(apply(cfg, changes(hi))) is None:
         return None
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fitting_estimate(mid) is not None else (mid + 1, hi)
-    share = 1 / 2 if cfg.lora.rank else 1 / 3  # a block's recomputed forward against the rest of its work
+        lo, hi = (lo, mid) if fitting_estimate(apply(cfg, changes(mid))) is not None else (mid + 1, hi)
+    e = fitting_estimate(apply(cfg, changes(hi)))
     saved = (now - hi) / L * share / (1 + share)
-    if saved < MIN_SAVING:
-        return None
-    e = fitting_estimate(hi)
-    what = (f"checkpoints the first {hi} of {L} blocks instead of {now}: the other {L - hi} keep their activations"
-            if hi else f"no checkpointing instead of {now} checkpointed blocks: every block keeps its activations")
-    note = (f"{what}; {now - hi} blocks' forward is not run twice, about {saved:.0%} less compute a step at the same "
-            "micro-batch")
+    what = (f"checkpoints the first {hi} of {L} blocks instead of " + (f"{now}" if full else "every block") +
+            f": the other {L - hi} keep their activations" if hi else
+            f"no checkpointing instead of {now} checkpointed blocks: every block keeps its activations")
+    note = (f"{what}; {now - hi} blocks' forward is not run twice, about {saved:.0%} less compute a step at the "
+            f"micro-batch given ({mb})")
     return Proposal("partial_checkpointing", changes(hi), world, False, e, host_per_node(e, world, gpus_per_node),
                     note)
 

@@ -144,8 +144,8 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
     if refused is not None:  # train's own line: every layout printed as fitting is one train accepts
         lines.append(f"  REFUSED by shardfit train: {refused}")
     for mode, best in largest_per_mode(given, world, gpu_gib).items():
-        lines.append(row(mode_label(with_mode(cfg, mode)), best, "  (largest tried: 64; more may fit)" if best and best.micro_batch == 64
-                         else "  (largest that fits)"))
+        lines.append(row(mode_label(with_mode(cfg, mode)), best, "  (largest tried: 64; more may fit)"
+                         if best and best.micro_batch == 64 else "  (largest that fits)"))
     if cfg.parallel.offload != "none":
         lines += ["", host_line(mine, cfg, world, gpus_per_node, host_gib)]
     return "\n".join(lines)
