@@ -20,6 +20,8 @@ of shardfit packed over shardfit padded; masked_vs_unmasked) and, for flat300, t
 Issue 13, CPU offload (SUITES["offload8b"]): Llama-3-8B, seq 4096, parallel.offload=all on one GPU, ~3 min a case
 (--only LABEL runs one: three cases exceed a 10-minute device call).
   python benchmarks/bench_train.py --suite offload8b --nproc 1 --timeout 270 --out offload8b.json
+Issue 23, QLoRA of the 70B shape on one GPU (SUITES["qlora70b"], bitsandbytes installed; device_run.sh's stage):
+  python benchmarks/bench_train.py --suite qlora70b --nproc 1 --timeout 260 --out qlora70b.json    # ~6-8 min
 """
 
 from __future__ import annotations
