@@ -3,8 +3,8 @@ that the runner reads in one sitting; every figure in benchmarks/README.md names
 
 from __future__ import annotations
 
-# name -> list of (kind, label, args). kind "shardfit" takes `shardfit train` overrides; "anchor" takes the
-# anchor script's flags. {nproc} is filled in.
+# name -> list of (kind, label, args[, fallback cases]). kind "shardfit" takes `shardfit train` overrides; "anchor",
+# "peft" and "peft-qlora" take their anchor script's flags (bench_train.py's run_anchor). {nproc} is filled in.
 LLAMA8B_4K = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=14", "--train.warmup_steps=2",
               "--train.lr=1e-4"]
 COMPILED = [*LLAMA8B_4K, "--compute.compile=true"]
@@ -255,6 +255,89 @@ SUITES["offload8b"] = [
 # (parallel/offload.py counts 126 GiB with the pinned allocator's rounding).
 SUITES["offload8b_cap80"] = [(k, label + " cap80", [*args, "--memory.max_fraction=0.565"])
                              for k, label, args in SUITES["offload8b"]]
+
+# Issue 23's QLoRA figure: the Llama-3-70B shape, rank-16 adapters (alpha 32) on the 7 linear layers of every block,
+# seq 4096 rows, ONE GPU, against HF + PEFT + bitsandbytes 4-bit as axolotl runs it (benchmarks/anchor_peft_qlora.py:
+# NF4 with double quantisation, bf16 compute, fp32 adapters, full non-reentrant checkpointing, micro-batch 1).
+# Cases may carry fallback cases (kind, label, args, [fallbacks]): run when the case fails (an OOM at the edge).
+# Memory by shardfit plan (compiled, micro-batch 1): states 39.9 GiB (the NF4 base 35.3, head and embeddings in bf16
+# 3.9, adapters 16 B x 207M), FSDP's buffers 5.2, and per block 1.05 GiB of activations unrecomputed, 0.06 (its input)
+# checkpointed: no checkpointing 130.4 GiB (an H200's budget is 132.3), the first 40 of 80 blocks 90.8, every block
+# 52.4 (an H100's budget is 74.6: the first 60 of 80 blocks 71.1). Six steps a case, the last three measured (a 70B
+# step is ~2-4 s; the model's build, init and compile take the rest). Predictions: benchmarks/notes (session 15).
+QLORA70B = ["--model.name=llama3-70b", "--data.seq_len=4096", "--train.steps=6", "--train.warmup_steps=2",
+            "--train.lr=1e-4", "--compute.compile=true", "--lora.rank=16", "--lora.alpha=32", "--model.quantize=nf4",
+            "--train.micro_batch=1", "--train.global_batch=1"]
+QLORA_ANCHOR = ["--size", "70b", "--seq", "4096", "--steps", "3", "--warmup", "2"]
+
+
+def _qlora_case(first: int | None) -> tuple[str, str, list[str]]:
+    """shardfit on the 70B QLoRA shape: no checkpointing (first None), the first N blocks (compute.ac_blocks), or
+    every block (first 80)."""
+    if first is None:
+        return "shardfit", "shardfit QLoRA compile no-AC mbs1", [*QLORA70B, "--compute.activation_checkpoint=none"]
+    label = "full-AC" if first == 80 else f"AC first {first}/80"
+    return "shardfit", f"shardfit QLoRA compile {label} mbs1", [
+        *QLORA70B, "--compute.activation_checkpoint=full", *([f"--compute.ac_blocks={first}"] if first < 80 else [])]
+
+
+SUITES["qlora70b"] = [  # one H200 (nvidia-h200): the anchor first (the ratio needs it), then shardfit's fastest
+    ("peft-qlora", "HF+PEFT+bnb QLoRA full-AC mbs1", QLORA_ANCHOR),
+    (*_qlora_case(None), [_qlora_case(10)]),  # 130.4 of 132.3 GiB planned; 120.5 for the fallback
+    _qlora_case(80),
+    _qlora_case(40),
+]
+SUITES["qlora70b_h100"] = [  # one H100 (nvidia-h100-x1): no checkpointing does not fit; 60 of 80 blocks does
+    ("peft-qlora", "HF+PEFT+bnb QLoRA full-AC mbs1", QLORA_ANCHOR),
+    (*_qlora_case(60), [_qlora_case(80)]),
+    _qlora_case(80),
+]
+SUITES["qlora_cpu"] = [  # the CPU check of the machinery (bitsandbytes in PYTHONPATH): tiny sizes, not a measurement
+    ("peft-qlora", "HF+PEFT+bnb QLoRA tiny", ["--size", "tiny", "--device", "cpu", "--seq", "64", "--mbs", "2"]),
+    ("shardfit", "shardfit QLoRA tiny no-AC (fails: seq 70000)", ["--lora.rank=16", "--model.quantize=nf4",
+                                                                  "--data.seq_len=70000", "--train.steps=6"],
+     [("shardfit", "shardfit QLoRA tiny AC first 1/2", ["--lora.rank=16", "--model.quantize=nf4", "--data.seq_len=64",
+                                                        "--train.steps=6", "--compute.activation_checkpoint=full",
+                                                        "--compute.ac_blocks=1"])]),
+]
+SUITES["qlora70b_anchors"] = [  # the anchor's variants (module docstring of anchor_peft_qlora.py), one H200
+    ("peft-qlora", "HF+PEFT+bnb QLoRA full-AC mbs1", QLORA_ANCHOR),
+    ("peft-qlora", "HF+PEFT+bnb QLoRA TRL (bf16 adapters) full-AC mbs1", [*QLORA_ANCHOR, "--prep", "trl"]),
+    ("peft-qlora", "HF+PEFT+bnb QLoRA PEFT-guide (fp32 norms, head) full-AC mbs1", [*QLORA_ANCHOR, "--prep", "peft"]),
+    ("peft-qlora", "HF+PEFT+bnb QLoRA full-AC mbs2", [*QLORA_ANCHOR, "--mbs", "2"]),
+]
+
+
+def lora_vs_peft(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """{shardfit label: {"speed": tok/s over the anchor's, "peak_alloc": peak allocated over the anchor's}}."""
+    anchor = next((r for r in rows if r["system"] == "anchor" and r.get("tok_s_gpu")), None)
+    if anchor is None:
+        return {}
+    peak = anchor.get("peak_alloc_GiB")  # 0 on the CPU (RSS is not comparable): no ratio
+    return {r["label"]: {"speed": round(r["tok_s_gpu"] / anchor["tok_s_gpu"], 3),
+                         "peak_alloc": round(r["peak_alloc_GiB"] / peak, 3) if peak else None}
+            for r in rows if r["system"] == "shardfit" and r.get("tok_s_gpu")}
+
+
+def qlora_summary(rows: list[dict]) -> dict:
+    """Issue 23's QLoRA keys: qlora_vs_peft, the best shardfit case's tokens/s over the anchor's (the first anchor
+    row: axolotl's preparation), and qlora_70b_peak_gib, that case's peak allocated; every case's ratios beside."""
+    cases = lora_vs_peft(rows)
+    best = max((r for r in rows if r["system"] == "shardfit" and r.get("tok_s_gpu")), key=lambda r: r["tok_s_gpu"],
+               default=None)
+    out = {"qlora_cases_vs_peft": cases, "qlora_peaks_gib": {r["label"]: r["peak_alloc_GiB"] for r in rows
+                                                              if r.get("peak_alloc_GiB")}}
+    if best is not None:
+        out.update(qlora_best=best["label"], qlora_70b_peak_gib=best["peak_alloc_GiB"])
+        if best["label"] in cases:
+            out["qlora_vs_peft"] = cases[best["label"]]["speed"]
+            out["qlora_target_1.5x"] = out["qlora_vs_peft"] >= 1.5
+    return out
+
+
+# The summary a suite's JSON carries (bench_train.py): issue 23's keys
+SUMMARIES = {"lora8b": lambda rows: {"lora_vs_peft": lora_vs_peft(rows)},
+             **{name: qlora_summary for name in ("qlora70b", "qlora70b_h100", "qlora70b_anchors", "qlora_cpu")}}
 
 # Issue 12: variable-length training. Cases are (kind, label, args[, fallback cases]); kinds "sf" (`shardfit
 # train`, --logging.log_every=1 added) and "anchor-sft" (benchmarks/anchor_sft.py). A case whose run fails (an OOM

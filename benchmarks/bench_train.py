@@ -20,6 +20,8 @@ of shardfit packed over shardfit padded; masked_vs_unmasked) and, for flat300, t
 Issue 13, CPU offload (SUITES["offload8b"]): Llama-3-8B, seq 4096, parallel.offload=all on one GPU, ~3 min a case
 (--only LABEL runs one: three cases exceed a 10-minute device call).
   python benchmarks/bench_train.py --suite offload8b --nproc 1 --timeout 270 --out offload8b.json
+Issue 23, QLoRA of the 70B shape on one GPU (SUITES["qlora70b"], bitsandbytes installed; device_run.sh's stage):
+  python benchmarks/bench_train.py --suite qlora70b --nproc 1 --timeout 260 --out qlora70b.json    # ~6-8 min
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from bench_suites import SUITES, VARLEN_DATA, VARLEN_SUITES, VARLEN_WARM  # noqa: E402  (the suites, apart)
+from bench_suites import SUITES, SUMMARIES, VARLEN_DATA, VARLEN_SUITES, VARLEN_WARM  # noqa: E402  (apart)
 
 
 def _fill(args: list[str], nproc: int) -> list[str]:
@@ -53,16 +55,15 @@ def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
            "shardfit", "train", *args, f"--logging.run_dir={run_dir}", "--logging.log_every=1",
            "--logging.progress=lines", "--checkpoint.final=false", "--checkpoint.resume=none"]
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    out = {"system": "shardfit", "label": label, "nproc": nproc, "wall_s": round(time.time() - t0, 1),
-           "rc": p.returncode, "cmd": "torchrun ... -m shardfit train " + " ".join(args)}
+    rc, stdout, stderr, timed_out, wall = _run_group(cmd, timeout)  # its workers ended with it on a timeout
+    out = {"system": "shardfit", "label": label, "nproc": nproc, "wall_s": round(wall, 1), "rc": rc,
+           "cmd": "torchrun ... -m shardfit train " + " ".join(args)}
     metrics = run_dir / "metrics.jsonl"
     recs = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
     steady = [r for r in recs if r["step"] > min(3, len(recs) - 1)]  # after warm-up; the last step of short runs
-    if p.returncode != 0 or not steady:
-        out["error"] = (p.stderr or p.stdout)[-1500:]
-        out["oom"] = "OutOfMemoryError" in (p.stderr or "")
+    if rc != 0 or not steady:
+        out["error"] = "timeout" if timed_out else (stderr or stdout)[-1500:]
+        out["oom"] = "OutOfMemoryError" in (stderr or "")
         return out
     out["losses"] = [round(r["loss"], 5) for r in recs]
     out.update(tok_s_gpu=round(statistics.median(r["tokens_per_s_per_gpu"] for r in steady)),
@@ -86,25 +87,29 @@ def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:
     return out
 
 
+ONE_GPU_ANCHORS = {"peft": "anchor_peft_lora.py", "peft-qlora": "anchor_peft_qlora.py"}
+
+
 def run_anchor(label: str, args: list[str], nproc: int, anchors: Path, timeout: int, kind: str = "anchor") -> dict:
     """The dense FSDP2 recipe (shared/anchors/plain_fsdp2_llama.py, under torchrun), or with kind "peft" the HF +
-    PEFT LoRA recipe (benchmarks/anchor_peft_lora.py, one process on one GPU, as PEFT users run it)."""
-    if kind == "peft":
-        cmd = [sys.executable, str(ROOT / "benchmarks/anchor_peft_lora.py"), *args]
+    PEFT LoRA recipe (benchmarks/anchor_peft_lora.py, one process on one GPU, as PEFT users run it), "peft-qlora"
+    the same on a bitsandbytes 4-bit base (anchor_peft_qlora.py)."""
+    if kind in ONE_GPU_ANCHORS:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / ONE_GPU_ANCHORS[kind]), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(anchors / "plain_fsdp2_llama.py"), *args, "--steps", "14"]
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    out = {"system": "anchor", "label": label, "nproc": nproc, "wall_s": round(time.time() - t0, 1),
-           "rc": p.returncode, "cmd": " ".join(Path(c).name if i < 2 else c for i, c in enumerate(cmd[1:]))}
-    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    rc, stdout, stderr, timed_out, wall = _run_group(cmd, timeout)
+    out = {"system": "anchor", "label": label, "nproc": nproc, "wall_s": round(wall, 1), "rc": rc,
+           "cmd": " ".join(Path(c).name if i < 2 else c for i, c in enumerate(cmd[1:]))}
+    lines = [x for x in stdout.splitlines() if x.startswith("{")]
     if not lines:
-        out["error"] = (p.stderr or p.stdout)[-1500:]
+        out["error"] = "timeout" if timed_out else (stderr or stdout)[-1500:]
         return out
     r = json.loads(lines[-1])
     out.update(tok_s_gpu=r.get("tok_s_gpu"), mfu=r.get("mfu"), peak_alloc_GiB=r.get("peak_alloc_GiB"),
                peak_reserved_GiB=r.get("peak_reserved_GiB"), retries=r.get("retries"), oom=r.get("oom", False))
+    out.update({k: r[k] for k in ("build_s", "built_GiB", "prep", "adapter_dtype", "final_loss") if k in r})
     return out
 
 
@@ -208,16 +213,6 @@ def steady_summary(recs: list[dict]) -> dict:
         out["phases_s"] = {k: round(statistics.median(r[f"time_{k}_s"] for r in steady), 4)
                            for k in ("forward", "backward", "optimizer", "comm_wait")}
     return out
-
-
-def lora_vs_peft(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """{shardfit label: {"speed": tok/s over the anchor's, "peak_alloc": peak allocated over the anchor's}}."""
-    anchor = next((r for r in rows if r["system"] == "anchor" and r.get("tok_s_gpu")), None)
-    if anchor is None:
-        return {}
-    return {r["label"]: {"speed": round(r["tok_s_gpu"] / anchor["tok_s_gpu"], 3),
-                         "peak_alloc": round(r["peak_alloc_GiB"] / anchor["peak_alloc_GiB"], 3)}
-            for r in rows if r["system"] == "shardfit" and r.get("tok_s_gpu")}
 
 
 def run_shardfit_vl(label: str, args: list[str], nproc: int, timeout: int) -> dict:
@@ -440,18 +435,26 @@ def main() -> int:
     env = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "nproc": a.nproc, "suite": a.suite,
            "alloc_conf_env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
-    rows = []
-    for kind, label, args in SUITES[a.suite]:
+    # SIGTERM (a stage's time cap, device_run.sh) ends the running case's processes; --out, rewritten after each
+    # case, keeps those done. A case that fails is followed by its fallback cases (bench_suites.py).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rows, queue = [], list(SUITES[a.suite])
+    summarize = SUMMARIES.get(a.suite, lambda r: {})
+    while queue:
+        kind, label, args, *fallback = queue.pop(0)
         if a.only and label not in a.only:
             continue
         args = _fill(args, a.nproc)
-        try:
-            row = (run_shardfit(label, args, a.nproc, a.timeout) if kind == "shardfit"
-                   else run_anchor(label, args, a.nproc, Path(a.anchors), a.timeout, kind))
-        except subprocess.TimeoutExpired:
-            row = {"system": kind, "label": label, "nproc": a.nproc, "error": "timeout"}
+        row = (run_shardfit(label, args, a.nproc, a.timeout) if kind == "shardfit"
+               else run_anchor(label, args, a.nproc, Path(a.anchors), a.timeout, kind))
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps({"env": env, "summary": summarize(rows), "rows": rows,
+                                               "complete": False}, indent=1))
+        if fallback and not row.get("tok_s_gpu"):
+            print(f"{label}: failed; running its fallback cases", flush=True)
+            queue[:0] = fallback[0]
     best_anchor = max((r.get("tok_s_gpu") or 0 for r in rows if r["system"] == "anchor"), default=0)
     print(f"\n{env['gpu']} x{a.nproc}, torch {env['torch']}, suite {a.suite}")
     print(f"{'case':34} {'tok/s/gpu':>10} {'MFU':>6} {'alloc':>7} {'resv':>7} {'resv/alloc':>10} {'retry':>5} "
@@ -475,12 +478,11 @@ def main() -> int:
                                    "final": r["losses"][-1]}
             print(f"{r['label']:40} max |diff| {max(d):.4f}, mean |diff| {sum(d) / len(d):.4f}, "
                   f"final {r['losses'][-1]:.4f}")
-    summary = {}
-    if a.suite == "lora8b":  # issue 23's key: each shardfit case against the PEFT anchor of the same call
-        summary["lora_vs_peft"] = lora_vs_peft(rows)
-        print(f"lora_vs_peft: {json.dumps(summary['lora_vs_peft'])}")
+    summary = summarize(rows)  # issue 23's keys (lora8b, qlora70b*): each shardfit case against the anchor
+    for k, v in summary.items():
+        print(f"{k}: {json.dumps(v)}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"env": env, "summary": summary, "rows": rows}, indent=1))
+        Path(a.out).write_text(json.dumps({"env": env, "summary": summary, "rows": rows, "complete": True}, indent=1))
     return 0
 
 

@@ -92,6 +92,16 @@
 #             against HF + PEFT (benchmarks/anchor_peft_lora.py, full AC mbs 4), one GPU (cap LORA_CAP, 420 s)
 #   lora30b   issue 23's MoE part: LoRA r=16, Qwen3-30B-A3B shape, all 48 layers, seq 4096, compiled, full AC,
 #             mbs 2, one GPU: attention + the experts' grouped adapters, then attention alone (cap LORA30B_CAP, 300 s)
+#   qlora70b  issue 23's QLoRA figure: the Llama-3-70B shape, LoRA r=16 on an NF4 base, seq 4096, ONE H200
+#             (nvidia-h200): HF + PEFT + bitsandbytes 4-bit (benchmarks/anchor_peft_qlora.py, axolotl's preparation,
+#             full AC, mbs 1), then shardfit compiled with no AC (falls back to the first 10 blocks checkpointed),
+#             full AC, the first 40 of 80 blocks (cap QLORA_CAP, 540 s: ~60 s the anchor, ~100-150 s a shardfit case
+#             with its build, NF4 init and compile). Carry benchmarks/wheels_bnb (bitsandbytes 0.50.2, 43 MB, its
+#             needs torch, numpy and packaging are on the image); installed into /tmp/site first. JSON summary:
+#             qlora_vs_peft (best shardfit tokens/s over the anchor's), qlora_70b_peak_gib (that case's peak)
+#   qlora70b-h100  the same on one H100 (nvidia-h100-x1): the first 60 blocks checkpointed (falls back to all), all
+#   qlora70b-anchors  the anchor's variants on one H200: axolotl, TRL (bf16 adapters), PEFT's guide (fp32 norms and
+#             head), axolotl at mbs 2
 #   rl-serve4b  the serve comparison at the Qwen3-4B shape (the largest dense full fine-tune one H100 holds, full AC):
 #             in process, then through the SDK (cap 400 s)
 set -u
@@ -225,6 +235,11 @@ for stage in "$@"; do
       python3 -c "import json; print(json.dumps(json.load(open('$OUT/moeprof_summary.json'))['idle'], indent=1))" ;;
     lora8b) env CUDA_VISIBLE_DEVICES=0 timeout ${LORA_CAP:-420} python3 benchmarks/bench_train.py --suite lora8b --nproc 1 --timeout 200 --out "$OUT/lora8b_x1.json" 2>&1 | tail -6 ;;
     lora30b) env CUDA_VISIBLE_DEVICES=0 timeout ${LORA30B_CAP:-300} python3 benchmarks/bench_train.py --suite lora30b --nproc 1 --timeout 145 --out "$OUT/lora30b_x1.json" 2>&1 | tail -5 ;;
+    qlora70b|qlora70b-h100|qlora70b-anchors)
+      [ -d /tmp/site/bitsandbytes ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_bnb/*.whl
+      python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('bitsandbytes', 'peft', 'transformers', 'torch')})"
+      suite=${stage//-/_}
+      env CUDA_VISIBLE_DEVICES=0 timeout ${QLORA_CAP:-540} python3 benchmarks/bench_train.py --suite $suite --nproc 1 --timeout 260 --out "$OUT/${suite}_x1.json" 2>&1 | tee "$OUT/$suite.log" | grep -v '^{' | tail -14 ;;
     rl|rl-dense|rl-moe|rl-serve4b|rl-lora)
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       case $stage in

@@ -17,7 +17,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def test_the_common_cases_are_shipped():
     assert {"llama3-8b-sft-1gpu", "llama3-8b-sft-8gpu", "qwen3-30b-a3b-sft", "llama3-70b-sft",
-            "llama3-8b-long-context", "llama3-8b-fp8-pretrain", "llama3-8b-lora-1gpu"} <= set(RECIPES)
+            "llama3-8b-long-context", "llama3-8b-fp8-pretrain", "llama3-8b-lora-1gpu",
+            "llama3-70b-qlora-1gpu"} <= set(RECIPES)
     text = listing()
     assert all(name in text for name in RECIPES) and "needs: --model.path" in text
     # every recipe says whether it was measured
@@ -142,6 +143,27 @@ def test_lora_recipe_is_the_measured_run_and_fits_one_80_gb_gpu():
         "recipe:llama3-8b-lora-1gpu").read_text()
     full = load_config("recipe:llama3-8b-lora-1gpu", ["--lora.rank=0"])
     assert not fits(estimate(full, 1, 1), allocation_budget(79 * GiB), 79 * GiB)
+
+
+def test_qlora_70b_recipe_fits_one_h200_and_names_what_an_h100_needs():
+    """70B QLoRA on one GPU: the recipe (no checkpointing) fits an H200 with its NF4 base; an H100 does not, and
+    shardfit plan's first proposal there checkpoints the first 57 of the 80 blocks, as its comment says; neither a
+    bf16 base (LoRA) nor full fine-tuning fits the H200."""
+    from shardfit.plan.proposals import proposals
+
+    cfg = load_config("recipe:llama3-70b-qlora-1gpu")
+    text = resolve("recipe:llama3-70b-qlora-1gpu").read_text()
+    assert (cfg.model.quantize, cfg.lora.rank, cfg.compute.activation_checkpoint) == ("nf4", 16, "none")
+    h200 = estimate(cfg, 1, 1)
+    assert fits(h200, allocation_budget(139 * GiB), 139 * GiB) and f"{h200.peak / GiB:.1f} GiB peak" in text
+    assert not fits(estimate(cfg, 1, 1), allocation_budget(79 * GiB), 79 * GiB)
+    first = proposals(cfg, 1, 79)[0][0]
+    assert first.flags == ["--compute.activation_checkpoint=full", "--compute.ac_blocks=57"]
+    assert "the first 57 of the 80" in text and f"({first.estimate.peak / GiB:.1f} GiB)" in text
+    assert " ".join(first.flags) in text
+    for extra in (["--model.quantize=none"], ["--model.quantize=none", "--lora.rank=0"]):
+        other = load_config("recipe:llama3-70b-qlora-1gpu", extra)
+        assert not fits(estimate(other, 1, 1), allocation_budget(139 * GiB), 139 * GiB)
 
 
 def test_recipes_take_the_size_defaults_and_overrides_win():

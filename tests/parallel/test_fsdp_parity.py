@@ -24,11 +24,13 @@ def _train_sharded(rank, world, overrides, run_dir):
 @pytest.mark.parametrize("overrides", [
     [],  # one micro-batch per rank
     ["--train.micro_batch=2", "--compute.activation_checkpoint=full"],  # accumulation 2, full AC
+    ["--train.micro_batch=2", "--compute.activation_checkpoint=full", "--compute.ac_blocks=1"],  # the first block
     ["--train.micro_batch=2", "--compute.activation_checkpoint=selective", "--model.tie_embeddings=false"],
     ["--train.micro_batch=1", "--parallel.prefetch=1", "--parallel.reshard_after_forward=false",
      "--memory.keep_grads=false"],  # accumulation 4, gradients freed between steps
     ["--train.micro_batch=2", "--parallel.reduce_every_micro_batch=false"],  # one reduce-scatter per step
-], ids=["plain", "accum2-fullac", "accum2-selac-untied", "accum4-prefetch-noreshard-freegrads", "accum2-reduce-once"])
+], ids=["plain", "accum2-fullac", "accum2-fullac-first1",
+        "accum2-selac-untied", "accum4-prefetch-noreshard-freegrads", "accum2-reduce-once"])
 def test_two_rank_training_matches_single_process(tmp_path, overrides):
     results = run_ranks(_train_sharded, 2, overrides, str(tmp_path))
     cfg = small_config(*overrides)

@@ -45,7 +45,7 @@ def test_the_adapted_block_saves_the_adapters_tensors_and_nothing_for_frozen_wei
     is no longer kept; the compiled partitioner recomputed it anyway); selective checkpointing keeps every base matmul's
     output and the adapters' [T, r], but not their up-projections' [T, out] (recomputed: parallelize.keeps_output)."""
     base = ["--model.name=llama3-1b", "--data.seq_len=1024"]
-    T, D, ffn, kv, r = 1024, 2048, 8192, 8 * 64, 16
+    T, D, r = 1024, 2048, 16
     for compiled in (False, True):
         args = [*base, f"--compute.compile={str(compiled).lower()}"]
         dense = block_activation_bytes(load_config(None, args), 1)

@@ -16,12 +16,13 @@ the number of GPUs the model is sharded over, all nodes together; --gpu-memory t
 this machine's GPU, else 80). With --compute.compile=true dense blocks are counted as the compiled graph saves them.
 With --parallel.offload=all the host memory each node needs is printed; --host-memory (one node's, GiB) checks it.
 
-Proposals, printed when the configuration does not fit or always with --propose, cheapest first: expert parallelism
-within a node with the overlapped optimizer step (MoE models), checkpointing and micro-batch, sequence parallelism,
-CPU offload, more GPUs, HSDP with shard groups of whole nodes (--gpus-per-node, default 8). Each is the flags to
-add, re-planned with them; --nproc=N in a proposal is the world size (on several nodes: shardfit train --nproc G
---nnodes N/G). --json prints the plan and the proposals as JSON, every figure in bytes (schema shardfit.plan/1,
-described in src/shardfit/plan/proposals.py).
+Proposals, printed when the configuration does not fit or always with --propose, cheapest first: fewer checkpointed
+blocks (--compute.ac_blocks; also printed when a configuration with full checkpointing fits with room), expert
+parallelism within a node with the overlapped optimizer step (MoE models), checkpointing and micro-batch, sequence
+parallelism, CPU offload, more GPUs, HSDP with shard groups of whole nodes (--gpus-per-node, default 8). Each is the
+flags to add, re-planned with them; --nproc=N in a proposal is the world size (on several nodes: shardfit train
+--nproc G --nnodes N/G). --json prints the plan and the proposals as JSON, every figure in bytes (schema
+shardfit.plan/1, described in src/shardfit/plan/proposals.py).
 """
 
 
@@ -41,7 +42,7 @@ def plan(argv: list[str]) -> int:
     host_gib = (gib(opts["--host-memory"], "--host-memory", "give one node's host memory in GiB, e.g. 1900")
                 if "--host-memory" in opts else None)
     from shardfit.config import load_config
-    from shardfit.plan.proposals import accepted, plan_json, proposals, proposals_text
+    from shardfit.plan.proposals import accepted, partial_checkpointing, plan_json, proposals, proposals_text
     from shardfit.plan.table import configured, plan_table
 
     cfg = load_config(opts.get("--config"), rest)
@@ -51,13 +52,17 @@ def plan(argv: list[str]) -> int:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     propose = ("--propose" in switches or not configured(cfg, world, gpu_gib, host_gib, per_node)[1]
                or not accepted(cfg, world))  # e.g. a layout the trainer refuses: counted, with what would fit
-    props, short = proposals(cfg, world, gpu_gib, host_gib, per_node) if propose else ([], [])
+    if propose:
+        props, short = proposals(cfg, world, gpu_gib, host_gib, per_node)
+    else:  # it fits: still say when fewer checkpointed blocks would (less recompute, the same micro-batch)
+        partial = partial_checkpointing(cfg, world, gpu_gib, per_node)
+        props, short = [partial] if partial else [], []
     if "--json" in switches:
         import json
 
         print(json.dumps(plan_json(cfg, world, gpu_gib, host_gib, per_node, props, short), indent=1))
         return 0
     print(plan_table(cfg, world, gpu_gib, host_gib, per_node))
-    if propose:
+    if propose or props:
         print("\n" + proposals_text(props, short, gpu_gib, host_gib))
     return 0

@@ -21,7 +21,9 @@ from shardfit.config.schema import ComputeConfig
 from shardfit.errors import ShardfitError
 
 UNTIL = "0.3"  # the release that drops the old spellings
-RENAMED: dict[str, str] = {f"parallel.{f.name}": f"compute.{f.name}" for f in dataclasses.fields(ComputeConfig)}
+NEW_IN_COMPUTE = frozenset({"ac_blocks"})  # [compute] keys added after the split: never in [parallel]
+RENAMED: dict[str, str] = {f"parallel.{f.name}": f"compute.{f.name}" for f in dataclasses.fields(ComputeConfig)
+                           if f.name not in NEW_IN_COMPUTE}
 # a key whose old meaning is told by its value: (the key those values belong to now, the values)
 MOVED_VALUES: dict[str, tuple[str, frozenset[str]]] = {"data.format": ("data.file_format",
                                                                        frozenset({"jsonl", "parquet"}))}

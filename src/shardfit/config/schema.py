@@ -224,6 +224,9 @@ class ComputeConfig:
 
     activation_checkpoint: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
     ac_every: int = opt(1, "checkpoint every k-th block only (full mode)", gt=0)
+    ac_blocks: int = opt(0, "full mode: checkpoint only the first N blocks (0: every block); the later blocks keep "
+                            "their activations and skip the recompute; with ac_every, every k-th of the first N. "
+                            "shardfit plan proposes the smallest N that fits", ge=0)
     compile: bool = opt(False, "torch.compile each block")
     compile_loss: bool = opt(True, "with compile: also compile the loss's per-chunk softmax and gradient (one fused "
                                    "kernel instead of ~8 passes over an fp32 [loss_chunk, vocab] buffer)")

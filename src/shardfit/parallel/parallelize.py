@@ -83,14 +83,29 @@ def _selective_policy(ctx, op, *args, adapter_rank: int = 0, **kwargs):
     return CheckpointPolicy.MUST_SAVE if keeps_output(op, args, adapter_rank) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: int = 1, adapter_rank: int = 0) -> None:
-    """Replace each chosen block's forward with a non-reentrant checkpointed call (parameter names unchanged).
-    adapter_rank: lora.rank (0: no adapters), whose up-projections selective checkpointing recomputes."""
+def checkpointed_blocks(compute: ComputeConfig, n_blocks: int) -> list[bool]:
+    """Which blocks activation checkpointing wraps (the trainer and shardfit plan both ask here): every block under
+    selective; under full, block i when i % ac_every == 0 and, with ac_blocks = N, i < N. The FIRST N, not the last:
+    at the peak (the end of the forward) every block's saved activations are live whichever are checkpointed, but
+    the first blocks' backward comes last, when the later blocks' activations are freed, so their recompute adds
+    nothing to the peak (plan/estimate.py counts it so)."""
+    mode, every, first = compute.activation_checkpoint, compute.ac_every, compute.ac_blocks
+    return [mode == "selective" or (mode == "full" and i % every == 0 and (not first or i < first))
+            for i in range(n_blocks)]
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: int = 1, first: int = 0,
+                                   adapter_rank: int = 0) -> None:
+    """Replace each chosen block's forward with a non-reentrant checkpointed call (parameter names unchanged); the
+    blocks checkpointed_blocks picks (every: compute.ac_every, first: compute.ac_blocks). adapter_rank: lora.rank
+    (0: no adapters), whose up-projections selective checkpointing recomputes."""
     if mode == "none":
         return
+    chosen = checkpointed_blocks(ComputeConfig(activation_checkpoint=mode, ac_every=every, ac_blocks=first),
+                                 len(blocks))
     policy = functools.partial(_selective_policy, adapter_rank=adapter_rank)
     for i, block in enumerate(blocks):
-        if mode == "full" and i % every:
+        if not chosen[i]:
             continue
         inner = block.forward
         if mode == "selective":
@@ -225,7 +240,7 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
         exchange = {"none": ExpertExchange, "dispatch": OverlappedExpertExchange,
                     "both": FullyOverlappedExpertExchange}[cfg.expert_overlap] if world_size > 1 else LocalExperts
         apply_expert_parallel(model, meshes.expert, exchange)  # 0
-    apply_activation_checkpointing(blocks, compute.activation_checkpoint, compute.ac_every,  # 1
+    apply_activation_checkpointing(blocks, compute.activation_checkpoint, compute.ac_every, compute.ac_blocks,  # 1
                                    config.lora.rank)
     if compute.compile:
         apply_compile(blocks)  # 2

@@ -132,7 +132,7 @@ def adapter_params(cfg: Config) -> tuple[int, int]:
 
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     from shardfit.models.decoder import is_moe_layer
-    from shardfit.parallel.parallelize import check_replicate
+    from shardfit.parallel.parallelize import check_replicate, checkpointed_blocks
 
     check_replicate(cfg.parallel.replicate, world)
     cfg = as_rows(cfg)  # token budgets: micro_batch counts [1, micro_batch_tokens] rows
@@ -191,12 +191,11 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
     per_block = {k: block_activation_bytes(cfg, micro_batch, layer=next(
         i for i in range(m.n_layers) if is_moe_layer(m, i) == k), world=world) for k in kinds}
-    acts = 0
-    for i in range(m.n_layers):
-        b = per_block[is_moe_layer(m, i)]
-        checkpointed = mode == "selective" or (mode == "full" and i % comp.ac_every == 0)
-        acts += b[mode] if checkpointed else b["none"] + moe.held_expert_bytes(
-            trained_experts[i], par.expert_parallel, world, element, par.offload)
+    chosen = checkpointed_blocks(comp, m.n_layers)  # the blocks parallelize checkpoints (ac_every, ac_blocks)
+    saved = [per_block[is_moe_layer(m, i)][mode] if chosen[i] else
+             per_block[is_moe_layer(m, i)]["none"] + moe.held_expert_bytes(
+                 trained_experts[i], par.expert_parallel, world, element, par.offload) for i in range(m.n_layers)]
+    acts = sum(saved)
     # fresh expert gradients replace activations in backward (the larger counts), or stay between micro-batches
     grads += fresh if accumulating else max(0, fresh - acts)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
@@ -207,13 +206,23 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     head = 1 if not t.lora else 2 if t.lora.head_trains else 0  # [V, D] buffers: dW; LoRA's merged weight and dW
     loss = tokens * m.dim * 2 + head * m.vocab_size * m.dim * 2 + comp.loss_chunk * m.vocab_size * per_logit
     # backward of one block: gradients of its input and output, of the gate and up projections' outputs, expert
-    # parallelism's exchange buffers, and under checkpointing the block's recomputed tensors on top; an adapted
-    # MLP's extra buffers (adapters.backward_extra)
-    backward = max(2 * b["block_input"] + b["ffn_grads"] + b["exchange"] + (b["none"] if mode != "none" else 0)
-                   for b in per_block.values())
+    # parallelism's exchange buffers, and a checkpointed block's recomputed tensors on top of what is still saved
+    # then (recompute_on_top); an adapted MLP's extra buffers (adapters.backward_extra)
+    backward = max(2 * b["block_input"] + b["ffn_grads"] + b["exchange"] + recompute_on_top(
+        saved, chosen, [per_block[is_moe_layer(m, i)]["none"] for i in range(m.n_layers)], i) for i, b in
+        ((i, per_block[is_moe_layer(m, i)]) for i in range(m.n_layers)))
     backward += adapters.backward_extra(t.lora, tokens, element) if t.lora else 0
     return Estimate(micro_batch, weights, grads, moments, fsdp, acts, max(loss, backward), offload_copies=copies,
                     idle_cache=idle_cache, host=host)
+
+
+def recompute_on_top(saved: list[int], chosen: list[bool], recomputed: list[int], i: int) -> int:
+    """What block i's backward holds above the end of the forward's activations (the peak's): a checkpointed block
+    recomputes its forward (recomputed[i]) while the blocks before it still hold what they saved and the later ones
+    are freed, so it adds max(0, saved[:i+1] + recomputed[i] - all saved). The last block checkpointed (every block
+    is, by default): all of it on top. Checkpointing only the first N of L blocks (compute.ac_blocks): block N-1
+    recomputes after L-N blocks' activations are freed, nothing on top. An unrecomputed block: 0."""
+    return max(0, sum(saved[:i + 1]) + recomputed[i] - sum(saved)) if chosen[i] else 0
 
 
 def _offloaded(cfg: Config, t: _Trained, shard: int, n_params: int, on_gpu: int, element: int) -> tuple[int, int]:

@@ -1,6 +1,8 @@
 """`shardfit plan` proposals: when a configuration does not fit (or with --propose), configurations that would.
 
-One proposal per kind, in the order of what the user gives up, least first: expert_parallel (MoE models: the
+One proposal per kind, in the order of what the user gives up, least first: partial_checkpointing (a configuration
+with full checkpointing that fits with room: the fewest blocks to checkpoint at its micro-batch, compute.ac_blocks;
+printed even when the configuration fits), expert_parallel (MoE models: the
 experts split within a node, with the overlapped optimizer step), checkpointing (heavier checkpointing or a smaller
 micro-batch), sequence_parallel (Ulysses over the smallest P that fits), offload_all (FSDP2's CPU offload, the
 fewest GPU-kept blocks whose host memory fits --host-memory), lora then qlora (adapters on a frozen base, an NF4 one
@@ -39,9 +41,10 @@ from shardfit.plan.table import MODES, configured, largest_per_mode
 SCHEMA = "shardfit.plan/1"
 MAX_GPUS = 4096  # more_gpus gives up beyond this
 LORA = {"lora.rank": 16, "lora.alpha": 32}  # what the lora and qlora proposals set (docs/lora.md)
+MIN_SAVING = 0.01  # of a step's compute: partial_checkpointing proposes nothing that saves less
 CHECKPOINTING = {"none": "no recomputation", "selective": "selective checkpointing recomputes the elementwise work "
                  "(a few percent more compute)", "full": "full checkpointing recomputes each block's forward in "
-                 "backward (about 1/3 more compute)"}
+                 "backward (about 1/3 more compute; 1/2 under LoRA, whose backward computes no weight gradients)"}
 
 
 @dataclass
@@ -149,6 +152,53 @@ def _gpu_counts(world: int, gpus_per_node: int):
         n += 1
 
 
+def partial_checkpointing(cfg: Config, world: int, gpu_gib: float, gpus_per_node: int = 8) -> Proposal | None:
+    """At the configured micro-batch, the fewest checkpointed blocks that fit, as compute.ac_blocks = N (the first N
+    blocks; parallel/parallelize.py's checkpointed_blocks), when that saves at least MIN_SAVING of a step's compute
+    against what is configured: full checkpointing that fits with room (then N = 0, no checkpointing, may be the
+    answer), or no or selective checkpointing that does not fit (against checkpointing every block). None otherwise,
+    and when the micro-batch is chosen at launch. Bisection: each block left unrecomputed keeps its activations, so
+    the peak only grows as N falls (but for the last block, whose recompute runs at the peak itself: N = L - 1 is
+    never above N = L, and is not proposed: it saves 1/L of the recompute)."""
+    from shardfit.parallel.parallelize import checkpointed_blocks
+    from shardfit.plan.estimate import as_rows
+
+    comp, L = cfg.compute, cfg.model.n_layers
+    if not (cfg.train.micro_batch or cfg.train.micro_batch_tokens) or L < 2:
+        return None
+    budget, device = allocation_budget(gpu_gib * GiB), gpu_gib * GiB
+    mb = as_rows(cfg).train.micro_batch
+    full = comp.activation_checkpoint == "full"
+    now = sum(checkpointed_blocks(comp, L)) if full else L  # not full: against checkpointing every block
+
+    def changes(n: int) -> dict[str, Any]:
+        ch = {"compute.activation_checkpoint": "full" if n else "none", "compute.ac_blocks": n,
+              "compute.ac_every": 1}
+        return {k: v for k, v in ch.items() if getattr(comp, k.split(".")[1]) != v}
+
+    def fitting_estimate(c: Config) -> Estimate | None:
+        e = estimate(c, world, mb)
+        return e if accepted(c, world) and fits(e, budget, device) else None
+
+    share = 1 / 2 if cfg.lora.rank else 1 / 3  # a block's recomputed forward against the rest of its work
+    lo = 0 if full else 1  # not full: no checkpointing is the configuration, which does not fit
+    hi = min(L - 1, now - int(-(-MIN_SAVING * L * (1 + share) // share)))  # saves at least MIN_SAVING
+    if hi < lo or (not full and fitting_estimate(cfg) is not None) or fitting_estimate(apply(cfg, changes(hi))) is None:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fitting_estimate(apply(cfg, changes(mid))) is not None else (mid + 1, hi)
+    e = fitting_estimate(apply(cfg, changes(hi)))
+    saved = (now - hi) / L * share / (1 + share)
+    what = (f"checkpoints the first {hi} of {L} blocks instead of " + (f"{now}" if full else "every block") +
+            f": the other {L - hi} keep their activations" if hi else
+            f"no checkpointing instead of {now} checkpointed blocks: every block keeps its activations")
+    note = (f"{what}; {now - hi} blocks' forward is not run twice, about {saved:.0%} less compute a step at the "
+            f"micro-batch given ({mb})")
+    return Proposal("partial_checkpointing", changes(hi), world, False, e, host_per_node(e, world, gpus_per_node),
+                    note)
+
+
 def adapter_kinds(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
     """The adapter proposals for cfg, in order: LoRA (full fine-tuning as given), then QLoRA (an NF4 base; only on a
     shardfit with model.quantize, and not already quantized); each tried only if the one before does not fit."""
@@ -220,6 +270,9 @@ def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = 
                               _note(kind, ch, e, w, cfg, gpus_per_node)))
         return True
 
+    partial = partial_checkpointing(cfg, world, gpu_gib, gpus_per_node)  # the configuration with room to spare
+    if partial is not None:
+        found.append(partial)
     ep = expert_parallel_degree(cfg, world, gpus_per_node)
     if ep > par.expert_parallel:
         propose("expert_parallel", {"parallel.expert_parallel": ep, "parallel.overlap_optimizer": True})

@@ -36,6 +36,16 @@ def with_mode(cfg: Config, mode: str) -> Config:
     return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, activation_checkpoint=mode))
 
 
+def mode_label(cfg: Config) -> str:
+    """The checkpointing column: the mode, and under full how many of the blocks when not all (ac_blocks, ac_every:
+    "full 57/80")."""
+    from shardfit.parallel.parallelize import checkpointed_blocks
+
+    mode, n = cfg.compute.activation_checkpoint, cfg.model.n_layers
+    k = sum(checkpointed_blocks(cfg.compute, n))
+    return f"{mode} {k}/{n}" if mode == "full" and k < n else mode
+
+
 def with_micro_batch(cfg: Config, micro_batch: int) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=micro_batch))
 
@@ -130,12 +140,12 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
                      f"{gpu_gib - 4.5:.1f} GiB")
     verdict = ("fits" if ok else "DOES NOT FIT" if not fits(mine, budget, gpu_gib * GiB)
                else "DOES NOT FIT the host" if refused is None else "memory counted for comparison")
-    lines.append(row(cfg.compute.activation_checkpoint, mine, f"  <- as configured: {verdict}"))
+    lines.append(row(mode_label(cfg), mine, f"  <- as configured: {verdict}"))
     if refused is not None:  # train's own line: every layout printed as fitting is one train accepts
         lines.append(f"  REFUSED by shardfit train: {refused}")
     for mode, best in largest_per_mode(given, world, gpu_gib).items():
-        lines.append(row(mode, best, "  (largest tried: 64; more may fit)" if best and best.micro_batch == 64
-                         else "  (largest that fits)"))
+        lines.append(row(mode_label(with_mode(cfg, mode)), best, "  (largest tried: 64; more may fit)"
+                         if best and best.micro_batch == 64 else "  (largest that fits)"))
     if cfg.parallel.offload != "none":
         lines += ["", host_line(mine, cfg, world, gpus_per_node, host_gib)]
     return "\n".join(lines)

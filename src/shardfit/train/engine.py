@@ -430,10 +430,11 @@ class Engine:
 
     def save(self, root: Path, config_toml: str, keep: int = 0) -> Path:
         self.finish()
+        # a LoRA run's base, when it came from model.init_from: the step a resume and an export must read again
+        base = str(self.init_from.resolve()) if self.init_from and self.cfg.lora.rank else None
         return save_checkpoint(root, self.step, self.model, self.optimizer,
                                {"skipped": self.skipped, "tokens_seen": self.tokens_seen, "run_id": self.run_id,
-                                "base_from": str(self.init_from.resolve()) if self.init_from and self.cfg.lora.rank else None},
-                               config_toml, self.device, keep=keep)
+                                "base_from": base}, config_toml, self.device, keep=keep)
 
     def refuse_non_finite(self, root: Path, what: str) -> None:
         self.finish()
