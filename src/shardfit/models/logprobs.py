@@ -62,6 +62,11 @@ def _chunk_fns(compiled: bool):
     return _compiled["stats"], _compiled["grad"]
 
 
+# The label of the head's work in a profile (torch.profiler; benchmarks/bench_rl_workers.py's forward profile):
+# a host annotation the kernels launched under it are attributed to (memory/profile_trace.py time_by_region).
+PROFILE_LABEL = "shardfit::logprob_head"
+
+
 class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, with_entropy: bool,
@@ -74,14 +79,15 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         ent = torch.zeros(n if with_entropy else 0, dtype=acc, device=h.device)
         valid = targets >= 0
         stats, _ = _chunk_fns(compiled)
-        for s in range(0, n, chunk):
-            # compiled: the matmul's own logits (bf16 on GPU) go in, converted inside the fused kernels
-            x = h[s:s + chunk] @ weight.t() if compiled else _logits(h[s:s + chunk], weight)  # freed each iteration
-            lse_c, logp_c, ent_c = stats(x, targets[s:s + chunk], valid[s:s + chunk], with_entropy)
-            lse[s:s + chunk] = lse_c
-            logp[s:s + chunk] = logp_c
-            if with_entropy:
-                ent[s:s + chunk] = ent_c
+        with torch.profiler.record_function(PROFILE_LABEL):
+            for s in range(0, n, chunk):
+                # compiled: the matmul's own logits (bf16 on GPU) go in, converted inside the fused kernels
+                x = h[s:s + chunk] @ weight.t() if compiled else _logits(h[s:s + chunk], weight)  # freed each time
+                lse_c, logp_c, ent_c = stats(x, targets[s:s + chunk], valid[s:s + chunk], with_entropy)
+                lse[s:s + chunk] = lse_c
+                logp[s:s + chunk] = logp_c
+                if with_entropy:
+                    ent[s:s + chunk] = ent_c
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.chunk, ctx.with_entropy, ctx.compiled = chunk, with_entropy, compiled
         return logp, ent
@@ -98,16 +104,17 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         if not use_ent:
             g_ent = g_logp.new_zeros(0)
         _, grad_fn = _chunk_fns(ctx.compiled)
-        for s in range(0, h.shape[0], ctx.chunk):
-            hc = h[s:s + ctx.chunk]
-            x = hc @ weight.t() if ctx.compiled else _logits(hc, weight)
-            ge = g_ent[s:s + ctx.chunk] if use_ent else g_ent
-            g = grad_fn(x, lse[s:s + ctx.chunk], targets[s:s + ctx.chunk], g_logp[s:s + ctx.chunk], ge, use_ent,
-                        h.dtype)
-            if want_h:
-                grad_h[s:s + ctx.chunk] = g @ weight
-            if want_w:
-                grad_w.addmm_(g.t(), hc)
+        with torch.profiler.record_function(PROFILE_LABEL):
+            for s in range(0, h.shape[0], ctx.chunk):
+                hc = h[s:s + ctx.chunk]
+                x = hc @ weight.t() if ctx.compiled else _logits(hc, weight)
+                ge = g_ent[s:s + ctx.chunk] if use_ent else g_ent
+                g = grad_fn(x, lse[s:s + ctx.chunk], targets[s:s + ctx.chunk], g_logp[s:s + ctx.chunk], ge,
+                            use_ent, h.dtype)
+                if want_h:
+                    grad_h[s:s + ctx.chunk] = g @ weight
+                if want_w:
+                    grad_w.addmm_(g.t(), hc)
         return grad_h, grad_w, None, None, None, None
 
 
