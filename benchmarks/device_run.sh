@@ -90,6 +90,17 @@
 #             against HF + PEFT (benchmarks/anchor_peft_lora.py, full AC mbs 4), one GPU (cap LORA_CAP, 420 s)
 #   rl-serve4b  the serve comparison at the Qwen3-4B shape (the largest dense full fine-tune one H100 holds, full AC):
 #             in process, then through the SDK (cap 400 s)
+#   rl-8b     issue 24's 8B figures in one call (one H100 or H200, cap RL_CAP, 550 s; parts in this order, each kept
+#             when a later one is cut): the 8B PPO step with LoRA r=16 (full AC) through Engine in process (one timed
+#             forward for the old log-probs, 2 timed steps; ~110 s), the anchor's part D on the same data (PEFT,
+#             pack_flex, 2 steps; ~130 s): rl_lora_fwdbwd_vs_hf; the same step through `shardfit serve --lora.rank=16`
+#             and the tinker SDK (~100 s): serve_vs_inprocess; then the MoE part as `rl` runs it (~120 s), to see
+#             the compiled log-prob head's effect there (the first part the cap cuts)
+#   rl-prof   Engine.forward at the 8B shape (cap 235 s): 2 timed passes now and 2 with session 14's settings (FSDP
+#             gathers at every micro-batch, eager log-prob chunks), then one pass of each under torch.profiler:
+#             GPU time by GEMM, attention, the log-prob head, compiled and eager elementwise, FSDP's cast, copies and
+#             idle ($OUT/rlprof/fwd_{now,s14}_summary.json, traces under 15 MB), then the anchor's C padnm:
+#             rl_fwd_vs_hf of this call
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -217,7 +228,7 @@ for stage in "$@"; do
       t=/tmp/moeprof/profile/step8_rank0.json.gz; [ "$(stat -c %s $t)" -lt 16000000 ] && cp $t "$OUT/moeprof_trace.json.gz"
       python3 -c "import json; print(json.dumps(json.load(open('$OUT/moeprof_summary.json'))['idle'], indent=1))" ;;
     lora8b) env CUDA_VISIBLE_DEVICES=0 timeout ${LORA_CAP:-420} python3 benchmarks/bench_train.py --suite lora8b --nproc 1 --timeout 200 --out "$OUT/lora8b_x1.json" 2>&1 | tail -6 ;;
-    rl|rl-dense|rl-moe|rl-serve4b|rl-lora)
+    rl|rl-dense|rl-moe|rl-serve4b|rl-lora|rl-8b|rl-prof)
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       case $stage in
         rl) parts=dense-fwd,dense-ppo,serve,moe; reps=2; cap=530; more=(--hf-fwd padnm) ;;
@@ -225,8 +236,10 @@ for stage in "$@"; do
         rl-moe) parts=moe; reps=3; cap=330; more=() ;;
         rl-serve4b) parts=serve; reps=3; cap=400; more=(--serve-shape 4b) ;;
         rl-lora) parts=lora-ppo; reps=2; cap=${RL_CAP:-300}; more=() ;;
+        rl-8b) parts=lora-ppo/shardfit,lora-ppo/hf,serve,moe; reps=2; cap=${RL_CAP:-550}; more=(--serve-shape 8b --serve-lora 16 --fwd-reps 1) ;;
+        rl-prof) parts=dense-fwd; reps=2; cap=235; more=(--hf-fwd padnm --prof-out "$OUT/rlprof") ;;
       esac
-      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -30 ;;
+      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
