@@ -236,7 +236,7 @@ for stage in "$@"; do
         rl-moe) parts=moe; reps=3; cap=330; more=() ;;
         rl-serve4b) parts=serve; reps=3; cap=400; more=(--serve-shape 4b) ;;
         rl-lora) parts=lora-ppo; reps=2; cap=${RL_CAP:-300}; more=() ;;
-        rl-8b) parts=lora-ppo/shardfit,lora-ppo/hf,serve,moe; reps=2; cap=${RL_CAP:-550}; more=(--serve-shape 8b --serve-lora 16 --fwd-reps 1) ;;
+        rl-8b) parts=lora-ppo/shardfit,lora-ppo/hf,serve,moe; reps=2; cap=${RL_CAP:-550}; more=(--serve-shape 8b --serve-lora 16 --fwd-reps 1 --hf-fwd padnm) ;;
         rl-prof) parts=dense-fwd; reps=2; cap=235; more=(--hf-fwd padnm --prof-out "$OUT/rlprof") ;;
       esac
       env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -45 ;;
