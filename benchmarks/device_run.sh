@@ -77,7 +77,8 @@
 # fastapi, uvicorn and their dependencies missing on the device, ~15 MB, for Python 3.12; made here by
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
 # manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d benchmarks/wheels_rl NAME==VERSION ...`, the list in
-# bench_rl.py's docstring); each stage installs them into /tmp/site first. RL_PARTS=dense-fwd,... picks parts.
+# bench_rl.py's docstring); each stage installs them into /tmp/site first. RL_PARTS=dense-fwd,... picks parts;
+# RL_EXTRA="--compute.compile_loss=false ..." adds Engine overrides to every shardfit run (in process and serve).
 #   rl        every part in one call, 2 reps each, the anchor's forward in its fastest layout only (padnm; cap 530 s;
 #             a part the budget cannot hold is recorded as skipped): log-prob recompute at the Qwen3-8B shape, PPO
 #             step with full fine-tuning at the 1.7B shape (the anchor's E), the same step through the tinker SDK +
@@ -239,6 +240,7 @@ for stage in "$@"; do
         rl-8b) parts=lora-ppo/shardfit,lora-ppo/hf,serve,moe; reps=2; cap=${RL_CAP:-550}; more=(--serve-shape 8b --serve-lora 16 --fwd-reps 1 --hf-fwd padnm) ;;
         rl-prof) parts=dense-fwd; reps=2; cap=235; more=(--hf-fwd padnm --prof-out "$OUT/rlprof") ;;
       esac
+      [ -n "${RL_EXTRA:-}" ] && more+=(--sf-extra "$RL_EXTRA")  # Engine overrides for every shardfit run of the stage
       env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
