@@ -297,9 +297,15 @@ class Engine:
                 ) -> ForwardBackwardResult:
         """Per-token log-probabilities of every datum's target tokens (and the loss's value), no gradients. On one
         rank the weights are gathered once for the whole call where they fit (gather_once, parallel/gathered.py)."""
-        keep = self.gather_once and self.dist.world_size == 1 and fits_gathered(self.model, self.device)
-        with torch.no_grad(), gathered_for_pass(self.model, keep):
+        with torch.no_grad(), self.gathered_pass():
             return self._datum_pass(datums, loss_fn, loss_fn_config, backward=False)
+
+    def gathered_pass(self):
+        """A context for a no-grad pass of several forward calls (forward's micro-batches, a sampler's decoding
+        steps): on one rank, where they fit half the free memory and gather_once is on, the weights are gathered
+        once for all of them and dropped at its end (parallel/gathered.py); otherwise FSDP's own per-call gathers."""
+        keep = self.gather_once and self.dist.world_size == 1 and fits_gathered(self.model, self.device)
+        return gathered_for_pass(self.model, keep)
 
     def forward_backward(self, datums: list[Datum], loss_fn="cross_entropy", loss_fn_config: dict | None = None
                          ) -> ForwardBackwardResult:
