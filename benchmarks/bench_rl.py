@@ -4,11 +4,18 @@
   python benchmarks/bench_rl.py --out rl.json                     # every part (device_run.sh rl, ~8 min)
   python benchmarks/bench_rl.py --parts moe --out rl_moe.json     # some parts
   python benchmarks/bench_rl.py --cpu-check                       # every part on tiny shapes on CPU (machinery)
+  python benchmarks/bench_rl.py --parts lora-ppo/shardfit,lora-ppo/hf,serve,moe --serve-shape 8b --serve-lora 16
+                                                                  # device_run.sh rl-8b
 
-Parts (each system a fresh process, under a cap cut to what is left of --budget; the JSON is rewritten after each):
+Parts (each system a fresh process, under a cap cut to what is left of --budget; the JSON is rewritten after each),
+run in the order --parts lists them; "part/shardfit" or "part/hf" runs one system of a part:
   dense-fwd  log-prob recompute, Qwen3-8B shape: Engine.forward (fp32 master weights, bf16 compute, compiled blocks)
              against the anchor's part C (bf16 HF model, inference_mode) in layouts --hf-fwd (padnm: its fastest;
-             pad: the HF default with the 2-D mask)
+             pad: the HF default with the 2-D mask). With --prof-out DIR, Engine.forward also with session 14's
+             settings (bench_rl_workers.profile_forward) and one pass of each profiled: GPU time by where it went
+  lora-ppo   the PPO step of the anchor's part D, Qwen3-8B shape with LoRA r=16 alpha 32 on the 7 linear layers of
+             every block and full checkpointing (as the anchor): Engine against PEFT in --hf-ppo layouts
+             (rl_lora_fwdbwd_vs_hf)
   dense-ppo  PPO step with full fine-tuning, Qwen3-1.7B shape: Engine.forward_backward("ppo", token_mean) +
              optim_step against the anchor's part E (fp32 master + bf16 autocast, checkpointing, fused AdamW, clip
              1.0) in --hf-ppo (pack_flex: its fastest). Like with like: the anchor's 8B PPO (part D) is LoRA, and no
@@ -22,16 +29,18 @@ Parts (each system a fresh process, under a cap cut to what is left of --budget;
              twice (GB/s of HF-named full tensors on the GPU) and Engine.export_hf to local disk (GB/s, and with
              os.sync())
   serve      the same PPO step through the official tinker SDK and `shardfit serve` (one rank, loopback) against
-             Engine in process (--serve-shape; the dense-ppo shape reuses that part's in-process figure and
-             inputs). Step time = interval between the SDK's consecutive completed steps (forward_backward and
-             optim_step pipelined, as an RL loop sends them).
+             Engine in process (--serve-shape; --serve-lora 16: `serve --lora.rank=16`, the lora-ppo step; a part
+             run before at the same shape and LoRA rank gives the in-process figure and the inputs). Step time =
+             interval between the SDK's consecutive completed steps (forward_backward and optim_step pipelined, as
+             an RL loop sends them).
 Figures: real tokens/s = the anchor's count (prompt + response tokens, 178,786) over the median of --reps timed
 passes / steps, after one warm-up call over the longest and the shortest sequence (compiles; the anchor warms on its
 largest and last micro-batch). Both sides micro-batch under the same token budget T = the longest sequence rounded
 up to 128 (17,408). shardfit's time includes packing the datums and returning per-datum outputs (the API's work);
 the anchor builds its micro-batches before its clock starts. Peak memory: torch.cuda.max_memory_* of the phase.
-JSON summary: rl_fwd_vs_hf and rl_fwdbwd_vs_hf (dicts by shape: shardfit over the anchor's fastest layout measured),
-*_vs_hf_default (over `pad`), weights_GBps, export_hf_GBps, serve_vs_inprocess (SDK step / in-process step).
+JSON summary: rl_fwd_vs_hf, rl_fwdbwd_vs_hf and rl_lora_fwdbwd_vs_hf (dicts by shape: shardfit over the anchor's
+fastest layout measured), *_vs_hf_default (over `pad`), weights_GBps, export_hf_GBps, serve_vs_inprocess (SDK step /
+in-process step), fwd_variants_real_tok_s and fwd_profile_ms (--prof-out).
 The device lacks the SDK and the server stack: benchmarks/wheels_rl (git-ignored, carried; device_run.sh's rl stages
 install it into /tmp/site) holds, for CPython 3.12 manylinux x86_64 (pip download --no-deps): tinker==0.38.0
 fastapi==0.165.0 uvicorn==0.54.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
@@ -60,9 +69,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rollouts as ro  # noqa: E402
 from bench_moe import why  # noqa: E402
 from bench_rl_workers import SHAPES, TAG, WORKERS, engine_overrides, vocab_of  # noqa: E402
+
+LORA_RANK = 16  # the anchor's part D: LoRA r=16 alpha 32 on all 7 linear layers
 from bench_train import ROOT, _run_group  # noqa: E402  (bench_train's private helpers, on purpose)
 
-CAPS = {"sf": 200, "hf": 200, "sf-moe": 240, "hf-moe": 220, "server": 180, "sdk": 150}
+CAPS = {"sf": 200, "sf-prof": 230, "hf": 200, "sf-moe": 240, "hf-moe": 220, "server": 180, "sdk": 150}
 MIN_START = 0.4  # a run is not started with less than this fraction of its cap left of the budget
 
 
@@ -78,8 +89,9 @@ def lines_of(stdout: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- the parent
 def worker_cmd(a, kind: str, *extra: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--device", a.device, "--scale",
-            str(a.scale), "--reps", str(a.reps), "--anchor", str(a.anchor), "--moe-layers", str(a.moe_layers),
-            "--hf-fwd", a.hf_fwd, "--hf-ppo", a.hf_ppo, "--sf-extra", a.sf_extra, *extra]
+            str(a.scale), "--reps", str(a.reps), "--fwd-reps", str(a.fwd_reps), "--anchor", str(a.anchor),
+            "--moe-layers", str(a.moe_layers), "--hf-fwd", a.hf_fwd, "--hf-ppo", a.hf_ppo, "--sf-extra", a.sf_extra,
+            *extra]
 
 
 def anchor_cmd(a, shape: str, T: int, full: bool, cap: int, lora: bool = False) -> list[str]:
@@ -111,9 +123,11 @@ def run(label: str, cmd: list[str], cap: int, env: dict | None = None) -> dict:
 
 
 def serve(a, shape: str, T: int, cap_start: int, cap_sdk: int, inputs: Path) -> list[dict]:
-    """`shardfit serve` (one rank) in a session of its own, the SDK worker against it, then the server stopped."""
+    """`shardfit serve` (one rank; LoRA of rank --serve-lora) in a session of its own, the SDK worker against it,
+    then the server stopped."""
     run_dir = Path(tempfile.mkdtemp(prefix="rlbench-serve-"))
-    cmd = [sys.executable, "-m", "shardfit", "serve", "--port=0", *engine_overrides(a, shape, T, run_dir / "run")]
+    cmd = [sys.executable, "-m", "shardfit", "serve", "--port=0",
+           *engine_overrides(a, shape, T, run_dir / "run", lora=a.serve_lora)]
     env = {**os.environ, "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
@@ -138,7 +152,8 @@ def serve(a, shape: str, T: int, cap_start: int, cap_sdk: int, inputs: Path) -> 
         if found:
             rows.append(run(f"tinker SDK -> serve {shape}",
                             worker_cmd(a, "sdk", "--shape", shape, "--url", found["url"], "--save-inputs",
-                                       str(inputs)), cap_sdk, env={"TINKER_TELEMETRY": "0"}))
+                                       str(inputs), "--lora", str(a.serve_lora)), cap_sdk,
+                            env={"TINKER_TELEMETRY": "0"}))
         else:
             row["error"] = "no 'listening on' line: " + "".join(log[-8:])[-600:]
     finally:  # the server and its CUDA context go before the next part (or on SIGTERM): its whole session
@@ -174,7 +189,7 @@ def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
     S: dict = {"rl_fwd_vs_hf": {}, "rl_fwdbwd_vs_hf": {}, "rl_fwd_vs_hf_default": {}, "rl_fwdbwd_vs_hf_default": {},
                "same_data": {}, "params": {}}
     keys = {"dense-fwd": f"dense-{a.fwd_shape}", "dense-ppo": f"dense-{a.ppo_shape}-full",
-            "lora-ppo": f"dense-{a.fwd_shape}-lora", "moe": f"moe-{a.moe_layers}L"}
+            "lora-ppo": f"dense-{a.fwd_shape}-lora16", "moe": f"moe-{a.moe_layers}L"}
     for part, key in keys.items():
         sf, hf = _get(rows, part, "shardfit"), _get(rows, part, "hf")
         for line in (x for x in hf if x.get("part") == "A"):
@@ -184,18 +199,18 @@ def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
         hf_params = next((x["params"] for x in hf if x.get("part") in ("B", "E_model")), None)
         if eng:
             S["params"][key] = {"shardfit": eng["params"], "hf": hf_params}
-        for what, hpart, out in (("fwd", "C", "rl_fwd_vs_hf"), ("ppo", "D" if part == "lora-ppo" else "E",
-                                                                 "rl_fwdbwd_vs_hf")):
+        ppo_out = "rl_lora_fwdbwd_vs_hf" if part == "lora-ppo" else "rl_fwdbwd_vs_hf"
+        for what, hpart, out in (("fwd", "C", "rl_fwd_vs_hf"), ("ppo", "D" if part == "lora-ppo" else "E", ppo_out)):
             mine = _sf(sf, what)
             if mine is None or (part == "dense-fwd" and what == "ppo") or (part in ("dense-ppo", "lora-ppo")
                                                                            and what == "fwd"):
                 continue
             best, default = _hf(hf, hpart), _hf(hf, hpart, "pad")
             if best:
-                S[out][key] = round(mine["real_tok_s"] / best["real_tok_s"], 3)
+                S.setdefault(out, {})[key] = round(mine["real_tok_s"] / best["real_tok_s"], 3)
                 S[out + "_layout"] = {**S.get(out + "_layout", {}), key: best["layout"]}
             if default:
-                S[out + "_default"][key] = round(mine["real_tok_s"] / default["real_tok_s"], 3)
+                S.setdefault(out + "_default", {})[key] = round(mine["real_tok_s"] / default["real_tok_s"], 3)
     moe = _get(rows, "moe", "shardfit")
     w = [x for x in moe if x.get(TAG) == "weights"]
     if w:
@@ -203,12 +218,22 @@ def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
     if ex := _sf(moe, "export"):
         S["export_hf_GBps"], S["export_hf_with_sync_GBps"] = ex["GBps"], ex["with_sync_GBps"]
     sdk = _sf(_get(rows, "serve", "sdk"), "sdk-ppo")
-    inproc = _sf(_get(rows, "serve", "shardfit") or _get(rows, "dense-ppo", "shardfit"), "ppo")
-    if sdk and inproc and sdk["shape"] == inproc["shape"]:
+    inproc = _sf(_get(rows, "serve", "shardfit") or _get(rows, "lora-ppo" if a.serve_lora else "dense-ppo",
+                                                         "shardfit"), "ppo")
+    if sdk and inproc and (sdk["shape"], sdk.get("lora", 0)) == (inproc["shape"], inproc.get("lora", 0)):
         S["serve_vs_inprocess"] = round(sdk["step_s"] / inproc["step_s"], 4)
         m = sdk.get("metrics", {})  # the server's own view of the last step: queue wait, fwd/bwd, optimizer
-        S["serve_step_s"] = {"shape": sdk["shape"], "sdk": sdk["step_s"], "in_process": inproc["step_s"],
+        S["serve_step_s"] = {"shape": sdk["shape"], "lora": sdk.get("lora", 0), "sdk": sdk["step_s"],
+                             "in_process": inproc["step_s"], "sdk_times": sdk.get("times_s"),
+                             "in_process_times": inproc.get("times_s"),
                              **{k.split(":")[0]: round(v, 3) for k, v in m.items() if k.startswith("server_")}}
+    fwd = _get(rows, "dense-fwd", "shardfit")
+    variants = {x["variant"]: x["real_tok_s"] for x in fwd if x.get(TAG) == "fwd-variant"}
+    if variants:
+        S["fwd_variants_real_tok_s"] = variants  # Engine.forward now against session 14's settings, same process
+    prof = {x["variant"]: x["table_ms"] for x in fwd if x.get(TAG) == "prof"}
+    if prof:
+        S["fwd_profile_ms"] = prof
     return S
 
 
@@ -219,6 +244,8 @@ def table(rows: list[dict], S: dict) -> None:
             print(f"{row.get('part', ''):<10} {row['label'][:34]:<34} {row.get('skipped') or row.get('error')}"[:150])
         for x in row.get("lines", []):
             kind = x.get(TAG) or (x.get("part") in ("C", "D", "E") and f"{x['part']} {x.get('layout')}")
+            if kind == "fwd-variant":
+                kind = f"fwd {x['variant']}"
             if kind and "real_tok_s" in x:
                 mem = f"{x.get('peak_alloc_GiB', x.get('peak_alloc_gib', '-'))}/" \
                       f"{x.get('peak_reserved_GiB', x.get('peak_resv_gib', '-'))}"
@@ -230,8 +257,14 @@ def table(rows: list[dict], S: dict) -> None:
             elif kind in ("weights", "export"):
                 print(f"{row['part']:<10} {row['label'][:34]:<34} {kind:<16} {x['GB']} GB at {x['GBps']} GB/s"
                       + (f" ({x['with_sync_GBps']} GB/s with os.sync)" if kind == "export" else ""))
+    prof = S.get("fwd_profile_ms", {})
+    if prof:  # the forward's GPU time, by where it went (bench_rl_workers.PROF_ROWS), each variant a column
+        names = list(prof)
+        print(f"\n{'Engine.forward GPU time (ms)':<50}" + "".join(f"{n:>10}" for n in names))
+        for row in prof[names[0]]:
+            print(f"{row:<50}" + "".join(f"{prof[n].get(row, 0):>10.1f}" for n in names))
     for k, v in S.items():  # the ratios first
-        if v not in ({}, None) and k not in ("same_data", "params"):
+        if v not in ({}, None) and k not in ("same_data", "params", "fwd_profile_ms"):
             print(f"{k}: {json.dumps(v)}")
     print(f"same data as the anchor: {json.dumps(S['same_data'])}; parameters: {json.dumps(S['params'])}")
 
@@ -283,50 +316,75 @@ def main_parent(a) -> int:
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "lines"})[:400], flush=True)
         write(False)
 
-    inputs = {s: tmp / f"inputs_{s}.npz" for s in SHAPES}
-    if "dense-fwd" in parts:
-        s = a.fwd_shape
-        go("dense-fwd", "shardfit", f"shardfit Engine.forward {s}", "sf",
-           lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "fwd"))
-        go("dense-fwd", "hf", f"HF anchor C {s} ({a.hf_fwd})", "hf", lambda cap: anchor_cmd(a, s, T, False, cap),
-           anchor_env)
-    if "dense-ppo" in parts:
-        s = a.ppo_shape
-        go("dense-ppo", "shardfit", f"shardfit Engine PPO {s} full FT", "sf",
-           lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--save-inputs", str(inputs[s])))
-        go("dense-ppo", "hf", f"HF anchor E {s} ({a.hf_ppo})", "hf", lambda cap: anchor_cmd(a, s, T, True, cap),
-           anchor_env)
-    if "lora-ppo" in parts:  # issue 23 + 24: the PPO step of the anchor's part D, LoRA r=16 alpha 32, all 7 linears
-        s = a.fwd_shape
-        go("lora-ppo", "shardfit", f"shardfit Engine PPO {s} LoRA r16", "sf",
-           lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--sf-extra",
-                                  f"{a.sf_extra} --lora.rank=16 --lora.alpha=32 "
-                                  "--compute.activation_checkpoint=full"))  # as the anchor: 17k-token rows of 8B
-        go("lora-ppo", "hf", f"HF anchor D {s} PEFT ({a.hf_ppo})", "hf",
-           lambda cap: anchor_cmd(a, s, T, False, cap, lora=True), anchor_env)
-    if "moe" in parts:
-        go("moe", "shardfit", f"shardfit Engine moe{a.moe_layers}", "sf-moe",
-           lambda cap: worker_cmd(a, "sf", "--shape", "moe", "--what", "ppo,weights,export"))
-        go("moe", "hf", f"HF Qwen3Moe moe{a.moe_layers} (grouped_mm)", "hf-moe", lambda cap: worker_cmd(a, "hf-moe"),
-           anchor_env)
-    if "serve" in parts:
-        s = a.serve_shape
-        if not inputs[s].is_file():  # the in-process figure and the PPO inputs of this shape
-            go("serve", "shardfit", f"shardfit Engine PPO {s} in process", "sf",
-               lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--save-inputs", str(inputs[s])))
-        left = a.budget - (time.time() - t0)
-        if not inputs[s].is_file() or left < MIN_START * (CAPS["server"] + CAPS["sdk"]):
-            rows.append({"part": "serve", "system": "sdk", "label": f"tinker SDK -> serve {s}",
-                         "skipped": f"no in-process inputs for {s}" if not inputs[s].is_file() else
-                         f"budget ({left:.0f} s left)"})
+    inputs = {(s, lora): tmp / f"inputs_{s}_lora{lora}.npz" for s in SHAPES for lora in (0, LORA_RANK)}
+
+    def run_part(part: str, only: str) -> None:
+        """One part, both systems (only="") or one ("shardfit", "hf")."""
+
+        def want(system: str) -> bool:
+            return not only or only == system
+
+        if part == "dense-fwd":
+            s = a.fwd_shape
+            what = "fwd,prof" if a.prof_out else "fwd"
+            extra = ("--prof-out", a.prof_out) if a.prof_out else ()
+            if want("shardfit"):
+                go("dense-fwd", "shardfit", f"shardfit Engine.forward {s}", "sf-prof" if a.prof_out else "sf",
+                   lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", what, *extra))
+            if want("hf"):
+                go("dense-fwd", "hf", f"HF anchor C {s} ({a.hf_fwd})", "hf",
+                   lambda cap: anchor_cmd(a, s, T, False, cap), anchor_env)
+        elif part == "dense-ppo":
+            s = a.ppo_shape
+            if want("shardfit"):
+                go("dense-ppo", "shardfit", f"shardfit Engine PPO {s} full FT", "sf",
+                   lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--save-inputs",
+                                          str(inputs[s, 0])))
+            if want("hf"):
+                go("dense-ppo", "hf", f"HF anchor E {s} ({a.hf_ppo})", "hf",
+                   lambda cap: anchor_cmd(a, s, T, True, cap), anchor_env)
+        elif part == "lora-ppo":  # issues 23 + 24: the anchor's part D, LoRA r=16 alpha 32, all 7 linears, full AC
+            s = a.fwd_shape
+            if want("shardfit"):
+                go("lora-ppo", "shardfit", f"shardfit Engine PPO {s} LoRA r{LORA_RANK}", "sf",
+                   lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--lora", str(LORA_RANK),
+                                          "--save-inputs", str(inputs[s, LORA_RANK])))
+            if want("hf"):
+                go("lora-ppo", "hf", f"HF anchor D {s} PEFT ({a.hf_ppo})", "hf",
+                   lambda cap: anchor_cmd(a, s, T, False, cap, lora=True), anchor_env)
+        elif part == "moe":
+            if want("shardfit"):
+                go("moe", "shardfit", f"shardfit Engine moe{a.moe_layers}", "sf-moe",
+                   lambda cap: worker_cmd(a, "sf", "--shape", "moe", "--what", "ppo,weights,export"))
+            if want("hf"):
+                go("moe", "hf", f"HF Qwen3Moe moe{a.moe_layers} (grouped_mm)", "hf-moe",
+                   lambda cap: worker_cmd(a, "hf-moe"), anchor_env)
+        elif part == "serve":
+            s, lora = a.serve_shape, a.serve_lora
+            path = inputs[s, lora]
+            if not path.is_file():  # the in-process figure and the PPO inputs of this shape
+                go("serve", "shardfit", f"shardfit Engine PPO {s} in process", "sf",
+                   lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--lora", str(lora),
+                                          "--save-inputs", str(path)))
+            left = a.budget - (time.time() - t0)
+            if not path.is_file() or left < MIN_START * (CAPS["server"] + CAPS["sdk"]):
+                rows.append({"part": "serve", "system": "sdk", "label": f"tinker SDK -> serve {s}",
+                             "skipped": f"no in-process inputs for {s}" if not path.is_file() else
+                             f"budget ({left:.0f} s left)"})
+            else:
+                srv, *sdk = serve(a, s, T, int(min(CAPS["server"], left / 2)), int(min(CAPS["sdk"], left / 2)),
+                                  path)
+                rows.append({"part": "serve", "system": "server", **srv})
+                rows.extend({"part": "serve", "system": "sdk", **x} for x in sdk)
+            for row in rows[-2:]:
+                print(json.dumps({k: v for k, v in row.items() if k != "lines"})[:400], flush=True)
+            write(False)
         else:
-            srv, *sdk = serve(a, s, T, int(min(CAPS["server"], left / 2)), int(min(CAPS["sdk"], left / 2)),
-                              inputs[s])
-            rows.append({"part": "serve", "system": "server", **srv})
-            rows += [{"part": "serve", "system": "sdk", **x} for x in sdk]
-        for row in rows[-2:]:
-            print(json.dumps({k: v for k, v in row.items() if k != "lines"})[:400], flush=True)
-        write(False)
+            raise SystemExit(f"unknown part {part!r}: dense-fwd, dense-ppo, lora-ppo, moe, serve "
+                             "(each optionally /shardfit or /hf)")
+
+    for spec in parts:  # in the order given: the JSON keeps the parts done when the stage's cap ends a later one
+        run_part(*spec.partition("/")[::2])  # "part": both systems; "part/shardfit" or "part/hf": one of them
     S = write(True)
     shutil.rmtree(tmp, ignore_errors=True)
     table(rows, S)
@@ -339,6 +397,11 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--budget", type=float, default=510.0, help="seconds for all parts (runs capped to what is left)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fwd-reps", type=int, default=0, help="timed forward passes of a PPO part's worker (0: --reps)")
+    ap.add_argument("--serve-lora", type=int, default=0, choices=(0, LORA_RANK),
+                    help="serve LoRA of this rank (the in-process figure then comes from lora-ppo); 0: every parameter")
+    ap.add_argument("--prof-out", default="", help="dense-fwd: also profile Engine.forward (now and with session "
+                                                   "14's settings) into this directory")
     ap.add_argument("--scale", type=float, default=1.0, help="rollout lengths x this (CPU checks)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--anchor", default=None, help="hf_rl_step.py (default: .anchors/, then shared/anchors/)")
@@ -355,6 +418,7 @@ def main() -> int:
     ap.add_argument("--what", default="fwd", help=argparse.SUPPRESS)
     ap.add_argument("--save-inputs", default="", help=argparse.SUPPRESS)
     ap.add_argument("--url", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--lora", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return WORKERS[a.worker](a)

@@ -1,6 +1,7 @@
 """The worker processes of benchmarks/bench_rl.py (issue 24): each prints JSON lines {"rlbench": KIND, ...}.
 
-  sf      shardfit's Engine in process: forward, the PPO step (forward_backward + optim_step), weights(), export_hf
+  sf      shardfit's Engine in process: forward, the PPO step (forward_backward + optim_step), weights(), export_hf,
+          and (prof) the forward now against session 14's settings, timed and profiled (profile_forward)
   hf-moe  transformers' Qwen3MoeForCausalLM through the anchor hf_rl_step.py's own run_forward / run_ppo
   sdk     the PPO step through the official tinker SDK against a running `shardfit serve`
 
@@ -60,8 +61,15 @@ def moe_overrides(layers: int, tiny: bool) -> list[str]:
     return out
 
 
-def engine_overrides(a, shape: str, T: int, run_dir: Path) -> list[str]:
-    """The Engine's config for a shape (`moe` or a SHAPES key): the same list for in-process and `shardfit serve`."""
+def lora_overrides(rank: int) -> list[str]:
+    """LoRA of rank `rank` on the 7 linear layers of every block (alpha 2 x rank), with full checkpointing as the
+    anchor's part D runs it (17k-token rows of the 8B shape do not fit without: 73 GB of activations); none for 0."""
+    return [f"--lora.rank={rank}", f"--lora.alpha={2 * rank}", "--compute.activation_checkpoint=full"] if rank else []
+
+
+def engine_overrides(a, shape: str, T: int, run_dir: Path, lora: int = 0) -> list[str]:
+    """The Engine's config for a shape (`moe` or a SHAPES key), LoRA of rank `lora` (0: every parameter trains): the
+    same list for in-process and `shardfit serve`."""
     gpu = a.device == "cuda"
     ov = moe_overrides(a.moe_layers, not gpu) if shape == "moe" else list(SHAPES[shape])
     ov += [f"--train.micro_batch_tokens={T}", f"--data.seq_len={min(T, 4096)}", f"--model.max_seq_len={max(T, 40960)}",
@@ -70,7 +78,7 @@ def engine_overrides(a, shape: str, T: int, run_dir: Path) -> list[str]:
         ov.append("--compute.compile=true")
         if shape == "moe":
             ov.append("--parallel.overlap_optimizer=true")  # moe1's fastest shardfit case
-    return [*ov, *a.sf_extra.split()]
+    return [*ov, *lora_overrides(lora), *a.sf_extra.split()]
 
 
 def emit(kind: str, **kw) -> None:
@@ -145,15 +153,18 @@ def worker_sf(a) -> int:
     emit("data", **r.summary(), T=T)
     tmp = Path(tempfile.mkdtemp(prefix="rlbench-"))
     t = time.perf_counter()
-    engine = Engine.start(overrides=engine_overrides(a, a.shape, T, tmp / "run"))
+    overrides = engine_overrides(a, a.shape, T, tmp / "run", lora=a.lora)
+    engine = Engine.start(overrides=overrides)
     sync()
-    emit("engine", shape=a.shape, params=engine.n_params, build_s=round(time.perf_counter() - t, 1),
-         overrides=engine_overrides(a, a.shape, T, tmp / "run"), **peaks())
+    emit("engine", shape=a.shape, lora=a.lora, params=engine.n_params, build_s=round(time.perf_counter() - t, 1),
+         overrides=overrides, **peaks())
     fwd = ro.to_datums(r)
     w = warm_idx(r)
-    res, warm_s, times = timed(lambda: engine.forward(fwd), lambda: engine.forward([fwd[i] for i in w]), a.reps,
-                               sync, reset)
-    emit("fwd", shape=a.shape, warm_s=round(warm_s, 1), **rate(r, times), **peaks())
+    res, warm_s, times = timed(lambda: engine.forward(fwd), lambda: engine.forward([fwd[i] for i in w]),
+                               a.fwd_reps or a.reps, sync, reset)
+    emit("fwd", shape=a.shape, lora=a.lora, warm_s=round(warm_s, 1), **rate(r, times), **peaks())
+    if "prof" in what:
+        profile_forward(engine, fwd, r, a, sync, reset, peaks)
     if "ppo" in what:
         old, adv = ro.sampler_inputs(r, ro.response_logprobs(r, res.outputs))
         if a.save_inputs:
@@ -167,7 +178,7 @@ def worker_sf(a) -> int:
             box["opt"] = engine.optim_step(adam)
 
         _, warm_s, times = timed(lambda: step(data), lambda: step([data[i] for i in w]), a.reps, sync, reset)
-        emit("ppo", shape=a.shape, warm_s=round(warm_s, 1), **rate(r, times), **peaks(),
+        emit("ppo", shape=a.shape, lora=a.lora, warm_s=round(warm_s, 1), **rate(r, times), **peaks(),
              metrics={**box["fb"].metrics, **box["opt"]})
     if "weights" in what:
         for rep in range(2):  # the first pass also allocates the buckets' blocks in the caching allocator
@@ -192,6 +203,88 @@ def worker_sf(a) -> int:
              with_sync_GBps=round(n / 1e9 / dts, 2), where=str(out))
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+# The forward's GPU time sorted for issue 24's question (where Engine.forward loses time against the GEMM ceiling):
+# kernels launched under these host labels first (memory/profile_trace.time_by_region), then the rest by kind.
+PROF_REGIONS = [("fsdp", ("FSDP::",)), ("head", ("shardfit::logprob_head",))]
+PROF_ROWS = [  # (table row, region, kernel kinds)
+    ("GEMM (blocks)", "elsewhere", ("matmul",)),
+    ("attention (flex / flash)", "elsewhere", ("attention",)),
+    ("log-prob head: GEMM", "head", ("matmul",)),
+    ("log-prob head: softmax/gather", "head", ("compiled fusion", "other", "copy")),
+    ("compiled elementwise/norm/rope", "elsewhere", ("compiled fusion",)),
+    ("eager elementwise (embedding, casts, rope tables)", "elsewhere", ("other", "optimizer", "communication")),
+    ("FSDP unshard: fp32->bf16 cast + copy", "fsdp", ("other", "copy", "compiled fusion", "matmul")),
+    ("memcpy/memset", "elsewhere", ("copy",)),
+]
+
+
+def forward_profile_table(s: dict) -> dict:
+    """{row: ms} of PROF_ROWS from a summary with "regions_ms", plus the compute stream's idle time (its CPU and
+    other-stream parts) and the span; rows sum to the busy time."""
+    reg = s.get("regions_ms", {})
+    rows = {name: round(sum(reg.get(r, {}).get(k, 0.0) for k in kinds), 1) for name, r, kinds in PROF_ROWS}
+    idle = s.get("idle", {})
+    rows["idle: waiting for the CPU"] = idle.get("cpu_ms", 0.0)
+    rows["idle: waiting on other streams"] = idle.get("other_stream_ms", 0.0)
+    rows["idle: gaps under 5 us"] = round(s.get("compute_idle_ms", 0.0) - rows["idle: waiting for the CPU"]
+                                          - rows["idle: waiting on other streams"], 1)
+    rows["span"] = s.get("span_ms", 0.0)
+    return rows
+
+
+def profile_forward(engine, data: list, r: ro.Rollouts, a, sync, reset, peaks) -> None:
+    """--prof-out DIR: Engine.forward as it is now against session 14's settings (every FSDP group gathered again at
+    each micro-batch, the log-prob chunks eager; what cannot be switched back, the pinned copies of the block mask,
+    stays), --reps timed passes each, then one pass of each under torch.profiler: GPU time by PROF_ROWS, the
+    summary JSON and (under 15 MB compressed) the trace of each into DIR."""
+    import gzip
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardfit.memory.profile_trace import summarize_trace, time_by_region
+
+    out = Path(a.prof_out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = [("now", True, engine.model.loss_compiled), ("s14", False, False)]
+    w = [data[i] for i in warm_idx(r)]  # the longest and the shortest: each variant's first-call costs untimed
+    for name, once, compiled in variants:
+        engine.gather_once = once
+        engine.model.use_compiled_loss(compiled)
+        _, _, times = timed(lambda: engine.forward(data), lambda: engine.forward(w), a.reps, sync, reset)
+        emit("fwd-variant", variant=name, gather_once=once, compiled_head=compiled, **rate(r, times), **peaks())
+    for name, once, compiled in variants:
+        engine.gather_once = once
+        engine.model.use_compiled_loss(compiled)
+        sync()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        t = time.perf_counter()
+        with profile(activities=acts) as prof:
+            engine.forward(data)
+            sync()
+        wall = time.perf_counter() - t
+        raw = out / f"fwd_{name}.json"
+        prof.export_chrome_trace(str(raw))
+        events = json.loads(raw.read_bytes()).get("traceEvents", [])
+        s = summarize_trace(events)
+        s["regions_ms"] = time_by_region(events, PROF_REGIONS)
+        s["table_ms"] = forward_profile_table(s)
+        s["wall_s"] = round(wall, 2)
+        (out / f"fwd_{name}_summary.json").write_text(json.dumps(s, indent=1))
+        gz = out / f"fwd_{name}_trace.json.gz"
+        with gzip.open(gz, "wb") as f:
+            f.write(raw.read_bytes())
+        raw.unlink()
+        if gz.stat().st_size > 15_000_000:  # what comes back from the device is at most 16 MiB a file
+            gz.unlink()
+        emit("prof", variant=name, wall_s=round(wall, 2), table_ms=s.get("table_ms"),
+             compute_kinds_ms=s.get("compute_kinds_ms"), regions_ms=s.get("regions_ms"),
+             host_syncs=s.get("idle", {}).get("host_syncs"), kernels=s.get("kernels"),
+             top_kernels_ms=s.get("top_kernels_ms", [])[:12])
+    engine.gather_once = True
+    engine.model.use_compiled_loss(variants[0][2])
 
 
 def worker_hf_moe(a) -> int:
@@ -289,8 +382,10 @@ def worker_sdk(a) -> int:
     cut = np.cumsum(r.responses)[:-1]
     data = ro.to_tinker(ro.to_datums(r, np.split(saved["old"], cut), np.split(saved["adv"], cut)))
     t = time.perf_counter()
+    # base_model: the server's model.name (the dense shapes set every size over the default); a LoRA server
+    # answers only a client asking its own rank (a full-parameter one any)
     tc = tinker.ServiceClient(base_url=a.url, api_key="tml-local").create_lora_training_client(
-        base_model="tiny", rank=8)  # the server's model.name: the dense shapes set every size over the default
+        base_model="tiny", rank=a.lora or 8)
     emit("sdk-client", s=round(time.perf_counter() - t, 2))
 
     def step(d):
@@ -307,7 +402,7 @@ def worker_sdk(a) -> int:
         now = time.perf_counter()
         times.append(now - last)
         last = now
-    emit("sdk-ppo", shape=a.shape, warm_s=round(warm_s, 1), **rate(r, times),
+    emit("sdk-ppo", shape=a.shape, lora=a.lora, warm_s=round(warm_s, 1), **rate(r, times),
          metrics={**fb.metrics, **op.metrics})
     return 0
 

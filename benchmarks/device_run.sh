@@ -79,7 +79,8 @@
 # fastapi, uvicorn and their dependencies missing on the device, ~15 MB, for Python 3.12; made here by
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
 # manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d benchmarks/wheels_rl NAME==VERSION ...`, the list in
-# bench_rl.py's docstring); each stage installs them into /tmp/site first. RL_PARTS=dense-fwd,... picks parts.
+# bench_rl.py's docstring); each stage installs them into /tmp/site first. RL_PARTS=dense-fwd,... picks parts;
+# RL_EXTRA="--compute.compile_loss=false ..." adds Engine overrides to every shardfit run (in process and serve).
 #   rl        every part in one call, 2 reps each, the anchor's forward in its fastest layout only (padnm; cap 530 s;
 #             a part the budget cannot hold is recorded as skipped): log-prob recompute at the Qwen3-8B shape, PPO
 #             step with full fine-tuning at the 1.7B shape (the anchor's E), the same step through the tinker SDK +
@@ -104,6 +105,17 @@
 #             head), axolotl at mbs 2
 #   rl-serve4b  the serve comparison at the Qwen3-4B shape (the largest dense full fine-tune one H100 holds, full AC):
 #             in process, then through the SDK (cap 400 s)
+#   rl-8b     issue 24's 8B figures in one call (one H100 or H200, cap RL_CAP, 550 s; parts in this order, each kept
+#             when a later one is cut): the 8B PPO step with LoRA r=16 (full AC) through Engine in process (one timed
+#             forward for the old log-probs, 2 timed steps; ~110 s), the anchor's part D on the same data (PEFT,
+#             pack_flex, 2 steps; ~130 s): rl_lora_fwdbwd_vs_hf; the same step through `shardfit serve --lora.rank=16`
+#             and the tinker SDK (~100 s): serve_vs_inprocess; then the MoE part as `rl` runs it (~120 s), to see
+#             the compiled log-prob head's effect there (the first part the cap cuts)
+#   rl-prof   Engine.forward at the 8B shape (cap 235 s): 2 timed passes now and 2 with session 14's settings (FSDP
+#             gathers at every micro-batch, eager log-prob chunks), then one pass of each under torch.profiler:
+#             GPU time by GEMM, attention, the log-prob head, compiled and eager elementwise, FSDP's cast, copies and
+#             idle ($OUT/rlprof/fwd_{now,s14}_summary.json, traces under 15 MB), then the anchor's C padnm:
+#             rl_fwd_vs_hf of this call
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -240,7 +252,7 @@ for stage in "$@"; do
       python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('bitsandbytes', 'peft', 'transformers', 'torch')})"
       suite=${stage//-/_}
       env CUDA_VISIBLE_DEVICES=0 timeout ${QLORA_CAP:-540} python3 benchmarks/bench_train.py --suite $suite --nproc 1 --timeout 260 --out "$OUT/${suite}_x1.json" 2>&1 | tee "$OUT/$suite.log" | grep -v '^{' | tail -14 ;;
-    rl|rl-dense|rl-moe|rl-serve4b|rl-lora)
+    rl|rl-dense|rl-moe|rl-serve4b|rl-lora|rl-8b|rl-prof)
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       case $stage in
         rl) parts=dense-fwd,dense-ppo,serve,moe; reps=2; cap=530; more=(--hf-fwd padnm) ;;
@@ -248,8 +260,11 @@ for stage in "$@"; do
         rl-moe) parts=moe; reps=3; cap=330; more=() ;;
         rl-serve4b) parts=serve; reps=3; cap=400; more=(--serve-shape 4b) ;;
         rl-lora) parts=lora-ppo; reps=2; cap=${RL_CAP:-300}; more=() ;;
+        rl-8b) parts=lora-ppo/shardfit,lora-ppo/hf,serve,moe; reps=2; cap=${RL_CAP:-550}; more=(--serve-shape 8b --serve-lora 16 --fwd-reps 1 --hf-fwd padnm) ;;
+        rl-prof) parts=dense-fwd; reps=2; cap=235; more=(--hf-fwd padnm --prof-out "$OUT/rlprof") ;;
       esac
-      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -30 ;;
+      [ -n "${RL_EXTRA:-}" ] && more+=(--sf-extra "$RL_EXTRA")  # Engine overrides for every shardfit run of the stage
+      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -1,5 +1,6 @@
 """GPU tests of the Engine's RL API: packed token-budget rows with the CUDA document-mask kernels give each datum
-the log-probs of its own unpacked forward, and PPO steps on the GPU train (bf16, compiled blocks)."""
+the log-probs of its own unpacked forward (compiled: the compiled log-prob chunks), gathering the weights once per
+forward call gives them bit for bit, and PPO steps on the GPU train (bf16, compiled blocks)."""
 
 import math
 
@@ -23,7 +24,11 @@ def _run(rank, world, extra):
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 256, n + 1) for n in (50, 7, 33, 20, 64)]
     datums = [make_datum(s[:-1], target_tokens=s[1:]) for s in seqs]
-    packed = engine.forward(datums)
+    packed = engine.forward(datums)  # one rank: the weights gathered (cast to bf16) once for the call
+    engine.gather_once = False
+    per_micro_batch = engine.forward(datums)  # FSDP's own: cast again at every micro-batch
+    engine.gather_once = True
+    same = all(np.array_equal(a["logprobs"], b["logprobs"]) for a, b in zip(packed.outputs, per_micro_batch.outputs))
     gap = 0.0
     with torch.no_grad():
         for s, out in zip(seqs, packed.outputs):  # each datum alone: one document, plain causal attention
@@ -39,12 +44,13 @@ def _run(rank, world, extra):
         res = engine.forward_backward(rl, "ppo", {"normalize": "token_mean"})
         engine.optim_step(AdamParams(learning_rate=3e-3, grad_clip_norm=1.0))
         losses.append(res.metrics["loss:sum"])
-    return {"gap": gap, "losses": losses}
+    return {"gap": gap, "losses": losses, "same_gathered_once": same}
 
 
 @pytest.mark.parametrize("extra", [[], ["--compute.compile=true", "--compute.doc_attention=flex"]])
 def test_packed_logprobs_equal_each_datum_alone_and_ppo_trains(extra):
     r = run_ranks(_run, 1, extra, backend="nccl")[0]
     assert r["gap"] < 0.05, r  # bf16 compute: packed vs alone differ by rounding only
+    assert r["same_gathered_once"]  # gathering once per call changes no bit
     assert all(math.isfinite(x) for x in r["losses"])
     assert r["losses"][-1] < r["losses"][0]  # advantages of 1 everywhere: the log-probs rise, -ratio falls

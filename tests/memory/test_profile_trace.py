@@ -133,3 +133,39 @@ def test_profile_command_explains_a_saved_trace(tmp_path, capsys):
     assert "idle 0 ms (CPU 0, other streams 0" in out and "0.30  exchange" in out
     assert main(["profile", str(path), "--json"]) == 0
     assert _json.loads(capsys.readouterr().out)["idle"]["cpu_ms"] == 0.3
+
+
+def test_time_by_region_follows_the_host_labels_open_at_launch():
+    """A kernel belongs to the first region whose label is open at any depth when the CPU launched it (FSDP's
+    record_function labels sit several operators above the cast's kernel), else to "elsewhere"; kinds within."""
+    from shardfit.memory.profile_trace import time_by_region
+
+    def k(name, ts, dur, corr, stream=7):
+        e = _k(name, ts, dur, stream)
+        e["args"]["correlation"] = corr
+        return e
+
+    def host(name, ts, dur, cat="cpu_op", corr=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 1, "args": {}}
+        if corr is not None:
+            e["args"]["correlation"] = corr
+        return e
+
+    events = [
+        k("void at::native::unrolled_elementwise_kernel<copy>", 0, 40, 1),  # the cast, under FSDP's label
+        k("nvjet_tst_gemm", 40, 300, 2),  # a block's matmul: elsewhere
+        k("nvjet_tst_gemm", 340, 100, 3), k("triton_red_fused_logsumexp_0", 440, 30, 4),  # the head
+        k("ncclDevKernel_AllGather", 0, 10, 5, stream=20),  # another stream: not counted
+        k("void at::native::elementwise_kernel<orphan>", 480, 10, 99),  # no launch in the trace
+        host("FSDP::pre_forward (model.layers.0)", 0, 30, "user_annotation"), host("aten::to", 1, 20),
+        host("aten::_to_copy", 2, 15), host("aten::copy_", 3, 10), host("cudaLaunchKernel", 4, 2, "cuda_runtime", 1),
+        host("aten::mm", 31, 5), host("cudaLaunchKernel", 32, 2, "cuda_runtime", 2),
+        host("shardfit::logprob_head", 40, 50, "user_annotation"), host("aten::mm", 41, 5),
+        host("cudaLaunchKernel", 42, 2, "cuda_runtime", 3), host("cudaLaunchKernel", 50, 2, "cuda_runtime", 4),
+        host("cudaLaunchKernel", 51, 2, "cuda_runtime", 5),
+    ]
+    r = time_by_region(events, [("fsdp", ("FSDP::",)), ("head", ("shardfit::logprob_head",))])
+    assert r == {"elsewhere": {"matmul": 0.3, "other": 0.01, "total": 0.31},
+                 "head": {"matmul": 0.1, "compiled fusion": 0.03, "total": 0.13},
+                 "fsdp": {"other": 0.04, "total": 0.04}}
+    assert time_by_region([events[-1]], []) == {}

@@ -7,6 +7,7 @@ ShardfitError, as the Engine refuses it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,6 +80,9 @@ class FakeEngine:
             total += float(loss.detach())
             outputs.append({"logprobs": lp.detach().numpy().astype(np.float32)})
         return ForwardBackwardResult(outputs, {"loss:sum": total})
+
+    def gathered_pass(self):  # Engine's: the weights gathered once for a sampling request (one rank)
+        return contextlib.nullcontext()
 
     def forward(self, datums, loss_fn="cross_entropy", loss_fn_config=None):
         self.calls.append("forward")

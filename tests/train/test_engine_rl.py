@@ -292,3 +292,65 @@ def test_forward_equals_transformers_on_an_hf_checkpoint(tmp_path, kind):
             ls = torch.log_softmax(hf(torch.tensor(seq[:-1])[None]).logits[0].double(), -1)
         ref = ls.gather(1, torch.tensor(seq[1:])[:, None]).squeeze(1).numpy()
         np.testing.assert_allclose(lp, ref, atol=2e-4)
+
+
+def _gathered_passes(rank, world):
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg
+
+    from shardfit.parallel.gathered import fsdp_groups
+    from shardfit.rl import AdamParams
+
+    engine = _engine()
+    model = _reference_model(engine)
+    datums = _datums(model, [30, 20, 25, 9])  # 84 tokens: three micro-batches of 32
+    gathers = []
+    unshard = pg.FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):
+        if not self.is_unsharded:
+            gathers.append(self)
+        return unshard(self, *args, **kwargs)
+
+    out: dict = {"groups": len(fsdp_groups(engine.model))}
+    pg.FSDPParamGroup.unshard = counted
+    try:
+        for once in (False, True, False):
+            engine.gather_once = once
+            engine.finish()  # nothing gathered before the pass (the last block stays gathered after one without)
+            gathers.clear()
+            res = engine.forward(datums)
+            out.setdefault(str(once), []).append([o["logprobs"].tolist() for o in res.outputs])
+            out[f"gathers {once}"] = len(gathers)
+            out[f"left gathered {once}"] = sum(g.is_unsharded for g in fsdp_groups(engine.model))
+    finally:
+        pg.FSDPParamGroup.unshard = unshard
+    # A no-grad pass leaves the groups built without resharding after forward gathered (gather_once off: FSDP's own
+    # behaviour); the optimizer step must not leave the next pass those copies from before it.
+    engine.gather_once = False
+    engine.forward_backward(datums[:2], "cross_entropy")
+    engine.forward(datums[2:])
+    engine.optim_step(AdamParams(learning_rate=1e-2))
+    after = engine.forward(datums[:1]).outputs[0]["logprobs"]
+    engine.finish()  # every parameter its shard: the current weights
+    fresh = _reference_model(engine)
+    fresh.load_state_dict({n: p.full_tensor() for n, p in engine.model.named_parameters()}, strict=False)
+    with torch.no_grad():
+        ref = _ref_logprobs(fresh, datums[0].tokens, datums[0].inputs["target_tokens"])[0].numpy()
+        before = _ref_logprobs(model, datums[0].tokens, datums[0].inputs["target_tokens"])[0].numpy()
+    out["stale"] = float(np.abs(after - ref).max())
+    out["moved"] = float(np.abs(ref - before).max())
+    return out
+
+
+def test_forward_gathers_once_per_call_and_no_pass_reads_weights_from_before_a_step():
+    """On one rank Engine.forward gathers each FSDP group once per call (not once per micro-batch), with log-probs bit
+    for bit those of FSDP's own per-micro-batch gathers, and leaves nothing gathered; a gathered copy a no-grad pass
+    leaves (FSDP's groups without resharding after forward) is dropped by the optimizer step, not read after it."""
+    r = run_ranks(_gathered_passes, 1)[0]
+    assert r["False"][0] == r["True"][0] == r["False"][1]  # bit for bit (JSON floats round-trip exactly)
+    assert r["gathers True"] == r["groups"] == 3  # root (embedding, tied head, norm), two blocks
+    assert r["gathers False"] > r["gathers True"] and r["gathers False"] >= 2 * 3  # three micro-batches
+    assert r["left gathered True"] == 0
+    assert r["left gathered False"] >= 1  # the last block, as fully_shard(reshard_after_forward=False) leaves it
+    assert r["moved"] > 1e-3  # the step changed the model
+    assert r["stale"] < 1e-5, r

@@ -89,14 +89,14 @@ _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
 _RUNTIME = ("cuda_runtime", "cuda_driver")
 
 
-def _launch_context(events: list[dict]) -> dict[int, str]:
-    """correlation id -> "outer > inner" names of the (at most 3 innermost) host operators or annotations open on the
-    launching thread when the CPU launched it: one sweep per thread with a stack of open events."""
+def _launch_stacks(events: list[dict]) -> dict[int, tuple[list[str], str]]:
+    """correlation id -> (names of every host operator or annotation open on the launching thread when the CPU
+    launched it, outermost first; the runtime call's own name): one sweep per thread with a stack of open events."""
     by_tid: dict[object, list[dict]] = defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", *_RUNTIME):
             by_tid[(e.get("pid"), e.get("tid"))].append(e)
-    out: dict[int, str] = {}
+    out: dict[int, tuple[list[str], str]] = {}
     for evs in by_tid.values():
         stack: list[dict] = []
         for e in sorted(evs, key=lambda e: (e["ts"], -e["dur"])):
@@ -104,10 +104,16 @@ def _launch_context(events: list[dict]) -> dict[int, str]:
                 stack.pop()
             if e["cat"] in _RUNTIME:
                 if "correlation" in e.get("args", {}):
-                    out[e["args"]["correlation"]] = " > ".join(x["name"][:60] for x in stack[-3:]) or e["name"]
+                    out[e["args"]["correlation"]] = ([x["name"] for x in stack], e["name"])
             else:
                 stack.append(e)
     return out
+
+
+def _launch_context(events: list[dict]) -> dict[int, str]:
+    """correlation id -> "outer > inner" names of the (at most 3 innermost) host operators or annotations open on the
+    launching thread when the CPU launched it."""
+    return {c: " > ".join(x[:60] for x in names[-3:]) or call for c, (names, call) in _launch_stacks(events).items()}
 
 
 def _launches(events: list[dict]) -> dict[int, dict]:
@@ -204,6 +210,32 @@ def summarize_trace(events: list[dict]) -> dict:
         "idle": explain_idle(events, on_compute, launches),
         "phases": phase_split(events, on_compute, launches),
     }
+
+
+def time_by_region(events: list[dict], regions: list[tuple[str, tuple[str, ...]]]) -> dict[str, dict[str, float]]:
+    """The compute stream's kernel time (ms; the stream summarize_trace picks) by region, then by kernel kind. A
+    kernel is in the first region one of whose name prefixes begins a host operator or annotation open, at any depth,
+    on the thread that launched it (record_function labels such as FSDP's "FSDP::pre_forward (...)"); else in
+    "elsewhere". Each region also has its "total"; kernels whose launch the trace lacks are "elsewhere"."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in _GPU_CATS]
+    if not gpu:
+        return {}
+    by_stream: dict[object, float] = defaultdict(float)
+    for e in gpu:
+        by_stream[e.get("args", {}).get("stream", e.get("tid"))] += e["dur"]
+    compute = max(by_stream, key=by_stream.get)
+    stacks = _launch_stacks(events)
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e in gpu:
+        if e.get("args", {}).get("stream", e.get("tid")) != compute:
+            continue
+        names = stacks.get(e.get("args", {}).get("correlation"), ([], ""))[0]
+        region = next((label for label, prefixes in regions
+                       if any(n.startswith(prefixes) for n in names)), "elsewhere")
+        out[region][kernel_kind(e["name"], e["cat"])] += e["dur"]
+    return {r: {**{k: round(v * 1e-3, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                "total": round(sum(kinds.values()) * 1e-3, 2)}
+            for r, kinds in sorted(out.items(), key=lambda kv: -sum(kv[1].values()))}
 
 
 def format_summary(step: int, s: dict) -> str:

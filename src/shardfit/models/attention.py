@@ -63,7 +63,7 @@ class DocumentMask:
             per_row = doc[:, -1] + 1
             lengths = torch.bincount((doc + (per_row.cumsum(0) - per_row)[:, None]).flatten())
             cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-            return DocumentMask("varlen", cu_seqlens=cu.to(device, non_blocking=True), max_seqlen=int(lengths.max()))
+            return DocumentMask("varlen", cu_seqlens=to_device(cu, device), max_seqlen=int(lengths.max()))
         if kernel == "flex":
             return DocumentMask("flex", block_mask=document_block_mask(doc, device))
         doc = doc.to(device)
@@ -130,10 +130,20 @@ def document_block_mask(doc: torch.Tensor, device: torch.device):
         block's key blocks in ascending order, then the unlisted ones (a stable sort of the row, True first)."""
         order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
         count = blocks.sum(-1, dtype=torch.int32)
-        return count[:, None].to(device), order.to(torch.int32)[:, None].to(device)
+        return to_device(count[:, None], device), to_device(order.to(torch.int32)[:, None], device)
 
     return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=_same_document_causal(doc.to(device)), seq_lengths=(S, S))
+                                    mask_mod=_same_document_causal(to_device(doc, device)), seq_lengths=(S, S))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a host sync. A plain .to(cuda) synchronises the stream (PyTorch waits for
+    the copy, i.e. for every kernel queued before it): the five copies of each document block mask made the host wait
+    for the previous micro-batch and the GPU then wait for the host. Copied through pinned memory (PyTorch's caching
+    host allocator: it keeps the block until the copy is done), the copy is queued like a kernel."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def document_block_mask_reference(doc: torch.Tensor, device: torch.device):

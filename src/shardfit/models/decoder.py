@@ -237,7 +237,7 @@ class OutputHead(nn.Linear):
         if labels is None:
             return F.linear(h, weight, self.bias)  # logits [..., V]
         if logprobs:  # per-token log-probs of the labels (and entropies): (logp [N], entropy [N] or None)
-            return fused_linear_logprobs(h, weight, labels, chunk, entropy)
+            return fused_linear_logprobs(h, weight, labels, chunk, entropy, compiled=compiled)
         return fused_linear_cross_entropy(h, weight, labels, chunk, impl=impl, compiled=compiled)
 
 
@@ -265,8 +265,8 @@ class CausalLM(nn.Module):
         if labels is None:
             return self.lm_head(h)  # logits [B, S, V]
         if logprobs:
-            logp, ent = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, logprobs=True,
-                                     entropy=entropy)
+            logp, ent = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, compiled=self.loss_compiled,
+                                     logprobs=True, entropy=entropy)
             return logp, ent  # [B x S] each: flat (a view returned through FSDP would drop its backward hook)
         # Sum over labels != -100; the trainer divides by the global token count once per step.
         loss = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, self.loss_impl, self.loss_compiled)
@@ -280,8 +280,9 @@ class CausalLM(nn.Module):
         return loss
 
     def use_compiled_loss(self, compiled: bool = True) -> None:
-        """Run the loss's per-chunk softmax and gradient through torch.compile (compute.compile_loss, set by
-        parallelize's compile step before the first forward); its matmuls stay eager either way."""
+        """Run the loss's per-chunk softmax and gradient (the cross-entropy's and the RL log-probs') through
+        torch.compile (compute.compile_loss, set by parallelize's compile step before the first forward); its matmuls
+        stay eager either way."""
         self.loss_compiled = compiled
 
     @torch.no_grad()

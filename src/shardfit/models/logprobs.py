@@ -20,9 +20,57 @@ def _logits(hc: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hc @ weight.t()).to(torch.promote_types(hc.dtype, torch.float32))
 
 
+def _chunk_stats(x: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, with_entropy: bool):
+    """(log-sum-exp, log-prob of the target (0 where not valid), entropy or an empty tensor) of one chunk of logits
+    x [c, V], in fp32 (or wider): x is converted here (a no-op for the eager path's fp32 logits)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    logp = (picked - lse) * valid
+    ent = lse - (x.sub(lse[:, None]).exp_() * x).sum(-1) if with_entropy else lse.new_zeros(0)
+    return lse, logp, ent
+
+
+def _chunk_grad(x: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, gl: torch.Tensor, ge: torch.Tensor,
+                use_ent: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """d(sum gl * logp + ge * entropy) / d(logits) of one chunk of logits x [c, V], in out_dtype. The eager path
+    passes fp32 logits (a temporary: turned into the log-softmax in place)."""
+    logp_all = x.to(torch.promote_types(x.dtype, torch.float32)).sub_(lse[:, None])  # log softmax
+    p = logp_all.exp()
+    g = p * -gl[:, None]  # -g * p
+    g.scatter_add_(1, targets.clamp(min=0)[:, None], gl[:, None])  # + g * onehot
+    if use_ent:
+        H = -(p * logp_all).sum(-1)
+        g -= ge[:, None] * p * (logp_all + H[:, None])
+    return g.to(out_dtype)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _chunk_fns(compiled: bool):
+    """(stats, grad) per chunk: eager, or through torch.compile (compute.compile with compute.compile_loss, as the
+    cross-entropy's chunks in loss.py): Inductor then reads each chunk's bf16 logits in two or three fused passes
+    (max, sum of exp, the target's entry; backward one pass writing the bf16 gradient) instead of ~8 passes over an
+    fp32 copy. One compiled function each per process; chunk shapes are static (a last short chunk, or entropy on or
+    off, is another specialisation)."""
+    if not compiled:
+        return _chunk_stats, _chunk_grad
+    if not _compiled:
+        _compiled["stats"] = torch.compile(_chunk_stats, dynamic=False)
+        _compiled["grad"] = torch.compile(_chunk_grad, dynamic=False)
+    return _compiled["stats"], _compiled["grad"]
+
+
+# The label of the head's work in a profile (torch.profiler; benchmarks/bench_rl_workers.py's forward profile):
+# a host annotation the kernels launched under it are attributed to (memory/profile_trace.py time_by_region).
+PROFILE_LABEL = "shardfit::logprob_head"
+
+
 class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, with_entropy: bool):
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, with_entropy: bool,
+                compiled: bool):
         # h [N, D], weight [V, D], targets [N] (negative: no target; its log-prob is reported as 0)
         acc = torch.promote_types(h.dtype, torch.float32)
         n = h.shape[0]
@@ -30,16 +78,18 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         lse = torch.empty(n, dtype=acc, device=h.device)
         ent = torch.zeros(n if with_entropy else 0, dtype=acc, device=h.device)
         valid = targets >= 0
-        for s in range(0, n, chunk):
-            x = _logits(h[s:s + chunk], weight)  # [c, V], freed at the end of the iteration
-            lse_c = torch.logsumexp(x, dim=-1)
-            lse[s:s + chunk] = lse_c
-            picked = x.gather(1, targets[s:s + chunk].clamp(min=0)[:, None]).squeeze(1)
-            logp[s:s + chunk] = (picked - lse_c) * valid[s:s + chunk]
-            if with_entropy:
-                ent[s:s + chunk] = lse_c - (x.sub(lse_c[:, None]).exp_() * x).sum(-1)
+        stats, _ = _chunk_fns(compiled)
+        with torch.profiler.record_function(PROFILE_LABEL):
+            for s in range(0, n, chunk):
+                # compiled: the matmul's own logits (bf16 on GPU) go in, converted inside the fused kernels
+                x = h[s:s + chunk] @ weight.t() if compiled else _logits(h[s:s + chunk], weight)  # freed each time
+                lse_c, logp_c, ent_c = stats(x, targets[s:s + chunk], valid[s:s + chunk], with_entropy)
+                lse[s:s + chunk] = lse_c
+                logp[s:s + chunk] = logp_c
+                if with_entropy:
+                    ent[s:s + chunk] = ent_c
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.chunk, ctx.with_entropy = chunk, with_entropy
+        ctx.chunk, ctx.with_entropy, ctx.compiled = chunk, with_entropy, compiled
         return logp, ent
 
     @staticmethod
@@ -51,28 +101,27 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         valid = targets >= 0
         g_logp = g_logp * valid if g_logp is not None else torch.zeros_like(lse)
         use_ent = ctx.with_entropy and g_ent is not None and g_ent.numel() > 0
-        for s in range(0, h.shape[0], ctx.chunk):
-            hc = h[s:s + ctx.chunk]
-            x = _logits(hc, weight)
-            logp_all = x.sub_(lse[s:s + ctx.chunk, None])  # log softmax, in place of the logits
-            p = logp_all.exp()
-            gl = g_logp[s:s + ctx.chunk]
-            g = p * -gl[:, None]  # -g * p
-            g.scatter_add_(1, targets[s:s + ctx.chunk].clamp(min=0)[:, None], gl[:, None])  # + g * onehot
-            if use_ent:
-                H = -(p * logp_all).sum(-1)
-                g -= g_ent[s:s + ctx.chunk, None] * p * (logp_all + H[:, None])
-            g = g.to(h.dtype)
-            if want_h:
-                grad_h[s:s + ctx.chunk] = g @ weight
-            if want_w:
-                grad_w.addmm_(g.t(), hc)
-        return grad_h, grad_w, None, None, None
+        if not use_ent:
+            g_ent = g_logp.new_zeros(0)
+        _, grad_fn = _chunk_fns(ctx.compiled)
+        with torch.profiler.record_function(PROFILE_LABEL):
+            for s in range(0, h.shape[0], ctx.chunk):
+                hc = h[s:s + ctx.chunk]
+                x = hc @ weight.t() if ctx.compiled else _logits(hc, weight)
+                ge = g_ent[s:s + ctx.chunk] if use_ent else g_ent
+                g = grad_fn(x, lse[s:s + ctx.chunk], targets[s:s + ctx.chunk], g_logp[s:s + ctx.chunk], ge,
+                            use_ent, h.dtype)
+                if want_h:
+                    grad_h[s:s + ctx.chunk] = g @ weight
+                if want_w:
+                    grad_w.addmm_(g.t(), hc)
+        return grad_h, grad_w, None, None, None, None
 
 
 def fused_linear_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024,
-                          entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          entropy: bool = False, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(h @ weight.T)[t, targets[t]] for every token ([N], fp32; 0 where targets[t] < 0), and with
-    `entropy` the entropy of each token's distribution ([N], fp32), both differentiable."""
-    logp, ent = _FusedLinearLogprobs.apply(h, weight, targets, chunk, entropy)
+    `entropy` the entropy of each token's distribution ([N], fp32), both differentiable. `compiled`: each chunk's
+    softmax statistics and gradient through torch.compile (the matmuls stay cuBLAS calls)."""
+    logp, ent = _FusedLinearLogprobs.apply(h, weight, targets, chunk, entropy, compiled)
     return logp, (ent if entropy else None)

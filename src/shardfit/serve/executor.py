@@ -124,7 +124,8 @@ class Executor:
         e = self.engine
         dtype = mixed_precision(e.cfg.compute, e.dist.device).param_dtype or torch.float32
         t0 = time.perf_counter()
-        seqs, prompt_lp = sample(e.model, args, dtype, e.dist.device, e.dist.rank, e.dist.world_size,
-                                 self.tokenizer)
+        with e.gathered_pass():  # one rank: the weights cast once for the request, not at every decoding step
+            seqs, prompt_lp = sample(e.model, args, dtype, e.dist.device, e.dist.rank, e.dist.world_size,
+                                     self.tokenizer)
         took = time.perf_counter() - t0
         return Result(proto=encode_sample(seqs, prompt_lp) if self.rank == 0 else None), {"sample": took}

@@ -33,10 +33,11 @@ from shardfit.adapters.lora import lora_summary
 from shardfit.config import Config
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
-from shardfit.models.attention import DocumentMask, choose_doc_kernel
+from shardfit.models.attention import DocumentMask, choose_doc_kernel, to_device
 from shardfit.models.loss import liger_available
 from shardfit.parallel import DistInfo, all_gather_rows, parallelize
 from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
+from shardfit.parallel.gathered import drop_gathered, fits_gathered, gathered_for_pass
 from shardfit.parallel.offload import grad_sq_norm
 from shardfit.parallel.step_overlap import local_tensor
 from shardfit.parallel.step_runner import build_step_runner
@@ -127,6 +128,9 @@ class Engine:
         # called with (step, i, count) before micro-batch i, and with i = count before the stats collective:
         # progress display and the watchdog's beat
         self.on_micro_batch: Callable[[int, int, int], None] | None = None
+        # forward() on one rank gathers (casts) the weights once per call instead of once per micro-batch where they
+        # fit half the free memory (parallel/gathered.py); False: once per micro-batch, as FSDP does by itself
+        self.gather_once = True
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.compute.loss_chunk)
         model.loss_impl = choose_loss_kernel(cfg.compute.kernels, self.device)
@@ -272,6 +276,7 @@ class Engine:
 
     def _update(self, scale: float, grad_norm: float, clip: float) -> None:
         """Launch the optimizer on gradients x scale x (clip coefficient)."""
+        drop_gathered(self.model)  # a no-grad pass's gathered copies would outlive the step stale (parallel/gathered)
         coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
         if self.optimizer.defaults.get("fused"):
             # Fused AdamW divides each gradient by grad_scale as it reads it: no pass of its own over the
@@ -286,15 +291,25 @@ class Engine:
         refresh_fp8_scales(self.model, self.cfg.compute)
 
     def finish(self) -> None:
-        """Wait for a launched overlapped step: parameters and optimizer are then those after the last optim_step."""
+        """Wait for a launched overlapped step: parameters and optimizer are then those after the last optim_step,
+        and every parameter is its shard again (no gathered copy left by a no-grad pass)."""
         self.runner.wait()
+        drop_gathered(self.model)
 
     # ------------------------------------------------------------------ the RL API (issue 24): datums in
     def forward(self, datums: list[Datum], loss_fn="cross_entropy", loss_fn_config: dict | None = None
                 ) -> ForwardBackwardResult:
-        """Per-token log-probabilities of every datum's target tokens (and the loss's value), no gradients."""
-        with torch.no_grad():
+        """Per-token log-probabilities of every datum's target tokens (and the loss's value), no gradients. On one
+        rank the weights are gathered once for the whole call where they fit (gather_once, parallel/gathered.py)."""
+        with torch.no_grad(), self.gathered_pass():
             return self._datum_pass(datums, loss_fn, loss_fn_config, backward=False)
+
+    def gathered_pass(self):
+        """A context for a no-grad pass of several forward calls (forward's micro-batches, a sampler's decoding
+        steps): on one rank, where they fit half the free memory and gather_once is on, the weights are gathered
+        once for all of them and dropped at its end (parallel/gathered.py); otherwise FSDP's own per-call gathers."""
+        keep = self.gather_once and self.dist.world_size == 1 and fits_gathered(self.model, self.device)
+        return gathered_for_pass(self.model, keep)
 
     def forward_backward(self, datums: list[Datum], loss_fn="cross_entropy", loss_fn_config: dict | None = None
                          ) -> ForwardBackwardResult:
@@ -317,10 +332,9 @@ class Engine:
             row = build_row(plan, datums, items, coefs, names)
             mask = DocumentMask.build(row.position_ids, self._doc_kernel(plan.budget), self.device)
             cut = (lambda x: local_slice(x, sp_rank, sp)) if sp > 1 else (lambda x: x)
-            dev = {"device": self.device, "non_blocking": True}
-            ids, labels, pos = (cut(x).to(**dev) for x in (row.input_ids, row.labels, row.position_ids))
-            x = {k: cut(v).to(**dev).flatten() for k, v in row.inputs.items()}
-            coef = cut(row.coef).to(**dev).flatten()
+            ids, labels, pos = (to_device(cut(x), self.device) for x in (row.input_ids, row.labels, row.position_ids))
+            x = {k: to_device(cut(v), self.device).flatten() for k, v in row.inputs.items()}
+            coef = to_device(cut(row.coef), self.device).flatten()
             if backward:
                 self.model.set_requires_gradient_sync(self.cfg.parallel.reduce_every_micro_batch
                                                       or m == plan.micro_batches - 1)
@@ -334,7 +348,7 @@ class Engine:
             if want_entropy:
                 out[(plan.micro_batches + m) * local:(plan.micro_batches + m + 1) * local] = ent.detach()
             out[-2] += total.detach()
-        out[-1] = float(not bool(torch.isfinite(out[-2])))
+        out[-1] = (~torch.isfinite(out[-2])).float()  # on the device: the collective's .cpu() is the one host sync
         rows = all_gather_rows(out).cpu()  # the pass's one collective: every rank's outputs and loss
         n = plan.micro_batches * local
         logprobs = unpack(plan, datums, rows[:, :n])
