@@ -69,6 +69,36 @@ def test_backward_saves_the_codes_not_the_dequantised_weight():
     torch.testing.assert_close(x.grad, merged_weight(layer).sum(0).expand(3, -1))
 
 
+@pytest.mark.slow  # ~30 s: compiles a block twice
+def test_a_compiled_checkpointed_block_saves_its_input_alone():
+    """Full checkpointing of a compiled QLoRA block keeps the block input, as the eager one does: the NF4 matmul is a
+    custom operator, one node the checkpoint recomputes. As an autograd.Function traced into the graph its outputs
+    were saved instead (70B shape on an H200: 0.56 GiB a block, 97 GiB at full checkpointing where 52 were planned;
+    torch 2.13 on the CPU failed to compile it at all)."""
+    from shardfit.parallel.parallelize import apply_activation_checkpointing
+    from shardfit.plan.activation_trace import saved_storages
+
+    q, _ = _pair(torch.float32)
+    counts = {}  # (compiled, tokens) -> bytes saved; what grows with the tokens is activations
+    for compiled in (False, True):
+        block = q.model.layers[0]
+        inner = block.forward
+        apply_activation_checkpointing([block], "full")
+        if compiled:
+            block.forward = torch.compile(block.forward)
+        for S in (12, 24):
+            x = torch.randn(2, S, 64, requires_grad=True)
+            cos, sin = torch.ones(2, S, 16), torch.zeros(2, S, 16)
+            with saved_storages(block) as seen:
+                out = block(x, cos, sin)
+            counts[compiled, S] = sum(seen.values())
+            out.sum().backward()
+        block.forward = inner
+    per_12_tokens = 2 * 12 * (64 + 16 + 16) * 4  # x, cos and sin, the checkpoint's inputs
+    assert counts[False, 24] - counts[False, 12] == per_12_tokens, counts
+    assert counts[True, 24] - counts[True, 12] == per_12_tokens, counts  # a linear output would add 2 x 12 x out
+
+
 def test_storage_replaces_the_weight_in_place_and_counts_as_its_weights():
     cfg = small_config()
     with torch.device("meta"):

@@ -5,8 +5,8 @@ The module: each LoRA target that is a linear layer of a block loses its `weight
 position, so module order is kept) come weight_nf4 (8192 bytes a group), weight_absmax (256) and weight_stats (8)
 (g = ceil(out x in / 16,384) groups of the flattened weight), all frozen, stored bit for bit as [g, bytes / size]
 views in the replaced weight's dtype (the "carrier": nf4.py's `carried`; the compute dtype). Its forward dequantises the
-whole weight to the input's dtype inside a custom autograd Function, multiplies and frees it; backward dequantises
-again for dX = dY W (saved: the codes, never the dequantised weight). Checkpointing's recompute repeats the forward,
+whole weight to the input's dtype inside a custom operator (shardfit::nf4_linear), multiplies and frees it; backward
+dequantises again for dX = dY W (saved: the codes, never the dequantised weight). Checkpointing's recompute repeats the forward,
 dequantisation included. Embeddings, norms, the head and MoE experts stay in the compute dtype.
 FSDP2: the three are parameters of the block's group, sharded along dim 0, so a rank holds rows [g0, g0 + n) of each,
 the same rows of all three (same dim-0 size), whole groups (a group never straddles ranks) and 1/world of the codes.
@@ -55,21 +55,62 @@ def dequantized(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, 
     return dequantize(codes, absmax, stats, dtype)[:shape[0] * shape[1]].view(shape)
 
 
-class _NF4Matmul(torch.autograd.Function):
-    """y = x W^T with W dequantised in forward and again in backward: only the codes are saved."""
+# The frozen matmul is a custom operator, opaque to torch.compile: inside a checkpointed block the compiled graph then
+# holds one node for it, which checkpointing recomputes like any other. As an autograd.Function traced into the
+# graph, its matmul outputs escaped the checkpoint's recompute tags and were saved (measured: 0.56 GiB a block of the
+# 70B shape at 4,096 tokens, 97 GiB at full checkpointing where 52 were planned). Its autograd saves the codes, never
+# the dequantised weight. fused: dequantise with one compiled kernel (compute.compile; ~2.5 bytes of traffic a
+# weight instead of ~18 eagerly), made once per process and shape-generic.
+_FUSED: list = []
 
-    @staticmethod
-    def forward(ctx, x, codes, absmax, stats, shape):
-        ctx.save_for_backward(codes, absmax, stats)
-        ctx.shape = shape
-        return F.linear(x, dequantized(codes, absmax, stats, shape, x.dtype))
 
-    @staticmethod
-    def backward(ctx, dy):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        codes, absmax, stats = ctx.saved_tensors
-        return dy @ dequantized(codes, absmax, stats, ctx.shape, dy.dtype), None, None, None, None
+def _dequant(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, out_features: int, in_features: int,
+             dtype: torch.dtype, fused: bool) -> torch.Tensor:
+    if not fused:
+        return dequantized(codes, absmax, stats, (out_features, in_features), dtype)
+    if not _FUSED:
+        _FUSED.append(torch.compile(dequantized, dynamic=True))
+    return _FUSED[0](codes, absmax, stats, (out_features, in_features), dtype)
+
+
+@torch.library.custom_op("shardfit::nf4_linear", mutates_args=())
+def nf4_linear(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, out_features: int,
+               in_features: int, fused: bool) -> torch.Tensor:
+    """y = x W^T, W [out, in] dequantised from its NF4 storage and freed."""
+    return F.linear(x, _dequant(codes, absmax, stats, out_features, in_features, x.dtype, fused))
+
+
+@nf4_linear.register_fake
+def _(x, codes, absmax, stats, out_features, in_features, fused):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("shardfit::nf4_linear_input_grad", mutates_args=())
+def nf4_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor,
+                          out_features: int, in_features: int, fused: bool) -> torch.Tensor:
+    """dX = dY W, W dequantised again."""
+    return dy @ _dequant(codes, absmax, stats, out_features, in_features, dy.dtype, fused)
+
+
+@nf4_linear_input_grad.register_fake
+def _(dy, codes, absmax, stats, out_features, in_features, fused):
+    return dy.new_empty(*dy.shape[:-1], in_features)
+
+
+def _setup(ctx, inputs, output):
+    x, codes, absmax, stats, out_features, in_features, fused = inputs
+    ctx.save_for_backward(codes, absmax, stats)
+    ctx.args = (out_features, in_features, fused)
+    ctx.x_grad = x.requires_grad
+
+
+def _backward(ctx, dy):
+    codes, absmax, stats = ctx.saved_tensors
+    dx = nf4_linear_input_grad(dy, codes, absmax, stats, *ctx.args) if ctx.x_grad else None
+    return dx, None, None, None, None, None, None
+
+
+nf4_linear.register_autograd(_backward, setup_context=_setup)
 
 
 class NF4Linear(nn.Linear):
@@ -77,10 +118,11 @@ class NF4Linear(nn.Linear):
     (adapters/lora.py's lora_class)."""
 
     quantized_numel: int  # out x in: the weights it stands for (models.count_params counts these, not its bytes)
+    fused_dequant = False  # dequantise with one compiled kernel (apply_nf4's fused: compute.compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _NF4Matmul.apply(x, self.weight_nf4, self.weight_absmax, self.weight_stats,
-                               (self.out_features, self.in_features))
+        out = nf4_linear(x, self.weight_nf4, self.weight_absmax, self.weight_stats, self.out_features,
+                         self.in_features, self.fused_dequant)
         return out if self.bias is None else out + self.bias
 
 
@@ -150,14 +192,14 @@ def to_nf4(mod: nn.Linear) -> NF4Linear:
     return mod
 
 
-def apply_nf4(model: nn.Module, targets: list[str]) -> int:
+def apply_nf4(model: nn.Module, targets: list[str], fused: bool = False) -> int:
     """Store the base weight of every adapted linear layer among `targets` (apply_lora's names; adapted experts stay in
     the compute dtype) in NF4; returns how many. Called right after apply_lora: on the meta model (parallelize's
     step 0) or a materialised one (generate)."""
     mods = dict(model.named_modules())  # the blocks' linear layers: not the output head (an nn.Linear too)
     chosen = [mods[t] for t in targets if t.startswith("model.layers.") and isinstance(mods.get(t), nn.Linear)]
     for mod in chosen:
-        to_nf4(mod)
+        to_nf4(mod).fused_dequant = fused
     return len(chosen)
 
 

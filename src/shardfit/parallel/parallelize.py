@@ -233,7 +233,7 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
         if config.model.quantize == "nf4":
             # QLoRA: the adapted linear layers' base becomes NF4 storage carried bit for bit in the base's dtype
             # (param_dtype, so FSDP shards it along dim 0 and gathers it uncast); adapters/qlora.py.
-            report.nf4_layers = apply_nf4(model, report.lora_targets)
+            report.nf4_layers = apply_nf4(model, report.lora_targets, fused=compute.compile)
     if meshes.sequence is not None:
         apply_sequence_parallel(model, meshes.sequence)  # 0
     if meshes.expert is not None:  # EP, or one rank's experts out of FSDP (LocalExperts)
