@@ -6,8 +6,8 @@ position, so module order is kept) come weight_nf4 (8192 bytes a group), weight_
 (g = ceil(out x in / 16,384) groups of the flattened weight), all frozen, stored bit for bit as [g, bytes / size]
 views in the replaced weight's dtype (the "carrier": nf4.py's `carried`; the compute dtype). Its forward dequantises the
 whole weight to the input's dtype inside a custom operator (shardfit::nf4_linear), multiplies and frees it; backward
-dequantises again for dX = dY W (saved: the codes, never the dequantised weight). Checkpointing's recompute repeats the forward,
-dequantisation included. Embeddings, norms, the head and MoE experts stay in the compute dtype.
+dequantises again for dX = dY W (saved: the codes, never the dequantised weight). Checkpointing's recompute repeats
+the forward, dequantisation included. Embeddings, norms, the head and MoE experts stay in the compute dtype.
 FSDP2: the three are parameters of the block's group, sharded along dim 0, so a rank holds rows [g0, g0 + n) of each,
 the same rows of all three (same dim-0 size), whole groups (a group never straddles ranks) and 1/world of the codes.
 The carrier is FSDP's param_dtype, so the codes are all-gathered uncast, as copies of their bytes (FSDP2 before
