@@ -50,10 +50,23 @@ MEASURED = [
     # Session 14: no AC mbs 1 -0.8%, full AC mbs 4 +0.1% (the adapted MLP's backward buffers: docs/memory-plan.md)
     ("2026-11-25_s14_h100x1_lora8b.json", "shardfit LoRA compile no-AC mbs1", []),
     ("2026-11-25_s14_h100x1_lora8b.json", "shardfit LoRA compile full-AC mbs4", []),
+    # QLoRA, Llama-3-70B shape, one H200 (session 15, after the NF4 matmul became a custom operator): no AC, the
+    # first 40 of 80 blocks checkpointed (compute.ac_blocks), every block
+    ("2026-11-25_s15_h200x1_qlora70b.json", "shardfit QLoRA compile no-AC mbs1", []),
+    ("2026-11-25_s15_h200x1_qlora70b.json", "shardfit QLoRA compile AC first 40/80 mbs1", []),
+    # full AC: planned 52.4, measured 50.77 (+3.2%: the backward's working set, recompute on top, is counted as for a
+    # LoRA block, whose +0.1% at 8B holds; what a recomputed NF4 block holds less is not found yet)
+    pytest.param("2026-11-25_s15_h200x1_qlora70b.json", "shardfit QLoRA compile full-AC mbs1", [],
+                 marks=pytest.mark.xfail(strict=True, reason="plan +3.2% (52.4 against 50.77 GiB)")),
+    # LoRA on Qwen3-30B-A3B (48 layers), one GPU, full AC mbs 2: attention and the experts' grouped adapters, and
+    # attention alone
+    ("2026-11-25_s15_h200x1_lora30b.json", "shardfit LoRA attn+experts mbs2", []),
+    ("2026-11-25_s15_h200x1_lora30b.json", "shardfit LoRA attn mbs2", []),
 ]
 
 
-@pytest.mark.parametrize("fname,label,extra", MEASURED, ids=[m[1] for m in MEASURED])
+@pytest.mark.parametrize("fname,label,extra", MEASURED,
+                         ids=[(m.values if hasattr(m, "values") else m)[1] for m in MEASURED])
 def test_predicted_peak_within_3_percent_of_measured(fname, label, extra):
     if "fp8" in label:
         pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
