@@ -53,7 +53,7 @@ def test_measured_figures_are_in_benchmarks():
         pytest.skip("benchmarks/ is in the source tree only")
     measured = {n: read(f"recipe:{n}").measured for n in RECIPES}
     assert {n for n, m in measured.items() if m} == {"llama3-8b-fp8-pretrain", "llama3-8b-long-context",
-                                                    "qwen3-30b-a3b-sft", "llama3-8b-lora-1gpu"}
+                                                    "qwen3-30b-a3b-sft", "llama3-8b-lora-1gpu", "llama3-70b-qlora-1gpu"}
     for name, text in measured.items():
         if not text:
             assert "not measured" in resolve(f"recipe:{name}").read_text().lower(), name
