@@ -36,6 +36,29 @@ SIZES = {  # Llama-3 shapes (vocab 128256, GQA 8 kv heads), and a tiny one for C
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def timed_steps(model, params, opt, vocab: int, a, dev: torch.device, g: torch.Generator, autocast: bool):
+    """a.warmup + a.steps training steps on random ids [a.mbs, a.seq] under bf16 autocast (clip 1.0, AdamW):
+    (seconds of each step after the warm-up, the last loss). Shared with anchor_peft_qlora.py."""
+    cuda = dev.type == "cuda"
+    times, loss = [], None
+    for step in range(a.warmup + a.steps):
+        ids = torch.randint(0, vocab, (a.mbs, a.seq), generator=g, device=dev)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    return times, loss
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="8b", choices=sorted(SIZES))
@@ -77,23 +100,8 @@ def main() -> None:
     n_embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     flops_per_token = 6 * (n_total - n_embed) + 12 * cfg.num_hidden_layers * cfg.hidden_size * a.seq
     g = torch.Generator(device=dev).manual_seed(1)
-    times, loss = [], None
     try:
-        for step in range(a.warmup + a.steps):
-            ids = torch.randint(0, cfg.vocab_size, (a.mbs, a.seq), generator=g, device=dev)
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            if step >= a.warmup:
-                times.append(time.perf_counter() - t0)
+        times, loss = timed_steps(model, params, opt, cfg.vocab_size, a, dev, g, autocast=cuda)
     except torch.cuda.OutOfMemoryError:
         print(json.dumps({"oom": True, "size": a.size, "mbs": a.mbs, "seq": a.seq}), flush=True)
         return

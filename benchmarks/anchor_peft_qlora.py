@@ -41,6 +41,7 @@ import statistics
 import time
 
 import torch
+from anchor_peft_lora import timed_steps  # the same timed loop as the LoRA anchor's
 
 SIZES = {  # Llama-3 shapes (vocab 128256, GQA 8 kv heads), and a tiny one for CPU checks
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
@@ -178,22 +179,7 @@ def main() -> None:
         n_embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
         flops_per_token = 6 * (n_total - n_embed) + 12 * cfg.num_hidden_layers * cfg.hidden_size * a.seq
         g = torch.Generator(device=dev).manual_seed(1)
-        times, loss = [], None
-        for step in range(a.warmup + a.steps):
-            ids = torch.randint(0, cfg.vocab_size, (a.mbs, a.seq), generator=g, device=dev)
-            if cuda:
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            if step >= a.warmup:
-                times.append(time.perf_counter() - t1)
+        times, loss = timed_steps(model, params, opt, cfg.vocab_size, a, dev, g, autocast=True)
     except torch.cuda.OutOfMemoryError:
         print(json.dumps({"oom": True, "size": a.size, "mbs": a.mbs, "seq": a.seq, "prep": a.prep}), flush=True)
         return
