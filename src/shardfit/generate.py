@@ -76,7 +76,7 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | 
             from shardfit.train.init_from import base_source
 
             base = {"model": model.state_dict()}
-            _load_quietly(base, base_source(ckpt))
+            _load_quietly(base, base_source(ckpt, [], device))
             model.load_state_dict(base["model"])
         targets = apply_lora(model, cfg.lora, None)
         if cfg.model.quantize == "nf4":  # QLoRA: the base the adapters trained on, quantised as training did
@@ -317,6 +317,9 @@ def main(argv: list[str]) -> int:
                           ("--top-p", 0 < a.top_p <= 1, "give a value in (0, 1]")):
         if not ok:
             raise ShardfitError(f"{getattr(a, name[2:].replace('-', '_'))} is out of range", where=name, fix=fix)
+    if a.messages and a.raw:
+        raise ShardfitError("conversations need the chat template, but --raw sends text as it is", where="--messages",
+                            fix="drop --raw, or give plain --prompt text")
     if a.system is not None and a.raw:
         raise ShardfitError("--system needs the chat template, but --raw sends text as it is", where="--system",
                             fix="drop --raw, or put the system text into the prompt")

@@ -61,3 +61,40 @@ def test_selective_checkpointing_recomputes_the_adapter_up_projections():
     assert none == TARGETS and full > none
     assert selective == full
     torch.testing.assert_close(grads, ref, rtol=0, atol=0)
+
+
+class _NF4Calls(TorchDispatchMode):
+    """Counts QLoRA's frozen matmuls (adapters/qlora.py's custom operator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.shardfit.nf4_linear.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpointing_saves_the_nf4_matmuls():
+    """QLoRA's base matmul is one custom operator: selective checkpointing keeps its output as it keeps a bf16
+    matmul's (never redone in backward), where full checkpointing redoes it."""
+    from shardfit.adapters.qlora import apply_nf4
+
+    redone = {}
+    for mode in ("selective", "full"):
+        m = ModelConfig(name="test", dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
+        holder = torch.nn.Module()
+        holder.model = torch.nn.Module()
+        holder.model.layers = torch.nn.ModuleList([DecoderBlock(m, 0)])
+        adapt_block(holder.model.layers[0], (RANK, 0.0, "all-linear"), torch.float32)
+        targets = [n for n, mod in holder.named_modules() if hasattr(mod, "lora_A")]
+        assert apply_nf4(holder, targets) == TARGETS
+        block = holder.model.layers[0]
+        apply_activation_checkpointing([block], mode, adapter_rank=RANK)
+        x = torch.randn(2, 8, 32, requires_grad=True)
+        out = block(x, torch.ones(2, 8, 8), torch.zeros(2, 8, 8))
+        calls = _NF4Calls()
+        with calls:
+            out.square().sum().backward()
+        redone[mode] = calls.count
+    assert redone["selective"] == 0 and redone["full"] > 0, redone

@@ -127,3 +127,11 @@ def test_plan_prints_the_proposal_when_the_configuration_fits(capsys):
 def test_more_blocks_than_the_model_has_is_one_line():
     with pytest.raises(ShardfitError, match="compute.ac_blocks: 81 is more than the model's 80 blocks"):
         load_config(None, [*QLORA_70B, "--compute.ac_blocks=81"])
+
+
+@pytest.mark.parametrize("key", ["--compute.ac_blocks=40", "--compute.ac_every=2"])
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_choosing_blocks_without_full_checkpointing_is_one_line(key, mode):
+    """ac_blocks and ac_every pick blocks for full checkpointing: with another mode they would do nothing."""
+    with pytest.raises(ShardfitError, match=f"{key[2:].split('=')[0]}: .* but compute.activation_checkpoint={mode}"):
+        load_config(None, [*QLORA_70B, f"--compute.activation_checkpoint={mode}", key])

@@ -61,10 +61,11 @@ def test_a_directory_without_a_checkpoint_is_one_line(tmp_path, where, needle):
     assert needle.replace(where.upper(), spec) in str(e.value)
 
 
-def _lora_run(rank, world, spec, run_dir, steps, resume):
+def _lora_run(rank, world, spec, run_dir, steps, resume, *extra):
     from shardfit.train import Trainer
 
-    t = Trainer(load_config(None, [f"--model.init_from={spec}", "--lora.rank=4", *BATCH, "--logging.progress=none",
+    t = Trainer(load_config(None, [f"--model.init_from={spec}", "--lora.rank=4", *BATCH, *extra,
+                                   "--logging.progress=none",
                                    f"--logging.run_dir={run_dir}", f"--train.steps={steps}", "--checkpoint.every=2",
                                    f"--checkpoint.resume={resume}", *([EXTEND] if resume == "auto" else [])]))
     t.fit()
@@ -101,3 +102,16 @@ def test_a_lora_run_adapts_the_checkpoint_it_starts_from_and_resumes_on_the_same
     with pytest.raises(ShardfitError) as e:
         load_config(None, [f"--model.init_from={tmp_path / 'a'}", "--lora.rank=4"])
     assert "is a LoRA run's checkpoint: it holds adapters, not the weights they adapt" in str(e.value)
+
+
+def test_a_bf16_lora_run_takes_its_base_from_an_fp32_checkpoint(two_rank_run, tmp_path):
+    """On a GPU the frozen base is kept in the compute dtype (bf16) while a full fine-tune saves fp32 masters: the
+    base is the checkpoint's, cast (the checked loader refused the dtype difference as another model's)."""
+    from shardfit.generate import load_dcp
+
+    source, _ = load_dcp(str(two_rank_run), torch.device("cpu"), torch.float32)
+    got = run_ranks(_lora_run, 1, str(two_rank_run), str(tmp_path / "bf16"), 1, "none",
+                    "--compute.param_dtype=bfloat16")[0]
+    for k, v in source.state_dict().items():
+        torch.testing.assert_close(torch.tensor(got["state"][k]).to(torch.bfloat16), v.to(torch.bfloat16),
+                                   rtol=0, atol=0, msg=k)

@@ -15,10 +15,11 @@ along E (parallel/expert.py), FSDP groups them with the base experts (a frozen c
 in one group, as a block's linear adapters), and with E = W they are cast by the computation like the base and
 their gradients written in fp32 by its backward. Initialisation is lora.py's (A ~ N(0, 1/(3 in)), B = 0, drawn
 from (seed, name) row by row of E: 1 and N ranks start alike). The router stays frozen. No collectives here.
-PEFT's layout (peft 0.17+, tuners/lora/layer.py ParamWrapper; checked against peft 0.21): lora_A.weight
-[E*r, in] (row e*r + j is expert e's j-th), lora_B.weight [out, r*E] (column j*E + e), scale alpha / r. One
-ParamWrapper per parameter, nested in the module's parameter order: with both adapted, gate_up_proj's pair is
-`<experts>.base_layer.lora_A.weight` and down_proj's `<experts>.lora_A.weight`; one alone is `<experts>.lora_A...`.
+PEFT's layout (peft 0.21, tuners/lora/layer.py ParamWrapper, the version tested; older ones read 3-D experts
+unswapped): lora_A.weight [E*r, in] (row e*r + j is expert e's j-th), lora_B.weight [out, r*E] (column j*E + e),
+scale alpha / r. One ParamWrapper per parameter, nested in the module's parameter order: with both adapted,
+gate_up_proj's pair is `<experts>.base_layer.lora_A.weight` and down_proj's `<experts>.lora_A.weight`; one alone
+is `<experts>.lora_A...`.
 """
 
 from __future__ import annotations

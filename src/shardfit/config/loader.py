@@ -346,6 +346,12 @@ RULES: tuple[Rule, ...] = (
     ("compute.ac_blocks", lambda c: c.compute.ac_blocks > c.model.n_layers,
      lambda c: f"{c.compute.ac_blocks} is more than the model's {c.model.n_layers} blocks",
      lambda c: f"use at most {c.model.n_layers}, or 0 to checkpoint every block"),
+    ("compute.ac_blocks", lambda c: c.compute.ac_blocks and c.compute.activation_checkpoint != "full",
+     lambda c: f"{c.compute.ac_blocks} picks blocks to checkpoint, but compute.activation_checkpoint="
+               f"{c.compute.activation_checkpoint}", lambda c: "add compute.activation_checkpoint=full, or drop it"),
+    ("compute.ac_every", lambda c: c.compute.ac_every != 1 and c.compute.activation_checkpoint != "full",
+     lambda c: f"{c.compute.ac_every} picks blocks to checkpoint, but compute.activation_checkpoint="
+               f"{c.compute.activation_checkpoint}", lambda c: "add compute.activation_checkpoint=full, or drop it"),
     ("data.val_fraction", lambda c: c.data.val_path and c.data.val_fraction,
      lambda c: f"{c.data.val_fraction} is set together with data.val_path, which takes its place",
      lambda c: "give one of data.val_path and data.val_fraction"),

@@ -78,6 +78,10 @@ def fits_gathered(model: nn.Module, device: torch.device) -> bool:
 def gathered_for_pass(model: nn.Module, keep: bool):
     """keep=True: no group reshards after its forward inside (each is gathered once, at its first forward), and every
     group is resharded at the end, whatever happened inside. keep=False: FSDP's own behaviour, nothing changed."""
+    import torch.distributed as dist
+
+    # whether a group is gathered decides whether its all-gather runs: a per-rank choice only where there is one rank
+    assert not keep or not dist.is_initialized() or dist.get_world_size() == 1, "keep=True on several ranks"
     if keep and hasattr(model, "_get_fsdp_state"):
         # FSDP's first-forward initialisation, now (idempotent): some releases set the root's resharding there, and
         # the values restored below must be those the passes after this one would have seen

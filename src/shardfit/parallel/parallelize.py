@@ -63,8 +63,12 @@ for _ns, _name in (("aten", "_scaled_dot_product_cudnn_attention"), ("torch_attn
         _SAVE_OPS.add(_op.default)
 
 
-_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.bmm.default: 0,
-            torch.ops.aten._scaled_mm.default: 0}  # matmul op -> the argument whose last dim is the contraction
+# QLoRA's frozen matmul (adapters/qlora.py): one custom operator, as expensive to redo as the bf16 matmul it replaces
+_SAVE_OPS.add(torch.ops.shardfit.nf4_linear.default)
+# An adapter's up-projection is a 2-D matmul (F.linear folds [B, S, r] to [B*S, r]): op -> (the input whose last
+# dim is the contraction, the weight operand [r, out] whose first dim is it). Batched matmuls (the math attention's
+# q k^T when head_dim equals the rank) are never adapters.
+_ADAPTER_MATMULS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2)}
 
 
 def keeps_output(op, args: tuple, adapter_rank: int = 0) -> bool:
@@ -75,8 +79,11 @@ def keeps_output(op, args: tuple, adapter_rank: int = 0) -> bool:
     h = A x [T, r] (contraction `in`) stays saved: r/out of the base output's bytes."""
     if op not in _SAVE_OPS:
         return False
-    arg = _MATMULS.get(op)
-    return not (adapter_rank and arg is not None and args[arg].shape[-1] == adapter_rank)
+    operands = _ADAPTER_MATMULS.get(op)
+    if not adapter_rank or operands is None:
+        return True
+    x, w = (args[i] for i in operands)
+    return not (x.shape[-1] == adapter_rank and w.shape[0] == adapter_rank)
 
 
 def _selective_policy(ctx, op, *args, adapter_rank: int = 0, **kwargs):

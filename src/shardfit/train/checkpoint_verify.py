@@ -186,8 +186,9 @@ def _flat(state: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def check_against(meta: Metadata, state: dict, path: Path) -> None:
-    """Every tensor about to be loaded is in the checkpoint with the same global shape and dtype."""
+def check_against(meta: Metadata, state: dict, path: Path, cast: bool = False) -> None:
+    """Every tensor about to be loaded is in the checkpoint with the same global shape and dtype (cast: a floating
+    dtype may differ from another floating one; DCP's reader copies each stored tensor into its target, casting)."""
     for key, want in _flat(state).items():
         if not isinstance(want, torch.Tensor):
             continue  # DCP loads only tensors into a state dict of tensors (an int step would stay as it is)
@@ -197,7 +198,8 @@ def check_against(meta: Metadata, state: dict, path: Path) -> None:
                                 where=str(path), fix="resume with the model config it was saved with, or start a "
                                 "new run (another logging.run_dir)")
         have = tuple(md.size)
-        if have != tuple(want.shape) or md.properties.dtype != want.dtype:
+        castable = cast and md.properties.dtype.is_floating_point and want.dtype.is_floating_point
+        if have != tuple(want.shape) or (md.properties.dtype != want.dtype and not castable):
             raise ShardfitError(f"a checkpoint of another model shape: '{key}' is {list(have)} "
                                 f"{md.properties.dtype} there, {list(want.shape)} {want.dtype} here",
                                 where=str(path), fix="resume with the model config it was saved with, or start a "
@@ -233,7 +235,7 @@ class TensorReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def load_tensors(state: dict, path: Path) -> None:
+def load_tensors(state: dict, path: Path, cast: bool = False) -> None:
     """dcp.load of `state` from the step directory `path`, after the checks; a read that fails anyway (a flipped
     byte inside a tensor's archive) is one line naming the checkpoint, raised on every rank alike (DCP gathers
     each rank's failure before raising)."""
@@ -244,7 +246,7 @@ def load_tensors(state: dict, path: Path) -> None:
         raise ShardfitError(f"corrupt checkpoint: {e}", where=str(path),
                             fix="resume from an earlier checkpoint (checkpoint.resume=auto skips corrupt ones)"
                             ) from None
-    check_against(meta, state, path)
+    check_against(meta, state, path, cast)
     try:
         dcp.load(state, storage_reader=TensorReader(path, meta))
     except CheckpointException as e:  # every rank's failure, gathered by DCP and raised on all ranks alike

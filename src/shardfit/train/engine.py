@@ -150,7 +150,7 @@ class Engine:
         elif cfg.model.init_from and lora:  # a resumed LoRA run: the base it trained on, as recorded
             from shardfit.train.init_from import base_source
 
-            self.init_from = base_source(resume)
+            self.init_from = base_source(resume, self.notices, self.device)
         from_hf = bool(cfg.model.path) and (resume is None or lora)
         self.parallel = parallelize(model, cfg, self.device, dist.world_size, cfg.train.seed,
                                     init=not from_hf and self.init_from is None)
@@ -171,7 +171,7 @@ class Engine:
         if self.init_from is not None:
             from shardfit.train.init_from import load_init_weights
 
-            load_init_weights(self.init_from, self.model, self.device, self.notices, lora)
+            load_init_weights(self.init_from, self.model, self.device, self.notices, lora, resume is not None)
         if lora:
             if cfg.lora.adapter and resume is None:
                 from shardfit.adapters.peft import load_adapter

@@ -37,17 +37,24 @@ def resolve_init_from(spec: str, notices: list[str], device: torch.device) -> Pa
     return chosen
 
 
-def base_source(resume: Path) -> Path:
+def base_source(resume: Path, notices: list[str], device: torch.device) -> Path:
     """The step directory a resumed LoRA run's frozen base came from (trainer.json's `base_from`, written at every
-    save): pinned, so that a resume never takes a newer step of the source run than the one the adapters trained on."""
+    save): pinned, so that a resume never takes a newer step of the source run than the one the adapters trained on.
+    Checked whole and agreed on by every rank (agree_on_resume's one all-gather), as a new run's choice is."""
     recorded = json.loads((resume / "trainer.json").read_text()).get("base_from")
-    if recorded is None:
+    if recorded is None:  # the same file on every rank: all raise alike
         raise ShardfitError("this LoRA checkpoint does not record the base it trained on (model.init_from)",
                             where=str(resume), fix="start the run again from model.init_from")
-    if not (Path(recorded) / COMPLETE).is_file():
-        raise ShardfitError(f"the frozen base this LoRA run trained on is gone ({recorded})", where=str(resume),
+    path = Path(recorded)
+    try:
+        chosen = agree_on_resume(str(path), path.parent, notices, device)
+    except ShardfitError as e:
+        raise ShardfitError(f"the frozen base this LoRA run trained on cannot be read ({e.what})", where=recorded,
+                            fix="restore that checkpoint: the run's own checkpoints hold only its adapters") from None
+    if chosen is None:
+        raise ShardfitError("the frozen base this LoRA run trained on is gone", where=recorded,
                             fix="restore that checkpoint: the run's own checkpoints hold only its adapters")
-    return Path(recorded)
+    return chosen
 
 
 def load_frozen_base(path: Path, model) -> None:
@@ -56,12 +63,14 @@ def load_frozen_base(path: Path, model) -> None:
     adapters (a LoRALinear keeps its base's `weight`)."""
     frozen = frozen_names(model)
     state = {"model": {k: v for k, v in get_model_state_dict(model).items() if k in frozen}}
-    load_tensors(state, path)
+    load_tensors(state, path, cast=True)  # fp32 masters of a full fine-tune into a base kept in the compute dtype
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
 
 
-def load_init_weights(path: Path, model, device: torch.device, notices: list[str], lora: bool = False) -> None:
-    """Weights only. lora: the run's frozen base alone, from a full fine-tune's checkpoint."""
+def load_init_weights(path: Path, model, device: torch.device, notices: list[str], lora: bool = False,
+                      resumed: bool = False) -> None:
+    """Weights only. lora: the run's frozen base alone, from a full fine-tune's checkpoint (resumed: under the
+    adapters and optimizer a resume restores next)."""
     try:
         if lora:
             load_frozen_base(path, model)
@@ -72,4 +81,6 @@ def load_init_weights(path: Path, model, device: torch.device, notices: list[str
         raise ShardfitError(e.what, where=f"model.init_from={path}", fix="drop the model.* overrides that change "
                             "its shape (model.init_from takes the architecture saved with it)") from None
     what = "frozen base for the LoRA adapters" if lora else "weights"
-    notices.append(f"{what} from {path} (step {step}, model.init_from); a fresh optimizer and schedule from step 0")
+    rest = "the adapters and optimizer from the resumed checkpoint" if resumed else \
+        "a fresh optimizer and schedule from step 0"
+    notices.append(f"{what} from {path} (step {step}, model.init_from); {rest}")
