@@ -102,3 +102,29 @@ def test_compiled_blocks_train_the_same_expert_adapters(tmp_path):
     plain, compiled = plain_and_compiled(_train_experts, tmp_path)
     assert compiled["base_same"] and compiled["in_optimizer"] == plain["in_optimizer"]
     assert sum(".experts." in n for n in plain["in_optimizer"]) == 2 * 2 * 2  # gate_up and down, A and B, 2 blocks
+
+
+QLORA_MOE = ["--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32", "--lora.rank=4",
+             "--lora.targets=all-linear,experts", "--model.quantize=nf4", "--train.steps=4", "--train.micro_batch=1"]
+
+
+def _qlora_experts(rank, world, run_dir, extra):
+    from tests.helpers import same_bits, small_config
+
+    t = Trainer(small_config(*QLORA_MOE, *extra, run_dir=run_dir))
+    frozen = {n: _local(p).detach().clone() for n, p in t.model.named_parameters() if not p.requires_grad}
+    losses = [h["loss"] for h in t.fit()]
+    after = dict(t.model.named_parameters())
+    return {"losses": losses, "nf4": sum(n.endswith("weight_nf4") for n in frozen),
+            "base_same": all(same_bits(_local(after[n]), v) for n, v in frozen.items())}
+
+
+def test_qlora_with_expert_adapters_two_ranks_ep2_equal_one(tmp_path):
+    """The attention's NF4 base and the experts' bf16-kept base with grouped adapters together: 2 ranks with EP 2 train
+    what one process trains, and no frozen byte moves (NF4 storage compared bit for bit)."""
+    two = run_ranks(_qlora_experts, 2, str(tmp_path / "two"), ["--parallel.expert_parallel=2"])
+    one = run_ranks(_qlora_experts, 1, str(tmp_path / "one"), [])[0]
+    assert one["nf4"] > 0 and one["losses"][-1] < one["losses"][0]
+    for r in (one, *two):
+        assert r["base_same"], r
+    torch.testing.assert_close(torch.tensor(two[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-5)
