@@ -99,6 +99,22 @@ def test_a_compiled_checkpointed_block_saves_its_input_alone():
     assert counts[True, 24] - counts[True, 12] == per_12_tokens, counts  # a linear output would add 2 x 12 x out
 
 
+def test_the_fused_dequantisation_equals_the_eager_one():
+    """compute.compile's path (one compiled kernel inside the custom operator) gives the eager path's output and
+    input gradient, bit for bit."""
+    q, _ = _pair(torch.float32)
+    layer = q.model.layers[0].mlp.down_proj  # [64, 160]
+    got = []
+    for fused in (False, True):
+        layer.fused_dequant = fused
+        x = torch.randn(3, 160, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        y = NF4Linear.forward(layer, x)
+        y.square().sum().backward()
+        got.append((y.detach(), x.grad))
+    layer.fused_dequant = False
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
 def test_storage_replaces_the_weight_in_place_and_counts_as_its_weights():
     cfg = small_config()
     with torch.device("meta"):

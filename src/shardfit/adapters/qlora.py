@@ -41,6 +41,7 @@ from shardfit.adapters.nf4 import (
 )
 from shardfit.models.init import QUANTIZED_STORAGE as STORAGE
 from shardfit.models.init import ShardView, is_quantized_storage, seeded_normal_, whole_view
+from shardfit.models.loss import compiled_once
 
 # Groups quantised at once. quantize() is ~40 small kernels a chunk whatever its size: on the CPU 64 groups (~1M
 # weights, ~20 MB of transients) keep the memory down; on a GPU the launches dominate (a 70B base is 68.5B NF4 weights,
@@ -61,16 +62,12 @@ def dequantized(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, 
 # 70B shape at 4,096 tokens, 97 GiB at full checkpointing where 52 were planned). Its autograd saves the codes, never
 # the dequantised weight. fused: dequantise with one compiled kernel (compute.compile; ~2.5 bytes of traffic a
 # weight instead of ~18 eagerly), made once per process and shape-generic.
-_FUSED: list = []
 
 
 def _dequant(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, out_features: int, in_features: int,
              dtype: torch.dtype, fused: bool) -> torch.Tensor:
-    if not fused:
-        return dequantized(codes, absmax, stats, (out_features, in_features), dtype)
-    if not _FUSED:
-        _FUSED.append(torch.compile(dequantized, dynamic=True))
-    return _FUSED[0](codes, absmax, stats, (out_features, in_features), dtype)
+    fn = compiled_once(dequantized, dynamic=True) if fused else dequantized
+    return fn(codes, absmax, stats, (out_features, in_features), dtype)
 
 
 @torch.library.custom_op("shardfit::nf4_linear", mutates_args=())
@@ -98,15 +95,14 @@ def _(dy, codes, absmax, stats, out_features, in_features, fused):
 
 
 def _setup(ctx, inputs, output):
-    x, codes, absmax, stats, out_features, in_features, fused = inputs
+    _, codes, absmax, stats, out_features, in_features, fused = inputs
     ctx.save_for_backward(codes, absmax, stats)
     ctx.args = (out_features, in_features, fused)
-    ctx.x_grad = x.requires_grad
 
 
 def _backward(ctx, dy):
     codes, absmax, stats = ctx.saved_tensors
-    dx = nf4_linear_input_grad(dy, codes, absmax, stats, *ctx.args) if ctx.x_grad else None
+    dx = nf4_linear_input_grad(dy, codes, absmax, stats, *ctx.args) if ctx.needs_input_grad[0] else None
     return dx, None, None, None, None, None, None
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from shardfit.models.loss import compiled_once
+
 
 def _logits(hc: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 (or wider) logits [c, V] of one chunk of hidden states hc [c, D]."""
@@ -45,9 +47,6 @@ def _chunk_grad(x: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, gl: t
     return g.to(out_dtype)
 
 
-_compiled: dict[str, object] = {}
-
-
 def _chunk_fns(compiled: bool):
     """(stats, grad) per chunk: eager, or through torch.compile (compute.compile with compute.compile_loss, as the
     cross-entropy's chunks in loss.py): Inductor then reads each chunk's bf16 logits in two or three fused passes
@@ -56,10 +55,7 @@ def _chunk_fns(compiled: bool):
     off, is another specialisation)."""
     if not compiled:
         return _chunk_stats, _chunk_grad
-    if not _compiled:
-        _compiled["stats"] = torch.compile(_chunk_stats, dynamic=False)
-        _compiled["grad"] = torch.compile(_chunk_grad, dynamic=False)
-    return _compiled["stats"], _compiled["grad"]
+    return compiled_once(_chunk_stats), compiled_once(_chunk_grad)
 
 
 # The label of the head's work in a profile (torch.profiler; benchmarks/bench_rl_workers.py's forward profile):

@@ -8,6 +8,8 @@ kept (the same size as the inputs). Backward only scales them by the incoming gr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -31,16 +33,16 @@ def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torc
     return loss, probs.mul_(valid[:, None]).to(logits.dtype)
 
 
-_compiled_chunk = None
+@functools.cache
+def compiled_once(fn, dynamic: bool = False):
+    """fn through torch.compile, made on first use and once per process (and per `dynamic`): importing shardfit
+    compiles nothing. The loss's and the log-probs' chunk functions (static shapes: a last short chunk is a second
+    specialisation), QLoRA's dequantisation (dynamic: one function for every weight shape)."""
+    return torch.compile(fn, dynamic=dynamic)
 
 
 def _chunk_fn(compiled: bool):
-    global _compiled_chunk
-    if not compiled:
-        return _chunk_loss_and_grad
-    if _compiled_chunk is None:  # one compiled function per process; chunk shapes are static (a last short chunk
-        _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)  # is a second specialisation)
-    return _compiled_chunk
+    return compiled_once(_chunk_loss_and_grad) if compiled else _chunk_loss_and_grad
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
