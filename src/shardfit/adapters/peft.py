@@ -59,7 +59,7 @@ from shardfit.adapters.qlora import STORAGE
 from shardfit.adapters.qlora_io import merged_weight
 from shardfit.config.schema import LoraConfig
 from shardfit.errors import ShardfitError
-from shardfit.hf.export import copy_tokenizer, full_tensor, publish, write_safetensors
+from shardfit.hf.export import batched_by_bytes, copy_tokenizer, full_tensor, publish, write_safetensors
 from shardfit.hf.load import LoadResult, Rows, file_map, load_hf_checkpoint
 from shardfit.parallel.agreement import agree
 from shardfit.parallel.dtensor import local_view
@@ -158,16 +158,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> LoadResult:
     staged = {key for key, *_ in strided}
     results = [load_hf_checkpoint(model, path, params=params, files={k: f for k, f in files.items()
                                                                      if k not in staged})]
-    batches: list[list] = [[]]
-    staged_bytes = 0
-    for item in strided:
-        nbytes = 4 * math.prod(item[3])  # the whole B, fp32
-        if batches[-1] and staged_bytes + nbytes > _STAGE_BYTES:
-            batches.append([])
-            staged_bytes = 0
-        batches[-1].append(item)
-        staged_bytes += nbytes
-    for batch in batches if strided else []:
+    for batch in batched_by_bytes(strided, lambda item: 4 * math.prod(item[3]), _STAGE_BYTES):  # whole Bs, fp32
         rows = {key: Rows(torch.empty(s[1], s[2] * s[0], dtype=torch.float32, device=local.device),
                           (s[1], s[2] * s[0]), 0) for key, _, local, s, _ in batch}
         results.append(load_hf_checkpoint(model, path, params=rows, files={k: files[k] for k in rows if k in files}))

@@ -35,11 +35,17 @@ from shardfit.adapters.qlora import (
     shard_span,
     staging_rows,
 )
-from shardfit.hf.export import full_tensor
+from shardfit.hf.export import batched_by_bytes, full_tensor
 from shardfit.hf.load import LoadResult, Rows, load_hf_checkpoint, weight_map
 from shardfit.parallel.dtensor import local_view
 
 _STAGE_BYTES = 256 << 20  # fp32 rows staged per batch of NF4 layers while loading
+
+
+def _staged_bytes(item: tuple[str, NF4Linear, Span]) -> int:
+    """A layer's rows on this rank, staged in fp32 (staging_rows)."""
+    _, mod, span = item
+    return (span.rows[1] - span.rows[0]) * mod.in_features * 4
 
 
 @torch.no_grad()
@@ -51,18 +57,9 @@ def load_base(model: nn.Module, path: str | Path) -> LoadResult:
     plain = {n: p for n, p in base_parameters(model).items() if not is_storage(n)}
     results = [load_hf_checkpoint(model, path, params=plain,
                                   files={k: f for k, f in files.items() if k not in quantized})]
-    batches: list[list[tuple[str, NF4Linear, Span]]] = [[]]
-    staged = 0
-    for key, mod in quantized.items():
-        span = shard_span(mod, local_view)
-        size = (span.rows[1] - span.rows[0]) * mod.in_features * 4
-        if batches[-1] and staged + size > _STAGE_BYTES:
-            batches.append([])
-            staged = 0
-        batches[-1].append((key, mod, span))
-        staged += size
+    spans = [(key, mod, shard_span(mod, local_view)) for key, mod in quantized.items()]
     quantize_s = 0.0
-    for batch in batches if quantized else []:
+    for batch in batched_by_bytes(spans, _staged_bytes, _STAGE_BYTES):
         rows = {k: Rows(staging_rows(m, s), (m.out_features, m.in_features), s.rows[0]) for k, m, s in batch}
         results.append(load_hf_checkpoint(model, path, params=rows, files={k: files[k] for k in rows if k in files}))
         t0 = time.perf_counter()

@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,8 @@ from shardfit.adapters.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardfit.hf.load import STACKED, expert_key
 from shardfit.models.families import hf_config_json
 from shardfit.parallel.agreement import agree
+
+T = TypeVar("T")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                     "tokenizer.model",
@@ -95,6 +99,21 @@ def export_hf(model: nn.Module, out: str | Path, dtype: str = "bfloat16", source
     # every rank returns or raises together: rank 0's outcome, in one collective (this was the final barrier)
     agree(problem, "checkpoint.export_hf", f"move {tmp} where you want it, or free {out} and export again")
     return out if rank == 0 else None
+
+
+def batched_by_bytes(items: Iterable[T], nbytes: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """items in order, as lists of at most `limit` bytes each (an item larger than limit alone), drawn lazily: one
+    item beyond the list being filled is taken at a time (Engine.weights' buckets, load_adapter's staging)."""
+    batch, size = [], 0
+    for item in items:
+        n = nbytes(item)
+        if batch and size + n > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += n
+    if batch:
+        yield batch
 
 
 def full_tensor(p: torch.Tensor) -> torch.Tensor:

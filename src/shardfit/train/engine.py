@@ -424,18 +424,11 @@ class Engine:
         """Full tensors under Hugging Face names, bucket after bucket (lists of (name, tensor) of about
         bucket_bytes), on every rank, for an inference engine's load_weights; one parameter is gathered at a time
         beyond the bucket being filled. Every rank must iterate to the end (each gather is a collective)."""
-        from shardfit.hf.export import hf_tensors
+        from shardfit.hf.export import batched_by_bytes, hf_tensors
 
         self.finish()
-        bucket, size = [], 0
-        for name, t in hf_tensors(self.model, dtype, params=self._merged()):
-            if bucket and size + t.nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += t.nbytes
-        if bucket:
-            yield bucket
+        yield from batched_by_bytes(hf_tensors(self.model, dtype, params=self._merged()), lambda nt: nt[1].nbytes,
+                                    bucket_bytes)
 
     # ------------------------------------------------------------------ state
     def evaluate(self, batches) -> dict:
