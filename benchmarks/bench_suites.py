@@ -28,6 +28,20 @@ ATTN = "q_proj,k_proj,v_proj,o_proj"  # the MLP names of the default match nothi
 LORA30B = ["--model.name=qwen3-30b-a3b", "--data.seq_len=4096", "--train.steps=10", "--train.warmup_steps=2",
            "--train.lr=1e-4", "--compute.compile=true", "--compute.activation_checkpoint=full", "--lora.rank=16",
            "--lora.alpha=32", "--train.micro_batch=2", "--train.global_batch=4"]
+# Its anchor (benchmarks/anchor_peft_lora_moe.py): HF Qwen3MoeForCausalLM at the same shape, bf16 base built on meta,
+# PEFT LoRA r=16 alpha 32 (fp32 adapters under autocast) on q/k/v/o (target_modules) or also on the fused expert
+# tensors (target_parameters), non-reentrant full AC, SDPA, transformers' default grouped_mm experts. Micro-batch 2,
+# then 1 when 2 does not fit (its fallback case): by the script's estimate attention fits at mbs 2 (~73 GiB) and the
+# expert adapters' 9.6 GiB of fp32 states do not (~80 GiB) on an H100. Build ~20 s, then 2 + 4 steps.
+LORA30B_ANCHOR = ["--size", "30b-a3b", "--seq", "4096", "--steps", "4", "--warmup", "2"]
+
+
+def _anchor30b(targets: str, mbs: int = 2, args: list[str] = LORA30B_ANCHOR) -> tuple:
+    """The HF + PEFT case at micro-batch mbs; at 2, with the same at 1 as its fallback."""
+    case = ("peft-moe", f"HF+PEFT LoRA {targets} full-AC mbs{mbs}", [*args, "--targets", targets, "--mbs", str(mbs)])
+    return (*case, [_anchor30b(targets, 1, args)]) if mbs == 2 else case
+
+
 LIGER_ANCHOR = ["--size", "8b", "--seq", "4096", "--mbs", "2", "--liger", "--ac", "none"]
 SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     "tiny": [
@@ -203,10 +217,11 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     # Issue 23, MoE experts as grouped adapters (adapters/expert_lora.py): r=16 on attention and every expert's
     # gate_up_proj and down_proj (630M adapter parameters, 10.5 GiB of fp32 states) against attention alone, one
     # change. shardfit plan --gpu-memory 79 predicts 71.0 and 60.9 GiB (budget 74.5; with experts, micro-batch 4 is
-    # planned at 74.2: too close to run). No HF + PEFT anchor yet.
+    # planned at 74.2: too close to run). The HF + PEFT anchors of both go first (lora30b_anchor below).
     "lora30b": [
-        ("shardfit", "shardfit LoRA attn+experts mbs2", [*LORA30B, f"--lora.targets={ATTN},experts"]),
+        *(_anchor30b(targets) for targets in ("attn", "attn+experts")),
         ("shardfit", "shardfit LoRA attn mbs2", [*LORA30B, f"--lora.targets={ATTN}"]),
+        ("shardfit", "shardfit LoRA attn+experts mbs2", [*LORA30B, f"--lora.targets={ATTN},experts"]),
     ],
     # one GPU (H100): a model that fits, against the anchor at the same size
     "single": [
@@ -335,9 +350,43 @@ def qlora_summary(rows: list[dict]) -> dict:
     return out
 
 
+def lora30b_summary(rows: list[dict]) -> dict:
+    """Issue 23's MoE keys: lora30b_vs_peft, shardfit's attention-only tokens/s over the HF + PEFT anchor's
+    attention-only case (each at the largest micro-batch that ran: the anchor's fallback row when mbs 2 did not fit),
+    lora30b_experts_vs_peft the same with expert adapters, and each pair's peak allocated ratio (*_peak_vs_peft);
+    every case's tokens/s, peak and micro-batch beside."""
+    def first(system: str, experts: bool) -> dict | None:
+        return next((r for r in rows if r["system"] == system and r.get("tok_s_gpu")
+                     and ("attn+experts" in r["label"]) == experts), None)
+
+    out = {}
+    for key, experts in (("lora30b", False), ("lora30b_experts", True)):
+        ours, anchor = first("shardfit", experts), first("anchor", experts)
+        if ours and anchor:
+            out[f"{key}_vs_peft"] = round(ours["tok_s_gpu"] / anchor["tok_s_gpu"], 3)
+            peak = anchor.get("peak_alloc_GiB")  # 0 on the CPU: no ratio
+            out[f"{key}_peak_vs_peft"] = round(ours["peak_alloc_GiB"] / peak, 3) if peak else None
+    out["lora30b_cases"] = {r["label"]: {"tok_s_gpu": r["tok_s_gpu"], "peak_alloc_GiB": r.get("peak_alloc_GiB"),
+                                         "mbs": r.get("mbs") or int(r["label"].rsplit("mbs", 1)[1].split()[0])}
+                            for r in rows if r.get("tok_s_gpu")}
+    return out
+
+
+# The CPU check of lora30b's machinery (anchor, fallback structure, summary): tiny sizes, not a measurement
+_TINY_MOE = ["--model.n_layers=2", "--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=64",
+             "--data.seq_len=64", "--train.steps=5", "--lora.rank=16", "--lora.alpha=32", "--train.micro_batch=2",
+             "--train.global_batch=2"]
+SUITES["lora30b_cpu"] = [
+    *(_anchor30b(t, args=["--size", "tiny", "--device", "cpu", "--seq", "64", "--steps", "2", "--warmup", "1"])
+      for t in ("attn", "attn+experts")),
+    ("shardfit", "shardfit LoRA attn mbs2", [*_TINY_MOE, f"--lora.targets={ATTN}"]),
+    ("shardfit", "shardfit LoRA attn+experts mbs2", [*_TINY_MOE, f"--lora.targets={ATTN},experts"]),
+]
+
 # The summary a suite's JSON carries (bench_train.py): issue 23's keys
 SUMMARIES = {"lora8b": lambda rows: {"lora_vs_peft": lora_vs_peft(rows)},
-             **{name: qlora_summary for name in ("qlora70b", "qlora70b_h100", "qlora70b_anchors", "qlora_cpu")}}
+             **{name: qlora_summary for name in ("qlora70b", "qlora70b_h100", "qlora70b_anchors", "qlora_cpu")},
+             **{name: lora30b_summary for name in ("lora30b", "lora30b_cpu")}}
 
 # Issue 12: variable-length training. Cases are (kind, label, args[, fallback cases]); kinds "sf" (`shardfit
 # train`, --logging.log_every=1 added) and "anchor-sft" (benchmarks/anchor_sft.py). A case whose run fails (an OOM

@@ -22,6 +22,9 @@ Issue 13, CPU offload (SUITES["offload8b"]): Llama-3-8B, seq 4096, parallel.offl
   python benchmarks/bench_train.py --suite offload8b --nproc 1 --timeout 270 --out offload8b.json
 Issue 23, QLoRA of the 70B shape on one GPU (SUITES["qlora70b"], bitsandbytes installed; device_run.sh's stage):
   python benchmarks/bench_train.py --suite qlora70b --nproc 1 --timeout 260 --out qlora70b.json    # ~6-8 min
+Issue 23, LoRA of the Qwen3-30B-A3B shape on one GPU (SUITES["lora30b"]: the HF + PEFT anchors, then shardfit):
+  python benchmarks/bench_train.py --suite lora30b --nproc 1 --timeout 145 --out lora30b.json      # ~3-4 min
+  python benchmarks/bench_train.py --suite lora30b_cpu --nproc 1                                   # CPU check
 """
 
 from __future__ import annotations
@@ -87,13 +90,15 @@ def run_shardfit(label: str, args: list[str], nproc: int, timeout: int) -> dict:
     return out
 
 
-ONE_GPU_ANCHORS = {"peft": "anchor_peft_lora.py", "peft-qlora": "anchor_peft_qlora.py"}
+ONE_GPU_ANCHORS = {"peft": "anchor_peft_lora.py", "peft-qlora": "anchor_peft_qlora.py",
+                   "peft-moe": "anchor_peft_lora_moe.py"}
 
 
 def run_anchor(label: str, args: list[str], nproc: int, anchors: Path, timeout: int, kind: str = "anchor") -> dict:
     """The dense FSDP2 recipe (shared/anchors/plain_fsdp2_llama.py, under torchrun), or with kind "peft" the HF +
     PEFT LoRA recipe (benchmarks/anchor_peft_lora.py, one process on one GPU, as PEFT users run it), "peft-qlora"
-    the same on a bitsandbytes 4-bit base (anchor_peft_qlora.py)."""
+    the same on a bitsandbytes 4-bit base (anchor_peft_qlora.py), "peft-moe" on the Qwen3-MoE shape
+    (anchor_peft_lora_moe.py)."""
     if kind in ONE_GPU_ANCHORS:
         cmd = [sys.executable, str(ROOT / "benchmarks" / ONE_GPU_ANCHORS[kind]), *args]
     else:
@@ -109,7 +114,8 @@ def run_anchor(label: str, args: list[str], nproc: int, anchors: Path, timeout: 
     r = json.loads(lines[-1])
     out.update(tok_s_gpu=r.get("tok_s_gpu"), mfu=r.get("mfu"), peak_alloc_GiB=r.get("peak_alloc_GiB"),
                peak_reserved_GiB=r.get("peak_reserved_GiB"), retries=r.get("retries"), oom=r.get("oom", False))
-    out.update({k: r[k] for k in ("build_s", "built_GiB", "prep", "adapter_dtype", "final_loss") if k in r})
+    out.update({k: r[k] for k in ("build_s", "built_GiB", "prep", "adapter_dtype", "final_loss", "mbs", "targets",
+                                  "experts_impl", "trainable", "step_s") if k in r})
     return out
 
 

@@ -91,8 +91,12 @@
 #             (PEFT, pack_flex), 2 reps (cap RL_CAP, 300 s)
 #   lora8b    issue 23: LoRA SFT, Llama-3-8B shape seq 4096, shardfit (compiled: no AC mbs 1, full AC mbs 4)
 #             against HF + PEFT (benchmarks/anchor_peft_lora.py, full AC mbs 4), one GPU (cap LORA_CAP, 420 s)
-#   lora30b   issue 23's MoE part: LoRA r=16, Qwen3-30B-A3B shape, all 48 layers, seq 4096, compiled, full AC,
-#             mbs 2, one GPU: attention + the experts' grouped adapters, then attention alone (cap LORA30B_CAP, 300 s)
+#   lora30b   issue 23's MoE part: LoRA r=16, Qwen3-30B-A3B shape, all 48 layers, seq 4096, one GPU (H100, the
+#             issue's card): the HF + PEFT anchors first (benchmarks/anchor_peft_lora_moe.py: transformers' default
+#             grouped_mm experts, SDPA, full AC; attention, then attention + experts through target_parameters; mbs 2,
+#             falling back to 1 on an OOM, ~35 s a case), then shardfit compiled, full AC, mbs 2: attention, then
+#             attention + the experts' grouped adapters (cap LORA30B_CAP, 360 s). JSON summary: lora30b_vs_peft
+#             (shardfit attention tok/s over the anchor's), lora30b_experts_vs_peft, *_peak_vs_peft, lora30b_cases
 #   qlora70b  issue 23's QLoRA figure: the Llama-3-70B shape, LoRA r=16 on an NF4 base, seq 4096, ONE H200
 #             (nvidia-h200): HF + PEFT + bitsandbytes 4-bit (benchmarks/anchor_peft_qlora.py, axolotl's preparation,
 #             full AC, mbs 1), then shardfit compiled with no AC (falls back to the first 10 blocks checkpointed),
@@ -246,7 +250,7 @@ for stage in "$@"; do
       t=/tmp/moeprof/profile/step8_rank0.json.gz; [ "$(stat -c %s $t)" -lt 16000000 ] && cp $t "$OUT/moeprof_trace.json.gz"
       python3 -c "import json; print(json.dumps(json.load(open('$OUT/moeprof_summary.json'))['idle'], indent=1))" ;;
     lora8b) env CUDA_VISIBLE_DEVICES=0 timeout ${LORA_CAP:-420} python3 benchmarks/bench_train.py --suite lora8b --nproc 1 --timeout 200 --out "$OUT/lora8b_x1.json" 2>&1 | tail -6 ;;
-    lora30b) env CUDA_VISIBLE_DEVICES=0 timeout ${LORA30B_CAP:-300} python3 benchmarks/bench_train.py --suite lora30b --nproc 1 --timeout 145 --out "$OUT/lora30b_x1.json" 2>&1 | tail -5 ;;
+    lora30b) env CUDA_VISIBLE_DEVICES=0 timeout ${LORA30B_CAP:-360} python3 benchmarks/bench_train.py --suite lora30b --nproc 1 --timeout 145 --out "$OUT/lora30b_x1.json" 2>&1 | tee "$OUT/lora30b.log" | grep -v '^{' | tail -14 ;;
     qlora70b|qlora70b-h100|qlora70b-anchors)
       [ -d /tmp/site/bitsandbytes ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_bnb/*.whl
       python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('bitsandbytes', 'peft', 'transformers', 'torch')})"
