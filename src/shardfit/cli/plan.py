@@ -50,6 +50,13 @@ def plan(argv: list[str]) -> int:
         import torch
 
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    auto = None
+    if cfg.compute.activation_checkpoint == "auto":  # what the run would choose on this GPU (plan/auto_checkpointing)
+        from shardfit.plan.auto_checkpointing import auto_checkpointing
+        from shardfit.plan.proposals import apply
+
+        changes, auto = auto_checkpointing(cfg, world, gpu_gib)
+        cfg = apply(cfg, changes)
     propose = ("--propose" in switches or not configured(cfg, world, gpu_gib, host_gib, per_node)[1]
                or not accepted(cfg, world))  # e.g. a layout the trainer refuses: counted, with what would fit
     if propose:
@@ -63,6 +70,8 @@ def plan(argv: list[str]) -> int:
         print(json.dumps(plan_json(cfg, world, gpu_gib, host_gib, per_node, props, short), indent=1))
         return 0
     print(plan_table(cfg, world, gpu_gib, host_gib, per_node))
+    if auto:
+        print(auto)
     if propose or props:
         print("\n" + proposals_text(props, short, gpu_gib, host_gib))
     return 0

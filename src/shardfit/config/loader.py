@@ -352,6 +352,11 @@ RULES: tuple[Rule, ...] = (
     ("compute.ac_every", lambda c: c.compute.ac_every != 1 and c.compute.activation_checkpoint != "full",
      lambda c: f"{c.compute.ac_every} picks blocks to checkpoint, but compute.activation_checkpoint="
                f"{c.compute.activation_checkpoint}", lambda c: "add compute.activation_checkpoint=full, or drop it"),
+    ("compute.activation_checkpoint", lambda c: c.compute.activation_checkpoint == "auto" and not (
+        c.train.micro_batch or c.train.micro_batch_tokens),
+     lambda c: "auto picks the checkpointed blocks for the configured micro-batch, but train.micro_batch=0 picks the "
+               "micro-batch for the configured checkpointing", lambda c: "set train.micro_batch, or a fixed "
+               "compute.activation_checkpoint (none, selective, full)"),
     ("data.val_fraction", lambda c: c.data.val_path and c.data.val_fraction,
      lambda c: f"{c.data.val_fraction} is set together with data.val_path, which takes its place",
      lambda c: "give one of data.val_path and data.val_fraction"),

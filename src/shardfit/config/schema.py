@@ -222,7 +222,10 @@ class ComputeConfig:
     """How each rank computes its share: activation checkpointing, compilation, dtypes, attention and loss kernels,
     FP8 matmuls, NUMA binding."""
 
-    activation_checkpoint: str = opt("none", "recompute activations in backward", choices=("none", "full", "selective"))
+    activation_checkpoint: str = opt("none", "recompute activations in backward; auto: at start-up, the fewest "
+                                     "blocks checkpointed (the first N) that shardfit plan predicts to fit this GPU "
+                                     "at the configured micro-batch, none when every block fits",
+                                     choices=("none", "full", "selective", "auto"))
     ac_every: int = opt(1, "checkpoint every k-th block only (full mode)", gt=0)
     ac_blocks: int = opt(0, "full mode: checkpoint only the first N blocks (0: every block); the later blocks keep "
                             "their activations and skip the recompute; with ac_every, every k-th of the first N. "

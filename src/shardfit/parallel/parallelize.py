@@ -97,6 +97,8 @@ def checkpointed_blocks(compute: ComputeConfig, n_blocks: int) -> list[bool]:
     the first blocks' backward comes last, when the later blocks' activations are freed, so their recompute adds
     nothing to the peak (plan/estimate.py counts it so)."""
     mode, every, first = compute.activation_checkpoint, compute.ac_every, compute.ac_blocks
+    if mode == "auto":  # a choice for the GPU in hand, made before anything is built (plan/auto_checkpointing.py)
+        raise ValueError("compute.activation_checkpoint=auto must be resolved first (Engine does it at start-up)")
     return [mode == "selective" or (mode == "full" and i % every == 0 and (not first or i < first))
             for i in range(n_blocks)]
 

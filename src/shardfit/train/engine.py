@@ -102,6 +102,26 @@ def apply_alloc_conf(alloc_conf: str) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
 
 
+def resolve_auto_checkpointing(cfg: Config, dist: DistInfo) -> str:
+    """compute.activation_checkpoint=auto, resolved in place before the model is built (plan/auto_checkpointing.py)
+    for the job's smallest GPU: one all-reduce (MIN) of the device memory, so every rank builds the same blocks.
+    Returns the line the run prints."""
+    from shardfit.plan.auto_checkpointing import auto_checkpointing
+
+    gpu_gib = None
+    if dist.device.type == "cuda":
+        total = torch.tensor(float(torch.cuda.get_device_properties(dist.device).total_memory), device=dist.device,
+                             dtype=torch.float64) * (cfg.memory.max_fraction or 1.0)
+        if dist.world_size > 1:
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MIN)
+        gpu_gib = total.item() / 2**30
+    changes, line = auto_checkpointing(cfg, dist.world_size, gpu_gib)
+    for key, value in changes.items():
+        section, _, name = key.partition(".")
+        setattr(getattr(cfg, section), name, value)
+    return line
+
+
 class Engine:
     """Builds the sharded model (initialised, or loaded from `cfg.model.path` or the checkpoint `resume`), its
     optimizer and step runner, and runs steps fed from anywhere: the trainer's data loader, or a server."""
@@ -131,6 +151,8 @@ class Engine:
         # forward() on one rank gathers (casts) the weights once per call instead of once per micro-batch where they
         # fit half the free memory (parallel/gathered.py); False: once per micro-batch, as FSDP does by itself
         self.gather_once = True
+        if cfg.compute.activation_checkpoint == "auto":
+            self.notices.append(resolve_auto_checkpointing(cfg, dist))
         with torch.device("meta"):
             model = build_model(cfg.model, loss_chunk=cfg.compute.loss_chunk)
         model.loss_impl = choose_loss_kernel(cfg.compute.kernels, self.device)
