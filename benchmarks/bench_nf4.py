@@ -120,6 +120,10 @@ def torchao_kernels(w: torch.Tensor):
     return deq, mm, deq()
 
 
+def skipped(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def measure(shape: str, a, dev: torch.device) -> dict:
     out, inn = map(int, shape.split("x"))
     g = torch.Generator(device=dev).manual_seed(0)
@@ -137,20 +141,24 @@ def measure(shape: str, a, dev: torch.device) -> dict:
         deq = triton_kernel(w, parts)
         kernels["shardfit_triton"] = (deq, (lambda x, deq=deq: x @ deq().t()), deq())
         row["shardfit_triton_exact"] = bool(torch.equal(kernels["shardfit_triton"][2], eager_ref))
+    except Exception as e:  # no CUDA or no Triton here: said, not fatal
+        row["shardfit_triton_skipped"] = skipped(e)
+    if "shardfit_triton" in kernels:
         sweep, exact = {}, True
         for tile, warps in TRITON_LAUNCHES:
-            fn = triton_kernel(w, parts, tile, warps)
-            exact = exact and bool(torch.equal(fn(), eager_ref))
-            sweep[f"tile{tile}_w{warps}"] = round(timed(fn, dev, a.reps, a.warmup), 4)
+            try:
+                fn = triton_kernel(w, parts, tile, warps)
+                exact = exact and bool(torch.equal(fn(), eager_ref))
+                sweep[f"tile{tile}_w{warps}"] = round(timed(fn, dev, a.reps, a.warmup), 4)
+            except Exception as e:  # a launch shape this Triton does not build: said, the others go on
+                sweep[f"tile{tile}_w{warps}"] = skipped(e)
         row["shardfit_triton_sweep"], row["shardfit_triton_sweep_exact"] = sweep, exact
         print(f"{shape}: Triton launches (dequantise ms): {sweep}, all exact: {exact}", flush=True)
-    except Exception as e:  # no CUDA or no Triton here: said, not fatal
-        row["shardfit_triton_skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     for name, make in (("bitsandbytes", bnb_kernels), ("torchao", torchao_kernels)):
         try:
             kernels[name] = make(w)
         except Exception as e:  # not installed here, or no kernel for this device: said, not fatal
-            row[f"{name}_skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row[f"{name}_skipped"] = skipped(e)
     for name, (deq, mm, ref) in kernels.items():
         ms = timed(deq, dev, a.reps, a.warmup)
         row[name] = {"dequant_ms": round(ms, 4), "dequant_gbps": round(w.numel() * 2 / ms / 1e6, 1),
