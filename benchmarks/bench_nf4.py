@@ -1,6 +1,8 @@
 """NF4 kernels side by side (issue 23: "choose the kernel path by measurement"): shardfit's own NF4 (adapters/nf4.py,
-eager and under torch.compile) against bitsandbytes 4-bit (what HF + PEFT QLoRA runs), and torchao's NF4Tensor when
-it imports, on the Llama-3-70B linear shapes.
+eager, under torch.compile and through its Triton kernel, kernels/nf4_dequant.py: what QLoRA runs on CUDA) against
+bitsandbytes 4-bit (what HF + PEFT QLoRA runs), and torchao's NF4Tensor when it imports, on the Llama-3-70B linear
+shapes. The Triton kernel is also timed at a few launch shapes (shardfit_triton_sweep: tile blocks x warps; the
+default is tile64_w4), each checked bit for bit against the eager dequantisation.
 
 For each weight [out, in]: the time to dequantise it whole to bf16 (what a QLoRA layer does in forward, in the
 recompute and in backward), as effective GB/s of bf16 written; and the frozen layer's forward y = x W^T at
@@ -50,17 +52,40 @@ def timed(fn, device: torch.device, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def ours(w: torch.Tensor, compiled: bool):
-    """(dequantise(), error) for shardfit's NF4 of w."""
+def packed(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """shardfit's NF4 storage of w (codes, absmax, stats)."""
+    return nf4.quantize(nf4.pad_to_groups(w.reshape(-1), nf4.n_groups(w.numel())))
+
+
+def ours(w: torch.Tensor, parts: tuple[torch.Tensor, ...], compiled: bool):
+    """(dequantise(), reference) for shardfit's NF4 of w: PyTorch ops, eager or compiled."""
     out, inn = w.shape
-    groups = nf4.n_groups(w.numel())
-    codes, absmax, stats = nf4.quantize(nf4.pad_to_groups(w.reshape(-1), groups))
 
     def deq():
-        return nf4.dequantize(codes, absmax, stats, torch.bfloat16)[:out * inn].view(out, inn)
+        return nf4.dequantize(*parts, torch.bfloat16)[:out * inn].view(out, inn)
 
     fn = torch.compile(deq) if compiled else deq
     return fn, deq()
+
+
+TRITON_LAUNCHES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]  # (tile blocks, warps)
+
+
+def triton_kernel(w: torch.Tensor, parts: tuple[torch.Tensor, ...], tile_blocks: int | None = None,
+                  num_warps: int | None = None):
+    """dequantise() for shardfit's NF4 of w through the Triton kernel (nf4.dequantize_kernel, as QLoRA calls it; or
+    the kernel itself at another launch shape)."""
+    from shardfit.kernels.nf4_dequant import nf4_dequant
+
+    out, inn = w.shape
+    if not nf4.kernel_dequantizes(parts[0], torch.bfloat16):
+        raise RuntimeError("the Triton kernel runs on CUDA with Triton only")
+    if tile_blocks is None:
+        return lambda: nf4.dequantize_kernel(*parts, out * inn, torch.bfloat16).view(out, inn)
+    codes, absmax, stats = nf4.stored(*parts)
+    levels = torch.tensor(nf4.NF4_LEVELS, device=w.device)
+    return lambda: nf4_dequant(codes, absmax, stats.view(torch.float32), levels, out * inn, torch.bfloat16,
+                               tile_blocks=tile_blocks, num_warps=num_warps).view(out, inn)
 
 
 def bnb_kernels(w: torch.Tensor):
@@ -95,6 +120,10 @@ def torchao_kernels(w: torch.Tensor):
     return deq, mm, deq()
 
 
+def skipped(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def measure(shape: str, a, dev: torch.device) -> dict:
     out, inn = map(int, shape.split("x"))
     g = torch.Generator(device=dev).manual_seed(0)
@@ -103,20 +132,50 @@ def measure(shape: str, a, dev: torch.device) -> dict:
     scale = w.float().abs().mean()
     row = {"shape": shape, "bf16_mm_ms": timed(lambda: x @ w.t(), dev, a.reps, a.warmup)}
     kernels = {}
+    parts = packed(w)
     for name, compiled in (("shardfit_eager", False), ("shardfit_compiled", True)):
-        deq, ref = ours(w, compiled)
+        deq, ref = ours(w, parts, compiled)
         kernels[name] = (deq, (lambda x, deq=deq: x @ deq().t()), ref)
+    eager_ref = kernels["shardfit_eager"][2]
+    try:
+        deq = triton_kernel(w, parts)
+        kernels["shardfit_triton"] = (deq, (lambda x, deq=deq: x @ deq().t()), deq())
+        row["shardfit_triton_exact"] = bool(torch.equal(kernels["shardfit_triton"][2], eager_ref))
+    except Exception as e:  # no CUDA or no Triton here: said, not fatal
+        row["shardfit_triton_skipped"] = skipped(e)
+    if "shardfit_triton" in kernels:
+        sweep, exact = {}, True
+        for tile, warps in TRITON_LAUNCHES:
+            try:
+                fn = triton_kernel(w, parts, tile, warps)
+                exact = exact and bool(torch.equal(fn(), eager_ref))
+                sweep[f"tile{tile}_w{warps}"] = round(timed(fn, dev, a.reps, a.warmup), 4)
+            except Exception as e:  # a launch shape this Triton does not build: said, the others go on
+                sweep[f"tile{tile}_w{warps}"] = skipped(e)
+        row["shardfit_triton_sweep"], row["shardfit_triton_sweep_exact"] = sweep, exact
+        print(f"{shape}: Triton launches (dequantise ms): {sweep}, all exact: {exact}", flush=True)
     for name, make in (("bitsandbytes", bnb_kernels), ("torchao", torchao_kernels)):
         try:
             kernels[name] = make(w)
         except Exception as e:  # not installed here, or no kernel for this device: said, not fatal
-            row[f"{name}_skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row[f"{name}_skipped"] = skipped(e)
     for name, (deq, mm, ref) in kernels.items():
         ms = timed(deq, dev, a.reps, a.warmup)
         row[name] = {"dequant_ms": round(ms, 4), "dequant_gbps": round(w.numel() * 2 / ms / 1e6, 1),
                      "linear_ms": round(timed(lambda mm=mm: mm(x), dev, a.reps, a.warmup), 4),
                      "rel_error": round(float((w.float() - ref.float()).abs().mean() / scale), 5)}
+    if "shardfit_triton" in row and "bitsandbytes" in row:  # > 1: the Triton kernel dequantises faster
+        ours_ms, bnb_ms = row["shardfit_triton"]["dequant_ms"], row["bitsandbytes"]["dequant_ms"]
+        row["triton_vs_bnb_dequant"] = round(bnb_ms / ours_ms, 3)
     return row
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def main() -> None:
@@ -134,14 +193,15 @@ def main() -> None:
         rows.append(measure(shape, a, dev))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    names = [k for k in ("shardfit_eager", "shardfit_compiled", "bitsandbytes", "torchao") if k in rows[0]]
+    names = [k for k in ("shardfit_eager", "shardfit_compiled", "shardfit_triton", "bitsandbytes", "torchao")
+             if k in rows[0]]
     print(f"{'shape':>12} {'bf16 mm':>8} " + " ".join(f"{n[:17]:>26}" for n in names))
     print(f"{'':>12} {'ms':>8} " + " ".join(f"{'deq ms / linear ms / err':>26}" for _ in names))
     for r in rows:
         cells = [f"{r[n]['dequant_ms']:7.3f} / {r[n]['linear_ms']:7.3f} / {r[n]['rel_error']:.4f}" for n in names]
         print(f"{r['shape']:>12} {r['bf16_mm_ms']:8.3f} " + " ".join(f"{c:>26}" for c in cells))
     result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "tokens": a.tokens,
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "triton": triton_version(), "rows": rows}
     line = json.dumps(result)
     if a.out:
         Path(a.out).write_text(line + "\n")

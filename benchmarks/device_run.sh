@@ -73,7 +73,8 @@
 #   house1-moe    moe1's fastest shardfit case (6 layers, compiled, overlapped step), 40 steps, old/new/old/new:
 #                 wall-clock ms per step from timestamped log lines (benchmarks/wall_per_step.py; ~110 s)
 # Issue 23, QLoRA: nf4  benchmarks/bench_nf4.py, NF4 dequantisation and the frozen linear's forward at the 70B
-#   shapes: shardfit eager and compiled, bitsandbytes 0.50.2 (carry benchmarks/wheels_bnb), torchao if present (~40 s)
+#   shapes: shardfit eager, compiled and its Triton kernel (kernels/nf4_dequant.py, with a sweep of its launch
+#   shapes), bitsandbytes 0.50.2 (carry benchmarks/wheels_bnb), torchao if present (~50 s)
 # Issue 24, the training side of RL (benchmarks/bench_rl.py: shardfit's Engine against the anchor hf_rl_step.py on
 # its own rollout data, one GPU). Carry .anchors (a copy of shared/anchors) and benchmarks/wheels_rl (tinker 0.38.0,
 # fastapi, uvicorn and their dependencies missing on the device, ~15 MB, for Python 3.12; made here by
@@ -208,9 +209,9 @@ for stage in "$@"; do
     tests1) env CUDA_VISIBLE_DEVICES=0 timeout 180 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/kernels tests/cuda 2>&1 | tee "$OUT/pytest_cuda1.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -30 ;;
     tests-a2a1) env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_moe.py -k "one_gpu or grouped" 2>&1 | tee "$OUT/pytest_a2a1.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12 ;;
     tests1b) env CUDA_VISIBLE_DEVICES=0 timeout 250 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_training.py tests/cuda/test_cuda_varlen.py 2>&1 | tee "$OUT/pytest_cuda1b.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -16 ;;
-    nf4)  # issue 23: NF4 kernels at the 70B linear shapes, shardfit eager/compiled against bitsandbytes (carry benchmarks/wheels_bnb)
+    nf4)  # issue 23: NF4 kernels at the 70B linear shapes, shardfit eager/compiled/Triton against bitsandbytes (carry benchmarks/wheels_bnb)
       [ -d /tmp/site/bitsandbytes ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_bnb/*.whl
-      env CUDA_VISIBLE_DEVICES=0 timeout ${NF4_CAP:-150} python3 benchmarks/bench_nf4.py --out "$OUT/nf4_x1.json" 2>&1 | grep -v '^{' | tail -8 ;;
+      env CUDA_VISIBLE_DEVICES=0 timeout ${NF4_CAP:-150} python3 benchmarks/bench_nf4.py --out "$OUT/nf4_x1.json" 2>&1 | grep -v '^{' | tail -12 ;;
     moeprof1)
       python3 -c "import sys, argparse; sys.path.insert(0, 'benchmarks'); import bench_moe; bench_moe.ensure_data(argparse.Namespace(tokens='uniform', assets='/tmp/ttassets', dry_run=False))"
       cmd=$(python3 benchmarks/bench_moe.py --dry-run --nproc 1 --layers 6 --only "shardfit no-AC compile overlap-opt" | grep -o 'torchrun .*')

@@ -17,11 +17,15 @@ makes every sharded parameter require grad), and a carrier equal to FSDP's param
 Memory: 0.5 + 1/64 + 8/16384 = 0.516113 bytes a weight (4.13 bits; bf16: 2 bytes), plus < 16,384 padded weights
 a tensor. Dequantisation is exact: fp32(level x absmax) (two fp32 values, one rounding), then the compute dtype; its
 transient is ~6 bytes a weight eagerly (fp32 levels, then the copy in dtype), one fused kernel under torch.compile.
+On CUDA with Triton, dequantize_kernel does the same arithmetic, bit for bit, in one hand-written kernel that reads
+the packed tensors once and writes the weight once (kernels/nf4_dequant.py; ~2.5 bytes of traffic a weight).
 """
 
 from __future__ import annotations
 
 import torch
+
+from shardfit.kernels.nf4_dequant import available, nf4_dequant
 
 BLOCK = 64  # weights per absmax
 GROUP_BLOCKS = 256  # absmaxes per second-level (mean, scale)
@@ -39,7 +43,8 @@ _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 def _table(kind: str, device: torch.device) -> torch.Tensor:
     """Constants per device: "mids" [15] fp32 (the midpoints between neighbouring levels: a value goes to the nearest
-    level), "pairs" [256, 2] fp32 (the two levels a packed byte holds, high nibble first). Made once per device in
+    level), "pairs" [256, 2] fp32 (the two levels a packed byte holds, high nibble first), "levels" [16] fp32 (the
+    kernel's table). Made once per device in
     eager code; under torch.compile made in the graph (a cache filled inside a traced autograd.Function would be a
     side effect dynamo refuses), where they fold into constants."""
     if torch.compiler.is_compiling():
@@ -53,6 +58,8 @@ def _make(kind: str, device: torch.device) -> torch.Tensor:
     levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
     if kind == "mids":
         return ((levels[1:].double() + levels[:-1].double()) / 2).float()
+    if kind == "levels":
+        return levels
     byte = torch.arange(256, device=device)
     return torch.stack([levels[byte >> 4], levels[byte & 15]], dim=1)
 
@@ -114,6 +121,20 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, d
     return pairs.view(-1).to(dtype)
 
 
+def kernel_dequantizes(codes: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether dequantize_kernel runs for this storage and dtype here: CUDA tensors with Triton importable."""
+    return dtype in (torch.bfloat16, torch.float16, torch.float32) and available(codes)
+
+
+def dequantize_kernel(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, numel: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """dequantize(codes, absmax, stats, dtype)[:numel], bit for bit, by one Triton kernel (kernels/nf4_dequant.py):
+    the first `numel` weights, flat, in dtype (the padding is never written). Takes carried storage too (the integer
+    views are the same bytes); contiguous, on CUDA (kernel_dequantizes). No host synchronisation."""
+    codes, absmax, stats = stored(codes, absmax, stats)
+    return nf4_dequant(codes, absmax, stats.view(torch.float32), _table("levels", codes.device), numel, dtype)
+
+
 def pad_to_groups(flat: torch.Tensor, groups: int) -> torch.Tensor:
     """flat, zero-padded to groups * GROUP elements (zeros quantise to the exact zero level)."""
     missing = groups * GROUP - flat.numel()
@@ -127,5 +148,5 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["BLOCK", "BYTES_PER_WEIGHT", "GROUP", "GROUP_BLOCKS", "NF4_LEVELS", "ROW_BYTES", "ROW_STORED_BYTES",
-           "STORED", "block_absmax", "carried", "dequantize", "n_groups", "pad_to_groups", "quantize", "stored",
-           "unpack_codes"]
+           "STORED", "block_absmax", "carried", "dequantize", "dequantize_kernel", "kernel_dequantizes", "n_groups",
+           "pad_to_groups", "quantize", "stored", "unpack_codes"]

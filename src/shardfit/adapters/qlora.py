@@ -5,7 +5,8 @@ The module: each LoRA target that is a linear layer of a block loses its `weight
 position, so module order is kept) come weight_nf4 (8192 bytes a group), weight_absmax (256) and weight_stats (8)
 (g = ceil(out x in / 16,384) groups of the flattened weight), all frozen, stored bit for bit as [g, bytes / size]
 views in the replaced weight's dtype (the "carrier": nf4.py's `carried`; the compute dtype). Its forward dequantises the
-whole weight to the input's dtype inside a custom operator (shardfit::nf4_linear), multiplies and frees it; backward
+whole weight to the input's dtype inside a custom operator (shardfit::nf4_linear; on CUDA by one Triton kernel,
+kernels/nf4_dequant.py), multiplies and frees it; backward
 dequantises again for dX = dY W (saved: the codes, never the dequantised weight). Checkpointing's recompute repeats
 the forward, dequantisation included. Embeddings, norms, the head and MoE experts stay in the compute dtype.
 FSDP2: the three are parameters of the block's group, sharded along dim 0, so a rank holds rows [g0, g0 + n) of each,
@@ -35,6 +36,8 @@ from shardfit.adapters.nf4 import (
     ROW_STORED_BYTES,
     carried,
     dequantize,
+    dequantize_kernel,
+    kernel_dequantizes,
     n_groups,
     pad_to_groups,
     quantize,
@@ -60,12 +63,17 @@ def dequantized(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, 
 # holds one node for it, which checkpointing recomputes like any other. As an autograd.Function traced into the
 # graph, its matmul outputs escaped the checkpoint's recompute tags and were saved (measured: 0.56 GiB a block of the
 # 70B shape at 4,096 tokens, 97 GiB at full checkpointing where 52 were planned). Its autograd saves the codes, never
-# the dequantised weight. fused: dequantise with one compiled kernel (compute.compile; ~2.5 bytes of traffic a
-# weight instead of ~18 eagerly), made once per process and shape-generic.
+# the dequantised weight. On CUDA with Triton the dequantisation is one hand-written kernel (nf4.dequantize_kernel,
+# kernels/nf4_dequant.py: ~2.5 bytes of traffic a weight at the memory's speed), compiled or not; elsewhere fused
+# dequantises with one compiled kernel (compute.compile; ~2.5 bytes a weight instead of ~18 eagerly, but at about
+# half the speed on an H200), made once per process and shape-generic. All three give the same bits.
 
 
 def _dequant(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, out_features: int, in_features: int,
              dtype: torch.dtype, fused: bool) -> torch.Tensor:
+    if kernel_dequantizes(codes, dtype):
+        return dequantize_kernel(codes, absmax, stats, out_features * in_features, dtype).view(out_features,
+                                                                                                in_features)
     fn = compiled_once(dequantized, dynamic=True) if fused else dequantized
     return fn(codes, absmax, stats, (out_features, in_features), dtype)
 
@@ -114,7 +122,7 @@ class NF4Linear(nn.Linear):
     (adapters/lora.py's lora_class)."""
 
     quantized_numel: int  # out x in: the weights it stands for (models.count_params counts these, not its bytes)
-    fused_dequant = False  # dequantise with one compiled kernel (apply_nf4's fused: compute.compile)
+    fused_dequant = False  # without the Triton kernel (CPU): dequantise with one compiled kernel (compute.compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = nf4_linear(x, self.weight_nf4, self.weight_absmax, self.weight_stats, self.out_features,
