@@ -257,7 +257,9 @@ def profiles(rows: list[dict], r: ro.Rollouts, a, S: dict) -> None:
     ppo_profile: the 8B LoRA PPO step (lora-ppo); its bounds say how far 2x is (rl_profile.bounds) against the
     matmul ceiling measured in the shardfit worker; useful: the step's matmul and attention work by the model's
     sizes over the real tokens (rl_profile.dense_flops, the head over response rows only, 2 passes), per second of
-    each side's unprofiled step. moe_fwd_profile: one forward of the MoE part, each side."""
+    each side's unprofiled step; bounds.useful_*: the anchor's step over that work (with and without the blocks'
+    recompute) at the ceiling, what no implementation of this step can beat. moe_fwd_profile: one forward of the
+    MoE part, each side."""
     sf, hf = _get(rows, "lora-ppo", "shardfit"), _get(rows, "lora-ppo", "hf")
     mine, theirs = _prof(sf, "prof-ppo"), _prof(hf, "prof-ppo")
     if mine or theirs:
@@ -286,6 +288,13 @@ def profiles(rows: list[dict], r: ro.Rollouts, a, S: dict) -> None:
                 if att_ms:
                     use[f"{side}_attention_TFLOPs"] = round(att / att_ms * 1e3, 1)
             P["useful"] = use
+            if best and ceil and P.get("bounds"):  # any step doing the model's own matmul work, at the ceiling
+                bare = rp.dense_flops(rp.QWEN3_8B, sum(lens), r.response_tokens, lora_rank=LORA_RANK, head_passes=2,
+                                      recompute=False)["total_TFLOP"]
+                P["bounds"]["useful_at_ceiling_rest_free"] = round(best["step_s"] / (use["total_TFLOP"]
+                                                                                     / ceil["TFLOPs"]), 3)
+                P["bounds"]["useful_no_recompute_at_ceiling_rest_free"] = round(best["step_s"] / (bare
+                                                                                                  / ceil["TFLOPs"]), 3)
         S["ppo_profile"] = P
     errors = {side: x["error"] for side, lines in (("shardfit", sf), ("anchor", hf)) for x in lines
               if x.get(TAG) == "prof-ppo" and x.get("error")}
