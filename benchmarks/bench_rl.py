@@ -15,7 +15,12 @@ run in the order --parts lists them; "part/shardfit" or "part/hf" runs one syste
              settings (bench_rl_workers.profile_forward) and one pass of each profiled: GPU time by where it went
   lora-ppo   the PPO step of the anchor's part D, Qwen3-8B shape with LoRA r=16 alpha 32 on the 7 linear layers of
              every block and full checkpointing (as the anchor): Engine against PEFT in --hf-ppo layouts
-             (rl_lora_fwdbwd_vs_hf)
+             (rl_lora_fwdbwd_vs_hf). With --prof-out DIR, after the timed steps one more step of each side under
+             torch.profiler (shapes recorded), the anchor's driven through its own functions
+             (bench_rl_workers.worker_hf_lora: part D's lines, then run_ppo with the profiler on for the timed
+             iteration alone and its head labelled), and the card's bf16 matmul ceiling measured first: GPU time
+             of each side by rl_profile.ROWS, matmul FLOPs and TFLOP/s by class, how far 2x is (rl_profile.bounds)
+             -> DIR/ppo_{shardfit,hf}_summary.json, DIR/ppo_compare.json, summary.ppo_profile
   dense-ppo  PPO step with full fine-tuning, Qwen3-1.7B shape: Engine.forward_backward("ppo", token_mean) +
              optim_step against the anchor's part E (fp32 master + bf16 autocast, checkpointing, fused AdamW, clip
              1.0) in --hf-ppo (pack_flex: its fastest). Like with like: the anchor's 8B PPO (part D) is LoRA, and no
@@ -27,7 +32,8 @@ run in the order --parts lists them; "part/shardfit" or "part/hf" runs one syste
              (plain bf16 model: FSDP2 does not run under inference_mode), the PPO step under FSDP2 (fp32 master, bf16
              compute, HF checkpointing), as verl / SkyRL run it. Then Engine.weights(bf16, 256 MiB buckets) streamed
              twice (GB/s of HF-named full tensors on the GPU) and Engine.export_hf to local disk (GB/s, and with
-             os.sync())
+             os.sync()). With --prof-out DIR, one forward of each side profiled last (the anchor's first --hf-fwd
+             layout): DIR/moe_fwd_{shardfit,hf}_summary.json, DIR/moe_fwd_compare.json, summary.moe_fwd_profile
   serve      the same PPO step through the official tinker SDK and `shardfit serve` (one rank, loopback) against
              Engine in process (--serve-shape; --serve-lora 16: `serve --lora.rank=16`, the lora-ppo step; a part
              run before at the same shape and LoRA rank gives the in-process figure and the inputs). Step time =
@@ -40,7 +46,7 @@ up to 128 (17,408). shardfit's time includes packing the datums and returning pe
 the anchor builds its micro-batches before its clock starts. Peak memory: torch.cuda.max_memory_* of the phase.
 JSON summary: rl_fwd_vs_hf, rl_fwdbwd_vs_hf and rl_lora_fwdbwd_vs_hf (dicts by shape: shardfit over the anchor's
 fastest layout measured), *_vs_hf_default (over `pad`), weights_GBps, export_hf_GBps, serve_vs_inprocess (SDK step /
-in-process step), fwd_variants_real_tok_s and fwd_profile_ms (--prof-out).
+in-process step), fwd_variants_real_tok_s and fwd_profile_ms, ppo_profile and moe_fwd_profile (--prof-out).
 The device lacks the SDK and the server stack: benchmarks/wheels_rl (git-ignored, carried; device_run.sh's rl stages
 install it into /tmp/site) holds, for CPython 3.12 manylinux x86_64 (pip download --no-deps): tinker==0.38.0
 fastapi==0.165.0 uvicorn==0.54.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
@@ -66,6 +72,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rl_profile as rp  # noqa: E402
 import rollouts as ro  # noqa: E402
 from bench_moe import why  # noqa: E402
 from bench_rl_workers import SHAPES, TAG, WORKERS, engine_overrides, vocab_of  # noqa: E402
@@ -73,7 +80,8 @@ from bench_rl_workers import SHAPES, TAG, WORKERS, engine_overrides, vocab_of  #
 LORA_RANK = 16  # the anchor's part D: LoRA r=16 alpha 32 on all 7 linear layers
 from bench_train import ROOT, _run_group  # noqa: E402  (bench_train's private helpers, on purpose)
 
-CAPS = {"sf": 200, "sf-prof": 230, "hf": 200, "sf-moe": 240, "hf-moe": 220, "server": 180, "sdk": 150}
+CAPS = {"sf": 200, "sf-prof": 230, "hf": 200, "sf-moe": 240, "hf-moe": 220, "server": 180, "sdk": 150,
+        "sf-prof-ppo": 260, "hf-prof-ppo": 400}
 MIN_START = 0.4  # a run is not started with less than this fraction of its cap left of the budget
 
 
@@ -91,7 +99,7 @@ def worker_cmd(a, kind: str, *extra: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--device", a.device, "--scale",
             str(a.scale), "--reps", str(a.reps), "--fwd-reps", str(a.fwd_reps), "--anchor", str(a.anchor),
             "--moe-layers", str(a.moe_layers), "--hf-fwd", a.hf_fwd, "--hf-ppo", a.hf_ppo, "--sf-extra", a.sf_extra,
-            *extra]
+            "--prof-out", a.prof_out, *extra]
 
 
 def anchor_cmd(a, shape: str, T: int, full: bool, cap: int, lora: bool = False) -> list[str]:
@@ -181,7 +189,9 @@ def _sf(lines: list[dict], kind: str) -> dict | None:
 
 
 def _hf(lines: list[dict], part: str, layout: str | None = None) -> dict | None:
-    c = [x for x in lines if x.get("part") == part and "real_tok_s" in x and layout in (None, x.get("layout"))]
+    """The anchor's fastest timed line of a part (profiled passes, tagged "profiled", are not figures)."""
+    c = [x for x in lines if x.get("part") == part and "real_tok_s" in x and layout in (None, x.get("layout"))
+         and x.get("tag") != "profiled"]
     return max(c, key=lambda x: x["real_tok_s"]) if c else None
 
 
@@ -234,7 +244,78 @@ def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
     prof = {x["variant"]: x["table_ms"] for x in fwd if x.get(TAG) == "prof"}
     if prof:
         S["fwd_profile_ms"] = prof
+    profiles(rows, r, a, S)
     return S
+
+
+def _prof(lines: list[dict], kind: str) -> dict | None:
+    return next((x for x in reversed(lines) if x.get(TAG) == kind and x.get("class_table_ms")), None)
+
+
+def profiles(rows: list[dict], r: ro.Rollouts, a, S: dict) -> None:
+    """--prof-out: the two sides' profiles kernel class by kernel class (rl_profile), into S and DIR/*_compare.json.
+    ppo_profile: the 8B LoRA PPO step (lora-ppo); its bounds say how far 2x is (rl_profile.bounds) against the
+    matmul ceiling measured in the shardfit worker; useful: the step's matmul and attention work by the model's
+    sizes over the real tokens (rl_profile.dense_flops, the head over response rows only, 2 passes), per second of
+    each side's unprofiled step; bounds.useful_*: the anchor's step over that work (with and without the blocks'
+    recompute) at the ceiling, what no implementation of this step can beat. moe_fwd_profile: one forward of the
+    MoE part, each side."""
+    sf, hf = _get(rows, "lora-ppo", "shardfit"), _get(rows, "lora-ppo", "hf")
+    mine, theirs = _prof(sf, "prof-ppo"), _prof(hf, "prof-ppo")
+    if mine or theirs:
+        P = {"table_ms [shardfit, anchor, anchor/shardfit]": rp.compare((mine or {}).get("class_table_ms", {}),
+                                                                        (theirs or {}).get("class_table_ms", {})),
+             "gemm": {"shardfit": (mine or {}).get("gemm"), "anchor": (theirs or {}).get("gemm")},
+             "profiled_wall_s": {"shardfit": (mine or {}).get("wall_s"), "anchor": (theirs or {}).get("wall_s")},
+             "kernels": {"shardfit": (mine or {}).get("kernels"), "anchor": (theirs or {}).get("kernels")}}
+        ppo, best, ceil = _sf(sf, "ppo"), _hf(hf, "D"), _sf(sf, "ceiling")
+        P["ceiling"] = ceil and {k: ceil[k] for k in ("TFLOPs", "by_shape", "gpu")}
+        if mine and ppo and best:
+            P["bounds"] = rp.bounds({"table": mine["class_table_ms"], "gemm": mine["gemm"]},
+                                    {"table": (theirs or {}).get("class_table_ms", {}),
+                                     "gemm": (theirs or {}).get("gemm")},
+                                    ppo["step_s"], best["step_s"], ceil and ceil["TFLOPs"])
+        if a.fwd_shape == "8b":
+            lens = [len(x) - 1 for x in r.seqs]  # a datum's positions
+            use = rp.dense_flops(rp.QWEN3_8B, sum(lens), r.response_tokens, lora_rank=LORA_RANK, head_passes=2)
+            att = 4.5 * rp.attention_flops(lens, 32, 128, 36) * 1e-12  # forward, recompute, backward (2.5x)
+            use["attention_TFLOP"] = round(att, 1)
+            for side, line, step in (("shardfit", mine, ppo), ("anchor", theirs, best)):
+                if step:
+                    use[f"{side}_useful_TFLOPs"] = round(use["total_TFLOP"] / step["step_s"], 1)
+                t = (line or {}).get("class_table_ms", {})
+                att_ms = t.get("attention: forward", 0) + t.get("attention: backward + recompute", 0)
+                if att_ms:
+                    use[f"{side}_attention_TFLOPs"] = round(att / att_ms * 1e3, 1)
+            P["useful"] = use
+            if best and ceil and P.get("bounds"):  # any step doing the model's own matmul work, at the ceiling
+                bare = rp.dense_flops(rp.QWEN3_8B, sum(lens), r.response_tokens, lora_rank=LORA_RANK, head_passes=2,
+                                      recompute=False)["total_TFLOP"]
+                P["bounds"]["useful_at_ceiling_rest_free"] = round(best["step_s"] / (use["total_TFLOP"]
+                                                                                     / ceil["TFLOPs"]), 3)
+                P["bounds"]["useful_no_recompute_at_ceiling_rest_free"] = round(best["step_s"] / (bare
+                                                                                                  / ceil["TFLOPs"]), 3)
+        S["ppo_profile"] = P
+    errors = {side: x["error"] for side, lines in (("shardfit", sf), ("anchor", hf)) for x in lines
+              if x.get(TAG) == "prof-ppo" and x.get("error")}
+    if errors:
+        S.setdefault("ppo_profile", {})["errors"] = errors
+    sf, hf = _get(rows, "moe", "shardfit"), _get(rows, "moe", "hf")
+    mine, theirs = _prof(sf, "prof"), _prof(hf, "prof")
+    if mine or theirs:
+        M = {"table_ms [shardfit, anchor, anchor/shardfit]": rp.compare((mine or {}).get("class_table_ms", {}),
+                                                                        (theirs or {}).get("class_table_ms", {})),
+             "gemm": {"shardfit": (mine or {}).get("gemm"), "anchor": (theirs or {}).get("gemm")},
+             "profiled_wall_s": {"shardfit": (mine or {}).get("wall_s"), "anchor": (theirs or {}).get("wall_s")},
+             "kernels": {"shardfit": (mine or {}).get("kernels"), "anchor": (theirs or {}).get("kernels")}}
+        if a.device == "cuda":
+            lens = [len(x) - 1 for x in r.seqs]
+            M["useful"] = rp.moe_forward_flops(rp.QWEN3_30B_A3B, a.moe_layers, sum(lens), r.response_tokens)
+        S["moe_fwd_profile"] = M
+    errors = {side: x["error"] for side, lines in (("shardfit", sf), ("anchor", hf)) for x in lines
+              if x.get(TAG) == "prof" and x.get("error")}
+    if errors:
+        S.setdefault("moe_fwd_profile", {})["errors"] = errors
 
 
 def table(rows: list[dict], S: dict) -> None:
@@ -243,7 +324,8 @@ def table(rows: list[dict], S: dict) -> None:
         if "skipped" in row or row.get("error"):
             print(f"{row.get('part', ''):<10} {row['label'][:34]:<34} {row.get('skipped') or row.get('error')}"[:150])
         for x in row.get("lines", []):
-            kind = x.get(TAG) or (x.get("part") in ("C", "D", "E") and f"{x['part']} {x.get('layout')}")
+            kind = x.get(TAG) or (x.get("part") in ("C", "D", "E") and f"{x['part']} {x.get('layout')}"
+                                  + (" (profiled)" if x.get("tag") == "profiled" else ""))
             if kind == "fwd-variant":
                 kind = f"fwd {x['variant']}"
             if kind and "real_tok_s" in x:
@@ -263,8 +345,27 @@ def table(rows: list[dict], S: dict) -> None:
         print(f"\n{'Engine.forward GPU time (ms)':<50}" + "".join(f"{n:>10}" for n in names))
         for row in prof[names[0]]:
             print(f"{row:<50}" + "".join(f"{prof[n].get(row, 0):>10.1f}" for n in names))
+    for key, title in (("ppo_profile", "PPO step, 8B LoRA"), ("moe_fwd_profile", "MoE forward")):
+        P = S.get(key)
+        if not P:
+            continue
+        if P.get("errors"):
+            print(f"\n{title}: profile errors {json.dumps(P['errors'])}")
+        t = P.get("table_ms [shardfit, anchor, anchor/shardfit]", {})
+        print(f"\n{title + ': GPU time (ms)':<46}{'shardfit':>10}{'anchor':>10}{'x':>7}")
+        for row, (x, y, q) in t.items():
+            print(f"{row:<46}{x:>10.1f}{y:>10.1f}{rp.fmt(q):>7}")
+        for side, g in P.get("gemm", {}).items():
+            if g:
+                print(f"{side} matmuls: " + ", ".join(f"{c} {v['ms']:.0f} ms {v['TFLOP']:.1f} TFLOP "
+                                                       f"{rp.fmt(v['TFLOPs'])} TFLOP/s"
+                                                       for c, v in g.items() if v["ms"]))
+        for k in ("bounds", "useful", "ceiling"):
+            if P.get(k):
+                print(f"{k}: {json.dumps(P[k])}")
     for k, v in S.items():  # the ratios first
-        if v not in ({}, None) and k not in ("same_data", "params", "fwd_profile_ms"):
+        if v not in ({}, None) and k not in ("same_data", "params", "fwd_profile_ms", "ppo_profile",
+                                             "moe_fwd_profile"):
             print(f"{k}: {json.dumps(v)}")
     print(f"same data as the anchor: {json.dumps(S['same_data'])}; parameters: {json.dumps(S['params'])}")
 
@@ -301,6 +402,10 @@ def main_parent(a) -> int:
 
     def write(complete: bool) -> None:
         S = summarize(rows, r, a)
+        for key, name in (("ppo_profile", "ppo_compare.json"), ("moe_fwd_profile", "moe_fwd_compare.json")):
+            if a.prof_out and S.get(key):
+                Path(a.prof_out).mkdir(parents=True, exist_ok=True)
+                (Path(a.prof_out) / name).write_text(json.dumps(S[key], indent=1))
         if a.out:
             Path(a.out).write_text(json.dumps({"env": env, "summary": S, "rows": rows, "complete": complete},
                                               indent=1))
@@ -327,10 +432,9 @@ def main_parent(a) -> int:
         if part == "dense-fwd":
             s = a.fwd_shape
             what = "fwd,prof" if a.prof_out else "fwd"
-            extra = ("--prof-out", a.prof_out) if a.prof_out else ()
             if want("shardfit"):
                 go("dense-fwd", "shardfit", f"shardfit Engine.forward {s}", "sf-prof" if a.prof_out else "sf",
-                   lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", what, *extra))
+                   lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", what))
             if want("hf"):
                 go("dense-fwd", "hf", f"HF anchor C {s} ({a.hf_fwd})", "hf",
                    lambda cap: anchor_cmd(a, s, T, False, cap), anchor_env)
@@ -344,18 +448,22 @@ def main_parent(a) -> int:
                 go("dense-ppo", "hf", f"HF anchor E {s} ({a.hf_ppo})", "hf",
                    lambda cap: anchor_cmd(a, s, T, True, cap), anchor_env)
         elif part == "lora-ppo":  # issues 23 + 24: the anchor's part D, LoRA r=16 alpha 32, all 7 linears, full AC
-            s = a.fwd_shape
+            s, prof = a.fwd_shape, bool(a.prof_out)  # --prof-out: one step of each side profiled after the timed
             if want("shardfit"):
-                go("lora-ppo", "shardfit", f"shardfit Engine PPO {s} LoRA r{LORA_RANK}", "sf",
-                   lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo", "--lora", str(LORA_RANK),
-                                          "--save-inputs", str(inputs[s, LORA_RANK])))
-            if want("hf"):
-                go("lora-ppo", "hf", f"HF anchor D {s} PEFT ({a.hf_ppo})", "hf",
-                   lambda cap: anchor_cmd(a, s, T, False, cap, lora=True), anchor_env)
+                go("lora-ppo", "shardfit", f"shardfit Engine PPO {s} LoRA r{LORA_RANK}", "sf-prof-ppo" if prof
+                   else "sf", lambda cap: worker_cmd(a, "sf", "--shape", s, "--what", "ppo,profppo,ceiling" if prof
+                                                     else "ppo", "--lora", str(LORA_RANK), "--save-inputs",
+                                                     str(inputs[s, LORA_RANK])))
+            if want("hf"):  # profiled: the anchor's part D through its own functions (bench_rl_workers.worker_hf_lora)
+                go("lora-ppo", "hf", f"HF anchor D {s} PEFT ({a.hf_ppo})" + (" profiled" if prof else ""),
+                   "hf-prof-ppo" if prof else "hf",
+                   lambda cap: worker_cmd(a, "hf-lora", "--shape", s) if prof else
+                   anchor_cmd(a, s, T, False, cap, lora=True), anchor_env)
         elif part == "moe":
-            if want("shardfit"):
+            if want("shardfit"):  # --prof-out: one forward profiled (and the anchor's, in hf-moe)
                 go("moe", "shardfit", f"shardfit Engine moe{a.moe_layers}", "sf-moe",
-                   lambda cap: worker_cmd(a, "sf", "--shape", "moe", "--what", "ppo,weights,export"))
+                   lambda cap: worker_cmd(a, "sf", "--shape", "moe", "--what",
+                                          "ppo,weights,export" + (",prof1" if a.prof_out else "")))
             if want("hf"):
                 go("moe", "hf", f"HF Qwen3Moe moe{a.moe_layers} (grouped_mm)", "hf-moe",
                    lambda cap: worker_cmd(a, "hf-moe"), anchor_env)
@@ -400,8 +508,9 @@ def main() -> int:
     ap.add_argument("--fwd-reps", type=int, default=0, help="timed forward passes of a PPO part's worker (0: --reps)")
     ap.add_argument("--serve-lora", type=int, default=0, choices=(0, LORA_RANK),
                     help="serve LoRA of this rank (the in-process figure then comes from lora-ppo); 0: every parameter")
-    ap.add_argument("--prof-out", default="", help="dense-fwd: also profile Engine.forward (now and with session "
-                                                   "14's settings) into this directory")
+    ap.add_argument("--prof-out", default="", help="profiles into this directory (rl_profile's kernel classes): "
+                    "dense-fwd Engine.forward now and with session 14's settings; lora-ppo one PPO step of each side "
+                    "and the card's matmul ceiling; moe one forward of each side")
     ap.add_argument("--scale", type=float, default=1.0, help="rollout lengths x this (CPU checks)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--anchor", default=None, help="hf_rl_step.py (default: .anchors/, then shared/anchors/)")

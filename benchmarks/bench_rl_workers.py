@@ -2,7 +2,9 @@
 
   sf      shardfit's Engine in process: forward, the PPO step (forward_backward + optim_step), weights(), export_hf,
           and (prof) the forward now against session 14's settings, timed and profiled (profile_forward)
-  hf-moe  transformers' Qwen3MoeForCausalLM through the anchor hf_rl_step.py's own run_forward / run_ppo
+  hf-moe  transformers' Qwen3MoeForCausalLM through the anchor hf_rl_step.py's own run_forward / run_ppo (with
+          --prof-out, one forward of the first layout profiled)
+  hf-lora the anchor's part D (PEFT LoRA PPO step) through its own functions, then one step profiled (--prof-out)
   sdk     the PPO step through the official tinker SDK against a running `shardfit serve`
 
 Shapes: the anchor's SHAPES, key for key, as Engine overrides (bench_rl.py's JSON compares the parameter counts);
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rl_profile as rp  # noqa: E402
 import rollouts as ro  # noqa: E402
 
 QWEN3 = ["--model.qk_norm=true", "--model.rope_theta=1000000", "--model.norm_eps=1e-6"]
@@ -83,6 +86,15 @@ def engine_overrides(a, shape: str, T: int, run_dir: Path, lora: int = 0) -> lis
 
 def emit(kind: str, **kw) -> None:
     print(json.dumps({TAG: kind, **kw}), flush=True)
+
+
+def guarded(kind: str, fn) -> None:
+    """fn(), a profile after the worker's figures: a failure is one line of `kind` with its error, not the
+    worker's end."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (recorded)
+        emit(kind, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 
@@ -151,6 +163,8 @@ def worker_sf(a) -> int:
                          anchor=a.anchor)
     T = ro.token_budget(r)
     emit("data", **r.summary(), T=T)
+    if "ceiling" in what and torch.cuda.is_available():  # before the engine: the whole card's memory is free
+        emit("ceiling", **gemm_ceiling())
     tmp = Path(tempfile.mkdtemp(prefix="rlbench-"))
     t = time.perf_counter()
     overrides = engine_overrides(a, a.shape, T, tmp / "run", lora=a.lora)
@@ -163,8 +177,8 @@ def worker_sf(a) -> int:
     res, warm_s, times = timed(lambda: engine.forward(fwd), lambda: engine.forward([fwd[i] for i in w]),
                                a.fwd_reps or a.reps, sync, reset)
     emit("fwd", shape=a.shape, lora=a.lora, warm_s=round(warm_s, 1), **rate(r, times), **peaks())
-    if "prof" in what:
-        profile_forward(engine, fwd, r, a, sync, reset, peaks)
+    if "prof" in what:  # the forward now and with session 14's settings, timed and profiled
+        profile_forward(engine, fwd, r, a, sync, reset, peaks, vocab=vocab_of(a.shape))
     if "ppo" in what:
         old, adv = ro.sampler_inputs(r, ro.response_logprobs(r, res.outputs))
         if a.save_inputs:
@@ -180,6 +194,8 @@ def worker_sf(a) -> int:
         _, warm_s, times = timed(lambda: step(data), lambda: step([data[i] for i in w]), a.reps, sync, reset)
         emit("ppo", shape=a.shape, lora=a.lora, warm_s=round(warm_s, 1), **rate(r, times), **peaks(),
              metrics={**box["fb"].metrics, **box["opt"]})
+        if "profppo" in what:
+            guarded("prof-ppo", lambda: profile_ppo(engine, step, data, a, sync, a.lora))
     if "weights" in what:
         for rep in range(2):  # the first pass also allocates the buckets' blocks in the caching allocator
             sync()
@@ -201,6 +217,10 @@ def worker_sf(a) -> int:
         n = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         emit("export", GB=round(n / 1e9, 3), s=round(dt, 2), GBps=round(n / 1e9 / dt, 2), with_sync_s=round(dts, 2),
              with_sync_GBps=round(n / 1e9 / dts, 2), where=str(out))
+    if "prof1" in what:  # one forward, as it is, profiled: last, after every figure of the worker is out
+        vocab = MOE["tiny" if a.device == "cpu" else "big"]["vocab"] if a.shape == "moe" else vocab_of(a.shape)
+        guarded("prof", lambda: profile_forward(engine, fwd, r, a, sync, reset, peaks, variants=("now",),
+                                                vocab=vocab))
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
@@ -234,57 +254,201 @@ def forward_profile_table(s: dict) -> dict:
     return rows
 
 
-def profile_forward(engine, data: list, r: ro.Rollouts, a, sync, reset, peaks) -> None:
-    """--prof-out DIR: Engine.forward as it is now against session 14's settings (every FSDP group gathered again at
-    each micro-batch, the log-prob chunks eager; what cannot be switched back, the pinned copies of the block mask,
-    stays), --reps timed passes each, then one pass of each under torch.profiler: GPU time by PROF_ROWS, the
-    summary JSON and (under 15 MB compressed) the trace of each into DIR."""
-    import gzip
-
+def profiler(record: bool = True):
+    """torch.profiler over CPU (and CUDA where there is one), shapes recorded (the matmuls' FLOPs)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=acts, record_shapes=record)
+
+
+TRACE_KEEP = 15_000_000  # what comes back from the device is at most 16 MiB a file
+RAW_GZIP_MAX = 150_000_000  # a raw trace above this is not compressed whole: its .gz (~1/10) would not come back
+
+
+def finish_profile(prof, out: Path, name: str, wall: float, vocab: int, lora_rank: int) -> dict:
+    """A finished profile -> out/{name}_summary.json (profile_trace's summary, its regions, the forward table of
+    PROF_ROWS, and rl_profile's class table and matmul FLOPs) and out/{name}_trace.json.gz when under TRACE_KEEP
+    compressed, else out/{name}_kernels.json.gz: the GPU events alone (a timeline without the host side). Returns
+    the summary."""
+    import gzip
+
     from shardfit.memory.profile_trace import summarize_trace, time_by_region
 
+    out.mkdir(parents=True, exist_ok=True)
+    raw = out / f"{name}.json"
+    t = time.perf_counter()
+    prof.export_chrome_trace(str(raw))
+    events = json.loads(raw.read_bytes()).get("traceEvents", [])
+    s = summarize_trace(events)
+    s["regions_ms"] = time_by_region(events, PROF_REGIONS)
+    s["table_ms"] = forward_profile_table(s)
+    an = rp.analyse(events, vocab=vocab, lora_rank=lora_rank)
+    s["classes"] = an
+    s["class_table_ms"] = rp.table(s, an) if an else {}
+    s["wall_s"] = round(wall, 2)
+    s["trace"] = {"events": len(events), "raw_MB": round(raw.stat().st_size / 1e6, 1)}
+    gz = out / f"{name}_trace.json.gz"
+    if raw.stat().st_size < RAW_GZIP_MAX:
+        with gzip.open(gz, "wb", compresslevel=6) as f:
+            f.write(raw.read_bytes())
+    if not gz.is_file() or gz.stat().st_size > TRACE_KEEP:
+        gz.unlink(missing_ok=True)
+        gz = out / f"{name}_kernels.json.gz"
+        with gzip.open(gz, "wt", compresslevel=6) as f:
+            json.dump({"traceEvents": [e for e in events if e.get("cat") in rp.GPU]}, f)
+        if gz.stat().st_size > TRACE_KEEP:
+            gz.unlink()
+    s["trace"]["kept"] = gz.name if gz.is_file() else None
+    del events
+    raw.unlink()
+    s["trace"]["analysis_s"] = round(time.perf_counter() - t, 1)
+    (out / f"{name}_summary.json").write_text(json.dumps(s, indent=1))
+    return s
+
+
+def emit_profile(kind: str, s: dict, **kw) -> None:
+    emit(kind, **kw, wall_s=s.get("wall_s"), table_ms=s.get("table_ms"), class_table_ms=s.get("class_table_ms"),
+         gemm=s.get("classes", {}).get("gemm"), other_streams_ms=s.get("classes", {}).get("other_streams_ms"),
+         compute_kinds_ms=s.get("compute_kinds_ms"), regions_ms=s.get("regions_ms"), phases=s.get("phases"),
+         host_syncs=s.get("idle", {}).get("host_syncs"), kernels=s.get("kernels"), trace=s.get("trace"),
+         top_kernels_ms=s.get("top_kernels_ms", [])[:12])
+
+
+def profile_forward(engine, data: list, r: ro.Rollouts, a, sync, reset, peaks, variants=("now", "s14"),
+                    vocab: int = 151936) -> None:
+    """--prof-out DIR: Engine.forward as it is now against session 14's settings (every FSDP group gathered again at
+    each micro-batch, the log-prob chunks eager; what cannot be switched back, the pinned copies of the block mask,
+    stays), --reps timed passes each, then one pass of each under torch.profiler: GPU time by PROF_ROWS and by
+    rl_profile's classes, the summary JSON and the trace of each into DIR (finish_profile). With the variant "now"
+    alone, the timed passes are the caller's: only the profiled one runs."""
     out = Path(a.prof_out)
     out.mkdir(parents=True, exist_ok=True)
-    variants = [("now", True, engine.model.loss_compiled), ("s14", False, False)]
+    every = {"now": (True, engine.model.loss_compiled), "s14": (False, False)}
     w = [data[i] for i in warm_idx(r)]  # the longest and the shortest: each variant's first-call costs untimed
-    for name, once, compiled in variants:
+    prefix = "moe_fwd" if a.shape == "moe" else "fwd"
+    for name in variants if len(variants) > 1 else ():
+        once, compiled = every[name]
         engine.gather_once = once
         engine.model.use_compiled_loss(compiled)
         _, _, times = timed(lambda: engine.forward(data), lambda: engine.forward(w), a.reps, sync, reset)
         emit("fwd-variant", variant=name, gather_once=once, compiled_head=compiled, **rate(r, times), **peaks())
-    for name, once, compiled in variants:
+    for name in variants:
+        once, compiled = every[name]
         engine.gather_once = once
         engine.model.use_compiled_loss(compiled)
         sync()
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         t = time.perf_counter()
-        with profile(activities=acts) as prof:
+        with profiler() as prof:
             engine.forward(data)
             sync()
-        wall = time.perf_counter() - t
-        raw = out / f"fwd_{name}.json"
-        prof.export_chrome_trace(str(raw))
-        events = json.loads(raw.read_bytes()).get("traceEvents", [])
-        s = summarize_trace(events)
-        s["regions_ms"] = time_by_region(events, PROF_REGIONS)
-        s["table_ms"] = forward_profile_table(s)
-        s["wall_s"] = round(wall, 2)
-        (out / f"fwd_{name}_summary.json").write_text(json.dumps(s, indent=1))
-        gz = out / f"fwd_{name}_trace.json.gz"
-        with gzip.open(gz, "wb") as f:
-            f.write(raw.read_bytes())
-        raw.unlink()
-        if gz.stat().st_size > 15_000_000:  # what comes back from the device is at most 16 MiB a file
-            gz.unlink()
-        emit("prof", variant=name, wall_s=round(wall, 2), table_ms=s.get("table_ms"),
-             compute_kinds_ms=s.get("compute_kinds_ms"), regions_ms=s.get("regions_ms"),
-             host_syncs=s.get("idle", {}).get("host_syncs"), kernels=s.get("kernels"),
-             top_kernels_ms=s.get("top_kernels_ms", [])[:12])
+        s = finish_profile(prof, out, f"{prefix}_{name}" if len(variants) > 1 else f"{prefix}_shardfit",
+                           time.perf_counter() - t, vocab, 0)
+        emit_profile("prof", s, variant=name, side="shardfit", what=prefix)
     engine.gather_once = True
-    engine.model.use_compiled_loss(variants[0][2])
+    engine.model.use_compiled_loss(every["now"][1])
+
+
+def gemm_ceiling(seconds: float = 1.5) -> dict:
+    """This card's bf16 matmul rate now (TFLOP/s), each shape run back to back for `seconds` after a warm-up: an
+    8192 cube and the 8B step's largest (17,408 tokens x 4,096 -> 12,288, and 12,288 -> 4,096). The bound of
+    rl_profile.bounds takes the best."""
+    import torch
+
+    out = {}
+    for m, k, n in ((8192, 8192, 8192), (17408, 4096, 12288), (17408, 12288, 4096)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        for _ in range(5):
+            x @ y
+        torch.cuda.synchronize()
+        t, reps = time.perf_counter(), 0
+        while time.perf_counter() - t < seconds:
+            for _ in range(10):
+                x @ y
+            reps += 10
+            torch.cuda.synchronize()
+        out[f"{m}x{k}x{n}"] = round(2 * m * k * n * reps / (time.perf_counter() - t) / 1e12, 1)
+        del x, y
+    torch.cuda.empty_cache()
+    return {"TFLOPs": max(out.values()), "by_shape": out, "gpu": torch.cuda.get_device_name(0)}
+
+
+def profile_ppo(engine, step, data: list, a, sync, lora: int) -> None:
+    """--prof-out DIR: one PPO step (forward_backward + optim_step, after the timed ones) under torch.profiler."""
+    sync()
+    t = time.perf_counter()
+    with profiler() as prof:
+        step(data)
+        sync()
+    s = finish_profile(prof, Path(a.prof_out), "ppo_shardfit", time.perf_counter() - t, vocab_of(a.shape), lora)
+    emit_profile("prof-ppo", s, side="shardfit", shape=a.shape, lora=lora)
+
+
+# ---------------------------------------------------------------------------------------------- the anchor profiled
+ANCHOR_HEAD = "anchor::logprob_head"  # rl_profile.HEAD_LABELS
+
+
+def label_anchor_head(A, model):
+    """A host label (record_function) over the anchor's log-prob head: from its lm_head's call to the end of
+    token_logprobs (the full logits, the response rows' selection, the fp32 log-softmax chunks); what it computes is
+    unchanged. Backward kernels are placed by their forward operator (rl_profile). Returns the undo."""
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    state: dict = {}
+
+    def pre(_mod, _args):
+        if "rf" not in state:
+            state["rf"] = torch.profiler.record_function(ANCHOR_HEAD)
+            state["rf"].__enter__()
+
+    hook = base.lm_head.register_forward_pre_hook(pre)
+    orig = A.token_logprobs
+
+    def token_logprobs(*args, **kw):
+        try:
+            return orig(*args, **kw)
+        finally:
+            if "rf" in state:
+                state.pop("rf").__exit__(None, None, None)
+
+    A.token_logprobs = token_logprobs
+
+    def undo():
+        hook.remove()
+        A.token_logprobs = orig
+    return undo
+
+
+def anchor_profiled(A, call, out: Path, name: str, vocab: int, lora_rank: int) -> dict:
+    """call() runs the anchor's run_forward or run_ppo with warm=1, reps=1; the profiler records the timed iteration
+    alone: it starts after that iteration's opening device sync (the anchor's own sync(), the third call) and stops
+    after its closing one (the fourth)."""
+    prof = profiler()
+    orig = A.sync
+    n = [0]
+    t = [0.0, 0.0]
+
+    def sync():
+        orig()
+        n[0] += 1
+        if n[0] == 3:
+            prof.start()
+            t[0] = time.perf_counter()
+        elif n[0] == 4:
+            t[1] = time.perf_counter()
+            prof.stop()
+
+    A.sync = sync
+    try:
+        call()
+    finally:
+        A.sync = orig
+    if n[0] < 4:
+        raise RuntimeError(f"the anchor's step synced {n[0]} times, not 4: nothing profiled")
+    return finish_profile(prof, out, name, t[1] - t[0], vocab, lora_rank)
 
 
 def worker_hf_moe(a) -> int:
@@ -318,9 +482,20 @@ def worker_hf_moe(a) -> int:
     torch.set_default_dtype(torch.float32)
     A.emit(dict(part="B", shape=f"moe{a.moe_layers}", params=sum(p.numel() for p in model.parameters())))
     old = None
-    for spec in filter(None, a.hf_fwd.split(",")):
+    specs = [x for x in a.hf_fwd.split(",") if x]
+    for spec in specs:
         lp = A.run_forward(model, P, R, seqs, spec, T, device, a.reps)
         old = old if old is not None else lp
+    if a.prof_out and specs:  # one forward of the first layout (padnm in bench_rl's stages) under the profiler
+        undo = label_anchor_head(A, model)
+        try:
+            s = anchor_profiled(A, lambda: A.run_forward(model, P, R, seqs, specs[0], T, device, 1, tag="profiled"),
+                                Path(a.prof_out), "moe_fwd_hf", m["vocab"], 0)
+            emit_profile("prof", s, variant=specs[0], side="hf", what="moe_fwd")
+        except Exception as e:  # noqa: BLE001 (recorded; the PPO step still runs)
+            emit("prof", side="hf", what="moe_fwd", error=f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            undo()
     del model
     A.reset_mem()
     # a group of one over an in-process store (no port, no launcher variables), as shardfit's one-process runs
@@ -371,6 +546,60 @@ def worker_hf_moe(a) -> int:
     return 0
 
 
+def worker_hf_lora(a) -> int:
+    """The anchor's part D (hf_rl_step.py main(), its lines for --lora): Qwen3 of --shape in bf16, PEFT LoRA r=16
+    alpha 32 on the 7 linear layers, fp32 adapters, HF checkpointing, fused AdamW, old log-probs -log V + N(0, 0.01)
+    (as `--fwd ""` makes them), --reps timed PPO steps in each --hf-ppo layout through its own run_ppo; then, with
+    --prof-out, one more step of the first layout profiled (anchor_profiled, the head labelled): what bench_rl's
+    lora-ppo/hf runs in place of the anchor script when it profiles, the same calls in the same order."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    A = ro.load_anchor(a.anchor)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = A.SHAPES[a.shape]["vocab_size"]
+    P, R, seqs = A.make_rollouts(64, 1234, vocab, a.scale)
+    r = ro.Rollouts(list(P), list(R), [x.numpy() for x in seqs])
+    A.emit(dict(part="env", **A.env_info()))
+    A.emit(dict(part="A", **r.summary()))
+    T = ro.token_budget(r)
+    model, cfg = A.build(a.shape, device, torch.bfloat16)
+    A.emit(dict(part="B", shape=a.shape, params=sum(p.numel() for p in model.parameters()),
+                attn=model.config._attn_implementation))
+    # from here the anchor's main(), part D, line for line
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    lcfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(model, lcfg)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    A.emit(dict(part="D_model", trainable=sum(p.numel() for p in params)))
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
+    g = torch.Generator(device=device).manual_seed(7)
+    old = [torch.full((n,), -math.log(cfg.vocab_size), device=device) for n in R]
+    old = [(o.float() + 0.1 * torch.randn(o.shape, generator=g, device=device)).clone() for o in old]
+    adv = [torch.randn(n, generator=g, device=device) for n in R]
+    specs = [x for x in a.hf_ppo.split(",") if x]
+    for spec in specs:
+        A.run_ppo(model, opt, params, P, R, seqs, old, adv, spec, T, device, a.reps, part="D")
+    if a.prof_out and specs:
+        undo = label_anchor_head(A, model)
+        try:
+            s = anchor_profiled(A, lambda: A.run_ppo(model, opt, params, P, R, seqs, old, adv, specs[0], T, device,
+                                                     1, tag="profiled", part="D"),
+                                Path(a.prof_out), "ppo_hf", vocab, 16)
+            emit_profile("prof-ppo", s, side="hf", shape=a.shape, lora=16, layout=specs[0])
+        except Exception as e:  # noqa: BLE001 (recorded)
+            emit("prof-ppo", side="hf", error=f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            undo()
+    return 0
+
+
 def worker_sdk(a) -> int:
     """The PPO step through the tinker SDK against a running `shardfit serve` at --url."""
     import numpy as np
@@ -407,4 +636,4 @@ def worker_sdk(a) -> int:
     return 0
 
 
-WORKERS = {"sf": worker_sf, "hf-moe": worker_hf_moe, "sdk": worker_sdk}
+WORKERS = {"sf": worker_sf, "hf-moe": worker_hf_moe, "hf-lora": worker_hf_lora, "sdk": worker_sdk}

@@ -87,7 +87,14 @@
 #             step with full fine-tuning at the 1.7B shape (the anchor's E), the same step through the tinker SDK +
 #             `shardfit serve`, Qwen3-30B-A3B with 6 of its 48 layers (4 on an H100): forward, PPO step, weights()
 #             GB/s and export_hf to disk. JSON: $OUT/rl.json (summary: rl_fwd_vs_hf, rl_fwdbwd_vs_hf, ...), log rl.log
-#   rl-dense  dense-fwd (padnm and pad), dense-ppo, serve, 3 reps (cap 500 s); rl-moe the MoE part, 3 reps (cap 330 s)
+#   rl-dense  dense-fwd (padnm and pad), dense-ppo, serve, 3 reps (cap 500 s)
+#   rl-moe    the MoE part alone, so that its anchor fits (session 15's rl-8b spent its budget on the 8B parts and
+#             skipped it): Qwen3-30B-A3B, 6 layers on an H200 / 4 on an H100, 3 reps; shardfit Engine forward, PPO
+#             step, weights(), export_hf (~75 s, 62 s in session 15), then the anchor (HF Qwen3Moe grouped_mm) forward
+#             padnm and pad, PPO step pack_flex (~55 s; 39 s for 4 layers on an H100 in session 14); with each side's
+#             forward profiled last (RL_MOE_PROF=0: not), $OUT/rlmoe/moe_fwd_{shardfit,hf}_summary.json and
+#             moe_fwd_compare.json (~20 s). Cap RL_CAP, 420 s; expected ~150-200 s. JSON $OUT/rl-moe.json: summary
+#             rl_fwd_vs_hf / rl_fwdbwd_vs_hf {"moe-6L"}, weights_GBps, export_hf_GBps, moe_fwd_profile
 #   rl-lora   the 8B PPO step with LoRA r=16 on the 7 linears (issues 23 + 24) against the anchor's part D
 #             (PEFT, pack_flex), 2 reps (cap RL_CAP, 300 s)
 #   lora8b    issue 23: LoRA SFT, Llama-3-8B shape seq 4096, shardfit (compiled: no AC mbs 1, full AC mbs 4)
@@ -121,6 +128,17 @@
 #             GPU time by GEMM, attention, the log-prob head, compiled and eager elementwise, FSDP's cast, copies and
 #             idle ($OUT/rlprof/fwd_{now,s14}_summary.json, traces under 15 MB), then the anchor's C padnm:
 #             rl_fwd_vs_hf of this call
+#   rl-prof-ppo  the 8B LoRA PPO step (rl-8b's lora-ppo) profiled on both sides, kernel class by kernel class
+#             (benchmarks/rl_profile.py: GEMM blocks forward / backward+recompute, LoRA, head; attention; the head's
+#             softmax; elementwise; optimizer; FSDP; copies; idle), matmul FLOPs from the shapes (record_shapes).
+#             shardfit: the card's bf16 matmul ceiling (3 shapes, ~6 s), build, 1 timed forward (old log-probs),
+#             warm-up + 1 timed step, 1 profiled step (~150 s); the anchor's part D through its own functions (PEFT,
+#             pack_flex; bench_rl_workers.worker_hf_lora): warm-up + 1 timed step, then 1 profiled step with its
+#             head labelled (~250 s, most of it the trace: ~1.5M host events). Cap RL_CAP, 560 s. $OUT/rlprofppo/:
+#             ppo_{shardfit,hf}_summary.json (each side's class_table_ms, classes.gemm, profile_trace's summary),
+#             ppo_compare.json (table_ms [shardfit, anchor, anchor/shardfit], gemm, bounds: how far 2x is,
+#             useful: the step's matmul and attention work by the model's sizes), traces under 15 MB (else the GPU
+#             events alone, else none); JSON $OUT/rl-prof-ppo.json (summary.ppo_profile, rl_lora_fwdbwd_vs_hf)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -257,19 +275,20 @@ for stage in "$@"; do
       python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('bitsandbytes', 'peft', 'transformers', 'torch')})"
       suite=${stage//-/_}
       env CUDA_VISIBLE_DEVICES=0 timeout ${QLORA_CAP:-540} python3 benchmarks/bench_train.py --suite $suite --nproc 1 --timeout 260 --out "$OUT/${suite}_x1.json" 2>&1 | tee "$OUT/$suite.log" | grep -v '^{' | tail -14 ;;
-    rl|rl-dense|rl-moe|rl-serve4b|rl-lora|rl-8b|rl-prof)
+    rl|rl-dense|rl-moe|rl-serve4b|rl-lora|rl-8b|rl-prof|rl-prof-ppo)
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       case $stage in
         rl) parts=dense-fwd,dense-ppo,serve,moe; reps=2; cap=530; more=(--hf-fwd padnm) ;;
         rl-dense) parts=dense-fwd,dense-ppo,serve; reps=3; cap=500; more=() ;;
-        rl-moe) parts=moe; reps=3; cap=330; more=() ;;
+        rl-moe) parts=moe; reps=3; cap=${RL_CAP:-420}; more=(); [ "${RL_MOE_PROF:-1}" = 1 ] && more=(--prof-out "$OUT/rlmoe") ;;
         rl-serve4b) parts=serve; reps=3; cap=400; more=(--serve-shape 4b) ;;
         rl-lora) parts=lora-ppo; reps=2; cap=${RL_CAP:-300}; more=() ;;
         rl-8b) parts=lora-ppo/shardfit,lora-ppo/hf,serve,moe; reps=2; cap=${RL_CAP:-550}; more=(--serve-shape 8b --serve-lora 16 --fwd-reps 1 --hf-fwd padnm) ;;
         rl-prof) parts=dense-fwd; reps=2; cap=235; more=(--hf-fwd padnm --prof-out "$OUT/rlprof") ;;
+        rl-prof-ppo) parts=lora-ppo/shardfit,lora-ppo/hf; reps=1; cap=${RL_CAP:-560}; more=(--fwd-reps 1 --hf-ppo pack_flex --prof-out "$OUT/rlprofppo") ;;
       esac
       [ -n "${RL_EXTRA:-}" ] && more+=(--sf-extra "$RL_EXTRA")  # Engine overrides for every shardfit run of the stage
-      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -45 ;;
+      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -90 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
