@@ -98,17 +98,19 @@ def lines_of(stdout: str) -> list[dict]:
 def worker_cmd(a, kind: str, *extra: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--device", a.device, "--scale",
             str(a.scale), "--reps", str(a.reps), "--fwd-reps", str(a.fwd_reps), "--anchor", str(a.anchor),
-            "--moe-layers", str(a.moe_layers), "--hf-fwd", a.hf_fwd, "--hf-ppo", a.hf_ppo, "--sf-extra", a.sf_extra,
+            "--moe-layers", str(a.moe_layers), "--hf-fwd", a.hf_fwd, "--hf-ppo", a.hf_ppo, f"--sf-extra={a.sf_extra}",
             "--prof-out", a.prof_out, *extra]
 
 
-def anchor_cmd(a, shape: str, T: int, full: bool, cap: int, lora: bool = False) -> list[str]:
-    """The anchor's part C (forward), E (full PPO step, `full`) or D (LoRA PPO step, `lora`) in a.hf_* layouts."""
+def anchor_cmd(a, shape: str, T: int, full: bool, cap: int, lora: bool = False, no_ac: bool = False) -> list[str]:
+    """The anchor's part C (forward), E (full PPO step, `full`) or D (LoRA PPO step, `lora`) in a.hf_* layouts;
+    no_ac: through benchmarks/anchor_rl_no_ac.py (the same script without gradient checkpointing)."""
     specs = a.hf_ppo if full or lora else a.hf_fwd
     spec = ",".join(f"{s}:{T}" for s in specs.split(",") if s)
     which = ["--fwd", "", "--lora", spec] if lora else ["--lora", "", "--full", spec] if full else ["--lora", "",
                                                                                                   "--fwd", spec]
-    return [sys.executable, str(a.anchor), "--shape", shape, "--reps", str(a.reps), "--scale", str(a.scale),
+    script = [str(Path(__file__).with_name("anchor_rl_no_ac.py")), str(a.anchor)] if no_ac else [str(a.anchor)]
+    return [sys.executable, *script, "--shape", shape, "--reps", str(a.reps), "--scale", str(a.scale),
             "--check", "", "--deadline", str(max(cap - 60, 30)), *which]
 
 
@@ -221,6 +223,9 @@ def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
                 S[out + "_layout"] = {**S.get(out + "_layout", {}), key: best["layout"]}
             if default:
                 S.setdefault(out + "_default", {})[key] = round(mine["real_tok_s"] / default["real_tok_s"], 3)
+    noac, mine = _hf(_get(rows, "lora-ppo", "hf-noac"), "D"), _sf(_get(rows, "lora-ppo", "shardfit"), "ppo")
+    if noac and mine:  # against the anchor without gradient checkpointing (where it fits)
+        S["rl_lora_fwdbwd_vs_hf_no_ac"] = {keys["lora-ppo"]: round(mine["real_tok_s"] / noac["real_tok_s"], 3)}
     moe = _get(rows, "moe", "shardfit")
     w = [x for x in moe if x.get(TAG) == "weights"]
     if w:
@@ -459,6 +464,9 @@ def main_parent(a) -> int:
                    "hf-prof-ppo" if prof else "hf",
                    lambda cap: worker_cmd(a, "hf-lora", "--shape", s) if prof else
                    anchor_cmd(a, s, T, False, cap, lora=True), anchor_env)
+            if only == "hf-noac":  # asked for by name only: the anchor without gradient checkpointing
+                go("lora-ppo", "hf-noac", f"HF anchor D {s} PEFT ({a.hf_ppo}) no gradient checkpointing", "hf",
+                   lambda cap: anchor_cmd(a, s, T, False, cap, lora=True, no_ac=True), anchor_env)
         elif part == "moe":
             if want("shardfit"):  # --prof-out: one forward profiled (and the anchor's, in hf-moe)
                 go("moe", "shardfit", f"shardfit Engine moe{a.moe_layers}", "sf-moe",

@@ -171,7 +171,7 @@ def worker_sf(a) -> int:
     engine = Engine.start(overrides=overrides)
     sync()
     emit("engine", shape=a.shape, lora=a.lora, params=engine.n_params, build_s=round(time.perf_counter() - t, 1),
-         overrides=overrides, **peaks())
+         overrides=overrides, checkpointing=[n for n in engine.notices if "activation_checkpoint" in n], **peaks())
     fwd = ro.to_datums(r)
     w = warm_idx(r)
     res, warm_s, times = timed(lambda: engine.forward(fwd), lambda: engine.forward([fwd[i] for i in w]),

@@ -128,6 +128,11 @@
 #             GPU time by GEMM, attention, the log-prob head, compiled and eager elementwise, FSDP's cast, copies and
 #             idle ($OUT/rlprof/fwd_{now,s14}_summary.json, traces under 15 MB), then the anchor's C padnm:
 #             rl_fwd_vs_hf of this call
+#   rl-auto   the 8B LoRA PPO step (rl-8b's lora-ppo) with compute.activation_checkpoint=auto (the fewest first
+#             blocks checkpointed that the plan fits to this GPU: 13 of 36 on an H100, none on an H200) against
+#             anchor D (full AC, as RL frameworks default) and anchor D without gradient checkpointing
+#             (benchmarks/anchor_rl_no_ac.py; an OOM where it does not fit), then the same shardfit step with full AC
+#             (cap RL_CAP 400 s + 160 s): rl_lora_fwdbwd_vs_hf, rl_lora_fwdbwd_vs_hf_no_ac
 #   rl-prof-ppo  the 8B LoRA PPO step (rl-8b's lora-ppo) profiled on both sides, kernel class by kernel class
 #             (benchmarks/rl_profile.py: GEMM blocks forward / backward+recompute, LoRA, head; attention; the head's
 #             softmax; elementwise; optimizer; FSDP; copies; idle), matmul FLOPs from the shapes (record_shapes).
@@ -275,6 +280,11 @@ for stage in "$@"; do
       python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('bitsandbytes', 'peft', 'transformers', 'torch')})"
       suite=${stage//-/_}
       env CUDA_VISIBLE_DEVICES=0 timeout ${QLORA_CAP:-540} python3 benchmarks/bench_train.py --suite $suite --nproc 1 --timeout 260 --out "$OUT/${suite}_x1.json" 2>&1 | tee "$OUT/$suite.log" | grep -v '^{' | tail -14 ;;
+    rl-auto)  # the 8B LoRA PPO step with compute.activation_checkpoint=auto against anchor D with and without its
+      # gradient checkpointing, then the same step with full AC (the one change), each its own JSON
+      [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
+      env CUDA_VISIBLE_DEVICES=0 timeout ${RL_CAP:-400} python3 benchmarks/bench_rl.py --parts lora-ppo/shardfit,lora-ppo/hf,lora-ppo/hf-noac --reps 2 --fwd-reps 1 --budget $((${RL_CAP:-400} - 20)) --sf-extra=--compute.activation_checkpoint=auto --out "$OUT/rl-auto.json" 2>&1 | tee "$OUT/rl-auto.log" | grep -v '^{' | tail -30
+      env CUDA_VISIBLE_DEVICES=0 timeout 160 python3 benchmarks/bench_rl.py --parts lora-ppo/shardfit --reps 2 --fwd-reps 1 --budget 150 --out "$OUT/rl-auto-full.json" 2>&1 | tee "$OUT/rl-auto-full.log" | grep -v '^{' | tail -8 ;;
     rl|rl-dense|rl-moe|rl-serve4b|rl-lora|rl-8b|rl-prof|rl-prof-ppo)
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       case $stage in
@@ -287,7 +297,7 @@ for stage in "$@"; do
         rl-prof) parts=dense-fwd; reps=2; cap=235; more=(--hf-fwd padnm --prof-out "$OUT/rlprof") ;;
         rl-prof-ppo) parts=lora-ppo/shardfit,lora-ppo/hf; reps=1; cap=${RL_CAP:-560}; more=(--fwd-reps 1 --hf-ppo pack_flex --prof-out "$OUT/rlprofppo") ;;
       esac
-      [ -n "${RL_EXTRA:-}" ] && more+=(--sf-extra "$RL_EXTRA")  # Engine overrides for every shardfit run of the stage
+      [ -n "${RL_EXTRA:-}" ] && more+=("--sf-extra=$RL_EXTRA")  # Engine overrides for every shardfit run of the stage
       env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -90 ;;
     *) echo "unknown stage $stage" ;;
   esac
