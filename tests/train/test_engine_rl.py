@@ -354,3 +354,47 @@ def test_forward_gathers_once_per_call_and_no_pass_reads_weights_from_before_a_s
     assert r["left gathered False"] >= 1  # the last block, as fully_shard(reshard_after_forward=False) leaves it
     assert r["moved"] > 1e-3  # the step changed the model
     assert r["stale"] < 1e-5, r
+
+
+def _moe_cast_passes(rank, world):
+    from shardfit.parallel import expert
+    from shardfit.parallel.gathered import cast_experts
+
+    engine = _engine("--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32",
+                     "--compute.param_dtype=bfloat16")
+    rng = np.random.default_rng(1)
+    from shardfit.rl import make_datum
+
+    datums = [make_datum(s[:-1], target_tokens=s[1:]) for s in (rng.integers(0, 256, n + 1) for n in (30, 20, 25, 9))]
+    casts = []
+    apply = expert._ComputeCast.apply
+
+    def counted(*args):
+        casts.append(args[1])
+        return apply(*args)
+
+    expert._ComputeCast.apply = counted
+    out = {"experts": len(cast_experts(engine.model))}
+    try:
+        for once in (False, True):
+            engine.gather_once = once
+            casts.clear()
+            res = engine.forward(datums)
+            out[str(once)] = [o["logprobs"].tolist() for o in res.outputs]
+            out[f"casts {once}"] = len(casts)
+            out[f"dtypes {once}"] = sorted({str(d) for d in casts})
+            out[f"left {once}"] = sum(m.pass_cast is not None for m in cast_experts(engine.model))
+    finally:
+        expert._ComputeCast.apply = apply
+    return out
+
+
+def test_forward_casts_the_experts_out_of_fsdp_once_per_call():
+    """One rank keeps the MoE experts out of FSDP and casts their fp32 masters at each forward (parallel/expert.py):
+    in Engine.forward's gathered pass they are cast once for the call (their first micro-batch) and freed at its
+    end, with log-probs bit for bit those of a cast per micro-batch (bf16 compute)."""
+    r = run_ranks(_moe_cast_passes, 1)[0]
+    assert r["experts"] == 2  # one MoE layer a block
+    assert r["casts False"] == 3 * 2 * 3 and r["dtypes False"] == ["torch.bfloat16"]  # micro-batches x layers x 3
+    assert r["casts True"] == 0  # cast by the pass, outside the autograd function
+    assert r["True"] == r["False"] and r["left True"] == 0 and r["left False"] == 0

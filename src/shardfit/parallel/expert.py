@@ -74,6 +74,9 @@ class ShardedExperts(Experts):
 
     compute_dtype: torch.dtype | None = None  # set by shard_experts when the experts stay out of FSDP
     grad_divide = 1.0
+    # parallel/gathered.py's one cast per pass: weight_params() cast (this rank's slices) for the no-grad pass under
+    # way, [] until its first forward; None outside such a pass (a cast per forward, as autograd needs)
+    pass_cast: list[torch.Tensor | None] | None = None
 
     def weights(self):
         return self.weight_uses(1)[0]
@@ -84,6 +87,10 @@ class ShardedExperts(Experts):
         params = self.weight_params()
         if self.compute_dtype is None:
             return [tuple(None if w is None else w.to_local() for w in params)] * uses
+        if self.pass_cast is not None and not torch.is_grad_enabled():  # cast once for the whole no-grad pass
+            if not self.pass_cast:
+                self.pass_cast[:] = [None if w is None else local_tensor(w).to(self.compute_dtype) for w in params]
+            return [tuple(self.pass_cast)] * uses
         cast = [(None,) * uses if w is None else _ComputeCast.apply(w, self.compute_dtype, self.grad_divide, uses)
                 for w in params]
         return list(zip(*(c if isinstance(c, tuple) else (c,) for c in cast)))  # one use: a tensor each
