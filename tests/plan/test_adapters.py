@@ -59,14 +59,42 @@ def test_the_adapted_block_saves_the_adapters_tensors_and_nothing_for_frozen_wei
 def test_the_adapted_mlp_backward_holds_three_more_ffn_wide_buffers():
     """Inductor's code for a LoRA MLP's backward (docs/memory-plan.md): down_proj's base and adapter input gradients
     summed into a new buffer, and gate/up's output gradients written with their alpha/r-scaled copies by one
-    kernel: three [T, ffn] more than the dense block's two; full checkpointing recomputes the block on top."""
+    kernel: three [T, ffn] more than the dense block's two; full checkpointing recomputes the block on top, and
+    compiled, three [T, ffn] more again (adapters.recompute_extra: each adapted projection's base and adapter parts
+    apart). The frozen head's gathered [V, D] is freed before (estimate.released_head)."""
     args = [*BASE_8B, "--compute.compile=true", "--compute.activation_checkpoint=full", "--train.micro_batch=4",
             "--train.global_batch=4"]
     cfg = load_config(None, [*args, *LORA])
     b = block_activation_bytes(cfg, 4)
-    T = 4 * 4096
-    assert estimate(cfg, 1, 4).working == 2 * b["block_input"] + b["ffn_grads"] + b["none"] + 3 * T * 14336 * 2
-    assert b["ffn_grads"] == 2 * T * 14336 * 2
+    T, F, VD = 4 * 4096, 14336, 128_256 * 4096
+    got = estimate(cfg, 1, 4).working
+    assert got == 2 * b["block_input"] + b["ffn_grads"] + b["none"] + 3 * T * F * 2 + 3 * T * F * 2 - VD * 2
+    assert b["ffn_grads"] == 2 * T * F * 2
+    eager = load_config(None, [*args, *LORA, "--compute.compile=false"])  # the recompute as autograd saves it
+    e = block_activation_bytes(eager, 4)
+    assert estimate(eager, 1, 4).working == 2 * e["block_input"] + e["ffn_grads"] + e["none"] + 3 * T * F * 2 - VD * 2
+
+
+def test_a_single_rank_gathers_one_block_and_a_frozen_untied_head_is_freed_before_the_blocks_backward():
+    """FSDP2 on a shard group of one copies a group's shards when the group runs (its prefetch allocates nothing):
+    one gathered block where 2 ranks hold two. The untied output head is a group of its own, resharded by its
+    post-backward before any block's backward: LoRA's frozen head is not in a block's backward working set; a trained
+    head (full fine-tuning, an adapter on lm_head) or a tied one is."""
+    from shardfit.plan.estimate import gathered_blocks, released_head
+
+    assert (gathered_blocks(1), gathered_blocks(2), gathered_blocks(8)) == (1, 2, 2)
+    cfg = load_config(None, [*BASE_8B, *LORA])
+    one, two = estimate(cfg, 1, 1), estimate(load_config(None, [*BASE_8B, *LORA, "--train.global_batch=4"]), 2, 1)
+    block = 2 * BLOCK_8B + 2 * BLOCK_LORA_8B  # the frozen base as stored and the adapters cast, bf16
+    assert two.fsdp - one.fsdp == block  # the root gathered whole on both
+    t = SimpleNamespace(lora=adapters.counts(_meta_model(model_key(cfg.model)), adapters.lora_key(cfg), "none", 2))
+    assert released_head(cfg, t, 2) == 128_256 * 4096 * 2
+    head = load_config(None, [*BASE_8B, *LORA, "--lora.targets=q_proj,lm_head"])
+    t_head = SimpleNamespace(lora=adapters.counts(_meta_model(model_key(head.model)), adapters.lora_key(head), "none",
+                                                  2))
+    tied = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tie_embeddings=True))
+    full = SimpleNamespace(lora=None)
+    assert released_head(head, t_head, 2) == released_head(tied, t, 2) == released_head(cfg, full, 2) == 0
 
 
 def test_a_frozen_head_keeps_no_weight_gradient_in_the_fused_loss():
@@ -123,10 +151,10 @@ def test_qlora_stores_the_adapted_linear_weights_in_nf4_and_dequantises_one_at_a
     block_nf4 = 2 * BLOCK_8B - 2 * linear + linear // 16_384 * 8456
     assert q.weights == 2 * N_8B + 32 * (block_nf4 - 2 * BLOCK_8B) + 4 * A
     assert (q.grads, q.moments, q.activations, q.working) == (lora.grads, lora.moments, lora.activations, lora.working)
-    assert q.fsdp - lora.fsdp == 2 * (block_nf4 - 2 * BLOCK_8B) + 6 * 14336 * 4096
+    assert q.fsdp - lora.fsdp == (block_nf4 - 2 * BLOCK_8B) + 6 * 14336 * 4096  # one gathered block on one rank
     compiled = [*BASE_8B, *LORA, "--compute.compile=true"]
     assert (estimate(_nf4(load_config(None, compiled)), 1, 1).fsdp - estimate(load_config(None, compiled), 1, 1).fsdp
-            == 2 * (block_nf4 - 2 * BLOCK_8B) + 2 * 14336 * 4096)
+            == (block_nf4 - 2 * BLOCK_8B) + 2 * 14336 * 4096)
     # only the adapted layers are quantized
     two = estimate(_nf4(load_config(None, [*BASE_8B, *LORA, "--lora.targets=q_proj,v_proj"])), 1, 1)
     qv = 4096 * 4096 + 4096 * 1024

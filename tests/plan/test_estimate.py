@@ -47,17 +47,17 @@ MEASURED = [
     # CPU offload (parallel/offload.py): Llama-3-8B on one H100, the first 5 blocks' states on the GPU
     ("2026-11-23_s8_h100x1_offload8b_keep5.json", "8B offload=all keep 5 blocks full-AC mbs16", []),
     # LoRA r16 on the 7 linear layers (plan/adapters.py): bf16 frozen base, fp32 adapters, compiled, one H100.
-    # Session 14: no AC mbs 1 -0.8%, full AC mbs 4 +0.1% (the adapted MLP's backward buffers: docs/memory-plan.md)
+    # Session 14: no AC mbs 1 -0.8%, full AC mbs 4 +0.1% (the adapted MLP's backward buffers: docs/memory-plan.md);
+    # session 16: -2.2% (its peak is the loss: docs/memory-plan.md), -0.2%
     ("2026-11-25_s14_h100x1_lora8b.json", "shardfit LoRA compile no-AC mbs1", []),
     ("2026-11-25_s14_h100x1_lora8b.json", "shardfit LoRA compile full-AC mbs4", []),
     # QLoRA, Llama-3-70B shape, one H200 (session 15, after the NF4 matmul became a custom operator): no AC, the
-    # first 40 of 80 blocks checkpointed (compute.ac_blocks), every block
+    # first 40 of 80 blocks checkpointed (compute.ac_blocks), every block. Session 16: -0.3%, -0.5%, -0.2% (full AC
+    # was +3.2%: a block's backward counted on top of the frozen head's gathered weight, freed by then, and of a
+    # prefetched block a single rank never holds; estimate.released_head, gathered_blocks)
     ("2026-11-25_s15_h200x1_qlora70b.json", "shardfit QLoRA compile no-AC mbs1", []),
     ("2026-11-25_s15_h200x1_qlora70b.json", "shardfit QLoRA compile AC first 40/80 mbs1", []),
-    # full AC: planned 52.4, measured 50.77 (+3.2%: the backward's working set, recompute on top, is counted as for a
-    # LoRA block, whose +0.1% at 8B holds; what a recomputed NF4 block holds less is not found yet)
-    pytest.param("2026-11-25_s15_h200x1_qlora70b.json", "shardfit QLoRA compile full-AC mbs1", [],
-                 marks=pytest.mark.xfail(strict=True, reason="plan +3.2% (52.4 against 50.77 GiB)")),
+    ("2026-11-25_s15_h200x1_qlora70b.json", "shardfit QLoRA compile full-AC mbs1", []),
     # LoRA on Qwen3-30B-A3B (48 layers), one GPU, full AC mbs 2: attention and the experts' grouped adapters, and
     # attention alone
     ("2026-11-25_s15_h200x1_lora30b.json", "shardfit LoRA attn+experts mbs2", []),

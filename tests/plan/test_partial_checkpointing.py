@@ -58,8 +58,9 @@ def test_checkpointing_the_first_blocks_wraps_those_and_leaves_the_gradients_bit
 
 def test_the_plan_keeps_the_unrecomputed_blocks_activations_and_no_recompute_at_the_peak():
     """70B QLoRA at 4,096 tokens on one GPU: with the first N of 80 blocks checkpointed, activations are N block
-    inputs and 80 - N whole blocks; the recompute is on top of the peak only when the last block is checkpointed
-    (N = 80: every block; the first blocks' backward comes after the later blocks' activations are freed)."""
+    inputs and 80 - N whole blocks; the recompute is on top of the activations only when the last block is
+    checkpointed (N = 80: every block; the first blocks' backward comes after the later blocks' activations are
+    freed), and then after the frozen head's gathered weight is freed: less than the last block's activations."""
     cfg = load_config(None, QLORA_70B)
     b = block_activation_bytes(cfg, 1, world=1)
     full = estimate(cfg, 1, 1)
@@ -72,9 +73,12 @@ def test_the_plan_keeps_the_unrecomputed_blocks_activations_and_no_recompute_at_
         assert (e.states, e.fsdp) == (full.states, full.fsdp)
         peaks.append(e.peak)
     assert none.peak > peaks[0] and peaks == sorted(peaks, reverse=True)
-    # checkpointing the last block too saves its activations but recomputes them at the peak: one block input more
-    assert full.peak - peaks[-1] == b["full"]
-    assert full.working - none.working == b["none"]  # the last block's recompute, at the peak
+    # checkpointing the last block too saves its activations and recomputes them in its backward, the head's
+    # [V, D] freed by then: 2 [T, D] of gradients, 2 + 3 + 3 [T, ffn] (adapters.backward_extra, recompute_extra)
+    # and the recompute, less the head (estimate.released_head)
+    T, F, VD = 4096, 28672, 128_256 * 8192
+    assert full.working == 2 * b["block_input"] + b["ffn_grads"] + 6 * T * F * 2 + b["none"] - 2 * VD
+    assert full.peak - peaks[-1] == b["full"] - b["none"] + full.working - none.working < 0
     assert estimate(apply(cfg, {"compute.ac_blocks": 80}), 1, 1).peak == full.peak
     # ac_every: every other block, the last (79) not among them: its backward recomputes nothing at the peak
     every2 = estimate(apply(cfg, {"compute.ac_every": 2}), 1, 1)
@@ -82,22 +86,23 @@ def test_the_plan_keeps_the_unrecomputed_blocks_activations_and_no_recompute_at_
 
 
 def test_the_planner_proposes_the_fewest_checkpointed_blocks_that_fit():
-    """Full checkpointing at micro-batch 1 fits both GPUs with room (52 GiB): on an H200 no checkpointing fits as
-    well; on an H100 the first 57 of 80 blocks (58 fit too, 56 do not), 23 blocks' recompute saved."""
+    """Full checkpointing at micro-batch 1 fits both GPUs with room (50.7 GiB): on an H200 no checkpointing fits as
+    well; on an H100 the first 56 of 80 blocks (57 fit too, 55 do not), 24 blocks' recompute saved (measured on an
+    H100: the first 60 at 70.5 GiB, planned 70.0)."""
     cfg = load_config(None, QLORA_70B)
     h200 = partial_checkpointing(cfg, 1, H200)
     assert h200.changes == {"compute.activation_checkpoint": "none"} and "every block keeps" in h200.note
     h100 = partial_checkpointing(cfg, 1, H100)
-    assert h100.changes == {"compute.ac_blocks": 57} and h100.flags == ["--compute.ac_blocks=57"]
-    assert "the first 57 of 80 blocks instead of 80" in h100.note and "about 10% less compute" in h100.note
+    assert h100.changes == {"compute.ac_blocks": 56} and h100.flags == ["--compute.ac_blocks=56"]
+    assert "the first 56 of 80 blocks instead of 80" in h100.note and "about 10% less compute" in h100.note
     budget = allocation_budget(H100 * GiB)
-    for n, fit in ((57, True), (56, False)):
+    for n, fit in ((56, True), (55, False)):
         replanned = load_config(None, [*QLORA_70B, f"--compute.ac_blocks={n}"])
         assert fits(estimate(replanned, 1, 1), budget, H100 * GiB) is fit
     assert proposals(cfg, 1, H100)[0][0].kind == "partial_checkpointing"  # first: nothing given up
     # nothing to propose: already the fewest, or 2 blocks fewer (under 1% of a step), a micro-batch chosen at
     # launch, or no checkpointing that fits as it is
-    for extra in (["--compute.ac_blocks=57"], ["--compute.ac_blocks=59"], ["--train.micro_batch=0"]):
+    for extra in (["--compute.ac_blocks=56"], ["--compute.ac_blocks=58"], ["--train.micro_batch=0"]):
         assert partial_checkpointing(load_config(None, [*QLORA_70B, *extra]), 1, H100) is None, extra
     assert partial_checkpointing(load_config(None, [*QLORA_70B, "--compute.activation_checkpoint=none"]), 1,
                                  H200) is None
@@ -105,11 +110,11 @@ def test_the_planner_proposes_the_fewest_checkpointed_blocks_that_fit():
     none = load_config(None, [*QLORA_70B, "--compute.activation_checkpoint=none"])
     props = proposals(none, 1, H100)[0]
     assert props[0].kind == "partial_checkpointing" and props[1].kind == "checkpointing"
-    assert props[0].flags == ["--compute.activation_checkpoint=full", "--compute.ac_blocks=57"]
+    assert props[0].flags == ["--compute.activation_checkpoint=full", "--compute.ac_blocks=56"]
     assert "instead of every block" in props[0].note
-    # micro-batch 2 on an H200: 43 of 80
+    # micro-batch 2 on an H200: 42 of 80
     two = load_config(None, [*QLORA_70B, "--train.micro_batch=2", "--train.global_batch=2"])
-    assert partial_checkpointing(two, 1, H200).changes == {"compute.ac_blocks": 43}
+    assert partial_checkpointing(two, 1, H200).changes == {"compute.ac_blocks": 42}
 
 
 def test_plan_prints_the_proposal_when_the_configuration_fits(capsys):
@@ -118,10 +123,10 @@ def test_plan_prints_the_proposal_when_the_configuration_fits(capsys):
     assert main(["plan", *QLORA_70B, "--nproc", "1", "--gpu-memory", str(H100)]) == 0
     out = capsys.readouterr().out
     assert "<- as configured: fits" in out and "partial_checkpointing: peak 74.0 of 74.6 GiB" in out
-    assert "--compute.ac_blocks=57" in out
-    assert main(["plan", *QLORA_70B, "--compute.ac_blocks=57", "--nproc", "1", "--gpu-memory", str(H100)]) == 0
+    assert "--compute.ac_blocks=56" in out
+    assert main(["plan", *QLORA_70B, "--compute.ac_blocks=56", "--nproc", "1", "--gpu-memory", str(H100)]) == 0
     out = capsys.readouterr().out
-    assert "full 57/80" in out and "proposals" not in out
+    assert "full 56/80" in out and "proposals" not in out
 
 
 def test_more_blocks_than_the_model_has_is_one_line():

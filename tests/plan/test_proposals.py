@@ -185,7 +185,7 @@ def test_gpu_kept_blocks_move_their_states_from_the_host_to_the_gpu(kept):
 def test_offload_proposal_keeps_the_fewest_blocks_that_fit_the_host():
     """Issue 13 on the H100 machine (123 GiB host, killed at ~120 GiB resident): all states offloaded need 125.8
     GiB; the proposal keeps the first 5 blocks on the GPU (host 108.6 GiB, under the 110.7 usable; 4 would need
-    112.0), with the configured full checkpointing and one micro-batch of 16, peak 46.4 GiB of the GPU's 75.5 GiB
+    112.0), with the configured full checkpointing and one micro-batch of 16, peak 46.0 GiB of the GPU's 75.5 GiB
     budget. Re-planned from its flags it fits both."""
     cfg = load_config(None, ISSUE_8B)
     assert not configured(cfg, 1, 80, 123)[1]  # as configured: the host is short
@@ -196,7 +196,7 @@ def test_offload_proposal_keeps_the_fewest_blocks_that_fit_the_host():
     assert "the first 5 blocks' states stay on the GPU" in offload.note
     got, nproc, e = _replan(ISSUE_8B, offload, 1)
     assert e == offload.estimate and configured(got, 1, 80, 123)[1]
-    assert round(e.peak / GiB, 1) == 46.4 and round(e.host / GiB, 1) == 108.6
+    assert round(e.peak / GiB, 1) == 46.0 and round(e.host / GiB, 1) == 108.6  # measured: 45.4 GiB
     fewer = estimate(apply(got, {"parallel.offload_gpu_blocks": 4}), 1, 16)
     assert host_budget(123) < fewer.host and e.host <= host_budget(123) == 0.9 * 123 * GiB
     assert all(p.kind != "offload_all" for p in short)

@@ -4,10 +4,12 @@
                world / parallel.replicate under HSDP); freed gradients (memory.keep_grads=false) are counted as
                idle cache, not peak, unless micro-batches accumulate; parallel.offload moves states to host memory.
                LoRA (lora.rank): 16 B per adapter parameter, the frozen base as stored (adapters.py)
-  fsdp         bf16 gathered parameters: the root group, the running and the prefetched block, one fp32
-               reduce-scatter input (LoRA: the adapters'); offload=all adds one block's shards in transit
+  fsdp         bf16 gathered parameters: the root group, the running and the prefetched block (the running one
+               alone on a shard group of one), one fp32 reduce-scatter input (LoRA: the adapters'); offload=all adds
+               one block's shards in transit
   activations  per block what activation_trace.py counts for its checkpointing mode, times the blocks
-  working      the larger of the fused loss's buffers and one block's backward
+  working      the larger of the fused loss's buffers and one block's backward (less a frozen head's gathered
+               weight, which FSDP frees before the blocks' backward)
   host         what parallel.offload keeps in host memory per rank (pinned shards rounded to powers of two)
 The model is built once on the meta device per config (shapes only) to count parameters per block. fits() compares
 an estimate with the allocation budget of a GPU and, for freed gradients, their cached pool besides. MoE terms come
@@ -177,15 +179,16 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # fp32 reduce-scatter input; FP8 all-gather gathers the converted weights at 1 byte each. The same with
     # offload=all. LoRA: the base as stored, the adapters cast; only the adapters' gradients are reduced
     gathered = moe.gathered_params(block_params, experts, par.expert_parallel, outside > 0)
+    running = gathered_blocks(shard)
     if t.lora:
         adapted = moe.gathered_params(t.block_params, trained_experts, par.expert_parallel, outside > 0)
         blocks = adapters.adapted_block_bytes(t.lora, gathered, adapted, element)
         root = t.frozen_bytes - sum(t.block_frozen_bytes) + (t.params - sum(t.block_params)) * element
-        fsdp = root + 2 * max(blocks) - 2 * fp8_bytes + 4 * max(adapted)
+        fsdp = root + running * (max(blocks) - fp8_bytes) + 4 * max(adapted)
         fsdp += adapters.dequant_bytes(t.lora, element, comp.compile)  # QLoRA: one weight dequantised at a time
     else:
         big_block = max(gathered)
-        fsdp = 2 * (root_params + 2 * big_block) - 2 * fp8_bytes + 4 * big_block
+        fsdp = 2 * root_params + running * (2 * big_block - fp8_bytes) + 4 * big_block
     mode = comp.activation_checkpoint
     fsdp += moe.outside_transient_bytes(trained_experts, cfg, element) if fresh else 0
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
@@ -207,13 +210,39 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     loss = tokens * m.dim * 2 + head * m.vocab_size * m.dim * 2 + comp.loss_chunk * m.vocab_size * per_logit
     # backward of one block: gradients of its input and output, of the gate and up projections' outputs, expert
     # parallelism's exchange buffers, and a checkpointed block's recomputed tensors on top of what is still saved
-    # then (recompute_on_top); an adapted MLP's extra buffers (adapters.backward_extra)
+    # then (recompute_on_top; compiled and fully checkpointed, an adapted MLP recomputes more than it saves:
+    # adapters.recompute_extra); an adapted MLP's extra buffers (adapters.backward_extra)
+    extra = adapters.recompute_extra(t.lora, tokens, element) if t.lora and comp.compile and mode == "full" else None
+    recomputed = [per_block[is_moe_layer(m, i)]["none"] + (extra[i] if extra else 0) for i in range(m.n_layers)]
     backward = max(2 * b["block_input"] + b["ffn_grads"] + b["exchange"] + recompute_on_top(
-        saved, chosen, [per_block[is_moe_layer(m, i)]["none"] for i in range(m.n_layers)], i) for i, b in
-        ((i, per_block[is_moe_layer(m, i)]) for i in range(m.n_layers)))
+        saved, chosen, recomputed, i) for i, b in ((i, per_block[is_moe_layer(m, i)]) for i in range(m.n_layers)))
     backward += adapters.backward_extra(t.lora, tokens, element) if t.lora else 0
-    return Estimate(micro_batch, weights, grads, moments, fsdp, acts, max(loss, backward), offload_copies=copies,
+    working = max(loss, backward - released_head(cfg, t, element))
+    return Estimate(micro_batch, weights, grads, moments, fsdp, acts, working, offload_copies=copies,
                     idle_cache=idle_cache, host=host)
+
+
+def gathered_blocks(shard: int) -> int:
+    """Blocks whose gathered parameters are live at once: the running one and the one FSDP2 prefetches (the next in
+    forward, the previous in backward). On a shard group of one rank FSDP2's unshard() (the prefetch) allocates
+    nothing: the copy of the shards into the gathered parameters is made in wait_for_unshard, when the group itself
+    runs (torch.distributed.fsdp._fully_shard._fsdp_param_group), so one block is gathered at a time (measured on
+    one H200: the Llama-3-70B QLoRA and 8B LoRA runs' peaks hold one block's 0.42 / 0.41 GiB, never two)."""
+    return 1 if shard == 1 else 2
+
+
+def released_head(cfg: Config, t: _Trained, element: int) -> int:
+    """Bytes of the output head's gathered weight [V, D] gone before any block's backward: an untied head is an FSDP
+    group of its own (parallelize.apply_fsdp) whose post-backward reshards it as soon as the loss's backward hands
+    dloss/dh on, so the fsdp term's root counts it at the loss but not under a block's backward. Only a frozen head
+    (LoRA without an adapter on lm_head): a trained one's post-backward starts its gradient's reduce-scatter, whose
+    fp32 [V, D] input takes more than the weight frees, and a tied head is the embedding, used again at the end.
+    Measured on one H200 (snapshots of 4-block runs): at the last block's backward peak the gathered parameters are
+    the embedding and that block alone, the head's 1.96 GiB (Llama-3-70B) and 0.98 GiB (8B) freed."""
+    m = cfg.model
+    if not t.lora or t.lora.head_trains or m.tie_embeddings:
+        return 0
+    return m.vocab_size * m.dim * element
 
 
 def recompute_on_top(saved: list[int], chosen: list[bool], recomputed: list[int], i: int) -> int:
