@@ -62,6 +62,11 @@ MEASURED = [
     # attention alone
     ("2026-11-25_s15_h200x1_lora30b.json", "shardfit LoRA attn+experts mbs2", []),
     ("2026-11-25_s15_h200x1_lora30b.json", "shardfit LoRA attn mbs2", []),
+    # session 16, one H100: QLoRA 70B with the first 60 of 80 blocks checkpointed (no checkpointing does not fit), and
+    # LoRA on Qwen3-30B-A3B again (the same peaks as on the H200); on the H200, QLoRA 70B with the Triton NF4 kernel
+    ("2026-11-26_s16_h100x1_qlora70b.json", "shardfit QLoRA compile AC first 60/80 mbs1", []),
+    ("2026-11-26_s16_h100x1_lora30b_anchor.json", "shardfit LoRA attn mbs2", []),
+    ("2026-11-26_s16_h200x1_qlora70b_triton.json", "shardfit QLoRA compile no-AC mbs1", []),
 ]
 
 
