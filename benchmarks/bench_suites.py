@@ -259,7 +259,7 @@ OFFLOAD8B = ["--model.name=llama3-8b", "--data.seq_len=4096", "--train.steps=8",
              "--compute.activation_checkpoint=full", "--train.micro_batch=16", "--train.global_batch=16"]
 SUITES["offload8b"] = [
     # the first 5 blocks' states on the GPU: what `shardfit plan ... --gpu-memory 80 --host-memory 123` proposes for
-    # the H100 machine (host 108.6 GiB of the 110.7 it leaves usable, GPU peak 46.4 GiB), where all-offloaded (125.8
+    # the H100 machine (host 108.6 GiB of the 110.7 it leaves usable, GPU peak 46.0 GiB), where all-offloaded (125.8
     # GiB of host memory) was killed by the host's OOM killer
     ("shardfit", "8B offload=all keep 5 blocks full-AC mbs16", [*OFFLOAD8B, "--parallel.offload_gpu_blocks=5"]),
     ("shardfit", "8B offload=all full-AC mbs16", OFFLOAD8B),
@@ -277,8 +277,8 @@ SUITES["offload8b_cap80"] = [(k, label + " cap80", [*args, "--memory.max_fractio
 # Cases may carry fallback cases (kind, label, args, [fallbacks]): run when the case fails (an OOM at the edge).
 # Memory by shardfit plan (compiled, micro-batch 1): states 39.9 GiB (the NF4 base 35.3, head and embeddings in bf16
 # 3.9, adapters 16 B x 207M), FSDP's buffers 5.2, and per block 1.05 GiB of activations unrecomputed, 0.06 (its input)
-# checkpointed: no checkpointing 130.4 GiB (an H200's budget is 132.3), the first 40 of 80 blocks 90.8, every block
-# 52.4 (an H100's budget is 74.6: the first 60 of 80 blocks 71.1). Six steps a case, the last three measured (a 70B
+# checkpointed: no checkpointing 129.3 GiB (an H200's budget is 132.3), the first 40 of 80 blocks 89.8, every block
+# 50.7 (an H100's budget is 74.6: the first 60 of 80 blocks 70.0). Six steps a case, the last three measured (a 70B
 # step is ~2-4 s; the model's build, init and compile take the rest). Predictions: benchmarks/notes (session 15).
 QLORA70B = ["--model.name=llama3-70b", "--data.seq_len=4096", "--train.steps=6", "--train.warmup_steps=2",
             "--train.lr=1e-4", "--compute.compile=true", "--lora.rank=16", "--lora.alpha=32", "--model.quantize=nf4",
@@ -298,7 +298,7 @@ def _qlora_case(first: int | None) -> tuple[str, str, list[str]]:
 
 SUITES["qlora70b"] = [  # one H200 (nvidia-h200): the anchor first (the ratio needs it), then shardfit's fastest
     ("peft-qlora", "HF+PEFT+bnb QLoRA full-AC mbs1", QLORA_ANCHOR),
-    (*_qlora_case(None), [_qlora_case(10)]),  # 130.4 of 132.3 GiB planned; 120.5 for the fallback
+    (*_qlora_case(None), [_qlora_case(10)]),  # 129.3 of 132.3 GiB planned
     _qlora_case(80),
     _qlora_case(40),
 ]

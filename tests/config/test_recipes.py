@@ -9,6 +9,7 @@ import pytest
 from shardfit.config import load_config
 from shardfit.config.recipes import check_needs, listing, names, read, resolve
 from shardfit.errors import ShardfitError
+from shardfit.plan.auto_checkpointing import resolved
 from shardfit.plan.estimate import GiB, allocation_budget, estimate, fits
 
 RECIPES = names()
@@ -103,6 +104,7 @@ def test_recipe_with_its_checkpoint_is_the_model_it_planned(name, tmp_path):
     # a fine-tuning rate (2e-5, 1e-5), not 3e-4; LoRA recipes LoRA's (the adapters start at zero: about 10x)
     assert planned.train.lr in ({1e-4} if planned.lora.rank else {row[3] for row in SIZE_DEFAULTS})
     gpus, gib = read(f"recipe:{name}").layouts[0]
+    real, planned = resolved(real, gpus, gib), resolved(planned, gpus, gib)  # activation_checkpoint=auto: its choice
     assert estimate(real, gpus, real.train.micro_batch).peak == estimate(planned, gpus, planned.train.micro_batch).peak
 
 
@@ -145,24 +147,27 @@ def test_lora_recipe_is_the_measured_run_and_fits_one_80_gb_gpu():
     assert not fits(estimate(full, 1, 1), allocation_budget(79 * GiB), 79 * GiB)
 
 
-def test_qlora_70b_recipe_fits_one_h200_and_names_what_an_h100_needs():
-    """70B QLoRA on one GPU: the recipe (no checkpointing) fits an H200 with its NF4 base; an H100 does not, and
-    shardfit plan's first proposal there checkpoints the first 56 of the 80 blocks, as its comment says; neither a
-    bf16 base (LoRA) nor full fine-tuning fits the H200."""
+def test_qlora_70b_recipe_fits_one_h200_and_one_h100_as_its_comment_says():
+    """70B QLoRA on one GPU: the recipe (checkpointing auto) takes none on an H200 with its NF4 base; on an H100,
+    where that does not fit, the first 56 of the 80 blocks, shardfit plan's first proposal there, as its comment
+    says; neither a bf16 base (LoRA) nor full fine-tuning fits the H200."""
     from shardfit.plan.proposals import proposals
 
     cfg = load_config("recipe:llama3-70b-qlora-1gpu")
     text = resolve("recipe:llama3-70b-qlora-1gpu").read_text()
-    assert (cfg.model.quantize, cfg.lora.rank, cfg.compute.activation_checkpoint) == ("nf4", 16, "none")
-    h200 = estimate(cfg, 1, 1)
-    assert fits(h200, allocation_budget(139 * GiB), 139 * GiB) and f"{h200.peak / GiB:.1f} GiB peak" in text
-    assert not fits(estimate(cfg, 1, 1), allocation_budget(79 * GiB), 79 * GiB)
-    first = proposals(cfg, 1, 79)[0][0]
+    assert (cfg.model.quantize, cfg.lora.rank, cfg.compute.activation_checkpoint) == ("nf4", 16, "auto")
+    h200 = resolved(cfg, 1, 139)
+    assert h200.compute.activation_checkpoint == "none"
+    assert fits(estimate(h200, 1, 1), allocation_budget(139 * GiB), 139 * GiB)
+    assert f"{estimate(h200, 1, 1).peak / GiB:.1f} GiB peak" in text
+    assert not fits(estimate(h200, 1, 1), allocation_budget(79 * GiB), 79 * GiB)
+    first = proposals(h200, 1, 79)[0][0]
     assert first.flags == ["--compute.activation_checkpoint=full", "--compute.ac_blocks=56"]
+    h100 = resolved(cfg, 1, 79)
+    assert (h100.compute.activation_checkpoint, h100.compute.ac_blocks) == ("full", 56)
     assert "the first 56 of the 80" in text and f"({first.estimate.peak / GiB:.1f} GiB)" in text
-    assert " ".join(first.flags) in text
     for extra in (["--model.quantize=none"], ["--model.quantize=none", "--lora.rank=0"]):
-        other = load_config("recipe:llama3-70b-qlora-1gpu", extra)
+        other = resolved(load_config("recipe:llama3-70b-qlora-1gpu", extra), 1, 139)  # every block, if nothing less
         assert not fits(estimate(other, 1, 1), allocation_budget(139 * GiB), 139 * GiB)
 
 

@@ -166,7 +166,9 @@ def _recipe_cases():
 
 @pytest.mark.parametrize("name, world, gib", list(_recipe_cases()))
 def test_no_proposal_is_a_layout_train_refuses(name, world, gib):
-    cfg = load_config(f"recipe:{name}")
+    from shardfit.plan.auto_checkpointing import resolved
+
+    cfg = resolved(load_config(f"recipe:{name}"), world, gib)  # as `shardfit plan` does (activation_checkpoint=auto)
     if cfg.compute.fp8 != "none":
         pytest.importorskip("torchao.float8", reason="FP8 needs the optional torchao extra")
     props, short = proposals(cfg, world, gib, 512.0)

@@ -52,11 +52,10 @@ def plan(argv: list[str]) -> int:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     auto = None
     if cfg.compute.activation_checkpoint == "auto":  # what the run would choose on this GPU (plan/auto_checkpointing)
-        from shardfit.plan.auto_checkpointing import auto_checkpointing
-        from shardfit.plan.proposals import apply
+        from shardfit.plan.auto_checkpointing import auto_checkpointing, resolved
 
-        changes, auto = auto_checkpointing(cfg, world, gpu_gib)
-        cfg = apply(cfg, changes)
+        auto = auto_checkpointing(cfg, world, gpu_gib)[1]
+        cfg = resolved(cfg, world, gpu_gib)
     propose = ("--propose" in switches or not configured(cfg, world, gpu_gib, host_gib, per_node)[1]
                or not accepted(cfg, world))  # e.g. a layout the trainer refuses: counted, with what would fit
     if propose:

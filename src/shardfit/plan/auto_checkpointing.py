@@ -40,3 +40,11 @@ def auto_checkpointing(cfg: Config, world: int, gpu_gib: float | None) -> tuple[
     if peak > budget:
         line += "; even that is predicted NOT to fit: see `shardfit plan --propose` with this config"
     return changes, line
+
+
+def resolved(cfg: Config, world: int, gpu_gib: float | None) -> Config:
+    """cfg as a run on `world` GPUs of gpu_gib would build it: compute.activation_checkpoint=auto replaced by its
+    choice (anything else unchanged)."""
+    if cfg.compute.activation_checkpoint != "auto":
+        return cfg
+    return apply(cfg, auto_checkpointing(cfg, world, gpu_gib)[0])
