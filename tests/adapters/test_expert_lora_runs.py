@@ -1,8 +1,8 @@
 """Expert LoRA runs from a Hugging Face Qwen3-MoE base, end to end: 2 gloo ranks with expert parallelism (and
-recomputation) train the adapters one process trains, only adapters reach the optimizer and the base (router
-included) stays bit for bit; the PEFT export loads in peft.PeftModel with the trained model's logits, the merged
-export in transformers likewise, and the adapter continues training (lora.adapter, each rank reading its experts);
-a resumed run equals an uninterrupted one."""
+recomputation), or with CPU offload, train the adapters one process trains, only adapters reach the optimizer and the
+base (router included) stays bit for bit; the PEFT export loads in peft.PeftModel with the trained model's logits,
+the merged export in transformers likewise, and the adapter continues training (lora.adapter, each rank reading its
+experts); a resumed run equals an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -25,12 +25,15 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _train_export_continue(rank, world, base, root, extra):
+    from shardfit.parallel.offload import offloaded
+
     t = Trainer(_config(base, EXPERTS, "--train.steps=3", f"--checkpoint.export_hf={root}/adapter",
                         f"--checkpoint.export_merged={root}/merged", "--checkpoint.export_dtype=float32", *extra,
                         run_dir=f"{root}/run"))
     frozen = {n: _local(p).detach().clone() for n, p in t.model.named_parameters() if not p.requires_grad}
     stepped = {id(p) for g in t.engine.optimizer.param_groups for p in g["params"]}
     in_optimizer = sorted(n for n, p in t.model.named_parameters() if id(p) in stepped)
+    host = offloaded(t.model)  # read while sharded: a no-grad forward (_logits) leaves the last block gathered
     losses = [h["loss"] for h in t.fit()]
     after = dict(t.model.named_parameters())
     trained = {k: v for k, v in full_state(t.model).items() if is_adapter(k)}
@@ -40,12 +43,13 @@ def _train_export_continue(rank, world, base, root, extra):
                            run_dir=f"{root}/more"))
     loaded = {k: v for k, v in full_state(more.model).items() if is_adapter(k)}  # on the CPU: the live tensors
     continued = all(torch.equal(loaded[k], v) for k, v in trained.items())
+    host = [host, offloaded(more.model)]
     more_losses = [h["loss"] for h in more.fit()]
     return {"losses": losses, "logits": logits, "in_optimizer": in_optimizer,
             "adapters": {k: v.tolist() for k, v in trained.items()} if rank == 0 else None,
             "base_same": all(torch.equal(_local(after[n]), v) for n, v in frozen.items()),
             "experts_frozen": sum(".mlp.experts." in n or n.endswith("mlp.gate.weight") for n in frozen),
-            "continued": continued, "more": more_losses}
+            "continued": continued, "more": more_losses, "offloaded": host}
 
 
 @pytest.mark.parametrize("world, extra", [
@@ -57,7 +61,11 @@ def _train_export_continue(rank, world, base, root, extra):
                      "--compute.activation_checkpoint=selective"], marks=pytest.mark.slow),
     # E < W: the experts' own FSDP group over the 2 ranks holding the same experts (gradients divided by W)
     pytest.param(4, ["--parallel.expert_parallel=2", "--train.micro_batch=2"], marks=pytest.mark.slow),
-], ids=["ep2-fullac", "fsdp", "ep2-overlap-both", "4ranks-ep2"])
+    # CPU offload (no EP: layout.py refuses it with one): the experts stay in their blocks' FSDP groups (not outside
+    # FSDP as with E = W), so FSDP's policy keeps their frozen base and their adapters in host shards with the
+    # block's, the CPU step trains the adapters, and lora.adapter reads the export back into host shards
+    (2, ["--parallel.offload=all"]),
+], ids=["ep2-fullac", "fsdp", "ep2-overlap-both", "4ranks-ep2", "offload"])
 def test_ranks_equal_one_and_exports_load_in_peft_and_transformers(tmp_path, world, extra):
     base = save_tiny("qwen3_moe", tmp_path)
     two = run_ranks(_train_export_continue, world, str(base), str(tmp_path / "two"), extra)
@@ -71,6 +79,7 @@ def test_ranks_equal_one_and_exports_load_in_peft_and_transformers(tmp_path, wor
     for r in (one, *two):
         assert r["base_same"] and r["experts_frozen"] == 4  # gate, up, down and the router: frozen, unchanged
         assert r["in_optimizer"] == sorted(one["adapters"]) and r["continued"] and len(r["more"]) == 1
+        assert r["offloaded"] == [r is not one and "--parallel.offload=all" in extra] * 2  # every parameter: host
     trained = torch.tensor(two[0]["logits"])
     ids = torch.tensor(IDS)
     with torch.no_grad():

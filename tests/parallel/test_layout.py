@@ -35,6 +35,10 @@ def test_token_budgets_count_examples_so_any_global_batch_splits():
       "--parallel.expert_overlap=dispatch", "--train.global_batch=32"], 4,
      r"expert_overlap=dispatch needs the experts outside FSDP: parallel.expert_parallel equal to the world size "
      r"\(4; it is 2\)"),
+    (["--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32", "--parallel.expert_parallel=2",
+      "--parallel.offload=all", "--lora.rank=4", "--lora.targets=q_proj,experts"], 2,
+     r"^parallel.expert_parallel: parallel.expert_parallel=2 does not combine with parallel.offload=all yet; fix: set "
+     r"parallel.expert_parallel=1 \(the experts then shard and offload with their blocks\), or parallel.offload=none$"),
 ])
 def test_bad_layouts_are_one_line_before_launch(args, world, needle):
     with pytest.raises(ShardfitError, match=needle) as e:

@@ -233,8 +233,12 @@ def check_expert_parallel(ep: int, world: int, n_experts: int, replicate: int, o
                             f"(parallel.replicate={replicate})", where=where,
                             fix=f"use a divisor of {world // replicate}: EP groups stay inside one replica")
     if offload != "none":
+        # FSDP's offload policy is what keeps shards on the host; under EP the experts are sharded over the expert
+        # mesh (their own FSDP group, or none with E = W: parallel/expert.py). Without EP they are in their block's
+        # group and offload with it (expert LoRA adapters included).
         raise ShardfitError(f"{where}={ep} does not combine with parallel.offload={offload} yet", where=where,
-                            fix="set one of them off")
+                            fix=f"set {where}=1 (the experts then shard and offload with their blocks), or "
+                                "parallel.offload=none")
 
 
 def _check_overlap(overlap: str, ep: int, world: int, replicate: int) -> None:
