@@ -97,6 +97,10 @@
 #             rl_fwd_vs_hf / rl_fwdbwd_vs_hf {"moe-6L"}, weights_GBps, export_hf_GBps, moe_fwd_profile
 #   rl-lora   the 8B PPO step with LoRA r=16 on the 7 linears (issues 23 + 24) against the anchor's part D
 #             (PEFT, pack_flex), 2 reps (cap RL_CAP, 300 s)
+#   docattn   benchmarks/bench_doc_attention.py: one layer's document-masked attention of Engine.forward on the
+#             rollouts' 17,408-token rows (Qwen3-30B-A3B 32/4 heads, Qwen3-8B 32/8), no grad: shardfit's flex against
+#             flex kernel_options, per-document and padded (the anchor's) cuDNN / flash SDPA, varlen, cuDNN ragged;
+#             outputs checked against flex (carry .anchors; cap 230 s, its own deadline 195 s). JSON $OUT/docattn.json
 #   lora8b    issue 23: LoRA SFT, Llama-3-8B shape seq 4096, shardfit (compiled: no AC mbs 1, full AC mbs 4)
 #             against HF + PEFT (benchmarks/anchor_peft_lora.py, full AC mbs 4), one GPU (cap LORA_CAP, 420 s)
 #   lora30b   issue 23's MoE part: LoRA r=16, Qwen3-30B-A3B shape, all 48 layers, seq 4096, one GPU (H100, the
@@ -208,6 +212,7 @@ for stage in "$@"; do
     flat300a) env CUDA_VISIBLE_DEVICES=0 timeout 380 python3 benchmarks/bench_train.py --suite flat300_anchors --nproc 1 --timeout 180 --out "$OUT/flat300a_x1.json" 2>&1 | tee "$OUT/flat300a.log" | grep -v '^{' | tail -12 ;;
     flat300) env CUDA_VISIBLE_DEVICES=0 timeout 380 python3 benchmarks/bench_train.py --suite flat300 --nproc 1 --timeout 130 --out "$OUT/flat300_x1.json" 2>&1 | tee "$OUT/flat300.log" | grep -v '^{' | tail -22 ;;
     attn) env CUDA_VISIBLE_DEVICES=0 timeout 190 python3 benchmarks/bench_attention.py --out "$OUT/attn_x1.json" 2>&1 | tee "$OUT/attn.log" | grep -v '^{' | tail -16 ;;
+    docattn) env CUDA_VISIBLE_DEVICES=0 timeout 230 python3 benchmarks/bench_doc_attention.py --out "$OUT/docattn.json" 2>&1 | tee "$OUT/docattn.log" | grep -v Warning | tail -75 ;;
     offload8b)  # one compile worker: the host's memory is for the offloaded states
       (while sleep 1; do echo "$(date +%T) $(grep MemAvailable /proc/meminfo)"; done) > "$OUT/offload8b_hostmem.txt" & sampler=$!
       env CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=1 timeout 470 python3 benchmarks/bench_train.py --suite offload8b --nproc 1 --timeout 270 --out "$OUT/offload8b_x1.json" 2>&1 | tee "$OUT/offload8b.log" | grep -v '^{' | tail -5
