@@ -245,13 +245,7 @@ def forward_profile_table(s: dict) -> dict:
     other-stream parts) and the span; rows sum to the busy time."""
     reg = s.get("regions_ms", {})
     rows = {name: round(sum(reg.get(r, {}).get(k, 0.0) for k in kinds), 1) for name, r, kinds in PROF_ROWS}
-    idle = s.get("idle", {})
-    rows["idle: waiting for the CPU"] = idle.get("cpu_ms", 0.0)
-    rows["idle: waiting on other streams"] = idle.get("other_stream_ms", 0.0)
-    rows["idle: gaps under 5 us"] = round(s.get("compute_idle_ms", 0.0) - rows["idle: waiting for the CPU"]
-                                          - rows["idle: waiting on other streams"], 1)
-    rows["span"] = s.get("span_ms", 0.0)
-    return rows
+    return {**rows, **rp.idle_rows(s), "span": s.get("span_ms", 0.0)}
 
 
 def profiler(record: bool = True):

@@ -218,15 +218,17 @@ def analyse(events: list[dict], vocab: int = 0, lora_rank: int = 0, regions=REGI
 def table(summary: dict, an: dict) -> dict:
     """ROWS (ms) then the idle time split as profile_trace does it (waiting for the CPU, on other streams, gaps
     under 5 us) and the span: one column of the side-by-side table."""
-    out = dict(an.get("rows_ms", {}))
+    return {**an.get("rows_ms", {}), **idle_rows(summary), "busy": summary.get("compute_busy_ms", 0.0),
+            "span": summary.get("span_ms", 0.0)}
+
+
+def idle_rows(summary: dict) -> dict:
+    """The compute stream's idle time of a profile_trace summary, split: waiting for the CPU, on other streams, and
+    the gaps under 5 us (the rest)."""
     idle = summary.get("idle", {})
-    out["idle: waiting for the CPU"] = idle.get("cpu_ms", 0.0)
-    out["idle: waiting on other streams"] = idle.get("other_stream_ms", 0.0)
-    out["idle: gaps under 5 us"] = round(summary.get("compute_idle_ms", 0.0) - out["idle: waiting for the CPU"]
-                                         - out["idle: waiting on other streams"], 1)
-    out["busy"] = summary.get("compute_busy_ms", 0.0)
-    out["span"] = summary.get("span_ms", 0.0)
-    return out
+    cpu, other = idle.get("cpu_ms", 0.0), idle.get("other_stream_ms", 0.0)
+    return {"idle: waiting for the CPU": cpu, "idle: waiting on other streams": other,
+            "idle: gaps under 5 us": round(summary.get("compute_idle_ms", 0.0) - cpu - other, 1)}
 
 
 def compare(sf: dict, hf: dict) -> dict:
