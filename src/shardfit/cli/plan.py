@@ -15,6 +15,8 @@ The same config keys as `shardfit train` (model, data.seq_len, parallel.*, compu
 the number of GPUs the model is sharded over, all nodes together; --gpu-memory the memory of one GPU in GiB (default:
 this machine's GPU, else 80). With --compute.compile=true dense blocks are counted as the compiled graph saves them.
 With --parallel.offload=all the host memory each node needs is printed; --host-memory (one node's, GiB) checks it.
+With --compute.activation_checkpoint=auto the plan is of what a run would choose on a GPU of --gpu-memory, and says
+which blocks that is (in --json: auto_checkpointing).
 
 Proposals, printed when the configuration does not fit or always with --propose, cheapest first: fewer checkpointed
 blocks (--compute.ac_blocks; also printed when a configuration with full checkpointing fits with room), expert
