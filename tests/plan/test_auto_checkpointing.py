@@ -3,6 +3,8 @@ of partial_checkpointing), none where everything fits, every block where nothing
 train.micro_batch=0; resolved in place by the Engine before it builds (none on the CPU); `shardfit plan` shows the
 choice."""
 
+import json
+
 import pytest
 
 from shardfit.config import load_config
@@ -74,6 +76,10 @@ def test_plan_shows_what_auto_chooses_on_its_gpu(capsys):
     out = capsys.readouterr().out
     changes, line = auto_checkpointing(load_config(None, RL_8B), 1, H100)
     assert line in out and f"full {changes['compute.ac_blocks']}/36" in out
+    assert plan([*RL_8B, "--gpu-memory", str(H100), "--json"]) == 0  # the JSON says which blocks its terms are of
+    out = json.loads(capsys.readouterr().out)
+    assert out["auto_checkpointing"] == {"changes": changes, "line": line}
+    assert out["configured"]["terms"]["peak"] == estimate(apply(load_config(None, RL_8B), changes), 1, 1).peak
 
 
 def test_the_engine_resolves_auto_in_place_before_it_builds(monkeypatch):
@@ -104,7 +110,6 @@ def test_what_auto_chose_on_the_gpu_peaked_as_planned(fname, gib):
     """The 8B LoRA PPO step through the Engine with auto (benchmarks/bench_rl.py, stage rl-auto): on an H100 the
     first 13 of 36 blocks checkpointed, on an H200 none; the measured peak within 3% of the plan's for that choice,
     and the choice the one the plan makes now."""
-    import json
     from pathlib import Path
 
     data = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" / fname).read_text())

@@ -398,3 +398,28 @@ def test_forward_casts_the_experts_out_of_fsdp_once_per_call():
     assert r["casts False"] == 3 * 2 * 3 and r["dtypes False"] == ["torch.bfloat16"]  # micro-batches x layers x 3
     assert r["casts True"] == 0  # cast by the pass, outside the autograd function
     assert r["True"] == r["False"] and r["left True"] == 0 and r["left False"] == 0
+
+
+def _expert_cast_bytes(rank, world):
+    from shardfit.parallel import gathered
+
+    out = {}
+    for name, extra in (("full", []), ("lora", ["--lora.rank=4", "--lora.alpha=8"])):
+        engine = _engine("--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32",
+                         "--compute.param_dtype=bfloat16", *extra)
+        counted = gathered.gathered_bytes(engine.model)
+        experts, gathered.cast_experts = gathered.cast_experts, lambda model: []
+        try:
+            out[name] = (len(experts(engine.model)), counted - gathered.gathered_bytes(engine.model))
+        finally:
+            gathered.cast_experts = experts
+    return out
+
+
+def test_gathered_bytes_counts_only_expert_casts_that_copy():
+    """fits_gathered's bytes for the experts kept out of FSDP are their pass's casts: fp32 masters cast to bf16
+    (full fine-tuning) are counted; a LoRA run's frozen experts, stored in the compute dtype, cast to themselves
+    and are not (counted, the 30B experts' 57 GB would turn gathering off for the whole model on one GPU)."""
+    r = run_ranks(_expert_cast_bytes, 1)[0]
+    assert r["full"][0] == r["lora"][0] == 2 and r["full"][1] > 0
+    assert r["lora"][1] == 0

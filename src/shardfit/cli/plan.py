@@ -15,6 +15,8 @@ The same config keys as `shardfit train` (model, data.seq_len, parallel.*, compu
 the number of GPUs the model is sharded over, all nodes together; --gpu-memory the memory of one GPU in GiB (default:
 this machine's GPU, else 80). With --compute.compile=true dense blocks are counted as the compiled graph saves them.
 With --parallel.offload=all the host memory each node needs is printed; --host-memory (one node's, GiB) checks it.
+With --compute.activation_checkpoint=auto the plan is of what a run would choose on a GPU of --gpu-memory, and says
+which blocks that is (in --json: auto_checkpointing).
 
 Proposals, printed when the configuration does not fit or always with --propose, cheapest first: fewer checkpointed
 blocks (--compute.ac_blocks; also printed when a configuration with full checkpointing fits with room), expert
@@ -42,7 +44,7 @@ def plan(argv: list[str]) -> int:
     host_gib = (gib(opts["--host-memory"], "--host-memory", "give one node's host memory in GiB, e.g. 1900")
                 if "--host-memory" in opts else None)
     from shardfit.config import load_config
-    from shardfit.plan.proposals import accepted, partial_checkpointing, plan_json, proposals, proposals_text
+    from shardfit.plan.proposals import accepted, apply, partial_checkpointing, plan_json, proposals, proposals_text
     from shardfit.plan.table import configured, plan_table
 
     cfg = load_config(opts.get("--config"), rest)
@@ -52,10 +54,10 @@ def plan(argv: list[str]) -> int:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     auto = None
     if cfg.compute.activation_checkpoint == "auto":  # what the run would choose on this GPU (plan/auto_checkpointing)
-        from shardfit.plan.auto_checkpointing import auto_checkpointing, resolved
+        from shardfit.plan.auto_checkpointing import auto_checkpointing
 
-        auto = auto_checkpointing(cfg, world, gpu_gib)[1]
-        cfg = resolved(cfg, world, gpu_gib)
+        changes, line = auto_checkpointing(cfg, world, gpu_gib)  # one search: the choice and its line
+        auto, cfg = {"changes": changes, "line": line}, apply(cfg, changes)
     propose = ("--propose" in switches or not configured(cfg, world, gpu_gib, host_gib, per_node)[1]
                or not accepted(cfg, world))  # e.g. a layout the trainer refuses: counted, with what would fit
     if propose:
@@ -66,11 +68,14 @@ def plan(argv: list[str]) -> int:
     if "--json" in switches:
         import json
 
-        print(json.dumps(plan_json(cfg, world, gpu_gib, host_gib, per_node, props, short), indent=1))
+        out = plan_json(cfg, world, gpu_gib, host_gib, per_node, props, short)
+        if auto:  # the configured terms are those of the choice: say which it is
+            out["auto_checkpointing"] = auto
+        print(json.dumps(out, indent=1))
         return 0
     print(plan_table(cfg, world, gpu_gib, host_gib, per_node))
     if auto:
-        print(auto)
+        print(auto["line"])
     if propose or props:
         print("\n" + proposals_text(props, short, gpu_gib, host_gib))
     return 0

@@ -57,11 +57,12 @@ def cast_experts(model: nn.Module) -> list:
 
 def gathered_bytes(model: nn.Module) -> int:
     """Bytes the groups not gathered now would take gathered, in their compute dtype (param_dtype), and the
-    experts outside FSDP their cast for a pass."""
+    experts outside FSDP their cast for a pass: only weights stored in another dtype (a LoRA run's frozen experts
+    are stored in the compute dtype, and their "cast" is the parameter itself: no bytes)."""
     from shardfit.parallel.dtensor import local_tensor
 
     total = sum(local_tensor(w).numel() * m.compute_dtype.itemsize for m in cast_experts(model)
-                for w in m.weight_params() if w is not None)
+                for w in m.weight_params() if w is not None and w.dtype != m.compute_dtype)
     for g in fsdp_groups(model):
         if g.is_unsharded:
             continue

@@ -132,11 +132,12 @@ def adapted_block_bytes(c: Counts, gathered_params: tuple[int, ...], gathered_ad
     return tuple(g * element - s + a * element for g, s, a in zip(gathered_params, c.nf4_saving, gathered_adapters))
 
 
-def dequant_bytes(c: Counts, element: int, compiled: bool) -> int:
+def dequant_bytes(c: Counts, element: int) -> int:
     """QLoRA: each NF4 layer dequantises its whole weight (padded to whole groups) for its matmul, in forward and
-    again in backward (for the input gradient), and frees it: one in flight at a time. Compiled, one fused kernel
-    writes it in the compute dtype; eager, the fp32 levels come first, then the copy (adapters/nf4.py: 4 + 2 B)."""
-    return c.largest_quantized * (element if compiled else element + 4)
+    again in backward (for the input gradient), and frees it: one in flight at a time. On a GPU the Triton kernel
+    (kernels/nf4_dequant.py) writes it in the compute dtype and nothing else, compiled or not (adapters/qlora.py's
+    _dequant); the PyTorch path, where Triton is missing, holds the fp32 levels first eagerly (4 + 2 B a weight)."""
+    return c.largest_quantized * element
 
 
 def backward_extra(c: Counts, tokens: int, element: int) -> int:

@@ -5,7 +5,8 @@ again in backward (about a third more of its work, half under LoRA, whose backwa
 base). `full` everywhere is what frameworks default to; on a GPU with room it recomputes for nothing. `auto` takes the
 fewest blocks checkpointed (the first N: parallel/parallelize.py's checkpointed_blocks says why the first) that the
 plan predicts to fit the allocation budget at the configured micro-batch (proposals.partial_checkpointing, the same
-search `shardfit plan` proposes), none when every block fits, every block when nothing less fits.
+search `shardfit plan` proposes), none when every block fits, every block when nothing less fits or saves at
+least proposals.MIN_SAVING of the compute (then a block or two fewer is not worth the margin it takes).
 
 Every rank must build the same model: the choice is made from the config, the world size and the smallest GPU of
 the job (the Engine's one all-reduce of the device's memory before it builds), so every rank chooses alike.
@@ -32,7 +33,8 @@ def auto_checkpointing(cfg: Config, world: int, gpu_gib: float | None) -> tuple[
     chosen = apply(cfg, changes)
     L, n = cfg.model.n_layers, changes["compute.ac_blocks"]
     what = ("no checkpointing" if changes["compute.activation_checkpoint"] == "none" else
-            f"the first {n} of {L} blocks checkpointed" if n else "every block checkpointed (fewer would not fit)")
+            f"the first {n} of {L} blocks checkpointed" if n else
+            "every block checkpointed (fewer would not fit, or would save under 1% of the compute)")
     peak = (proposal.estimate if proposal else estimate(chosen, world, as_rows(chosen).train.micro_batch)).peak
     budget = allocation_budget(gpu_gib * GiB)
     line = (f"compute.activation_checkpoint=auto: {what}, predicted peak {peak / GiB:.1f} GiB of a "

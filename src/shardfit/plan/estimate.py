@@ -185,7 +185,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         blocks = adapters.adapted_block_bytes(t.lora, gathered, adapted, element)
         root = t.frozen_bytes - sum(t.block_frozen_bytes) + (t.params - sum(t.block_params)) * element
         fsdp = root + running * (max(blocks) - fp8_bytes) + 4 * max(adapted)
-        fsdp += adapters.dequant_bytes(t.lora, element, comp.compile)  # QLoRA: one weight dequantised at a time
+        fsdp += adapters.dequant_bytes(t.lora, element)  # QLoRA: one weight dequantised at a time
     else:
         big_block = max(gathered)
         fsdp = 2 * root_params + running * (2 * big_block - fp8_bytes) + 4 * big_block

@@ -345,7 +345,9 @@ def plan_json(cfg: Config, world: int, gpu_gib: float, host_gib: float | None, g
     configured: the config as given (its micro-batch, 1 when chosen at launch): terms, fits, host_per_node
     largest: per checkpointing mode, the terms of the largest micro-batch that fits (null: none fits)
     proposals, left_out (host memory short): kind, flags (arguments to add), changes (config key -> value), world,
-    micro_batch, terms, host_per_node, note; refused: train's line when it refuses the configured layout, else null"""
+    micro_batch, terms, host_per_node, note; refused: train's line when it refuses the configured layout, else null
+    auto_checkpointing (added by cli/plan.py, only with compute.activation_checkpoint=auto): changes (config key ->
+    value: what auto chose on this GPU, which configured's terms are of) and line (what the run prints)"""
     from shardfit.parallel.layout import refusal
 
     mine, ok = configured(cfg, world, gpu_gib, host_gib, gpus_per_node)
