@@ -120,3 +120,26 @@ def test_what_auto_chose_on_the_gpu_peaked_as_planned(fname, gib):
     changes, line = auto_checkpointing(cfg, 1, gib)
     assert line.split(",")[0] == chose.split(",")[0]  # the same blocks
     assert abs(estimate(apply(cfg, changes), 1, 1).peak / GiB / measured - 1) < 0.03
+
+
+def test_one_block_is_all_or_nothing():
+    """partial_checkpointing searches two blocks or more; a one-block model takes none where it fits."""
+    one = load_config(None, [*RL_8B, "--model.n_layers=1"])
+    assert auto_checkpointing(one, 1, H200)[0]["compute.activation_checkpoint"] == "none"
+    changes, line = auto_checkpointing(one, 1, 9.5)  # none needs 8.7 GiB: over this budget (8.5)
+    assert changes["compute.activation_checkpoint"] == "full" and "NOT to fit" in line
+
+
+def test_a_run_records_auto_and_its_choice_beside_it(tmp_path):
+    """`shardfit train` with auto: config.toml keeps "auto" (a resume on another GPU chooses again) with the choice
+    made on this machine as the comment above it; the run's output says it too."""
+    from tests.cli.session import run_commands
+    from tests.cli.test_cli import TINY
+
+    run = tmp_path / "run"
+    (res,) = run_commands([["train", *TINY, "--train.steps=2", "--compute.activation_checkpoint=auto",
+                            f"--logging.run_dir={run}"]], tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "compute.activation_checkpoint=auto on the CPU: no checkpointing" in res.stdout + res.stderr
+    text = (run / "config.toml").read_text()
+    assert text.startswith("# compute.activation_checkpoint=auto on the CPU") and 'activation_checkpoint = "auto"' in text

@@ -15,7 +15,7 @@ the job (the Engine's one all-reduce of the device's memory before it builds), s
 from __future__ import annotations
 
 from shardfit.config.schema import Config
-from shardfit.plan.estimate import GiB, allocation_budget, as_rows, estimate
+from shardfit.plan.estimate import GiB, allocation_budget, as_rows, estimate, fits
 from shardfit.plan.proposals import apply, partial_checkpointing
 
 EVERY_BLOCK = {"compute.activation_checkpoint": "full", "compute.ac_blocks": 0, "compute.ac_every": 1}
@@ -30,8 +30,14 @@ def auto_checkpointing(cfg: Config, world: int, gpu_gib: float | None) -> tuple[
     full = apply(cfg, EVERY_BLOCK)
     proposal = partial_checkpointing(full, world, gpu_gib)
     changes = {**EVERY_BLOCK, **(proposal.changes if proposal else {})}
+    L = cfg.model.n_layers
+    if proposal is None and L < 2:  # partial_checkpointing searches 2 blocks or more: one block is all or nothing
+        nothing = {**EVERY_BLOCK, "compute.activation_checkpoint": "none"}
+        c = apply(cfg, nothing)
+        if fits(estimate(c, world, as_rows(c).train.micro_batch), allocation_budget(gpu_gib * GiB), gpu_gib * GiB):
+            changes = nothing
     chosen = apply(cfg, changes)
-    L, n = cfg.model.n_layers, changes["compute.ac_blocks"]
+    n = changes["compute.ac_blocks"]
     what = ("no checkpointing" if changes["compute.activation_checkpoint"] == "none" else
             f"the first {n} of {L} blocks checkpointed" if n else
             "every block checkpointed (fewer would not fit, or would save under 1% of the compute)")

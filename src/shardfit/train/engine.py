@@ -102,6 +102,11 @@ def apply_alloc_conf(alloc_conf: str) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
 
 
+def device_memory_bytes(cfg: Config, device: torch.device) -> float:
+    """What a run may plan for on this GPU: its memory, times memory.max_fraction where set."""
+    return torch.cuda.get_device_properties(device).total_memory * (cfg.memory.max_fraction or 1.0)
+
+
 def resolve_auto_checkpointing(cfg: Config, dist: DistInfo) -> str:
     """compute.activation_checkpoint=auto, resolved in place before the model is built (plan/auto_checkpointing.py)
     for the job's smallest GPU: one all-reduce (MIN) of the device memory, so every rank builds the same blocks.
@@ -110,8 +115,7 @@ def resolve_auto_checkpointing(cfg: Config, dist: DistInfo) -> str:
 
     gpu_gib = None
     if dist.device.type == "cuda":
-        total = torch.tensor(float(torch.cuda.get_device_properties(dist.device).total_memory), device=dist.device,
-                             dtype=torch.float64) * (cfg.memory.max_fraction or 1.0)
+        total = torch.tensor(device_memory_bytes(cfg, dist.device), device=dist.device, dtype=torch.float64)
         if dist.world_size > 1:
             torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MIN)
         gpu_gib = total.item() / 2**30

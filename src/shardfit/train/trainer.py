@@ -35,7 +35,7 @@ from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume
 from shardfit.train.checkpoint_verify import COMPLETE
 from shardfit.train.curves import end_of_run
-from shardfit.train.engine import Engine, StepRecord, apply_alloc_conf
+from shardfit.train.engine import Engine, StepRecord, apply_alloc_conf, device_memory_bytes
 from shardfit.train.metrics import LogWindow, flops_per_token, peak_flops, reset_peaks, summarize_memory
 from shardfit.train.optim import lr_at
 from shardfit.train.profile import StepProfiler
@@ -118,6 +118,10 @@ class Trainer:
         check_no_overwrite(self.ckpt_dir, resume, self.dist.rank, self.device, self.notices)
         self.resumed_from = resume
         self.engine = Engine(cfg, self.dist, resume, self.notices)
+        # compute.activation_checkpoint=auto stays "auto" in config.toml (a resume on another GPU chooses again); the
+        # choice made on this one is recorded beside it, as a comment
+        chosen = [n for n in self.notices if n.startswith("compute.activation_checkpoint=auto")]
+        self.config_toml = "".join(f"# {n}\n" for n in chosen) + self.config_toml
         self.engine.on_micro_batch = self._on_micro_batch
         if cfg.parallel.offload == "all" and self.accum != 1:
             self.notices.append("parallel.offload=all with several micro-batches per step: FSDP2 copies the gradients "
@@ -368,8 +372,7 @@ class Trainer:
             cfg.train.micro_batch = per_rank
             self.notices.append(f"train.micro_batch=0 on the CPU: {per_rank} (no accumulation)")
         else:
-            total = torch.cuda.get_device_properties(self.device).total_memory * (cfg.memory.max_fraction or 1.0)
-            e, notice = auto_micro_batch(cfg, self.dist.world_size, total, per_rank)
+            e, notice = auto_micro_batch(cfg, self.dist.world_size, device_memory_bytes(cfg, self.device), per_rank)
             cfg.train.micro_batch = e.micro_batch
             self.notices.append(notice)
         self.config_toml = config_to_toml(cfg)
