@@ -7,146 +7,42 @@
   hf-lora the anchor's part D (PEFT LoRA PPO step) through its own functions, then one step profiled (--prof-out)
   sdk     the PPO step through the official tinker SDK against a running `shardfit serve`
 
-Shapes: the anchor's SHAPES, key for key, as Engine overrides (bench_rl.py's JSON compares the parameter counts);
-MOE the Qwen3-30B-A3B shape (bench_moe.py's constants) and a tiny one for CPU checks. Timing: one warm-up call over
-the longest and the shortest sequence, then --reps calls between device syncs; tokens/s counts the anchor's real
-tokens (prompt + response).
+The shapes, JSON lines and timing they share: rl_worker_setup.py; their profiles: bench_rl_profiling.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rl_profile as rp  # noqa: E402
 import rollouts as ro  # noqa: E402
-
-QWEN3 = ["--model.qk_norm=true", "--model.rope_theta=1000000", "--model.norm_eps=1e-6"]
-BIG = [*QWEN3, "--model.vocab_size=151936", "--model.n_kv_heads=8", "--model.head_dim=128"]
-# the anchor's SHAPES, key for key (the part's JSON compares the parameter counts), plus 4b for --serve-shape
-SHAPES = {
-    "8b": [*BIG, "--model.dim=4096", "--model.n_layers=36", "--model.n_heads=32", "--model.ffn_dim=12288",
-           "--model.tie_embeddings=false"],
-    "4b": [*BIG, "--model.dim=2560", "--model.n_layers=36", "--model.n_heads=32", "--model.ffn_dim=9728",
-           "--model.tie_embeddings=true", "--compute.activation_checkpoint=full"],  # 60 GiB of states: AC on H100
-    "1.7b": [*BIG, "--model.dim=2048", "--model.n_layers=28", "--model.n_heads=16", "--model.ffn_dim=6144",
-             "--model.tie_embeddings=true"],
-    "tiny": [*QWEN3, "--model.vocab_size=3000", "--model.dim=256", "--model.n_layers=2", "--model.n_heads=4",
-             "--model.n_kv_heads=2", "--model.head_dim=64", "--model.ffn_dim=512", "--model.tie_embeddings=false"],
-}
-MOE = {"big": dict(vocab=151936, hidden=2048, heads=32, kv=4, head_dim=128, experts=128, topk=8, inner=768),
-       "tiny": dict(vocab=3000, hidden=64, heads=4, kv=2, head_dim=16, experts=8, topk=2, inner=32)}
-PPO_CFG = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "normalize": "token_mean"}
-ADAM = dict(learning_rate=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)  # E's AdamW
-TAG = "rlbench"  # workers' JSON lines: {"rlbench": KIND, ...}
-
-
-def vocab_of(shape: str) -> int:
-    return 3000 if shape == "tiny" else 151936
-
-
-def moe_overrides(layers: int, tiny: bool) -> list[str]:
-    m = MOE["tiny" if tiny else "big"]
-    out = ["--model.name=qwen3-30b-a3b", f"--model.n_layers={layers}"]
-    if tiny:
-        out += [f"--model.vocab_size={m['vocab']}", f"--model.dim={m['hidden']}", f"--model.n_heads={m['heads']}",
-                f"--model.n_kv_heads={m['kv']}", f"--model.head_dim={m['head_dim']}", "--model.ffn_dim=128",
-                f"--model.n_experts={m['experts']}", f"--model.experts_per_token={m['topk']}",
-                f"--model.moe_ffn_dim={m['inner']}"]
-    return out
-
-
-def lora_overrides(rank: int) -> list[str]:
-    """LoRA of rank `rank` on the 7 linear layers of every block (alpha 2 x rank), with full checkpointing as the
-    anchor's part D runs it (17k-token rows of the 8B shape do not fit without: 73 GB of activations); none for 0."""
-    return [f"--lora.rank={rank}", f"--lora.alpha={2 * rank}", "--compute.activation_checkpoint=full"] if rank else []
-
-
-def engine_overrides(a, shape: str, T: int, run_dir: Path, lora: int = 0) -> list[str]:
-    """The Engine's config for a shape (`moe` or a SHAPES key), LoRA of rank `lora` (0: every parameter trains): the
-    same list for in-process and `shardfit serve`."""
-    gpu = a.device == "cuda"
-    ov = moe_overrides(a.moe_layers, not gpu) if shape == "moe" else list(SHAPES[shape])
-    ov += [f"--train.micro_batch_tokens={T}", f"--data.seq_len={min(T, 4096)}", f"--model.max_seq_len={max(T, 40960)}",
-           f"--train.device={a.device}", f"--logging.run_dir={run_dir}", "--logging.progress=none"]
-    if gpu:
-        ov.append("--compute.compile=true")
-        if shape == "moe":
-            ov.append("--parallel.overlap_optimizer=true")  # moe1's fastest shardfit case
-    return [*ov, *lora_overrides(lora), *a.sf_extra.split()]
-
-
-def emit(kind: str, **kw) -> None:
-    print(json.dumps({TAG: kind, **kw}), flush=True)
-
-
-def guarded(kind: str, fn) -> None:
-    """fn(), a profile after the worker's figures: a failure is one line of `kind` with its error, not the
-    worker's end."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 (recorded)
-        emit(kind, error=f"{type(e).__name__}: {str(e)[:300]}")
-
-
-
-# ---------------------------------------------------------------------------------------------- workers
-def _cuda():
-    import torch
-
-    on = torch.cuda.is_available()
-
-    def sync():
-        if on:
-            torch.cuda.synchronize()
-
-    def reset():
-        if on:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peaks() -> dict:
-        if not on:
-            return {}
-        return dict(peak_alloc_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                    peak_reserved_GiB=round(torch.cuda.max_memory_reserved() / 2**30, 2))
-    return sync, reset, peaks
-
-
-def timed(fn, warm, reps: int, sync, reset) -> tuple[object, float, list[float]]:
-    """warm() once, then reps x fn() between syncs: (last result, warm-up seconds, timed seconds)."""
-    t = time.perf_counter()
-    warm()
-    sync()
-    warm_s = time.perf_counter() - t
-    reset()
-    times, res = [], None
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        res = fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return res, warm_s, times
-
-
-def rate(r: ro.Rollouts, times: list[float]) -> dict:
-    s = statistics.median(times)
-    return dict(times_s=[round(x, 3) for x in times], step_s=round(s, 3), real_tok_s=round(r.real_tokens / s),
-                resp_tok_s=round(r.response_tokens / s))
-
-
-def warm_idx(r: ro.Rollouts) -> list[int]:
-    lens = [len(s) for s in r.seqs]
-    return [lens.index(max(lens)), lens.index(min(lens))]
+from bench_rl_profiling import (  # noqa: E402
+    anchor_profiled,
+    emit_profile,
+    gemm_ceiling,
+    label_anchor_head,
+    profile_forward,
+    profile_ppo,
+)
+from rl_worker_setup import (  # noqa: E402
+    ADAM,
+    MOE,
+    PPO_CFG,
+    _cuda,
+    emit,
+    engine_overrides,
+    guarded,
+    rate,
+    timed,
+    vocab_of,
+    warm_idx,
+)
 
 
 def worker_sf(a) -> int:
@@ -223,227 +119,6 @@ def worker_sf(a) -> int:
                                                 vocab=vocab))
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
-
-
-# The forward's GPU time sorted for issue 24's question (where Engine.forward loses time against the GEMM ceiling):
-# kernels launched under these host labels first (memory/profile_trace.time_by_region), then the rest by kind.
-PROF_REGIONS = [("fsdp", ("FSDP::",)), ("head", ("shardfit::logprob_head",))]
-PROF_ROWS = [  # (table row, region, kernel kinds)
-    ("GEMM (blocks)", "elsewhere", ("matmul",)),
-    ("attention (flex / flash)", "elsewhere", ("attention",)),
-    ("log-prob head: GEMM", "head", ("matmul",)),
-    ("log-prob head: softmax/gather", "head", ("compiled fusion", "other", "copy")),
-    ("compiled elementwise/norm/rope", "elsewhere", ("compiled fusion",)),
-    ("eager elementwise (embedding, casts, rope tables)", "elsewhere", ("other", "optimizer", "communication")),
-    ("FSDP unshard: fp32->bf16 cast + copy", "fsdp", ("other", "copy", "compiled fusion", "matmul")),
-    ("memcpy/memset", "elsewhere", ("copy",)),
-]
-
-
-def forward_profile_table(s: dict) -> dict:
-    """{row: ms} of PROF_ROWS from a summary with "regions_ms", plus the compute stream's idle time (its CPU and
-    other-stream parts) and the span; rows sum to the busy time."""
-    reg = s.get("regions_ms", {})
-    rows = {name: round(sum(reg.get(r, {}).get(k, 0.0) for k in kinds), 1) for name, r, kinds in PROF_ROWS}
-    return {**rows, **rp.idle_rows(s), "span": s.get("span_ms", 0.0)}
-
-
-def profiler(record: bool = True):
-    """torch.profiler over CPU (and CUDA where there is one), shapes recorded (the matmuls' FLOPs)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    return profile(activities=acts, record_shapes=record)
-
-
-TRACE_KEEP = 15_000_000  # what comes back from the device is at most 16 MiB a file
-RAW_GZIP_MAX = 150_000_000  # a raw trace above this is not compressed whole: its .gz (~1/10) would not come back
-
-
-def finish_profile(prof, out: Path, name: str, wall: float, vocab: int, lora_rank: int) -> dict:
-    """A finished profile -> out/{name}_summary.json (profile_trace's summary, its regions, the forward table of
-    PROF_ROWS, and rl_profile's class table and matmul FLOPs) and out/{name}_trace.json.gz when under TRACE_KEEP
-    compressed, else out/{name}_kernels.json.gz: the GPU events alone (a timeline without the host side). Returns
-    the summary."""
-    import gzip
-
-    from shardfit.memory.profile_trace import summarize_trace, time_by_region
-
-    out.mkdir(parents=True, exist_ok=True)
-    raw = out / f"{name}.json"
-    t = time.perf_counter()
-    prof.export_chrome_trace(str(raw))
-    events = json.loads(raw.read_bytes()).get("traceEvents", [])
-    s = summarize_trace(events)
-    s["regions_ms"] = time_by_region(events, PROF_REGIONS)
-    s["table_ms"] = forward_profile_table(s)
-    an = rp.analyse(events, vocab=vocab, lora_rank=lora_rank)
-    s["classes"] = an
-    s["class_table_ms"] = rp.table(s, an) if an else {}
-    s["wall_s"] = round(wall, 2)
-    s["trace"] = {"events": len(events), "raw_MB": round(raw.stat().st_size / 1e6, 1)}
-    gz = out / f"{name}_trace.json.gz"
-    if raw.stat().st_size < RAW_GZIP_MAX:
-        with gzip.open(gz, "wb", compresslevel=6) as f:
-            f.write(raw.read_bytes())
-    if not gz.is_file() or gz.stat().st_size > TRACE_KEEP:
-        gz.unlink(missing_ok=True)
-        gz = out / f"{name}_kernels.json.gz"
-        with gzip.open(gz, "wt", compresslevel=6) as f:
-            json.dump({"traceEvents": [e for e in events if e.get("cat") in rp.GPU]}, f)
-        if gz.stat().st_size > TRACE_KEEP:
-            gz.unlink()
-    s["trace"]["kept"] = gz.name if gz.is_file() else None
-    del events
-    raw.unlink()
-    s["trace"]["analysis_s"] = round(time.perf_counter() - t, 1)
-    (out / f"{name}_summary.json").write_text(json.dumps(s, indent=1))
-    return s
-
-
-def emit_profile(kind: str, s: dict, **kw) -> None:
-    emit(kind, **kw, wall_s=s.get("wall_s"), table_ms=s.get("table_ms"), class_table_ms=s.get("class_table_ms"),
-         gemm=s.get("classes", {}).get("gemm"), other_streams_ms=s.get("classes", {}).get("other_streams_ms"),
-         compute_kinds_ms=s.get("compute_kinds_ms"), regions_ms=s.get("regions_ms"), phases=s.get("phases"),
-         host_syncs=s.get("idle", {}).get("host_syncs"), kernels=s.get("kernels"), trace=s.get("trace"),
-         top_kernels_ms=s.get("top_kernels_ms", [])[:12])
-
-
-def profile_forward(engine, data: list, r: ro.Rollouts, a, sync, reset, peaks, variants=("now", "s14"),
-                    vocab: int = 151936) -> None:
-    """--prof-out DIR: Engine.forward as it is now against session 14's settings (every FSDP group gathered again at
-    each micro-batch, the log-prob chunks eager; what cannot be switched back, the pinned copies of the block mask,
-    stays), --reps timed passes each, then one pass of each under torch.profiler: GPU time by PROF_ROWS and by
-    rl_profile's classes, the summary JSON and the trace of each into DIR (finish_profile). With the variant "now"
-    alone, the timed passes are the caller's: only the profiled one runs."""
-    out = Path(a.prof_out)
-    out.mkdir(parents=True, exist_ok=True)
-    every = {"now": (True, engine.model.loss_compiled), "s14": (False, False)}
-    w = [data[i] for i in warm_idx(r)]  # the longest and the shortest: each variant's first-call costs untimed
-    prefix = "moe_fwd" if a.shape == "moe" else "fwd"
-    for name in variants if len(variants) > 1 else ():
-        once, compiled = every[name]
-        engine.gather_once = once
-        engine.model.use_compiled_loss(compiled)
-        _, _, times = timed(lambda: engine.forward(data), lambda: engine.forward(w), a.reps, sync, reset)
-        emit("fwd-variant", variant=name, gather_once=once, compiled_head=compiled, **rate(r, times), **peaks())
-    for name in variants:
-        once, compiled = every[name]
-        engine.gather_once = once
-        engine.model.use_compiled_loss(compiled)
-        sync()
-        t = time.perf_counter()
-        with profiler() as prof:
-            engine.forward(data)
-            sync()
-        s = finish_profile(prof, out, f"{prefix}_{name}" if len(variants) > 1 else f"{prefix}_shardfit",
-                           time.perf_counter() - t, vocab, 0)
-        emit_profile("prof", s, variant=name, side="shardfit", what=prefix)
-    engine.gather_once = True
-    engine.model.use_compiled_loss(every["now"][1])
-
-
-def gemm_ceiling(seconds: float = 1.5) -> dict:
-    """This card's bf16 matmul rate now (TFLOP/s), each shape run back to back for `seconds` after a warm-up: an
-    8192 cube and the 8B step's largest (17,408 tokens x 4,096 -> 12,288, and 12,288 -> 4,096). The bound of
-    rl_profile.bounds takes the best."""
-    import torch
-
-    out = {}
-    for m, k, n in ((8192, 8192, 8192), (17408, 4096, 12288), (17408, 12288, 4096)):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        y = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        for _ in range(5):
-            x @ y
-        torch.cuda.synchronize()
-        t, reps = time.perf_counter(), 0
-        while time.perf_counter() - t < seconds:
-            for _ in range(10):
-                x @ y
-            reps += 10
-            torch.cuda.synchronize()
-        out[f"{m}x{k}x{n}"] = round(2 * m * k * n * reps / (time.perf_counter() - t) / 1e12, 1)
-        del x, y
-    torch.cuda.empty_cache()
-    return {"TFLOPs": max(out.values()), "by_shape": out, "gpu": torch.cuda.get_device_name(0)}
-
-
-def profile_ppo(engine, step, data: list, a, sync, lora: int) -> None:
-    """--prof-out DIR: one PPO step (forward_backward + optim_step, after the timed ones) under torch.profiler."""
-    sync()
-    t = time.perf_counter()
-    with profiler() as prof:
-        step(data)
-        sync()
-    s = finish_profile(prof, Path(a.prof_out), "ppo_shardfit", time.perf_counter() - t, vocab_of(a.shape), lora)
-    emit_profile("prof-ppo", s, side="shardfit", shape=a.shape, lora=lora)
-
-
-# ---------------------------------------------------------------------------------------------- the anchor profiled
-ANCHOR_HEAD = "anchor::logprob_head"  # rl_profile.HEAD_LABELS
-
-
-def label_anchor_head(A, model):
-    """A host label (record_function) over the anchor's log-prob head: from its lm_head's call to the end of
-    token_logprobs (the full logits, the response rows' selection, the fp32 log-softmax chunks); what it computes is
-    unchanged. Backward kernels are placed by their forward operator (rl_profile). Returns the undo."""
-    import torch
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    state: dict = {}
-
-    def pre(_mod, _args):
-        if "rf" not in state:
-            state["rf"] = torch.profiler.record_function(ANCHOR_HEAD)
-            state["rf"].__enter__()
-
-    hook = base.lm_head.register_forward_pre_hook(pre)
-    orig = A.token_logprobs
-
-    def token_logprobs(*args, **kw):
-        try:
-            return orig(*args, **kw)
-        finally:
-            if "rf" in state:
-                state.pop("rf").__exit__(None, None, None)
-
-    A.token_logprobs = token_logprobs
-
-    def undo():
-        hook.remove()
-        A.token_logprobs = orig
-    return undo
-
-
-def anchor_profiled(A, call, out: Path, name: str, vocab: int, lora_rank: int) -> dict:
-    """call() runs the anchor's run_forward or run_ppo with warm=1, reps=1; the profiler records the timed iteration
-    alone: it starts after that iteration's opening device sync (the anchor's own sync(), the third call) and stops
-    after its closing one (the fourth)."""
-    prof = profiler()
-    orig = A.sync
-    n = [0]
-    t = [0.0, 0.0]
-
-    def sync():
-        orig()
-        n[0] += 1
-        if n[0] == 3:
-            prof.start()
-            t[0] = time.perf_counter()
-        elif n[0] == 4:
-            t[1] = time.perf_counter()
-            prof.stop()
-
-    A.sync = sync
-    try:
-        call()
-    finally:
-        A.sync = orig
-    if n[0] < 4:
-        raise RuntimeError(f"the anchor's step synced {n[0]} times, not 4: nothing profiled")
-    return finish_profile(prof, out, name, t[1] - t[0], vocab, lora_rank)
-
 
 def worker_hf_moe(a) -> int:
     """transformers' Qwen3MoeForCausalLM through the anchor's own functions (its data, micro-batching, timing and

@@ -321,7 +321,7 @@ def fmt(x) -> str:
         else str(x)
 
 
-# the shapes bench_rl profiles: the anchor's SHAPES["8b"] and bench_rl_workers.MOE["big"], key for key
+# the shapes bench_rl profiles: the anchor's SHAPES["8b"] and rl_worker_setup.MOE["big"], key for key
 QWEN3_8B = dict(dim=4096, heads=32, kv=8, head_dim=128, ffn=12288, layers=36, vocab=151936)
 QWEN3_30B_A3B = dict(dim=2048, heads=32, kv=4, head_dim=128, experts=128, topk=8, inner=768, vocab=151936)
 
