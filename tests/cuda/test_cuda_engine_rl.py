@@ -47,7 +47,9 @@ def _run(rank, world, extra):
     return {"gap": gap, "losses": losses, "same_gathered_once": same}
 
 
-@pytest.mark.parametrize("extra", [[], ["--compute.compile=true", "--compute.doc_attention=flex"]])
+@pytest.mark.parametrize("extra", [[], ["--compute.compile=true", "--compute.doc_attention=flex"],
+                                   ["--compute.compile=true"],  # auto: forward takes cudnn_docs, training flex
+                                   ["--compute.doc_attention=cudnn_docs"]])
 def test_packed_logprobs_equal_each_datum_alone_and_ppo_trains(extra):
     r = run_ranks(_run, 1, extra, backend="nccl")[0]
     assert r["gap"] < 0.05, r  # bf16 compute: packed vs alone differ by rounding only

@@ -77,3 +77,33 @@ def test_compiled_packed_sft_learns_with_token_budgets(tmp_path, kernel):
                     timeout=600)
     losses = res[0]["losses"]
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_cudnn_docs_matches_flex_without_gradients_eager_and_compiled():
+    """cudnn_docs (per-document SDPA, cuDNN first) against flex, bf16, no gradients: eagerly and inside a compiled
+    function (Inductor; the operator's host document table as an input), which two layouts with other document
+    counts run without a recompilation. cuDNN alone can take the per-document calls, so it is the backend used."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    q = torch.randn(2, 4096, 8, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(2, 4096, 2, 128, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(2, 4096, 2, 128, device=dev, dtype=torch.bfloat16)
+    count = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lambda q, k, v, m: sdpa_attention(q, k, v, m), backend=count)
+    layouts = [[[300, 1000, 48, 700, 2048], [4096]], [[1, 4095], [17, 2000, 79, 1000, 1000]]]
+    with torch.no_grad():
+        for rows in layouts:
+            positions = _positions(rows)
+            mask = DocumentMask.build(positions, "cudnn_docs", dev)
+            want = sdpa_attention(q, k, v, DocumentMask.build(positions, "flex", dev)).float()
+            torch.testing.assert_close(sdpa_attention(q, k, v, mask).float(), want, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(compiled(q, k, v, mask).float(), want, rtol=2e-2, atol=2e-2)
+        assert count.frame_count == 1, count.frame_count
+        b, s, e = mask.docs[-1]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # raises where cuDNN cannot take this call
+            alone = torch.nn.functional.scaled_dot_product_attention(
+                *(t[b:b + 1, s:e].transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True)
+        assert torch.equal(sdpa_attention(q, k, v, mask)[b:b + 1, s:e], alone.transpose(1, 2))

@@ -222,3 +222,70 @@ def test_fp32_compute_never_gets_flash_attention_varlen():
     with pytest.raises(ShardfitError, match="doc_attention=varlen needs bf16"):
         choose_doc_kernel("varlen", cuda, 4096, torch.float32)
     assert choose_doc_kernel("varlen", torch.device("cpu"), 4096, torch.float32) == "sdpa"  # the CPU reference
+
+
+def _positions(rows: list[list[int]]) -> torch.Tensor:
+    return torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in rows])
+
+
+# Packed layouts of two 36-token rows: several documents, a row that is one document, one-token documents.
+DOC_LAYOUTS = [[[7, 13, 5, 11], [36]], [[20, 16], [1, 35]], [[3, 3, 3, 27], [10, 10, 1, 15]]]
+
+
+@pytest.mark.parametrize("rows", DOC_LAYOUTS)
+def test_cudnn_docs_equals_the_dense_reference(rows):
+    """Per-document SDPA (the shardfit::doc_sdpa operator; on the CPU PyTorch's default backend: the same math) gives
+    the dense-mask kernel's output, grouped-query heads included (H=4, K=2), fp32."""
+    torch.manual_seed(0)
+    positions, cpu = _positions(rows), torch.device("cpu")
+    q, k, v = torch.randn(2, 36, 4, 16), torch.randn(2, 36, 2, 16), torch.randn(2, 36, 2, 16)
+    mask = DocumentMask.build(positions, "cudnn_docs", cpu)
+    assert mask.kernel == "cudnn_docs" and mask.bounds.device.type == "cpu"
+    assert mask.docs == tuple((r, sum(row[:i]), sum(row[:i + 1])) for r, row in enumerate(rows)
+                              for i in range(len(row)))
+    ref = sdpa_attention(q, k, v, DocumentMask.build(positions, "sdpa", cpu))
+    torch.testing.assert_close(sdpa_attention(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cudnn_docs_compiles_once_for_every_layout():
+    """A compiled block sees shardfit::doc_sdpa as one node whose document table is a host tensor with a dynamic
+    first dimension: layouts with other document counts and lengths run the first graph, no recompilation."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model, reference = _model([]), _model([])  # the same weights; the reference's blocks stay eager
+    count = CompileCounterWithBackend("aot_eager")  # runs the operator's register_fake like Inductor would
+    for block in model.model.layers:  # as parallelize.apply_compile does
+        block.forward = torch.compile(block.forward, backend=count)
+    cpu = torch.device("cpu")
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 36), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for i, rows in enumerate(DOC_LAYOUTS):
+            positions = _positions(rows)
+            got = model(ids, position_ids=positions, mask=DocumentMask.build(positions, "cudnn_docs", cpu))
+            if i == 0:
+                frames = count.frame_count
+            want = reference(ids, position_ids=positions, mask=DocumentMask.build(positions, "sdpa", cpu))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert count.frame_count == frames == 1, (frames, count.frame_count)
+    torch._dynamo.reset()
+
+
+def test_cudnn_docs_is_for_passes_without_gradients():
+    """auto takes cudnn_docs for a bf16 pass without gradients on CUDA and the training kernel otherwise; an explicit
+    cudnn_docs applies to passes without gradients (any dtype) and training takes auto's choice; the CPU keeps the
+    dense reference."""
+    from shardfit.models.attention import choose_doc_kernel
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    train = choose_doc_kernel("auto", cuda, 4096)
+    assert train != "cudnn_docs"
+    assert choose_doc_kernel("auto", cuda, 4096, grad=False) == "cudnn_docs"
+    assert choose_doc_kernel("auto", cuda, 64, grad=False) == "cudnn_docs"
+    assert choose_doc_kernel("auto", cuda, 4096, torch.float32, grad=False) == choose_doc_kernel(
+        "auto", cuda, 4096, torch.float32)
+    assert choose_doc_kernel("cudnn_docs", cuda, 4096, grad=False) == "cudnn_docs"
+    assert choose_doc_kernel("cudnn_docs", cuda, 4096, torch.float32, grad=False) == "cudnn_docs"
+    assert choose_doc_kernel("cudnn_docs", cuda, 4096) == train
+    assert choose_doc_kernel("flex", cuda, 4096, grad=False) == "flex"  # another explicit choice is kept
+    assert choose_doc_kernel("cudnn_docs", cpu, 4096, grad=False) == "sdpa"

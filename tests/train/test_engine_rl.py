@@ -423,3 +423,35 @@ def test_gathered_bytes_counts_only_expert_casts_that_copy():
     r = run_ranks(_expert_cast_bytes, 1)[0]
     assert r["full"][0] == r["lora"][0] == 2 and r["full"][1] > 0
     assert r["lora"][1] == 0
+
+
+def _forward_by_kernel(rank, world):
+    """Engine.forward's log-probs with the dense reference, then with cudnn_docs forced for the pass without
+    gradients (the CPU would pick sdpa), and which kernels the masks were built for."""
+    from shardfit.models import attention
+
+    engine = _engine()
+    datums = _datums(_reference_model(engine), [9, 20, 5, 14, 3, 11])
+    built, build = [], attention.DocumentMask.build
+
+    def spy(position_ids, kernel, device):
+        mask = build(position_ids, kernel, device)
+        built.append(kernel if mask is not None else None)  # None: every row one document, no mask
+        return mask
+
+    attention.DocumentMask.build = staticmethod(spy)
+    engine._doc_kernel = lambda budget, grad: "sdpa"
+    ref = engine.forward(datums)
+    engine._doc_kernel = lambda budget, grad: "sdpa" if grad else "cudnn_docs"
+    got = engine.forward(datums)
+    return {"kernels": built, "diff": max(float(np.abs(a["logprobs"] - b["logprobs"]).max())
+                                          for a, b in zip(ref.outputs, got.outputs)),
+            "loss": abs(ref.metrics["loss:sum"] - got.metrics["loss:sum"])}
+
+
+def test_forward_with_cudnn_docs_equals_the_dense_reference():
+    report = run_ranks(_forward_by_kernel, 1)[0]
+    n = len(report["kernels"]) // 2
+    assert "cudnn_docs" in report["kernels"] and report["kernels"][n:] == [
+        None if k is None else "cudnn_docs" for k in report["kernels"][:n]], report
+    assert report["diff"] < 1e-5 and report["loss"] < 1e-4, report

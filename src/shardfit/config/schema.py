@@ -240,9 +240,11 @@ class ComputeConfig:
                          choices=("auto", "flash", "cudnn", "efficient"))
     doc_attention: str = opt("auto", "kernel of document-masked attention on CUDA: varlen (FlashAttention over "
                                      "cumulative sequence lengths), flex (FlexAttention with a document block mask), "
-                                     "sdpa (SDPA with a dense boolean mask: the CPU reference); auto: flex (varlen "
-                                     "for rows under 128 tokens or without FlexAttention)",
-                             choices=("auto", "varlen", "flex", "sdpa"))
+                                     "sdpa (SDPA with a dense boolean mask: the CPU reference), cudnn_docs (SDPA, "
+                                     "cuDNN backend, once per document; passes without gradients only, training "
+                                     "takes auto's choice); auto: flex (varlen for rows under 128 tokens or without "
+                                     "FlexAttention), cudnn_docs for bf16 passes without gradients (Engine.forward)",
+                             choices=("auto", "varlen", "flex", "sdpa", "cudnn_docs"))
     kernels: str = opt("torch", "fused linear cross-entropy kernel: torch (chunked pure PyTorch, any device; the "
                                 "default), liger (Liger-Kernel's "
                                 "Triton kernel, CUDA, optional extra); auto: liger when installed and on CUDA",

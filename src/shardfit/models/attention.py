@@ -10,12 +10,20 @@ Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
   sdpa    SDPA with a dense boolean mask [B, 1, S, S]: the reference the CPU tests use;
   varlen  FlashAttention over cumulative sequence lengths: the B rows as one sequence cut at every document start;
   flex    FlexAttention with a document block mask built from per-block document ids (O(S^2 / 128^2) memory):
-          tiles that cross documents are skipped.
-compute.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing).
+          tiles that cross documents are skipped;
+  cudnn_docs  for passes without gradients: SDPA (cuDNN backend first, PyTorch's own choice where cuDNN cannot
+          take the call) once per document, each output written into its slice of the row. One custom operator
+          (shardfit::doc_sdpa) runs the whole loop, so a compiled block sees one opaque node and never recompiles
+          for another layout; the documents reach it as a host tensor (no device sync). It has no backward.
+compute.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing); for a
+pass without gradients (Engine.forward) in bf16/fp16 it takes cudnn_docs (1.48x flex's attention time on one H100
+over real RL rollouts: benchmarks/notes/2026-11-26_s16.md, "Call 10"). compute.doc_attention=cudnn_docs applies to
+passes without gradients alone; a training pass then takes what auto would (choose_doc_kernel).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -43,11 +51,13 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class DocumentMask:
     """Where the documents of one micro-batch start, in the form `kernel` reads. Build it with `build`."""
 
-    kernel: str  # "sdpa" | "varlen" | "flex"
+    kernel: str  # "sdpa" | "varlen" | "flex" | "cudnn_docs"
     dense: torch.Tensor | None = None  # sdpa: [B, 1, S, S] bool, True where attention is allowed
     cu_seqlens: torch.Tensor | None = None  # varlen: [docs + 1] int32 offsets into the B*S flattened tokens
     max_seqlen: int = 0  # varlen: the longest document
     block_mask: object = None  # flex: a BlockMask over [B, 1, S, S]
+    docs: tuple[tuple[int, int, int], ...] = ()  # cudnn_docs: (row, start, end) of every document, on the host
+    bounds: torch.Tensor | None = None  # cudnn_docs: the same as a host int64 tensor [docs, 3], the op's argument
 
     @staticmethod
     def build(position_ids: torch.Tensor, kernel: str, device: torch.device) -> DocumentMask | None:
@@ -66,6 +76,8 @@ class DocumentMask:
             return DocumentMask("varlen", cu_seqlens=to_device(cu, device), max_seqlen=int(lengths.max()))
         if kernel == "flex":
             return DocumentMask("flex", block_mask=document_block_mask(doc, device))
+        if kernel == "cudnn_docs":
+            return document_bounds_mask(doc)
         doc = doc.to(device)
         causal = torch.ones(S, S, dtype=torch.bool, device=device).tril_()
         dense = (doc[:, :, None] == doc[:, None, :]) & causal  # [B, S, S]
@@ -158,6 +170,58 @@ def document_block_mask_reference(doc: torch.Tensor, device: torch.device):
     return create_block_mask(_same_document_causal(doc.to(device)), B, None, S, S, device=str(device))
 
 
+def document_bounds_mask(doc: torch.Tensor) -> DocumentMask:
+    """cudnn_docs' mask from document ids doc [B, S] (document_ids: host, sorted rows): every document's (row,
+    start, end). The tensor stays on the host: the operator reads it there, so no layer waits for the device. Its
+    first dimension (the number of documents) is marked dynamic, so a compiled block traces it once as a symbol and
+    runs every later layout without recompiling."""
+    per_row = (doc[:, -1] + 1).tolist()
+    docs = []
+    for b, n in enumerate(per_row):
+        ends = torch.searchsorted(doc[b].contiguous(), torch.arange(n, dtype=doc.dtype), right=True).tolist()
+        start = 0
+        for end in ends:
+            docs.append((b, start, end))
+            start = end
+    bounds = torch.tensor(docs, dtype=torch.int64)
+    torch._dynamo.maybe_mark_dynamic(bounds, 0)
+    return DocumentMask("cudnn_docs", docs=tuple(docs), bounds=bounds)
+
+
+@torch.library.custom_op("shardfit::doc_sdpa", mutates_args=())
+def doc_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each document. q [B, S, H, Dh], k/v [B, S, K, Dh], bounds [docs, 3] int64 on the host
+    ((row, start, end) of each document; together they cover every row) -> [B, S, H, Dh]."""
+    out = q.new_empty(q.shape)
+    gqa = k.shape[2] != q.shape[2]
+    with _doc_backends(q):
+        for b, s, e in bounds.tolist():
+            o = F.scaled_dot_product_attention(*(t[b:b + 1, s:e].transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                               enable_gqa=gqa)  # [1, H, L, Dh]
+            out[b:b + 1, s:e].copy_(o.transpose(1, 2))
+    return out
+
+
+@doc_sdpa.register_fake
+def _(q, k, v, bounds):
+    return q.new_empty(q.shape)
+
+
+def _doc_backends(q: torch.Tensor):
+    """On CUDA: cuDNN attention first, then PyTorch's usual order (flash, efficient, math) where cuDNN cannot take
+    a call (no cuDNN attention in this build, fp32, an unsupported head size). Elsewhere the default selection."""
+    if not q.is_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def _cudnn_docs(q, k, v, mask: DocumentMask) -> torch.Tensor:
+    return doc_sdpa(q, k, v, mask.bounds)
+
+
 def _dense_masked(q, k, v, mask: DocumentMask) -> torch.Tensor:
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|K, S, Dh]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=k.shape[1] != q.shape[1])
@@ -215,7 +279,7 @@ def _flex(q, k, v, mask: DocumentMask) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-KERNELS = {"sdpa": _dense_masked, "varlen": _varlen, "flex": _flex}
+KERNELS = {"sdpa": _dense_masked, "varlen": _varlen, "flex": _flex, "cudnn_docs": _cudnn_docs}
 
 
 # Below this many tokens a row, Inductor lowers FlexAttention to its decoding kernel, which in torch 2.11 has no
@@ -224,15 +288,23 @@ FLEX_MIN_TOKENS = 128
 
 
 def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MIN_TOKENS,
-                      dtype: torch.dtype = torch.bfloat16) -> str:
-    """compute.doc_attention resolved for this device, row length (tokens per row of a micro-batch) and compute
-    dtype. The CPU always uses the dense reference (FlashAttention's varlen kernel is CUDA-only; FlexAttention would
-    compile a CPU kernel per shape). FlashAttention has no fp32 kernel: auto never picks varlen for fp32 compute, and
-    asking for it is refused before the first step (a rank whose micro-batch holds no document boundary would not
-    call it, and its peers would wait for it in their next collective)."""
+                      dtype: torch.dtype = torch.bfloat16, grad: bool = True) -> str:
+    """compute.doc_attention resolved for this device, row length (tokens per row of a micro-batch), compute dtype
+    and whether the pass runs a backward (grad). The CPU always uses the dense reference (FlashAttention's varlen
+    kernel is CUDA-only; FlexAttention would compile a CPU kernel per shape). FlashAttention has no fp32 kernel:
+    auto never picks varlen for fp32 compute, and asking for it is refused before the first step (a rank whose
+    micro-batch holds no document boundary would not call it, and its peers would wait for it in their next
+    collective). cudnn_docs has no backward: it is taken for passes without gradients alone (auto: in bf16/fp16,
+    cuDNN's dtypes; set explicitly: in any dtype), and a training pass takes auto's choice instead."""
     if device.type != "cuda":
         return "sdpa"
     half = dtype in (torch.bfloat16, torch.float16)
+    if kind == "cudnn_docs" and not grad:
+        return kind
+    if kind == "auto" and not grad and half:
+        return "cudnn_docs"
+    if kind == "cudnn_docs":
+        kind = "auto"
     if kind == "varlen" and not half:
         raise ShardfitError(f"compute.doc_attention=varlen needs bf16 or fp16 compute, not {dtype} (FlashAttention "
                             "has no fp32 kernel)", where="compute.doc_attention",

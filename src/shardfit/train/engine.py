@@ -356,7 +356,7 @@ class Engine:
         out = torch.zeros(plan.micro_batches * local * (2 if want_entropy else 1) + 2, device=self.device)
         for m, items in enumerate(plan.bins[dp_rank]):
             row = build_row(plan, datums, items, coefs, names)
-            mask = DocumentMask.build(row.position_ids, self._doc_kernel(plan.budget), self.device)
+            mask = DocumentMask.build(row.position_ids, self._doc_kernel(plan.budget, grad=backward), self.device)
             cut = (lambda x: local_slice(x, sp_rank, sp)) if sp > 1 else (lambda x: x)
             ids, labels, pos = (to_device(cut(x), self.device) for x in (row.input_ids, row.labels, row.position_ids))
             x = {k: to_device(cut(v), self.device).flatten() for k, v in row.inputs.items()}
@@ -391,10 +391,12 @@ class Engine:
         t = self.cfg.train
         return t.micro_batch_tokens or self.cfg.data.seq_len * max(t.micro_batch, 1)
 
-    def _doc_kernel(self, budget: int) -> str:
+    def _doc_kernel(self, budget: int, grad: bool) -> str:
+        """The document-masked kernel of a datum pass: forward (grad False) may take cudnn_docs, which has no
+        backward; forward_backward takes the training kernel (choose_doc_kernel)."""
         fp32 = self.cfg.compute.param_dtype == "float32"
         return choose_doc_kernel(self.cfg.compute.doc_attention, self.device, budget,
-                                 torch.float32 if fp32 else torch.bfloat16)
+                                 torch.float32 if fp32 else torch.bfloat16, grad=grad)
 
     def optim_step(self, adam: AdamParams | None = None) -> dict[str, float]:
         """One AdamW step on the gradients accumulated by forward_backward since the last one (exactly their sum,
