@@ -14,7 +14,12 @@ MOE_EP = ["--model.n_experts=8", "--model.experts_per_token=2", "--model.moe_ffn
 def _gloo_threads() -> list[str]:
     from pathlib import Path
 
-    names = (Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(Path(f"/proc/self/task/{t}/comm").read_text().strip())
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
     return sorted(n for n in names if "gloo" in n)
 
 
