@@ -142,4 +142,16 @@ def test_a_run_records_auto_and_its_choice_beside_it(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "compute.activation_checkpoint=auto on the CPU: no checkpointing" in res.stdout + res.stderr
     text = (run / "config.toml").read_text()
-    assert text.startswith("# compute.activation_checkpoint=auto on the CPU") and 'activation_checkpoint = "auto"' in text
+    assert text.startswith("# compute.activation_checkpoint=auto on the CPU")
+    assert 'activation_checkpoint = "auto"' in text
+
+
+def test_plan_takes_the_memory_fraction_the_run_is_capped_at(capsys):
+    """memory.max_fraction caps the run's GPU memory (train, and auto's choice); shardfit plan plans for the same
+    share of --gpu-memory."""
+    from shardfit.cli.plan import plan
+
+    assert plan([*RL_8B, "--gpu-memory", str(H200), "--memory.max_fraction=0.5"]) == 0
+    out = capsys.readouterr().out
+    half = load_config(None, RL_8B)
+    assert "1 GPU of 69.9 GiB" in out and auto_checkpointing(half, 1, H200 / 2)[1] in out

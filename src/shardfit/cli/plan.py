@@ -52,6 +52,7 @@ def plan(argv: list[str]) -> int:
         import torch
 
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    gpu_gib *= cfg.memory.max_fraction or 1.0  # the share the run may use, as train caps it (device_memory_bytes)
     auto = None
     if cfg.compute.activation_checkpoint == "auto":  # what the run would choose on this GPU (plan/auto_checkpointing)
         from shardfit.plan.auto_checkpointing import auto_checkpointing
