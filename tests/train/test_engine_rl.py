@@ -358,7 +358,7 @@ def test_forward_gathers_once_per_call_and_no_pass_reads_weights_from_before_a_s
 
 def _moe_cast_passes(rank, world):
     from shardfit.parallel import expert
-    from shardfit.parallel.gathered import cast_experts
+    from shardfit.parallel.expert import outside_fsdp_experts
 
     engine = _engine("--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32",
                      "--compute.param_dtype=bfloat16")
@@ -374,7 +374,7 @@ def _moe_cast_passes(rank, world):
         return apply(*args)
 
     expert._ComputeCast.apply = counted
-    out = {"experts": len(cast_experts(engine.model))}
+    out = {"experts": len(outside_fsdp_experts(engine.model))}
     try:
         for once in (False, True):
             engine.gather_once = once
@@ -383,7 +383,7 @@ def _moe_cast_passes(rank, world):
             out[str(once)] = [o["logprobs"].tolist() for o in res.outputs]
             out[f"casts {once}"] = len(casts)
             out[f"dtypes {once}"] = sorted({str(d) for d in casts})
-            out[f"left {once}"] = sum(m.pass_cast is not None for m in cast_experts(engine.model))
+            out[f"left {once}"] = sum(m.pass_cast is not None for m in outside_fsdp_experts(engine.model))
     finally:
         expert._ComputeCast.apply = apply
     return out
@@ -408,11 +408,11 @@ def _expert_cast_bytes(rank, world):
         engine = _engine("--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32",
                          "--compute.param_dtype=bfloat16", *extra)
         counted = gathered.gathered_bytes(engine.model)
-        experts, gathered.cast_experts = gathered.cast_experts, lambda model: []
+        experts, gathered.outside_fsdp_experts = gathered.outside_fsdp_experts, lambda model: []
         try:
             out[name] = (len(experts(engine.model)), counted - gathered.gathered_bytes(engine.model))
         finally:
-            gathered.cast_experts = experts
+            gathered.outside_fsdp_experts = experts
     return out
 
 

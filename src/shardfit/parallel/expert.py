@@ -111,8 +111,12 @@ def fresh_grad_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters whose gradient the computation writes itself, fresh every step (_ComputeCast: experts outside
     FSDP): the step runners free them after each step whatever memory.keep_grads says (step_overlap.zero_grads).
     Read from the model when a runner is built, so they are the materialized parameters, not the meta ones."""
-    return [p for m in model.modules() if isinstance(m, ShardedExperts) and m.compute_dtype is not None
-            for p in m.parameters()]
+    return [p for m in outside_fsdp_experts(model) for p in m.parameters()]
+
+
+def outside_fsdp_experts(model: nn.Module) -> list[ShardedExperts]:
+    """The experts modules kept out of FSDP (E = W), which cast their own weights at each forward (_ComputeCast)."""
+    return [m for m in model.modules() if isinstance(m, ShardedExperts) and m.compute_dtype is not None]
 
 
 class _AllToAll(torch.autograd.Function):

@@ -32,6 +32,7 @@ import os
 import torch
 from torch import nn
 
+from shardfit.parallel.expert import outside_fsdp_experts
 from shardfit.parallel.step_overlap import param_group
 
 
@@ -48,20 +49,13 @@ def drop_gathered(model: nn.Module) -> None:
             m.reshard()
 
 
-def cast_experts(model: nn.Module) -> list:
-    """The experts modules that cast their own weights at each forward (kept out of FSDP: parallel/expert.py)."""
-    from shardfit.parallel.expert import ShardedExperts
-
-    return [m for m in model.modules() if isinstance(m, ShardedExperts) and m.compute_dtype is not None]
-
-
 def gathered_bytes(model: nn.Module) -> int:
     """Bytes the groups not gathered now would take gathered, in their compute dtype (param_dtype), and the
     experts outside FSDP their cast for a pass: only weights stored in another dtype (a LoRA run's frozen experts
     are stored in the compute dtype, and their "cast" is the parameter itself: no bytes)."""
     from shardfit.parallel.dtensor import local_tensor
 
-    total = sum(local_tensor(w).numel() * m.compute_dtype.itemsize for m in cast_experts(model)
+    total = sum(local_tensor(w).numel() * m.compute_dtype.itemsize for m in outside_fsdp_experts(model)
                 for w in m.weight_params() if w is not None and w.dtype != m.compute_dtype)
     for g in fsdp_groups(model):
         if g.is_unsharded:
@@ -104,7 +98,7 @@ def gathered_for_pass(model: nn.Module, keep: bool):
         getattr(model._get_fsdp_state(), "_lazy_init", lambda: None)()
     groups = [g for g in fsdp_groups(model) if hasattr(g, "post_forward_mesh_info")] if keep else []
     saved = [g.post_forward_mesh_info for g in groups]
-    experts = cast_experts(model) if keep else []
+    experts = outside_fsdp_experts(model) if keep else []
     try:
         for g in groups:
             g.post_forward_mesh_info = None  # what fully_shard(reshard_after_forward=False) sets
