@@ -98,7 +98,7 @@ def worker_cmd(a, kind: str, *extra: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--device", a.device, "--scale",
             str(a.scale), "--reps", str(a.reps), "--fwd-reps", str(a.fwd_reps), "--anchor", str(a.anchor),
             "--moe-layers", str(a.moe_layers), "--hf-fwd", a.hf_fwd, "--hf-ppo", a.hf_ppo, f"--sf-extra={a.sf_extra}",
-            "--prof-out", a.prof_out, *extra]
+            "--prof-out", a.prof_out, "--logprobs-at", a.logprobs_at, *extra]
 
 
 def anchor_cmd(a, shape: str, T: int, full: bool, cap: int, lora: bool = False, no_ac: bool = False) -> list[str]:
@@ -336,6 +336,9 @@ def main() -> int:
     ap.add_argument("--hf-fwd", default="padnm,pad", help="the anchor's forward layouts")
     ap.add_argument("--hf-ppo", default="pack_flex", help="the anchor's PPO layouts")
     ap.add_argument("--sf-extra", default="", help="more Engine overrides, space-separated (one change)")
+    ap.add_argument("--logprobs-at", default="all", choices=("all", "counted"),
+                    help="shardfit's loss_fn_config logprobs_at: counted scores the response tokens alone (the "
+                    "anchor's output); the forward is then also timed with all, in the same worker")
     ap.add_argument("--cpu-check", action="store_true", help="tiny shapes on CPU, scale 0.02, one rep: machinery")
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--shape", default="", help=argparse.SUPPRESS)

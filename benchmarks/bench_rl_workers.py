@@ -70,9 +70,16 @@ def worker_sf(a) -> int:
          overrides=overrides, checkpointing=[n for n in engine.notices if "activation_checkpoint" in n], **peaks())
     fwd = ro.to_datums(r)
     w = warm_idx(r)
-    res, warm_s, times = timed(lambda: engine.forward(fwd), lambda: engine.forward([fwd[i] for i in w]),
+    scored = {"logprobs_at": a.logprobs_at}  # counted: the head over the response tokens alone (rl/losses.py)
+    if a.logprobs_at != "all":  # the same forward scoring every token, first: the change's own effect, same process
+        _, warm_s, times = timed(lambda: engine.forward(fwd), lambda: engine.forward([fwd[i] for i in w]),
+                                 a.fwd_reps or a.reps, sync, reset)
+        emit("fwd-all", shape=a.shape, lora=a.lora, warm_s=round(warm_s, 1), **rate(r, times), **peaks())
+    res, warm_s, times = timed(lambda: engine.forward(fwd, "cross_entropy", scored),
+                               lambda: engine.forward([fwd[i] for i in w], "cross_entropy", scored),
                                a.fwd_reps or a.reps, sync, reset)
-    emit("fwd", shape=a.shape, lora=a.lora, warm_s=round(warm_s, 1), **rate(r, times), **peaks())
+    emit("fwd", shape=a.shape, lora=a.lora, logprobs_at=a.logprobs_at, warm_s=round(warm_s, 1), **rate(r, times),
+         **peaks())
     if "prof" in what:  # the forward now and with session 14's settings, timed and profiled
         profile_forward(engine, fwd, r, a, sync, reset, peaks, vocab=vocab_of(a.shape))
     if "ppo" in what:
@@ -84,12 +91,12 @@ def worker_sf(a) -> int:
         box = {}
 
         def step(d):
-            box["fb"] = engine.forward_backward(d, "ppo", PPO_CFG)
+            box["fb"] = engine.forward_backward(d, "ppo", {**PPO_CFG, **scored})
             box["opt"] = engine.optim_step(adam)
 
         _, warm_s, times = timed(lambda: step(data), lambda: step([data[i] for i in w]), a.reps, sync, reset)
-        emit("ppo", shape=a.shape, lora=a.lora, warm_s=round(warm_s, 1), **rate(r, times), **peaks(),
-             metrics={**box["fb"].metrics, **box["opt"]})
+        emit("ppo", shape=a.shape, lora=a.lora, logprobs_at=a.logprobs_at, warm_s=round(warm_s, 1), **rate(r, times),
+             **peaks(), metrics={**box["fb"].metrics, **box["opt"]})
         if "profppo" in what:
             guarded("prof-ppo", lambda: profile_ppo(engine, step, data, a, sync, a.lora))
     if "weights" in what:

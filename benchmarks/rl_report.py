@@ -57,6 +57,9 @@ def summarize(rows: list[dict], r: ro.Rollouts, a) -> dict:
                 S[out + "_layout"] = {**S.get(out + "_layout", {}), key: best["layout"]}
             if default:
                 S.setdefault(out + "_default", {})[key] = round(mine["real_tok_s"] / default["real_tok_s"], 3)
+            every = _sf(sf, "fwd-all") if what == "fwd" else None  # --logprobs-at counted: the same, all scored
+            if best and every:
+                S.setdefault("rl_fwd_all_vs_hf", {})[key] = round(every["real_tok_s"] / best["real_tok_s"], 3)
     noac, mine = _hf(_get(rows, "lora-ppo", "hf-noac"), "D"), _sf(_get(rows, "lora-ppo", "shardfit"), "ppo")
     if noac and mine:  # against the anchor without gradient checkpointing (where it fits)
         S["rl_lora_fwdbwd_vs_hf_no_ac"] = {keys["lora-ppo"]: round(mine["real_tok_s"] / noac["real_tok_s"], 3)}

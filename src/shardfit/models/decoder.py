@@ -18,7 +18,7 @@ from torch import nn
 from shardfit.config.schema import ModelConfig
 from shardfit.models.attention import DocumentMask, sdpa_attention
 from shardfit.models.init import ShardView, is_quantized_storage, seeded_normal_, whole_view
-from shardfit.models.logprobs import fused_linear_logprobs
+from shardfit.models.logprobs import fused_linear_logprobs, select_rows, spread_rows
 from shardfit.models.loss import fused_linear_cross_entropy
 from shardfit.models.moe import MoE, router_aux_loss
 
@@ -257,16 +257,24 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, mask: DocumentMask | None = None,
-                router_aux: bool = True, logprobs: bool = False, entropy: bool = False):
+                router_aux: bool = True, logprobs: bool = False, entropy: bool = False,
+                rows: torch.Tensor | None = None):
         """router_aux=False leaves the MoE load-balancing term out (validation reports the cross-entropy alone).
         logprobs=True: instead of the loss, the log-probability of each label (flat [B x S] fp32, 0 where the label
-        is negative) and with entropy=True each token's entropy (flat) or None: what the RL losses are made of."""
+        is negative) and with entropy=True each token's entropy (flat) or None: what the RL losses are made of.
+        rows (logprobs only): the flat positions the head scores (models/logprobs.scored_rows); the others get 0."""
         h = self.model(input_ids, position_ids, mask)  # [B, S, D]
         if labels is None:
             return self.lm_head(h)  # logits [B, S, V]
         if logprobs:
-            logp, ent = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, compiled=self.loss_compiled,
-                                     logprobs=True, entropy=entropy)
+            hf, lf = h.flatten(0, 1), labels.flatten()
+            if rows is not None:
+                hf, lf = select_rows(hf, lf, rows)  # [n', D], [n']: the head's matmuls over these rows alone
+            logp, ent = self.lm_head(hf, lf, self.loss_chunk, compiled=self.loss_compiled, logprobs=True,
+                                     entropy=entropy)
+            if rows is not None:
+                n = labels.numel()
+                logp, ent = spread_rows(logp, rows, n), (spread_rows(ent, rows, n) if ent is not None else None)
             return logp, ent  # [B x S] each: flat (a view returned through FSDP would drop its backward hook)
         # Sum over labels != -100; the trainer divides by the global token count once per step.
         loss = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, self.loss_impl, self.loss_compiled)

@@ -114,6 +114,30 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+def scored_rows(scored: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[n'] int64 on scored's device (the host's: no sync): the flat indices of scored's True entries, then -1s up to
+    whole chunks and a rest rounded up to a power of two (at least 128). The head's compiled chunk functions are
+    specialised to static shapes (compiled_once): a rest of any size would recompile at every new count."""
+    idx = scored.flatten().nonzero().flatten()
+    full, rest = divmod(idx.numel(), chunk)
+    if rest:
+        rest = min(chunk, max(128, 1 << (rest - 1).bit_length()))
+    return torch.cat([idx, idx.new_full((full * chunk + rest - idx.numel(),), -1)])
+
+
+def select_rows(h: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [n', D], labels [n']) of the scored rows (scored_rows' indices; -1: a pad row, given label -1 so that the
+    head reports 0 for it and passes it no gradient) out of h [N, D], labels [N]."""
+    keep = rows.clamp(min=0)
+    return h.index_select(0, keep), torch.where(rows >= 0, labels.index_select(0, keep), -1)
+
+
+def spread_rows(values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """[n]: values [n'] of the scored rows back at their positions, 0 elsewhere. The pad rows (-1) add an exact 0 to
+    row 0 (and take no gradient); an index_add, not a view: the output crosses FSDP's root hooks."""
+    return values.new_zeros(n).index_add(0, rows.clamp(min=0), values * (rows >= 0))
+
+
 def fused_linear_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024,
                           entropy: bool = False, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(h @ weight.T)[t, targets[t]] for every token ([N], fp32; 0 where targets[t] < 0), and with

@@ -17,6 +17,10 @@ weights != 0, else all. Built in (Tinker's definitions, ratio r = exp(logp - sam
                        (> 1) for A < 0 at most -c * A
 plus kl_coef * k3(ref_logprobs - logp) and -entropy_coef * entropy per token. A callable loss_fn(logp, inputs)
 returns l [n] itself (inputs also holds "datum", each token's datum index).
+
+logprobs_at = "counted" scores the counted tokens only: the output head runs on their rows alone (an RL recompute
+needs the response's log-probs, not the prompt's: ~30% of the head's work on rollouts), the other tokens report a
+log-prob (and entropy) of 0 and take a coefficient of 0. "all" (the default, Tinker's) scores every token.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ _REQUIRED = {"cross_entropy": ("target_tokens",), "importance_sampling": ("targe
              "ppo": ("target_tokens", "logprobs", "advantages")}
 _CONFIG = {"cross_entropy": set(), "importance_sampling": set(),
            "ppo": {"clip_low_threshold", "clip_high_threshold", "dual_clip"}}
-_COMMON = {"normalize", "normalize_constant", "kl_coef", "entropy_coef"}
+_COMMON = {"normalize", "normalize_constant", "kl_coef", "entropy_coef", "logprobs_at"}
+LOGPROBS_AT = ("all", "counted")
 
 
 def cross_entropy(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict) -> torch.Tensor:
@@ -71,6 +76,7 @@ class LossSpec:
     constant: float = 1.0
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    logprobs_at: str = "all"  # or "counted": only the counted tokens are scored (module docstring)
 
 
 def resolve_loss(loss_fn, loss_fn_config: dict | None) -> LossSpec:
@@ -90,7 +96,11 @@ def resolve_loss(loss_fn, loss_fn_config: dict | None) -> LossSpec:
                                 fix=f"options: {', '.join(sorted(allowed))}")
     spec = LossSpec(name, fn, {k: v for k, v in cfg.items() if k not in _COMMON}, required,
                     str(cfg.get("normalize", "sum")), float(cfg.get("normalize_constant", 1.0)),
-                    float(cfg.get("kl_coef", 0.0)), float(cfg.get("entropy_coef", 0.0)))
+                    float(cfg.get("kl_coef", 0.0)), float(cfg.get("entropy_coef", 0.0)),
+                    str(cfg.get("logprobs_at", "all")))
+    if spec.logprobs_at not in LOGPROBS_AT:
+        raise ShardfitError(f"logprobs_at={spec.logprobs_at!r} is not known", where="loss_fn_config.logprobs_at",
+                            fix="use 'all' (every token) or 'counted' (the tokens of mask != 0, else weights != 0)")
     if spec.normalize not in NORMALIZE:
         raise ShardfitError(f"normalize={spec.normalize!r} is not known", where="loss_fn_config.normalize",
                             fix=f"use one of {', '.join(NORMALIZE)}")
@@ -134,6 +144,8 @@ def coefficients(datums: list[Datum], spec: LossSpec) -> list[np.ndarray]:
         scale = [1.0 / (c * n_seq) if c > 0 else 0.0 for c in counts]
     else:
         scale = [1.0 / spec.constant] * len(datums)
+    if spec.logprobs_at == "counted":  # the loss is then over the scored tokens alone, whatever the inputs say
+        masks = [m * counted(d) for m, d in zip(masks, datums)]
     return [(m * s).astype(np.float32) for m, s in zip(masks, scale)]
 
 

@@ -69,10 +69,13 @@ class DatumRow:
     inputs: dict[str, torch.Tensor]  # [1, T] float32 per loss input (0 in the tail); "datum": index, -1 in the tail
     coef: torch.Tensor  # [1, T] float32: the loss coefficient of each token (rl/losses.py)
     real_tokens: int
+    scored: torch.Tensor | None = None  # [1, T] bool: the tokens the head scores (None: all; logprobs_at=counted)
 
 
 def build_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: list[np.ndarray],
-              names: set[str]) -> DatumRow:
+              names: set[str], scored: list[np.ndarray] | None = None) -> DatumRow:
+    """The [1, T] row of the datums `items`; `scored` ([L] bool per datum, or None for every token) marks the
+    tokens the output head scores."""
     T = plan.budget
     ids = np.zeros(T, dtype=np.int64)
     labels = np.full(T, -100, dtype=np.int64)
@@ -80,6 +83,7 @@ def build_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: lis
     coef = np.zeros(T, dtype=np.float32)
     inputs = {k: np.zeros(T, dtype=np.float32) for k in names}
     index = np.full(T, -1, dtype=np.float32)
+    score = np.zeros(T, dtype=bool) if scored is not None else None
     s = 0
     for i in items:
         d, L = datums[i], len(datums[i])
@@ -88,6 +92,8 @@ def build_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: lis
         pos[s:s + L] = np.arange(L)
         coef[s:s + L] = coefs[i]
         index[s:s + L] = i
+        if score is not None:
+            score[s:s + L] = scored[i]
         for k in names:
             inputs[k][s:s + L] = d.inputs[k]
         s += L
@@ -95,7 +101,7 @@ def build_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: lis
     inputs["datum"] = index
     t = torch.from_numpy
     return DatumRow(t(ids)[None], t(labels)[None], t(pos)[None], {k: t(v)[None] for k, v in inputs.items()},
-                    t(coef)[None], s)
+                    t(coef)[None], s, t(score)[None] if score is not None else None)
 
 
 def unpack(plan: DatumPlan, datums: list[Datum], gathered: torch.Tensor) -> list[np.ndarray]:

@@ -34,6 +34,7 @@ from shardfit.config import Config
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
 from shardfit.models.attention import DocumentMask, choose_doc_kernel, to_device
+from shardfit.models.logprobs import scored_rows
 from shardfit.models.loss import liger_available
 from shardfit.parallel import DistInfo, all_gather_rows, parallelize
 from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
@@ -43,7 +44,7 @@ from shardfit.parallel.step_overlap import local_tensor
 from shardfit.parallel.step_runner import build_step_runner
 from shardfit.parallel.ulysses import local_slice
 from shardfit.rl.datum import AdamParams, Datum, ForwardBackwardResult, check_adam, check_datums
-from shardfit.rl.losses import coefficients, ppo_clip_fraction, resolve_loss, sampler_gap, token_loss
+from shardfit.rl.losses import coefficients, counted, ppo_clip_fraction, resolve_loss, sampler_gap, token_loss
 from shardfit.rl.pack import build_row, plan_datums, unpack
 from shardfit.train.batches import LocalBatch
 from shardfit.train.checkpoint import load_checkpoint, new_run_id, refuse_non_finite, save_checkpoint
@@ -349,13 +350,14 @@ class Engine:
         sp, dp_rank, sp_rank = self.layout.sequence, self.layout.data_rank, self.layout.sequence_rank
         plan = plan_datums(datums, self.datum_budget(), self.layout.data_size, sp)
         coefs = coefficients(datums, spec)
+        scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None  # None: every token
         names = set().union(*(d.inputs for d in datums)) - {"target_tokens"}
         names = {k for k in names if all(k in d.inputs for d in datums)}  # inputs every datum has
         want_entropy = spec.entropy_coef != 0
         local = plan.budget // sp
         out = torch.zeros(plan.micro_batches * local * (2 if want_entropy else 1) + 2, device=self.device)
         for m, items in enumerate(plan.bins[dp_rank]):
-            row = build_row(plan, datums, items, coefs, names)
+            row = build_row(plan, datums, items, coefs, names, scored)
             mask = DocumentMask.build(row.position_ids, self._doc_kernel(plan.budget, grad=backward), self.device)
             cut = (lambda x: local_slice(x, sp_rank, sp)) if sp > 1 else (lambda x: x)
             ids, labels, pos = (to_device(cut(x), self.device) for x in (row.input_ids, row.labels, row.position_ids))
@@ -364,7 +366,9 @@ class Engine:
             if backward:
                 self.model.set_requires_gradient_sync(self.cfg.parallel.reduce_every_micro_batch
                                                       or m == plan.micro_batches - 1)
-            logp, ent = self.model(ids, labels, pos, mask, logprobs=True, entropy=want_entropy)
+            rows = (to_device(scored_rows(cut(row.scored), self.model.loss_chunk), self.device)
+                    if row.scored is not None else None)  # the head's rows: made on the host, no sync
+            logp, ent = self.model(ids, labels, pos, mask, logprobs=True, entropy=want_entropy, rows=rows)
             logp, ent = logp.flatten(), (ent.flatten() if ent is not None else None)
             total = (coef * token_loss(spec, logp, ent, x)).sum()
             if backward:
