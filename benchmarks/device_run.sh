@@ -303,7 +303,10 @@ for stage in "$@"; do
         rl-prof-ppo) parts=lora-ppo/shardfit,lora-ppo/hf; reps=1; cap=${RL_CAP:-560}; more=(--fwd-reps 1 --hf-ppo pack_flex --prof-out "$OUT/rlprofppo") ;;
       esac
       [ -n "${RL_EXTRA:-}" ] && more+=("--sf-extra=$RL_EXTRA")  # Engine overrides for every shardfit run of the stage
-      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) "${more[@]}" --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v '^{' | tail -90 ;;
+      # RL_LOGPROBS_AT=counted: shardfit's passes score the response tokens alone (the forward also timed scoring
+      # all); RL_TAG names the JSON/log $OUT/<stage>-<tag>.json so that a second run of a stage keeps the first's
+      name=$stage${RL_TAG:+-$RL_TAG}
+      env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) --logprobs-at "${RL_LOGPROBS_AT:-all}" "${more[@]}" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -90 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

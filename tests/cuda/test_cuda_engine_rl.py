@@ -56,3 +56,38 @@ def test_packed_logprobs_equal_each_datum_alone_and_ppo_trains(extra):
     assert r["same_gathered_once"]  # gathering once per call changes no bit
     assert all(math.isfinite(x) for x in r["losses"])
     assert r["losses"][-1] < r["losses"][0]  # advantages of 1 everywhere: the log-probs rise, -ratio falls
+
+
+def _counted(rank, world):
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from shardfit.config import load_config
+    from shardfit.models.logprobs import _chunk_stats
+    from shardfit.rl import make_datum
+    from shardfit.train.engine import Engine
+
+    engine = Engine.start(load_config(None, [*SMALL, "--train.device=cuda", "--train.micro_batch_tokens=512",
+                                             "--compute.loss_chunk=256", "--compute.compile=true",
+                                             "--logging.run_dir="]))
+    rng = np.random.default_rng(1)
+    gap, others = 0.0, 0.0
+    for _ in range(8):  # a new count of scored rows at every call: the chunks' shapes stay a handful
+        seqs = [rng.integers(0, 256, n + 1) for n in rng.integers(20, 200, 6)]
+        datums = []
+        for s in seqs:
+            mask = (np.arange(len(s) - 1) >= rng.integers(1, len(s) - 1)).astype(np.float32)
+            datums.append(make_datum(s[:-1], target_tokens=s[1:], mask=mask))
+        full = engine.forward(datums)
+        part = engine.forward(datums, "cross_entropy", {"logprobs_at": "counted"})
+        for d, a, b in zip(datums, full.outputs, part.outputs):
+            on = d.inputs["mask"] != 0
+            gap = max(gap, float(np.abs(a["logprobs"] - b["logprobs"])[on].max(initial=0)))
+            others = max(others, float(np.abs(b["logprobs"][~on]).max(initial=0)))
+    entries = len(_debug_get_cache_entry_list(_chunk_stats.__code__))
+    return {"gap": gap, "others": others, "entries": entries}
+
+
+def test_counted_rows_equal_every_row_compiled_with_few_shapes():
+    r = run_ranks(_counted, 1, backend="nccl")[0]
+    assert r["gap"] < 0.02 and r["others"] == 0, r  # the head's matmul over fewer rows: rounding at most
+    assert 1 <= r["entries"] <= 5, r  # 256 and a rest of 128 or 256 per pass (and "all"'s own tail), not one a count
