@@ -83,6 +83,18 @@ def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) ->
     return _PermuteRows.apply(x, index, inverse)
 
 
+def weighted_slot_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """rows [T, k, H], weights [T, k] -> sum_s weights[:, s] x rows[:, s] [T, H], the products in rows' dtype summed
+    in fp32 (as the sum over dim 1 it replaced). The k slots as k terms, not a reduction over dim 1: compiled, the
+    permutation's gather before it then fuses into one pointwise kernel whose loads run along H (Inductor's reduction
+    over k = 8 ran ~3.6x under the memory bandwidth: benchmarks/bench_moe_combine.py). Autograd saves each product's
+    operands: views of rows and weights, no fp32 copy (the .float() of a product saves nothing)."""
+    acc = (rows[:, 0] * weights[:, 0, None]).float()
+    for s in range(1, rows.shape[1]):
+        acc = acc + (rows[:, s] * weights[:, s, None]).float()
+    return acc.to(rows.dtype)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [N, in] sorted by expert, w [E, out, in], offs [E] int32 (cumulative rows) -> [N, out]: each expert's rows
     times its w[e]^T, one grouped GEMM. grouped_mm wants rows of 16 bytes' multiples (a LoRA adapter's rank of 4 in
@@ -210,7 +222,7 @@ class MoE(nn.Module):
     def combine(self, ys: torch.Tensor, r: Routing, shape: torch.Size) -> torch.Tensor:
         """ys [T*k, H] sorted by expert -> the routing-weighted sum per token, in `shape`."""
         out = permute_rows(ys, r.inverse, r.order)  # back to (token, slot) order: out[order[j]] = ys[j]
-        return (out.view(-1, self.top_k, shape[-1]) * r.weights[..., None]).sum(dim=1).view(shape)
+        return weighted_slot_sum(out.view(-1, self.top_k, shape[-1]), r.weights).view(shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The decoder block calls the three phases itself (models/decoder.py says why)
