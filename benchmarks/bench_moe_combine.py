@@ -88,10 +88,10 @@ def main() -> int:
         f = torch.compile(fn)
         with torch.no_grad():
             out = f(x, ys, order, inverse, weights)
-            ms = median_ms(lambda: f(x, ys, order, inverse, weights), a.reps, a.warmup, dev)
+            ms = median_ms(lambda f=f: f(x, ys, order, inverse, weights), a.reps, a.warmup, dev)
         yg, wg = ys.detach().requires_grad_(), weights.detach().requires_grad_()
 
-        def step():
+        def step(f=f, yg=yg, wg=wg):
             f(x, yg, order, inverse, wg).backward(gout)
 
         ms_b = median_ms(step, a.reps, a.warmup, dev)
