@@ -297,7 +297,7 @@ for stage in "$@"; do
         rl-dense) parts=dense-fwd,dense-ppo,serve; reps=3; cap=500; more=() ;;
         rl-moe) parts=moe; reps=3; cap=${RL_CAP:-420}; more=(); [ "${RL_MOE_PROF:-1}" = 1 ] && more=(--prof-out "$OUT/rlmoe") ;;
         rl-serve4b) parts=serve; reps=3; cap=400; more=(--serve-shape 4b) ;;
-        rl-lora) parts=lora-ppo; reps=2; cap=${RL_CAP:-300}; more=() ;;
+        rl-lora) parts=lora-ppo; reps=2; cap=${RL_CAP:-300}; more=(--fwd-reps 1) ;;
         rl-8b) parts=lora-ppo/shardfit,lora-ppo/hf,serve,moe; reps=2; cap=${RL_CAP:-550}; more=(--serve-shape 8b --serve-lora 16 --fwd-reps 1 --hf-fwd padnm) ;;
         rl-prof) parts=dense-fwd; reps=2; cap=235; more=(--hf-fwd padnm --prof-out "$OUT/rlprof") ;;
         rl-prof-ppo) parts=lora-ppo/shardfit,lora-ppo/hf; reps=1; cap=${RL_CAP:-560}; more=(--fwd-reps 1 --hf-ppo pack_flex --prof-out "$OUT/rlprofppo") ;;
