@@ -91,3 +91,16 @@ def test_counted_rows_equal_every_row_compiled_with_few_shapes():
     r = run_ranks(_counted, 1, backend="nccl")[0]
     assert r["gap"] < 0.02 and r["others"] == 0, r  # the head's matmul over fewer rows: rounding at most
     assert 1 <= r["entries"] <= 5, r  # 256 and a rest of 128 or 256 per pass (and "all"'s own tail), not one a count
+
+
+def test_two_gpus_equal_one():
+    """The same calls on 2 GPUs over NCCL (the datums split between ranks, every datum's outputs gathered on both):
+    the log-probs and the PPO losses of one GPU, to bf16 rounding."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    extra = ["--compute.compile=true"]
+    one = run_ranks(_run, 1, extra, backend="nccl")[0]
+    two = run_ranks(_run, 2, extra, backend="nccl")
+    assert two[0] == two[1], "every rank returns every datum's outputs"
+    assert two[0]["gap"] < 0.05  # each datum's log-probs against its own unpacked forward, on 2 ranks
+    np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=3e-2, atol=3e-2)
