@@ -63,10 +63,16 @@ def evaluate(sampler, probs: list[tuple[str, str]], seed: int) -> float:
     return float(np.mean([reward(s.tokens, a) for (_, a), g in zip(probs, groups) for s in g]))
 
 
-def train(base_url: str, api_key: str, *, warmup_steps: int, warmup_lr: float, steps: int, lr: float, prompts: int,
-          samples: int, loss: str, max_operand: int, seed: int, log=print) -> dict:
-    service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
-    client = service.create_lora_training_client(base_model="tiny", rank=8).result()  # rank 8 with `shardfit serve --lora.rank=8`; this server trains every parameter
+def train(base_url: str, api_key: str, **kw) -> dict:
+    """The whole run in one SDK session, finished when it ends (ServiceClient as a context manager)."""
+    with tinker.ServiceClient(base_url=base_url, api_key=api_key) as service:
+        return run(service, **kw)
+
+
+def run(service, *, warmup_steps: int, warmup_lr: float, steps: int, lr: float, prompts: int, samples: int, loss: str,
+        max_operand: int, seed: int, log=print) -> dict:
+    # rank 8 with `shardfit serve --lora.rank=8`; this example's server trains every parameter
+    client = service.create_lora_training_client(base_model="tiny", rank=8).result()
     probs = problems(max_operand)
     rng = random.Random(seed)
     t0 = time.perf_counter()

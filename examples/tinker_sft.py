@@ -46,10 +46,16 @@ def make_datum(prompt: str, completion: str) -> types.Datum:
                                        "weights": np.asarray(weights[1:], dtype=np.float32)})
 
 
-def train(base_url: str, api_key: str, *, steps: int, batch: int, lr: float, seed: int, log=print) -> dict:
+def train(base_url: str, api_key: str, **kw) -> dict:
+    """The whole run in one SDK session, finished when it ends (ServiceClient as a context manager)."""
+    with tinker.ServiceClient(base_url=base_url, api_key=api_key) as service:
+        return run(service, **kw)
+
+
+def run(service, *, steps: int, batch: int, lr: float, seed: int, log=print) -> dict:
     """SFT for `steps` steps, then greedy answers for every country; returns the losses and the answers."""
-    service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
-    client = service.create_lora_training_client(base_model="tiny", rank=8).result()  # rank 8 with `shardfit serve --lora.rank=8`; this server trains every parameter
+    # rank 8 with `shardfit serve --lora.rank=8`; this example's server trains every parameter
+    client = service.create_lora_training_client(base_model="tiny", rank=8).result()
     data = [make_datum(prompt_of(country), " " + capital) for country, capital in FACTS]
     rng = random.Random(seed)
     losses = []

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import threading
 
@@ -22,3 +23,22 @@ def served(tmp_path):
     serving.state.scheduler.close()
     loop.join(10)
     serving.stop()
+
+
+@pytest.fixture
+def sdk_client():
+    """make(url, api_key) -> tinker.ServiceClient, each one's session finished when the test ends (pass or fail): a
+    client left open keeps its heartbeat thread, which outlives the test's server and prints "Session heartbeat
+    failed" at the end of the run. Ask for it after the server fixture, so that it ends first."""
+    import tinker
+
+    made = []
+
+    def make(url: str, api_key: str):
+        made.append(tinker.ServiceClient(base_url=url, api_key=api_key))
+        return made[-1]
+
+    yield make
+    for sc in made:
+        with contextlib.suppress(Exception):  # a failed test's server may be gone: close() released the client anyway
+            sc.close("success").result(timeout=30)

@@ -57,9 +57,9 @@ def server(tmp_path, request):
     proc.wait(60)
 
 
-def test_sdk_round_trip_on_two_ranks(server):
+def test_sdk_round_trip_on_two_ranks(server, sdk_client):
     url, _ = server
-    sc = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    sc = sdk_client(url, "tml-local")
     tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
     data = [_datum(b"hello world, hello shardfit!"), _datum(b"two ranks serve one model")]
     losses = []
@@ -93,11 +93,11 @@ def test_sdk_round_trip_on_two_ranks(server):
 
 
 @pytest.mark.parametrize("server", [["--lora.rank=8", "--lora.alpha=16"]], indirect=True)
-def test_sdk_trains_lora_adapters_and_samples_with_them(server):
+def test_sdk_trains_lora_adapters_and_samples_with_them(server, sdk_client):
     """A server started with --lora.rank trains adapters (get_info says so), refuses another rank in one line, and
     its sampler decodes with the trained adapters: the trainer's forward gives the sampled tokens' log-probs back."""
     url, lines = server
-    sc = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    sc = sdk_client(url, "tml-local")
     with pytest.raises(Exception, match="rank 8, not 16"):
         sc.create_lora_training_client(base_model="tiny", rank=16).result()
     tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
