@@ -17,6 +17,8 @@ merged: refused.
 Load (`load_adapter`, lora.adapter): through hf/load.py's reader, each rank reading its own rows of each adapter
 (an MoE expert adapter's B whole: its experts are strided columns in PEFT's layout), no collective. The base
 weights PEFT saves beside an embedding adapter (`...base_layer.weight`) are not read: the base is model.path's.
+A transformers-4 MoE adapter (one pair a module and expert, `...mlp.experts.0.gate_proj.lora_A.weight`) is read
+into the same adapters by adapters/peft_per_expert.py, exactly (gate and up at rank 2r on the fused gate_up).
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ from shardfit.adapters.peft_config import (
     ADAPTER_WEIGHTS,
     adapter_config_json,
     peft_key,
+    per_expert_source,
     read_adapter_config,
 )
+from shardfit.adapters.peft_per_expert import conversion_notice, per_expert_params
 from shardfit.adapters.qlora import STORAGE
 from shardfit.adapters.qlora_io import merged_weight
 from shardfit.config.schema import LoraConfig
@@ -142,6 +146,10 @@ def load_adapter(model: nn.Module, path: str | Path) -> LoadResult:
     _STAGE_BYTES, where the shards live) and this rank's experts copied out of it."""
     path = Path(path)
     files = {k: f for k, f in file_map(path / ADAPTER_WEIGHTS).items() if not k.endswith(".base_layer.weight")}
+    source = per_expert_source(path)
+    if source is not None:  # transformers 4's per-expert keys: each read into its block (adapters/peft_per_expert.py)
+        params, files = per_expert_params(model, files, source)
+        return load_hf_checkpoint(model, path, params=params, files=files)
     params, strided = {}, []
     for name, p in model.named_parameters():
         if not is_adapter(name):
@@ -166,6 +174,12 @@ def load_adapter(model: nn.Module, path: str | Path) -> LoadResult:
             local.copy_(from_peft(name, rows[key].local, s[0])[row0:row0 + local.shape[0]])
         del rows  # the batch's staging, freed before the next one is allocated
     return LoadResult.total(results)
+
+
+def adapter_notices(path: str | Path) -> list[str]:
+    """The notice lines loading the adapter directory brings: what a transformers-4 MoE adapter was read as."""
+    source = per_expert_source(path)
+    return [] if source is None else [conversion_notice(path, source)]
 
 
 def attach_adapter(model: nn.Module, path: str | Path) -> list[str]:

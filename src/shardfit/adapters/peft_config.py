@@ -9,6 +9,14 @@ What it cannot reproduce is refused with one line naming the field, never approx
 alpha / sqrt(r)), per-module rank or alpha patterns, layer subsets, bias training, modules_to_save, a regular
 expression as target_modules, fan_in_fan_out, other target_parameters, and pickled weights (adapter_model.bin).
 
+A transformers-4 MoE adapter (PEFT on transformers 4, where each expert was linear modules of its own: keys
+`<layer>.mlp.experts.<e>.gate_proj.lora_A.weight`, ...) is read as shardfit's expert adapters (adapters/
+peft_per_expert.py converts the tensors): lora.targets gains experts (or experts.gate_up_proj / experts.down_proj,
+as the keys say), and with both gate_proj and up_proj adapted the rank is 2r, the rank at which their two As fit
+one fused gate_up adapter exactly; shardfit has one rank for every adapter, so the others are zero-padded to it,
+and lora_alpha is scaled with the rank so that alpha / rank, PEFT's scale, is unchanged. lora_dropout is not read
+from it (0: shardfit's expert adapters take none). An adapter on the MoE router (`mlp.gate`) is refused.
+
 Key mapping (adapters/peft.py applies it to tensors): a parameter `<fqn>.lora_A` of shardfit's model is PEFT's
 `base_model.model.<fqn>.lora_A.weight` (lora_B alike); an embedding's `<fqn>.lora_embedding_A` is
 `base_model.model.<fqn>.lora_embedding_A` (no `.weight`: PEFT stores them as bare parameters). The fqn is the
@@ -19,16 +27,21 @@ transformers model as it is.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from shardfit.errors import ShardfitError
+from shardfit.fsutil import safetensors_header
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 # target_parameters entry -> the lora.targets name it is (PEFT matches an entry as a suffix of "<module>.<parameter>")
 _EXPERT_PARAMS = {f"{head}{w}": w for w in ("gate_up_proj", "down_proj") for head in ("", "experts.", "mlp.experts.")}
+# transformers 4's per-expert adapter keys: (experts module, expert, weight, A or B)
+PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.lora_([AB])\.weight$")
+_ROUTER = re.compile(r"\.mlp\.gate\.lora_")  # an adapter on an MoE router (PEFT's all-linear took it on transformers 4)
 
 # field: the value shardfit can honour (anything else is refused); a missing field takes PEFT's default, which is it
 _PLAIN: dict[str, Any] = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {},
@@ -48,27 +61,18 @@ def shardfit_name(key: str) -> str:
     return name[:-len(".weight")] if name.endswith(".weight") else name
 
 
+class PerExpert(NamedTuple):
+    """What a transformers-4 MoE adapter holds (module docstring): its r, the expert weights it adapts (of gate_proj,
+    up_proj, down_proj, in that order) and the rank shardfit reads it at."""
+    r: int
+    weights: tuple[str, ...]
+    rank: int
+
+
 def read_adapter_config(path: str | Path) -> dict[str, Any]:
     """A PEFT adapter directory's LoRA settings as lora.* values: {rank, alpha, dropout, targets}; one
     ShardfitError line naming the file and field for anything shardfit does not reproduce."""
-    path = Path(path)
-    where = str(path / ADAPTER_CONFIG)
-    if not path.is_dir():
-        raise ShardfitError("not a directory", where=str(path), fix="give a PEFT adapter directory (lora.adapter)")
-    if not (path / ADAPTER_WEIGHTS).is_file():
-        pickled = (path / "adapter_model.bin").is_file()
-        raise ShardfitError(f"no {ADAPTER_WEIGHTS}" + (" (adapter_model.bin is a pickle: refused, it could run code)"
-                                                       if pickled else ""), where=str(path),
-                            fix="save the adapter with safetensors (PEFT's default, safe_serialization=True)")
-    try:
-        hf = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ShardfitError(f"no {ADAPTER_CONFIG}", where=str(path), fix="give a PEFT adapter directory") from None
-    except (ValueError, UnicodeDecodeError, OSError) as e:
-        raise ShardfitError(f"unreadable ({e})", where=where, fix="restore the adapter's config") from None
-    if not isinstance(hf, dict) or hf.get("peft_type") != "LORA":
-        raise ShardfitError(f"peft_type is {hf.get('peft_type') if isinstance(hf, dict) else None!r}, not LORA",
-                            where=where, fix="give a LoRA adapter")
+    hf, where = _config(path)
     for field, plain in _PLAIN.items():
         value = hf.get(field, plain)
         if value != plain and not (plain is None and value in ([], {}, "")):
@@ -88,9 +92,69 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
               or targets == "all-linear"):
         raise ShardfitError(f"target_modules={targets!r} is not a list of module names", where=where,
                             fix="list the module names the adapters sit on")
+    per = _per_expert(Path(path), r, where)
+    if per:
+        if experts:
+            raise ShardfitError("target_parameters and transformers 4's per-expert keys (mlp.experts.0.gate_proj...) "
+                                "together: two layouts of the experts' adapters", where=where,
+                                fix="save the adapter in one layout (PEFT on transformers 5 writes target_parameters)")
+        experts = [w for w, old in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
+                   if set(old) & set(per.weights)]
+        # alpha / rank stays PEFT's alpha / r (a factor of 1 or 2: exact); no dropout on expert adapters
+        r, alpha, dropout = per.rank, alpha * (per.rank // r), 0.0
     names = [targets] if isinstance(targets, str) else sorted(targets)
     names += ["experts"] if len(experts) == 2 else [f"experts.{w}" for w in experts]
     return {"rank": r, "alpha": alpha, "dropout": dropout, "targets": ",".join(names)}
+
+
+def per_expert_source(path: str | Path) -> PerExpert | None:
+    """The transformers-4 MoE adapter the directory holds (module docstring), None for any other adapter."""
+    hf, where = _config(path)
+    return _per_expert(Path(path), hf.get("r", 8), where)
+
+
+def _config(path: str | Path) -> tuple[dict, str]:
+    """(adapter_config.json of a PEFT LoRA adapter directory with safetensors weights, its path for messages)."""
+    path = Path(path)
+    where = str(path / ADAPTER_CONFIG)
+    if not path.is_dir():
+        raise ShardfitError("not a directory", where=str(path), fix="give a PEFT adapter directory (lora.adapter)")
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        pickled = (path / "adapter_model.bin").is_file()
+        raise ShardfitError(f"no {ADAPTER_WEIGHTS}" + (" (adapter_model.bin is a pickle: refused, it could run code)"
+                                                       if pickled else ""), where=str(path),
+                            fix="save the adapter with safetensors (PEFT's default, safe_serialization=True)")
+    try:
+        hf = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ShardfitError(f"no {ADAPTER_CONFIG}", where=str(path), fix="give a PEFT adapter directory") from None
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise ShardfitError(f"unreadable ({e})", where=where, fix="restore the adapter's config") from None
+    if not isinstance(hf, dict) or hf.get("peft_type") != "LORA":
+        raise ShardfitError(f"peft_type is {hf.get('peft_type') if isinstance(hf, dict) else None!r}, not LORA",
+                            where=where, fix="give a LoRA adapter")
+    return hf, where
+
+
+def _per_expert(path: Path, r: int, where: str) -> PerExpert | None:
+    """PerExpert of the adapter's tensor names (its safetensors header), or None; an adapter on a router refused."""
+    file = path / ADAPTER_WEIGHTS
+    try:
+        with open(file, "rb") as f:
+            names = list(safetensors_header(f, file.stat().st_size)[0])
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise ShardfitError(f"corrupt or truncated safetensors file ({e})", where=str(file),
+                            fix="save the adapter again") from None
+    router = next((n for n in names if _ROUTER.search(n)), None)
+    if router is not None:
+        raise ShardfitError(f"'{router}' adapts an MoE router, which shardfit keeps frozen", where=str(file),
+                            fix="merge the adapter into the model (PEFT's merge_and_unload) and train that, or train "
+                                "it again without 'gate' in target_modules")
+    found = {m.group(3) for m in map(PER_EXPERT.match, names) if m}
+    if not found:
+        return None
+    weights = tuple(w for w in ("gate_proj", "up_proj", "down_proj") if w in found)
+    return PerExpert(r, weights, 2 * r if {"gate_proj", "up_proj"} <= found else r)
 
 
 def _expert_parameters(value: Any, where: str) -> list[str]:

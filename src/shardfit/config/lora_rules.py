@@ -23,12 +23,14 @@ from shardfit.config.schema import LORA_EXPERTS, LORA_LINEAR, LORA_OPTIONAL, Lor
 def adapter_fields(lora: LoraConfig) -> tuple[dict[str, Any], str]:
     """(lora.* values, their source) from lora.adapter's adapter_config.json; lora.targets as given when it names
     the same modules in another order."""
-    from shardfit.adapters.peft_config import ADAPTER_CONFIG, read_adapter_config  # torch-free
+    from shardfit.adapters.peft_config import ADAPTER_CONFIG, per_expert_source, read_adapter_config  # torch-free
 
     fields = read_adapter_config(lora.adapter)
     if {t.strip() for t in lora.targets.split(",")} == set(fields["targets"].split(",")):
         fields["targets"] = lora.targets
-    return fields, f"{lora.adapter}/{ADAPTER_CONFIG}"
+    source = per_expert_source(lora.adapter)  # a conflict names the rank it is read at, not the file's r
+    how = f" (transformers 4's per-expert MoE layout, r={source.r} read at rank {source.rank})" if source else ""
+    return fields, f"{lora.adapter}/{ADAPTER_CONFIG}{how}"
 
 
 def nested_section(key: str, sections) -> str | None:

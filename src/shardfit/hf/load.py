@@ -288,12 +288,17 @@ class _Stager:
             self._done()
             return
         (_, _, dtype, dest), = run.parts  # a tensor larger than a buffer is alone in its run: read it in chunks
-        flat, per = dest.view(-1), self.bufs[0].numel() // dtype.itemsize  # local shards are contiguous
+        # local shards are contiguous; a block of columns (adapters/peft_per_expert.py's zero-padded B) is read
+        # into a temporary of its own and copied once
+        whole = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+        flat, per = whole.view(-1), self.bufs[0].numel() // dtype.itemsize
         for e0 in range(0, flat.numel(), per):
             n = min(per, flat.numel() - e0)
             buf = self._fill(fd, run.offset + e0 * dtype.itemsize, n * dtype.itemsize)
             flat[e0:e0 + n].copy_(buf.view(dtype), non_blocking=True)
             self._done()
+        if whole is not dest:
+            dest.copy_(whole)
 
 
 @torch.no_grad()  # grad mode is per thread: the pool's threads need their own

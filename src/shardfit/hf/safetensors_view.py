@@ -7,12 +7,12 @@ raise ValueError, which the loader turns into an error naming the file.
 
 from __future__ import annotations
 
-import json
-import struct
 from math import prod
 from pathlib import Path
 
 import torch
+
+from shardfit.fsutil import safetensors_header
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -23,16 +23,8 @@ class SafetensorsView:
     def __init__(self, path: Path):
         self.path = path
         self._file = open(path, "rb")  # noqa: SIM115 - closed in close()
-        size = path.stat().st_size
-        if size < 8:
-            raise ValueError("file shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", self._file.read(8))
-        if n > size - 8:
-            raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
-        self.header = json.loads(self._file.read(n))
-        self.header.pop("__metadata__", None)
-        self._base = 8 + n
-        self._size = size
+        self._size = path.stat().st_size
+        self.header, self._base = safetensors_header(self._file, self._size)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])

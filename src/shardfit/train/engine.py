@@ -201,9 +201,10 @@ class Engine:
             load_init_weights(self.init_from, self.model, self.device, self.notices, lora, resume is not None)
         if lora:
             if cfg.lora.adapter and resume is None:
-                from shardfit.adapters.peft import load_adapter
+                from shardfit.adapters.peft import adapter_notices, load_adapter
 
                 load_adapter(self.model, cfg.lora.adapter)
+                self.notices += adapter_notices(cfg.lora.adapter)  # a transformers-4 MoE adapter's conversion
             self.notices.append(lora_summary(self.model, self.lora_targets))
             if self.parallel.nf4_layers:
                 from shardfit.adapters.qlora import qlora_summary
