@@ -31,6 +31,7 @@ from shardfit.plan import adapters, moe
 from shardfit.plan.activation_trace import block_activation_bytes, compute_dtype, model_key
 
 GiB = 1 << 30
+LOSS_CHUNK_BYTES = 10  # the fused loss's buffers for each logit of one chunk, eager or compiled (see estimate)
 
 
 @functools.lru_cache(maxsize=4)
@@ -184,11 +185,14 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         adapted = moe.gathered_params(t.block_params, trained_experts, par.expert_parallel, outside > 0)
         blocks = adapters.adapted_block_bytes(t.lora, gathered, adapted, element)
         root = t.frozen_bytes - sum(t.block_frozen_bytes) + (t.params - sum(t.block_params)) * element
-        fsdp = root + running * (max(blocks) - fp8_bytes) + 4 * max(adapted)
-        fsdp += adapters.dequant_bytes(t.lora, element)  # QLoRA: one weight dequantised at a time
+        fsdp = root + running * (max(blocks) - fp8_bytes)
+        # backward only: the adapters' fp32 reduce-scatter input (FSDP's post-backward), QLoRA's one weight
+        # dequantised at a time (inside an NF4 layer's forward or backward; none at the loss)
+        in_backward = 4 * max(adapted) + adapters.dequant_bytes(t.lora, element)
     else:
         big_block = max(gathered)
-        fsdp = 2 * root_params + running * (2 * big_block - fp8_bytes) + 4 * big_block
+        fsdp = 2 * root_params + running * (2 * big_block - fp8_bytes)
+        in_backward = 4 * big_block  # the fp32 reduce-scatter input, made by FSDP's post-backward
     mode = comp.activation_checkpoint
     fsdp += moe.outside_transient_bytes(trained_experts, cfg, element) if fresh else 0
     kinds = {is_moe_layer(m, i) for i in range(m.n_layers)}
@@ -203,11 +207,12 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     grads += fresh if accumulating else max(0, fresh - acts)
     tokens = micro_batch * cfg.data.seq_len // par.sequence_parallel
     # the fused loss keeps dloss/dh [tokens, D] and dloss/dW [V, D] in bf16 (a frozen head: none; an adapter on it:
-    # the merged weight too), and one logits chunk [c, V]: eager bf16 logits, an fp32 copy, logsumexp's fp32
-    # temporary (10 B); compiled (compile_loss) bf16 logits and gradient (4 B)
-    per_logit = 4 if comp.compile and comp.compile_loss and comp.kernels != "liger" else 10
+    # the merged weight too), and one logits chunk [c, V] at 10 B a logit: eager, bf16 logits, an fp32 copy and
+    # logsumexp's fp32 temporary; compiled (compile_loss), bf16 logits, the fp32 probabilities Inductor writes for
+    # scatter_add_, the chunk's bf16 gradient and the previous chunk's, still bound to `g` until the call returns
+    # (models/loss.py; a snapshot on one H200: 250.5 + 501 + 250.5 + 250.5 MiB at [1024, 128,256])
     head = 1 if not t.lora else 2 if t.lora.head_trains else 0  # [V, D] buffers: dW; LoRA's merged weight and dW
-    loss = tokens * m.dim * 2 + head * m.vocab_size * m.dim * 2 + comp.loss_chunk * m.vocab_size * per_logit
+    loss = tokens * m.dim * 2 + head * m.vocab_size * m.dim * 2 + comp.loss_chunk * m.vocab_size * LOSS_CHUNK_BYTES
     # backward of one block: gradients of its input and output, of the gate and up projections' outputs, expert
     # parallelism's exchange buffers, and a checkpointed block's recomputed tensors on top of what is still saved
     # then (recompute_on_top; compiled and fully checkpointed, an adapted MLP recomputes more than it saves:
@@ -217,7 +222,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     backward = max(2 * b["block_input"] + b["ffn_grads"] + b["exchange"] + recompute_on_top(
         saved, chosen, recomputed, i) for i, b in ((i, per_block[is_moe_layer(m, i)]) for i in range(m.n_layers)))
     backward += adapters.backward_extra(t.lora, tokens, element) if t.lora else 0
-    working = max(loss, backward - released_head(cfg, t, element))
+    working = max(loss, backward + in_backward - released_head(cfg, t, element))
     return Estimate(micro_batch, weights, grads, moments, fsdp, acts, working, offload_copies=copies,
                     idle_cache=idle_cache, host=host)
 
