@@ -71,6 +71,15 @@ def test_sdk_round_trip_on_two_ranks(server, sdk_client):
     assert losses[-1] < losses[0], losses
     fwd = tc.forward(data, "cross_entropy").result()
     assert [len(o["logprobs"].data) for o in fwd.loss_fn_outputs] == [27, 24]
+    # a string option through the SDK's loss_fn_config: logprobs_at=counted scores the weighted tokens alone
+    t = list(b"score the answer, not the prompt")
+    w = np.r_[np.zeros(10), np.ones(len(t) - 11)].astype(np.float32)
+    half = [types.Datum(model_input=types.ModelInput.from_ints(t[:-1]),
+                        loss_fn_inputs={"target_tokens": np.asarray(t[1:], np.int64), "weights": w})]
+    every, counted = (tc.forward(half, "cross_entropy", cfg).result() for cfg in (None, {"logprobs_at": "counted"}))
+    a, b = (x.loss_fn_outputs[0]["logprobs"].to_numpy() for x in (every, counted))
+    assert np.allclose(a[10:], b[10:], atol=1e-5) and not b[:10].any() and a[:10].all()
+    assert counted.metrics["loss:sum"] == pytest.approx(every.metrics["loss:sum"], rel=1e-5)
     sampler = tc.save_weights_and_get_sampling_client().result()
     res = sampler.sample(types.ModelInput.from_ints(list(b"hello")), num_samples=2,
                          sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=3)).result()
