@@ -88,7 +88,11 @@ def weighted_slot_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     in fp32 (as the sum over dim 1 it replaced). The k slots as k terms, not a reduction over dim 1: compiled, the
     permutation's gather before it then fuses into one pointwise kernel whose loads run along H (Inductor's reduction
     over k = 8 ran ~3.6x under the memory bandwidth: benchmarks/bench_moe_combine.py). Autograd saves each product's
-    operands: views of rows and weights, no fp32 copy (the .float() of a product saves nothing)."""
+    operands: views of rows and weights, no fp32 copy (the .float() of a product saves nothing). Eager (compute.compile
+    off), the reduction itself, the same bits: there each slot's rows[:, s] would take a SelectBackward writing a
+    zeroed [T, k, H] gradient, k of them summed (~4.5x the bytes the reduction's backward writes)."""
+    if not torch.compiler.is_compiling():
+        return (rows * weights[..., None]).sum(dim=1)
     acc = (rows[:, 0] * weights[:, 0, None]).float()
     for s in range(1, rows.shape[1]):
         acc = acc + (rows[:, s] * weights[:, s, None]).float()

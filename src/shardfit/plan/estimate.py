@@ -5,11 +5,11 @@
                idle cache, not peak, unless micro-batches accumulate; parallel.offload moves states to host memory.
                LoRA (lora.rank): 16 B per adapter parameter, the frozen base as stored (adapters.py)
   fsdp         bf16 gathered parameters: the root group, the running and the prefetched block (the running one
-               alone on a shard group of one), one fp32 reduce-scatter input (LoRA: the adapters'); offload=all adds
-               one block's shards in transit
+               alone on a shard group of one); offload=all adds one block's shards in transit
   activations  per block what activation_trace.py counts for its checkpointing mode, times the blocks
-  working      the larger of the fused loss's buffers and one block's backward (less a frozen head's gathered
-               weight, which FSDP frees before the blocks' backward)
+  working      the larger of the fused loss's buffers and one block's backward with what exists only then (one
+               fp32 reduce-scatter input, LoRA: the adapters'; QLoRA's one dequantised weight), less a frozen head's
+               gathered weight, which FSDP frees before the blocks' backward
   host         what parallel.offload keeps in host memory per rank (pinned shards rounded to powers of two)
 The model is built once on the meta device per config (shapes only) to count parameters per block. fits() compares
 an estimate with the allocation budget of a GPU and, for freed gradients, their cached pool besides. MoE terms come
@@ -176,9 +176,10 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     if offloaded:  # FSDP2's CPUOffloadPolicy: the other groups' sharded states in host memory
         host, copies = _offloaded(cfg, t, shard, n_params, on_gpu, element)
     grads += unsharded  # the unsharded accumulation stays on the GPU, offload or not
-    # gathered params of the root and two blocks in the compute dtype (EP: only a rank's n/E experts, moe.py), one
-    # fp32 reduce-scatter input; FP8 all-gather gathers the converted weights at 1 byte each. The same with
-    # offload=all. LoRA: the base as stored, the adapters cast; only the adapters' gradients are reduced
+    # gathered params of the root and two blocks in the compute dtype (EP: only a rank's n/E experts, moe.py); the
+    # fp32 reduce-scatter input is a block's backward's (in_backward, counted in working); FP8 all-gather gathers
+    # the converted weights at 1 byte each. The same with offload=all. LoRA: the base as stored, the adapters cast;
+    # only the adapters' gradients are reduced
     gathered = moe.gathered_params(block_params, experts, par.expert_parallel, outside > 0)
     running = gathered_blocks(shard)
     if t.lora:
