@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,6 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from shardfit.models.moe import inverse_permutation, permute_rows, weighted_slot_sum  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_nf4 import timed  # noqa: E402  (CUDA events, the median of reps after warmup)
 
 
 def reduction_over_slots(x, ys, order, inverse, weights):
@@ -34,27 +36,6 @@ def reduction_over_slots(x, ys, order, inverse, weights):
 def slot_terms(x, ys, order, inverse, weights):
     T, k = weights.shape
     return x + weighted_slot_sum(permute_rows(ys, inverse, order).view(T, k, -1), weights)
-
-
-def median_ms(fn, reps: int, warmup: int, device: torch.device) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            import time
-
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -88,13 +69,13 @@ def main() -> int:
         f = torch.compile(fn)
         with torch.no_grad():
             out = f(x, ys, order, inverse, weights)
-            ms = median_ms(lambda f=f: f(x, ys, order, inverse, weights), a.reps, a.warmup, dev)
+            ms = timed(lambda f=f: f(x, ys, order, inverse, weights), dev, a.reps, a.warmup)
         yg, wg = ys.detach().requires_grad_(), weights.detach().requires_grad_()
 
         def step(f=f, yg=yg, wg=wg):
             f(x, yg, order, inverse, wg).backward(gout)
 
-        ms_b = median_ms(step, a.reps, a.warmup, dev)
+        ms_b = timed(step, dev, a.reps, a.warmup)
         exact = out.float()
         if ref is None:
             ref = exact
