@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from shardfit.errors import ShardfitError
+
 
 def _chunk_loss(x: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss of one chunk of fp32 logits x [c, V], and its log-sum-exp [c]."""
@@ -88,6 +90,17 @@ def liger_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def choose_loss_kernel(kind: str, device: torch.device) -> str:
+    """compute.kernels resolved for the device: "liger" (Liger-Kernel's fused loss) where asked or, with "auto", where
+    CUDA and the package are there; else "torch" (this module's)."""
+    if kind == "liger" and (device.type != "cuda" or not liger_available()):
+        raise ShardfitError("compute.kernels=liger needs CUDA and the liger-kernel package",
+                            where="compute.kernels", fix="pip install 'shardfit[liger]' on a GPU machine, or use auto")
+    if kind == "auto":
+        return "liger" if device.type == "cuda" and liger_available() else "torch"
+    return kind
 
 
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024,

@@ -35,7 +35,7 @@ from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
 from shardfit.models.attention import DocumentMask, choose_doc_kernel, to_device
 from shardfit.models.logprobs import scored_rows
-from shardfit.models.loss import liger_available
+from shardfit.models.loss import choose_loss_kernel
 from shardfit.parallel import DistInfo, all_gather_rows, parallelize
 from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
 from shardfit.parallel.gathered import drop_gathered, fits_gathered, gathered_for_pass
@@ -54,15 +54,6 @@ from shardfit.train.optim import build_optimizer, set_hyperparameters, set_lr
 from shardfit.train.timing import StepTimer
 
 _SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _STOP, _MEM = 0, 1, 2, 3, 4, 5, 6
-
-
-def choose_loss_kernel(kind: str, device: torch.device) -> str:
-    if kind == "liger" and (device.type != "cuda" or not liger_available()):
-        raise ShardfitError("compute.kernels=liger needs CUDA and the liger-kernel package",
-                            where="compute.kernels", fix="pip install 'shardfit[liger]' on a GPU machine, or use auto")
-    if kind == "auto":
-        return "liger" if device.type == "cuda" and liger_available() else "torch"
-    return kind
 
 
 @dataclass
