@@ -26,6 +26,7 @@ transformers model as it is.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -136,12 +137,21 @@ def _config(path: str | Path) -> tuple[dict, str]:
     return hf, where
 
 
+@functools.lru_cache(maxsize=8)
+def _tensor_names(file: str, size: int, mtime_ns: int) -> tuple[str, ...]:
+    """The tensor names in a safetensors file's header, parsed once per version of the file (its size and mtime are
+    the key): the config loader, the adapter's load and the run's notice each ask, and a transformers-4 MoE
+    adapter's header lists every expert's tensors (~37k for Qwen3-30B-A3B)."""
+    with open(file, "rb") as f:
+        return tuple(safetensors_header(f, size)[0])
+
+
 def _per_expert(path: Path, r: int, where: str) -> PerExpert | None:
     """PerExpert of the adapter's tensor names (its safetensors header), or None; an adapter on a router refused."""
     file = path / ADAPTER_WEIGHTS
     try:
-        with open(file, "rb") as f:
-            names = list(safetensors_header(f, file.stat().st_size)[0])
+        st = file.stat()
+        names = _tensor_names(str(file), st.st_size, st.st_mtime_ns)
     except (ValueError, UnicodeDecodeError, OSError) as e:
         raise ShardfitError(f"corrupt or truncated safetensors file ({e})", where=str(file),
                             fix="save the adapter again") from None
