@@ -10,7 +10,7 @@ from shardfit.data import build_dataset
 from shardfit.data.dataset import stack_rows
 from shardfit.models import build_model
 from shardfit.models.attention import DocumentMask
-from shardfit.train.optim import build_optimizer, lr_at, set_lr
+from shardfit.engine.optim import build_optimizer, lr_at, set_lr
 
 # a resumed run with a longer schedule than its checkpoint's (train/run_config.py: refused unless allowed)
 EXTEND = "--checkpoint.allow_changes=train.steps"

@@ -65,7 +65,7 @@ def test_resume_equals_uninterrupted_and_saves_no_base(tmp_path, world, base):
 
 
 def _train_and_export(rank, world, base, root, extra=()):
-    from shardfit.train.engine import Engine
+    from shardfit.engine import Engine
 
     t = Trainer(_config(base, "--train.steps=3", f"--checkpoint.export_hf={root}/adapter",
                         f"--checkpoint.export_merged={root}/merged", "--checkpoint.export_dtype=float32", *extra,

@@ -118,7 +118,7 @@ def test_rl_api_trains_the_adapters_only():
 
     from shardfit.config import load_config
     from shardfit.rl import AdamParams, make_datum
-    from shardfit.train.engine import Engine
+    from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
 
     engine = Engine.start(load_config(None, [*SMALL, *LORA, "--train.device=cpu", "--train.micro_batch_tokens=32",
                                              "--logging.run_dir="]))

@@ -63,7 +63,7 @@ def test_exports_and_generate_give_the_trained_logits(tmp_path, capsys):
 
 def _loaded_codes(rank, world, base, root):
     import shardfit.adapters.qlora_io as qlora_io
-    from shardfit.train.engine import Engine
+    from shardfit.engine import Engine
     from tests.adapters.test_lora_runs import _config
     from tests.helpers import full_state
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from shardfit.config import load_config
-from shardfit.train.optim import lr_at
+from shardfit.engine.optim import lr_at
 from shardfit.train.run_config import default_run_dir
 from tests.cli.doc_commands import commands, marked_blocks
 from tests.cli.session import run_commands

@@ -13,7 +13,7 @@ SMALL_GIB = 60.0  # rank 1's card, as the patched device memory reports it; rank
 
 
 def _resolve(rank, world):
-    import shardfit.train.engine as engine_mod
+    import shardfit.engine.build as engine_mod
     from shardfit.config import load_config
     from shardfit.parallel.dist import DistInfo
 

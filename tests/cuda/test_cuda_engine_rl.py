@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cuda
 def _run(rank, world, extra):
     from shardfit.config import load_config
     from shardfit.rl import AdamParams, make_datum
-    from shardfit.train.engine import Engine
+    from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
 
     engine = Engine.start(load_config(None, [*SMALL, "--train.device=cuda", "--train.micro_batch_tokens=64",
                                              "--logging.run_dir=", *extra]))
@@ -64,7 +64,7 @@ def _counted(rank, world):
     from shardfit.config import load_config
     from shardfit.models.logprobs import _chunk_stats
     from shardfit.rl import make_datum
-    from shardfit.train.engine import Engine
+    from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
 
     engine = Engine.start(load_config(None, [*SMALL, "--train.device=cuda", "--train.micro_batch_tokens=512",
                                              "--compute.loss_chunk=256", "--compute.compile=true",

@@ -41,7 +41,7 @@ def _sft_in_process(rank, world, run_dir, steps):
 
     from shardfit.config import load_config
     from shardfit.serve.server import start_rank0
-    from shardfit.train.engine import Engine
+    from shardfit.engine import Engine
 
     cfg = load_config(None, [*SERVER, f"--logging.run_dir={run_dir}"])
     serving = start_rank0(cfg, Engine.start(cfg), port=0)

@@ -71,7 +71,7 @@ def _rollout_datums(model) -> list:
 def _gaps(rank, world):
     from shardfit.config import load_config
     from shardfit.rl import AdamParams, make_datum
-    from shardfit.train.engine import Engine
+    from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
 
     engine = Engine.start(load_config(None, ARGS))
     text = list(TEXT * 2)

@@ -19,7 +19,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from shardfit.train.engine import Engine  # noqa: E402
+from shardfit.engine import Engine  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(Engine, "start"), reason="the Engine's RL API (issue 24) is not here yet")
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -232,13 +232,15 @@ class OutputHead(nn.Linear):
         return self.weight
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 1024, impl: str = "torch",
-                compiled: bool = False, logprobs: bool = False, entropy: bool = False):
+                compiled: bool = False, logprobs: bool = False, entropy: bool = False,
+                token_losses: torch.Tensor | None = None):
         weight = self.head_weight()
         if labels is None:
             return F.linear(h, weight, self.bias)  # logits [..., V]
         if logprobs:  # per-token log-probs of the labels (and entropies): (logp [N], entropy [N] or None)
             return fused_linear_logprobs(h, weight, labels, chunk, entropy, compiled=compiled)
-        return fused_linear_cross_entropy(h, weight, labels, chunk, impl=impl, compiled=compiled)
+        return fused_linear_cross_entropy(h, weight, labels, chunk, impl=impl, compiled=compiled,
+                                          token_losses=token_losses)
 
 
 class CausalLM(nn.Module):
@@ -258,11 +260,13 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, mask: DocumentMask | None = None,
                 router_aux: bool = True, logprobs: bool = False, entropy: bool = False,
-                rows: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, token_losses: torch.Tensor | None = None):
         """router_aux=False leaves the MoE load-balancing term out (validation reports the cross-entropy alone).
         logprobs=True: instead of the loss, the log-probability of each label (flat [B x S] fp32, 0 where the label
         is negative) and with entropy=True each token's entropy (flat) or None: what the RL losses are made of.
-        rows (logprobs only): the flat positions the head scores (models/logprobs.scored_rows); the others get 0."""
+        rows (logprobs only): the flat positions the head scores (models/logprobs.scored_rows); the others get 0.
+        token_losses (the loss only): a flat [B x S] fp32 buffer that receives each token's cross-entropy (0 where
+        the label is negative), detached, the very values the sum is made of."""
         h = self.model(input_ids, position_ids, mask)  # [B, S, D]
         if labels is None:
             return self.lm_head(h)  # logits [B, S, V]
@@ -276,16 +280,26 @@ class CausalLM(nn.Module):
                 n = labels.numel()
                 logp, ent = spread_rows(logp, rows, n), (spread_rows(ent, rows, n) if ent is not None else None)
             return logp, ent  # [B x S] each: flat (a view returned through FSDP would drop its backward hook)
-        # Sum over labels != -100; the trainer divides by the global token count once per step.
-        loss = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, self.loss_impl, self.loss_compiled)
-        if self.cfg.router_aux_coef > 0 and router_aux:
-            # MoE only. Weighted by this micro-batch's loss tokens, so that after the trainer's division by the
-            # global count it is the token-weighted mean of the micro-batches' auxiliary losses (for one
-            # micro-batch: cross-entropy mean + coef x aux, as transformers reports). A device tensor: no sync.
-            # It is a statistic of the tokens this rank routes (under sequence parallelism: its slice).
-            moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
-            loss = loss + self.cfg.router_aux_coef * router_aux_loss(moe) * (labels != -100).sum()
+        # Sum over labels != -100; the Engine divides by the global token count once per step.
+        impl = "torch" if token_losses is not None else self.loss_impl  # only this module's kernel writes them
+        loss = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, impl, self.loss_compiled,
+                            token_losses=token_losses)
+        if router_aux:
+            # Weighted by this micro-batch's loss tokens, so that after the Engine's division by the global count it
+            # is the token-weighted mean of the micro-batches' auxiliary losses (for one micro-batch: cross-entropy
+            # mean + coef x aux, as transformers reports).
+            aux = self.router_aux_term((labels != -100).sum())
+            loss = loss + aux if aux is not None else loss
         return loss
+
+    def router_aux_term(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """router_aux_coef x the MoE load-balancing loss of the last forward x weight (a device scalar: no sync);
+        None for a dense model or a coefficient of 0. It is a statistic of the tokens this rank routed (under sequence
+        parallelism: its slice); the caller weights it as it weights those tokens' loss (engine/losses.py)."""
+        if not self.cfg.router_aux_coef > 0:
+            return None
+        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+        return self.cfg.router_aux_coef * router_aux_loss(moe) * weight if moe else None
 
     def use_compiled_loss(self, compiled: bool = True) -> None:
         """Run the loss's per-chunk softmax and gradient (the cross-entropy's and the RL log-probs') through

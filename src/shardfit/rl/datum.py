@@ -9,7 +9,6 @@ engine decides which rank computes which datum (rl/pack.py) and returns every da
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,18 +25,6 @@ class Datum:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-
-@dataclass
-class AdamParams:
-    """One optimizer step's hyperparameters (Tinker's names and defaults)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0: no clipping
 
 
 @dataclass
@@ -81,13 +68,3 @@ def check_datums(datums: list[Datum], vocab_size: int, required: tuple[str, ...]
             elif not np.isfinite(arr).all():
                 raise ShardfitError(f"{name} holds a non-finite value", where=f"{where}.{name}",
                                     fix="replace NaN/inf before sending")
-
-
-def check_adam(p: AdamParams) -> None:
-    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-        v = getattr(p, name)
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ShardfitError(f"{name}={v!r} must be a finite number >= 0", where=f"adam_params.{name}",
-                                fix="pass a finite, non-negative value")
-    if not (p.beta1 < 1 and p.beta2 < 1):
-        raise ShardfitError("beta1 and beta2 must be below 1", where="adam_params", fix="e.g. beta1=0.9, beta2=0.95")

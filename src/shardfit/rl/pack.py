@@ -6,7 +6,9 @@ data.seq_len x train.micro_batch), bin b going to data-parallel rank b % dp. Eac
 end to end as documents (positions restart at 0, document mask), padding at the end with coefficient 0. Under
 sequence parallelism the sp ranks of a data-parallel rank share its rows and take T/sp columns each.
 
-Outputs come back in one all-gather of [M x T/sp] values per rank (in the engine's one collective): rank r =
+Each row becomes the Engine's PackedBatch (engine/batch.py: the document mask built from the whole row, then the
+sequence-parallel cut). Outputs come back in one all-gather of [M x T/sp] values per rank (in the Engine's one
+collective of the pass): rank r =
 dp_r x sp + sp_r holds columns sp_r x T/sp .. of row m of bin (m, dp_r), so datum d at (dp_r, m, start) is read
 from the gathered [world, M x T/sp] as rows[dp_r][m][start:start + L].
 """
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from shardfit.data.batching import assign_bins
+from shardfit.engine.batch import PackedBatch, pack_local
 from shardfit.errors import ShardfitError
 from shardfit.rl.datum import Datum
 
@@ -59,24 +62,26 @@ def plan_datums(datums: list[Datum], budget: int, dp: int, sp: int) -> DatumPlan
     return DatumPlan(budget, len(bins[0]), dp, sp, bins, where)
 
 
-@dataclass
-class DatumRow:
-    """One [1, T] micro-batch of a data-parallel rank, whole (the engine cuts it for sequence parallelism)."""
+def datum_batches(plan: DatumPlan, datums: list[Datum], coefs: list[np.ndarray] | None,
+                  scored: list[np.ndarray] | None, dp_rank: int, sp_rank: int, kernel: str,
+                  device: torch.device) -> list[PackedBatch]:
+    """This rank's micro-batches: the [1, T] rows of its bins, cut for sequence parallelism. coefs ([L] float32 per
+    datum, rl/losses.py) for a per-token loss; None for the mean cross-entropy, whose labels are then -100 where
+    the weight is 0. scored ([L] bool per datum, or None for every token): the tokens the output head scores."""
+    names = set().union(*(d.inputs for d in datums)) - {"target_tokens"} if coefs is not None else set()
+    names = {k for k in names if all(k in d.inputs for d in datums)}  # the inputs every datum has
+    out = []
+    for items in plan.bins[dp_rank]:
+        ids, labels, pos, inputs, coef, score, real = _row(plan.budget, datums, items, coefs, names, scored)
+        out.append(pack_local(ids, labels, pos, real, kernel, device, sp_rank, plan.sp, coef, inputs, score))
+    return out
 
-    input_ids: torch.Tensor  # [1, T] int64, pad id 0 in the tail
-    labels: torch.Tensor  # [1, T] int64: target tokens, -100 in the tail
-    position_ids: torch.Tensor  # [1, T] int64, restarting at 0 at each datum and at the tail
-    inputs: dict[str, torch.Tensor]  # [1, T] float32 per loss input (0 in the tail); "datum": index, -1 in the tail
-    coef: torch.Tensor  # [1, T] float32: the loss coefficient of each token (rl/losses.py)
-    real_tokens: int
-    scored: torch.Tensor | None = None  # [1, T] bool: the tokens the head scores (None: all; logprobs_at=counted)
 
-
-def build_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: list[np.ndarray],
-              names: set[str], scored: list[np.ndarray] | None = None) -> DatumRow:
-    """The [1, T] row of the datums `items`; `scored` ([L] bool per datum, or None for every token) marks the
-    tokens the output head scores."""
-    T = plan.budget
+def _row(T: int, datums: list[Datum], items: list[int], coefs: list[np.ndarray] | None, names: set[str],
+         scored: list[np.ndarray] | None):
+    """The [1, T] row of the datums `items`: ids (pad 0), labels (-100 in the tail), positions (restarting at 0 at
+    each datum and at the tail), the loss inputs (0 in the tail; "datum": each token's datum index, -1 in the
+    tail), the coefficients (0 in the tail), the scored tokens, and the real tokens."""
     ids = np.zeros(T, dtype=np.int64)
     labels = np.full(T, -100, dtype=np.int64)
     pos = np.zeros(T, dtype=np.int64)
@@ -89,8 +94,11 @@ def build_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: lis
         d, L = datums[i], len(datums[i])
         ids[s:s + L] = d.tokens
         labels[s:s + L] = d.inputs["target_tokens"]
+        if coefs is None and "weights" in d.inputs:  # the mean cross-entropy: weight 0 is no label
+            labels[s:s + L][d.inputs["weights"] == 0] = -100
         pos[s:s + L] = np.arange(L)
-        coef[s:s + L] = coefs[i]
+        if coefs is not None:
+            coef[s:s + L] = coefs[i]
         index[s:s + L] = i
         if score is not None:
             score[s:s + L] = scored[i]
@@ -98,10 +106,12 @@ def build_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: lis
             inputs[k][s:s + L] = d.inputs[k]
         s += L
     pos[s:] = np.arange(T - s)  # the padded tail is a document of its own
-    inputs["datum"] = index
-    t = torch.from_numpy
-    return DatumRow(t(ids)[None], t(labels)[None], t(pos)[None], {k: t(v)[None] for k, v in inputs.items()},
-                    t(coef)[None], s, t(score)[None] if score is not None else None)
+    t = lambda x: torch.from_numpy(x)[None]  # noqa: E731  [1, T]
+    per_token = {k: t(v) for k, v in inputs.items()}
+    if coefs is not None:
+        per_token["datum"] = t(index)
+    return (t(ids), t(labels), t(pos), per_token, t(coef) if coefs is not None else None,
+            t(score) if score is not None else None, s)
 
 
 def unpack(plan: DatumPlan, datums: list[Datum], gathered: torch.Tensor) -> list[np.ndarray]:

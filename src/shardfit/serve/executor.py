@@ -1,8 +1,8 @@
 """One command on the Engine, the same call on every rank; rank 0 encodes the answer.
 
-Engine names (docs: the Engine's RL API, shardfit.train.engine): forward / forward_backward(datums, loss_fn,
-loss_fn_config) -> outputs + metrics, optim_step(AdamParams) -> metrics, save_state / load_state(path, optimizer),
-model (the sharded CausalLM, for sampling). Paths in a command were resolved inside the run directory by rank 0
+The RL API (rl/step.py DatumEngine): forward / forward_backward(datums, loss_fn, loss_fn_config) -> outputs +
+metrics, optim_step(AdamParams) -> metrics; the Engine's save_state / load_state(path, optimizer) and model (the
+sharded CausalLM, for sampling). Paths in a command were resolved inside the run directory by rank 0
 (serve.security) before the broadcast. Timings go back with the answer: fwd/bwd metrics carry the server's queue wait
 and compute time as "server_queue_s:max" and "server_compute_s:sum" (the SDK sums or maxes them over chunks).
 """
@@ -32,9 +32,15 @@ def metric_key(name: str) -> str:
 
 
 def _rl_types():
-    from shardfit.rl.datum import AdamParams, Datum
+    from shardfit.rl import AdamParams, Datum
 
     return Datum, AdamParams
+
+
+def _datum_engine(engine):
+    from shardfit.rl import DatumEngine
+
+    return DatumEngine(engine)
 
 
 class Executor:
@@ -46,6 +52,7 @@ class Executor:
         self.tokenizer = tokenizer  # rank 0: stop strings are decoded there
         self.queue_wait = queue_wait or (lambda rid: 0.0)
         self.Datum, self.AdamParams = rl_types or _rl_types()
+        self.rl = engine if rl_types is not None else _datum_engine(engine)  # a test's fake engine speaks datums
         self.weights_version = 0  # optimizer steps and loads applied: which weights a sample came from
         self.handlers = {"forward_backward": self.forward_backward, "optim_step": self.optim_step,
                          "save_state": self.save_state, "load_state": self.load_state,
@@ -65,7 +72,7 @@ class Executor:
         a = cmd.args
         datums = [self.Datum(tokens=d.tokens, inputs=d.inputs) for d in datums_from_json(a["datums"])]
         t0 = time.perf_counter()
-        call = self.engine.forward if a["forward_only"] else self.engine.forward_backward
+        call = self.rl.forward if a["forward_only"] else self.rl.forward_backward
         res = call(datums, loss_fn=a["loss_fn"], loss_fn_config=a.get("loss_fn_config") or None)
         compute = time.perf_counter() - t0
         phase = "forward" if a["forward_only"] else "forward_backward"
@@ -79,7 +86,7 @@ class Executor:
 
     def optim_step(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         t0 = time.perf_counter()
-        metrics = self.engine.optim_step(self.AdamParams(**cmd.args["adam"]))
+        metrics = self.rl.optim_step(self.AdamParams(**cmd.args["adam"]))
         took = time.perf_counter() - t0
         self.weights_version += 1
         out = {metric_key(k): float(v) for k, v in (metrics or {}).items()}

@@ -112,7 +112,7 @@ def run(cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None =
         engine_factory: Callable | None = None) -> int:
     """Every rank: build the Engine, then serve until stopped."""
     if engine_factory is None:
-        from shardfit.train.engine import Engine
+        from shardfit.engine import Engine
 
         engine_factory = Engine.start
     engine = engine_factory(cfg)

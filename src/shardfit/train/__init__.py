@@ -1,4 +1,4 @@
-"""Training: the step (Engine), the loop (Trainer), optimizer and schedule, checkpoints, metrics and progress.
+"""Training: the loop (Trainer) around the Engine's step (engine/), checkpoints, metrics and progress.
 
 The names below load on first use, so that the torch-free modules of this package (curves.py: `shardfit plot`,
 progress.py, run_config.py's naming) import without torch.
@@ -10,10 +10,14 @@ __all__ = ["Engine", "Trainer", "TrainingHalted", "apply_alloc_conf"]
 
 
 def __getattr__(name: str):
-    if name in ("Engine", "apply_alloc_conf"):
-        from shardfit.train import engine
+    if name == "Engine":
+        from shardfit.engine import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name == "apply_alloc_conf":
+        from shardfit.engine.build import apply_alloc_conf
+
+        return apply_alloc_conf
     if name in ("Trainer", "TrainingHalted"):
         from shardfit.train import trainer
 

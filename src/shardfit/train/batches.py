@@ -1,9 +1,6 @@
-"""The data side of a step: this rank's micro-batches, cut for sequence parallelism, with their document masks.
-
-Everything here runs on the host before the model sees a micro-batch, outside any checkpointed or compiled region:
-the full [b, S] position ids of a micro-batch become its DocumentMask (models/attention.py) here, once, and only then
-are tokens, labels and positions cut into this rank's S/sp columns. Recomputation under checkpointing reads the same
-mask object, and every rank of a sequence-parallel group builds the same one: no exchange is needed for it.
+"""The data side of a step: this rank's micro-batches from the training data, as the Engine's PackedBatch (the
+document mask and the sequence-parallel cut: engine/batch.py pack_local, on the host, outside any checkpointed or
+compiled region).
 
 Two ways to fill a step (both give every rank the same number of micro-batches, see data/batching.py):
   rows     train.micro_batch rows of data.seq_len per micro-batch (packed pretraining windows, packed or padded
@@ -14,28 +11,14 @@ Two ways to fill a step (both give every rank the same number of micro-batches, 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from shardfit.config import Config
 from shardfit.data.batching import budget_batches, eval_row_batches
 from shardfit.data.dataset import MicroBatch, ShuffledDataset
-from shardfit.models.attention import DocumentMask, choose_doc_kernel
-from shardfit.parallel.ulysses import local_slice
-
-
-@dataclass
-class LocalBatch:
-    """This rank's part of one micro-batch, on the host (tensors) and the device (mask)."""
-
-    input_ids: torch.Tensor  # [b, S/sp]
-    labels: torch.Tensor  # [b, S/sp]
-    position_ids: torch.Tensor | None  # [b, S/sp]; None: 0..S-1 (one document per row, no sequence parallelism)
-    mask: DocumentMask | None  # over the full [b, S]; None: plain causal attention
-    capacity: int  # b x S / sp: the tokens this rank computes, padding included
-    real_tokens: int  # of those, not padding (this rank's share)
-    loss_tokens: int  # labels that carry loss
+from shardfit.engine.batch import PackedBatch, pack_local
+from shardfit.models.attention import choose_doc_kernel
 
 
 class BatchSource:
@@ -50,7 +33,7 @@ class BatchSource:
         self.kernel = choose_doc_kernel(cfg.compute.doc_attention, device, self.budget or cfg.data.seq_len,
                                         torch.float32 if fp32 else torch.bfloat16)
 
-    def step(self, step: int) -> list[LocalBatch]:
+    def step(self, step: int) -> list[PackedBatch]:
         t = self.cfg.train
         if self.budget:
             mbs = list(budget_batches(self.train, step * t.global_batch, t.global_batch, self.budget, self.dp_rank,
@@ -59,7 +42,7 @@ class BatchSource:
             mbs = self.train.step_batches(step, t.global_batch, t.micro_batch, self.dp_rank, self.dp_size)
         return [self._local(mb) for mb in mbs]
 
-    def validation(self) -> Iterator[LocalBatch]:
+    def validation(self) -> Iterator[PackedBatch]:
         """The whole validation set (or train.eval_batches micro-batches of it), the same count on every rank, one
         micro-batch (and its document mask) at a time as evaluate() iterates."""
         limit = self.cfg.train.eval_batches
@@ -69,23 +52,12 @@ class BatchSource:
             mbs = eval_row_batches(self.val, self.cfg.train.micro_batch, self.dp_rank, self.dp_size, limit)
         return (self._local(mb) for mb in mbs)
 
-    def _local(self, mb: MicroBatch) -> LocalBatch:
+    def _local(self, mb: MicroBatch) -> PackedBatch:
         # Token-budget rows are always masked: their examples are unrelated (data.document_mask governs packed
         # pretraining windows, where attention across documents was shardfit 0.1's behaviour).
         positions = mb.position_ids if self.masked or self.budget else None
-        mask = DocumentMask.build(positions, self.kernel, self.device) if positions is not None else None
-        if mask is None:
-            positions = None  # every row is one document: the model's own 0..S-1
-        ids, labels = mb.input_ids, mb.labels
-        b, S = ids.shape
-        if self.sp > 1:
-            if positions is None:
-                positions = torch.arange(S).expand_as(ids)  # [b, S], made here, cut like the tokens
-            ids, labels, positions = (local_slice(x, self.sp_rank, self.sp) for x in (ids, labels, positions))
-        # Real tokens are counted for the whole micro-batch and shared evenly over the sequence-parallel group, so
-        # that the sum over ranks counts each token once.
-        return LocalBatch(ids, labels, positions, mask, b * S // self.sp, mb.real_tokens / self.sp,
-                          int((labels != -100).sum()))
+        return pack_local(mb.input_ids, mb.labels, positions, mb.real_tokens, self.kernel, self.device, self.sp_rank,
+                          self.sp)
 
     def describe(self) -> str | None:
         """The start-up line about how examples became rows (fine-tuning), or None; truncation has its own line

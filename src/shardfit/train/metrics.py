@@ -1,4 +1,4 @@
-"""Throughput, MFU, per-rank memory figures, and the expert load of MoE models.
+"""Throughput, MFU and the per-rank memory summary of the log (the figures themselves: engine/stats.py).
 
 MFU counts the FLOPs of the parameters each token actually multiplies by (see flops_per_token): for a dense model the
 anchors' (torchtitan's) formula, for an MoE model only the routed top-k experts, as the MoE anchor
@@ -7,17 +7,13 @@ anchors' (torchtitan's) formula, for an MoE model only the routed top-k experts,
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 
-import numpy as np
 import torch
-from torch import nn
 
+from shardfit.engine.stats import MEMORY_FIELDS
+from shardfit.engine.timing import PHASES
 from shardfit.models.decoder import is_moe_layer
-from shardfit.models.moe import MoE, update_balance_bias
-from shardfit.train.timing import PHASES
 
 # Dense bf16 peak FLOP/s by device-name substring (first match wins).
 PEAK_FLOPS = [
@@ -26,8 +22,6 @@ PEAK_FLOPS = [
 ]
 
 # Order of the memory fields inside the per-step stats vector (see Trainer._reduce_step).
-MEMORY_FIELDS = ("peak_allocated", "peak_reserved", "peak_active", "allocated", "reserved", "inactive_split",
-                 "alloc_retries", "ooms")
 
 
 def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
@@ -73,24 +67,6 @@ def flops_per_token(model_cfg, n_params: int, seq_len: int) -> float:
     return 6 * (n_params - embedding) + attention
 
 
-def memory_vector(device: torch.device) -> list[float]:
-    """This rank's memory figures in MEMORY_FIELDS order (bytes; counts for the last two). A host call only."""
-    if device.type == "cuda":
-        s = torch.cuda.memory_stats(device)
-        return [float(s.get(k, 0)) for k in (
-            "allocated_bytes.all.peak", "reserved_bytes.all.peak", "active_bytes.all.peak",
-            "allocated_bytes.all.current", "reserved_bytes.all.current", "inactive_split_bytes.all.current",
-            "num_alloc_retries", "num_ooms")]
-    # CPU: the process's peak resident set stands in for the allocator figures.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return [float(rss), float(rss), float(rss), float(rss), float(rss), 0.0, 0.0, 0.0]
-
-
-def reset_peaks(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def summarize_memory(rows: torch.Tensor) -> dict[str, float]:
     """rows [world, len(MEMORY_FIELDS)] -> {field_min, field_max} in GiB (counts stay counts)."""
     out = {}
@@ -102,52 +78,6 @@ def summarize_memory(rows: torch.Tensor) -> dict[str, float]:
     if out["peak_allocated_max"] > 0:
         out["reserved_over_allocated"] = out["peak_reserved_max"] / out["peak_allocated_max"]
     return out
-
-
-class ExpertLoad:
-    """Expert load of a mixture-of-experts model, per step: rows routed to each expert of each MoE layer, summed
-    over the step's micro-batches and every rank, as max / mean per layer (1.0: perfectly even) in the log and
-    metrics.jsonl; and the auxiliary-loss-free balancing bias (model.router_bias_rate, models/moe.py) moved by that
-    global load.
-
-    No collective of its own: each rank adds its layers' counts [L, E] after every micro-batch (device adds, no
-    sync), and the L x E sums ride in the step's one stats collective (train/trainer.py), after all micro-batches.
-    Every rank then reads the same global load and applies the same bias update, so the biases stay equal without
-    a broadcast. A recomputation under checkpointing writes a layer's counts again with the same values; they are
-    read once per micro-batch, after its backward."""
-
-    def __init__(self, model: nn.Module, device: torch.device, bias_rate: float = 0.0):
-        moe = [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoE)]
-        self.layer_ids = [i for i, _ in moe]  # the decoder's index of each MoE layer, for the log
-        self.layers = [m for _, m in moe]
-        self.bias_rate = bias_rate
-        n_experts = self.layers[0].experts.gate_proj.shape[0] if self.layers else 0
-        self.shape = (len(self.layers), n_experts)
-        self.total = torch.zeros(self.shape, dtype=torch.float64, device=device)
-
-    def add_micro_batch(self) -> None:
-        if self.layers:
-            self.total += torch.stack([m.load for m in self.layers])
-
-    def take(self) -> torch.Tensor:
-        """This rank's counts of the step, flat [L*E] float64 (exact below 2**53 rows), and a fresh start."""
-        flat, self.total = self.total.reshape(-1), torch.zeros_like(self.total)
-        return flat
-
-    def finish_step(self, columns: torch.Tensor, applied: bool) -> dict:
-        """columns [world, L*E]: every rank's counts (host). Returns the step's load figures; moves the balancing
-        biases when the optimizer step was applied (a skipped step changes nothing, biases included)."""
-        if not self.layers:
-            return {}
-        # a few hundred numbers on the host: numpy, no torch dispatch
-        load = columns.numpy().sum(0).reshape(self.shape)  # [L, E], the global batch
-        ratio = (load.max(1) / np.maximum(load.mean(1), 1e-9)).tolist()
-        if applied and self.bias_rate > 0:
-            update_balance_bias(self.layers, torch.from_numpy(load).to(self.layers[0].balance_bias.device),
-                                self.bias_rate)
-        worst = max(range(len(ratio)), key=ratio.__getitem__)
-        return {"moe_load_max_over_mean": ratio[worst], "moe_load_worst_layer": self.layer_ids[worst],
-                "moe_load_per_layer": [round(r, 3) for r in ratio]}
 
 
 class LogWindow:

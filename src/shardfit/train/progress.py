@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardfit.train.timing import PHASES
+from shardfit.engine.timing import PHASES
 
 
 def _fmt_eta(seconds: float) -> str:

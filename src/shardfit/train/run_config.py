@@ -142,7 +142,7 @@ def check_config(cfg: Config, saved: dict | None, source: Path | None, step: int
 def schedule_change(saved: dict, cfg: Config, step: int) -> str:
     """The learning rate of the next step under the saved schedule and under the new one."""
     from shardfit.config.schema import TrainConfig
-    from shardfit.train.optim import lr_at
+    from shardfit.engine.optim import lr_at
 
     fields = TrainConfig.__dataclass_fields__
     old = TrainConfig(**{k: v for k, v in (saved.get("train") or {}).items() if k in fields})

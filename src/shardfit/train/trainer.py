@@ -1,4 +1,4 @@
-"""The training loop: set-up (run directory, data, resume point), then `fit` feeds the Engine (train/engine.py: the
+"""The training loop: set-up (run directory, data, resume point), then `fit` feeds the Engine (engine/engine.py: the
 one step implementation) from the data loader, with evaluation, logging, checkpoints and export around it.
 
 Besides the step's collectives (see engine.py), the loop issues: every train.eval_every steps the validation
@@ -22,6 +22,10 @@ import torch
 from shardfit.config import Config, accumulation_steps, config_to_dict, config_to_toml
 from shardfit.data.build import build_datasets
 from shardfit.data.chat import export_template
+from shardfit.engine import AdamParams, CrossEntropy, Engine, StepRecord
+from shardfit.engine.build import apply_alloc_conf, device_memory_bytes
+from shardfit.engine.optim import lr_at
+from shardfit.engine.stats import reset_peaks
 from shardfit.errors import ShardfitError, Stopped
 from shardfit.fsutil import write_atomic
 from shardfit.hf.tokenizer_files import tokenizer_source
@@ -35,9 +39,7 @@ from shardfit.train.batches import BatchSource
 from shardfit.train.checkpoint import agree_on_resume
 from shardfit.train.checkpoint_verify import COMPLETE
 from shardfit.train.curves import end_of_run
-from shardfit.train.engine import Engine, StepRecord, apply_alloc_conf, device_memory_bytes
-from shardfit.train.metrics import LogWindow, flops_per_token, peak_flops, reset_peaks, summarize_memory
-from shardfit.train.optim import lr_at
+from shardfit.train.metrics import LogWindow, flops_per_token, peak_flops, summarize_memory
 from shardfit.train.profile import StepProfiler
 from shardfit.train.progress import Progress
 from shardfit.train.run_config import check_config, default_run_dir, saved_config, sibling_hint
@@ -51,12 +53,6 @@ class TrainingHalted(ShardfitError):
     """Training stopped on purpose (too many non-finite steps); a checkpoint of the last good state was saved."""
 
     exit_code = 3
-
-
-class OutOfMemory(ShardfitError):
-    """A CUDA OOM on this rank: the snapshot is dumped and the doctor's verdict is in the message."""
-
-    exit_code = 4
 
 
 class Trainer:
@@ -133,6 +129,7 @@ class Trainer:
         self.peak = peak_flops(self.device, cfg.logging.peak_tflops)
         self.recorder = SnapshotRecorder(cfg.memory.snapshot_steps, self.run_dir / "snapshots", self.dist.rank,
                                          self.device, cfg.memory.snapshot_max_entries)
+        self.engine.recorder = self.recorder  # an OOM in a pass dumps a snapshot the doctor reads
         self.profiler = StepProfiler(cfg.logging.profile_step, self.run_dir / "profile", self.dist.is_main,
                                      self.device)
 
@@ -184,35 +181,12 @@ class Trainer:
         if self.progress is not None:
             self.progress.micro_batch(step, i, n)
 
-    def _on_oom(self, err: BaseException) -> None:
-        """Dump this rank's snapshot, diagnose it, and stop with one clear message. Peers blocked in a collective
-        with this rank are released when it exits (torchrun tears the job down; NCCL aborts its communicators)."""
-        step = self.step + 1
-        path = self.recorder.dump_oom(step)
-        verdict = ""
-        if path is not None:
-            from shardfit.memory import examine
-            from shardfit.memory.report import verdict as one_line
-
-            try:
-                verdict = "; doctor: " + one_line(examine([str(path)])[1])
-            except ShardfitError:
-                verdict = ""
-        first = str(err).splitlines()[0] if str(err) else "CUDA out of memory"
-        raise OutOfMemory(f"rank {self.dist.rank} ran out of GPU memory in step {step} ({first})"
-                          + (f"; snapshot {path}" if path else "") + verdict, where=f"step {step}",
-                          fix="lower train.micro_batch or data.seq_len, or set compute.activation_checkpoint")
-
     def train_step(self) -> StepRecord:
         """One step of the data loader's batches through the Engine."""
         t0 = time.perf_counter()
         self.recorder.before_step(self.step + 1)
-        batches = self.batches.step(self.step)
-        try:
-            stats = self.engine.forward_backward_batches(batches)
-        except torch.OutOfMemoryError as err:
-            self._on_oom(err)
-        rec = self.engine.optim_step_stats(stats, lr_at(self.step, self.cfg.train))
+        self.engine.forward_backward(self.batches.step(self.step), CrossEntropy())
+        rec = self.engine.optim_step(AdamParams.of_train(self.cfg.train, lr_at(self.step, self.cfg.train)))
         self.recorder.after_step(self.step)
         rec.time_s = time.perf_counter() - t0
         return rec

@@ -3,7 +3,7 @@
 import json
 
 from shardfit.train import Trainer
-from shardfit.train.timing import PHASES
+from shardfit.engine.timing import PHASES
 from tests._dist import run_ranks
 from tests.helpers import small_config
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests.train.test_engine_rl import ARGS, _grads
+from tests.engine.test_engine_rl import ARGS, _grads
 
 PPO = {"normalize": "token_mean", "clip_low_threshold": 0.9, "clip_high_threshold": 1.1, "kl_coef": 0.1,
        "entropy_coef": 0.01}
@@ -36,7 +36,7 @@ def _datums(lengths, seed, with_mask=True):
 def _compare(rank, world):
     from shardfit.config import load_config
     from shardfit.rl.losses import counted
-    from shardfit.train.engine import Engine
+    from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
 
     # loss_chunk 8: the scored rows make whole chunks of 8 and a padded rest
     engine = Engine.start(load_config(None, [*ARGS, "--compute.loss_chunk=8"]))

@@ -1,14 +1,17 @@
-"""AdamW with decoupled decay on matrices only (over the parameters that train: a LoRA run's adapters), and the
-warm-up + cosine learning-rate schedule."""
+"""AdamW with decoupled decay on matrices only (over the parameters that train: a LoRA run's adapters), one step's
+hyperparameters (AdamParams, Tinker's names: the trainer fills them from [train] and its schedule), and the warm-up +
+cosine learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from shardfit.config.schema import TrainConfig
+from shardfit.errors import ShardfitError
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, offload: str = "none"
@@ -51,3 +54,30 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, lr: float, betas: tupl
         group["lr"], group["betas"], group["eps"] = lr, betas, eps
         if i == 0:
             group["weight_decay"] = weight_decay
+
+
+@dataclass
+class AdamParams:
+    """One optimizer step's hyperparameters (Tinker's names and defaults)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0: no clipping
+
+    @classmethod
+    def of_train(cls, cfg: TrainConfig, lr: float) -> AdamParams:
+        """The step's hyperparameters of `shardfit train`: [train]'s, at the schedule's learning rate."""
+        return cls(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.grad_clip)
+
+
+def check_adam(p: AdamParams) -> None:
+    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        v = getattr(p, name)
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ShardfitError(f"{name}={v!r} must be a finite number >= 0", where=f"adam_params.{name}",
+                                fix="pass a finite, non-negative value")
+    if not (p.beta1 < 1 and p.beta2 < 1):
+        raise ShardfitError("beta1 and beta2 must be below 1", where="adam_params", fix="e.g. beta1=0.9, beta2=0.95")

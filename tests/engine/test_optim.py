@@ -1,7 +1,7 @@
 import math
 
 from shardfit.config import load_config
-from shardfit.train.optim import lr_at
+from shardfit.engine.optim import lr_at
 
 
 def test_warmup_then_cosine_to_floor():

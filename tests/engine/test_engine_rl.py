@@ -18,7 +18,7 @@ ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=32", "--loggin
 
 def _engine(*extra):
     from shardfit.config import load_config
-    from shardfit.train.engine import Engine
+    from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
 
     return Engine.start(load_config(None, [*ARGS, *extra]))
 
@@ -267,7 +267,7 @@ def test_bad_input_is_one_clear_error_and_the_engine_goes_on():
 def _forward_from_hf(rank, world, path):
     from shardfit.config import load_config
     from shardfit.rl import make_datum
-    from shardfit.train.engine import Engine
+    from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
 
     engine = Engine.start(load_config(None, [f"--model.path={path}", "--data.seq_len=32", "--train.device=cpu",
                                              "--train.micro_batch_tokens=64", "--logging.run_dir="]))
@@ -440,9 +440,9 @@ def _forward_by_kernel(rank, world):
         return mask
 
     attention.DocumentMask.build = staticmethod(spy)
-    engine._doc_kernel = lambda budget, grad: "sdpa"
+    engine.doc_kernel = lambda budget, grad: "sdpa"
     ref = engine.forward(datums)
-    engine._doc_kernel = lambda budget, grad: "sdpa" if grad else "cudnn_docs"
+    engine.doc_kernel = lambda budget, grad: "sdpa" if grad else "cudnn_docs"
     got = engine.forward(datums)
     return {"kernels": built, "diff": max(float(np.abs(a["logprobs"] - b["logprobs"]).max())
                                           for a, b in zip(ref.outputs, got.outputs)),

@@ -1,0 +1,447 @@
+"""The Engine: the sharded model, its optimizer and step runner, and the one step path every caller takes.
+
+    result = engine.forward_backward(batches, loss)   # every micro-batch's forward and backward, then ONE collective
+    record = engine.optim_step(AdamParams(...))        # gradient scale and clip, the optimizer launched, zeroed
+
+`batches` is a list of engine/batch.py PackedBatch, the same count and shapes on every rank; `loss` (engine/losses.py)
+is the only variable: the trainer's cross-entropy, an RL per-token loss (rl/ turns datums into packed batches and
+TokenLoss), validation's cross-entropy without the MoE term (forward). `forward` is the same pass under no_grad.
+MoE load balancing, phase timings, the watchdog's beat (on_micro_batch) and the OOM report to the doctor are here,
+so `shardfit train`, the RL API and `shardfit serve` all have them.
+
+Collectives of one pass, identical on every rank and in this order: FSDP's own all-gathers and reduce-scatters
+(gradients reduced after every micro-batch, or with parallel.reduce_every_micro_batch=false after the last one), with
+sequence parallelism the attention all-to-alls, with expert parallelism the MoE exchanges; then exactly one
+all-gather per pass, after all micro-batches, of each rank's stats (squared gradient norm, loss, tokens, non-finite
+flag, stop request, memory, expert load) and the loss's per-token outputs: the pass's only host-device sync. optim_step
+issues none (with tensorwise FP8 all-gather, after an applied update, one all-reduce of the weights' amaxes).
+
+Gradient scale (engine/losses.py): a mean_over_tokens loss backpropagates loss / C (C: this rank's capacity of the
+pass) and optim_step multiplies by world x C / N (N: the global batch's loss tokens from the stats); a coefficient
+loss backpropagates its sum and optim_step multiplies by world (FSDP averages over ranks). Passes accumulate until
+optim_step; a mean_over_tokens pass must be the first (its N is known only after it), and a later pass first folds its
+factor into the gradients. Fused AdamW takes the factor as grad_scale (no pass of its own); the foreach AdamW of CPU
+runs gets the gradients multiplied first. LoRA (docs/lora.md): the same step over the adapters only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardfit.adapters.lora import lora_summary
+from shardfit.config import Config
+from shardfit.engine.batch import PackedBatch, to_device_batch
+from shardfit.engine.build import apply_alloc_conf, resolve_auto_checkpointing
+from shardfit.engine.losses import CrossEntropy, Loss
+from shardfit.engine.optim import AdamParams, build_optimizer, check_adam, set_hyperparameters
+from shardfit.engine.state import EngineState
+from shardfit.engine.stats import MEMORY_FIELDS, ExpertLoad, memory_vector
+from shardfit.engine.timing import StepTimer
+from shardfit.errors import ShardfitError
+from shardfit.memory.record import SnapshotRecorder
+from shardfit.models import build_model, count_params
+from shardfit.models.attention import choose_doc_kernel
+from shardfit.models.loss import choose_loss_kernel
+from shardfit.parallel import DistInfo, all_gather_rows, parallelize
+from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
+from shardfit.parallel.gathered import drop_gathered, fits_gathered, gathered_for_pass
+from shardfit.parallel.offload import grad_sq_norm
+from shardfit.parallel.step_overlap import local_tensor
+from shardfit.parallel.step_runner import build_step_runner
+from shardfit.train.checkpoint import load_checkpoint, new_run_id
+
+# the stats columns of a pass's collective (float64), then MEMORY_FIELDS, the expert load [L*E], the outputs
+_SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _STOP, _MEM = 0, 1, 2, 3, 4, 5, 6
+
+
+class OutOfMemory(ShardfitError):
+    """A CUDA OOM on this rank in a pass: the snapshot is dumped (a caller set `recorder`) and the doctor's verdict
+    is in the message."""
+
+    exit_code = 4
+
+
+@dataclass
+class StepStats:
+    """One pass's result, the same on every rank (from its one collective)."""
+
+    rows: torch.Tensor  # [world, k] float64 on the host: each rank's stats, memory and expert load
+    capacity: int  # C: this rank's tokens of the pass, padding included
+    mean_over_tokens: bool  # the loss's normalisation (engine/losses.py)
+    outputs: torch.Tensor | None = None  # [world, n_outputs, M x local] fp32: every rank's per-token outputs
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (train.timing), rank 0's view
+
+    @property
+    def loss_sum(self) -> float:
+        return float(self.rows[:, _LOSS].sum())
+
+    @property
+    def loss_tokens(self) -> float:
+        return float(self.rows[:, _TOKENS].sum())
+
+    @property
+    def non_finite_ranks(self) -> list[int]:
+        return [r for r in range(self.rows.shape[0]) if self.rows[r, _NONFINITE] > 0]
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step did (optim_step's result): the figures a log line or a caller needs."""
+
+    step: int
+    loss: float  # mean token loss over the global batch (a mean_over_tokens loss), else the summed loss
+    grad_norm: float
+    lr: float
+    skipped: bool
+    bad_ranks: list[int]  # ranks whose loss was not finite
+    no_tokens: bool
+    capacity: int
+    loss_tokens: float  # of the world
+    real_tokens: float  # of the world, padding excluded
+    memory: torch.Tensor  # [world, len(MEMORY_FIELDS)]
+    moe: dict
+    phases: dict[str, float]
+    time_s: float = 0.0
+    stop: int = 0  # a signal any rank received before this step's stats collective (0: none): every rank stops
+    stop_ranks: list[int] = field(default_factory=list)  # the ranks that received it
+
+
+def _check_call(name: str, loss) -> None:
+    if not isinstance(loss, Loss):  # the datum API of shardfit <= session 17 called these with datums
+        raise ShardfitError(f"Engine.{name} takes packed batches and an engine Loss, not {type(loss).__name__}",
+                            where=f"Engine.{name}", fix=f"send datums through shardfit.rl.{name}(engine, datums, "
+                            "loss_fn, loss_fn_config)")
+
+
+class Engine(EngineState):
+    """Builds the sharded model (initialised, or loaded from `cfg.model.path` or the checkpoint `resume`), its
+    optimizer and step runner, and runs steps fed from anywhere: the trainer's data loader, the RL API, a server."""
+
+    @classmethod
+    def start(cls, cfg: Config | None = None, overrides: list[str] | None = None,
+              resume: Path | None = None) -> Engine:
+        """An Engine on this process: torch.distributed from the launcher's environment (torchrun, or RANK /
+        WORLD_SIZE / MASTER_ADDR / MASTER_PORT as Ray or SLURM set them; one process without), the config from
+        `cfg` or from key=value overrides as `shardfit train` takes them. Every rank calls it."""
+        from shardfit.config import load_config
+        from shardfit.parallel import init_distributed
+        from shardfit.parallel.layout import check_layout
+
+        cfg = cfg if cfg is not None else load_config(None, list(overrides or []))
+        apply_alloc_conf(cfg.memory.alloc_conf)
+        dist = init_distributed(cfg.train.device)
+        check_layout(cfg, dist.world_size)
+        return cls(cfg, dist, resume)
+
+    def __init__(self, cfg: Config, dist: DistInfo, resume: Path | None = None, notices: list[str] | None = None):
+        self.cfg, self.dist, self.device = cfg, dist, dist.device
+        self.notices = notices if notices is not None else []
+        # called with (step, i, count) before micro-batch i, and with i = count before the stats collective:
+        # progress display and the watchdog's beat
+        self.on_micro_batch: Callable[[int, int, int], None] | None = None  # the trainer's and serve's watchdog
+        # forward() on one rank gathers (casts) the weights once per call instead of once per micro-batch where they
+        # fit half the free memory (parallel/gathered.py); False: once per micro-batch, as FSDP does by itself
+        self.gather_once = True
+        if cfg.compute.activation_checkpoint == "auto":
+            self.notices.append(resolve_auto_checkpointing(cfg, dist))
+        with torch.device("meta"):
+            model = build_model(cfg.model, loss_chunk=cfg.compute.loss_chunk)
+        model.loss_impl = choose_loss_kernel(cfg.compute.kernels, self.device)
+        if self.device.type == "cuda" and cfg.compute.numa_bind:
+            from shardfit.parallel.affinity import bind_to_numa_node, gpu_pci_bus_id
+
+            self.notices.append(f"rank {dist.rank}: " + bind_to_numa_node(gpu_pci_bus_id(self.device.index)))
+        # A resumed run takes its weights from the checkpoint; a LoRA checkpoint holds no base (frozen: rebuilt from
+        # model.path or the seed, as the run started), only adapters, optimizer and buffers. A new run takes them
+        # from model.init_from's checkpoint, or model.path's.
+        lora = cfg.lora.rank > 0
+        self.init_from = None
+        if cfg.model.init_from and resume is None:
+            from shardfit.train.init_from import resolve_init_from
+
+            self.init_from = resolve_init_from(cfg.model.init_from, self.notices, self.device)
+        elif cfg.model.init_from and lora:  # a resumed LoRA run: the base it trained on, as recorded
+            from shardfit.train.init_from import base_source
+
+            self.init_from = base_source(resume, self.notices, self.device)
+        from_hf = bool(cfg.model.path) and (resume is None or lora)
+        self.parallel = parallelize(model, cfg, self.device, dist.world_size, cfg.train.seed,
+                                    init=not from_hf and self.init_from is None)
+        self.model, self.layout = model, self.parallel.layout
+        self.lora_targets = self.parallel.lora_targets
+        if cfg.compute.fp8 != "none":
+            self.notices.append(fp8_notice(cfg.compute, self.parallel.fp8_layers, self.device.type))
+        self.expert_load = ExpertLoad(self.model, self.device, cfg.model.router_bias_rate)
+        if self.parallel.offload_notice:
+            self.notices.append(self.parallel.offload_notice)
+        if from_hf:
+            from shardfit.adapters.qlora_io import load_base
+            from shardfit.hf.load import load_report
+
+            t0 = time.perf_counter()
+            loaded = load_base(self.model, cfg.model.path)  # an NF4 base quantised as it is read
+            self.notices.append(load_report(cfg.model.path, time.perf_counter() - t0, loaded, self.device))
+        if self.init_from is not None:
+            from shardfit.train.init_from import load_init_weights
+
+            load_init_weights(self.init_from, self.model, self.device, self.notices, lora, resume is not None)
+        if lora:
+            if cfg.lora.adapter and resume is None:
+                from shardfit.adapters.peft import adapter_notices, load_adapter
+
+                load_adapter(self.model, cfg.lora.adapter)
+                self.notices += adapter_notices(cfg.lora.adapter)  # a transformers-4 MoE adapter's conversion
+            self.notices.append(lora_summary(self.model, self.lora_targets))
+            if self.parallel.nf4_layers:
+                from shardfit.adapters.qlora import qlora_summary
+
+                self.notices.append(qlora_summary(self.model))
+        self.recorder: SnapshotRecorder | None = None  # OOM snapshots for the doctor: a caller with a run directory
+        self._pending: list[StepStats] = []  # forward_backward passes since the last optim_step
+        self.timer = StepTimer(self.device, cfg.logging.step_timing)
+        self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
+                                     self.model])
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.n_params = count_params(self.model)
+        self.optimizer = build_optimizer(self.model, cfg.train, self.device, cfg.parallel.offload)
+        self.step, self.skipped, self.tokens_seen = 0, 0, 0
+        self.stop_requested = 0  # a signal number, set by a handler at any time (train/stop.py); read by _collect
+        self.run_id = new_run_id()  # follows the run across resumes: checkpoint.keep prunes only its own
+        if resume is not None:
+            state = load_checkpoint(resume, self.model, self.optimizer, self.device)
+            self.step, self.skipped = state["step"], state.get("skipped", 0)
+            self.tokens_seen = state.get("tokens_seen", 0)
+            self.run_id = state.get("run_id") or self.run_id
+        refresh_fp8_scales(self.model, cfg.compute)  # FP8 scales of the weights in place: initialised, loaded, resumed
+        self.runner = build_step_runner(cfg, self.model, self.optimizer, self.device)
+
+
+    # ------------------------------------------------------------------ the step
+    @property
+    def pending(self) -> bool:
+        """Gradients of forward_backward passes wait for an optim_step."""
+        return bool(self._pending)
+
+    def forward_backward(self, batches: list[PackedBatch], loss: Loss) -> StepStats:
+        """Accumulate the gradients of these micro-batches (this rank's part of the step) under `loss`, then the
+        pass's one collective. Every rank passes the same number of micro-batches of the same shapes."""
+        _check_call("forward_backward", loss)
+        if self._pending and (loss.mean_over_tokens or self._pending[0].mean_over_tokens):
+            self._fold_pending(loss)
+        stats = self._pass(batches, loss, backward=True)
+        self._pending.append(stats)
+        return stats
+
+    def forward(self, batches: Iterable[PackedBatch], loss: Loss) -> StepStats:
+        """The same pass without gradients (log-probs, validation). On one rank the weights are gathered once for the
+        whole call where they fit (gather_once, parallel/gathered.py)."""
+        _check_call("forward", loss)
+        with torch.no_grad(), self.gathered_pass():
+            return self._pass(batches, loss, backward=False)
+
+    def evaluate(self, batches: Iterable[PackedBatch]) -> dict:
+        """Validation loss over these micro-batches (the same count on every rank): the cross-entropy alone."""
+        t0 = time.perf_counter()
+        stats = self.forward(batches, CrossEntropy(router_aux=False))
+        n = stats.loss_tokens
+        return {"val_loss": stats.loss_sum / n if n else float("nan"), "val_tokens": int(n),
+                "val_s": time.perf_counter() - t0}
+
+    def _pass(self, batches: Iterable[PackedBatch], loss: Loss, backward: bool) -> StepStats:
+        batches = list(batches) if backward else batches  # validation's may be a generator (one mask at a time)
+        count = len(batches) if backward else 0
+        # the backward's divisor (engine/losses.py): C, this rank's capacity of the pass, for a mean over tokens
+        divisor = sum(b.capacity for b in batches) if backward and loss.mean_over_tokens else 1
+        capacity = tokens = 0
+        real = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        outputs: list[torch.Tensor] = []  # [n_outputs, local] per micro-batch, detached
+        step = self.step + 1
+        for i, b in enumerate(batches):
+            if backward and self.on_micro_batch is not None:
+                self.on_micro_batch(step, i, count)
+            capacity += b.capacity
+            tokens += b.loss_tokens  # counted on the host: no sync
+            real += b.real_tokens
+            if backward:
+                # Default: reduce-scatter after every micro-batch (FSDP adds each into the sharded gradient).
+                # Deferring it to the last keeps unsharded fp32 gradients of the whole model on every GPU in between.
+                self.model.set_requires_gradient_sync(self.cfg.parallel.reduce_every_micro_batch or i == count - 1)
+            dev = to_device_batch(b, self.device, self.model.loss_chunk)
+            try:
+                self.timer.start("forward")
+                total, out = loss(self.model, dev)  # summed loss, fp32 scalar; per-token outputs [n] each
+                self.timer.stop("forward")
+                if backward:
+                    self.timer.start("backward")
+                    self.runner.wait()  # backward writes new gradients: the last step must be done (see offload)
+                    (total / divisor if divisor != 1 else total).backward()
+                    self.timer.stop("backward")
+                    self.expert_load.add_micro_batch()
+            except torch.OutOfMemoryError as err:
+                self._on_oom(err)
+            loss_sum += total.detach()
+            if loss.outputs:
+                outputs.append(torch.stack([out[k].detach().float() for k in loss.outputs]))
+        if backward and self.on_micro_batch is not None:
+            self.on_micro_batch(step, count, count)  # all done: the collective next
+        rows, gathered = self._collect(loss_sum, tokens, real, outputs, grads=backward)
+        # Everything recorded so far (this pass, the previous step's optimizer) finished before that sync.
+        return StepStats(rows, capacity, loss.mean_over_tokens, gathered, self.timer.collect())
+
+    def _collect(self, loss_sum: torch.Tensor, tokens: int, real: float, outputs: list[torch.Tensor],
+                 grads: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pass's single collective: every rank's stats [world, k] (float64) and outputs [world, n_out, M x
+        local] (fp32), on the host. The stats ride as fp32 pairs (a float64 viewed as two fp32 words): one buffer,
+        exact counts and sums, the outputs not widened."""
+        # offload=all: host gradients, and with offload_gpu_blocks device ones too: a norm per device, where they are
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        sq = grad_sq_norm([local_tensor(p.grad) for p in self.params if p.grad is not None],
+                          self.device) if grads else zero
+        f64 = {"dtype": torch.float64, "device": self.device}
+        head = torch.stack([sq.double(), loss_sum.double(), torch.tensor(float(tokens), **f64),
+                            (~torch.isfinite(loss_sum)).double(), torch.tensor(float(real), **f64),
+                            torch.tensor(float(self.stop_requested), **f64)])
+        mem = torch.tensor(memory_vector(self.device), **f64)
+        moe = self.expert_load.take()  # [L*E] rows per expert (MoE models; empty otherwise)
+        stats = torch.cat([head, mem, moe])
+        flat = [stats.view(torch.float32)]
+        if outputs:
+            out = torch.stack(outputs, 1)  # [n_out, M, local]
+            flat.append(out.reshape(-1))
+        rows = all_gather_rows(torch.cat(flat)).cpu()  # the one host-device sync of the pass
+        k = 2 * stats.numel()
+        gathered = rows[:, k:].reshape(rows.shape[0], out.shape[0], -1) if outputs else None
+        return rows[:, :k].contiguous().view(torch.float64), gathered
+
+    def _on_oom(self, err: BaseException) -> None:
+        """Dump this rank's snapshot, diagnose it, and stop with one clear message. Peers blocked in a collective
+        with this rank are released when it exits (torchrun tears the job down; NCCL aborts its communicators)."""
+        step = self.step + 1
+        path = self.recorder.dump_oom(step) if self.recorder is not None else None
+        verdict = ""
+        if path is not None:
+            from shardfit.memory import examine
+            from shardfit.memory.report import verdict as one_line
+
+            try:
+                verdict = "; doctor: " + one_line(examine([str(path)])[1])
+            except ShardfitError:
+                verdict = ""
+        first = str(err).splitlines()[0] if str(err) else "CUDA out of memory"
+        raise OutOfMemory(f"rank {self.dist.rank} ran out of GPU memory in step {step} ({first})"
+                          + (f"; snapshot {path}" if path else "") + verdict, where=f"step {step}",
+                          fix="lower train.micro_batch or data.seq_len, or set compute.activation_checkpoint")
+
+    def _fold_pending(self, loss: Loss) -> None:
+        """A pass after a mean-over-tokens one (its N known now): fold that pass's factor C / N into the gradients
+        (one pass over them, only here), so that every pending gradient is a coefficient loss's, scaled by world."""
+        if loss.mean_over_tokens:
+            raise ShardfitError("a loss averaged over the global batch's tokens must be the first forward_backward "
+                                "since the last optim_step (its token count is known only after its pass)",
+                                where="forward_backward", fix="call optim_step first, or use a coefficient loss")
+        first = self._pending[0]
+        if first.mean_over_tokens:
+            n = first.loss_tokens
+            factor = first.capacity / n if n > 0 else 0.0
+            self.runner.wait()
+            torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None], factor)
+            first.mean_over_tokens, first.capacity = False, 1
+
+    def optim_step(self, adam: AdamParams) -> StepRecord:
+        """One AdamW step on the gradients of the forward_backward passes since the last one: scaled (exact
+        normalisation, FSDP's average over ranks undone), clipped to adam.grad_clip_norm, stepped and zeroed; or
+        skipped on every rank alike when a rank saw a non-finite loss, the gradient norm is not finite, or a mean
+        over tokens has no tokens. No collective: the last pass's stats carry the norm of every pending gradient."""
+        check_adam(adam)
+        pending, self._pending = self._pending, []
+        world = self.dist.world_size
+        last = pending[-1] if pending else None
+        mean = bool(pending) and pending[0].mean_over_tokens  # only a lone first pass stays a mean (_fold_pending)
+        n_tokens = sum(p.loss_tokens for p in pending)
+        bad_ranks = sorted({r for p in pending for r in p.non_finite_ranks})
+        if mean:
+            scale = world * pending[0].capacity / n_tokens if n_tokens > 0 else math.nan
+        else:
+            scale = float(world)
+        # HSDP: the R replica groups hold the same shards, so the squared norm is summed over one group's ranks
+        one_replica = self.layout.replica_ranks(0)
+        sq = float(last.rows[one_replica.start:one_replica.stop, _SQNORM].sum()) if last is not None else 0.0
+        grad_norm = math.sqrt(sq) * scale
+        loss_sum = sum(p.loss_sum for p in pending)
+        loss = (loss_sum / n_tokens if n_tokens > 0 else math.nan) if mean else loss_sum
+        ok = not bad_ranks and math.isfinite(grad_norm) and (n_tokens > 0 or not mean)  # the same on every rank
+        self.timer.start("optimizer")
+        if ok:
+            set_hyperparameters(self.optimizer, adam.learning_rate, (adam.beta1, adam.beta2), adam.eps,
+                                adam.weight_decay)
+            self._update(scale, grad_norm, adam.grad_clip_norm)
+        else:
+            self.skipped += 1
+        # keep_grads: zeroed, not freed (freed sharded gradients become another stream's idle cache); FSDP then adds
+        # each step's reduce-scatter output into them, in that stream. A launched overlapped step owns its gradients.
+        self.runner.zero(ok)
+        self.timer.stop("optimizer")
+        self.step += 1
+        self.tokens_seen += int(n_tokens)
+        rows = last.rows if last is not None else torch.zeros(world, _MEM + len(MEMORY_FIELDS), dtype=torch.float64)
+        moe_cols = sum(p.rows[:, _MEM + len(MEMORY_FIELDS):] for p in pending) if pending else rows[:, :0]
+        phases: dict[str, float] = {}
+        for p in pending:
+            for k, v in p.phases.items():
+                phases[k] = phases.get(k, 0.0) + v
+        return StepRecord(step=self.step, loss=loss, grad_norm=grad_norm, lr=adam.learning_rate, skipped=not ok,
+                          bad_ranks=bad_ranks, no_tokens=n_tokens == 0, capacity=last.capacity if last else 0,
+                          loss_tokens=n_tokens, real_tokens=sum(float(p.rows[:, _REAL].sum()) for p in pending),
+                          memory=rows[:, _MEM:_MEM + len(MEMORY_FIELDS)],
+                          moe=self.expert_load.finish_step(moe_cols, ok) if pending else {}, phases=phases,
+                          stop=int(rows[:, _STOP].max()), stop_ranks=[r for r in range(world) if rows[r, _STOP] > 0])
+
+    def gathered_pass(self):
+        """A context for a no-grad pass of several forward calls (forward's micro-batches, a sampler's decoding
+        steps): on one rank, where they fit half the free memory and gather_once is on, the weights are gathered
+        once for all of them and dropped at its end (parallel/gathered.py); otherwise FSDP's own per-call gathers."""
+        keep = self.gather_once and self.dist.world_size == 1 and fits_gathered(self.model, self.device)
+        return gathered_for_pass(self.model, keep)
+
+    def datum_budget(self) -> int:
+        """T, the tokens of one [1, T] row of datums (rl/pack.py): train.micro_batch_tokens, else data.seq_len x
+        train.micro_batch."""
+        t = self.cfg.train
+        return t.micro_batch_tokens or self.cfg.data.seq_len * max(t.micro_batch, 1)
+
+    def doc_kernel(self, budget: int, grad: bool) -> str:
+        """The document-masked attention kernel for rows of `budget` tokens: a no-grad pass (grad False) may take
+        cudnn_docs, which has no backward; forward_backward takes the training kernel (choose_doc_kernel)."""
+        fp32 = self.cfg.compute.param_dtype == "float32"
+        return choose_doc_kernel(self.cfg.compute.doc_attention, self.device, budget,
+                                 torch.float32 if fp32 else torch.bfloat16, grad=grad)
+
+    def _update(self, scale: float, grad_norm: float, clip: float) -> None:
+        """Launch the optimizer on gradients x scale x (clip coefficient)."""
+        drop_gathered(self.model)  # a no-grad pass's gathered copies would outlive the step stale (parallel/gathered)
+        coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        if self.optimizer.defaults.get("fused"):
+            # Fused AdamW divides each gradient by grad_scale as it reads it: no pass of its own over the
+            # gradients. An overlapped runner reads lr and grad_scale until the next forward has waited for it.
+            self.optimizer.grad_scale = torch.tensor(1.0 / (scale * coef), dtype=torch.float32,
+                                                     device=self.runner.grad_scale_device)
+        else:
+            torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None], scale * coef)
+        self.runner.launch()  # an overlapped runner takes the gradients and frees them group by group
+        if gathers_in_fp8(self.cfg.compute):
+            self.runner.wait()  # the FP8 scales are read from the updated weights, all of them, now
+        refresh_fp8_scales(self.model, self.cfg.compute)
+
+    def finish(self) -> None:
+        """Wait for a launched overlapped step: parameters and optimizer are then those after the last optim_step,
+        and every parameter is its shard again (no gathered copy left by a no-grad pass)."""
+        self.runner.wait()
+        drop_gathered(self.model)
+

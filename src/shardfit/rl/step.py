@@ -1,0 +1,115 @@
+"""The RL API (Tinker's) on the Engine's one step path: datums -> packed batches -> Engine -> per-datum outputs.
+
+    result = forward_backward(engine, datums, "ppo", {"clip_low_threshold": 0.8})   # ForwardBackwardResult
+    metrics = optim_step(engine, AdamParams(learning_rate=1e-5))                   # Tinker's metric names
+
+Every rank passes the same datum list (docs/rl.md); each rank packs its own share (rl/pack.py) and the Engine runs
+the pass with the loss built from the spec (rl/losses.py): the same forward_backward, optim_step, MoE balancing,
+timings, watchdog beat and OOM report as `shardfit train`. Cross-entropy averaged over the global batch's tokens
+(normalize=token_mean, weights 0 or 1, no mask, KL or entropy term) is the trainer's own loss: it runs as the
+Engine's CrossEntropy (the fused head, the mean taken after the pass's collective), bit for bit `shardfit train` on
+the same rows, when it is the first pass since the last optim_step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardfit.engine import AdamParams, CrossEntropy, Engine, TokenLoss
+from shardfit.rl.datum import Datum, ForwardBackwardResult, check_datums
+from shardfit.rl.losses import (
+    BUILT_IN,
+    LossSpec,
+    coefficients,
+    counted,
+    ppo_clip_fraction,
+    resolve_loss,
+    sampler_gap,
+    token_loss,
+)
+from shardfit.rl.pack import datum_batches, plan_datums, unpack
+
+
+class DatumEngine:
+    """The Engine seen through datums: what `shardfit serve` and in-process RL loops call. Everything else (model,
+    save_state, load_state, weights, ...) is the Engine's own."""
+
+    def __init__(self, engine: Engine):
+        object.__setattr__(self, "engine", engine)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def __setattr__(self, name: str, value) -> None:  # gather_once, on_micro_batch, ...: the Engine's
+        setattr(self.engine, name, value)
+
+    @classmethod
+    def start(cls, *args, **kwargs) -> DatumEngine:
+        """Engine.start's arguments (every rank calls it)."""
+        return cls(Engine.start(*args, **kwargs))
+
+    def forward(self, datums: list[Datum], loss_fn="cross_entropy",
+                loss_fn_config: dict | None = None) -> ForwardBackwardResult:
+        """Per-token log-probabilities of every datum's target tokens (and the loss's value), no gradients."""
+        return _run(self.engine, datums, loss_fn, loss_fn_config, backward=False)
+
+    def forward_backward(self, datums: list[Datum], loss_fn="cross_entropy",
+                         loss_fn_config: dict | None = None) -> ForwardBackwardResult:
+        """Accumulate the gradient of sum_t c_t x loss_t (rl/losses.py) over every datum; optim_step applies it."""
+        return _run(self.engine, datums, loss_fn, loss_fn_config, backward=True)
+
+    def optim_step(self, adam: AdamParams | None = None) -> dict[str, float]:
+        """One AdamW step on the gradients accumulated since the last one, Tinker's metrics back."""
+        adam = adam or AdamParams()
+        rec = self.engine.optim_step(adam)
+        return {"grad_norm:mean": rec.grad_norm, "skipped:max": float(rec.skipped),
+                "learning_rate:mean": adam.learning_rate}
+
+
+def forward(engine: Engine, datums: list[Datum], loss_fn="cross_entropy",
+            loss_fn_config: dict | None = None) -> ForwardBackwardResult:
+    return DatumEngine(engine).forward(datums, loss_fn, loss_fn_config)
+
+
+def forward_backward(engine: Engine, datums: list[Datum], loss_fn="cross_entropy",
+                     loss_fn_config: dict | None = None) -> ForwardBackwardResult:
+    return DatumEngine(engine).forward_backward(datums, loss_fn, loss_fn_config)
+
+
+def optim_step(engine: Engine, adam: AdamParams | None = None) -> dict[str, float]:
+    return DatumEngine(engine).optim_step(adam)
+
+
+def is_token_mean_cross_entropy(spec: LossSpec, datums: list[Datum]) -> bool:
+    """The trainer's objective: mean cross-entropy over the tokens of weight 1 of the global batch."""
+    plain = (spec.fn is BUILT_IN["cross_entropy"] and spec.normalize == "token_mean" and not spec.kl_coef
+             and not spec.entropy_coef and spec.logprobs_at == "all")
+    return plain and all("mask" not in d.inputs and np.isin(d.inputs.get("weights", 1.0), (0.0, 1.0)).all()
+                         for d in datums)
+
+
+def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | None,
+         backward: bool) -> ForwardBackwardResult:
+    spec = resolve_loss(loss_fn, loss_fn_config)
+    check_datums(datums, engine.cfg.model.vocab_size, spec.required)
+    layout = engine.layout
+    plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence)
+    mean_ce = backward and not engine.pending and is_token_mean_cross_entropy(spec, datums)
+    coefs = None if mean_ce else coefficients(datums, spec)
+    scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None  # None: every token
+    batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank,
+                            engine.doc_kernel(plan.budget, grad=backward), engine.device)
+    if mean_ce:
+        loss = CrossEntropy(logprobs=True)
+    else:
+        loss = TokenLoss(lambda logp, ent, x: token_loss(spec, logp, ent, x), entropy=spec.entropy_coef != 0)
+    stats = engine.forward(batches, loss) if not backward else engine.forward_backward(batches, loss)
+    logprobs = unpack(plan, datums, stats.outputs[:, 0])
+    outputs = [{"logprobs": lp} for lp in logprobs]
+    if "entropy" in loss.outputs:
+        for o, e in zip(outputs, unpack(plan, datums, stats.outputs[:, 1])):
+            o["entropy"] = e
+    # Tinker's loss:sum is sum_t c_t l_t; the mean's is the summed cross-entropy over its N tokens
+    loss_sum = stats.loss_sum / max(stats.loss_tokens, 1.0) if mean_ce else stats.loss_sum
+    metrics = {"loss:sum": loss_sum, **sampler_gap(datums, logprobs), **ppo_clip_fraction(datums, logprobs, spec)}
+    return ForwardBackwardResult(outputs, metrics)
