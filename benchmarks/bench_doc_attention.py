@@ -7,7 +7,7 @@ rollout lengths: shardfit's FlexAttention path against its kernel options, cuDNN
 
 Data: the anchor's 64 rollouts (benchmarks/rollouts.py: prompts 256-1024 + log-normal responses, 178,786 tokens,
 178,722 as Datums; --scale shrinks them), made into Datums (`to_datums`) and packed as Engine.forward packs them:
-`plan_datums` on one rank into rows of T = the longest datum rounded up to 128 (17,408), each `build_row`'s [1, T]
+`plan_datums` on one rank into rows of T = the longest datum rounded up to 128 (17,408), each `pack_row`'s [1, T]
 (documents end to end, the padded tail a document of its own). One "layer" is one attention call per row over all M
 rows (11 at scale 1): what Engine.forward spends per decoder layer. q [1, T, H, 128], k/v [1, T, K, 128] per row,
 bf16, N(0, 1), no grad. Shapes: moe (Qwen3-30B-A3B: 32 query heads, 4 KV heads) and dense (Qwen3-8B: 32 / 8).

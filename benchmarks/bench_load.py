@@ -89,12 +89,15 @@ def load(path: Path) -> None:
     from shardfit.hf import load_hf_checkpoint
     from shardfit.models import build_model
     from shardfit.parallel import init_distributed, parallelize
+    from shardfit.parallel.layout import ParallelLayout
 
     info = init_distributed("cuda")
     cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=128"])
     with torch.device("meta"):
         model = build_model(cfg.model).to(torch.bfloat16)
-    parallelize(model, cfg, info.device, info.world_size, 0, init=False)
+    layout = ParallelLayout.from_config(cfg, info.world_size, info.rank)
+    parallelize(model, layout, parallel=cfg.parallel, compute=cfg.compute, lora=cfg.lora, quantize=cfg.model.quantize,
+                device=info.device, seed=0, init=False)
     dist.barrier()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

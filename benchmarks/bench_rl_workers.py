@@ -50,8 +50,8 @@ def worker_sf(a) -> int:
     import numpy as np
     import torch
 
-    from shardfit import Engine
     from shardfit.rl import AdamParams
+    from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
 
     sync, reset, peaks = _cuda()
     what = set(a.what.split(","))

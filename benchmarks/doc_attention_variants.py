@@ -31,7 +31,7 @@ from shardfit.models.attention import (  # noqa: E402
     to_device,
     varlen_available,
 )
-from shardfit.rl.pack import build_row, plan_datums  # noqa: E402
+from shardfit.rl.pack import pack_row, plan_datums  # noqa: E402
 
 VOCAB = 151936  # Qwen3's (the rollouts' token ids only; the lengths do not depend on it)
 SHAPES = {"moe": (32, 4, 128), "dense": (32, 8, 128)}  # query heads, KV heads, head_dim
@@ -90,8 +90,7 @@ def rollout_layout(scale: float, anchor, budget: int = 0) -> Layout:
     for items in plan.bins[0]:
         if not items:
             continue
-        row = build_row(plan, datums, items, coefs, set())
-        pos.append(row.position_ids[0])
+        pos.append(pack_row(T, datums, items, coefs, set(), None)[2][0])  # the row's position ids
         starts = np.cumsum([0] + [len(datums[i]) for i in items])
         docs.append([(int(s), len(datums[i])) for s, i in zip(starts, items)])
     lengths = [n for d in docs for _, n in d]

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from shardfit.config import load_config
 from shardfit.data import build_dataset
 from shardfit.data.dataset import stack_rows
+from shardfit.engine.optim import build_optimizer, lr_at, set_lr
 from shardfit.models import build_model
 from shardfit.models.attention import DocumentMask
-from shardfit.engine.optim import build_optimizer, lr_at, set_lr
 
 # a resumed run with a longer schedule than its checkpoint's (train/run_config.py: refused unless allowed)
 EXTEND = "--checkpoint.allow_changes=train.steps"
@@ -81,3 +81,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     are NaNs that torch.equal calls unequal to themselves."""
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
                                                                      b.reshape(-1).view(torch.uint8))
+
+
+def parallelize_config(model, cfg, device, world: int, seed: int = 0, init: bool = True):
+    """parallelize (parallel/parallelize.py) as the Engine calls it: the layout of cfg on `world` ranks, this rank's
+    (the process group's), and cfg's sections."""
+    import torch.distributed as dist
+
+    from shardfit.parallel.layout import ParallelLayout
+    from shardfit.parallel.parallelize import parallelize
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return parallelize(model, ParallelLayout.of(cfg.parallel, world, rank, moe=cfg.model.n_experts > 0),
+                       parallel=cfg.parallel, compute=cfg.compute, lora=cfg.lora, quantize=cfg.model.quantize,
+                       device=device, seed=seed, init=init)

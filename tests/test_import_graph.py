@@ -89,7 +89,8 @@ def test_the_check_finds_a_circle_when_there_is_one():
     edges = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}, "g": set()}
     assert sorted(_cycles(edges)) == [["a", "b"], ["c", "d", "e"]]
     mods = _modules()
-    assert "shardfit.engine.engine" in mods and "shardfit.parallel.step_runner" in _edges(mods)["shardfit.engine.engine"]
+    engine = "shardfit.engine.engine"
+    assert engine in mods and "shardfit.parallel.step_runner" in _edges(mods)[engine]
 
 
 def _reached(edges: dict[str, set[str]], roots: list[str]) -> set[str]:

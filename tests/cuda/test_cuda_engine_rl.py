@@ -63,8 +63,8 @@ def _counted(rank, world):
 
     from shardfit.config import load_config
     from shardfit.models.logprobs import _chunk_stats
-    from shardfit.rl import make_datum
     from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
+    from shardfit.rl import make_datum
 
     engine = Engine.start(load_config(None, [*SMALL, "--train.device=cuda", "--train.micro_batch_tokens=512",
                                              "--compute.loss_chunk=256", "--compute.compile=true",

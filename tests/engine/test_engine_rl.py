@@ -266,8 +266,8 @@ def test_bad_input_is_one_clear_error_and_the_engine_goes_on():
 
 def _forward_from_hf(rank, world, path):
     from shardfit.config import load_config
-    from shardfit.rl import make_datum
     from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
+    from shardfit.rl import make_datum
 
     engine = Engine.start(load_config(None, [f"--model.path={path}", "--data.seq_len=32", "--train.device=cpu",
                                              "--train.micro_batch_tokens=64", "--logging.run_dir="]))

@@ -35,8 +35,8 @@ def _datums(lengths, seed, with_mask=True):
 
 def _compare(rank, world):
     from shardfit.config import load_config
-    from shardfit.rl.losses import counted
     from shardfit.rl import DatumEngine as Engine  # the Engine through datums (rl/step.py)
+    from shardfit.rl.losses import counted
 
     # loss_chunk 8: the scored rows make whole chunks of 8 and a padded rest
     engine = Engine.start(load_config(None, [*ARGS, "--compute.loss_chunk=8"]))

@@ -2,8 +2,8 @@
 
 import json
 
-from shardfit.train import Trainer
 from shardfit.engine.timing import PHASES
+from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.helpers import small_config
 

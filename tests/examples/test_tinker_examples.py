@@ -40,8 +40,8 @@ def _sft_in_process(rank, world, run_dir, steps):
     import tinker_sft
 
     from shardfit.config import load_config
-    from shardfit.serve.server import start_rank0
     from shardfit.engine import Engine
+    from shardfit.serve.server import start_rank0
 
     cfg = load_config(None, [*SERVER, f"--logging.run_dir={run_dir}"])
     serving = start_rank0(cfg, Engine.start(cfg), port=0)

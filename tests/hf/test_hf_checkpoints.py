@@ -10,9 +10,9 @@ from shardfit.config import load_config
 from shardfit.errors import ShardfitError
 from shardfit.hf import export_hf, load_hf_checkpoint
 from shardfit.models import build_model
-from shardfit.parallel import parallelize
 from tests._dist import run_ranks
 from tests.helpers import full_state
+from tests.helpers import parallelize_config as parallelize
 
 transformers = pytest.importorskip("transformers")
 SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -171,8 +171,8 @@ def test_one_document_per_row_needs_no_mask():
 
 
 def _ulysses_logits(rank, world, extra):
-    from shardfit.parallel import parallelize
     from shardfit.parallel.ulysses import local_slice
+    from tests.helpers import parallelize_config as parallelize
 
     with torch.device("meta"):
         model = build_model(load_config(None, BASE + extra).model)

@@ -116,7 +116,7 @@ def test_two_rank_fp8_training_matches_one_rank(tmp_path, recipe):
 def _load_hf_fp8(rank, world, path, recipe):
     from shardfit.config import load_config
     from shardfit.hf import load_hf_checkpoint
-    from shardfit.parallel import parallelize
+    from tests.helpers import parallelize_config as parallelize
 
     cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=32", f"--compute.fp8={recipe}"])
     with torch.device("meta"):

@@ -64,11 +64,11 @@ def test_positions_partition_the_ranks_into_neighbouring_groups():
 def test_checked_layout_is_the_configs_and_refuses_what_check_layout_refuses():
     cfg = _cfg("--parallel.replicate=2", "--parallel.sequence_parallel=2", "--train.global_batch=8",
                "--train.micro_batch=1")
-    got = ParallelLayout.checked(cfg, 4, rank=3)
+    got = ParallelLayout.from_config(cfg, 4, rank=3)
     assert got == ParallelLayout(4, rank=3, replicate=2, sequence=2)
     assert (got.data_rank, got.sequence_rank, got.replica) == (1, 1, 1)
     with pytest.raises(ShardfitError, match="parallel.replicate=3 does not divide the world size 4"):
-        ParallelLayout.checked(_cfg("--parallel.replicate=3"), 4)
+        ParallelLayout.from_config(_cfg("--parallel.replicate=3"), 4)
 
 
 def _meshes(rank, world):

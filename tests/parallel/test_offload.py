@@ -16,13 +16,13 @@ import torch
 from shardfit.config import load_config
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model
-from shardfit.parallel import parallelize
 from shardfit.parallel.dtensor import local_view
 from shardfit.parallel.layout import check_offload
 from shardfit.parallel.offload import _DeviceTwins, offload_policy, offloaded, step_threads
 from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.helpers import EXTEND, full_state, small_config
+from tests.helpers import parallelize_config as parallelize
 
 CLIP = 0.5  # below every step's gradient norm in these runs: the clip coefficient is < 1 at each step
 ARGS = ["--train.micro_batch=2", "--train.steps=4", f"--train.grad_clip={CLIP}"]

@@ -85,8 +85,8 @@ def test_plan_shows_what_auto_chooses_on_its_gpu(capsys):
 def test_the_engine_resolves_auto_in_place_before_it_builds(monkeypatch):
     """On the CPU: no checkpointing, said in a notice. With a choice of the first block (as a GPU short of memory
     would get), the Engine builds exactly that: block 0 checkpointed, block 1 not, the config saying so."""
-    from shardfit.plan import auto_checkpointing as auto
     from shardfit.engine import Engine
+    from shardfit.plan import auto_checkpointing as auto
     from tests.helpers import SMALL
 
     args = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=32", "--logging.run_dir=",

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -30,7 +31,7 @@ def _records(path) -> None:
         for _ in range(40):
             p = " ".join(rng.choice(words, rng.integers(2, 6)))
             c = " ".join(rng.choice(words, rng.integers(1, 5)))
-            f.write('{"prompt": "%s?", "completion": " %s."}\n' % (p, c))
+            f.write(json.dumps({"prompt": f"{p}?", "completion": f" {c}."}) + "\n")
 
 
 def _args(data, run_dir, *extra):

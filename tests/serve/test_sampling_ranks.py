@@ -21,8 +21,8 @@ ARGS = dict(prompt=[72, 101, 108, 108, 111], num_samples=3, max_tokens=6, temper
 
 def _sample_sharded(rank: int, world: int):
     from shardfit.models import build_model
-    from shardfit.parallel import parallelize
     from shardfit.serve.sampling import SampleArgs, sample
+    from tests.helpers import parallelize_config as parallelize
 
     cfg = _cfg()
     with torch.device("meta"):

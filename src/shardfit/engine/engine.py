@@ -36,6 +36,7 @@ import torch
 
 from shardfit.adapters.lora import lora_summary
 from shardfit.config import Config
+from shardfit.config.shape import StepShape
 from shardfit.engine.batch import PackedBatch, to_device_batch
 from shardfit.engine.build import apply_alloc_conf, resolve_auto_checkpointing
 from shardfit.engine.losses import CrossEntropy, Loss
@@ -51,6 +52,7 @@ from shardfit.models.loss import choose_loss_kernel
 from shardfit.parallel import DistInfo, all_gather_rows, parallelize
 from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
 from shardfit.parallel.gathered import drop_gathered, fits_gathered, gathered_for_pass
+from shardfit.parallel.layout import ParallelLayout
 from shardfit.parallel.offload import grad_sq_norm
 from shardfit.parallel.step_overlap import local_tensor
 from shardfit.parallel.step_runner import build_step_runner
@@ -131,16 +133,17 @@ class Engine(EngineState):
         `cfg` or from key=value overrides as `shardfit train` takes them. Every rank calls it."""
         from shardfit.config import load_config
         from shardfit.parallel import init_distributed
-        from shardfit.parallel.layout import check_layout
 
         cfg = cfg if cfg is not None else load_config(None, list(overrides or []))
         apply_alloc_conf(cfg.memory.alloc_conf)
         dist = init_distributed(cfg.train.device)
-        check_layout(cfg, dist.world_size)
-        return cls(cfg, dist, resume)
+        return cls(cfg, dist, resume, layout=ParallelLayout.from_config(cfg, dist.world_size, dist.rank))
 
-    def __init__(self, cfg: Config, dist: DistInfo, resume: Path | None = None, notices: list[str] | None = None):
+    def __init__(self, cfg: Config, dist: DistInfo, resume: Path | None = None, notices: list[str] | None = None,
+                 layout: ParallelLayout | None = None):
+        """layout: this rank's, built once by the caller (ParallelLayout.from_config: checked); None: built here."""
         self.cfg, self.dist, self.device = cfg, dist, dist.device
+        self.layout = layout or ParallelLayout.from_config(cfg, dist.world_size, dist.rank)
         self.notices = notices if notices is not None else []
         # called with (step, i, count) before micro-batch i, and with i = count before the stats collective:
         # progress display and the watchdog's beat
@@ -171,7 +174,8 @@ class Engine(EngineState):
 
             self.init_from = base_source(resume, self.notices, self.device)
         from_hf = bool(cfg.model.path) and (resume is None or lora)
-        self.parallel = parallelize(model, cfg, self.device, dist.world_size, cfg.train.seed,
+        self.parallel = parallelize(model, self.layout, parallel=cfg.parallel, compute=cfg.compute, lora=cfg.lora,
+                                    quantize=cfg.model.quantize, device=self.device, seed=cfg.train.seed,
                                     init=not from_hf and self.init_from is None)
         self.model, self.layout = model, self.parallel.layout
         self.lora_targets = self.parallel.lora_targets
@@ -413,8 +417,7 @@ class Engine(EngineState):
     def datum_budget(self) -> int:
         """T, the tokens of one [1, T] row of datums (rl/pack.py): train.micro_batch_tokens, else data.seq_len x
         train.micro_batch."""
-        t = self.cfg.train
-        return t.micro_batch_tokens or self.cfg.data.seq_len * max(t.micro_batch, 1)
+        return StepShape.of(self.cfg).datum_budget
 
     def doc_kernel(self, budget: int, grad: bool) -> str:
         """The document-masked attention kernel for rows of `budget` tokens: a no-grad pass (grad False) may take

@@ -58,8 +58,9 @@ class ParallelLayout:
                    sequence=par.sequence_parallel, offload=par.offload, moe=moe)
 
     @classmethod
-    def checked(cls, cfg: Config, world: int, rank: int = 0) -> ParallelLayout:
-        """The layout of `cfg` on `world` ranks once check_layout accepts it (ShardfitError otherwise)."""
+    def from_config(cls, cfg: Config, world: int, rank: int = 0) -> ParallelLayout:
+        """The layout of `cfg` on `world` ranks once check_layout accepts it (ShardfitError otherwise): built once
+        per rank, by Engine.start or the trainer, and handed down (parallelize, the batch source, rl/ packing)."""
         check_layout(cfg, world)
         return cls.of(cfg.parallel, world, rank, moe=cfg.model.n_experts > 0)
 

@@ -21,19 +21,19 @@ in the same order (mesh creation is a collective).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardfit.adapters.lora import apply_lora, init_adapters
 from shardfit.adapters.qlora import apply_nf4, init_quantized
-from shardfit.config.schema import ComputeConfig, Config, ParallelConfig
+from shardfit.config.schema import ComputeConfig, LoraConfig, ParallelConfig
 from shardfit.models.moe import MoE
 from shardfit.parallel.dtensor import local_view
 from shardfit.parallel.expert import ExpertExchange, LocalExperts, apply_expert_parallel, shard_experts
@@ -209,18 +209,21 @@ class ParallelizeReport:
     nf4_layers: int = 0  # adapted linear layers whose base is NF4 (model.quantize=nf4)
 
 
-def parallelize(model: nn.Module, config: Config, device: torch.device, world_size: int, seed: int,
+def parallelize(model: nn.Module, layout: ParallelLayout, *, parallel: ParallelConfig, compute: ComputeConfig,
+                lora: LoraConfig, quantize: str, device: torch.device, seed: int,
                 init: bool = True) -> ParallelizeReport:
-    """Meta model in, sharded and initialised in place, as config.parallel places it and config.compute asks. See
-    the module docstring for the order.
+    """Meta model in, sharded and initialised in place over `layout` (built once per rank:
+    ParallelLayout.from_config), as `parallel` places it and `compute` asks; `lora` and `quantize` (model.quantize)
+    for the adapters and an NF4 base. See the module docstring for the order.
 
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
     """
-    cfg, compute = config.parallel, config.compute
+    cfg, world_size = parallel, layout.world
     check_replicate(cfg.replicate, world_size)
     check_offload(cfg, compute.fp8)
     moe = any(isinstance(m, MoE) for m in model.modules())
-    layout = ParallelLayout.of(cfg, world_size, dist.get_rank(), moe=moe)
+    if layout.moe != moe:  # the planner's and a test's model may differ from the config's: the model decides
+        layout = dataclasses.replace(layout, moe=moe)
     meshes = layout.meshes(device.type)  # every mesh, once, in the same order on every rank
     report = ParallelizeReport(layout)
     blocks = list(model.model.layers)
@@ -230,7 +233,7 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
         capability = torch.cuda.get_device_capability(device)
     report.fp8_layers = apply_fp8(model, compute, device.type, capability)  # 0
     mp = mixed_precision(compute, device)
-    if config.lora.rank:  # 0
+    if lora.rank:  # 0
         # After FP8: its swap takes plain nn.Linear layers only, and an adapter on a Float8Linear keeps the base
         # matmul in FP8 (the adapter's own runs in the compute dtype). Before FSDP: fully_shard reads requires_grad
         # and dtypes when it builds each group. The frozen base is stored in the compute dtype (bf16 on CUDA): no
@@ -238,8 +241,8 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
         # adapters: FSDP2 (torch >= 2.6) needs one original dtype among the parameters that train (the adapters:
         # fp32) and casts every parameter to param_dtype for the all-gather (no cast for the base); gradients are
         # reduced for the adapters only, in reduce_dtype.
-        report.lora_targets = apply_lora(model, config.lora, mp.param_dtype)
-        if config.model.quantize == "nf4":
+        report.lora_targets = apply_lora(model, lora, mp.param_dtype)
+        if quantize == "nf4":
             # QLoRA: the adapted linear layers' base becomes NF4 storage carried bit for bit in the base's dtype
             # (param_dtype, so FSDP shards it along dim 0 and gathers it uncast); adapters/qlora.py.
             report.nf4_layers = apply_nf4(model, report.lora_targets, fused=compute.compile)
@@ -250,7 +253,7 @@ def parallelize(model: nn.Module, config: Config, device: torch.device, world_si
                     "both": FullyOverlappedExpertExchange}[cfg.expert_overlap] if world_size > 1 else LocalExperts
         apply_expert_parallel(model, meshes.expert, exchange)  # 0
     apply_activation_checkpointing(blocks, compute.activation_checkpoint, compute.ac_every, compute.ac_blocks,  # 1
-                                   config.lora.rank)
+                                   lora.rank)
     if compute.compile:
         apply_compile(blocks)  # 2
         # The loss's per-chunk softmax and gradient too (one fused kernel instead of ~8 passes over each fp32

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from shardfit.config.schema import Config
+from shardfit.config.shape import StepShape
 from shardfit.errors import ShardfitError
 
 MAX_GIB = 1 << 20  # memory of one GPU or one host: 1 PiB
@@ -62,7 +63,7 @@ def check_model_sizes(cfg: Config, micro_batch: int = 64) -> None:
         raise ShardfitError(f"model.dim={m.dim:,}, model.n_layers={m.n_layers:,}, model.vocab_size={m.vocab_size:,} "
                             f"and the inner sizes make about {params:.2g} parameters, more than {MAX_PARAMS:.2g}",
                             where="model", fix=SIZES)
-    tokens = max(cfg.train.micro_batch, micro_batch) * max(cfg.data.seq_len, cfg.train.micro_batch_tokens)
+    tokens = max(cfg.train.micro_batch, micro_batch) * max(cfg.data.seq_len, StepShape.of(cfg).budget)
     widest = max(m.dim, m.ffn_dim, m.moe_ffn_dim * max(m.experts_per_token, 1), m.n_heads * head_dim)
     for what, n, where in (
             ("the tokens of a micro-batch x the widest activation", tokens * widest, "data.seq_len"),

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shardfit.config.schema import ComputeConfig, Config, ModelConfig
+from shardfit.config.shape import StepShape
 from shardfit.parallel.fp8 import fp8_linears, gathers_in_fp8
 from shardfit.plan import adapters, moe
 from shardfit.plan.activation_trace import block_activation_bytes, compute_dtype, model_key
@@ -101,9 +102,10 @@ def as_rows(cfg: Config) -> Config:
     one [1, T] row of whole examples (document-masked kernels save what a plain row of T tokens saves), so the
     configured case is micro-batch 1 at sequence T, and "micro-batch k" in the table means k such rows. The global
     batch (examples) stays: above one row per rank it counts as accumulation, which keeps gradients live."""
-    if not cfg.train.micro_batch_tokens:
+    shape = StepShape.of(cfg)
+    if not shape.by_tokens:
         return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.train.micro_batch_tokens),
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=shape.budget),
                                train=dataclasses.replace(cfg.train, micro_batch=1, micro_batch_tokens=0))
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfit.config.schema import Config
+from shardfit.config.shape import StepShape
 from shardfit.plan.adapters import quantize
 from shardfit.plan.checks import check_plan_inputs
 from shardfit.plan.estimate import (
@@ -98,11 +99,11 @@ def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any],
         return None
     dp = world // sp
     extra: dict[str, Any] = {}
-    if not base.train.micro_batch_tokens and base.train.global_batch % dp:  # rows: the data-parallel ranks must
+    if not StepShape.of(base).by_tokens and base.train.global_batch % dp:  # rows: the data-parallel ranks must
         # split the global batch, the next multiple up (token budgets count examples: any number splits)
         extra["train.global_batch"] = -(-base.train.global_batch // dp) * dp
     per_rank = extra.get("train.global_batch", base.train.global_batch) // dp
-    if base.train.micro_batch_tokens:  # token-budget micro-batches: the row size is the user's, not proposed
+    if StepShape.of(base).by_tokens:  # token-budget micro-batches: the row size is the user's, not proposed
         sizes = [1]  # one [1, micro_batch_tokens] row per forward/backward (estimate.py: as_rows)
     else:
         sizes = [d for d in range(min(per_rank, 64), 0, -1) if per_rank % d == 0]
@@ -110,7 +111,7 @@ def fitting(cfg: Config, world: int, gpu_gib: float, changes: dict[str, Any],
              else [(mode, mb) for mode in MODES for mb in sizes])
     for mode, mb in order:
         ch = {**changes, "compute.activation_checkpoint": mode, **extra}
-        if not base.train.micro_batch_tokens:
+        if not StepShape.of(base).by_tokens:
             ch["train.micro_batch"] = mb
         c = apply(cfg, ch)
         if accepted(c, world):
@@ -164,7 +165,7 @@ def partial_checkpointing(cfg: Config, world: int, gpu_gib: float, gpus_per_node
     from shardfit.plan.estimate import as_rows
 
     comp, L = cfg.compute, cfg.model.n_layers
-    if not (cfg.train.micro_batch or cfg.train.micro_batch_tokens) or L < 2:
+    if not (cfg.train.micro_batch or StepShape.of(cfg).by_tokens) or L < 2:
         return None
     budget, device = allocation_budget(gpu_gib * GiB), gpu_gib * GiB
     mb = as_rows(cfg).train.micro_batch

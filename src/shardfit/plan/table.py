@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardfit.config.schema import Config
+from shardfit.config.shape import StepShape
 from shardfit.errors import ShardfitError
 from shardfit.parallel.layout import refusal
 from shardfit.plan.adapters import quantize
@@ -52,7 +53,7 @@ def with_micro_batch(cfg: Config, micro_batch: int) -> Config:
 
 def layout_refusal(cfg: Config, world: int) -> ShardfitError | None:
     """Why train refuses this layout whatever the micro-batch (checked at micro-batch 1), or None."""
-    return refusal(cfg if cfg.train.micro_batch_tokens else with_micro_batch(cfg, 1), world)
+    return refusal(cfg if StepShape.of(cfg).by_tokens else with_micro_batch(cfg, 1), world)
 
 
 def largest_per_mode(cfg: Config, world: int, gpu_gib: float) -> dict[str, Estimate | None]:
@@ -61,7 +62,7 @@ def largest_per_mode(cfg: Config, world: int, gpu_gib: float) -> dict[str, Estim
     check_plan_inputs(cfg, world, gpu_gib)
     if layout_refusal(cfg, world) is not None:
         return dict.fromkeys(MODES)
-    rows = cfg.train.micro_batch_tokens  # rows of a token budget: train takes the budget, not a row count
+    rows = StepShape.of(cfg).budget  # rows of a token budget: train takes the budget, not a row count
 
     def accept(mode_cfg: Config):
         return None if rows else lambda mb: refusal(with_micro_batch(mode_cfg, mb), world) is None
@@ -104,7 +105,7 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
     check_plan_inputs(cfg, world, gpu_gib, host_gib, gpus_per_node)
     budget = allocation_budget(gpu_gib * GiB)
     m = cfg.model
-    budget_rows = cfg.train.micro_batch_tokens
+    budget_rows = StepShape.of(cfg).budget
     given, cfg = cfg, as_rows(cfg)
     gpus = f"{world} GPU{'s' if world > 1 else ''}"
     lines = [f"shardfit plan: {m.name}, {gpus} of {gpu_gib:.4g} GiB, seq {cfg.data.seq_len}"

@@ -6,4 +6,5 @@ from shardfit.engine.optim import AdamParams
 from shardfit.rl.datum import Datum, ForwardBackwardResult, make_datum
 from shardfit.rl.step import DatumEngine, forward, forward_backward, optim_step
 
-__all__ = ["AdamParams", "Datum", "DatumEngine", "ForwardBackwardResult", "forward", "forward_backward", "make_datum", "optim_step"]
+__all__ = ["AdamParams", "Datum", "DatumEngine", "ForwardBackwardResult", "forward", "forward_backward", "make_datum",
+           "optim_step"]

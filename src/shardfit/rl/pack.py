@@ -72,12 +72,12 @@ def datum_batches(plan: DatumPlan, datums: list[Datum], coefs: list[np.ndarray] 
     names = {k for k in names if all(k in d.inputs for d in datums)}  # the inputs every datum has
     out = []
     for items in plan.bins[dp_rank]:
-        ids, labels, pos, inputs, coef, score, real = _row(plan.budget, datums, items, coefs, names, scored)
+        ids, labels, pos, inputs, coef, score, real = pack_row(plan.budget, datums, items, coefs, names, scored)
         out.append(pack_local(ids, labels, pos, real, kernel, device, sp_rank, plan.sp, coef, inputs, score))
     return out
 
 
-def _row(T: int, datums: list[Datum], items: list[int], coefs: list[np.ndarray] | None, names: set[str],
+def pack_row(T: int, datums: list[Datum], items: list[int], coefs: list[np.ndarray] | None, names: set[str],
          scored: list[np.ndarray] | None):
     """The [1, T] row of the datums `items`: ids (pad 0), labels (-100 in the tail), positions (restarting at 0 at
     each datum and at the tail), the loss inputs (0 in the tail; "datum": each token's datum index, -1 in the

@@ -2,10 +2,9 @@
 document mask and the sequence-parallel cut: engine/batch.py pack_local, on the host, outside any checkpointed or
 compiled region).
 
-Two ways to fill a step (both give every rank the same number of micro-batches, see data/batching.py):
-  rows     train.micro_batch rows of data.seq_len per micro-batch (packed pretraining windows, packed or padded
-           fine-tuning examples), train.global_batch rows per step;
-  budget   train.micro_batch_tokens: train.global_batch items per step laid into [1, T] rows.
+Two ways to fill a step (config/shape.py StepShape; both give every rank the same number of micro-batches, see
+data/batching.py): rows of data.seq_len (packed pretraining windows, packed or padded fine-tuning examples), or
+items laid into [1, T] token-budget rows.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from shardfit.config import Config
+from shardfit.config.shape import StepShape
 from shardfit.data.batching import budget_batches, eval_row_batches
 from shardfit.data.dataset import MicroBatch, ShuffledDataset
 from shardfit.engine.batch import PackedBatch, pack_local
@@ -27,7 +27,7 @@ class BatchSource:
         self.cfg, self.train, self.val = cfg, train, val
         self.dp_rank, self.dp_size, self.sp_rank, self.sp = dp_rank, dp_size, sp_rank, sp
         self.device = device
-        self.budget = cfg.train.micro_batch_tokens
+        self.budget = StepShape.of(cfg).budget
         self.masked = cfg.data.document_mask
         fp32 = cfg.compute.param_dtype == "float32"  # "auto" computes in bf16 on CUDA (parallel.mixed_precision)
         self.kernel = choose_doc_kernel(cfg.compute.doc_attention, device, self.budget or cfg.data.seq_len,

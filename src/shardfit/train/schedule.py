@@ -15,11 +15,12 @@ import math
 
 from shardfit.config import Config
 from shardfit.config.loader import check_steps
+from shardfit.config.shape import StepShape
 
 
 def item_unit(cfg: Config, ds) -> str:
     """What one item of the step's global batch is, as the header names it."""
-    if cfg.train.micro_batch_tokens or not hasattr(ds, "examples"):
+    if StepShape.of(cfg).by_tokens or not hasattr(ds, "examples"):
         return "examples" if hasattr(ds, "examples") else "windows"
     return "packed rows" if hasattr(ds, "fill") else "examples"
 

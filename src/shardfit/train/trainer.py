@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from shardfit.config import Config, accumulation_steps, config_to_dict, config_to_toml
+from shardfit.config.shape import StepShape
 from shardfit.data.build import build_datasets
 from shardfit.data.chat import export_template
 from shardfit.engine import AdamParams, CrossEntropy, Engine, StepRecord
@@ -89,15 +90,15 @@ class Trainer:
     def _set_up(self, cfg: Config) -> None:
         """Data, sequence-parallel layout, model (sharded, initialised or loaded), optimizer, checkpoint resume."""
         self.dataset, self.val_set, self.tokenizer = build_datasets(cfg.data, cfg.model.vocab_size,
-                                                                    token_budget=cfg.train.micro_batch_tokens > 0)
+                                                                    token_budget=StepShape.of(cfg).by_tokens)
         # Ulysses: a group of sp ranks shares every sample and takes S/sp of its tokens each; the batch is split over
         # the data-parallel ranks (parallel/layout.py)
-        self.layout = ParallelLayout.checked(cfg, self.dist.world_size, self.dist.rank)
+        self.layout = ParallelLayout.from_config(cfg, self.dist.world_size, self.dist.rank)  # once, handed down
         self.sp, self.sp_rank = self.layout.sequence, self.layout.sequence_rank
         self.dp_rank, self.dp_size = self.layout.data_rank, self.layout.data_size
         self.notices: list[str] = list(self.dataset.notices)  # printed by rank 0 when fit() starts
         self.header: list[str] = list(self.dataset.header)  # the data and the schedule: printed first
-        if cfg.train.micro_batch_tokens:
+        if StepShape.of(cfg).by_tokens:
             self.accum = None  # micro-batches per step follow from the step's lengths (data/batching.py)
         else:
             if cfg.train.micro_batch == 0:
@@ -113,7 +114,7 @@ class Trainer:
         self._check_run_config(resume)
         check_no_overwrite(self.ckpt_dir, resume, self.dist.rank, self.device, self.notices)
         self.resumed_from = resume
-        self.engine = Engine(cfg, self.dist, resume, self.notices)
+        self.engine = Engine(cfg, self.dist, resume, self.notices, layout=self.layout)
         # compute.activation_checkpoint=auto stays "auto" in config.toml (a resume on another GPU chooses again); the
         # choice made on this one is recorded beside it, as a comment
         chosen = [n for n in self.notices if n.startswith("compute.activation_checkpoint=auto")]
@@ -137,8 +138,7 @@ class Trainer:
         """What the data decide: train.steps from train.epochs, the schedule's header lines, and the chat template
         applied, recorded in config.toml for `shardfit generate` (train/schedule.py, data/chat.py)."""
         note = apply_epochs(cfg, self.dataset)
-        per_round = self.dp_size * (1 if cfg.train.micro_batch_tokens else cfg.train.micro_batch)
-        self.header += schedule_lines(cfg, self.dataset, per_round)
+        self.header += schedule_lines(cfg, self.dataset, StepShape.of(cfg).rows_per_round(self.dp_size))
         if self.dataset.info:
             cfg.data.chat_template = self.dataset.info["template"]
         resolved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=0.0)) if note else cfg
@@ -357,15 +357,10 @@ class Trainer:
                                                           if self.device.type == "cuda" else "")
         resumed = f", resumed from {self.resumed_from}" if self.resumed_from else ""
         resumed += f", Ulysses sequence parallel over {self.sp} ranks" if self.sp > 1 else ""
-        if c.train.micro_batch_tokens:
-            batch = (f"global batch {c.train.global_batch} items in micro-batches of {c.train.micro_batch_tokens:,} "
-                     f"tokens")
-        else:
-            batch = (f"global batch {c.train.global_batch} x {c.data.seq_len} = "
-                     f"{c.train.global_batch * c.data.seq_len:,} tokens (micro-batch {c.train.micro_batch}, "
-                     f"accumulation {self.accum})")
+        shape = StepShape.of(c)
+        batch = shape.describe(self.accum)
         masked = (f", document-masked attention ({self.batches.kernel})"
-                  if c.data.document_mask or c.train.micro_batch_tokens else "")
+                  if c.data.document_mask or shape.by_tokens else "")
         return (f"shardfit: {c.model.name} model, {self.engine.n_params / 1e6:.1f}M params, {where}, "
                 f"{self.dataset.n_tokens:,} tokens of data, {batch}, loss kernel {self.model.loss_impl}{masked}, "
                 f"run dir {self.run_dir}{resumed}")
