@@ -305,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the made-up rollouts")
     parser.add_argument("--save-dir", default="runs/ray-engine",
                         help="save_state after every step (a directory every node sees)")
     parser.add_argument("--restarts", type=int, default=1, help="new groups after a rank dies, each from the last save")
-    parser.add_argument("--weights-dtype", default="bfloat16")
+    parser.add_argument("--weights-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--call-timeout", type=float, default=1800.0, help="seconds one call may take on the ranks")
     argv = sys.argv[1:] if argv is None else argv
@@ -338,6 +338,8 @@ def run(args, overrides: list[str]) -> int:
         group = EngineGroup(args.ranks, overrides, call_timeout_s=args.call_timeout)
         print(f"{args.ranks} ranks on {sorted({i['host'] for i in group.info})} ({group.info[0]['device']}) "
               f"started in {time.perf_counter() - t0:.1f} s")
+        for line in group.info[0]["notices"]:  # the Engine's own lines: the model loaded, LoRA, offload, ...
+            print(line)
         return group
 
     group, saved, restarts, step = new_group(), None, 0, 0
@@ -357,7 +359,6 @@ def run(args, overrides: list[str]) -> int:
                 group.call("load_state", saved)
             continue  # the same step again, from the state before it
         step += 1
-        # (the loss of fresh rollouts is ~0: ratio 1, each group's advantages of mean 0; its gradient is not)
         size = sum(t.nbytes for t in receiver.tensors.values()) / 2**20
         print(f"step {step}: rewarded tokens' log-prob {out['rewarded_logp']:.3f}  grad_norm {out['grad_norm']:.3f}  "
               f"weights {len(receiver.tensors)} tensors / {size:.1f} MiB in {receiver.buckets} buckets  "
