@@ -195,6 +195,8 @@ class EngineGroup:
                 failures[r] = e
             except ray.exceptions.RayTaskError as e:  # the method raised
                 failures[r] = e.cause if e.cause is not None else e
+            except ray.exceptions.RayError as e:  # Ray lost the result (an object, a node)
+                failures[r] = e
             if failures:
                 deadline = min(deadline, time.monotonic() + FAULT_GRACE_S)
         if not failures and not rank_of:
@@ -208,7 +210,7 @@ class EngineGroup:
         """One line for the first thing that went wrong: a dead rank, else a rank's error, else the ranks that hung."""
         dead = sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError))
         if dead:
-            ranks, message = dead, f"died during {what} (its actor's process exited)"
+            ranks, message = dead, f"died during {what} (the actor's process exited)"
         elif failures:
             e = failures[min(failures)]
             ranks, message = [min(failures)], f"failed in {what}: {type(e).__name__}: {str(e).strip()[:300]}"
