@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,6 +40,16 @@ from shardfit.engine.batch import PackedBatch, to_device_batch
 from shardfit.engine.build import apply_alloc_conf, resolve_auto_checkpointing
 from shardfit.engine.losses import CrossEntropy, Loss
 from shardfit.engine.optim import AdamParams, build_optimizer, check_adam, set_hyperparameters
+from shardfit.engine.records import (
+    _MEM,
+    _REAL,
+    _SQNORM,
+    _STOP,
+    OutOfMemory,
+    StepRecord,
+    StepStats,
+)
+from shardfit.engine.registry import ModelRegistry
 from shardfit.engine.state import EngineState
 from shardfit.engine.stats import MEMORY_FIELDS, ExpertLoad, memory_vector
 from shardfit.engine.timing import StepTimer
@@ -57,61 +66,6 @@ from shardfit.parallel.offload import grad_sq_norm
 from shardfit.parallel.step_overlap import local_tensor
 from shardfit.parallel.step_runner import build_step_runner
 from shardfit.train.checkpoint import load_checkpoint, new_run_id
-
-# the stats columns of a pass's collective (float64), then MEMORY_FIELDS, the expert load [L*E], the outputs
-_SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _STOP, _MEM = 0, 1, 2, 3, 4, 5, 6
-
-
-class OutOfMemory(ShardfitError):
-    """A CUDA OOM on this rank in a pass: the snapshot is dumped (a caller set `recorder`) and the doctor's verdict
-    is in the message."""
-
-    exit_code = 4
-
-
-@dataclass
-class StepStats:
-    """One pass's result, the same on every rank (from its one collective)."""
-
-    rows: torch.Tensor  # [world, k] float64 on the host: each rank's stats, memory and expert load
-    capacity: int  # C: this rank's tokens of the pass, padding included
-    mean_over_tokens: bool  # the loss's normalisation (engine/losses.py)
-    outputs: torch.Tensor | None = None  # [world, n_outputs, M x local] fp32: every rank's per-token outputs
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (train.timing), rank 0's view
-
-    @property
-    def loss_sum(self) -> float:
-        return float(self.rows[:, _LOSS].sum())
-
-    @property
-    def loss_tokens(self) -> float:
-        return float(self.rows[:, _TOKENS].sum())
-
-    @property
-    def non_finite_ranks(self) -> list[int]:
-        return [r for r in range(self.rows.shape[0]) if self.rows[r, _NONFINITE] > 0]
-
-
-@dataclass
-class StepRecord:
-    """What one optimizer step did (optim_step's result): the figures a log line or a caller needs."""
-
-    step: int
-    loss: float  # mean token loss over the global batch (a mean_over_tokens loss), else the summed loss
-    grad_norm: float
-    lr: float
-    skipped: bool
-    bad_ranks: list[int]  # ranks whose loss was not finite
-    no_tokens: bool
-    capacity: int
-    loss_tokens: float  # of the world
-    real_tokens: float  # of the world, padding excluded
-    memory: torch.Tensor  # [world, len(MEMORY_FIELDS)]
-    moe: dict
-    phases: dict[str, float]
-    time_s: float = 0.0
-    stop: int = 0  # a signal any rank received before this step's stats collective (0: none): every rank stops
-    stop_ranks: list[int] = field(default_factory=list)  # the ranks that received it
 
 
 def _check_call(name: str, loss) -> None:
@@ -224,7 +178,43 @@ class Engine(EngineState):
             self.run_id = state.get("run_id") or self.run_id
         refresh_fp8_scales(self.model, cfg.compute)  # FP8 scales of the weights in place: initialised, loaded, resumed
         self.runner = build_step_runner(cfg, self.model, self.optimizer, self.device)
+        # LoRA: the adapters are a slot that many models and frozen versions fill in turn (engine/registry.py)
+        lora = self.lora_targets is not None
+        self.models = ModelRegistry(self, int(cfg.memory.versions_gib * 2**30)) if lora else None
 
+
+    # ------------------------------------------------------------------ models and versions (engine/registry.py)
+    def using(self, model: str | None) -> None:
+        """Put `model` (a model name, a version id, or registry.BASE) in the adapters' slot; None: leave the slot as
+        it is. Every rank makes the same calls."""
+        if model is None:
+            return
+        if self.models is None:
+            if model == "default":
+                return
+            raise ShardfitError(f"model {model!r}: this engine trains every parameter as one model",
+                                where="model_id", fix="start it with --lora.rank=R to hold several LoRA models")
+        self.models.activate(model)
+
+    def add_model(self, name: str, seed: int | None = None) -> None:
+        """A new LoRA model on the frozen base, starting at the base exactly (B = 0), with its own optimizer state and
+        step; it becomes the active one."""
+        if self.models is None:
+            raise ShardfitError("a second model needs LoRA: this engine trains every parameter as one model",
+                                where="lora.rank", fix="start it with --lora.rank=R (e.g. 16) to hold several models")
+        self.models.add(name, self.cfg.train.seed if seed is None else seed)
+
+    def freeze(self, model: str | None = None) -> str | None:
+        """A frozen version of `model`'s adapters (the active one by default): its id, which `using` accepts; None
+        for an engine that trains every parameter (a version there is a copy of the weights: not held)."""
+        if self.models is None:
+            return None
+        return self.models.freeze(model or self.models.current)
+
+    def _check_trainable(self, what: str) -> None:
+        if self.models is not None and not self.models.trainable:
+            raise ShardfitError(f"{what} on {self.models.current!r}, a frozen version (or the base): it samples and "
+                                "scores only", where="model_id", fix="train the model itself, not a sampler's version")
 
     # ------------------------------------------------------------------ the step
     @property
@@ -236,6 +226,7 @@ class Engine(EngineState):
         """Accumulate the gradients of these micro-batches (this rank's part of the step) under `loss`, then the
         pass's one collective. Every rank passes the same number of micro-batches of the same shapes."""
         _check_call("forward_backward", loss)
+        self._check_trainable("forward_backward")
         if self._pending and (loss.mean_over_tokens or self._pending[0].mean_over_tokens):
             self._fold_pending(loss)
         stats = self._pass(batches, loss, backward=True)
@@ -364,6 +355,7 @@ class Engine(EngineState):
         skipped on every rank alike when a rank saw a non-finite loss, the gradient norm is not finite, or a mean
         over tokens has no tokens. No collective: the last pass's stats carry the norm of every pending gradient."""
         check_adam(adam)
+        self._check_trainable("optim_step")
         pending, self._pending = self._pending, []
         world = self.dist.world_size
         last = pending[-1] if pending else None

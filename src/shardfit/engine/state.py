@@ -19,16 +19,18 @@ from shardfit.train.checkpoint import load_checkpoint, refuse_non_finite, save_c
 class EngineState:
     """Mixed into Engine (engine/engine.py): needs its cfg, model, optimizer, device, step counters and finish()."""
 
-    def save_state(self, root: Path, optimizer: bool = True) -> Path:
+    def save_state(self, root: Path, optimizer: bool = True, model: str | None = None) -> Path:
         """Model and optimizer (exact resume) as a checkpoint directory root/step_N, the only one of this run kept
-        under root (a name saved again is replaced); returns it."""
+        under root (a name saved again is replaced); returns it. model: which LoRA model (engine/registry.py)."""
         from shardfit.config import config_to_toml
 
+        self.using(model)
         return self.save(Path(root), config_to_toml(self.cfg), keep=1)
 
-    def load_state(self, path: Path, optimizer: bool = True) -> None:
+    def load_state(self, path: Path, optimizer: bool = True, model: str | None = None) -> None:
         """Weights (and the optimizer's state and step) from a checkpoint: a step directory save_state or train
-        wrote, or a directory holding them (the newest whole one is taken). Checked whole before it is read."""
+        wrote, or a directory holding them (the newest whole one is taken). Checked whole before it is read.
+        model: the LoRA model it fills (engine/registry.py)."""
         from shardfit.train.checkpoint import complete_checkpoints
         from shardfit.train.checkpoint_verify import COMPLETE, check_files
 
@@ -41,18 +43,20 @@ class EngineState:
         problem = check_files(path)
         if problem:
             raise ShardfitError(f"corrupt checkpoint: {problem}", where=str(path), fix="load an earlier checkpoint")
+        self.using(model)
         self.finish()
         state = load_checkpoint(path, self.model, self.optimizer if optimizer else None, self.device)
         if optimizer:
             self.step, self.skipped = state["step"], state.get("skipped", 0)
         refresh_fp8_scales(self.model, self.cfg.compute)
 
-    def weights(self, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 1 << 28):
+    def weights(self, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 1 << 28, model: str | None = None):
         """Full tensors under Hugging Face names, bucket after bucket (lists of (name, tensor) of about
         bucket_bytes), on every rank, for an inference engine's load_weights; one parameter is gathered at a time
         beyond the bucket being filled. Every rank must iterate to the end (each gather is a collective)."""
         from shardfit.hf.export import batched_by_bytes, hf_tensors
 
+        self.using(model)
         self.finish()
         yield from batched_by_bytes(hf_tensors(self.model, dtype, params=self._merged()), lambda nt: nt[1].nbytes,
                                     bucket_bytes)

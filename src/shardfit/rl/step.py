@@ -48,19 +48,23 @@ class DatumEngine:
         """Engine.start's arguments (every rank calls it)."""
         return cls(Engine.start(*args, **kwargs))
 
-    def forward(self, datums: list[Datum], loss_fn="cross_entropy",
-                loss_fn_config: dict | None = None) -> ForwardBackwardResult:
+    # model: a LoRA model's name or a frozen version's id (engine/registry.py); None: the one in the slot
+    def forward(self, datums: list[Datum], loss_fn="cross_entropy", loss_fn_config: dict | None = None,
+                model: str | None = None) -> ForwardBackwardResult:
         """Per-token log-probabilities of every datum's target tokens (and the loss's value), no gradients."""
+        self.engine.using(model)
         return _run(self.engine, datums, loss_fn, loss_fn_config, backward=False)
 
-    def forward_backward(self, datums: list[Datum], loss_fn="cross_entropy",
-                         loss_fn_config: dict | None = None) -> ForwardBackwardResult:
+    def forward_backward(self, datums: list[Datum], loss_fn="cross_entropy", loss_fn_config: dict | None = None,
+                         model: str | None = None) -> ForwardBackwardResult:
         """Accumulate the gradient of sum_t c_t x loss_t (rl/losses.py) over every datum; optim_step applies it."""
+        self.engine.using(model)
         return _run(self.engine, datums, loss_fn, loss_fn_config, backward=True)
 
-    def optim_step(self, adam: AdamParams | None = None) -> dict[str, float]:
+    def optim_step(self, adam: AdamParams | None = None, model: str | None = None) -> dict[str, float]:
         """One AdamW step on the gradients accumulated since the last one, Tinker's metrics back."""
         adam = adam or AdamParams()
+        self.engine.using(model)
         rec = self.engine.optim_step(adam)
         return {"grad_norm:mean": rec.grad_norm, "skipped:max": float(rec.skipped),
                 "learning_rate:mean": adam.learning_rate}

@@ -1,0 +1,159 @@
+"""Many LoRA models on one frozen base and frozen versions (engine/registry.py), through the RL API:
+
+- a new model starts at the base exactly; B's steps leave A untouched; interleaved models equal each trained alone,
+  bit for bit (CPU); a frozen version keeps its log-probs however the model trains afterwards; the base is the zero
+  adapter; 2 gloo ranks return what 1 returns;
+- refusals are one line: an unknown model, training a version, a second model on an engine without LoRA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests._dist import run_ranks
+from tests.helpers import SMALL
+
+ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=32", "--logging.run_dir=", "--lora.rank=4",
+        "--lora.targets=all-linear"]
+
+
+def _data(seed, n=3):
+    from shardfit.rl import make_datum
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for L in rng.integers(8, 20, n):
+        s = rng.integers(0, 256, L + 1)
+        out.append(make_datum(s[:-1], target_tokens=s[1:], weights=np.ones(L)))
+    return out
+
+
+def _lp(res):
+    return [o["logprobs"].tolist() for o in res.outputs]
+
+
+def _steps(engine, model, seeds):
+    from shardfit.rl import AdamParams
+
+    losses = []
+    for s in seeds:
+        losses.append(engine.forward_backward(_data(s), "cross_entropy", model=model).metrics["loss:sum"])
+        engine.optim_step(AdamParams(learning_rate=2e-2), model=model)
+    return losses
+
+
+def _models(rank, world):
+    from shardfit.config import load_config
+    from shardfit.engine.registry import BASE
+    from shardfit.rl import DatumEngine
+
+    probe = _data(99, 2)
+    e = DatumEngine.start(load_config(None, ARGS))
+    out = {"base": _lp(e.forward(probe, model=BASE)), "default0": _lp(e.forward(probe, model="default"))}
+    e.add_model("A", seed=1)
+    e.add_model("B", seed=2)
+    out["B0"] = _lp(e.forward(probe, model="B"))
+    ref = e.freeze("A")  # A at the base: the DPO reference taken before training
+    out["A_losses"] = _steps(e, "A", [1, 2, 3])
+    out["A3"] = _lp(e.forward(probe, model="A"))
+    out["ref_after"] = _lp(e.forward(probe, model=ref))
+    out["B_losses"] = _steps(e, "B", [4, 5])
+    out["A_after_B"] = _lp(e.forward(probe, model="A"))
+    out["B2"] = _lp(e.forward(probe, model="B"))
+    mid = e.freeze("A")
+    out["A_more"] = _steps(e, "A", [6])
+    out["mid"] = _lp(e.forward(probe, model=mid))
+    # interleaved: C and D, call by call, each step's calls of the two models alternating
+    from shardfit.rl import AdamParams
+
+    e.add_model("C", seed=1)
+    e.add_model("D", seed=2)
+    inter = {"C": [], "D": []}
+    for sc, sd in ([1, 4], [2, 5]):
+        inter["C"].append(e.forward_backward(_data(sc), "cross_entropy", model="C").metrics["loss:sum"])
+        inter["D"].append(e.forward_backward(_data(sd), "cross_entropy", model="D").metrics["loss:sum"])
+        e.optim_step(AdamParams(learning_rate=2e-2), model="D")
+        e.optim_step(AdamParams(learning_rate=2e-2), model="C")
+    out["inter"] = inter
+    out["C2"], out["D2"] = _lp(e.forward(probe, model="C")), _lp(e.forward(probe, model="D"))
+    out["summary"] = e.models.summary()
+    errors = {}
+    for what, call in {"unknown": lambda: e.forward(probe, model="nope"),
+                       "version_train": lambda: e.forward_backward(probe, model=ref),
+                       "exists": lambda: e.add_model("A")}.items():
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001  the message is the assertion
+            errors[what] = f"{type(err).__name__}: {err}"
+    out["errors"] = errors
+    return out
+
+
+def _alone(rank, world):
+    """A trained on seeds 1, 2 alone, in a fresh engine: what C above must equal."""
+    from shardfit.config import load_config
+    from shardfit.rl import DatumEngine
+
+    e = DatumEngine.start(load_config(None, ARGS))
+    e.add_model("C", seed=1)
+    return {"losses": _steps(e, "C", [1, 2]), "C2": _lp(e.forward(_data(99, 2), model="C"))}
+
+
+@pytest.fixture(scope="module")
+def one():
+    return run_ranks(_models, 1)[0]
+
+
+def test_new_models_start_at_the_base_and_train_apart(one):
+    r = one
+    assert r["default0"] == r["base"] == r["B0"]  # B = 0: every new model is the base exactly
+    assert r["A_losses"][0] > r["A_losses"][-1]
+    assert r["A3"] != r["base"]
+    assert r["A_after_B"] == r["A3"]  # B's steps left A untouched
+    assert r["B2"] != r["A3"] and r["B2"] != r["base"]
+
+
+def test_a_version_keeps_the_weights_it_was_made_from(one):
+    r = one
+    assert r["ref_after"] == r["base"]  # frozen at the base, after 3 of A's steps
+    assert r["mid"] == r["A3"]  # frozen after A's third step, it reads those weights after A's fourth
+
+
+def test_interleaved_models_equal_each_trained_alone(one):
+    alone = run_ranks(_alone, 1)[0]
+    assert one["inter"]["C"] == alone["losses"]  # bit for bit
+    assert one["C2"] == alone["C2"]
+    assert one["summary"]["models"] == 5 and one["summary"]["versions"] == 2
+
+
+def test_refusals_are_one_line(one):
+    e = one["errors"]
+    assert "no model or version 'nope'" in e["unknown"] and "\n" not in e["unknown"]
+    assert "frozen version" in e["version_train"]
+    assert "model 'A' exists" in e["exists"]
+
+
+def test_two_ranks_equal_one(one):
+    two = run_ranks(_models, 2)
+    assert two[0]["A3"] == two[1]["A3"]
+    np.testing.assert_allclose(np.concatenate(two[0]["A3"]), np.concatenate(one["A3"]), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(np.concatenate(two[0]["mid"]), np.concatenate(one["mid"]), rtol=0, atol=2e-5)
+    assert two[0]["ref_after"] == two[0]["base"]
+
+
+def _full_param(rank, world):
+    from shardfit.config import load_config
+    from shardfit.rl import DatumEngine
+
+    e = DatumEngine.start(load_config(None, [a for a in ARGS if not a.startswith("--lora")]))
+    try:
+        e.add_model("B")
+    except Exception as err:  # noqa: BLE001
+        return str(err)
+    return ""
+
+
+def test_a_second_model_without_lora_is_refused_naming_the_option():
+    msg = run_ranks(_full_param, 1)[0]
+    assert "needs LoRA" in msg and "--lora.rank" in msg
