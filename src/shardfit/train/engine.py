@@ -47,11 +47,11 @@ from shardfit.rl.datum import AdamParams, Datum, ForwardBackwardResult, check_ad
 from shardfit.rl.losses import coefficients, counted, ppo_clip_fraction, resolve_loss, sampler_gap, token_loss
 from shardfit.rl.pack import build_row, plan_datums, unpack
 from shardfit.train.batches import LocalBatch
-from shardfit.train.checkpoint import load_checkpoint, new_run_id, refuse_non_finite, save_checkpoint
 from shardfit.train.evaluate import evaluate
 from shardfit.train.metrics import MEMORY_FIELDS, ExpertLoad, memory_vector
 from shardfit.train.optim import build_optimizer, set_hyperparameters, set_lr
 from shardfit.train.timing import StepTimer
+from shardfit.weights.checkpoint import load_checkpoint, new_run_id, refuse_non_finite, save_checkpoint
 
 _SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _STOP, _MEM = 0, 1, 2, 3, 4, 5, 6
 
@@ -131,8 +131,9 @@ class Engine:
         from shardfit.config import load_config
         from shardfit.parallel import init_distributed
         from shardfit.parallel.layout import check_layout
+        from shardfit.weights.peft_config import adapter_lora_fields
 
-        cfg = cfg if cfg is not None else load_config(None, list(overrides or []))
+        cfg = cfg if cfg is not None else load_config(None, list(overrides or []), adapter_lora_fields)
         apply_alloc_conf(cfg.memory.alloc_conf)
         dist = init_distributed(cfg.train.device)
         check_layout(cfg, dist.world_size)
@@ -162,11 +163,11 @@ class Engine:
         lora = cfg.lora.rank > 0
         self.init_from = None
         if cfg.model.init_from and resume is None:
-            from shardfit.train.init_from import resolve_init_from
+            from shardfit.weights.init_from import resolve_init_from
 
             self.init_from = resolve_init_from(cfg.model.init_from, self.notices, self.device)
         elif cfg.model.init_from and lora:  # a resumed LoRA run: the base it trained on, as recorded
-            from shardfit.train.init_from import base_source
+            from shardfit.weights.init_from import base_source
 
             self.init_from = base_source(resume, self.notices, self.device)
         from_hf = bool(cfg.model.path) and (resume is None or lora)
@@ -180,19 +181,19 @@ class Engine:
         if self.parallel.offload_notice:
             self.notices.append(self.parallel.offload_notice)
         if from_hf:
-            from shardfit.adapters.qlora_io import load_base
-            from shardfit.hf.load import load_report
+            from shardfit.weights.hf_load import load_report
+            from shardfit.weights.nf4_io import load_base
 
             t0 = time.perf_counter()
             loaded = load_base(self.model, cfg.model.path)  # an NF4 base quantised as it is read
             self.notices.append(load_report(cfg.model.path, time.perf_counter() - t0, loaded, self.device))
         if self.init_from is not None:
-            from shardfit.train.init_from import load_init_weights
+            from shardfit.weights.init_from import load_init_weights
 
             load_init_weights(self.init_from, self.model, self.device, self.notices, lora, resume is not None)
         if lora:
             if cfg.lora.adapter and resume is None:
-                from shardfit.adapters.peft import adapter_notices, load_adapter
+                from shardfit.weights.peft import adapter_notices, load_adapter
 
                 load_adapter(self.model, cfg.lora.adapter)
                 self.notices += adapter_notices(cfg.lora.adapter)  # a transformers-4 MoE adapter's conversion
@@ -421,13 +422,13 @@ class Engine:
         under root (a name saved again is replaced); returns it."""
         from shardfit.config import config_to_toml
 
-        return self.save(Path(root), config_to_toml(self.cfg), keep=1)
+        return self.save(Path(root), config_to_toml(self.cfg), keep=1, optimizer=optimizer)
 
     def load_state(self, path: Path, optimizer: bool = True) -> None:
         """Weights (and the optimizer's state and step) from a checkpoint: a step directory save_state or train
         wrote, or a directory holding them (the newest whole one is taken). Checked whole before it is read."""
-        from shardfit.train.checkpoint import complete_checkpoints
-        from shardfit.train.checkpoint_verify import COMPLETE, check_files
+        from shardfit.weights.checkpoint import complete_checkpoints
+        from shardfit.weights.checkpoint_verify import COMPLETE, check_files
 
         path = Path(path)
         if not (path / COMPLETE).is_file():
@@ -448,7 +449,7 @@ class Engine:
         """Full tensors under Hugging Face names, bucket after bucket (lists of (name, tensor) of about
         bucket_bytes), on every rank, for an inference engine's load_weights; one parameter is gathered at a time
         beyond the bucket being filled. Every rank must iterate to the end (each gather is a collective)."""
-        from shardfit.hf.export import batched_by_bytes, hf_tensors
+        from shardfit.weights.hf_export import batched_by_bytes, hf_tensors
 
         self.finish()
         yield from batched_by_bytes(hf_tensors(self.model, dtype, params=self._merged()), lambda nt: nt[1].nbytes,
@@ -459,11 +460,11 @@ class Engine:
         """Validation loss over these micro-batches (the same count on every rank), reduced once."""
         return evaluate(self.model, batches, self.device)
 
-    def save(self, root: Path, config_toml: str, keep: int = 0) -> Path:
+    def save(self, root: Path, config_toml: str, keep: int = 0, optimizer: bool = True) -> Path:
         self.finish()
         # a LoRA run's base, when it came from model.init_from: the step a resume and an export must read again
         base = str(self.init_from.resolve()) if self.init_from and self.cfg.lora.rank else None
-        return save_checkpoint(root, self.step, self.model, self.optimizer,
+        return save_checkpoint(root, self.step, self.model, self.optimizer if optimizer else None,
                                {"skipped": self.skipped, "tokens_seen": self.tokens_seen, "run_id": self.run_id,
                                 "base_from": base}, config_toml, self.device, keep=keep)
 
@@ -474,12 +475,12 @@ class Engine:
     def export_hf(self, out: str, dtype: str, source: str | None, merged: bool = False,
                   tokenizer: str | None = None) -> Path:
         """A Hugging Face model directory; of a LoRA run the PEFT adapter (fp32), or with merged=True the base with
-        the adapters merged in (adapters/peft.py). tokenizer: the run's data.tokenizer ("byte": its files written)."""
-        from shardfit.hf import export_hf
+        the adapters merged in (weights/peft.py). tokenizer: the run's data.tokenizer ("byte": its files written)."""
+        from shardfit.weights.hf_export import export_hf
 
         self.finish()
         if self.lora_targets is not None and not merged:
-            from shardfit.adapters.peft import export_adapter
+            from shardfit.weights.peft import export_adapter
 
             export_adapter(self.model, out, self.cfg.lora, self.lora_targets, self.cfg.model.path or None, source)
         else:
@@ -490,6 +491,6 @@ class Engine:
         """The (name, full tensor) stream of a LoRA model's merged weights; None (every parameter) otherwise."""
         if self.lora_targets is None:
             return None
-        from shardfit.adapters.peft import merged_parameters
+        from shardfit.weights.peft import merged_parameters
 
         return merged_parameters(self.model)
