@@ -47,8 +47,8 @@ def write(shape: str, layers: int, out: Path, init: str = "pattern") -> None:
     from safetensors.torch import save_file
 
     from shardfit.config import load_config
-    from shardfit.hf.load import STACKED, expert_key
     from shardfit.models import build_model
+    from shardfit.weights.hf_load import STACKED, expert_key
 
     hf = {**SHAPES[shape], "num_hidden_layers": layers}
     out.mkdir(parents=True, exist_ok=True)
@@ -86,10 +86,10 @@ def load(path: Path) -> None:
     import torch.distributed as dist
 
     from shardfit.config import load_config
-    from shardfit.hf import load_hf_checkpoint
     from shardfit.models import build_model
     from shardfit.parallel import init_distributed, parallelize
     from shardfit.parallel.layout import ParallelLayout
+    from shardfit.weights.hf_load import load_hf_checkpoint
 
     info = init_distributed("cuda")
     cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=128"])

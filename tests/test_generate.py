@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from shardfit.generate import generate, load_dcp, load_hf, main, prompt_ids, top_p_filter
+from shardfit.generate import generate, main, prompt_ids, top_p_filter
 from shardfit.models import build_model
 from shardfit.models.decoder import KVCache
+from shardfit.weights.local import load_dcp, load_hf
 
 transformers = pytest.importorskip("transformers")
 SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

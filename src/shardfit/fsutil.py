@@ -1,6 +1,6 @@
 """Files that are complete or absent: write under a temporary name, then rename (atomic on POSIX). And the header of
 a safetensors file, torch-free: the config loader reads a PEFT adapter's tensor names before torch is imported
-(adapters/peft_config.py); hf/safetensors_view.py reads the same header for the loader."""
+(weights/peft_config.py); weights/safetensors.py reads the same header for the loader."""
 
 from __future__ import annotations
 

@@ -7,10 +7,9 @@ with the assistant's turn opened, in the chat template the model was fine-tuned 
 checkpoint's config.toml records it (data.chat_template), a model directory holds it as its tokenizer's template
 (an export writes shardfit's plain one there); a model trained on no chat gets the text as it is, as --raw sends
 it. Decoding stops at the tokenizer's EOS or any EOS id in generation_config.json.
-LoRA: --adapter puts a PEFT adapter directory on the Hugging Face model (its base: --model.path, or the adapter's
-base_model_name_or_path when that is a local directory), unmerged; a LoRA run's checkpoint (its adapters only) is
-put on its base (the run's model.path, or the seeded initialisation it started from, drawn on this device; a QLoRA
-run's base quantised to NF4 as training quantised it).
+Loading is weights/local.py's (a model directory, a checkpoint, a LoRA run's adapters on their base). LoRA:
+--adapter puts a PEFT adapter directory on the Hugging Face model (its base: --model.path, or the adapter's
+base_model_name_or_path when that is a local directory), unmerged.
 """
 
 from __future__ import annotations
@@ -18,130 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
-from shardfit.config.schema import ModelConfig
 from shardfit.errors import ShardfitError
-from shardfit.models import build_model
 from shardfit.models.decoder import CausalLM, KVCache
-
-
-def load_hf(path: str, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
-    """A Hugging Face model directory (or a shardfit export): (model, tokenizer spec)."""
-    from shardfit.hf import load_hf_checkpoint
-    from shardfit.models.families import read_hf_config
-
-    family, fields = read_hf_config(path)
-    model = _build(ModelConfig(**{**fields, "name": family.model_type}), device)
-    load_hf_checkpoint(model, path)
-    tok = Path(path) / "tokenizer.json"
-    return _in_dtype(model, dtype), str(tok) if tok.is_file() else "byte"
-
-
-def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | None = None) -> tuple[CausalLM, str]:
-    """A shardfit checkpoint (step_XXXXXXXX), a checkpoints directory or a run directory (the newest complete
-    checkpoint in it): the model part only, on one device, whatever the number of ranks that wrote it. saved, when
-    given, receives the run's data.chat_template and the config.toml that records it."""
-    from shardfit.train.checkpoint import COMPLETE, frozen_names, resolve_resume
-
-    root = Path(path)
-    if not root.exists():
-        raise ShardfitError("checkpoint not found", where=path,
-                            fix="give a step_XXXXXXXX, checkpoints or run directory")
-    if not (root / COMPLETE).is_file() and (root / "checkpoints").is_dir():
-        root = root / "checkpoints"
-    skipped: list[str] = []  # every file checked (checkpoint_verify) before anything reads the tensors
-    ckpt = resolve_resume(str(root) if (root / COMPLETE).is_file() else "auto", root, skipped)
-    if ckpt is None:
-        raise ShardfitError("no complete checkpoint here" + (f" ({skipped[0]})" if skipped else ""), where=path,
-                            fix="train with checkpoint.final=true or checkpoint.every, or give a step_XXXXXXXX "
-                            "directory")
-    for line in skipped:
-        print(f"shardfit: {line}", file=sys.stderr)
-    cfg = _checkpoint_config(ckpt)
-    if saved is not None:
-        saved.update(chat_template=cfg.data.chat_template, where=str(ckpt / "config.toml"))
-    if not cfg.lora.rank:
-        model = _build(cfg.model, device)
-    else:  # the checkpoint holds the adapters (and buffers); the frozen base is rebuilt as the run built it
-        from shardfit.adapters.lora import apply_lora
-
-        model = load_hf(cfg.model.path, device, torch.float32)[0] if cfg.model.path else _build(cfg.model, device)
-        if not cfg.model.path:
-            model.init_weights(cfg.train.seed)
-        if cfg.model.init_from:  # the full checkpoint the run's base came from, as its trainer.json records it
-            from shardfit.train.init_from import base_source
-
-            base = {"model": model.state_dict()}
-            _load_quietly(base, base_source(ckpt, [], device))
-            model.load_state_dict(base["model"])
-        targets = apply_lora(model, cfg.lora, None)
-        if cfg.model.quantize == "nf4":  # QLoRA: the base the adapters trained on, quantised as training did
-            from shardfit.adapters.qlora import apply_nf4
-
-            apply_nf4(model, targets)
-    frozen = frozen_names(model)  # a LoRA run's base: not in its checkpoint
-    state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
-    _load_quietly(state, ckpt)
-    model.load_state_dict(state["model"], strict=not frozen)
-    return _in_dtype(model, dtype), cfg.data.tokenizer
-
-
-def _load_quietly(state: dict, ckpt: Path) -> None:
-    """The checked loader without a process group: every shard is read into these full tensors."""
-    from shardfit.train.checkpoint_verify import load_tensors
-
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        load_tensors(state, ckpt)
-
-
-def _checkpoint_config(ckpt: Path):
-    """The run's config saved in the checkpoint, its model, lora and data keys (and train.seed) checked as `train`
-    checks them."""
-    from shardfit.config.loader import _set, validate
-    from shardfit.config.renamed import Spellings
-    from shardfit.config.schema import Config
-    from shardfit.train.checkpoint_verify import CheckpointProblem, config_toml
-
-    try:
-        saved = config_toml(ckpt)
-    except CheckpointProblem as e:
-        raise ShardfitError(str(e), where=str(ckpt), fix="give the step directory of a whole checkpoint") from None
-    cfg, where = Config(), str(ckpt / "config.toml")
-    spellings = Spellings(where)  # a run of an older shardfit: its data.format=jsonl is data.file_format now
-    for section in ("model", "lora", "data", "train"):
-        table = saved.get(section, {})
-        if not isinstance(table, dict):
-            raise ShardfitError(f"[{section}] is not a table", where=where, fix="restore the run's config.toml")
-        for key, value in table.items():
-            new_section, new_key = spellings.key(section, key, value)
-            fields = type(getattr(cfg, new_section)).__dataclass_fields__
-            # of [train], the seed only (a LoRA run's seeded base): its batch keys are checked against a world size
-            if new_key in fields and (section != "train" or new_key == "seed"):
-                _set(cfg, new_section, new_key, value, f"{where} [{section}] {key}", set())
-    validate(cfg)
-    return cfg
-
-
-def _in_dtype(model: CausalLM, dtype: torch.dtype) -> CausalLM:
-    """The weights in `dtype`, the RoPE frequencies in fp32 as in training (FSDP's mixed precision casts parameters
-    only): a bf16 inv_freq turns positions into angles off by ~0.7 rad at position 4,000."""
-    from shardfit.adapters.qlora import to_dtype
-
-    to_dtype(model, dtype).eval()  # NF4 storage (a QLoRA checkpoint's base) kept bit for bit
-    model.init_buffers_fp32()
-    return model
-
-
-def _build(m: ModelConfig, device: torch.device) -> CausalLM:
-    with torch.device(device):
-        model = build_model(m)
-    model.init_buffers()  # RoPE frequencies; every weight is loaded next
-    return model
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -304,7 +185,7 @@ def main(argv: list[str]) -> int:
         raise ShardfitError("--adapter goes on a Hugging Face model, not a checkpoint", where="--adapter",
                             fix="give --model.path (a LoRA run's checkpoint carries its adapters already)")
     if a.adapter and not a.model_path:
-        from shardfit.adapters.peft import adapter_base
+        from shardfit.weights.peft import adapter_base
 
         a.model_path = adapter_base(a.adapter)
         if a.model_path is None:
@@ -335,14 +216,11 @@ def main(argv: list[str]) -> int:
                           else "cpu")
     dtype = getattr(torch, a.dtype) if a.dtype != "auto" else (torch.bfloat16 if device.type == "cuda"
                                                               else torch.float32)
+    from shardfit.weights.local import load_dcp, load_hf
+
     saved: dict = {}  # a checkpoint's record of its chat template
     if a.model_path:
-        model, tok_spec = load_hf(a.model_path, device, dtype)
-        if a.adapter:
-            from shardfit.adapters.peft import attach_adapter
-
-            attach_adapter(model, a.adapter)
-            model = _in_dtype(model, dtype)  # the adapters (fp32) in the model's dtype, as the base
+        model, tok_spec = load_hf(a.model_path, device, dtype, adapter=a.adapter)
     else:
         model, tok_spec = load_dcp(a.checkpoint, device, dtype, saved)
     tok_spec = a.tokenizer or tok_spec

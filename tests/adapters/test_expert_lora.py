@@ -9,23 +9,22 @@ import json
 import pytest
 import torch
 
-from shardfit.adapters.expert_lora import (
-    EXPERT_LEAVES,
-    LoRAExperts,
-    add_expert_adapters,
+from shardfit.adapters.expert_lora import EXPERT_LEAVES, LoRAExperts, add_expert_adapters, is_expert_adapter
+from shardfit.adapters.lora import apply_lora, init_adapters, is_adapter, lora_summary
+from shardfit.config.schema import LoraConfig, ModelConfig
+from shardfit.errors import ShardfitError
+from shardfit.models import build_model
+from shardfit.models.moe import Experts
+from shardfit.weights.hf_export import export_hf
+from shardfit.weights.peft import (
+    attach_adapter,
+    export_adapter,
     from_peft,
-    is_expert_adapter,
+    merged_parameters,
     peft_expert_key,
     to_peft,
 )
-from shardfit.adapters.lora import apply_lora, init_adapters, is_adapter, lora_summary
-from shardfit.adapters.peft import attach_adapter, export_adapter, merged_parameters
-from shardfit.adapters.peft_config import ADAPTER_CONFIG, peft_key, read_adapter_config
-from shardfit.config.schema import LoraConfig, ModelConfig
-from shardfit.errors import ShardfitError
-from shardfit.hf import export_hf
-from shardfit.models import build_model
-from shardfit.models.moe import Experts
+from shardfit.weights.peft_config import ADAPTER_CONFIG, peft_key, read_adapter_config
 from tests.adapters.tiny_hf import hf_model, randomize_adapters, save_tiny, shardfit_model
 
 peft = pytest.importorskip("peft")
@@ -130,7 +129,7 @@ def test_fresh_adapters_are_the_base_and_layouts_round_trip():
 
 
 def test_export_round_trips_and_the_merged_model_is_the_adapted_one(tmp_path, monkeypatch):
-    import shardfit.adapters.peft as peft_io
+    import shardfit.weights.peft as peft_io
 
     path, model, out = _adapted(tmp_path, "q_proj,experts")
     assert read_adapter_config(out) == {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": "q_proj,experts"}

@@ -14,11 +14,11 @@ from shardfit.adapters.lora import (
     is_adapter,
     lora_targets,
 )
-from shardfit.adapters.peft import export_adapter
-from shardfit.adapters.peft_config import peft_key
 from shardfit.config.schema import LoraConfig, ModelConfig
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model
+from shardfit.weights.peft import export_adapter
+from shardfit.weights.peft_config import peft_key
 from tests.adapters.tiny_hf import hf_model, randomize_adapters, save_tiny, shardfit_model
 
 peft = pytest.importorskip("peft")

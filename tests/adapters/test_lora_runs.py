@@ -24,11 +24,12 @@ IDS = [[5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 1, 2]]
 
 def _config(base: str | None, *extra: str, run_dir: str):
     from shardfit.config import load_config
+    from shardfit.weights.peft_config import adapter_lora_fields
 
     where = [f"--model.path={base}"] if base else ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4",
                                                     "--model.n_kv_heads=2", "--model.ffn_dim=128",
                                                     "--model.max_seq_len=64", "--model.tie_embeddings=false"]
-    return load_config(None, [*RUN, *where, *extra, f"--logging.run_dir={run_dir}"])
+    return load_config(None, [*RUN, *where, *extra, f"--logging.run_dir={run_dir}"], adapter_lora_fields)
 
 
 def _logits(model) -> list:
@@ -52,7 +53,7 @@ def _uninterrupted_then_resumed(rank, world, base, root, extra=()):
 @pytest.mark.parametrize("world, base", [(1, True), pytest.param(2, False, marks=pytest.mark.slow)],
                          ids=["1rank-model-path", "2ranks-seeded"])
 def test_resume_equals_uninterrupted_and_saves_no_base(tmp_path, world, base):
-    from shardfit.train.checkpoint_verify import check_files, read_metadata
+    from shardfit.weights.checkpoint_verify import check_files, read_metadata
 
     path = str(save_tiny("llama", tmp_path)) if base else None
     r = run_ranks(_uninterrupted_then_resumed, world, path, str(tmp_path))[0]
@@ -82,7 +83,7 @@ def _train_and_export(rank, world, base, root, extra=()):
 
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"])
 def test_exports_load_in_peft_and_transformers_and_continue(tmp_path, world):
-    from shardfit.generate import load_dcp
+    from shardfit.weights.local import load_dcp
 
     base = save_tiny("llama", tmp_path)
     r = run_ranks(_train_and_export, world, str(base), str(tmp_path))[0]

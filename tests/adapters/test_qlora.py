@@ -9,10 +9,10 @@ import torch
 
 from shardfit.adapters.lora import apply_lora, is_adapter
 from shardfit.adapters.qlora import STORAGE, NF4Linear, apply_nf4, is_storage, quantized_modules, to_dtype
-from shardfit.adapters.qlora_io import merged_weight
 from shardfit.config.schema import LoraConfig, ModelConfig
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
+from shardfit.weights.nf4_io import merged_weight
 from tests.adapters.tiny_hf import randomize_adapters
 from tests.helpers import SMALL, small_config
 

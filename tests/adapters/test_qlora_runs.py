@@ -24,7 +24,7 @@ NF4 = ("--model.quantize=nf4",)
 @pytest.mark.parametrize("world, base", [(1, True), pytest.param(2, False, marks=pytest.mark.slow)],
                          ids=["1rank-model-path", "2ranks-seeded"])
 def test_resume_equals_uninterrupted_and_saves_no_codes(tmp_path, world, base):
-    from shardfit.train.checkpoint_verify import read_metadata
+    from shardfit.weights.checkpoint_verify import read_metadata
 
     path = str(save_tiny("llama", tmp_path)) if base else None
     r = run_ranks(_uninterrupted_then_resumed, world, path, str(tmp_path), NF4)[0]
@@ -37,7 +37,7 @@ def test_resume_equals_uninterrupted_and_saves_no_codes(tmp_path, world, base):
 
 def test_exports_and_generate_give_the_trained_logits(tmp_path, capsys):
     from shardfit.cli.export import export
-    from shardfit.generate import load_dcp
+    from shardfit.weights.local import load_dcp
 
     base = save_tiny("llama", tmp_path)
     r = run_ranks(_train_and_export, 1, str(base), str(tmp_path), NF4)[0]
@@ -62,7 +62,7 @@ def test_exports_and_generate_give_the_trained_logits(tmp_path, capsys):
 
 
 def _loaded_codes(rank, world, base, root):
-    import shardfit.adapters.qlora_io as qlora_io
+    import shardfit.weights.nf4_io as qlora_io
     from shardfit.engine import Engine
     from tests.adapters.test_lora_runs import _config
     from tests.helpers import full_state

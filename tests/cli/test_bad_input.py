@@ -80,8 +80,8 @@ def _setup(case, tmp_path):
     raise AssertionError(case)
 
 
-# The checkpoint cases' messages are also checked in-process (tests/hf: test_bad_checkpoints_name_file_and_tensor):
-# as subprocesses they run with the slow tests.
+# The checkpoint cases' messages are also checked in-process (tests/weights/test_hf_checkpoints.py:
+# test_bad_checkpoints_name_file_and_tensor): as subprocesses they run with the slow tests.
 CASES = ["malformed toml", "unknown key", "wrong type", "out of range", "missing model dir", "unreadable model dir",
          pytest.param("truncated safetensors", marks=pytest.mark.slow),
          pytest.param("shape mismatch", marks=pytest.mark.slow), "empty dataset", "undecodable document",

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from shardfit.data.formats import detect, to_example
-from shardfit.hf.tokenizer_files import write_byte_tokenizer
+from shardfit.weights.tokenizer_files import write_byte_tokenizer
 from tests.cli.doc_commands import commands, marked_blocks, marked_files
 from tests.cli.session import run_commands
 

@@ -20,7 +20,7 @@ TEXT = "héllo wörld 🙂\n\ttabs  and a literal <eos>, <pad> and <bos>"
 
 def test_export_loads_in_transformers_with_the_checkpoints_logits(two_rank_run, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from shardfit.generate import load_dcp
+    from shardfit.weights.local import load_dcp
 
     out = tmp_path / "hf"
     p = _run("export", str(two_rank_run), str(out), "--dtype", "float32")
@@ -94,7 +94,7 @@ def test_a_lora_run_exports_its_base_with_the_adapters_merged(tmp_path, capsys):
     """A LoRA run's checkpoint holds adapters only: the export is the rebuilt base with them merged in."""
     transformers = pytest.importorskip("transformers")
     from shardfit.cli.main import main
-    from shardfit.generate import load_dcp
+    from shardfit.weights.local import load_dcp
     from tests._dist import run_ranks
     from tests.helpers import train_small
 

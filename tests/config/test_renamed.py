@@ -65,9 +65,9 @@ def test_old_spellings_in_a_toml_file_and_in_a_saved_run_config(tmp_path, capsys
     saved.write_text(head.replace("[parallel]\n", "[parallel]\n" + compute + "\n") + rest)
     assert "[compute]" not in saved.read_text() and load_config(saved) == cfg
     # generate reads the model and data of the same file
-    from shardfit.generate import _checkpoint_config
+    from shardfit.weights.local import checkpoint_config
 
-    assert _checkpoint_config(tmp_path).model == cfg.model
+    assert checkpoint_config(tmp_path).model == cfg.model
 
 
 def test_one_notice_per_run(capsys, monkeypatch):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from shardfit.generate import generate, load_hf
+from shardfit.generate import generate
+from shardfit.weights.local import load_hf
 
 pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")

@@ -194,10 +194,10 @@ def test_old_data_format_values_move_to_file_format(tmp_path, capsys, fresh):
     with pytest.raises(ShardfitError, match=r"command line: data.format and data.file_format are both given"):
         load_config(None, ["--data.format=jsonl", "--data.file_format=jsonl"])
     # a checkpoint's config.toml written before the move: generate reads its [data] the same way
-    from shardfit.generate import _checkpoint_config
+    from shardfit.weights.local import checkpoint_config
 
     (tmp_path / "config.toml").write_text('[data]\nformat = "jsonl"\nseq_len = 64\n')
-    assert _checkpoint_config(tmp_path).data.file_format == "jsonl"
+    assert checkpoint_config(tmp_path).data.file_format == "jsonl"
 
 
 @pytest.mark.parametrize("arg, key", [("--conversation_style=sharegpt", "data.format"),

@@ -282,7 +282,7 @@ def _forward_from_hf(rank, world, path):
 def test_forward_equals_transformers_on_an_hf_checkpoint(tmp_path, kind):
     """Packed into token-budget rows on 2 ranks, each datum's log-probs are those transformers computes for it
     alone."""
-    from tests.hf.test_hf_checkpoints import _save
+    from tests.weights.test_hf_checkpoints import _save
 
     path, hf = _save(kind, tmp_path)
     got = run_ranks(_forward_from_hf, 2, str(path))

@@ -115,7 +115,7 @@ def test_two_rank_fp8_training_matches_one_rank(tmp_path, recipe):
 
 def _load_hf_fp8(rank, world, path, recipe):
     from shardfit.config import load_config
-    from shardfit.hf import load_hf_checkpoint
+    from shardfit.weights.hf_load import load_hf_checkpoint
     from tests.helpers import parallelize_config as parallelize
 
     cfg = load_config(None, [f"--model.path={path}", "--data.seq_len=32", f"--compute.fp8={recipe}"])
@@ -136,8 +136,8 @@ def test_hugging_face_weights_load_into_fp8_layers(tmp_path, kind):
     """A Hugging Face checkpoint loads into the FP8 model's sharded weights (torchao's subclass) exactly, q/k/v
     biases and MoE layers included, and its logits stay near the model's own."""
     from shardfit.config import load_config
-    from shardfit.hf import load_hf_checkpoint
-    from tests.hf.test_hf_checkpoints import _save
+    from shardfit.weights.hf_load import load_hf_checkpoint
+    from tests.weights.test_hf_checkpoints import _save
 
     path, hf = _save(kind, tmp_path)
     res = run_ranks(_load_hf_fp8, 2, str(path), "tensorwise")[0]

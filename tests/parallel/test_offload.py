@@ -164,7 +164,7 @@ def _hf_load(rank, world, path):
         with torch.device("meta"):
             model = build_model(cfg.model)
         parallelize(model, cfg, torch.device("cpu"), world, seed=0, init=False)
-        from shardfit.hf import load_hf_checkpoint
+        from shardfit.weights.hf_load import load_hf_checkpoint
 
         load_hf_checkpoint(model, path)  # writes into the local shards: host memory under offload
         out[off] = full_state(model)

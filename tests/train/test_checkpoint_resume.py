@@ -7,7 +7,7 @@ import torch
 
 from shardfit.errors import ShardfitError
 from shardfit.train import Trainer
-from shardfit.train.checkpoint import complete_checkpoints, resolve_resume
+from shardfit.weights.checkpoint import complete_checkpoints, resolve_resume
 from tests._dist import run_ranks
 from tests.helpers import EXTEND, full_state, small_config
 

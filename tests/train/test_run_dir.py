@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from shardfit.errors import ShardfitError
-from shardfit.train.checkpoint import complete_checkpoints, prune
 from shardfit.train.run_dir import LOCK, _Lock
+from shardfit.weights.checkpoint import complete_checkpoints, prune
 from tests._dist import run_ranks
 from tests.helpers import EXTEND, small_config
 
@@ -161,7 +161,7 @@ def test_a_new_run_never_overwrites_another_runs_checkpoints(tmp_path):
 def _save_fails_on_rank_1(rank, world, root):
     import errno
 
-    import shardfit.train.checkpoint as ck
+    import shardfit.weights.checkpoint as ck
     from shardfit.train import Trainer
 
     t = Trainer(small_config(*ARGS, run_dir=root))

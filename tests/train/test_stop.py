@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfit.train.checkpoint import complete_checkpoints
+from shardfit.weights.checkpoint import complete_checkpoints
 from tests.cli.test_cli import _run
 
 # about 20-50 ms a step on one core: the signal lands well before the last step

@@ -15,11 +15,7 @@ along E (parallel/expert.py), FSDP groups them with the base experts (a frozen c
 in one group, as a block's linear adapters), and with E = W they are cast by the computation like the base and
 their gradients written in fp32 by its backward. Initialisation is lora.py's (A ~ N(0, 1/(3 in)), B = 0, drawn
 from (seed, name) row by row of E: 1 and N ranks start alike). The router stays frozen. No collectives here.
-PEFT's layout (peft 0.21, tuners/lora/layer.py ParamWrapper, the version tested; older ones read 3-D experts
-unswapped): lora_A.weight [E*r, in] (row e*r + j is expert e's j-th), lora_B.weight [out, r*E] (column j*E + e),
-scale alpha / r. One ParamWrapper per parameter, nested in the module's parameter order: with both adapted,
-gate_up_proj's pair is `<experts>.base_layer.lora_A.weight` and down_proj's `<experts>.lora_A.weight`; one alone
-is `<experts>.lora_A...`.
+PEFT's layout of these adapters in a file (its keys, E*r rows and r*E columns) is weights/peft.py's.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardfit.adapters.peft_config import PREFIX
 from shardfit.models.moe import Experts
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"  # PEFT's (transformers 5's) names of the expert weights
@@ -121,11 +116,6 @@ def adapter_of(weight: str) -> str:
     return _BASE[weight]
 
 
-def target_parameters(adapted: tuple[str, ...]) -> list[str]:
-    """adapter_config.json's target_parameters for these expert weights (PEFT matches them in every layer)."""
-    return [f"mlp.experts.{w}" for w in adapted]
-
-
 def is_expert_adapter(name: str) -> bool:
     return name.rpartition(".")[2] in EXPERT_LEAVES
 
@@ -142,28 +132,6 @@ def adapted_experts(targets: list[str]) -> tuple[str, ...]:
     return tuple(w for w in (GATE_UP, DOWN) if w in found)
 
 
-def peft_expert_key(name: str, adapted: tuple[str, ...]) -> str:
-    """shardfit's `<experts>.gate_up_proj_lora_A` -> PEFT's key in adapter_model.safetensors (module docstring)."""
-    prefix, _, leaf = name.rpartition(".")
-    weight, _, ab = leaf.rpartition("_lora_")
-    nested = "base_layer." if weight == GATE_UP and DOWN in adapted else ""
-    return f"{PREFIX}{prefix}.{nested}lora_{ab}.weight"
-
-
-def to_peft(name: str, t: torch.Tensor) -> torch.Tensor:
-    """A full adapter in PEFT's layout: A [E, r, in] -> [E*r, in]; B [E, out, r] -> [out, r*E] (column j*E + e)."""
-    if name.endswith("_A"):
-        return t.reshape(-1, t.shape[-1])
-    return t.permute(1, 2, 0).reshape(t.shape[1], -1)
-
-
-def from_peft(name: str, t: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """to_peft's inverse (a view where it can be): PEFT's [E*r, in] -> [E, r, in]; [out, r*E] -> [E, out, r]."""
-    if name.endswith("_A"):
-        return t.view(n_experts, -1, t.shape[-1])
-    return t.view(t.shape[0], -1, n_experts).permute(2, 0, 1)
-
-
 __all__ = ["DOWN", "EXPERT_LEAVES", "EXPERT_TARGETS", "GATE_UP", "LoRAExperts", "adapted_experts", "adapter_of",
-           "add_expert_adapters", "expert_names", "expert_targets", "from_peft", "is_expert_adapter",
-           "is_expert_target", "peft_caveat", "peft_expert_key", "target_parameters", "to_peft"]
+           "add_expert_adapters", "expert_names", "expert_targets", "is_expert_adapter", "is_expert_target",
+           "peft_caveat"]

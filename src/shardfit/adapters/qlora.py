@@ -15,10 +15,10 @@ The carrier is FSDP's param_dtype, so the codes are all-gathered uncast, as copi
 torch 2.13 cannot hold integer parameters at all). Only the adapters train, so the group's one trainable dtype (fp32)
 is unchanged; nothing reads the carriers as numbers (init, norms and finiteness checks skip STORAGE by name).
 Filling: a rank's groups cover rows [r0, r1) of the weight; those rows alone are staged in fp32 (drawn from (seed,
-name) as plain LoRA draws them, or read from model.path through hf/load.py), quantised into the local shards and
+name) as plain LoRA draws them, or read from model.path through weights/hf_load.py), quantised into the local shards and
 freed, a bounded batch of layers at a time: no rank holds the whole model in bf16, and 1 and N ranks hold the same
 codes (quantisation is per group and deterministic). No collectives. Loading from model.path and the merge's
-whole weight: adapters/qlora_io.py.
+whole weight: weights/nf4_io.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """`shardfit export RUN_OR_STEP OUT`: a shardfit checkpoint as a Hugging Face model directory, in one process.
 
 The checkpoint (a step_XXXXXXXX directory, or a run or checkpoints directory: its newest whole checkpoint) is
-checked whole and read through the checked loader (generate.load_dcp: checkpoint_verify, nothing unpickled) into
-one unsharded model on the CPU, whatever number of ranks wrote it and in whatever layout; the trainer's own exporter
-(hf/export.py) then writes it with the run's tokenizer files, the byte tokenizer's included, so that transformers'
-AutoModelForCausalLM and AutoTokenizer load OUT; a LoRA run's adapters are merged into its base. OUT must be new,
-empty, or a previous export (replaced whole).
+checked whole and read through the checked loader (weights/local.py's load_dcp: checkpoint_verify, nothing
+unpickled) into one unsharded model on the CPU, whatever number of ranks wrote it and in whatever layout; the
+trainer's own exporter (weights/hf_export.py, through weights/local.py's write_hf) then writes it with the run's
+tokenizer files, the byte tokenizer's included, so that transformers' AutoModelForCausalLM and AutoTokenizer load
+OUT; a LoRA run's adapters are merged into its base. OUT must be new, empty, or a previous export (replaced whole).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def export(argv: list[str]) -> int:
                         "bfloat16, as checkpoint.export_dtype)")
     parser.add_argument("--tokenizer", help="tokenizer.json or 'byte' (default: the run's data.tokenizer)")
     args = parser.parse_args(argv)
-    from shardfit.hf.export import export_problem
+    from shardfit.weights.hf_export import export_problem
 
     out = Path(args.out)
     problem = export_problem(out)
@@ -37,8 +37,7 @@ def export(argv: list[str]) -> int:
         raise ShardfitError(f"{out} {problem}", where="OUT", fix="export to a new or empty directory, or remove it")
     import torch
 
-    from shardfit.generate import load_dcp
-    from shardfit.hf.export import export_hf
+    from shardfit.weights.local import load_dcp, write_hf
 
     saved: dict = {}
     model, spec = load_dcp(args.checkpoint, torch.device("cpu"), torch.float32, saved=saved)
@@ -46,17 +45,8 @@ def export(argv: list[str]) -> int:
     if spec != "byte" and not Path(spec).exists():
         raise ShardfitError(f"the run's tokenizer {spec} is not found", where="data.tokenizer",
                             fix="run shardfit export from the directory the run was started in, or give --tokenizer")
-    from shardfit.hf.tokenizer_files import tokenizer_source
-
-    source = tokenizer_source(spec)
+    write_hf(model, out, args.dtype, spec, saved.get("chat_template", ""))
     from shardfit.adapters.lora import is_adapter
-    from shardfit.data.chat import export_template
-
-    lora = any(is_adapter(name) for name, _ in model.named_parameters())
-    if lora:  # a LoRA run's checkpoint: the base with its adapters merged in, as checkpoint.export_merged writes it
-        from shardfit.adapters.peft import merged_parameters
-    export_hf(model, out, args.dtype, source, params=merged_parameters(model) if lora else None, tokenizer=spec)
-    export_template(out, saved.get("chat_template", ""))  # the template the run applied, as the trainer's export
     from shardfit.adapters.qlora import quantized_modules
     from shardfit.models import count_params
 

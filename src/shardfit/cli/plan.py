@@ -46,8 +46,9 @@ def plan(argv: list[str]) -> int:
     from shardfit.config import load_config
     from shardfit.plan.proposals import accepted, apply, partial_checkpointing, plan_json, proposals, proposals_text
     from shardfit.plan.table import configured, plan_table
+    from shardfit.weights.peft_config import adapter_lora_fields
 
-    cfg = load_config(opts.get("--config"), rest)
+    cfg = load_config(opts.get("--config"), rest, adapter_lora_fields)
     if gpu_gib is None:
         import torch
 

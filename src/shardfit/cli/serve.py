@@ -54,8 +54,9 @@ def serve(argv: list[str]) -> int:
     if nproc > 1 or launcher:
         import_torch_quietly()
     from shardfit.config import load_config
+    from shardfit.weights.peft_config import adapter_lora_fields
 
-    cfg = load_config(opts.get("--config"), rest)  # validate before starting any process
+    cfg = load_config(opts.get("--config"), rest, adapter_lora_fields)  # validate before starting any process
     if nproc > 1 or launcher:
         from shardfit.parallel.layout import check_layout
 

@@ -39,12 +39,14 @@ def train(argv: list[str]) -> int:
         import_torch_quietly()  # this process launches: its only C++ logs would be the rendezvous's retries
     from shardfit.config import load_config
     from shardfit.config.loader import config_help
+    from shardfit.weights.peft_config import adapter_lora_fields  # torch-free: lora.adapter's files
 
     nnodes = int(dict(a.split("=", 1) for a in launcher).get("--nnodes", 1))
     if any(a in ("-h", "--help") for a in rest):
-        print(TRAIN_HELP + config_help(load_config(config_path, [a for a in rest if a not in ("-h", "--help")])))
+        print(TRAIN_HELP + config_help(load_config(config_path, [a for a in rest if a not in ("-h", "--help")],
+                                                   adapter_lora_fields)))
         return 0
-    cfg = load_config(config_path, rest)  # validate before starting any process
+    cfg = load_config(config_path, rest, adapter_lora_fields)  # validate before starting any process
     if config_path:
         from shardfit.config.recipes import check_needs, read
 

@@ -4,7 +4,7 @@ As `model.path` takes a Hugging Face model's architecture from its config.json, 
 config.toml saved in the checkpoint (a step_XXXXXXXX directory, or a run or checkpoints directory: its newest
 complete step directory). An explicit model key that contradicts it would not load (another shape): refused here in
 one line, before anything is built; training choices stored among the model keys may differ. The weights are read
-by the Engine (train/init_from.py), through the checked loader. Torch-free: the loader imports it.
+by the Engine (weights/init_from.py), through the checked loader. Torch-free: the loader imports it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-COMPLETE = "complete.json"  # train/checkpoint_verify.py's marker (that module imports torch)
+COMPLETE = "complete.json"  # weights/checkpoint_verify.py's marker (that module imports torch)
 _STEP = re.compile(r"^step_\d{8}$")
 # model keys that are training choices, not architecture: a run started from a checkpoint may set its own
 TRAINING_CHOICES = {"router_aux_coef", "router_bias_rate", "init_std"}
@@ -63,7 +63,7 @@ def apply_init_from(cfg, explicit: set[str], fill) -> None:
     saved = saved_config(step, "model.init_from")
     if getattr(getattr(cfg, "lora", None), "rank", 0):
         # the base comes from a full checkpoint, read as it is stored (NF4 is quantised from Hugging Face weights as
-        # they are read: hf/load), and a LoRA run's checkpoints hold adapters only
+        # they are read: weights/hf_load.py), and a LoRA run's checkpoints hold adapters only
         merged = "export it (shardfit export RUN DIR merges the adapters in) and give DIR as model.path"
         if getattr(cfg.model, "quantize", "none") != "none":
             raise ShardfitError("model.init_from does not start QLoRA runs: the NF4 base is quantised from Hugging "

@@ -19,7 +19,7 @@ from typing import Any
 
 from shardfit.config.defaults import _apply_training_defaults, defaults_table, training_defaults
 from shardfit.config.init_from import apply_init_from
-from shardfit.config.lora_rules import LORA_RULES, adapter_fields, nested_section
+from shardfit.config.lora_rules import LORA_RULES, AdapterReader, adapter_fields, nested_section
 from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
 from shardfit.config.renamed import Spellings, announce
@@ -112,7 +112,10 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
     explicit.add(f"{section}.{key}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                read_adapter: AdapterReader | None = None) -> Config:
+    """read_adapter: the reader of lora.adapter's PEFT files (weights/peft_config.py's adapter_lora_fields; config
+    reads no weight file itself), needed when the config names one."""
     cfg = Config()
     explicit: set[str] = set()
     weights = False
@@ -143,7 +146,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     _steps_or_epochs(cfg, (in_file_keys, file_epochs, str(path)), (on_line_keys, cfg.train.epochs, "--train.epochs"))
     _apply_preset(cfg, explicit)
     if cfg.lora.adapter:  # lora.* from the PEFT adapter's adapter_config.json, as model.* from config.json
-        _fill(cfg, "lora", *adapter_fields(cfg.lora), explicit, "the adapter's shapes fix it")
+        _fill(cfg, "lora", *adapter_fields(cfg.lora, read_adapter), explicit, "the adapter's shapes fix it")
     _check_keys(cfg)
     _check_rules(cfg, MODEL_RULES)
     _apply_training_defaults(cfg, explicit, weights)

@@ -1,7 +1,9 @@
 """The [lora] section's part of the loader: the rules that tie its keys to each other and to the rest of the config
 (config/loader.py runs them with its own, after every key's range is checked; each broken rule is one ShardfitError
-line naming the key and the fix), the lora.* values a PEFT adapter directory gives (lora.adapter), and the hint for
-a key written inside another section ([model.lora], --model.lora.rank).
+line naming the key and the fix), how the lora.* values a PEFT adapter directory gives (lora.adapter) meet the keys
+given, and the hint for a key written inside another section ([model.lora], --model.lora.rank). The adapter's files
+are read by the caller's reader (weights/peft_config.py's adapter_lora_fields, which shardfit train, plan, serve and
+Engine.start pass to load_config): config reads no weight file, and imports nothing of the weights.
 
 lora.targets names modules, not patterns: the linear layers of a block by their Hugging Face names, all-linear,
 embed_tokens / lm_head, and the MoE experts' weights (experts, or experts.gate_up_proj / experts.down_proj); a name
@@ -15,22 +17,28 @@ multiply or hold that base otherwise (FP8 matmuls, FSDP's CPU offload).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from shardfit.config.schema import LORA_EXPERTS, LORA_LINEAR, LORA_OPTIONAL, LoraConfig
+from shardfit.errors import ShardfitError
+
+# an adapter directory -> (the lora.* values it gives, their source for messages): weights/peft_config.py's
+# adapter_lora_fields
+AdapterReader = Callable[[str], tuple[dict[str, Any], str]]
 
 
-def adapter_fields(lora: LoraConfig) -> tuple[dict[str, Any], str]:
-    """(lora.* values, their source) from lora.adapter's adapter_config.json; lora.targets as given when it names
+def adapter_fields(lora: LoraConfig, read_adapter: AdapterReader | None) -> tuple[dict[str, Any], str]:
+    """(lora.* values, their source) of lora.adapter, read by `read_adapter`; lora.targets as given when it names
     the same modules in another order."""
-    from shardfit.adapters.peft_config import ADAPTER_CONFIG, per_expert_source, read_adapter_config  # torch-free
-
-    fields = read_adapter_config(lora.adapter)
+    if read_adapter is None:
+        raise ShardfitError("names a PEFT adapter directory, and this caller of load_config reads no adapter files",
+                            where="lora.adapter", fix="pass read_adapter=shardfit.weights.peft_config."
+                            "adapter_lora_fields to load_config (as shardfit train and Engine.start do)")
+    fields, source = read_adapter(lora.adapter)
     if {t.strip() for t in lora.targets.split(",")} == set(fields["targets"].split(",")):
         fields["targets"] = lora.targets
-    source = per_expert_source(lora.adapter)  # a conflict names the rank it is read at, not the file's r
-    how = f" (transformers 4's per-expert MoE layout, r={source.r} read at rank {source.rank})" if source else ""
-    return fields, f"{lora.adapter}/{ADAPTER_CONFIG}{how}"
+    return fields, source
 
 
 def nested_section(key: str, sections) -> str | None:

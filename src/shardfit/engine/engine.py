@@ -65,7 +65,7 @@ from shardfit.parallel.layout import ParallelLayout
 from shardfit.parallel.offload import grad_sq_norm
 from shardfit.parallel.step_overlap import local_tensor
 from shardfit.parallel.step_runner import build_step_runner
-from shardfit.train.checkpoint import load_checkpoint, new_run_id
+from shardfit.weights.checkpoint import load_checkpoint, new_run_id
 
 
 def _check_call(name: str, loss) -> None:
@@ -87,8 +87,9 @@ class Engine(EngineState):
         `cfg` or from key=value overrides as `shardfit train` takes them. Every rank calls it."""
         from shardfit.config import load_config
         from shardfit.parallel import init_distributed
+        from shardfit.weights.peft_config import adapter_lora_fields
 
-        cfg = cfg if cfg is not None else load_config(None, list(overrides or []))
+        cfg = cfg if cfg is not None else load_config(None, list(overrides or []), adapter_lora_fields)
         apply_alloc_conf(cfg.memory.alloc_conf)
         dist = init_distributed(cfg.train.device)
         return cls(cfg, dist, resume, layout=ParallelLayout.from_config(cfg, dist.world_size, dist.rank))
@@ -120,11 +121,11 @@ class Engine(EngineState):
         lora = cfg.lora.rank > 0
         self.init_from = None
         if cfg.model.init_from and resume is None:
-            from shardfit.train.init_from import resolve_init_from
+            from shardfit.weights.init_from import resolve_init_from
 
             self.init_from = resolve_init_from(cfg.model.init_from, self.notices, self.device)
         elif cfg.model.init_from and lora:  # a resumed LoRA run: the base it trained on, as recorded
-            from shardfit.train.init_from import base_source
+            from shardfit.weights.init_from import base_source
 
             self.init_from = base_source(resume, self.notices, self.device)
         from_hf = bool(cfg.model.path) and (resume is None or lora)
@@ -139,19 +140,19 @@ class Engine(EngineState):
         if self.parallel.offload_notice:
             self.notices.append(self.parallel.offload_notice)
         if from_hf:
-            from shardfit.adapters.qlora_io import load_base
-            from shardfit.hf.load import load_report
+            from shardfit.weights.hf_load import load_report
+            from shardfit.weights.nf4_io import load_base
 
             t0 = time.perf_counter()
             loaded = load_base(self.model, cfg.model.path)  # an NF4 base quantised as it is read
             self.notices.append(load_report(cfg.model.path, time.perf_counter() - t0, loaded, self.device))
         if self.init_from is not None:
-            from shardfit.train.init_from import load_init_weights
+            from shardfit.weights.init_from import load_init_weights
 
             load_init_weights(self.init_from, self.model, self.device, self.notices, lora, resume is not None)
         if lora:
             if cfg.lora.adapter and resume is None:
-                from shardfit.adapters.peft import adapter_notices, load_adapter
+                from shardfit.weights.peft import adapter_notices, load_adapter
 
                 load_adapter(self.model, cfg.lora.adapter)
                 self.notices += adapter_notices(cfg.lora.adapter)  # a transformers-4 MoE adapter's conversion

@@ -13,7 +13,7 @@ import torch
 
 from shardfit.errors import ShardfitError
 from shardfit.parallel.fp8 import refresh_fp8_scales
-from shardfit.train.checkpoint import load_checkpoint, refuse_non_finite, save_checkpoint
+from shardfit.weights.checkpoint import load_checkpoint, refuse_non_finite, save_checkpoint
 
 
 class EngineState:
@@ -25,14 +25,14 @@ class EngineState:
         from shardfit.config import config_to_toml
 
         self.using(model)
-        return self.save(Path(root), config_to_toml(self.cfg), keep=1)
+        return self.save(Path(root), config_to_toml(self.cfg), keep=1, optimizer=optimizer)
 
     def load_state(self, path: Path, optimizer: bool = True, model: str | None = None) -> None:
         """Weights (and the optimizer's state and step) from a checkpoint: a step directory save_state or train
         wrote, or a directory holding them (the newest whole one is taken). Checked whole before it is read.
         model: the LoRA model it fills (engine/registry.py)."""
-        from shardfit.train.checkpoint import complete_checkpoints
-        from shardfit.train.checkpoint_verify import COMPLETE, check_files
+        from shardfit.weights.checkpoint import complete_checkpoints
+        from shardfit.weights.checkpoint_verify import COMPLETE, check_files
 
         path = Path(path)
         if not (path / COMPLETE).is_file():
@@ -54,18 +54,18 @@ class EngineState:
         """Full tensors under Hugging Face names, bucket after bucket (lists of (name, tensor) of about
         bucket_bytes), on every rank, for an inference engine's load_weights; one parameter is gathered at a time
         beyond the bucket being filled. Every rank must iterate to the end (each gather is a collective)."""
-        from shardfit.hf.export import batched_by_bytes, hf_tensors
+        from shardfit.weights.hf_export import batched_by_bytes, hf_tensors
 
         self.using(model)
         self.finish()
         yield from batched_by_bytes(hf_tensors(self.model, dtype, params=self._merged()), lambda nt: nt[1].nbytes,
                                     bucket_bytes)
 
-    def save(self, root: Path, config_toml: str, keep: int = 0) -> Path:
+    def save(self, root: Path, config_toml: str, keep: int = 0, optimizer: bool = True) -> Path:
         self.finish()
         # a LoRA run's base, when it came from model.init_from: the step a resume and an export must read again
         base = str(self.init_from.resolve()) if self.init_from and self.cfg.lora.rank else None
-        return save_checkpoint(root, self.step, self.model, self.optimizer,
+        return save_checkpoint(root, self.step, self.model, self.optimizer if optimizer else None,
                                {"skipped": self.skipped, "tokens_seen": self.tokens_seen, "run_id": self.run_id,
                                 "base_from": base}, config_toml, self.device, keep=keep)
 
@@ -76,12 +76,12 @@ class EngineState:
     def export_hf(self, out: str, dtype: str, source: str | None, merged: bool = False,
                   tokenizer: str | None = None) -> Path:
         """A Hugging Face model directory; of a LoRA run the PEFT adapter (fp32), or with merged=True the base with
-        the adapters merged in (adapters/peft.py). tokenizer: the run's data.tokenizer ("byte": its files written)."""
-        from shardfit.hf import export_hf
+        the adapters merged in (weights/peft.py). tokenizer: the run's data.tokenizer ("byte": its files written)."""
+        from shardfit.weights.hf_export import export_hf
 
         self.finish()
         if self.lora_targets is not None and not merged:
-            from shardfit.adapters.peft import export_adapter
+            from shardfit.weights.peft import export_adapter
 
             export_adapter(self.model, out, self.cfg.lora, self.lora_targets, self.cfg.model.path or None, source)
         else:
@@ -92,6 +92,6 @@ class EngineState:
         """The (name, full tensor) stream of a LoRA model's merged weights; None (every parameter) otherwise."""
         if self.lora_targets is None:
             return None
-        from shardfit.adapters.peft import merged_parameters
+        from shardfit.weights.peft import merged_parameters
 
         return merged_parameters(self.model)

@@ -118,7 +118,7 @@ def split_linear(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Te
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as stacked weights; the checkpoint stores them per expert (see shardfit.hf)."""
+    """E SwiGLU experts as stacked weights; the checkpoint stores them per expert (see shardfit.weights.hf_load)."""
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int):
         super().__init__()

@@ -1,6 +1,6 @@
 """DTensor helpers: a sharded tensor's local shard, and where its rows sit in the global tensor.
 
-The model's seeded initialisation (models/init.py) and the Hugging Face loader (hf/load.py) take `local_view` to
+The model's seeded initialisation (models/init.py) and the Hugging Face loader (weights/hf_load.py) take `local_view` to
 address a shard's rows by their global index; models/ itself holds no distributed code.
 """
 

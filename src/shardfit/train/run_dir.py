@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from shardfit.errors import ShardfitError
-from shardfit.hf.export import export_problem
 from shardfit.parallel.agreement import agree
+from shardfit.weights.hf_export import export_problem
 
 LOCK = ".shardfit.lock"
 
@@ -129,8 +129,8 @@ def check_no_overwrite(ckpt_dir: Path, resume: Path | None, rank: int, device: t
     """Refuse to start a run whose saves would replace whole checkpoints of another run: those past the resume
     point (a corrupt one may be replaced: resume passed over it). Later checkpoints of the run being resumed (ranks
     agreed on an older step, or the user picked one) are replaced as the run passes them, with a notice."""
-    from shardfit.train.checkpoint import complete_checkpoints, run_id_of, step_of
-    from shardfit.train.checkpoint_verify import check_files
+    from shardfit.weights.checkpoint import complete_checkpoints, run_id_of, step_of
+    from shardfit.weights.checkpoint_verify import check_files
 
     problem, start = None, step_of(resume) if resume else 0
     if rank == 0:

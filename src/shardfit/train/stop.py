@@ -75,7 +75,7 @@ def name(signum: int) -> str:
 
 def last_checkpoint(ckpt_dir: Path, run_id: str, step: int) -> Path | None:
     """This run's newest complete checkpoint at or before `step`."""
-    from shardfit.train.checkpoint import complete_checkpoints, run_id_of, step_of
+    from shardfit.weights.checkpoint import complete_checkpoints, run_id_of, step_of
 
     ours = [p for p in complete_checkpoints(ckpt_dir) if step_of(p) <= step and run_id_of(p) == run_id]
     return ours[-1] if ours else None
@@ -83,7 +83,7 @@ def last_checkpoint(ckpt_dir: Path, run_id: str, step: int) -> Path | None:
 
 def lost(ckpt_dir: Path, run_id: str, step: int) -> str:
     """Which steps a stop at `step` without a save loses."""
-    from shardfit.train.checkpoint import step_of
+    from shardfit.weights.checkpoint import step_of
 
     last = last_checkpoint(ckpt_dir, run_id, step)
     first = step_of(last) + 1 if last is not None else 1

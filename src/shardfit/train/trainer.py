@@ -29,7 +29,6 @@ from shardfit.engine.optim import lr_at
 from shardfit.engine.stats import reset_peaks
 from shardfit.errors import ShardfitError, Stopped
 from shardfit.fsutil import write_atomic
-from shardfit.hf.tokenizer_files import tokenizer_source
 from shardfit.memory import MemoryMonitor
 from shardfit.memory.record import SnapshotRecorder
 from shardfit.parallel import init_distributed
@@ -37,8 +36,6 @@ from shardfit.parallel.agreement import agree
 from shardfit.parallel.layout import ParallelLayout
 from shardfit.train import stop
 from shardfit.train.batches import BatchSource
-from shardfit.train.checkpoint import agree_on_resume
-from shardfit.train.checkpoint_verify import COMPLETE
 from shardfit.train.curves import end_of_run
 from shardfit.train.metrics import LogWindow, flops_per_token, peak_flops, summarize_memory
 from shardfit.train.profile import StepProfiler
@@ -48,6 +45,9 @@ from shardfit.train.run_dir import RunClaim, check_no_overwrite
 from shardfit.train.schedule import apply_epochs, schedule_lines
 from shardfit.train.watchdog import EXIT_CODE as WATCHDOG_EXIT
 from shardfit.train.watchdog import Watchdog
+from shardfit.weights.checkpoint import agree_on_resume
+from shardfit.weights.checkpoint_verify import COMPLETE
+from shardfit.weights.tokenizer_files import tokenizer_source
 
 
 class TrainingHalted(ShardfitError):

@@ -4,11 +4,11 @@ Streaming: parameters are gathered one at a time (`full_tensor()`, a collective 
 order), cast, moved to rank 0's host memory and written in safetensors shards of at most `max_shard_bytes`; no rank
 ever holds more than one full parameter on its GPU, and rank 0's host holds at most one shard. Everything is written
 into <out>.tmp and renamed to <out> at the end, so a crash never leaves a half-written model under the final name.
-Tokenizer files: copied from `source`, or written for the byte tokenizer (hf/tokenizer_files.py), so that
+Tokenizer files: copied from `source`, or written for the byte tokenizer (tokenizer_files.py), so that
 `AutoTokenizer.from_pretrained(out)` works whatever the run trained with.
 With parallel.offload=all on CUDA the shards live in pinned host memory but the gather runs over NCCL, which takes
 device tensors only: each shard is copied to the GPU just before its gather (`_gatherable`). A LoRA model passes
-its own (name, full tensor) stream (`params`: the base with the adapters merged in, adapters/peft.py); its adapter
+its own (name, full tensor) stream (`params`: the base with the adapters merged in, peft.py); its adapter
 export reuses `publish` and the tokenizer copy.
 """
 
@@ -27,10 +27,10 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardfit.adapters.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from shardfit.hf.load import STACKED, expert_key
 from shardfit.models.families import hf_config_json
 from shardfit.parallel.agreement import agree
+from shardfit.weights.hf_load import STACKED, expert_key
+from shardfit.weights.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 T = TypeVar("T")
 
@@ -197,7 +197,7 @@ def _finish(model, tmp: Path, out: Path, files: list[str], weight_map: dict[str,
 def copy_tokenizer(source: str | Path | None, tmp: Path, tokenizer: str | None = None, max_length: int = 0) -> None:
     """The tokenizer's files of the source model directory, where it has them; the byte tokenizer's, written."""
     if tokenizer == "byte":
-        from shardfit.hf.tokenizer_files import write_byte_tokenizer
+        from shardfit.weights.tokenizer_files import write_byte_tokenizer
 
         write_byte_tokenizer(tmp, max_length)
     elif source:

@@ -2,15 +2,15 @@
 merged export.
 
 Loading (`load_base`, the Engine's start from model.path, resumes included): the unquantised parameters (embeddings,
-norms, head, the base of layers without an adapter) are read as for plain LoRA, in one pass of hf/load.py's reader
+norms, head, the base of layers without an adapter) are read as for plain LoRA, in one pass of hf_load.py's reader
 (each rank its own rows, no collective). Then the NF4 weights, a batch of layers at a time: for each, this rank's
-rows [r0, r1) that cover its groups (qlora.shard_span) are read into an fp32 staging buffer (hf/load.py's Rows),
+rows [r0, r1) that cover its groups (qlora.shard_span) are read into an fp32 staging buffer (hf_load.py's Rows),
 quantised into its shards and dropped before the next batch. A batch stages at most _STAGE_BYTES on this rank's
 device (a layer larger than that goes alone: one 14336 x 4096 Llama-3-8B MLP weight is 235 MB in fp32 on one rank,
 1/world of that on each of world ranks). So loading holds the NF4 shards plus one batch of fp32 rows, never the
 whole model in bf16, and a missing or misshapen tensor is the loader's one error line, the same on every rank (a
 rank with no rows of a layer still checks its shape).
-Merging (`merged_weight`): the three storage tensors gathered whole (hf/export.py's full_tensor, a collective every
+Merging (`merged_weight`): the three storage tensors gathered whole (hf_export.py's full_tensor, a collective every
 rank issues in the same order) and dequantised in fp32: the merged weight carries the NF4 rounding (the model
 trained on that base, not on the original weights).
 """
@@ -35,9 +35,9 @@ from shardfit.adapters.qlora import (
     shard_span,
     staging_rows,
 )
-from shardfit.hf.export import batched_by_bytes, full_tensor
-from shardfit.hf.load import LoadResult, Rows, load_hf_checkpoint, weight_map
 from shardfit.parallel.dtensor import local_view
+from shardfit.weights.hf_export import batched_by_bytes, full_tensor
+from shardfit.weights.hf_load import LoadResult, Rows, load_hf_checkpoint, weight_map
 
 _STAGE_BYTES = 256 << 20  # fp32 rows staged per batch of NF4 layers while loading
 

@@ -17,7 +17,7 @@ R = 2r the rest is zero, which contributes nothing, and stays zero in training (
 column of B: each one's gradient is the other times something, so both are zero). gate_up's zero off-diagonal
 blocks do train: the converted adapter is a rank-2r gate_up adapter from then on.
 
-Loading goes through hf/load.py's reader, as every adapter: each per-expert tensor is read straight into its block of
+Loading goes through hf_load.py's reader, as every adapter: each per-expert tensor is read straight into its block of
 this rank's experts (strided views of the adapter parameters, zeroed first), no staging, no collective. Every rank
 checks every per-expert key and shape first (each reads only its own experts, and a problem must stop all ranks
 alike): a missing expert, a rank other than r, or a key with no place in the model is one line naming the key.
@@ -32,18 +32,18 @@ from torch import nn
 
 from shardfit.adapters.expert_lora import DOWN, GATE_UP, LoRAExperts, is_expert_adapter
 from shardfit.adapters.lora import is_adapter
-from shardfit.adapters.peft_config import ADAPTER_CONFIG, PER_EXPERT, PREFIX, PerExpert, peft_key
 from shardfit.errors import ShardfitError
-from shardfit.hf.load import Rows
-from shardfit.hf.safetensors_view import SafetensorsView
 from shardfit.parallel.dtensor import local_view
+from shardfit.weights.hf_load import Rows
+from shardfit.weights.peft_config import ADAPTER_CONFIG, PER_EXPERT, PREFIX, PerExpert, peft_key
+from shardfit.weights.safetensors import SafetensorsView
 
 _A_LIKE = ("lora_A", "lora_embedding_A")  # the rank is dim 0 ([r, in]); the Bs' is dim 1 ([out, r])
 
 
 @torch.no_grad()
 def per_expert_params(model: nn.Module, files: dict[str, Path], source: PerExpert) -> tuple[dict, dict]:
-    """({PEFT key: parameter or Rows}, {PEFT key: file}) that hf/load.py's reader fills this rank's adapters from,
+    """({PEFT key: parameter or Rows}, {PEFT key: file}) that hf_load.py's reader fills this rank's adapters from,
     for the transformers-4 adapter `source` describes (module docstring). Zeroes every adapter first."""
     _check(model, files, source)
     params: dict = {}

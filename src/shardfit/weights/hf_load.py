@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from shardfit.errors import ShardfitError
-from shardfit.hf.safetensors_view import SafetensorsView
 from shardfit.parallel.dtensor import local_view
+from shardfit.weights.safetensors import SafetensorsView
 
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some old exports stored; rebuilt by init_buffers
 # Benchmark knobs (benchmarks/device_run.sh load-variants): SHARDFIT_LOAD_THREADS and SHARDFIT_PINNED_MIB override
@@ -124,7 +124,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, params: dict[str, nn.
                        files: dict[str, Path] | None = None) -> LoadResult:
     """Fill every parameter of `model` (plain or FSDP-sharded) from the checkpoint. params: {checkpoint key:
     parameter or Rows} to fill instead (a LoRA model's base without its adapters; its adapters under PEFT's keys,
-    adapters/peft.py; the staged rows of NF4 weights, adapters/qlora.py); files: {checkpoint key: file} instead of
+    peft.py; the staged rows of NF4 weights, adapters/qlora.py); files: {checkpoint key: file} instead of
     the directory's weight map."""
     t0 = time.perf_counter()
     path = Path(path)
@@ -288,7 +288,7 @@ class _Stager:
             self._done()
             return
         (_, _, dtype, dest), = run.parts  # a tensor larger than a buffer is alone in its run: read it in chunks
-        # local shards are contiguous; a block of columns (adapters/peft_per_expert.py's zero-padded B) is read
+        # local shards are contiguous; a block of columns (peft_per_expert.py's zero-padded B) is read
         # into a temporary of its own and copied once
         whole = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
         flat, per = whole.view(-1), self.bufs[0].numel() // dtype.itemsize

@@ -27,7 +27,7 @@ def _started(rank, world, spec, run_dir):
 
 
 def test_a_one_rank_run_starts_from_the_weights_two_ranks_saved(two_rank_run, tmp_path):
-    from shardfit.generate import load_dcp
+    from shardfit.weights.local import load_dcp
 
     got = run_ranks(_started, 1, str(two_rank_run), str(tmp_path / "new"))[0]
     want, _ = load_dcp(str(two_rank_run), torch.device("cpu"), torch.float32)
@@ -78,7 +78,7 @@ def test_a_lora_run_adapts_the_checkpoint_it_starts_from_and_resumes_on_the_same
     own loader (export, generate) rebuilds the same base; a LoRA run's checkpoint is no base for another."""
     import json
 
-    from shardfit.generate import load_dcp
+    from shardfit.weights.local import load_dcp
 
     source, _ = load_dcp(str(two_rank_run), torch.device("cpu"), torch.float32)
     straight = run_ranks(_lora_run, 1, str(two_rank_run), str(tmp_path / "a"), 4, "none")[0]
@@ -107,7 +107,7 @@ def test_a_lora_run_adapts_the_checkpoint_it_starts_from_and_resumes_on_the_same
 def test_a_bf16_lora_run_takes_its_base_from_an_fp32_checkpoint(two_rank_run, tmp_path):
     """On a GPU the frozen base is kept in the compute dtype (bf16) while a full fine-tune saves fp32 masters: the
     base is the checkpoint's, cast (the checked loader refused the dtype difference as another model's)."""
-    from shardfit.generate import load_dcp
+    from shardfit.weights.local import load_dcp
 
     source, _ = load_dcp(str(two_rank_run), torch.device("cpu"), torch.float32)
     got = run_ranks(_lora_run, 1, str(two_rank_run), str(tmp_path / "bf16"), 1, "none",

@@ -1,5 +1,5 @@
-"""PEFT's adapter_config.json: read into lora.* values, and written for an export. Torch-free: the config loader reads
-it (lora.adapter) before any model is built.
+"""PEFT's adapter_config.json: read into lora.* values, and written for an export. Torch-free: the config loader is
+handed `adapter_lora_fields` (lora.adapter) by the command that loads the config, before any model is built.
 
 What shardfit reads and writes is the plain LoRA of PEFT's LoraConfig: one rank r and one lora_alpha for every
 adapted module (scale alpha / r), lora_dropout, and target_modules as a list of module names (or "all-linear").
@@ -17,7 +17,7 @@ one fused gate_up adapter exactly; shardfit has one rank for every adapter, so t
 and lora_alpha is scaled with the rank so that alpha / rank, PEFT's scale, is unchanged. lora_dropout is not read
 from it (0: shardfit's expert adapters take none). An adapter on the MoE router (`mlp.gate`) is refused.
 
-Key mapping (adapters/peft.py applies it to tensors): a parameter `<fqn>.lora_A` of shardfit's model is PEFT's
+Key mapping (peft.py applies it to tensors): a parameter `<fqn>.lora_A` of shardfit's model is PEFT's
 `base_model.model.<fqn>.lora_A.weight` (lora_B alike); an embedding's `<fqn>.lora_embedding_A` is
 `base_model.model.<fqn>.lora_embedding_A` (no `.weight`: PEFT stores them as bare parameters). The fqn is the
 Hugging Face module name (shardfit's names are Hugging Face's), so the file loads in peft.PeftModel on the
@@ -106,6 +106,16 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     names = [targets] if isinstance(targets, str) else sorted(targets)
     names += ["experts"] if len(experts) == 2 else [f"experts.{w}" for w in experts]
     return {"rank": r, "alpha": alpha, "dropout": dropout, "targets": ",".join(names)}
+
+
+def adapter_lora_fields(path: str) -> tuple[dict[str, Any], str]:
+    """(the lora.* values of read_adapter_config, their source for messages): what config/loader.py's load_config
+    takes as read_adapter. A conflict with a key given names the rank a transformers-4 MoE adapter is read at, not
+    the file's r."""
+    fields = read_adapter_config(path)
+    source = per_expert_source(path)
+    how = f" (transformers 4's per-expert MoE layout, r={source.r} read at rank {source.rank})" if source else ""
+    return fields, f"{path}/{ADAPTER_CONFIG}{how}"
 
 
 def per_expert_source(path: str | Path) -> PerExpert | None:

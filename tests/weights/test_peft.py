@@ -1,4 +1,4 @@
-"""PEFT's format (adapters/peft.py, peft_config.py): an exported adapter round-trips and loads in PEFT, the merged
+"""PEFT's format (weights/peft.py, peft_config.py): an exported adapter round-trips and loads in PEFT, the merged
 weights load in transformers with the adapter's logits, `shardfit generate --adapter` decodes what PEFT's model
 decodes, and what shardfit cannot reproduce (DoRA, rsLoRA, pickled weights) is one error line."""
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from shardfit.adapters.lora import apply_lora, init_adapters, is_adapter
-from shardfit.adapters.peft import attach_adapter, export_adapter, merged_parameters
-from shardfit.adapters.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
 from shardfit.config import load_config
 from shardfit.config.schema import LoraConfig
 from shardfit.errors import ShardfitError
-from shardfit.hf import export_hf
+from shardfit.weights.hf_export import export_hf
+from shardfit.weights.peft import attach_adapter, export_adapter, merged_parameters
+from shardfit.weights.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_lora_fields, read_adapter_config
 from tests.adapters.tiny_hf import hf_model, randomize_adapters, save_tiny, shardfit_model
 
 peft = pytest.importorskip("peft")
@@ -46,10 +46,14 @@ def test_export_round_trips_and_fills_the_config(adapted, tmp_path):
     got, want = dict(fresh.named_parameters()), dict(model.named_parameters())
     assert all(torch.equal(got[n], want[n]) for n in want)
     # lora.adapter fills the lora.* keys from the file; an explicit key that disagrees is refused
-    cfg = load_config(None, ["--data.seq_len=32", f"--model.path={path}", f"--lora.adapter={out}"])
+    cfg = load_config(None, ["--data.seq_len=32", f"--model.path={path}", f"--lora.adapter={out}"], adapter_lora_fields)
     assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets) == (4, 12.0, "down_proj,embed_tokens,q_proj,v_proj")
     with pytest.raises(ShardfitError, match=r"lora.rank: lora.rank=8 conflicts with rank=4 in .*adapter_config"):
-        load_config(None, ["--data.seq_len=32", f"--model.path={path}", f"--lora.adapter={out}", "--lora.rank=8"])
+        load_config(None, ["--data.seq_len=32", f"--model.path={path}", f"--lora.adapter={out}", "--lora.rank=8"],
+                    adapter_lora_fields)
+    # config reads no weight file itself: a caller that hands it no reader is told so, naming the key
+    with pytest.raises(ShardfitError, match=r"^lora.adapter: names a PEFT adapter directory.*adapter_lora_fields"):
+        load_config(None, ["--data.seq_len=32", f"--model.path={path}", f"--lora.adapter={out}"])
 
 
 def test_merged_export_loads_in_transformers_with_the_adapters_logits(adapted, tmp_path):

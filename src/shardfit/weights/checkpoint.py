@@ -4,7 +4,8 @@ checkpoint under a final name, and read so that a crafted or damaged one never r
 Layout of <dir>/step_00000100/:
   .metadata, __*.distcp    DCP: model (frozen parameters left out) and optimizer tensors, each rank its own shards
   rng/rank<r>.safetensors  each rank's RNG state
-  trainer.json             step, skipped steps, tokens seen, the run's id (the data position is the step)
+  trainer.json             step, skipped steps, tokens seen, the run's id (the data position is the step), and
+                           whether the optimizer's state is in it
   config.toml              the resolved config of the run
   complete.json            written last, by rank 0, after every rank has finished
 
@@ -12,6 +13,9 @@ Every rank writes into step_00000100.tmp/; once all have (one collective of thei
 complete.json and renames the directory. A failed write (disk full, read-only) is raised on every rank alike and
 leaves the previous checkpoint as it was. Weights that are not finite are never saved. checkpoint.keep prunes only
 this run's own older checkpoints (same run id, carried across resumes). Loading goes through checkpoint_verify.
+Saved without an optimizer (Engine.save_state(optimizer=False): weights for a sampler), a checkpoint holds the
+trained parameters and buffers only, a third of the bytes under Adam (fp32 weights and two fp32 moments each); it is
+written, checked and loaded as any other, and an attempt to restore an optimizer from it is one line.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from shardfit.errors import ShardfitError
 from shardfit.fsutil import write_atomic
 from shardfit.models.init import is_quantized_storage
 from shardfit.parallel.agreement import agree
-from shardfit.train.checkpoint_verify import COMPLETE, check_files, load_tensors
+from shardfit.weights.checkpoint_verify import COMPLETE, check_files, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # Frozen parameters (a LoRA run's base) are not saved: the Engine rebuilds them from model.path or the seed, as the
@@ -109,7 +113,8 @@ def refuse_non_finite(model, device: torch.device, step: int, root: Path, what: 
 
 def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, config_toml: str,
                     device: torch.device, keep: int = 0) -> Path:
-    """Save; trainer_state holds "run_id" (pruning) besides what it records. Raises on every rank alike."""
+    """Save; trainer_state holds "run_id" (pruning) besides what it records; optimizer None: the model alone.
+    Raises on every rank alike."""
     refuse_non_finite(model, device, step, root, "saving a checkpoint")
     rank, world = dist.get_rank(), dist.get_world_size()
     final = root / f"step_{step:08d}"
@@ -139,7 +144,9 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
                                             "no checkpoint of this run exists yet")) from None
 
     settle(attempt(prepare) if rank == 0 else None)
-    state = {"model": trained_state(model), "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+    state = {"model": trained_state(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)["state"]
     try:
         dcp.save(state, checkpoint_id=str(tmp))
         problem = attempt(lambda: save_file(_rng_state(device), str(tmp / "rng" / f"rank{rank}.safetensors")))
@@ -152,7 +159,8 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     settle(problem)  # every rank has finished writing, or all stop here
 
     def publish():
-        _write_json(tmp / "trainer.json", {**trainer_state, "step": step, "world_size": world})
+        _write_json(tmp / "trainer.json", {**trainer_state, "step": step, "world_size": world,
+                                           "optimizer": optimizer is not None})
         write_atomic(tmp / "config.toml", config_toml)
         _write_json(tmp / COMPLETE, {"step": step, "world_size": world})
         if final.exists():  # a corrupt one resume passed over (run_dir.check_no_overwrite refuses whole ones)
@@ -271,6 +279,10 @@ def load_checkpoint(path: Path, model, optimizer, device: torch.device, rng: boo
     The files were checked whole when the checkpoint was chosen; here the tensors are checked against this model
     and optimizer before DCP reads them (checkpoint_verify.load_tensors)."""
     trainer_state = json.loads((path / "trainer.json").read_text())
+    if optimizer is not None and trainer_state.get("optimizer") is False:  # the same file on every rank: all raise
+        raise ShardfitError("saved without the optimizer's state (save_state(optimizer=False)): it holds the "
+                            "weights only", where=str(path), fix="load its weights alone (Engine.load_state(path, "
+                            "optimizer=False)), or resume from a checkpoint saved with its optimizer")
     state = {"model": trained_state(model)}
     if optimizer is not None:  # None: the weights alone
         osd = get_optimizer_state_dict(model, optimizer)  # creates the optimizer state to load into

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from shardfit.config.init_from import newest_step_dir
 from shardfit.errors import ShardfitError
-from shardfit.train.checkpoint import agree_on_resume, frozen_names, load_checkpoint
-from shardfit.train.checkpoint_verify import COMPLETE, load_tensors
+from shardfit.weights.checkpoint import agree_on_resume, frozen_names, load_checkpoint
+from shardfit.weights.checkpoint_verify import COMPLETE, load_tensors
 
 
 def resolve_init_from(spec: str, notices: list[str], device: torch.device) -> Path:

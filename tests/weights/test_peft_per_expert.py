@@ -1,4 +1,4 @@
-"""A PEFT adapter trained on transformers 4's Qwen3-MoE (one pair a module and expert: adapters/peft_per_expert.py),
+"""A PEFT adapter trained on transformers 4's Qwen3-MoE (one pair a module and expert: weights/peft_per_expert.py),
 written by hand as PEFT 0.x wrote it there: read through shardfit's paths (lora.adapter's config, generate
 --adapter's attach_adapter), the model's logits equal the base with every delta W = (alpha / r) B A added by hand
 (gate and up separately, into transformers 5's fused gate_up_proj); what cannot be converted exactly is one line;
@@ -14,13 +14,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import shardfit.hf.load as hf_load
+import shardfit.weights.hf_load as hf_load
 from shardfit.adapters.lora import is_adapter
-from shardfit.adapters.peft import adapter_notices, attach_adapter, export_adapter
-from shardfit.adapters.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, read_adapter_config
 from shardfit.config import load_config
 from shardfit.config.schema import LoraConfig
 from shardfit.errors import ShardfitError
+from shardfit.weights.peft import adapter_notices, attach_adapter, export_adapter
+from shardfit.weights.peft_config import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    PREFIX,
+    adapter_lora_fields,
+    read_adapter_config,
+)
 from tests.adapters.tiny_hf import hf_model, save_tiny, shardfit_model
 
 R, ALPHA = 4, 12  # PEFT's scale alpha / r = 3
@@ -103,13 +109,14 @@ def test_transformers4_adapter_loads_exactly(base, tmp_path, modules, rank, targ
     # lora.adapter: rank 2r with both gate and up (their As stacked), alpha with it (the same scale), no dropout
     fields = {"rank": rank, "alpha": ALPHA * rank // R, "dropout": 0.0, "targets": targets}
     assert read_adapter_config(out) == fields
-    cfg = load_config(None, ["--data.seq_len=32", f"--model.path={base}", f"--lora.adapter={out}"])
+    cfg = load_config(None, ["--data.seq_len=32", f"--model.path={base}", f"--lora.adapter={out}"], adapter_lora_fields)
     assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets) == (rank, ALPHA * rank // R, 0.0,
                                                                                    targets)
     assert f"r={R}) read exactly" in adapter_notices(out)[0]
     with pytest.raises(ShardfitError, match=f"lora.rank=3 conflicts with rank={rank} in .*adapter_config.json "
                                             fr"\(transformers 4's per-expert MoE layout, r={R} read at rank {rank}\)"):
-        load_config(None, ["--data.seq_len=32", f"--model.path={base}", f"--lora.adapter={out}", "--lora.rank=3"])
+        load_config(None, ["--data.seq_len=32", f"--model.path={base}", f"--lora.adapter={out}", "--lora.rank=3"],
+                    adapter_lora_fields)
     model = shardfit_model(base)
     attach_adapter(model, out)  # generate --adapter; the engine's lora.adapter calls the same load_adapter
     with torch.no_grad():
@@ -181,7 +188,7 @@ def _load_and_step(rank, world, base, adapter, run_dir, extra):
     t = Trainer(load_config(None, ["--data.seq_len=32", "--train.global_batch=8", "--train.micro_batch=4",
                                    "--logging.progress=none", "--train.steps=1", "--checkpoint.final=false",
                                    f"--model.path={base}", f"--lora.adapter={adapter}", *extra,
-                                   f"--logging.run_dir={run_dir}"]))
+                                   f"--logging.run_dir={run_dir}"], adapter_lora_fields))
     loaded = {k: v.tolist() for k, v in full_state(t.model).items() if is_adapter(k)}  # every rank: collectives
     return {"adapters": loaded if rank == 0 else None, "losses": [h["loss"] for h in t.fit()],
             "notice": sum("a transformers-4 MoE adapter (per-expert keys, r=4) read exactly" in n for n in t.notices)}

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model
-from shardfit.train.checkpoint import resolve_resume
-from shardfit.train.checkpoint_verify import check_files, load_tensors
+from shardfit.weights.checkpoint import resolve_resume
+from shardfit.weights.checkpoint_verify import check_files, load_tensors
 from tests._dist import run_ranks
 from tests.helpers import small_config
 
@@ -239,7 +239,7 @@ def test_any_damage_to_any_file_is_refused_or_harmless(made, tmp_path, name, how
 
 def test_unpickler_input_is_never_plain_pickle(made):
     """The reader DCP is given reads .metadata through the allowlist: a planted global fails in it, not later."""
-    from shardfit.train.checkpoint_verify import CheckpointProblem, TensorReader
+    from shardfit.weights.checkpoint_verify import CheckpointProblem, TensorReader
 
     d = made.parent / "reader_case"
     shutil.copytree(made / "step_00000004", d)

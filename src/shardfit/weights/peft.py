@@ -5,20 +5,25 @@ Export (`export_adapter`, checkpoint.export_hf of a LoRA run): adapter_config.js
 adapter_model.safetensors holding every adapter parameter in fp32 under PEFT's key (peft_config.peft_key:
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), which peft.PeftModel.from_pretrained loads on
 the transformers model. Each adapter is gathered whole (`full_tensor`, a collective every rank issues in the same
-order); rank 0 writes into <out>.tmp and renames it (hf/export.py's publish); the outcome is agreed in one
+order); rank 0 writes into <out>.tmp and renames it (hf_export.py's publish); the outcome is agreed in one
 collective, so every rank returns or raises together. Adapters are small (r x (in + out) per layer; MoE experts'
-E times that: 2.5 GB fp32 on Qwen3-30B-A3B at r=16): rank 0 holds them all at once. MoE experts' adapters are
-written in PEFT's layout and keys for target_parameters (adapters/expert_lora.py).
+E times that: 2.5 GB fp32 on Qwen3-30B-A3B at r=16): rank 0 holds them all at once. MoE experts' adapters
+(adapters/expert_lora.py) are written in PEFT's layout and keys for target_parameters (peft 0.21, tuners/lora/
+layer.py ParamWrapper, the version tested; older ones read 3-D experts unswapped): lora_A.weight [E*r, in] (row
+e*r + j is expert e's j-th), lora_B.weight [out, r*E] (column j*E + e), scale alpha / r. One ParamWrapper per
+parameter, nested in the module's parameter order: with both adapted, gate_up_proj's pair is
+`<experts>.base_layer.lora_A.weight` and down_proj's `<experts>.lora_A.weight`; one alone is `<experts>.lora_A...`
+(`peft_expert_key`, `to_peft`, `from_peft`).
 Merged (`merged_parameters`, checkpoint.export_merged and Engine.weights): the base's parameters, each adapted
 weight as W + (alpha/r) B A in fp32 (an NF4 base, adapters/qlora.py: W dequantised, its rounding kept; stacked
-experts per expert, gate_up's B split between gate and up), streamed through hf/export.py one parameter at a time.
-A tied embedding has one weight for two uses, so adapters on embed_tokens or lm_head of a tied model cannot be
-merged: refused.
-Load (`load_adapter`, lora.adapter): through hf/load.py's reader, each rank reading its own rows of each adapter
-(an MoE expert adapter's B whole: its experts are strided columns in PEFT's layout), no collective. The base
-weights PEFT saves beside an embedding adapter (`...base_layer.weight`) are not read: the base is model.path's.
-A transformers-4 MoE adapter (one pair a module and expert, `...mlp.experts.0.gate_proj.lora_A.weight`) is read
-into the same adapters by adapters/peft_per_expert.py, exactly (gate and up at rank 2r on the fused gate_up).
+experts per expert, gate_up's B split between gate and up), streamed through hf_export.py one parameter at
+a time. A tied embedding has one weight for two uses, so adapters on embed_tokens or lm_head of a tied model cannot
+be merged: refused.
+Load (`load_adapter`, lora.adapter): through hf_load.py's reader, each rank reading its own rows of each
+adapter (an MoE expert adapter's B whole: its experts are strided columns in PEFT's layout), no collective. The
+base weights PEFT saves beside an embedding adapter (`...base_layer.weight`) are not read: the base is
+model.path's. A transformers-4 MoE adapter (one pair a module and expert, `...mlp.experts.0.gate_proj.lora_A.weight`)
+is read into the same adapters by peft_per_expert.py, exactly (gate and up at rank 2r on the fused gate_up).
 """
 
 from __future__ import annotations
@@ -32,16 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardfit.adapters.expert_lora import (
-    LoRAExperts,
-    adapted_experts,
-    adapter_of,
-    from_peft,
-    is_expert_adapter,
-    peft_expert_key,
-    target_parameters,
-    to_peft,
-)
+from shardfit.adapters.expert_lora import DOWN, GATE_UP, LoRAExperts, adapted_experts, adapter_of, is_expert_adapter
 from shardfit.adapters.lora import (
     LoRAEmbedding,
     LoRAModule,
@@ -50,25 +46,54 @@ from shardfit.adapters.lora import (
     is_adapter,
     target_names,
 )
-from shardfit.adapters.peft_config import (
+from shardfit.adapters.qlora import STORAGE
+from shardfit.config.schema import LoraConfig
+from shardfit.errors import ShardfitError
+from shardfit.parallel.agreement import agree
+from shardfit.parallel.dtensor import local_view
+from shardfit.weights.hf_export import batched_by_bytes, copy_tokenizer, full_tensor, publish, write_safetensors
+from shardfit.weights.hf_load import LoadResult, Rows, file_map, load_hf_checkpoint
+from shardfit.weights.nf4_io import merged_weight
+from shardfit.weights.peft_config import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    PREFIX,
     adapter_config_json,
     peft_key,
     per_expert_source,
     read_adapter_config,
 )
-from shardfit.adapters.peft_per_expert import conversion_notice, per_expert_params
-from shardfit.adapters.qlora import STORAGE
-from shardfit.adapters.qlora_io import merged_weight
-from shardfit.config.schema import LoraConfig
-from shardfit.errors import ShardfitError
-from shardfit.hf.export import batched_by_bytes, copy_tokenizer, full_tensor, publish, write_safetensors
-from shardfit.hf.load import LoadResult, Rows, file_map, load_hf_checkpoint
-from shardfit.parallel.agreement import agree
-from shardfit.parallel.dtensor import local_view
+from shardfit.weights.peft_per_expert import conversion_notice, per_expert_params
 
 _STAGE_BYTES = 256 << 20  # expert B adapters staged whole per batch while loading (load_adapter)
+
+
+
+def target_parameters(adapted: tuple[str, ...]) -> list[str]:
+    """adapter_config.json's target_parameters for these expert weights (PEFT matches them in every layer)."""
+    return [f"mlp.experts.{w}" for w in adapted]
+
+
+def peft_expert_key(name: str, adapted: tuple[str, ...]) -> str:
+    """shardfit's `<experts>.gate_up_proj_lora_A` -> PEFT's key in adapter_model.safetensors (module docstring)."""
+    prefix, _, leaf = name.rpartition(".")
+    weight, _, ab = leaf.rpartition("_lora_")
+    nested = "base_layer." if weight == GATE_UP and DOWN in adapted else ""
+    return f"{PREFIX}{prefix}.{nested}lora_{ab}.weight"
+
+
+def to_peft(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A full adapter in PEFT's layout: A [E, r, in] -> [E*r, in]; B [E, out, r] -> [out, r*E] (column j*E + e)."""
+    if name.endswith("_A"):
+        return t.reshape(-1, t.shape[-1])
+    return t.permute(1, 2, 0).reshape(t.shape[1], -1)
+
+
+def from_peft(name: str, t: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """to_peft's inverse (a view where it can be): PEFT's [E*r, in] -> [E, r, in]; [out, r*E] -> [E, out, r]."""
+    if name.endswith("_A"):
+        return t.view(n_experts, -1, t.shape[-1])
+    return t.view(t.shape[0], -1, n_experts).permute(2, 0, 1)
 
 
 def export_adapter(model: nn.Module, out: str | Path, lora: LoraConfig, targets: list[str], base: str | None,
@@ -147,7 +172,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> LoadResult:
     path = Path(path)
     files = {k: f for k, f in file_map(path / ADAPTER_WEIGHTS).items() if not k.endswith(".base_layer.weight")}
     source = per_expert_source(path)
-    if source is not None:  # transformers 4's per-expert keys: each read into its block (adapters/peft_per_expert.py)
+    if source is not None:  # transformers 4's per-expert keys: each read into its block (peft_per_expert.py)
         params, files = per_expert_params(model, files, source)
         return load_hf_checkpoint(model, path, params=params, files=files)
     params, strided = {}, []

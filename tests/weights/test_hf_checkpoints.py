@@ -8,8 +8,9 @@ import torch
 
 from shardfit.config import load_config
 from shardfit.errors import ShardfitError
-from shardfit.hf import export_hf, load_hf_checkpoint
 from shardfit.models import build_model
+from shardfit.weights.hf_export import export_hf
+from shardfit.weights.hf_load import load_hf_checkpoint
 from tests._dist import run_ranks
 from tests.helpers import full_state
 from tests.helpers import parallelize_config as parallelize
@@ -106,7 +107,7 @@ def test_two_rank_load_equals_single_and_export_round_trips(tmp_path, kind):
 def test_adjacent_tensors_are_read_together_and_large_ones_in_chunks(tmp_path, monkeypatch):
     """A MoE checkpoint's expert matrices follow each other in the file: fewer reads than tensors. With a staging
     buffer smaller than most tensors, each is read in chunks: the same values either way."""
-    from shardfit.hf import load as hf_load
+    from shardfit.weights import hf_load
 
     path, _ = _save("qwen3_moe", tmp_path)
     cfg = load_config(None, [f"--model.path={path}", *ARGS])

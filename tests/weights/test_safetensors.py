@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shardfit.hf.safetensors_view import SafetensorsView
+from shardfit.weights.safetensors import SafetensorsView
 
 TENSORS = {"a": torch.randn(7, 5).bfloat16(), "b": torch.randn(3), "c": torch.tensor(2.5), "e": torch.empty(0, 4),
            "i": torch.arange(10), "x": torch.randn(4, 3, 2).half()}
