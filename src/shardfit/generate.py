@@ -6,7 +6,8 @@ cache (models.decoder.KVCache: the prompt runs once, then one token per step). A
 with the assistant's turn opened, in the chat template the model was fine-tuned with (one stderr line names it): a
 checkpoint's config.toml records it (data.chat_template), a model directory holds it as its tokenizer's template
 (an export writes shardfit's plain one there); a model trained on no chat gets the text as it is, as --raw sends
-it. Decoding stops at the tokenizer's EOS or any EOS id in generation_config.json.
+it. Decoding stops at the tokenizer's EOS or any EOS id in generation_config.json. Each answer is one line of
+stdout, in the order asked (one_line: an answer's newlines written as \\n, its backslashes as \\\\).
 LoRA: --adapter puts a PEFT adapter directory on the Hugging Face model (its base: --model.path, or the adapter's
 base_model_name_or_path when that is a local directory), unmerged; a LoRA run's checkpoint (its adapters only) is
 put on its base (the run's model.path, or the seeded initialisation it started from, drawn on this device; a QLoRA
@@ -200,6 +201,13 @@ def eos_ids(tokenizer, model_dir: Path | None) -> set[int]:
     return ids
 
 
+def one_line(answer: str) -> str:
+    """An answer as one line of output: backslash, newline and carriage return escaped as Python and C write them
+    (\\\\, \\n, \\r), so that the k-th line is the k-th answer and `printf '%b\\n'` (or unicode_escape on ASCII)
+    gives the text back."""
+    return answer.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
 def prompt_ids(tokenizer, tokenizer_spec: str, text: str | list[dict], raw: bool, renderer=None,
                tools: list[dict] | None = None) -> list[int]:
     """The prompt's tokens: through `renderer` (else the tokenizer's chat template, when it has one) as one user
@@ -277,7 +285,8 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str]) -> int:
     p = _Parser(prog="shardfit generate", description="Generate text from a Hugging Face model directory "
                 "(--model.path, e.g. a --checkpoint.export_hf output) or a shardfit checkpoint (--checkpoint), on "
-                "one device. Greedy by default; --temperature > 0 samples, within --top-p.")
+                "one device. Greedy by default; --temperature > 0 samples, within --top-p. Each answer is one line "
+                "of output: its newlines written as \\n, its backslashes as \\\\.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model.path", dest="model_path", help="Hugging Face model directory")
     src.add_argument("--checkpoint", help="a step_XXXXXXXX directory, or a checkpoints/run directory (newest)")
@@ -371,5 +380,5 @@ def main(argv: list[str]) -> int:
         ids = prompt_ids(tokenizer, tok_spec, text, raw=renderer is None, renderer=renderer, tools=tools)
         out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, eos_ids=stops,
                        seed=a.seed, use_cache=not a.no_cache)
-        print(tokenizer.decode([t for t in out if t not in stops]), flush=True)
+        print(one_line(tokenizer.decode([t for t in out if t not in stops])), flush=True)
     return 0
