@@ -253,3 +253,58 @@ def test_chat_template_saved_by_transformers_in_its_own_file(tmp_path):
                                         tokenize=True)
     theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
     assert ours == list(theirs)
+
+
+def test_each_answer_is_one_line_of_output(tmp_path, capsys, monkeypatch):
+    """Answers with newlines, carriage returns and backslashes: one line each, in the order asked, that
+    unicode_escape (printf '%b') turns back into the answer."""
+    import codecs
+
+    import shardfit.generate as gen
+
+    path, _ = _save("llama", tmp_path)
+    answers = iter(["two\nlines", "C:\\new\r\nfolder", "plain"])
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: list(next(answers).encode()))  # the byte tokenizer's ids
+    assert main(["--model.path", str(path), "--raw", "--device", "cpu", "--prompt", "a", "--prompt", "b",
+                 "--prompt", "c"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["two\\nlines", "C:\\\\new\\r\\nfolder", "plain"]
+    assert [codecs.decode(line, "unicode_escape") for line in lines] == ["two\nlines", "C:\\new\r\nfolder", "plain"]
+
+
+def test_answers_to_a_closed_pipe_end_quietly(tmp_path):
+    """`shardfit generate ... | head -1`: no BrokenPipeError traceback once head has gone; SIGPIPE's status."""
+    import os
+    import subprocess
+    import sys
+
+    path, _ = _save("llama", tmp_path)
+    read, write = os.pipe()
+    os.close(read)
+    p = subprocess.run([sys.executable, "-m", "shardfit", "generate", "--model.path", str(path), "--raw", "--device",
+                        "cpu", "--max-new-tokens", "2", "--prompt", "a", "--prompt", "b"], stdout=write,
+                       stderr=subprocess.PIPE, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(write)
+    assert (p.returncode, p.stderr) == (141, "")
+
+
+def test_messages_prompts_carry_the_records_tools(tmp_path):
+    """--messages on tool-calling records: the prompt holds the record's tools, calls and results, as
+    transformers' apply_chat_template(messages, tools=tools, add_generation_prompt=True) renders them."""
+    from shardfit.data.chat import chat_renderer
+    from shardfit.data.tokenizer import build_tokenizer
+    from shardfit.generate import conversations
+    from tests.data.chat_templates import tool_tokenizer
+    from tests.data.test_chat import CASES, openai_shaped
+
+    path = tool_tokenizer(tmp_path / "qwen")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent))
+    case = CASES["a system turn, a call with text, two rounds"]
+    file = tmp_path / "eval.jsonl"
+    file.write_text(json.dumps(openai_shaped(case)) + "\n")
+    [(chat, tools)] = conversations(str(file), None)
+    tok = build_tokenizer(str(path))
+    ids = prompt_ids(tok, str(path), chat, raw=False, renderer=chat_renderer(str(path)), tools=tools)
+    upto = max(i for i, m in enumerate(case["messages"]) if m["role"] == "user") + 1  # up to the last user turn
+    assert tok.tok.decode(ids, skip_special_tokens=False) == hf_tok.apply_chat_template(
+        case["messages"][:upto], tools=case["tools"], tokenize=False, add_generation_prompt=True)

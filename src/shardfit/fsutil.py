@@ -1,14 +1,19 @@
 """Files that are complete or absent: write under a temporary name, then rename (atomic on POSIX). And the header of
 a safetensors file, torch-free: the config loader reads a PEFT adapter's tensor names before torch is imported
-(weights/peft_config.py); weights/safetensors.py reads the same header for the loader."""
+(weights/peft_config.py); weights/safetensors.py reads the same header for the loader. And what a Hugging Face Hub
+id looks like (ORG/NAME), for the paths users write one into (data/sources.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 from typing import BinaryIO
+
+# A Hugging Face Hub repository id, as users write one where a local path goes
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:

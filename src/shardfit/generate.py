@@ -6,7 +6,8 @@ cache (models.decoder.KVCache: the prompt runs once, then one token per step). A
 with the assistant's turn opened, in the chat template the model was fine-tuned with (one stderr line names it): a
 checkpoint's config.toml records it (data.chat_template), a model directory holds it as its tokenizer's template
 (an export writes shardfit's plain one there); a model trained on no chat gets the text as it is, as --raw sends
-it. Decoding stops at the tokenizer's EOS or any EOS id in generation_config.json.
+it. Decoding stops at the tokenizer's EOS or any EOS id in generation_config.json. Each answer is one line of
+stdout, in the order asked (one_line: an answer's newlines written as \\n, its backslashes as \\\\).
 Loading is weights/local.py's (a model directory, a checkpoint, a LoRA run's adapters on their base). LoRA:
 --adapter puts a PEFT adapter directory on the Hugging Face model (its base: --model.path, or the adapter's
 base_model_name_or_path when that is a local directory), unmerged.
@@ -81,9 +82,18 @@ def eos_ids(tokenizer, model_dir: Path | None) -> set[int]:
     return ids
 
 
-def prompt_ids(tokenizer, tokenizer_spec: str, text: str | list[dict], raw: bool, renderer=None) -> list[int]:
+def one_line(answer: str) -> str:
+    """An answer as one line of output: backslash, newline and carriage return escaped as Python and C write them
+    (\\\\, \\n, \\r), so that the k-th line is the k-th answer and `printf '%b\\n'` (or unicode_escape on ASCII)
+    gives the text back."""
+    return answer.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def prompt_ids(tokenizer, tokenizer_spec: str, text: str | list[dict], raw: bool, renderer=None,
+               tools: list[dict] | None = None) -> list[int]:
     """The prompt's tokens: through `renderer` (else the tokenizer's chat template, when it has one) as one user
-    message, or the conversation `text` is, with the assistant's turn opened; as they are with raw."""
+    message, or the conversation `text` is (with its record's tools), with the assistant's turn opened; as they
+    are with raw."""
     from shardfit.data.chat import chat_renderer
 
     if renderer is None and not raw:
@@ -93,14 +103,16 @@ def prompt_ids(tokenizer, tokenizer_spec: str, text: str | list[dict], raw: bool
         return tokenizer.encode(text)  # a string: main refuses conversations without a template
     messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
     # the same renderer, special tokens included, as fine-tuning's (data/chat.py)
-    return tokenizer.encode(renderer.render(messages, add_generation_prompt=True))
+    return tokenizer.encode(renderer.render(messages, add_generation_prompt=True, tools=tools))
 
 
-def conversations(path: str, system: str | None) -> list[list[dict]]:
+def conversations(path: str, system: str | None) -> list[tuple[list[dict], list[dict] | None]]:
     """The prompts of --messages: each record of a chat file (messages, sharegpt or alpaca, as fine-tuning reads
     them) up to its last user turn, so that the answer is generated where the record may hold one (an evaluation
-    set). One line naming file:line for a record that is no conversation or has no user turn."""
+    set), with the record's tools. One line naming file:line for a record that is no conversation or has no user
+    turn."""
     from shardfit.data.formats import CHAT, chat_messages, detect
+    from shardfit.data.messages import record_tools
     from shardfit.data.sources import read_records
 
     if not Path(path).is_file():
@@ -111,14 +123,14 @@ def conversations(path: str, system: str | None) -> list[list[dict]]:
         if fmt not in CHAT:
             raise ShardfitError(f"a record of {fmt}, not a conversation", where=where, fix="give each record as "
                                 "{\"messages\": [{\"role\": \"user\", \"content\": ...}, ...]} (or sharegpt, alpaca)")
-        msgs = [{"role": m["role"], "content": m["content"]} for m in chat_messages(obj, fmt, where)]
+        msgs = [{k: v for k, v in m.items() if k != "weight"} for m in chat_messages(obj, fmt, where)]
         last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
         if last is None:
             raise ShardfitError("the conversation has no user turn to answer", where=where,
                                 fix="end each conversation with the user's message")
         msgs = msgs[:last + 1]
-        out.append(msgs if system is None or msgs[0]["role"] == "system" else
-                   [{"role": "system", "content": system}, *msgs])
+        out.append((msgs if system is None or msgs[0]["role"] == "system" else
+                    [{"role": "system", "content": system}, *msgs], record_tools(obj, where)))
     if not out:
         raise ShardfitError("no conversation in the file", where=f"--messages {path}", fix="give one per line")
     return out
@@ -154,7 +166,8 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str]) -> int:
     p = _Parser(prog="shardfit generate", description="Generate text from a Hugging Face model directory "
                 "(--model.path, e.g. a --checkpoint.export_hf output) or a shardfit checkpoint (--checkpoint), on "
-                "one device. Greedy by default; --temperature > 0 samples, within --top-p.")
+                "one device. Greedy by default; --temperature > 0 samples, within --top-p. Each answer is one line "
+                "of output: its newlines written as \\n, its backslashes as \\\\.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model.path", dest="model_path", help="Hugging Face model directory")
     src.add_argument("--checkpoint", help="a step_XXXXXXXX directory, or a checkpoints/run directory (newest)")
@@ -205,8 +218,8 @@ def main(argv: list[str]) -> int:
         raise ShardfitError("--system needs the chat template, but --raw sends text as it is", where="--system",
                             fix="drop --raw, or put the system text into the prompt")
     prompts = conversations(a.messages, a.system) if a.messages else [
-        t if a.system is None else [{"role": "system", "content": a.system}, {"role": "user", "content": t}]
-        for t in a.prompt]
+        (t if a.system is None else [{"role": "system", "content": a.system}, {"role": "user", "content": t}], None)
+        for t in a.prompt]  # (text or messages, the record's tools)
     if a.top_p < 1 and a.temperature == 0:  # greedy decoding would ignore it
         raise ShardfitError(f"{a.top_p} needs sampling, but --temperature is 0 (greedy)", where="--top-p",
                             fix="add --temperature (e.g. 0.7) to sample, or drop --top-p")
@@ -237,13 +250,13 @@ def main(argv: list[str]) -> int:
     renderer, line = (None, None) if a.raw else training_template(tok_spec, a.model_path, saved)
     if line:
         print(line, file=sys.stderr, flush=True)
-    if renderer is None and not all(isinstance(t, str) for t in prompts):
+    if renderer is None and not all(isinstance(t, str) for t, _ in prompts):
         raise ShardfitError("conversations and --system need a chat template, and this model was fine-tuned with "
                             "none", where="--messages" if a.messages else "--system",
                             fix="give plain --prompt text, or --tokenizer with a chat template")
-    for text in prompts:
-        ids = prompt_ids(tokenizer, tok_spec, text, raw=renderer is None, renderer=renderer)
+    for text, tools in prompts:
+        ids = prompt_ids(tokenizer, tok_spec, text, raw=renderer is None, renderer=renderer, tools=tools)
         out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, eos_ids=stops,
                        seed=a.seed, use_cache=not a.no_cache)
-        print(tokenizer.decode([t for t in out if t not in stops]), flush=True)
+        print(one_line(tokenizer.decode([t for t in out if t not in stops])), flush=True)
     return 0

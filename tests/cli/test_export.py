@@ -25,7 +25,9 @@ def test_export_loads_in_transformers_with_the_checkpoints_logits(two_rank_run, 
     out = tmp_path / "hf"
     p = _run("export", str(two_rank_run), str(out), "--dtype", "float32")
     assert p.returncode == 0, p.stderr
-    assert f"exported {two_rank_run} to {out}" in p.stdout and "tokenizer byte (written as tokenizer.json)" in p.stdout
+    step = two_rank_run / "checkpoints" / "step_00000002"  # the run's newest, the one its directory names
+    assert p.stdout.startswith(f"exported step 2 ({step}) to {out}: "), p.stdout
+    assert "tokenizer byte (written as tokenizer.json)" in p.stdout
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json"} <= {f.name for f in out.iterdir()}
 

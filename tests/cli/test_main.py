@@ -26,3 +26,20 @@ def test_help_names_every_command(capsys):
     for name in COMMANDS:
         assert f"{name}: " in out, name
         assert f"shardfit {name} --help" in out or name == "recipes", name  # recipes takes no options
+
+
+@pytest.mark.parametrize("args", [["recipes"], ["train", "--help"]])
+def test_output_to_a_closed_pipe_ends_quietly(args):
+    """`shardfit ... | head`: once the reader has gone, the command leaves as Unix tools do (SIGPIPE's exit
+    status 141), with no traceback and no "Exception ignored" line, whether the output was written while running
+    or flushed at the exit."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    p = subprocess.run([sys.executable, "-m", "shardfit", *args], stdout=write, stderr=subprocess.PIPE, text=True,
+                       timeout=120)
+    os.close(write)
+    assert (p.returncode, p.stderr) == (141, "")

@@ -65,8 +65,8 @@ def test_without_matplotlib_a_run_says_so_in_one_line(tmp_path, monkeypatch, cap
                        capture_output=True, text=True, env=env, timeout=240)
     assert p.returncode == 0, p.stderr
     said = [line for line in p.stdout.splitlines() if "metrics.png" in line]
-    assert said == ["no metrics.png: drawing needs matplotlib, which is not installed (pip install "
-                    "'shardfit[plot]'; or logging.plot=false)"]
+    assert said == ["no metrics.png: drawing needs matplotlib, which is not installed (pip install matplotlib; or "
+                    "logging.plot=false)"]
     assert not (run / "metrics.png").exists() and (run / "checkpoints" / "step_00000006").is_dir()
 
     from shardfit.cli.main import main
@@ -74,7 +74,7 @@ def test_without_matplotlib_a_run_says_so_in_one_line(tmp_path, monkeypatch, cap
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["plot", str(run)]) == 2
     assert capsys.readouterr().err == ("shardfit: error: shardfit plot: drawing needs matplotlib, which is not "
-                                       "installed; fix: pip install 'shardfit[plot]'\n")
+                                       "installed; fix: pip install matplotlib\n")
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -101,3 +101,20 @@ def test_several_runs_need_an_out(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "ab.png")]) == 0
     assert set(_drawn(tmp_path / "ab.png")) == {str(tmp_path / "a"), str(tmp_path / "b")}
+
+
+def test_a_plain_install_draws_metrics_png():
+    """The README's first command (`pip install torch==... -e . && shardfit train`) promises metrics.png: matplotlib
+    is a dependency of shardfit itself, not of an extra."""
+    import re
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    root = Path(__file__).parents[2]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"matplotlib\b", d) for d in deps), deps
+    assert "metrics.png" in (root / "README.md").read_text()

@@ -64,12 +64,39 @@ def test_schedule_line_and_a_step_larger_than_the_data(tmp_path):
     lines = schedule_lines(cfg, train, per_round=2)
     assert lines[0] == ("schedule: 1 step x 16 examples = 3.20 passes over the training set's 5 examples "
                         "(train.epochs=1); lr warm-up 1 step, then no decay")
-    assert lines[1] == ("warning: one step holds 16 examples but the training set has 5: every step sees the data "
-                        "3.2 times; fix: --train.global_batch=4, or add data")
+    assert lines[1] == ("warning: one step holds train.global_batch=16 examples but the training set has 5: "
+                        "train.epochs=1 trains 3.20 passes; fix: --train.global_batch=4, or add data")
     cfg, train, _ = _steps(f"--data.path={_data(tmp_path, 40)}", "--data.pack=false", "--train.steps=20")
     assert schedule_lines(cfg, train, per_round=2) == [
         "schedule: 20 steps x 4 examples = 2.00 passes over the training set's 40 examples (train.steps=20); lr "
         "warm-up 2 steps, then cosine decay to 0.1 x 0.003 at step 20"]
+
+
+@pytest.mark.parametrize("args, per_round, said", [
+    # the issue's run: 5 short chats packed into 1 row, the default global batch 16 and micro-batch 8
+    (["--train.epochs=3", "--train.global_batch=16", "--train.micro_batch=8"], 8,
+     "one step holds train.global_batch=16 packed rows but the training set has 1: train.epochs=3 trains 16.00 "
+     "passes; fix: --train.global_batch=1 --train.micro_batch=1, or add data"),
+    (["--data.pack=false", "--train.steps=4", "--train.global_batch=16", "--train.micro_batch=4"], 8,  # 2 ranks
+     "one step holds train.global_batch=16 examples but the training set has 5: every step sees the data 3.2 "
+     "times; fix: --train.global_batch=4 --train.micro_batch=2, or add data"),
+    (["--data.pack=false", "--train.steps=4", "--train.global_batch=16", "--train.micro_batch=1"], 8,  # 8 ranks
+     "but the training set has 5: every step sees the data 3.2 times; fix: add data: 8 data-parallel ranks take at "
+     "least 8 examples a step"),
+])
+def test_a_step_larger_than_the_data_names_its_key_and_a_fix_that_fits(tmp_path, args, per_round, said):
+    """The fix makes one step hold at most the training set with a global batch that is a multiple of micro-batch x
+    ranks (the micro-batch lowered when the data are fewer than one round): the flags it names pass that rule."""
+    from shardfit.config.loader import accumulation_steps
+
+    cfg, train, _ = _steps(f"--data.path={_data(tmp_path, 5)}", *args)
+    warning = schedule_lines(cfg, train, per_round)[1]
+    assert warning.startswith("warning: ") and warning.endswith(said), warning
+    flags = dict(re.findall(r"--train\.(\w+)=(\d+)", warning.partition("fix: ")[2]))
+    if flags:
+        batch, micro = int(flags["global_batch"]), int(flags.get("micro_batch", cfg.train.micro_batch))
+        assert batch <= train.num_windows
+        accumulation_steps(batch, micro, per_round // cfg.train.micro_batch)  # raises if not a multiple
 
 
 def test_steps_and_epochs_from_files_and_the_command_line(tmp_path):

@@ -83,7 +83,8 @@ PC, CHAT = {"prompt": "a", "completion": "b"}, {"messages": [{"role": "user", "c
                           "line 1); fix: write every record as prompt_completion ('prompt', 'completion')"),
     (PC, CHAT, "no 'prompt' key (found: messages, a record of messages) but data.format is prompt_completion"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
-    (CHAT, {"messages": [{"role": "user"}]}, "'messages' must be a list of {role, content} strings"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content: missing or null, and the message has no "
+                                             "tool_calls; fix: give the message's text as content"),
 ])
 def test_bad_examples_name_the_line(tmp_path, first, row, needle):
     path = _write(tmp_path / "d.jsonl", [first, row])

@@ -56,3 +56,23 @@ def test_wrong_parquet_column_and_missing_paths(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(ShardfitError, match="holds no text"):
         tokenize_corpus(str(tmp_path / "empty.jsonl"), "auto", "text", ByteTokenizer())
+
+
+def test_a_hub_dataset_id_gets_the_download_command(tmp_path, monkeypatch):
+    """data.path=ORG/NAME that is no local path: the hf download command, as model.path's Hub ids get; a missing
+    file with a data extension, or under a directory that exists, is a missing file."""
+    from shardfit.data.sources import resolve_files
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ShardfitError) as e:
+        resolve_files("HuggingFaceH4/ultrachat_200k")
+    assert str(e.value) == (
+        "HuggingFaceH4/ultrachat_200k: no such file or directory, and 'HuggingFaceH4/ultrachat_200k' (a Hugging Face "
+        "Hub dataset id?) is not downloaded: shardfit reads local files only; fix: download it first: hf download "
+        "HuggingFaceH4/ultrachat_200k --repo-type dataset --local-dir ultrachat_200k, then give data.path the files "
+        "of the split to train on (a file, directory or glob under ultrachat_200k/)")
+    (tmp_path / "data").mkdir()
+    for missing in ("chats/train.jsonl", "data/train"):
+        with pytest.raises(ShardfitError) as e:
+            resolve_files(missing)
+        assert str(e.value) == f"{missing}: no such file or directory; fix: check data.path"

@@ -1,11 +1,12 @@
 """`shardfit export RUN_OR_STEP OUT`: a shardfit checkpoint as a Hugging Face model directory, in one process.
 
 The checkpoint (a step_XXXXXXXX directory, or a run or checkpoints directory: its newest whole checkpoint) is
-checked whole and read through the checked loader (weights/local.py's load_dcp: checkpoint_verify, nothing
-unpickled) into one unsharded model on the CPU, whatever number of ranks wrote it and in whatever layout; the
-trainer's own exporter (weights/hf_export.py, through weights/local.py's write_hf) then writes it with the run's
-tokenizer files, the byte tokenizer's included, so that transformers' AutoModelForCausalLM and AutoTokenizer load
-OUT; a LoRA run's adapters are merged into its base. OUT must be new, empty, or a previous export (replaced whole).
+checked whole (the line printed at the end names its step) and read through the checked loader (weights/local.py's
+load_dcp: checkpoint_verify, nothing unpickled) into one unsharded model on the CPU, whatever number of ranks wrote it
+and in whatever layout; the trainer's own exporter (weights/hf_export.py, through weights/local.py's write_hf) then
+writes it with the run's tokenizer files, the byte tokenizer's included, so that transformers' AutoModelForCausalLM
+and AutoTokenizer load OUT; a LoRA run's adapters are merged into its base. OUT must be new, empty, or a previous
+export (replaced whole).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def export(argv: list[str]) -> int:
     n = count_params(model) - sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
     nf4 = "; the base dequantised from NF4 (QLoRA): its weights carry NF4's rounding" if quantized_modules(model) \
         else ""
-    print(f"exported {args.checkpoint} to {out}: {n / 1e6:.1f}M parameters in {args.dtype}, tokenizer "
+    from shardfit.weights.checkpoint import step_of
+
+    ckpt = Path(saved["where"]).parent  # the step_XXXXXXXX directory load_dcp chose (a run's: its newest)
+    print(f"exported step {step_of(ckpt)} ({ckpt}) to {out}: {n / 1e6:.1f}M parameters in {args.dtype}, tokenizer "
           f"{'byte (written as tokenizer.json)' if spec == 'byte' else spec}{nf4}")
     return 0

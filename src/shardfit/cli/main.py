@@ -2,7 +2,9 @@
 
 Each command is the function of the same name in its own module, cli/<command>.py, taking the arguments after the
 command's name. A ShardfitError from any command is one line, `shardfit: error: ...`, and exit code 2 (or the error's
-own code); under torchrun once per job (cli.rank_errors). Ctrl-C is `shardfit: interrupted` and exit 130.
+own code); under torchrun once per job (cli.rank_errors). Ctrl-C is `shardfit: interrupted` and exit 130. Output
+whose reader has gone (`shardfit generate ... | head`) ends the command quietly, as Unix tools end: exit 141 (128 +
+SIGPIPE), no traceback.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[command](rest)
     except ShardfitError as e:
         return rank_errors.report_error(e)
+    except BrokenPipeError:
+        if not stdout_gone():
+            raise  # another pipe (a socket, a child's): a bug, with its traceback
+        return quiet_broken_pipe()
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM outside the training loop (cli/train.py)
         sig = getattr(e, "signum", signal.SIGINT)
         print("shardfit: interrupted" if sig == signal.SIGINT else f"shardfit: stopped by {signal.Signals(sig).name}"
@@ -66,6 +72,27 @@ def main(argv: list[str] | None = None) -> int:
         if rank_errors.torchrun_worker():
             return rank_errors.report_crash(e)  # a bug keeps its traceback, printed once per job
         raise
+
+
+def stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no real stdout
+        return False
+
+
+def quiet_broken_pipe() -> int:
+    """Stdout's reader has gone: point stdout at /dev/null, so that the exit's flush of what is still buffered
+    does not fail again ("Exception ignored ... BrokenPipeError"), and leave as SIGPIPE would have ended us."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def entry() -> None:
@@ -82,7 +109,14 @@ def entry() -> None:
     then: skipping finalization loses nothing (metrics, W&B and TensorBoard are closed by the trainer).
     """
     rank_errors.quiet_interrupts()  # first: a torchrun rank's Ctrl-C must not become a traceback, even in imports
-    rc = main()
+    try:
+        rc = main()
+    except SystemExit as e:  # argparse's --help and --version leave from inside main
+        rc = e.code
+    try:
+        sys.stdout.flush()  # what a block-buffered pipe still holds (`shardfit recipes | head -1`)
+    except BrokenPipeError:
+        rc = quiet_broken_pipe()
     from shardfit.cli import train as train_command
 
     if train_command.trained_here:

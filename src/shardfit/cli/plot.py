@@ -11,7 +11,7 @@ from shardfit.errors import ShardfitError
 def plot(argv: list[str]) -> int:
     parser = ArgumentParser(prog="shardfit plot", description=(
         "Draw training and validation loss, learning rate, tokens/s and memory against steps and tokens from "
-        "each run directory's metrics.jsonl, into one PNG (needs matplotlib: pip install 'shardfit[plot]')."))
+        "each run directory's metrics.jsonl, into one PNG."))
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (several: overlaid)")
     parser.add_argument("--out", help="the PNG to write (default: RUN_DIR/metrics.png; needed for several runs)")
     args = parser.parse_args(argv)

@@ -8,7 +8,13 @@ generate` renders a prompt as the model was fine-tuned to see it.
 
 Plain template (documented, stable):   <|role|>\\ncontent\\n   per message, EOS after each assistant message (an
 id, not text: PLAIN_JINJA writes the tokenizer's eos_token there); <|assistant|>\\n opens the assistant's turn.
-Loss is taken on each assistant message (content, newline, EOS), unless the message says "weight": 0.
+Loss is taken on each assistant message (content, newline, EOS), unless the message says "weight": 0. The plain
+template has no place for tools: a record with tools or tool calls needs the tokenizer's template.
+
+A tokenizer's template renders what transformers' apply_chat_template(messages, tools=tools) renders (the same
+Jinja environment, tested against it): the record's tools reach it as `tools`; a template that never reads tools
+(or tool_calls) while a record has them is refused rather than trained without them. Its loss is on the text each
+assistant message adds (segments()).
 """
 
 from __future__ import annotations
@@ -91,6 +97,38 @@ def chat_renderer(tokenizer_spec: str, folder: Path | None = None) -> ChatRender
     return ChatRenderer(template if isinstance(template, str) else None, special, source)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson filter, which chat templates are written against (tool schemas, call arguments):
+    json.dumps in the key order given, no HTML escaping. Jinja's own sorts the keys and escapes <, >, &, ': a
+    template would render other text than transformers does."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_tag():
+    """The {% generation %} ... {% endgeneration %} tag of transformers' templates (it marks the assistant's text
+    for return_assistant_tokens_mask): rendered as its body, in a call block as transformers renders it (the same
+    scoping). segments() finds the trained text by rendering prefixes instead."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return Generation
+
+
+def _calls_of(i: int) -> str:
+    return f"the tool_calls of message {i} (from 0, of the conversation as rendered)"
+
+
 class TemplateRaised(Exception):
     """A chat template's own refusal: HF templates call raise_exception("...") on conversations they reject."""
 
@@ -106,20 +144,25 @@ def _strftime_now(fmt: str) -> str:
 
 
 class ChatRenderer:
-    """A chat template compiled in a sandbox, with the globals HF's templates call (raise_exception, strftime_now).
+    """A chat template compiled in a sandbox as transformers' apply_chat_template compiles it: its tojson filter,
+    the loop controls and {% generation %} tags, the globals HF's templates call (raise_exception, strftime_now).
     source names the template's file in error lines."""
 
     def __init__(self, template: str | None, special: dict[str, str] | None = None,
                  source: str = "chat template"):
         self.template, self.special, self.source, self.text = None, special or {}, source, template
+        self.reads: set[str] = set()  # the variables the template reads (tools, messages, ...)
         if template:
-            from jinja2 import TemplateSyntaxError
+            from jinja2 import TemplateSyntaxError, meta
             from jinja2.sandbox import ImmutableSandboxedEnvironment  # a template must not run code either
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[_generation_tag(), "jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
             env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
             try:
                 self.template = env.from_string(template)
+                self.reads = meta.find_undeclared_variables(env.parse(template))
             except TemplateSyntaxError as e:
                 raise ShardfitError(f"the chat template has a Jinja syntax error ({e.message}, template line "
                                     f"{e.lineno})", where=f"{source} chat_template",
@@ -137,15 +180,18 @@ class ChatRenderer:
         whose = "shardfit's plain" if self.kind == "plain" else "the tokenizer's"
         return f"{whose} template from {self.source}"
 
-    def render(self, messages: list[dict], add_generation_prompt: bool, where: str | None = None) -> str:
-        """The chat as text; where (the example's file:line) is named when the template refuses it. The plain
-        template's EOS is an id, not text: it is left out here (segments() places it)."""
+    def render(self, messages: list[dict], add_generation_prompt: bool, where: str | None = None,
+               tools: list[dict] | None = None) -> str:
+        """The chat as text, as apply_chat_template(messages, tools=tools, add_generation_prompt=...) renders it;
+        where (the example's file:line) is named when the template refuses it. The plain template's EOS is an id,
+        not text: it is left out here (segments() places it)."""
+        self._check_tools(messages, tools, where)
         if self.template is None:
             return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + (
                 "<|assistant|>\n" if add_generation_prompt else "")
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special)
+            return self.template.render(messages=messages, tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **self.special)
         except TemplateRaised as e:
             raise ShardfitError(f"the chat template refuses this conversation: {e}", where=where or self.source,
                                 fix="fix the example to follow the template's rules (" + self.source + ")") from None
@@ -154,29 +200,58 @@ class ChatRenderer:
             raise ShardfitError(f"the chat template failed ({type(e).__name__}: {first})",
                                 where=where or self.source, fix=f"fix the template in {self.source}") from None
 
-    def segments(self, messages: list[dict], where: str | None = None) -> list[tuple[str | None, bool]]:
+    def _check_tools(self, messages: list[dict], tools: list[dict] | None, where: str | None) -> None:
+        """Tool schemas and calls reach a template that writes them, or the conversation is refused: a model
+        trained on calls to tools whose schemas its prompts never showed learns the wrong thing, silently."""
+        calls = next((i for i, m in enumerate(messages) if m.get("tool_calls")), None)
+        if not tools and calls is None:
+            return
+        if self.template is None:
+            what = "tools" if tools else _calls_of(calls)
+            raise ShardfitError(f"{what}: shardfit's plain template has no place for tool schemas or calls",
+                                where=where or self.source, fix="use a tokenizer whose chat template renders tools "
+                                "(e.g. Qwen2.5's) with data.chat_template=tokenizer")
+        unread = ("tools", "tools") if tools and "tools" not in self.reads else (
+            (_calls_of(calls), "tool_calls") if calls is not None and "tool_calls" not in self.text
+            else None)
+        if unread:
+            raise ShardfitError(f"{unread[0]}: the chat template ({self.source}) never reads {unread[1]}: they "
+                                "would be dropped", where=where or self.source,
+                                fix="use a tool-aware chat template (e.g. Qwen2.5's), or leave the tools out")
+
+    def segments(self, messages: list[dict], where: str | None = None,
+                 tools: list[dict] | None = None) -> list[tuple[str | None, bool]]:
         """(text, trained) pieces whose concatenation is the rendered chat; trained marks assistant output (not
-        an assistant message with "weight": 0). Text None is the plain template's EOS after an assistant message."""
-        out: list[tuple[str | None, bool]] = []
-        done = ""
-        for i, msg in enumerate(messages):
-            trained = msg["role"] == "assistant" and msg.get("weight", 1) != 0
-            if self.template is None:
+        an assistant message with "weight": 0). Text None is the plain template's EOS after an assistant message.
+
+        A template's trained text is found by rendering: the assistant message i spans from the end of the chat
+        before it with the assistant's turn opened (messages[:i], add_generation_prompt) to the end of the chat
+        up to it (messages[:i + 1]), both prefixes of the whole chat's text, or the template does not render
+        incrementally (it is refused). Everything else is the whole chat's own text: a template may write a
+        message differently once another follows it (Qwen2.5 closes a run of tool results after the last one)."""
+        if self.template is None:
+            self._check_tools(messages, tools, where)
+            out: list[tuple[str | None, bool]] = []
+            for msg in messages:
                 head = f"<|{msg['role']}|>\n"
                 if msg["role"] == "assistant":
+                    trained = msg.get("weight", 1) != 0
                     out += [(head, False), (msg["content"] + "\n", trained), (None, trained)]
                 else:
                     out.append((head + msg["content"] + "\n", False))
+            return out
+        text = self.render(messages, add_generation_prompt=False, where=where, tools=tools)
+        out, done = [], 0
+        for i, msg in enumerate(messages):
+            if msg["role"] != "assistant" or msg.get("weight", 1) == 0:
                 continue
-            full = self.render(messages[:i + 1], add_generation_prompt=False, where=where)
-            if msg["role"] == "assistant":
-                prefix = self.render(messages[:i], add_generation_prompt=True, where=where)
-                if not full.startswith(prefix) or not prefix.startswith(done):
-                    raise ShardfitError("the chat template does not render conversations incrementally",
-                                        where=f"{self.source} chat_template",
-                                        fix="use prompt/completion data or a template without look-ahead")
-                out += [(prefix[len(done):], False), (full[len(prefix):], trained)]
-            else:
-                out.append((full[len(done):], False))
-            done = full
-        return out
+            opened = self.render(messages[:i], add_generation_prompt=True, where=where, tools=tools)
+            closed = self.render(messages[:i + 1], add_generation_prompt=False, where=where, tools=tools)
+            if len(opened) < done or not closed.startswith(opened) or not text.startswith(closed):
+                raise ShardfitError("the chat template does not render conversations incrementally",
+                                    where=f"{self.source} chat_template",
+                                    fix="use prompt/completion data or a template without look-ahead")
+            out += [(text[done:len(opened)], False), (text[len(opened):len(closed)], True)]
+            done = len(closed)
+        out.append((text[done:], False))
+        return [(piece, trained) for piece, trained in out if piece]

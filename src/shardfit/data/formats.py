@@ -1,9 +1,10 @@
 """Record layouts of fine-tuning data (data.format): which keys a record holds, detected or chosen, and the example
 each becomes.
 
-  messages           {"messages": [{"role", "content"}, ...]} (OpenAI chat)
-  sharegpt           {"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...], "system"?}; turns written
-                     as {"role", "content"} are accepted too
+  messages           {"messages": [{"role", "content"}, ...], "tools"?} (OpenAI chat: tool calls, tool results
+                     and content parts as data/messages.py reads them)
+  sharegpt           {"conversations": [{"from": "human"|"gpt"|"system"|"function_call"|"observation", "value"},
+                     ...], "system"?, "tools"?}; turns written as {"role", "content"} are accepted too
   alpaca             {"instruction", "input"?, "output", "system"?}: instruction + input is the user turn, output the
                      assistant's
   prompt_completion  {"prompt", "completion"}: strings are trained as they are (prompt + completion + EOS, no chat
@@ -12,24 +13,22 @@ each becomes.
 
 data.format=auto takes the layout of data.path's first record (data.val_path: its own first record) for every
 record; a record of another layout is one error naming its file:line and the key it lacks. Chats (messages,
-sharegpt, alpaca, conversational prompt/completion) become messages here; data/chat.py renders them. Torch-free:
-the config loader asks `file_format` without importing the training stack.
+sharegpt, alpaca, conversational prompt/completion) become messages here (each message checked by
+data/messages.py, which also reads a record's "tools"); data/chat.py renders them. Torch-free: the config loader
+asks `file_format` without importing the training stack.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from shardfit.data.messages import check_messages, json_type, record_tools, sharegpt_turn
 from shardfit.data.sources import read_records
 from shardfit.errors import ShardfitError
 
 LAYOUT = {"messages": "'messages': [{role, content}, ...]", "sharegpt": "'conversations': [{from, value}, ...]",
           "alpaca": "'instruction', 'input' (optional), 'output'", "prompt_completion": "'prompt', 'completion'",
           "text": "the text in data.text_field"}
-# ShareGPT speakers (the names its public sets use) -> chat roles
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-                  "chatgpt": "assistant", "system": "system", "tool": "tool", "function": "tool",
-                  "observation": "tool"}
 
 
 def detect(obj: object) -> str:
@@ -75,39 +74,15 @@ def _missing(obj: dict, key: str, fmt: str, origin: str, where: str) -> Shardfit
                          where=where, fix=f"write every record as {fmt} ({LAYOUT[fmt]})")
 
 
-def _messages(msgs: object, key: str, where: str) -> list[dict]:
-    if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in msgs):
-        raise ShardfitError(f"'{key}' must be a list of {{role, content}} strings", where=where,
-                            fix="one conversation per record, each message a {\"role\", \"content\"} object")
-    return msgs
-
-
 def _sharegpt(obj: dict, where: str) -> list[dict]:
     turns = obj["conversations"]
     if not isinstance(turns, list) or not turns:
-        raise ShardfitError("'conversations' must be a non-empty list of {from, value} turns", where=where,
+        found = "an empty array" if isinstance(turns, list) else f"a JSON {json_type(turns)}"
+        raise ShardfitError(f"conversations: {found}, not a list of {{from, value}} turns", where=where,
                             fix="one conversation per record")
-    msgs = []
-    if isinstance(obj.get("system"), str) and obj["system"]:
-        msgs.append({"role": "system", "content": obj["system"]})
-    for i, turn in enumerate(turns, 1):
-        if isinstance(turn, dict) and "role" in turn and "from" not in turn:  # messages-style turns
-            msgs += _messages([turn], "conversations", where)
-            continue
-        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"),
-                                                                                                 str):
-            found = _keys(turn) if isinstance(turn, dict) else type(turn).__name__
-            raise ShardfitError(f"'conversations' turn {i} needs 'from' and 'value' strings (found: {found})",
-                                where=where, fix="write each turn as {\"from\": \"human\"|\"gpt\", \"value\": ...}")
-        role = SHAREGPT_ROLES.get(turn["from"].lower())
-        if role is None:
-            raise ShardfitError(f"'conversations' turn {i} is from '{turn['from']}', not a known speaker",
-                                where=where, fix="use one of " + ", ".join(SHAREGPT_ROLES))
-        msgs.append({"role": role, "content": turn["value"], **({"weight": turn["weight"]} if "weight" in turn
-                                                                else {})})
-    return msgs
+    system = obj.get("system")
+    msgs = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
+    return msgs + [sharegpt_turn(turn, f"conversations[{i}]", where) for i, turn in enumerate(turns)]
 
 
 def _alpaca(obj: dict, where: str) -> list[dict]:
@@ -126,8 +101,8 @@ def _prompt_completion(obj: dict, where: str) -> list[dict] | list[tuple[str | N
         return [(prompt, False), (completion, True), (None, True)]  # None: EOS, trained
     if isinstance(prompt, list) and isinstance(completion, list):  # conversational: loss on the completion only
         head = [{**m, "weight": 0} if isinstance(m, dict) and m.get("role") == "assistant" else m
-                for m in _messages(prompt, "prompt", where)]
-        return head + _messages(completion, "completion", where)
+                for m in check_messages(prompt, "prompt", where)]
+        return head + check_messages(completion, "completion", where)
     raise ShardfitError(f"'prompt' is {type(prompt).__name__} and 'completion' {type(completion).__name__}",
                         where=where, fix="give two strings, or two lists of {role, content} messages")
 
@@ -142,7 +117,7 @@ CHAT = ("messages", "sharegpt", "alpaca")  # the layouts whose records are conve
 def chat_messages(obj: dict, fmt: str, where: str) -> list[dict]:
     """A conversation record of a CHAT layout as {role, content} messages, checked (no assistant turn needed)."""
     if fmt == "messages":
-        return _messages(obj["messages"], "messages", where)
+        return check_messages(obj["messages"], "messages", where)
     return _sharegpt(obj, where) if fmt == "sharegpt" else _alpaca(obj, where)
 
 
@@ -160,6 +135,9 @@ def to_example(obj: object, fmt: str, origin: str, where: str) -> list[dict] | l
     else:
         msgs = _prompt_completion(obj, where)
         if isinstance(msgs[0], tuple):
+            if record_tools(obj, where):
+                raise ShardfitError("tools: a prompt/completion record of strings has no chat template to render "
+                                    "them in", where=where, fix="write the record as messages, or drop 'tools'")
             return msgs
     if not any(m["role"] == "assistant" and m.get("weight", 1) != 0 for m in msgs):
         raise ShardfitError("conversation has no assistant message to learn from", where=where,

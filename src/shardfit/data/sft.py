@@ -1,13 +1,13 @@
 """Fine-tuning data: records of any layout in data/formats.py (messages, ShareGPT, Alpaca, prompt/completion) as
 token ids with a trained mask.
 
-Loss is taken only on what the model should produce: the completion, or every assistant message. A chat is
-rendered with the template data.chat_template picks (data/chat.py: the tokenizer's, or shardfit's plain one);
-prompt/completion strings are   prompt + completion + EOS   with loss on completion + EOS. Each example is one
-sequence: truncated to data.seq_len (examples and tokens cut are counted per data set, after any held-out split, and
-reported with the seq_len that keeps 95% of examples whole) or padded, with labels -100 on prompts and padding. An
-example with no loss-bearing token within data.seq_len is left out (counted; a data set of only such examples is
-refused).
+Loss is taken only on what the model should produce: the completion, or every assistant message (its tool calls
+included). A chat is rendered, with the record's tools, in the template data.chat_template picks (data/chat.py: the
+tokenizer's, or shardfit's plain one); prompt/completion strings are   prompt + completion + EOS   with loss on
+completion + EOS. Each example is one sequence: truncated to data.seq_len (examples and tokens cut are counted per data
+set, after any held-out split, and reported with the seq_len that keeps 95% of examples whole) or padded, with labels
+-100 on prompts and padding. An example with no loss-bearing token within data.seq_len is left out (counted; a data set
+of only such examples is refused).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 from shardfit.data.chat import template_for
 from shardfit.data.dataset import ShuffledDataset
 from shardfit.data.formats import file_format, to_example
+from shardfit.data.messages import record_tools
 from shardfit.data.sources import read_records
 from shardfit.errors import ShardfitError
 
@@ -148,7 +149,7 @@ def read_examples(files: list[Path], data_cfg, tokenizer, spec: str | None = Non
                         raise ShardfitError("a chat example, but data.chat_template=none", where=where,
                                             fix="set data.chat_template to auto, tokenizer or plain")
                 chats += 1
-                pieces = renderer.segments(ex, where)
+                pieces = renderer.segments(ex, where, tools=record_tools(obj, where))
             else:
                 pieces = ex
             ids, mask = [], []

@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.fsutil import HUB_ID
 
 _EXT = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -47,6 +48,12 @@ def resolve_files(spec: str) -> list[Path]:
         parent = next((p for p in path.parents if p.is_file()), None)
         if parent is not None:
             raise ShardfitError(f"{parent} is a file, not a directory", where=spec, fix="check data.path")
+        if HUB_ID.fullmatch(spec) and path.suffix.lower() not in _EXT and not path.parent.is_dir():
+            raise ShardfitError(f"no such file or directory, and '{spec}' (a Hugging Face Hub dataset id?) is not "
+                                "downloaded: shardfit reads local files only", where=spec,
+                                fix=f"download it first: hf download {spec} --repo-type dataset --local-dir "
+                                    f"{path.name}, then give data.path the files of the split to train on (a "
+                                    f"file, directory or glob under {path.name}/)")
         raise ShardfitError("no such file or directory", where=spec, fix="check data.path")
     if all(_size(p) == 0 for p in files):
         raise ShardfitError("is empty (0 bytes)" if len(files) == 1 else f"all {len(files)} files are empty",

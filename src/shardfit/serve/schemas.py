@@ -151,10 +151,14 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
     p = body.sampling_params
     max_tokens = p.get("max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if len(tokens) >= max_len:  # no max_tokens fits: the prompt is what to change
+        raise ShardfitError(f"the prompt alone is {len(tokens)} tokens, and the model's max_seq_len={max_len} leaves "
+                            "no room to sample a token", where=f"{where} prompt",
+                            fix=f"shorten the prompt to at most {max_len - 1} tokens")
     if not isinstance(max_tokens, int) or max_tokens < 1 or len(tokens) + max_tokens > max_len:
         raise ShardfitError(f"prompt ({len(tokens)} tokens) + max_tokens={max_tokens} exceeds the model's "
                             f"max_seq_len={max_len} or is not positive", where=f"{where} sampling_params.max_tokens",
-                            fix=f"ask for 1 to {max(1, max_len - len(tokens))} tokens")
+                            fix=f"ask for 1 to {max_len - len(tokens)} tokens")
     temperature, top_p, top_k = p.get("temperature", 1.0), p.get("top_p", 1.0), p.get("top_k", -1)
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise ShardfitError(f"temperature={temperature!r}", where=f"{where} sampling_params",

@@ -1,4 +1,4 @@
-"""A run's numbers as one picture: metrics.jsonl read back and drawn into a PNG (matplotlib, an optional extra).
+"""A run's numbers as one picture: metrics.jsonl read back and drawn into a PNG (matplotlib, a dependency).
 
 `read_metrics` reads the records as plotting tools need them: train and eval records apart (their "kind"), and
 the records a later process redid dropped (a record with "start_step" S, the first of each process, supersedes every
@@ -82,8 +82,9 @@ def _pyplot(where: str):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        # a dependency of shardfit: missing only from an install that skipped them (pip install --no-deps)
         raise ShardfitError("drawing needs matplotlib, which is not installed", where=where,
-                            fix="pip install 'shardfit[plot]'") from None
+                            fix="pip install matplotlib") from None
     return plt
 
 

@@ -54,8 +54,21 @@ def schedule_lines(cfg: Config, ds, per_round: int) -> list[str]:
     lines = [f"schedule: {t.steps:,} step{plural(t.steps)} x {t.global_batch} {unit} = {passes:,.2f} passes over the "
              f"training set's {n:,} {unit} ({given}); lr warm-up {warm} step{plural(warm)}, then {decay}"]
     if t.global_batch > n:
-        fit = n // per_round * per_round
-        fix = f"--train.global_batch={fit}" if fit else "lower train.micro_batch"
-        lines.append(f"warning: one step holds {t.global_batch} {unit} but the training set has {n:,}: every step "
-                     f"sees the data {t.global_batch / n:.1f} times; fix: {fix}, or add data")
+        said = (f"train.epochs={t.epochs:g} trains {passes:,.2f} passes" if t.epochs else
+                f"every step sees the data {t.global_batch / n:.1f} times")
+        lines.append(f"warning: one step holds train.global_batch={t.global_batch} {unit} but the training set has "
+                     f"{n:,}: {said}; fix: {_step_within(cfg, n, unit, per_round)}")
     return lines
+
+
+def _step_within(cfg: Config, n: int, unit: str, per_round: int) -> str:
+    """The flags that make one step hold at most the training set's n items: a global batch that is a multiple of
+    per_round (micro-batch x data-parallel ranks), the micro-batch lowered when n is below per_round; data when the
+    ranks alone need more than n."""
+    t = cfg.train
+    ranks = per_round if t.micro_batch_tokens else per_round // t.micro_batch
+    if n >= per_round:
+        return f"--train.global_batch={n // per_round * per_round}, or add data"
+    if n >= ranks:  # the micro-batch is more than the data holds: a smaller one, the same ranks
+        return f"--train.global_batch={n // ranks * ranks} --train.micro_batch={n // ranks}, or add data"
+    return f"add data: {ranks} data-parallel ranks take at least {ranks} {unit} a step"

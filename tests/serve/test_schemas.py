@@ -1,0 +1,28 @@
+"""serve/schemas.py: a sample request whose prompt leaves no room in the model's context names the prompt and the
+length it may have; one that asks for too many tokens names the range that fits."""
+
+import pytest
+
+from shardfit.errors import ShardfitError
+from shardfit.serve.schemas import SampleBody, sample_args
+
+
+def _ask(prompt_len: int, max_tokens: int, max_len: int = 8) -> str:
+    body = SampleBody(prompt={"chunks": [{"type": "encoded_text", "tokens": [1] * prompt_len}]},
+                      sampling_params={"max_tokens": max_tokens})
+    with pytest.raises(ShardfitError) as e:
+        sample_args(body, vocab=16, max_len=max_len, eos_ids={2}, has_tokenizer=False)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("prompt_len", [8, 9, 30])
+def test_a_prompt_that_fills_the_context_names_the_prompt(prompt_len):
+    assert _ask(prompt_len, 1) == (f"/asample prompt: the prompt alone is {prompt_len} tokens, and the model's "
+                                   "max_seq_len=8 leaves no room to sample a token; fix: shorten the prompt to at "
+                                   "most 7 tokens")
+
+
+def test_too_many_tokens_names_the_range_that_fits():
+    assert _ask(5, 4).endswith("sampling_params.max_tokens: prompt (5 tokens) + max_tokens=4 exceeds the model's "
+                               "max_seq_len=8 or is not positive; fix: ask for 1 to 3 tokens")
+    assert _ask(7, 0).endswith("fix: ask for 1 to 1 tokens")  # one token of room: that range is the truth
