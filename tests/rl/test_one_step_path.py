@@ -153,3 +153,33 @@ def test_an_moe_rl_step_balances_experts_as_shardfit_train_does():
     # the load-balancing term reached the routers through the RL API (it changes them)
     n = next(iter(with_aux["rl"]["weights"]))
     assert not np.allclose(with_aux["rl"]["weights"][n], without["rl"]["weights"][n], atol=1e-7)
+
+
+def _different_data(rank, world):
+    """Rank 1 is given other datums (a loop that sampled on one rank): both ranks refuse, in one line, in the same
+    call; the same datums afterwards train as usual."""
+    from shardfit.config import load_config
+    from shardfit.rl import AdamParams, DatumEngine, make_datum
+
+    e = DatumEngine.start(load_config(None, [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=32",
+                                             "--logging.run_dir="]))
+    rng = np.random.default_rng(rank)  # different on each rank
+    mine = [make_datum(s[:-1], target_tokens=s[1:]) for s in (rng.integers(0, 256, 12), rng.integers(0, 256, 9))]
+    out = {}
+    try:
+        e.forward_backward(mine, "cross_entropy")
+    except Exception as err:  # noqa: BLE001  the message is the assertion
+        out["error"] = str(err)
+    out["pending"] = e.engine.pending
+    same = [make_datum(np.arange(12), target_tokens=np.arange(1, 13))]
+    out["loss"] = e.forward_backward(same, "cross_entropy").metrics["loss:sum"]
+    out["grad_norm"] = e.optim_step(AdamParams(learning_rate=1e-3))["grad_norm:mean"]
+    return out
+
+
+def test_ranks_given_different_datums_are_refused_on_every_rank():
+    r = run_ranks(_different_data, 2)
+    for x in r:
+        assert "ranks were given different data: rank(s) 1 differ from rank 0" in x["error"], x
+        assert "\n" not in x["error"] and not x["pending"]
+    assert r[0]["loss"] == r[1]["loss"] and r[0]["grad_norm"] == r[1]["grad_norm"] > 0

@@ -41,6 +41,7 @@ from shardfit.engine.build import apply_alloc_conf, resolve_auto_checkpointing
 from shardfit.engine.losses import CrossEntropy, Loss
 from shardfit.engine.optim import AdamParams, build_optimizer, check_adam, set_hyperparameters
 from shardfit.engine.records import (
+    _INPUT,
     _MEM,
     _REAL,
     _SQNORM,
@@ -223,23 +224,44 @@ class Engine(EngineState):
         """Gradients of forward_backward passes wait for an optim_step."""
         return bool(self._pending)
 
-    def forward_backward(self, batches: list[PackedBatch], loss: Loss) -> StepStats:
+    def forward_backward(self, batches: list[PackedBatch], loss: Loss, fingerprint: int | None = None) -> StepStats:
         """Accumulate the gradients of these micro-batches (this rank's part of the step) under `loss`, then the
-        pass's one collective. Every rank passes the same number of micro-batches of the same shapes."""
+        pass's one collective. Every rank passes the same number of micro-batches of the same shapes. fingerprint
+        (< 2**52): what the caller was given, which must be the same on every rank (the RL API's datums): compared
+        in the pass's collective; a difference drops the gradients since the last optim_step and is one error."""
         _check_call("forward_backward", loss)
         self._check_trainable("forward_backward")
         if self._pending and (loss.mean_over_tokens or self._pending[0].mean_over_tokens):
             self._fold_pending(loss)
-        stats = self._pass(batches, loss, backward=True)
+        stats = self._pass(batches, loss, backward=True, fingerprint=fingerprint)
         self._pending.append(stats)
+        self._check_fingerprint(stats, fingerprint)
         return stats
 
-    def forward(self, batches: Iterable[PackedBatch], loss: Loss) -> StepStats:
+    def forward(self, batches: Iterable[PackedBatch], loss: Loss, fingerprint: int | None = None) -> StepStats:
         """The same pass without gradients (log-probs, validation). On one rank the weights are gathered once for the
         whole call where they fit (gather_once, parallel/gathered.py)."""
         _check_call("forward", loss)
         with torch.no_grad(), self.gathered_pass():
-            return self._pass(batches, loss, backward=False)
+            stats = self._pass(batches, loss, backward=False, fingerprint=fingerprint)
+        self._check_fingerprint(stats, fingerprint)
+        return stats
+
+    def _check_fingerprint(self, stats: StepStats, fingerprint: int | None) -> None:
+        """Every rank reads the same rows: all raise or none does (no rank left in a collective)."""
+        if fingerprint is None:
+            return
+        seen = stats.rows[:, _INPUT]
+        if bool((seen == seen[0]).all()):
+            return
+        odd = [r for r in range(len(seen)) if seen[r] != seen[0]]
+        if self._pending and stats is self._pending[-1]:  # gradients of data that differ between ranks: dropped
+            self._pending = []
+            self.runner.zero(False)
+        raise ShardfitError(f"ranks were given different data: rank(s) {', '.join(map(str, odd))} differ from rank 0 "
+                            "(the gradients since the last optim_step are dropped)", where="datums",
+                            fix="pass every rank the same list of datums (sample on every rank, or broadcast rank "
+                            "0's list first)")
 
     def evaluate(self, batches: Iterable[PackedBatch]) -> dict:
         """Validation loss over these micro-batches (the same count on every rank): the cross-entropy alone."""
@@ -249,7 +271,8 @@ class Engine(EngineState):
         return {"val_loss": stats.loss_sum / n if n else float("nan"), "val_tokens": int(n),
                 "val_s": time.perf_counter() - t0}
 
-    def _pass(self, batches: Iterable[PackedBatch], loss: Loss, backward: bool) -> StepStats:
+    def _pass(self, batches: Iterable[PackedBatch], loss: Loss, backward: bool,
+              fingerprint: int | None = None) -> StepStats:
         batches = list(batches) if backward else batches  # validation's may be a generator (one mask at a time)
         count = len(batches) if backward else 0
         # the backward's divisor (engine/losses.py): C, this rank's capacity of the pass, for a mean over tokens
@@ -287,12 +310,13 @@ class Engine(EngineState):
                 outputs.append(torch.stack([out[k].detach().float() for k in loss.outputs]))
         if backward and self.on_micro_batch is not None:
             self.on_micro_batch(step, count, count)  # all done: the collective next
-        rows, gathered = self._collect(loss_sum, tokens, real, outputs, grads=backward)
+        rows, gathered = self._collect(loss_sum, tokens, real, outputs, grads=backward,
+                                       fingerprint=-1 if fingerprint is None else fingerprint)
         # Everything recorded so far (this pass, the previous step's optimizer) finished before that sync.
         return StepStats(rows, capacity, loss.mean_over_tokens, gathered, self.timer.collect())
 
     def _collect(self, loss_sum: torch.Tensor, tokens: int, real: float, outputs: list[torch.Tensor],
-                 grads: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 grads: bool, fingerprint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pass's single collective: every rank's stats [world, k] (float64) and outputs [world, n_out, M x
         local] (fp32), on the host. The stats ride as fp32 pairs (a float64 viewed as two fp32 words): one buffer,
         exact counts and sums, the outputs not widened."""
@@ -303,7 +327,7 @@ class Engine(EngineState):
         f64 = {"dtype": torch.float64, "device": self.device}
         head = torch.stack([sq.double(), loss_sum.double(), torch.tensor(float(tokens), **f64),
                             (~torch.isfinite(loss_sum)).double(), torch.tensor(float(real), **f64),
-                            torch.tensor(float(self.stop_requested), **f64)])
+                            torch.tensor(float(self.stop_requested), **f64), torch.tensor(float(fingerprint), **f64)])
         mem = torch.tensor(memory_vector(self.device), **f64)
         moe = self.expert_load.take()  # [L*E] rows per expert (MoE models; empty otherwise)
         stats = torch.cat([head, mem, moe])

@@ -9,8 +9,9 @@ import torch
 
 from shardfit.errors import ShardfitError
 
-# the stats columns of a pass's collective (float64), then MEMORY_FIELDS, the expert load [L*E], the outputs
-_SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _STOP, _MEM = 0, 1, 2, 3, 4, 5, 6
+# the stats columns of a pass's collective (float64), then MEMORY_FIELDS, the expert load [L*E], the outputs;
+# _INPUT: the caller's fingerprint of what it passed (rl/step.py: every rank must pass the same datums), or -1
+_SQNORM, _LOSS, _TOKENS, _NONFINITE, _REAL, _STOP, _INPUT, _MEM = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 class OutOfMemory(ShardfitError):

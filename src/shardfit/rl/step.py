@@ -13,6 +13,8 @@ the same rows, when it is the first pass since the last optim_step.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from shardfit.engine import AdamParams, CrossEntropy, Engine, TokenLoss
@@ -84,6 +86,19 @@ def optim_step(engine: Engine, adam: AdamParams | None = None) -> dict[str, floa
     return DatumEngine(engine).optim_step(adam)
 
 
+def fingerprint(datums: list[Datum]) -> int:
+    """52 bits of a hash of the datums (tokens and every input), the same on ranks given the same list: compared in
+    the pass's one collective (Engine.forward_backward), so a loop that sampled on one rank only is refused instead of
+    training each rank on other data. ~1 ms per 100k tokens on the host."""
+    h = hashlib.blake2b(digest_size=8)
+    for d in datums:
+        h.update(np.ascontiguousarray(d.tokens).tobytes())
+        for k in sorted(d.inputs):
+            h.update(k.encode())
+            h.update(np.ascontiguousarray(d.inputs[k]).tobytes())
+    return int.from_bytes(h.digest(), "little") >> 12  # exact in the collective's float64
+
+
 def is_token_mean_cross_entropy(spec: LossSpec, datums: list[Datum]) -> bool:
     """The trainer's objective: mean cross-entropy over the tokens of weight 1 of the global batch."""
     plain = (spec.fn is BUILT_IN["cross_entropy"] and spec.normalize == "token_mean" and not spec.kl_coef
@@ -107,7 +122,8 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
         loss = CrossEntropy(logprobs=True)
     else:
         loss = TokenLoss(lambda logp, ent, x: token_loss(spec, logp, ent, x), entropy=spec.entropy_coef != 0)
-    stats = engine.forward(batches, loss) if not backward else engine.forward_backward(batches, loss)
+    call = engine.forward_backward if backward else engine.forward
+    stats = call(batches, loss, fingerprint=fingerprint(datums))
     logprobs = unpack(plan, datums, stats.outputs[:, 0])
     outputs = [{"logprobs": lp} for lp in logprobs]
     if "entropy" in loss.outputs:
