@@ -107,12 +107,12 @@ def _package(mods: dict[str, Path], name: str) -> list[str]:
 
 
 def test_the_doctor_needs_neither_models_nor_parallel():
-    """shardfit.memory (the doctor: forensics of measured snapshots and traces) stays below models/ and parallel/;
+    """shardfit.doctor (the doctor: forensics of measured snapshots and traces) stays below models/ and parallel/;
     prediction, which builds models on meta and asks parallel/ for the layout, lives in shardfit.plan."""
     mods = _modules()
     edges = _edges(mods)
-    doctor = _package(mods, "shardfit.memory")
-    assert "shardfit.memory.doctor" in doctor and "shardfit.memory.profile_trace" in doctor
+    doctor = _package(mods, "shardfit.doctor")
+    assert "shardfit.doctor.examine" in doctor and "shardfit.doctor.profile_trace" in doctor
     above = {m for m in _reached(edges, doctor) if m.split(".")[1] in ("models", "parallel", "plan", "train")}
     assert above == set()
     # the walk itself: the planner does reach models/ and parallel/ (through the same kind of lazy imports)

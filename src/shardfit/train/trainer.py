@@ -22,11 +22,11 @@ import torch
 from shardfit.config import Config, accumulation_steps, config_to_dict, config_to_toml
 from shardfit.data.build import build_datasets
 from shardfit.data.chat import export_template
+from shardfit.doctor import MemoryMonitor
+from shardfit.doctor.record import SnapshotRecorder
 from shardfit.errors import ShardfitError, Stopped
 from shardfit.fsutil import write_atomic
 from shardfit.hf.tokenizer_files import tokenizer_source
-from shardfit.memory import MemoryMonitor
-from shardfit.memory.record import SnapshotRecorder
 from shardfit.parallel import init_distributed
 from shardfit.parallel.agreement import agree
 from shardfit.parallel.layout import ParallelLayout
@@ -191,8 +191,8 @@ class Trainer:
         path = self.recorder.dump_oom(step)
         verdict = ""
         if path is not None:
-            from shardfit.memory import examine
-            from shardfit.memory.report import verdict as one_line
+            from shardfit.doctor import examine
+            from shardfit.doctor.report import verdict as one_line
 
             try:
                 verdict = "; doctor: " + one_line(examine([str(path)])[1])

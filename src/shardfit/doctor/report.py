@@ -6,16 +6,16 @@ snapshots (per file: rank, device, memory cap and its source, the LAYOUT at the 
 maxima), ranks (peak allocated and reserved per rank), findings (code, severity, title, evidence, fix, rank, and
 figures: the numbers the evidence sentences are written from, keyed per finding code).
 Invariants: all sizes are bytes (integers), fractions floats in [0, 1]; every "X GiB" or "X MiB" in a finding's
-title, evidence and fix is one of its figures (tests/memory check it). Categories:
-shardfit.memory.attribution.CATEGORIES.
+title, evidence and fix is one of its figures (tests/doctor check it). Categories:
+shardfit.doctor.attribution.CATEGORIES.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from shardfit.memory.diagnose import Finding, RankResult, gib, peak_phase
-from shardfit.memory.replay import Layout
+from shardfit.doctor.diagnose import Finding, RankResult, gib, peak_phase
+from shardfit.doctor.replay import Layout
 
 SCHEMA = "shardfit.doctor/1"
 

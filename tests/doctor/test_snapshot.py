@@ -3,9 +3,9 @@ import pickle
 
 import pytest
 
+from shardfit.doctor import load_snapshot
 from shardfit.errors import ShardfitError
-from shardfit.memory import load_snapshot
-from tests.memory.conftest import MB, seg, write_snapshot
+from tests.doctor.conftest import MB, seg, write_snapshot
 
 
 class _Exploit:
@@ -59,7 +59,7 @@ def test_formats_gzip_legacy_and_missing_keys(tmp_path):
 def test_oldest_layout_without_optional_keys_replays(tmp_path):
     """PyTorch 2.4-era files: no time_us/stream/frames on events, no stream or expandable flag on segments, no
     requested_size on blocks, no allocator_settings or annotations, and the events recorded for device 1."""
-    from shardfit.memory import examine
+    from shardfit.doctor import examine
 
     segs = [{"device": 1, "address": 0x2000000, "total_size": 8 * MB,
              "blocks": [{"address": 0x2000000, "size": 2 * MB, "state": "active_allocated"},

@@ -17,8 +17,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shardfit.memory.attribution import categorize, site
-from shardfit.memory.snapshot import Snapshot
+from shardfit.doctor.attribution import categorize, site
+from shardfit.doctor.snapshot import Snapshot
 
 _RESERVE = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 

@@ -7,7 +7,7 @@ list, stores them in typed columns (`EventTrace`: ~41 bytes an event) with their
 
 Safe by construction: the only globals it resolves are the snapshot allowlist's containers
 (`safe_pickle.SNAPSHOT_GLOBALS`), called only with plain arguments; any other global is refused (`RefusedGlobal`)
-and INST, OBJ, BUILD, EXT*, PERSID are not implemented, so a malicious file runs nothing. Bounded (memory/limits.py):
+and INST, OBJ, BUILD, EXT*, PERSID are not implemented, so a malicious file runs nothing. Bounded (doctor/limits.py):
 objects built and containers open at once are capped, memo indices must be dense, dict keys and set items must be
 scalars (hashing a deep tuple would recurse in C), a length past the end of the data is a truncation. A malformed
 stream raises `Malformed`, one line.

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from shardfit.memory.cap import CapSettings, fraction_of
-from shardfit.memory.diagnose import Finding, RankResult, diagnose, rank_of
-from shardfit.memory.replay import replay
-from shardfit.memory.snapshot import collect_paths, load_snapshot
+from shardfit.doctor.cap import CapSettings, fraction_of
+from shardfit.doctor.diagnose import Finding, RankResult, diagnose, rank_of
+from shardfit.doctor.replay import replay
+from shardfit.doctor.snapshot import collect_paths, load_snapshot
 
 
 def examine(specs: list[str], memory_fraction: float | None = None,
             device_memory: int | None = None) -> tuple[list[RankResult], list[Finding]]:
     """memory_fraction: the per-process cap (torch.cuda.set_per_process_memory_fraction), which snapshots do not
-    record; device_memory: the GPU's total bytes, which they do not record either (memory/cap.py: where else the
+    record; device_memory: the GPU's total bytes, which they do not record either (doctor/cap.py: where else the
     doctor looks for both)."""
     given = CapSettings(memory_fraction, device_memory)
     paths = collect_paths(specs)

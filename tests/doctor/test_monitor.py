@@ -1,4 +1,4 @@
-from shardfit.memory import MemoryMonitor
+from shardfit.doctor import MemoryMonitor
 
 
 def _mem(reserved, retries=0.0):

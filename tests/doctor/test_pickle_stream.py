@@ -5,9 +5,9 @@ import pickle
 
 import pytest
 
-from shardfit.memory.pickle_stream import EventTrace, Malformed, load_plain
-from shardfit.memory.snapshot import load_snapshot
-from tests.memory.conftest import MB, ev, seg, write_snapshot
+from shardfit.doctor.pickle_stream import EventTrace, Malformed, load_plain
+from shardfit.doctor.snapshot import load_snapshot
+from tests.doctor.conftest import MB, ev, seg, write_snapshot
 
 
 def _expand(obj, compact):

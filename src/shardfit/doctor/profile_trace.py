@@ -19,7 +19,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from shardfit.memory.limits import a_type
+from shardfit.doctor.limits import a_type
 
 # Kernel kind by substring of the lower-cased kernel name, first match wins. cuBLAS's Hopper kernels are named
 # nvjet_* or sm90_xmma_gemm_*; SDPA's flash, memory-efficient and cuDNN kernels name flash/fmha/sdpa.
@@ -260,10 +260,10 @@ def _summary_line(s: dict) -> str:
 
 def read_trace(path: str) -> list[dict]:
     """The events of a Chrome trace torch.profiler exported (.json, or .json.gz as shardfit keeps them), read with
-    bounded work (memory/limits.py) and checked where the summary reads them; a missing, unreadable or malformed
+    bounded work (doctor/limits.py) and checked where the summary reads them; a missing, unreadable or malformed
     file is one line naming the file and the field (exit 2)."""
+    from shardfit.doctor.limits import TRACE_EVENTS, TRACE_MIB, read_capped
     from shardfit.errors import ShardfitError
-    from shardfit.memory.limits import TRACE_EVENTS, TRACE_MIB, read_capped
 
     fix = "pass a trace torch.profiler exported (export_chrome_trace), .json or .json.gz"
     raw = read_capped(Path(path), TRACE_MIB, "Chrome trace")

@@ -7,9 +7,9 @@ import html
 import io
 from pathlib import Path
 
+from shardfit.doctor.diagnose import Finding, RankResult
+from shardfit.doctor.report import to_text, verdict
 from shardfit.errors import ShardfitError
-from shardfit.memory.diagnose import Finding, RankResult
-from shardfit.memory.report import to_text, verdict
 
 GiB = 1 << 30
 _ORDER = ("parameters", "gradients", "optimizer_state", "activations", "fsdp_all_gather", "fsdp_reduce_scatter",

@@ -1,7 +1,7 @@
 """Synthetic traces, one per allocator rule, with layouts computed by hand."""
 
-from shardfit.memory import examine
-from tests.memory.conftest import MB, ev, seg, write_snapshot
+from shardfit.doctor import examine
+from tests.doctor.conftest import MB, ev, seg, write_snapshot
 
 A = 0x7F0000000000
 FWD = [{"name": "forward", "filename": "torch/nn/modules/linear.py", "line": 1}]

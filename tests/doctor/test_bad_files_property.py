@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardfit.doctor import examine
+from shardfit.doctor.profile_trace import read_trace, summarize_trace
 from shardfit.errors import ShardfitError
-from shardfit.memory import examine
-from shardfit.memory.profile_trace import read_trace, summarize_trace
-from tests.memory.conftest import FIXTURES, MB, ev, seg
+from tests.doctor.conftest import FIXTURES, MB, ev, seg
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from shardfit.memory import examine
-from shardfit.memory.diagnose import gib
-from tests.memory.conftest import MB, ev, seg, write_snapshot
-from tests.memory.test_doctor_figures import _capped, _doctor_json, _figures
+from shardfit.doctor import examine
+from shardfit.doctor.diagnose import gib
+from tests.doctor.conftest import MB, ev, seg, write_snapshot
+from tests.doctor.test_figures import _capped, _doctor_json, _figures
 
 GB = 1 << 30
 A, B = 0x7F0000000000, 0x7F8000000000

@@ -5,7 +5,7 @@ With a cap, c10's caching allocator fails an allocation when reserved + size > f
 the driver still has free; so whether another setting would have let an OOM's request through depends on the cap.
 PyTorch's snapshots record neither the fraction nor the device total. The fraction, first found wins:
   1. the caller (`shardfit doctor --memory-fraction F`): source "given";
-  2. shardfit's own snapshots ({"shardfit": {"memory_fraction", "device_total"}}, memory/record.py): "recorded";
+  2. shardfit's own snapshots ({"shardfit": {"memory_fraction", "device_total"}}, doctor/record.py): "recorded";
   3. `per_process_memory_fraction:F` in the recorded PYTORCH_CUDA_ALLOC_CONF: "allocator_settings".
 The device total: the caller (`--gpu-memory GIB`), shardfit's record, or else, at an OOM, reserved plus the driver's
 free memory (a lower bound). A fraction of 1 is a known absence of a cap: an OOM the device had room for is then
@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from shardfit.doctor.snapshot import Snapshot
 from shardfit.errors import ShardfitError
-from shardfit.memory.snapshot import Snapshot
 
 _CONF_KEY = re.compile(r"(?:^|,)\s*per_process_memory_fraction\s*:\s*([^,\]\s]+)")
 

@@ -6,8 +6,8 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
-from shardfit.memory.cap import CapSettings, device_total, fraction_of
-from shardfit.memory.replay import Layout, Replay, phase_at
+from shardfit.doctor.cap import CapSettings, device_total, fraction_of
+from shardfit.doctor.replay import Layout, Replay, phase_at
 
 GiB, MiB = 1 << 30, 1 << 20
 NO_CAP = CapSettings()  # the caller knows nothing about a per-process cap
@@ -32,7 +32,7 @@ class Finding:
 class RankResult:
     rank: int
     replay: Replay
-    memory_fraction: float | None = None  # the per-process cap's fraction, when known (memory/cap.py)
+    memory_fraction: float | None = None  # the per-process cap's fraction, when known (doctor/cap.py)
     memory_fraction_source: str | None = None
 
     @property

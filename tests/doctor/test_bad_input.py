@@ -10,9 +10,9 @@ import tracemalloc
 
 import pytest
 
+from shardfit.doctor import examine, load_snapshot
 from shardfit.errors import ShardfitError
-from shardfit.memory import examine, load_snapshot
-from tests.memory.conftest import MB, ev, seg
+from tests.doctor.conftest import MB, ev, seg
 
 FRAME = {"name": "forward", "filename": "torch/nn/modules/linear.py", "line": 7}
 

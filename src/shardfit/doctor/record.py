@@ -7,7 +7,7 @@ the segment layout alone already shows what filled the GPU.
 
 Each file is what `torch.cuda.memory._dump_snapshot` writes plus one key PyTorch does not record:
 {"shardfit": {"device_total": bytes, "memory_fraction": the per-process cap's fraction}}, so the doctor can tell
-whether a cap refused an OOM's request (see memory/cap.py).
+whether a cap refused an OOM's request (see doctor/cap.py).
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class SnapshotRecorder:
             return
         import torch.distributed as dist
 
-        from shardfit.memory import examine
-        from shardfit.memory.report import to_text
+        from shardfit.doctor import examine
+        from shardfit.doctor.report import to_text
 
         dist.barrier()
         if not is_main:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardfit.doctor.limits import SNAPSHOT_DEPTH, SNAPSHOT_MIB, SNAPSHOT_OBJECTS, read_capped
+from shardfit.doctor.pickle_stream import EventTrace, Malformed, OverLimit, load_plain
+from shardfit.doctor.snapshot_schema import check_snapshot
 from shardfit.errors import ShardfitError
-from shardfit.memory.limits import SNAPSHOT_DEPTH, SNAPSHOT_MIB, SNAPSHOT_OBJECTS, read_capped
-from shardfit.memory.pickle_stream import EventTrace, Malformed, OverLimit, load_plain
-from shardfit.memory.snapshot_schema import check_snapshot
 from shardfit.safe_pickle import RefusedGlobal
 
 
@@ -43,7 +43,7 @@ class Snapshot:
 
 
 def load_snapshot(path: str | Path) -> Snapshot:
-    """Read, bounded (memory/limits.py), check (snapshot_schema.py) and normalize one snapshot file."""
+    """Read, bounded (doctor/limits.py), check (snapshot_schema.py) and normalize one snapshot file."""
     path = Path(path)
     where = str(path)
     raw = read_capped(path, SNAPSHOT_MIB, "snapshot")

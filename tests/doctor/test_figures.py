@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
+from shardfit.doctor import examine
 from shardfit.errors import ShardfitError
-from shardfit.memory import examine
-from tests.memory.conftest import MB, ev, seg, write_snapshot
-from tests.memory.test_doctor_fixtures import TRUTH
+from tests.doctor.conftest import MB, ev, seg, write_snapshot
+from tests.doctor.test_fixtures import TRUTH
 
 GB = 1 << 30
 A = 0x7F0000000000
@@ -176,7 +176,7 @@ def test_shardfit_snapshots_record_the_cap_pytorch_leaves_out(tmp_path, monkeypa
 
     import torch
 
-    from shardfit.memory.record import SnapshotRecorder
+    from shardfit.doctor.record import SnapshotRecorder
 
     blocks = [(0, 3 * GB, "active_allocated", FWD)]
     snap = {"segments": [seg(A, 3 * GB, blocks)], "device_traces": [[ev("oom", 0, 2 * GB, device_free=60 * GB)]],

@@ -3,7 +3,7 @@ communication, idle time split between the CPU and other streams, phases, and th
 
 import gzip
 
-from shardfit.memory.profile_trace import format_summary, kernel_kind, summarize_trace
+from shardfit.doctor.profile_trace import format_summary, kernel_kind, summarize_trace
 
 
 def _k(name, ts, dur, stream, cat="kernel"):
@@ -138,7 +138,7 @@ def test_profile_command_explains_a_saved_trace(tmp_path, capsys):
 def test_time_by_region_follows_the_host_labels_open_at_launch():
     """A kernel belongs to the first region whose label is open at any depth when the CPU launched it (FSDP's
     record_function labels sit several operators above the cast's kernel), else to "elsewhere"; kinds within."""
-    from shardfit.memory.profile_trace import time_by_region
+    from shardfit.doctor.profile_trace import time_by_region
 
     def k(name, ts, dur, corr, stream=7):
         e = _k(name, ts, dur, stream)

@@ -12,9 +12,9 @@ missing in older PyTorch versions get the neutral defaults the replay expects.
 
 from __future__ import annotations
 
+from shardfit.doctor.limits import a_type
+from shardfit.doctor.pickle_stream import EventTrace
 from shardfit.errors import ShardfitError
-from shardfit.memory.limits import a_type
-from shardfit.memory.pickle_stream import EventTrace
 
 _U64 = 1 << 64
 _TOTAL = 1 << 62

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from shardfit.memory import examine
+from shardfit.doctor import examine
 
 # file: (peak allocated, peak reserved, reserved at dump) as torch.cuda.memory_stats() read them (MANIFEST.md)
 TRUTH = {

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from shardfit.doctor.profile_trace import read_trace, summarize_trace
 from shardfit.errors import ShardfitError
-from shardfit.memory.profile_trace import read_trace, summarize_trace
 
 
 def _kernel(**kw):
