@@ -103,8 +103,8 @@ def _checkpoint_config(ckpt: Path):
     """The run's config saved in the checkpoint, its model, lora and data keys (and train.seed) checked as `train`
     checks them."""
     from shardfit.config.loader import _set, validate
-    from shardfit.config.renamed import Spellings
     from shardfit.config.schema import Config
+    from shardfit.config.spellings import Spellings
     from shardfit.train.checkpoint_verify import CheckpointProblem, config_toml
 
     try:

@@ -9,7 +9,6 @@ closest valid key or the accepted values.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import math
 import operator
@@ -22,9 +21,8 @@ from shardfit.config.init_from import apply_init_from
 from shardfit.config.lora_rules import LORA_RULES, adapter_fields, nested_section
 from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
-from shardfit.config.renamed import Spellings, announce
 from shardfit.config.schema import PRESETS, Config
-from shardfit.config.spellings import foreign_spelling
+from shardfit.config.spellings import Spellings, announce, did_you_mean, unknown_key_fix
 from shardfit.errors import ShardfitError
 
 if sys.version_info >= (3, 11):
@@ -44,11 +42,6 @@ def _sections(cfg: Config) -> dict[str, Any]:
 
 def _fields(section: Any) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(section)}
-
-
-def _closest(name: str, options: list[str]) -> str:
-    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"did you mean '{match[0]}'?" if match else "valid: " + ", ".join(sorted(options))
 
 
 def _coerce(value: Any, ftype: str, where: str, from_text: bool) -> Any:
@@ -101,12 +94,12 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
          from_text: bool = False) -> None:
     sections = _sections(cfg)
     if section not in sections:
-        raise ShardfitError(f"unknown section '{section}'", where=where, fix=_closest(section, list(sections)))
+        raise ShardfitError(f"unknown section '{section}'", where=where, fix=did_you_mean(section, sections))
     fields = _fields(sections[section])
     if key not in fields:
-        all_keys = [f"{s}.{k}" for s, obj in sections.items() for k in _fields(obj)]
+        keys = {s: list(_fields(obj)) for s, obj in sections.items()}
         raise ShardfitError(f"unknown key '{section}.{key}'", where=where, fix=nested_section(key, sections)
-                            or foreign_spelling(key) or _closest(f"{section}.{key}", all_keys))
+                            or unknown_key_fix(section, key, keys))
     named = where if where.endswith(f"{section}.{key}") else f"{where} {section}.{key}"  # a flag names itself
     setattr(sections[section], key, _coerce(value, fields[key].type, named, from_text))
     explicit.add(f"{section}.{key}")
@@ -116,7 +109,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     explicit: set[str] = set()
     weights = False
-    in_file, on_line = Spellings(""), Spellings("command line")  # the old key spellings of each (renamed.py)
+    in_file, on_line = Spellings(""), Spellings("command line")  # the old key spellings of each (spellings.py)
     if path:
         from shardfit.config.recipes import resolve
 
@@ -130,7 +123,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ShardfitError(f"'{section}' must be a table like [{section}]", where=str(path),
-                                    fix=_closest(section, list(_sections(cfg))) if section not in _sections(cfg)
+                                    fix=did_you_mean(section, _sections(cfg)) if section not in _sections(cfg)
                                     else f"put its keys under [{section}]")
             for key, value in table.items():
                 new = in_file.key(section, key, value)  # an old spelling is named beside the new one in errors
@@ -189,7 +182,7 @@ def _apply_preset(cfg: Config, explicit: set[str]) -> None:
         return
     if cfg.model.name not in PRESETS:
         raise ShardfitError(f"unknown model preset '{cfg.model.name}'", where="model.name",
-                            fix=_closest(cfg.model.name, list(PRESETS)))
+                            fix=did_you_mean(cfg.model.name, PRESETS))
     for key, value in PRESETS[cfg.model.name].items():
         if f"model.{key}" not in explicit:
             setattr(cfg.model, key, value)

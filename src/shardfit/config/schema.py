@@ -1,7 +1,7 @@
 """The config tree. Every key has a type, a default and a help line; `shardfit train --help` prints them all.
 
 Sections map one to one onto TOML tables (`[train]`) and onto CLI overrides (`--train.lr=3e-4`). [parallel] places
-the work on ranks and devices, [compute] says how each rank computes; config/renamed.py maps the keys that moved
+the work on ranks and devices, [compute] says how each rank computes; config/spellings.py maps the keys that moved
 from [parallel] to [compute] for one release.
 """
 
