@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import math
 import operator
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -157,8 +158,14 @@ def _steps_or_epochs(cfg: Config, in_file: tuple[set[str], float, str], on_line:
         cfg.train.epochs = 0.0
 
 
+_TOML_FIX = ("write it as TOML: a [section] line, then key = value lines (a YAML `train: {lr: 1e-4}` is `[train]` "
+             "then `lr = 1e-4`); `shardfit train --help` lists the keys, the recipes (`shardfit recipes`) are examples")
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
-    """The file's tables, or one line saying why not (missing, a directory, unreadable, not UTF-8, not TOML)."""
+    """The file's tables, or one line saying why not (missing, a directory, unreadable, not UTF-8, YAML, not TOML)."""
+    if path.suffix.lower() in (".yaml", ".yml"):  # axolotl's and torchtune's configs are YAML: say so, not "malformed"
+        raise ShardfitError("shardfit configs are TOML, not YAML", where=str(path), fix=_TOML_FIX)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -173,7 +180,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
+        if _looks_like_yaml(text):
+            raise ShardfitError("this is YAML: shardfit configs are TOML", where=str(path), fix=_TOML_FIX) from None
         raise ShardfitError(f"malformed TOML ({e})", where=str(path), fix="fix the TOML syntax") from None
+
+
+def _looks_like_yaml(text: str) -> bool:
+    """A file TOML cannot read whose first statement is YAML's: a `---` document start, or `key:` where TOML has
+    `key =` or `[section]`."""
+    first = next((x.strip() for x in text.splitlines() if x.strip() and not x.lstrip().startswith("#")), "")
+    return first == "---" or bool(re.match(r"^[A-Za-z_][\w.-]*\s*:(\s|$)", first))
 
 
 def _apply_preset(cfg: Config, explicit: set[str]) -> None:
@@ -258,8 +274,10 @@ def _check_keys(cfg: Config) -> None:
             meta = f.metadata
             where = f"{sname}.{name}"
             if meta.get("choices") and value not in meta["choices"]:
-                raise ShardfitError(f"'{_shown(value)}' is not allowed", where=where,
-                                    fix="choose one of " + ", ".join(meta["choices"]))
+                if not meta.get("or_file"):
+                    raise ShardfitError(f"'{_shown(value)}' is not allowed", where=where,
+                                        fix="choose one of " + ", ".join(meta["choices"]))
+                setattr(section, name, _named_file(value, where, meta))
             allowed = range_text(meta)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ShardfitError(f"{value} is not a finite number", where=where,
@@ -267,6 +285,26 @@ def _check_keys(cfg: Config) -> None:
             if allowed and not _in_range(value, meta):
                 raise ShardfitError(f"{value} is out of range", where=where,
                                     fix=f"give a value {allowed}")
+
+
+def _named_file(value: str, where: str, meta: dict) -> str:
+    """The absolute path of the file a key's value names (a run's config.toml then names it from any directory), or
+    one line: missing, a directory, unreadable, not UTF-8 or empty."""
+    path, what = Path(value).expanduser(), meta["or_file"]
+    fix = f"give the path of {what} file, or one of " + ", ".join(meta["choices"])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ShardfitError(f"'{_shown(value, 300)}' is neither one of {', '.join(meta['choices'])} nor a file",
+                            where=where, fix=fix) from None
+    except IsADirectoryError:
+        raise ShardfitError(f"{value} is a directory, not {what} file", where=where, fix=fix) from None
+    except (OSError, ValueError) as e:  # permission, a NUL byte in the name, invalid UTF-8
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise ShardfitError(f"cannot read {value} ({reason})", where=where, fix="give a readable UTF-8 file") from None
+    if not text.strip():
+        raise ShardfitError(f"{value} is empty", where=where, fix=fix)
+    return str(path.resolve())
 
 
 def _head_dim(m) -> int:
@@ -426,7 +464,9 @@ def config_help(cfg: Config | None = None) -> str:
         out.append(f"[{sname}]")
         for name, f in _fields(section).items():
             ftype = f.type if isinstance(f.type, str) else f.type.__name__
-            choices = f" {{{'|'.join(f.metadata['choices'])}}}" if f.metadata.get("choices") else ""
+            named = (*f.metadata["choices"], *(("PATH",) if f.metadata["or_file"] else ())) if f.metadata.get(
+                "choices") else ()
+            choices = f" {{{'|'.join(named)}}}" if named else ""
             default = _toml_value(getattr(section, name))
             note = " (by model size: see below)" if f"{sname}.{name}" in sized else ""
             if getattr(section, name) != getattr(getattr(base, sname), name) and not note:

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, lt: float | None = None):
-    """A config field: default, one-line help, and the checks the loader applies: its choices, or its range
-    (ge/gt: lower bound, le/lt: upper bound). Every float must also be finite, every int fit 64 bits."""
-    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt})
+def opt(default: Any, help: str, *, choices: tuple | None = None, or_file: str | None = None, ge: float | None = None,
+        gt: float | None = None, le: float | None = None, lt: float | None = None):
+    """A config field: default, one-line help, and the checks the loader applies: its choices (or_file: what file a
+    value outside them names instead, read by the loader), or its range (ge/gt: lower bound, le/lt: upper bound).
+    Every float must also be finite, every int fit 64 bits."""
+    return field(default=default, metadata={"help": help, "choices": choices, "or_file": or_file, "ge": ge, "gt": gt,
+                                            "le": le, "lt": lt})
 
 
 # Ceilings of the model's shape, far above any real model (Llama-3-405B: width 16384, 126 layers, 128 heads): they
@@ -105,6 +107,9 @@ class LoraConfig:
                            "fill the lora.* keys you leave unset")
 
 
+CHAT_TEMPLATES = ("auto", "tokenizer", "plain", "none")  # data.chat_template's names; any other value is a file
+
+
 @dataclass
 class DataConfig:
     path: str = opt("", "text (.txt), JSON lines (.jsonl) or Parquet files, a directory or a glob; "
@@ -122,9 +127,11 @@ class DataConfig:
     tokenizer: str = opt("byte", "'byte' for the built-in byte tokenizer, or a path to a tokenizer.json")
     chat_template: str = opt("auto", "how chats (messages, sharegpt, alpaca) become text: tokenizer (its "
                                      "chat_template), plain (shardfit's <|role|> template), auto (the tokenizer's when "
-                                     "it has one, else plain), none (chats refused); the run's config.toml records "
-                                     "the one applied (none: no chat in the data), which shardfit generate applies",
-                             choices=("auto", "tokenizer", "plain", "none"))
+                                     "it has one, else plain), none (chats refused), or the path of a Jinja template "
+                                     "file (rendered with the tokenizer's special tokens); the run's config.toml "
+                                     "records the one applied (none: no chat in the data), which shardfit generate "
+                                     "applies and an export holds as its tokenizer's template",
+                             choices=CHAT_TEMPLATES, or_file="a Jinja chat template")
     seq_len: int = opt(256, "tokens per training sequence (at least 2)", ge=2)
     seed: int = opt(1234, "seed of the sample order", ge=0)
     document_mask: bool = opt(True, "packed rows: a token attends only to earlier tokens of its own document and RoPE "
