@@ -31,8 +31,8 @@ from shardfit.models.decoder import CausalLM, KVCache
 
 def load_hf(path: str, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
     """A Hugging Face model directory (or a shardfit export): (model, tokenizer spec)."""
+    from shardfit.config.families import read_hf_config
     from shardfit.hf import load_hf_checkpoint
-    from shardfit.models.families import read_hf_config
 
     family, fields = read_hf_config(path)
     model = _build(ModelConfig(**{**fields, "name": family.model_type}), device)

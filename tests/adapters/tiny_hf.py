@@ -43,10 +43,10 @@ def hf_model(path: Path):
 
 def shardfit_model(path: Path):
     """shardfit's CausalLM of the saved model, unsharded, fp32, weights loaded."""
+    from shardfit.config.families import read_hf_config
     from shardfit.config.schema import ModelConfig
     from shardfit.hf import load_hf_checkpoint
     from shardfit.models import build_model
-    from shardfit.models.families import read_hf_config
 
     family, fields = read_hf_config(path)
     model = build_model(ModelConfig(**{**fields, "name": family.model_type}))

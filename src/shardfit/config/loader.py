@@ -209,7 +209,7 @@ _TRAINING_CHOICES = {"router_aux_coef"}  # training settings config.json stores:
 
 def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
     """model.path: the architecture comes from config.json; the tokenizer from the directory unless given."""
-    from shardfit.models.families import read_hf_config
+    from shardfit.config.families import read_hf_config
 
     cfg.model.path = resolve_model_path(cfg.model.path)  # a Hub id: its snapshot in the local cache
     family, fields = read_hf_config(cfg.model.path)

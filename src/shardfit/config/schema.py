@@ -79,6 +79,15 @@ class ModelConfig:
                         choices=("none", "nf4"))
 
 
+def dense_layer_ids(cfg: ModelConfig) -> list[int]:
+    """model.dense_layers ("1,5") as layer indices: the layers of an MoE model that keep a dense MLP."""
+    return [int(x) for x in cfg.dense_layers.split(",") if x.strip()]
+
+
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    return cfg.n_experts > 0 and i not in dense_layer_ids(cfg) and (i + 1) % cfg.moe_every == 0
+
+
 # LoRA's default targets: every linear layer of a dense block (attention and MLP), as Hugging Face names them.
 LORA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_OPTIONAL = ("embed_tokens", "lm_head")

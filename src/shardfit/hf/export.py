@@ -28,8 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardfit.adapters.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from shardfit.config.families import hf_config_json
 from shardfit.hf.load import STACKED, expert_key
-from shardfit.models.families import hf_config_json
 from shardfit.parallel.agreement import agree
 
 T = TypeVar("T")

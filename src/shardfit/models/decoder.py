@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardfit.config.schema import ModelConfig
+from shardfit.config.schema import ModelConfig, is_moe_layer
 from shardfit.models.attention import DocumentMask, sdpa_attention
 from shardfit.models.init import ShardView, is_quantized_storage, seeded_normal_, whole_view
 from shardfit.models.logprobs import fused_linear_logprobs, select_rows, spread_rows
@@ -150,15 +150,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def dense_layer_ids(cfg: ModelConfig) -> list[int]:
-    """model.dense_layers ("1,5") as layer indices: the layers of an MoE model that keep a dense MLP."""
-    return [int(x) for x in cfg.dense_layers.split(",") if x.strip()]
-
-
-def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
-    return cfg.n_experts > 0 and i not in dense_layer_ids(cfg) and (i + 1) % cfg.moe_every == 0
 
 
 class DecoderBlock(nn.Module):

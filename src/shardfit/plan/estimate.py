@@ -134,7 +134,7 @@ def adapter_params(cfg: Config) -> tuple[int, int]:
 
 
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
-    from shardfit.models.decoder import is_moe_layer
+    from shardfit.config.schema import is_moe_layer
     from shardfit.parallel.parallelize import check_replicate, checkpointed_blocks
 
     check_replicate(cfg.parallel.replicate, world)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardfit.models.decoder import is_moe_layer
+from shardfit.config.schema import is_moe_layer
 from shardfit.models.moe import MoE, update_balance_bias
 from shardfit.train.timing import PHASES
 

@@ -1,7 +1,7 @@
 """Qwen3: RMSNorm on queries and keys per head, before RoPE; explicit head_dim."""
 
+from shardfit.config.families.family import Family
 from shardfit.errors import ShardfitError
-from shardfit.models.families.family import Family
 
 
 def _from_hf(hf: dict, where: str) -> dict:

@@ -1,7 +1,7 @@
 """Llama 2 / 3 / 3.1 / 3.2: the common decoder as it is (Llama-3 RoPE scaling handled in the common mapping)."""
 
+from shardfit.config.families.family import Family
 from shardfit.errors import ShardfitError
-from shardfit.models.families.family import Family
 
 
 def _from_hf(hf: dict, where: str) -> dict:

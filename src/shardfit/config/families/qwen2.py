@@ -1,6 +1,6 @@
 """Qwen2 / Qwen2.5: bias on the q/k/v projections."""
 
-from shardfit.models.families.family import Family
+from shardfit.config.families.family import Family
 
 
 def _from_hf(hf: dict, where: str) -> dict:

@@ -10,14 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardfit.config.families.family import Family, common_from_hf, common_to_hf
 from shardfit.errors import ShardfitError
-from shardfit.models.families.family import Family, common_from_hf, common_to_hf
 
 __all__ = ["Family", "common_from_hf", "common_to_hf", "hf_config_json", "read_hf_config"]
 
 
 def _registry() -> dict[str, Family]:
-    from shardfit.models.families import llama, mistral, qwen2, qwen3, qwen3_moe
+    from shardfit.config.families import llama, mistral, qwen2, qwen3, qwen3_moe
 
     return {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
 

@@ -1,9 +1,9 @@
 """Qwen3-MoE: Qwen3 attention, top-k routed experts (per-expert tensors in the checkpoint, stacked in the model)."""
 
+from shardfit.config.families.family import Family
+from shardfit.config.families.qwen3 import FAMILY as QWEN3
+from shardfit.config.schema import dense_layer_ids
 from shardfit.errors import ShardfitError
-from shardfit.models.decoder import dense_layer_ids
-from shardfit.models.families.family import Family
-from shardfit.models.families.qwen3 import FAMILY as QWEN3
 
 
 def _from_hf(hf: dict, where: str) -> dict:

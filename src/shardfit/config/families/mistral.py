@@ -1,6 +1,6 @@
 """Mistral: Llama layout; sliding-window attention is only equivalent while sequences fit in the window."""
 
-from shardfit.models.families.family import Family
+from shardfit.config.families.family import Family
 
 
 def _from_hf(hf: dict, where: str) -> dict:
