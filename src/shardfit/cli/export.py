@@ -2,7 +2,7 @@
 
 The checkpoint (a step_XXXXXXXX directory, or a run or checkpoints directory: its newest whole checkpoint) is
 checked whole and read through the checked loader (generate.load_dcp: checkpoint_verify, nothing unpickled) into
-one unsharded model on the CPU, whatever number of ranks wrote it and in whatever layout; the trainer's own exporter
+one unsharded model on the CPU, whatever number of ranks wrote it and in whatever layout; the Engine's own exporter
 (hf/export.py) then writes it with the run's tokenizer files, the byte tokenizer's included, so that transformers'
 AutoModelForCausalLM and AutoTokenizer load OUT; a LoRA run's adapters are merged into its base. OUT must be new,
 empty, or a previous export (replaced whole).

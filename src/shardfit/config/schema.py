@@ -331,8 +331,8 @@ class MemoryConfig:
     snapshot_max_entries: int = opt(200000, "allocator events kept while recording (a ring buffer)", gt=0)
     keep_grads: bool = opt(True, "keep gradient buffers allocated between steps (zeroed, not freed): FSDP2 allocates "
                                  "the sharded gradients in its reduce-scatter stream's pool, and once freed that "
-                                 "memory is idle cache the compute stream cannot use (15 GiB per GPU for Llama-3-8B "
-                                 "on 2 GPUs)")
+                                 "memory is idle cache the compute stream cannot use (benchmarks/README.md"
+                                 "#doctor-keep-grads)")
     max_fraction: float = opt(0.0, "cap this process's CUDA memory at this fraction of the GPU (headroom for other "
                                    "processes); 0: no cap", ge=0, le=1)
 

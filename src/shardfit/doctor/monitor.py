@@ -1,4 +1,4 @@
-"""Watches the per-rank memory figures that the trainer's single stats collective brings every log step.
+"""Watches the per-rank memory figures that the step's single stats collective (the Engine's) brings every log step.
 
 It warns about the two things that precede most sharded-run OOMs: allocator retries (cudaMalloc failed, the cache
 was flushed and the request retried: slow, and one step from an OOM) and reserved memory that keeps growing after

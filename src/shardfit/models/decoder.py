@@ -239,7 +239,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.loss_chunk = loss_chunk
-        self.loss_impl = "torch"  # "liger" where Liger-Kernel is installed on CUDA (see the trainer's choice)
+        self.loss_impl = "torch"  # "liger" where Liger-Kernel is installed on CUDA (the Engine's choice: loss.py)
         self.loss_compiled = False  # use_compiled_loss
         self.model = Decoder(cfg)
         self.lm_head = OutputHead(cfg.dim, cfg.vocab_size, bias=False)
@@ -267,10 +267,10 @@ class CausalLM(nn.Module):
                 n = labels.numel()
                 logp, ent = spread_rows(logp, rows, n), (spread_rows(ent, rows, n) if ent is not None else None)
             return logp, ent  # [B x S] each: flat (a view returned through FSDP would drop its backward hook)
-        # Sum over labels != -100; the trainer divides by the global token count once per step.
+        # Sum over labels != -100; the Engine divides by the global token count once per step.
         loss = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, self.loss_impl, self.loss_compiled)
         if self.cfg.router_aux_coef > 0 and router_aux:
-            # MoE only. Weighted by this micro-batch's loss tokens, so that after the trainer's division by the
+            # MoE only. Weighted by this micro-batch's loss tokens, so that after the Engine's division by the
             # global count it is the token-weighted mean of the micro-batches' auxiliary losses (for one
             # micro-batch: cross-entropy mean + coef x aux, as transformers reports). A device tensor: no sync.
             # It is a statistic of the tokens this rank routes (under sequence parallelism: its slice).

@@ -25,7 +25,7 @@ PEAK_FLOPS = [
     ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10G", 125e12), ("RTX 4090", 165e12),
 ]
 
-# Order of the memory fields inside the per-step stats vector (see Trainer._reduce_step).
+# Order of the memory fields inside the per-step stats vector (see Engine._reduce).
 MEMORY_FIELDS = ("peak_allocated", "peak_reserved", "peak_active", "allocated", "reserved", "inactive_split",
                  "alloc_retries", "ooms")
 
@@ -111,7 +111,7 @@ class ExpertLoad:
     global load.
 
     No collective of its own: each rank adds its layers' counts [L, E] after every micro-batch (device adds, no
-    sync), and the L x E sums ride in the step's one stats collective (train/trainer.py), after all micro-batches.
+    sync), and the L x E sums ride in the step's one stats collective (train/engine.py), after all micro-batches.
     Every rank then reads the same global load and applies the same bias update, so the biases stay equal without
     a broadcast. A recomputation under checkpointing writes a layer's counts again with the same values; they are
     read once per micro-batch, after its backward."""
