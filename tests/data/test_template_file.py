@@ -57,10 +57,10 @@ def test_the_export_holds_the_files_template_and_generate_applies_it(tmp_path, j
         training_template("byte", None, {"chat_template": str(jinja)})
 
 
-@pytest.mark.parametrize("case", ["missing", "directory", "empty", "not utf-8", "a name"])
+@pytest.mark.parametrize("case", ["missing", "directory", "empty", "not utf-8", "a name", "nothing"])
 def test_a_bad_template_path_is_one_line(tmp_path, case):
     value = {"missing": tmp_path / "nope.jinja", "directory": tmp_path, "empty": tmp_path / "e.jinja",
-             "not utf-8": tmp_path / "b.jinja", "a name": "chatml"}[case]
+             "not utf-8": tmp_path / "b.jinja", "a name": "chatml", "nothing": ""}[case]
     (tmp_path / "e.jinja").write_text(" \n")
     (tmp_path / "b.jinja").write_bytes(b"\xff\xfe{{ x }}")
     with pytest.raises(ShardfitError) as e:
@@ -69,7 +69,8 @@ def test_a_bad_template_path_is_one_line(tmp_path, case):
     want = {"missing": f"'{value}' is neither one of auto, tokenizer, plain, none nor a file",
             "directory": f"{value} is a directory, not a Jinja chat template file",
             "empty": f"{value} is empty", "not utf-8": f"cannot read {value} (",
-            "a name": "'chatml' is neither one of auto, tokenizer, plain, none nor a file"}[case]
+            "a name": "'chatml' is neither one of auto, tokenizer, plain, none nor a file",
+            "nothing": "'' is neither one of auto, tokenizer, plain, none nor a file"}[case]
     assert msg.startswith(f"data.chat_template: {want}") and "\n" not in msg, msg
     assert msg.endswith("fix: give a readable UTF-8 file") if case == "not utf-8" else msg.endswith(
         "fix: give the path of a Jinja chat template file, or one of auto, tokenizer, plain, none")

@@ -292,11 +292,14 @@ def _named_file(value: str, where: str, meta: dict) -> str:
     one line: missing, a directory, unreadable, not UTF-8 or empty."""
     path, what = Path(value).expanduser(), meta["or_file"]
     fix = f"give the path of {what} file, or one of " + ", ".join(meta["choices"])
+    neither = ShardfitError(f"'{_shown(value, 300)}' is neither one of {', '.join(meta['choices'])} nor a file",
+                            where=where, fix=fix)
+    if not value.strip():  # Path("") is the current directory
+        raise neither
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ShardfitError(f"'{_shown(value, 300)}' is neither one of {', '.join(meta['choices'])} nor a file",
-                            where=where, fix=fix) from None
+        raise neither from None
     except IsADirectoryError:
         raise ShardfitError(f"{value} is a directory, not {what} file", where=where, fix=fix) from None
     except (OSError, ValueError) as e:  # permission, a NUL byte in the name, invalid UTF-8
