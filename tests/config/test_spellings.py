@@ -224,3 +224,12 @@ def test_an_unknown_key_with_no_close_one_lists_its_section_and_a_close_one_else
         load_config(None, ["--train.pack=false"])
     with pytest.raises(ShardfitError, match=r"unknown section 'dataset'; fix: did you mean 'data'\?"):
         load_config(None, ["--dataset.path=x"])
+
+
+@pytest.mark.parametrize("arg, fix", [("--seq_len=128", "write --data.seq_len: an option names its section"),
+                                      ("--every", "write --checkpoint.every: an option names its section"),
+                                      ("--steps=3", "write --train.steps: an option names its section")])
+def test_a_key_without_its_section_is_named_with_it(arg, fix):
+    with pytest.raises(ShardfitError) as e:
+        load_config(None, [arg])
+    assert str(e.value) == f"command line: cannot read argument '{arg}'; fix: {fix}"

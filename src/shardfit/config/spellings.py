@@ -16,7 +16,8 @@
   is answered by name; string similarity alone proposed `train.min_lr_ratio` for `learning_rate` and `train.seed`
   for `lr_scheduler`. The run stops, so the user learns the key once and the saved config.toml holds one spelling.
 - **Typos** get "did you mean" only when the name is really close to a key (one letter off or two swapped, or the
-  key a prefix of it: `stpes`, `warmup`), else the keys of the section.
+  key a prefix of it: `stpes`, `warmup`), else the keys of the section; one of shardfit's keys given without its
+  section (`--seq_len=128`) is named with it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import sys
 from collections.abc import Iterable
 
-from shardfit.config.schema import ComputeConfig
+from shardfit.config.schema import ComputeConfig, Config
 from shardfit.errors import LAUNCHER_PID, ShardfitError
 
 # ---- old spellings --------------------------------------------------------------------------------------------------
@@ -151,15 +152,30 @@ NOT_A_KEY: dict[str, str] = {
 }
 
 
+def _bare(name: str) -> str:
+    """The key an option names, without dashes, value or section: '--train.Max-Steps=3' -> 'max_steps'."""
+    return name.lstrip("-").split("=", 1)[0].rsplit(".", 1)[-1].replace("-", "_").lower()
+
+
 def foreign_spelling(name: str) -> str | None:
     """`fix` text for an option name from another tool ('--learning_rate', 'train.learning_rate'), else None."""
-    key = name.lstrip("-").split("=", 1)[0].rsplit(".", 1)[-1].replace("-", "_").lower()
+    key = _bare(name)
     if key in NOT_A_KEY:
         return f"'{key}' is not a shardfit key: {NOT_A_KEY[key]}"
     ours = FOREIGN.get(key)
     if ours is None:
         return None
     return f"'{key}' is {ours} in shardfit (shardfit train --help lists every key)"
+
+
+def sectionless(name: str) -> str | None:
+    """`fix` text for one of shardfit's own keys given without its section ('--seq_len=128'), else None."""
+    key = _bare(name)
+    cfg = Config()
+    sections = [s for s, obj in vars(cfg).items() if key in {f.name for f in dataclasses.fields(obj)}]
+    if not sections:
+        return None
+    return "write " + " or ".join(f"--{s}.{key}" for s in sections) + ": an option names its section"
 
 
 # ---- typos ----------------------------------------------------------------------------------------------------------
