@@ -69,7 +69,7 @@ def main() -> int:
     generate(a.events, path)
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", (
-        "import sys; from shardfit.memory import examine; from shardfit.memory.report import to_text; "
+        "import sys; from shardfit.doctor import examine; from shardfit.doctor.report import to_text; "
         "r, f = examine([sys.argv[1]]); to_text(r, f); "
         # VmHWM: this process image's peak RSS. Not ru_maxrss: after fork+exec Linux folds the parent's high-water
         # mark into it, and the parent here holds the generated trace (~450 MB of dicts).

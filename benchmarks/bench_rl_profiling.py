@@ -58,7 +58,7 @@ def finish_profile(prof, out: Path, name: str, wall: float, vocab: int, lora_ran
     the summary."""
     import gzip
 
-    from shardfit.memory.profile_trace import summarize_trace, time_by_region
+    from shardfit.doctor.profile_trace import summarize_trace, time_by_region
 
     out.mkdir(parents=True, exist_ok=True)
     raw = out / f"{name}.json"

@@ -76,7 +76,7 @@ SUITES: dict[str, list[tuple[str, str, list[str]]]] = {
     # Issue 13: HSDP (parallel.replicate = 2: two replicas of 2 ranks) against FSDP over all 4 ranks, one node of
     # 4 x H200, the compiled bf16 configuration at micro-batch 3 (HSDP's states are sharded over 2 ranks, not 4:
     # +30 GiB a rank for 8B; shardfit plan: 86.3 and 116.2 GiB; at micro-batch 4 HSDP's 133.3 does not fit 140 GB);
-    # plan vs measured through tests/memory/test_plan.py's MEASURED
+    # plan vs measured through tests/plan/test_estimate.py's MEASURED
     "hsdp4": [
         ("shardfit", "FSDP over 4 compile mbs3", [*COMPILED, "--train.micro_batch=3", "--train.global_batch={3n}"]),
         ("shardfit", "HSDP 2x2 compile mbs3", [*COMPILED, "--train.micro_batch=3", "--train.global_batch={3n}",

@@ -61,7 +61,7 @@ GEMM_CLASSES = ["blocks: forward", "blocks: backward + recompute", "experts (gro
 
 def kind_of(name: str, cat: str = "kernel") -> str:
     """profile_trace.kernel_kind, with Inductor's mm templates (triton_tem_fused_mm..., _grouped_mm) as matmuls."""
-    from shardfit.memory.profile_trace import kernel_kind
+    from shardfit.doctor.profile_trace import kernel_kind
 
     k = kernel_kind(name, cat)
     low = name.lower()

@@ -5,7 +5,7 @@
 - every repository path written in backticks in README.md and docs/*.md (`docs/...`, `src/...`, `tests/...`,
   `benchmarks/...`, `examples/...`; globs and placeholders aside) exists;
 - every config key a page names (`--section.key`, or `section.key` in backticks) is a key of the schema, or an old
-  spelling the loader still accepts (config/renamed.py);
+  spelling the loader still accepts (config/spellings.py);
 - every figure in the README's table of headline figures is in benchmarks/README.md, on the row the line links to.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shardfit.config import Config, config_to_dict
-from shardfit.config.renamed import RENAMED
+from shardfit.config.spellings import RENAMED
 
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]

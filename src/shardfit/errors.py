@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import os
 
+# Set by `shardfit <command> --nproc N` in the environment of the ranks it starts (cli/launch.py): the launcher prints
+# the job's one-time lines for them (a rank's error: cli/rank_errors.py; an old key's notice: config/spellings.py).
+LAUNCHER_PID = "SHARDFIT_LAUNCHER_PID"
+
 
 class ShardfitError(Exception):
     """A problem with the user's input, reported as one line (exit code 2).

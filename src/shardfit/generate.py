@@ -141,13 +141,16 @@ def training_template(tok_spec: str, model_dir: str | None, saved: dict):
     it in config.toml (data.chat_template: tokenizer, plain or none; auto in runs of older shardfits: the tokenizer's
     when it has one); a model directory holds it as its tokenizer's template (an export writes shardfit's plain one
     there). (None, None): prompts go as they are."""
-    from shardfit.data.chat import ChatRenderer, chat_renderer
+    from shardfit.config.schema import CHAT_TEMPLATES
+    from shardfit.data.chat import ChatRenderer, FileTemplate, chat_renderer
 
     choice = saved.get("chat_template", "auto")
     if choice == "none":
         return None, None
     if choice == "plain":
         renderer = ChatRenderer(None)
+    elif choice not in CHAT_TEMPLATES:  # a Jinja file the run recorded by its path
+        renderer = FileTemplate(choice, chat_renderer(tok_spec, Path(model_dir) if model_dir else None).special)
     else:
         renderer = chat_renderer(tok_spec, Path(model_dir) if model_dir else None)
         if renderer.template is None:

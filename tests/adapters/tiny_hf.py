@@ -43,9 +43,9 @@ def hf_model(path: Path):
 
 def shardfit_model(path: Path):
     """shardfit's CausalLM of the saved model, unsharded, fp32, weights loaded."""
+    from shardfit.config.families import read_hf_config
     from shardfit.config.schema import ModelConfig
     from shardfit.models import build_model
-    from shardfit.models.families import read_hf_config
     from shardfit.weights.hf_load import load_hf_checkpoint
 
     family, fields = read_hf_config(path)

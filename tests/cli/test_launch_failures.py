@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from shardfit.cli import rank_errors
-from shardfit.errors import ShardfitError
+from shardfit.errors import LAUNCHER_PID, ShardfitError
 from tests.cli.test_cli import TINY
 
 
@@ -21,11 +21,11 @@ def attempt(tmp_path, monkeypatch):
     the way a shardfit rank does: ('error', exc) through the CLI's path, ('crash', exc), or nothing."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    for var in ("TORCHELASTIC_ERROR_FILE", rank_errors.LAUNCHER_PID):
+    for var in ("TORCHELASTIC_ERROR_FILE", LAUNCHER_PID):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("WORLD_SIZE", "1")  # no crash grace period in-process
-    monkeypatch.setenv(rank_errors.LAUNCHER_PID, str(os.getppid()))  # as if our launcher started this process
+    monkeypatch.setenv(LAUNCHER_PID, str(os.getppid()))  # as if our launcher started this process
 
     def fail(rank: int, exitcode: int, how: str = "", exc: Exception | None = None) -> ProcessFailure:
         path = tmp_path / str(rank) / "error.json"
@@ -86,7 +86,7 @@ def test_a_rank_prints_only_when_no_launcher_will(attempt, monkeypatch, capsys):
     rank of the launch prints it and the next does not; with no error file to share, every rank prints."""
     attempt(0, 2, "error", ERR)
     assert capsys.readouterr().err == ""  # the launcher will print it
-    monkeypatch.setenv(rank_errors.LAUNCHER_PID, "1")  # another launcher's: not our parent
+    monkeypatch.setenv(LAUNCHER_PID, "1")  # another launcher's: not our parent
     attempt(0, 2, "error", ERR)
     attempt(1, 2, "error", ERR)
     assert capsys.readouterr().err.splitlines() == [ERR.cli_line()]  # once for the two ranks
@@ -104,7 +104,7 @@ def test_an_error_file_left_from_an_old_launch_does_not_silence_a_rank(tmp_path,
     (old.parent / f".shardfit-printed-{os.getppid() + 1}").touch()  # a claim by another launch's agent
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "gone" / "0" / "error.json"))  # directory gone
-    monkeypatch.delenv(rank_errors.LAUNCHER_PID, raising=False)
+    monkeypatch.delenv(LAUNCHER_PID, raising=False)
     assert rank_errors.report_error(ERR) == 2 and capsys.readouterr().err.splitlines() == [ERR.cli_line()]
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(old / "error.json"))
     assert rank_errors.report_error(ERR) == 2 and capsys.readouterr().err.splitlines() == [ERR.cli_line()]
@@ -147,4 +147,4 @@ def test_launcher_failures_are_one_line(monkeypatch, capsys, tmp_path, endpoint,
                 f"--logging.run_dir={tmp_path}/run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert got == rc and len(err) == 1 and line in err[0], err
-    assert rank_errors.LAUNCHER_PID not in os.environ  # the launcher's marker does not outlive the launch
+    assert LAUNCHER_PID not in os.environ  # the launcher's marker does not outlive the launch

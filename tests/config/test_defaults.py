@@ -1,6 +1,8 @@
 """Training defaults that follow the model: its size, where its weights come from, and the data."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -84,6 +86,22 @@ def test_help_shows_the_defaults_of_the_model_given():
     assert "--train.lr=0.003 " in tiny and "--train.lr=0.0003 " in big
     assert "--train.global_batch=128 " in big and "(by model size: see below)" in big
     assert "Training defaults by model size" in big and "2B-20B" in big
+
+
+def test_a_process_that_loads_only_the_config_gets_the_model_and_data_answers(tmp_path):
+    """config/ imports neither models/ nor data/ (tests/test_import_graph.py): the root package answers for them
+    (shardfit/__init__.py). A fresh process importing shardfit.config alone gets the defaults of the model's size and
+    of fine-tuning data, and torch only once a model is counted."""
+    d = _model_dir(tmp_path)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    args = [f"--model.path={d}", f"--data.path={chats}", "--data.seq_len=4096"]
+    code = ("import sys; from shardfit.config import load_config; torch = 'torch' in sys.modules; "
+            f"c = load_config(None, {args!r}); "
+            "print(torch, 'shardfit.models' in sys.modules, c.train.global_batch, c.train.lr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    want = load_config(None, args)
+    assert out == ["False", "True", "32", str(want.train.lr)] and want.train.global_batch == 32
 
 
 # (weights, data, family): from scratch on text, and fine-tuning Hugging Face checkpoints of each family on

@@ -62,6 +62,36 @@ def test_bad_toml_names_file(tmp_path):
         load_config(tmp_path / "missing.toml")
 
 
+AXOLOTL = "base_model: Qwen/Qwen2.5-0.5B\nlearning_rate: 0.0002\nmicro_batch_size: 2\n"
+FIX = ("fix: write it as TOML: a [section] line, then key = value lines (a YAML `train: {lr: 1e-4}` is `[train]` then "
+       "`lr = 1e-4`); `shardfit train --help` lists the keys, the recipes (`shardfit recipes`) are examples")
+
+
+@pytest.mark.parametrize("name, text, what", [
+    ("axolotl.yaml", AXOLOTL, "shardfit configs are TOML, not YAML"),
+    ("tune.YML", "# torchtune\nmodel:\n  _component_: x\n", "shardfit configs are TOML, not YAML"),
+    ("missing.yaml", None, "shardfit configs are TOML, not YAML"),  # named for what it is, found or not
+    ("run.toml", "# a YAML file under a .toml name\n" + AXOLOTL, "this is YAML: shardfit configs are TOML"),
+    ("doc.toml", "---\ntrain: {lr: 1}\n", "this is YAML: shardfit configs are TOML"),
+])
+def test_a_yaml_config_is_named_yaml_with_the_fix(tmp_path, name, text, what):
+    """Users of axolotl and torchtune bring YAML: one line says so and how to write TOML, not "malformed TOML"."""
+    f = tmp_path / name
+    if text is not None:
+        f.write_text(text)
+    with pytest.raises(ShardfitError) as e:
+        load_config(f)
+    assert str(e.value) == f"{f}: {what}; {FIX}"
+
+
+def test_malformed_toml_that_is_not_yaml_stays_malformed_toml(tmp_path):
+    f = tmp_path / "c.toml"
+    for text in ("[train]\nlr: 1\n", "[train\n", "lr == 1\n"):  # TOML's own mistakes, even one colon inside
+        f.write_text(text)
+        with pytest.raises(ShardfitError, match=r"c.toml: malformed TOML \(.*fix: fix the TOML syntax$"):
+            load_config(f)
+
+
 def test_help_lists_every_key():
     text = config_help()
     cfg = Config()

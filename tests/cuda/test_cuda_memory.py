@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from shardfit.memory import examine
+from shardfit.doctor import examine
 from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.helpers import small_config

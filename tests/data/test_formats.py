@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from shardfit.config import load_config, renamed
+from shardfit.config import load_config, spellings
 from shardfit.data.build import build_datasets
 from shardfit.data.formats import detect
 from shardfit.errors import ShardfitError
@@ -176,7 +176,7 @@ def test_plain_template_exported_renders_as_training(tmp_path):
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(renamed, "_announced", set())
+    monkeypatch.setattr(spellings, "_announced", set())
     for var in ("RANK", "SHARDFIT_LAUNCHER_PID"):
         monkeypatch.delenv(var, raising=False)
 
@@ -186,7 +186,7 @@ def test_old_data_format_values_move_to_file_format(tmp_path, capsys, fresh):
     assert (cfg.data.file_format, cfg.data.format) == ("jsonl", "auto")
     assert capsys.readouterr().err == ("shardfit: data.format=jsonl is now data.file_format=jsonl (data.format names "
                                        "the record layout: messages, sharegpt, alpaca, prompt_completion or text); "
-                                       f"the old spelling is accepted until {renamed.UNTIL}\n")
+                                       f"the old spelling is accepted until {spellings.UNTIL}\n")
     (tmp_path / "c.toml").write_text('[data]\nformat = "parquet"\n')
     assert load_config(tmp_path / "c.toml").data.file_format == "parquet"
     assert load_config(None, ["--data.format=text"]).data.format == "text"  # a record layout too: no notice

@@ -1,5 +1,5 @@
-"""`shardfit doctor`: explain CUDA memory snapshots (memory/): fragmentation, other streams' memory, imbalance, the
-peak's make-up, why an OOM happened."""
+"""`shardfit doctor`: explain CUDA memory snapshots (shardfit/doctor/): fragmentation, other streams' memory,
+imbalance, the peak's make-up, why an OOM happened."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def doctor(argv: list[str]) -> int:
         "held for other streams, per-rank imbalance, what the peak is made of, why an OOM happened."))
     parser.add_argument("snapshots", nargs="+", help=".pickle / .pickle.gz files, or one directory of them")
     parser.add_argument("--json", action="store_true", help="print the JSON report (schema shardfit.doctor/1; "
-                        "findings[].figures holds each finding's numbers in bytes: src/shardfit/memory/report.py)")
+                        "findings[].figures holds each finding's numbers in bytes: src/shardfit/doctor/report.py)")
     parser.add_argument("--memory-fraction", metavar="F", type=lambda v: fraction(
         v, "--memory-fraction", "the fraction of the GPU's memory the run could use"), help=(
         "the fraction given to torch.cuda.set_per_process_memory_fraction in the run, which PyTorch's snapshots do "
@@ -27,15 +27,15 @@ def doctor(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import json
 
-    from shardfit.memory import examine
-    from shardfit.memory.report import to_json, to_text
+    from shardfit.doctor import examine
+    from shardfit.doctor.report import to_json, to_text
 
     gpu_bytes = None if args.gpu_memory is None else int(args.gpu_memory * (1 << 30))
     results, findings = examine(args.snapshots, args.memory_fraction, gpu_bytes)
     print(json.dumps(to_json(results, findings), indent=1) if args.json else to_text(results, findings), end="")
     if args.png or args.html:
+        from shardfit.doctor.plot import render_html, render_png
         from shardfit.fsutil import write_atomic
-        from shardfit.memory.plot import render_html, render_png
 
         png = render_png(results, findings)
         for path, data in ((args.png, png), (args.html, render_html(results, findings, png) if args.html else "")):

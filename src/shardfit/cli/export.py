@@ -3,7 +3,7 @@
 The checkpoint (a step_XXXXXXXX directory, or a run or checkpoints directory: its newest whole checkpoint) is
 checked whole (the line printed at the end names its step) and read through the checked loader (weights/local.py's
 load_dcp: checkpoint_verify, nothing unpickled) into one unsharded model on the CPU, whatever number of ranks wrote it
-and in whatever layout; the trainer's own exporter (weights/hf_export.py, through weights/local.py's write_hf) then
+and in whatever layout; the Engine's own exporter (weights/hf_export.py, through weights/local.py's write_hf) then
 writes it with the run's tokenizer files, the byte tokenizer's included, so that transformers' AutoModelForCausalLM
 and AutoTokenizer load OUT; a LoRA run's adapters are merged into its base. OUT must be new, empty, or a previous
 export (replaced whole).

@@ -21,8 +21,8 @@ import socket
 import sys
 
 from shardfit.cli.args import count, number
-from shardfit.cli.rank_errors import LAUNCHER_PID, STOP_NOTE, read_error_file
-from shardfit.errors import ShardfitError, Stopped
+from shardfit.cli.rank_errors import STOP_NOTE, read_error_file
+from shardfit.errors import LAUNCHER_PID, ShardfitError, Stopped
 
 # torchrun's multi-node flags that `shardfit train` passes through (either spelling; docs/multinode.md).
 RDZV_FLAGS = ("--nnodes", "--node-rank", "--node_rank", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",

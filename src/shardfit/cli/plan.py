@@ -61,7 +61,7 @@ def plan(argv: list[str]) -> int:
         changes, line = auto_checkpointing(cfg, world, gpu_gib)  # one search: the choice and its line
         auto, cfg = {"changes": changes, "line": line}, apply(cfg, changes)
     propose = ("--propose" in switches or not configured(cfg, world, gpu_gib, host_gib, per_node)[1]
-               or not accepted(cfg, world))  # e.g. a layout the trainer refuses: counted, with what would fit
+               or not accepted(cfg, world))  # e.g. a layout shardfit train refuses: counted, with what would fit
     if propose:
         props, short = proposals(cfg, world, gpu_gib, host_gib, per_node)
     else:  # it fits: still say when fewer checkpointed blocks would (less recompute, the same micro-batch)

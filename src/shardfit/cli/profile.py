@@ -1,4 +1,4 @@
-"""`shardfit profile`: where a profiled step's GPU time went, from a Chrome trace (memory/profile_trace.py)."""
+"""`shardfit profile`: where a profiled step's GPU time went, from a Chrome trace (doctor/profile_trace.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def profile(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import json
 
-    from shardfit.memory.profile_trace import explain, read_trace, summarize_trace
+    from shardfit.doctor.profile_trace import explain, read_trace, summarize_trace
 
     s = summarize_trace(read_trace(args.trace))
     if not s:

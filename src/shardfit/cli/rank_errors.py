@@ -17,9 +17,8 @@ import sys
 import time
 import traceback
 
-from shardfit.errors import ShardfitError, Stopped
+from shardfit.errors import LAUNCHER_PID, ShardfitError, Stopped
 
-LAUNCHER_PID = "SHARDFIT_LAUNCHER_PID"
 STOP_NOTE = "SHARDFIT_STOP_NOTE"  # where rank 0 leaves its stop line for a launcher stopped by a signal (launch.py)
 # A rank of several that fails with an exception (not a ShardfitError) waits this long before it prints: when another
 # rank died first (killed, out of memory), this one's collective fails with a connection error that is only an echo,

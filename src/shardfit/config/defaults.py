@@ -1,16 +1,43 @@
 """Training defaults that follow the model: its size (schema.SIZE_DEFAULTS), where its weights come from (scratch or
 fine-tuning), the data (pretraining tokens per step or fine-tuning examples) and LoRA. The loader applies them to
 the train.* keys (and data.seq_len) a user leaves unset, once the preset or config.json is known; `shardfit train
---help` prints the table. Counting the model's parameters builds it on the meta device (no memory, ~0.1 s at 70B).
+--help` prints the table.
+
+Two facts they need are not config's to work out, and config imports nothing above errors/fsutil: the model's
+parameter count (models/ builds the model on the meta device: no memory, ~0.1 s at 70B) and whether data.path holds
+fine-tuning examples (data/ reads the files' first records). They are asked of the packages that know, through
+`ANSWERS`, which the root package fills on import (shardfit/__init__.py); every import of shardfit.config runs that
+file first, so the answers are there whoever loads a config.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from shardfit.config.schema import REAL_SEQ_LEN, SFT_GLOBAL_BATCH, SIZE_DEFAULTS, WARMUP_FRACTION, Config
+from shardfit.config.schema import (
+    REAL_SEQ_LEN,
+    SFT_GLOBAL_BATCH,
+    SIZE_DEFAULTS,
+    WARMUP_FRACTION,
+    Config,
+    DataConfig,
+    ModelConfig,
+)
 from shardfit.errors import ShardfitError
+
+
+@dataclass
+class Answers:
+    """What the defaults ask of the packages above config (see the docstring)."""
+
+    param_count: Callable[[ModelConfig], int] | None = None  # models.param_count: the model's parameters, as built
+    holds_examples: Callable[[DataConfig], bool] | None = None  # data.mode.holds_examples: fine-tuning data or not
+
+
+ANSWERS = Answers()
 
 # LoRA fine-tuning trains low-rank adapters from zero (B = 0): the recipes that train them (PEFT's examples, axolotl,
 # torchtune) use 1e-4 to 3e-4, about ten times a full fine-tune's 2e-5, which leaves adapters barely moved.
@@ -20,19 +47,11 @@ LORA_LR = 1e-4
 def training_regime(cfg: Config) -> tuple[bool, bool]:
     """(pretrained weights: model.path or model.init_from; fine-tuning data). data.mode=auto decides as the data
     loader does, from the files' first lines (unreadable ones count as pretraining data: the loader reports them)."""
-    mode = cfg.data.mode
-    if mode == "auto" and cfg.data.format != "auto":
-        mode = "pretrain" if cfg.data.format == "text" else "sft"
-    if mode == "auto" and cfg.data.path:
-        from shardfit.data.formats import is_sft_file  # torch-free: no import circle through data/
-        from shardfit.data.sources import resolve_files
-
-        try:
-            mode = "sft" if all(is_sft_file(f, cfg.data.file_format) for f in resolve_files(cfg.data.path)) \
-                else "pretrain"
-        except (ShardfitError, OSError):
-            mode = "pretrain"
-    return bool(cfg.model.path or cfg.model.init_from), mode == "sft"
+    try:
+        sft = ANSWERS.holds_examples(cfg.data)
+    except (ShardfitError, OSError):
+        sft = False
+    return bool(cfg.model.path or cfg.model.init_from), sft
 
 
 def training_defaults(n_params: int, pretrained: bool, sft: bool, seq_len: int, steps: int) -> dict[str, Any]:
@@ -53,12 +72,7 @@ def training_defaults(n_params: int, pretrained: bool, sft: bool, seq_len: int, 
 def _apply_training_defaults(cfg: Config, explicit: set[str], weights: bool = False) -> None:
     """Fill the train.* keys the user left unset with the defaults of this model's size, weights and data. weights:
     the config (a recipe's [recipe.needs]) requires model.path, so it fine-tunes even before model.path is given."""
-    import torch
-
-    from shardfit.models import build_model, count_params
-
-    with torch.device("meta"):  # counted as built (tied weights once, every expert): no memory, ~0.1 s at 70B
-        n_params = count_params(build_model(cfg.model))
+    n_params = ANSWERS.param_count(cfg.model)
     if "data.seq_len" not in explicit and n_params >= SIZE_DEFAULTS[0][0]:
         # the schema's 256 is the tiny model's; real models train (and are planned) at a real context length
         cfg.data.seq_len = min(REAL_SEQ_LEN, cfg.model.max_seq_len)

@@ -9,10 +9,10 @@ closest valid key or the accepted values.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import math
 import operator
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,8 @@ from shardfit.config.init_from import apply_init_from
 from shardfit.config.lora_rules import LORA_RULES, AdapterReader, adapter_fields, nested_section
 from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
-from shardfit.config.renamed import Spellings, announce
 from shardfit.config.schema import PRESETS, Config
-from shardfit.config.spellings import foreign_spelling
+from shardfit.config.spellings import Spellings, announce, did_you_mean, unknown_key_fix
 from shardfit.errors import ShardfitError
 
 if sys.version_info >= (3, 11):
@@ -44,11 +43,6 @@ def _sections(cfg: Config) -> dict[str, Any]:
 
 def _fields(section: Any) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(section)}
-
-
-def _closest(name: str, options: list[str]) -> str:
-    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"did you mean '{match[0]}'?" if match else "valid: " + ", ".join(sorted(options))
 
 
 def _coerce(value: Any, ftype: str, where: str, from_text: bool) -> Any:
@@ -101,12 +95,12 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str, explicit: 
          from_text: bool = False) -> None:
     sections = _sections(cfg)
     if section not in sections:
-        raise ShardfitError(f"unknown section '{section}'", where=where, fix=_closest(section, list(sections)))
+        raise ShardfitError(f"unknown section '{section}'", where=where, fix=did_you_mean(section, sections))
     fields = _fields(sections[section])
     if key not in fields:
-        all_keys = [f"{s}.{k}" for s, obj in sections.items() for k in _fields(obj)]
+        keys = {s: list(_fields(obj)) for s, obj in sections.items()}
         raise ShardfitError(f"unknown key '{section}.{key}'", where=where, fix=nested_section(key, sections)
-                            or foreign_spelling(key) or _closest(f"{section}.{key}", all_keys))
+                            or unknown_key_fix(section, key, keys))
     named = where if where.endswith(f"{section}.{key}") else f"{where} {section}.{key}"  # a flag names itself
     setattr(sections[section], key, _coerce(value, fields[key].type, named, from_text))
     explicit.add(f"{section}.{key}")
@@ -119,7 +113,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     explicit: set[str] = set()
     weights = False
-    in_file, on_line = Spellings(""), Spellings("command line")  # the old key spellings of each (renamed.py)
+    in_file, on_line = Spellings(""), Spellings("command line")  # the old key spellings of each (spellings.py)
     if path:
         from shardfit.config.recipes import resolve
 
@@ -133,7 +127,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ShardfitError(f"'{section}' must be a table like [{section}]", where=str(path),
-                                    fix=_closest(section, list(_sections(cfg))) if section not in _sections(cfg)
+                                    fix=did_you_mean(section, _sections(cfg)) if section not in _sections(cfg)
                                     else f"put its keys under [{section}]")
             for key, value in table.items():
                 new = in_file.key(section, key, value)  # an old spelling is named beside the new one in errors
@@ -167,8 +161,14 @@ def _steps_or_epochs(cfg: Config, in_file: tuple[set[str], float, str], on_line:
         cfg.train.epochs = 0.0
 
 
+_TOML_FIX = ("write it as TOML: a [section] line, then key = value lines (a YAML `train: {lr: 1e-4}` is `[train]` "
+             "then `lr = 1e-4`); `shardfit train --help` lists the keys, the recipes (`shardfit recipes`) are examples")
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
-    """The file's tables, or one line saying why not (missing, a directory, unreadable, not UTF-8, not TOML)."""
+    """The file's tables, or one line saying why not (missing, a directory, unreadable, not UTF-8, YAML, not TOML)."""
+    if path.suffix.lower() in (".yaml", ".yml"):  # axolotl's and torchtune's configs are YAML: say so, not "malformed"
+        raise ShardfitError("shardfit configs are TOML, not YAML", where=str(path), fix=_TOML_FIX)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -183,7 +183,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
+        if _looks_like_yaml(text):
+            raise ShardfitError("this is YAML: shardfit configs are TOML", where=str(path), fix=_TOML_FIX) from None
         raise ShardfitError(f"malformed TOML ({e})", where=str(path), fix="fix the TOML syntax") from None
+
+
+def _looks_like_yaml(text: str) -> bool:
+    """A file TOML cannot read whose first statement is YAML's: a `---` document start, or `key:` where TOML has
+    `key =` or `[section]`."""
+    first = next((x.strip() for x in text.splitlines() if x.strip() and not x.lstrip().startswith("#")), "")
+    return first == "---" or bool(re.match(r"^[A-Za-z_][\w.-]*\s*:(\s|$)", first))
 
 
 def _apply_preset(cfg: Config, explicit: set[str]) -> None:
@@ -192,7 +201,7 @@ def _apply_preset(cfg: Config, explicit: set[str]) -> None:
         return
     if cfg.model.name not in PRESETS:
         raise ShardfitError(f"unknown model preset '{cfg.model.name}'", where="model.name",
-                            fix=_closest(cfg.model.name, list(PRESETS)))
+                            fix=did_you_mean(cfg.model.name, PRESETS))
     for key, value in PRESETS[cfg.model.name].items():
         if f"model.{key}" not in explicit:
             setattr(cfg.model, key, value)
@@ -203,7 +212,7 @@ _TRAINING_CHOICES = {"router_aux_coef"}  # training settings config.json stores:
 
 def _apply_hf_config(cfg: Config, explicit: set[str]) -> None:
     """model.path: the architecture comes from config.json; the tokenizer from the directory unless given."""
-    from shardfit.models.families import read_hf_config
+    from shardfit.config.families import read_hf_config
 
     cfg.model.path = resolve_model_path(cfg.model.path)  # a Hub id: its snapshot in the local cache
     family, fields = read_hf_config(cfg.model.path)
@@ -268,8 +277,10 @@ def _check_keys(cfg: Config) -> None:
             meta = f.metadata
             where = f"{sname}.{name}"
             if meta.get("choices") and value not in meta["choices"]:
-                raise ShardfitError(f"'{_shown(value)}' is not allowed", where=where,
-                                    fix="choose one of " + ", ".join(meta["choices"]))
+                if not meta.get("or_file"):
+                    raise ShardfitError(f"'{_shown(value)}' is not allowed", where=where,
+                                        fix="choose one of " + ", ".join(meta["choices"]))
+                setattr(section, name, _named_file(value, where, meta))
             allowed = range_text(meta)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ShardfitError(f"{value} is not a finite number", where=where,
@@ -277,6 +288,29 @@ def _check_keys(cfg: Config) -> None:
             if allowed and not _in_range(value, meta):
                 raise ShardfitError(f"{value} is out of range", where=where,
                                     fix=f"give a value {allowed}")
+
+
+def _named_file(value: str, where: str, meta: dict) -> str:
+    """The absolute path of the file a key's value names (a run's config.toml then names it from any directory), or
+    one line: missing, a directory, unreadable, not UTF-8 or empty."""
+    path, what = Path(value).expanduser(), meta["or_file"]
+    fix = f"give the path of {what} file, or one of " + ", ".join(meta["choices"])
+    neither = ShardfitError(f"'{_shown(value, 300)}' is neither one of {', '.join(meta['choices'])} nor a file",
+                            where=where, fix=fix)
+    if not value.strip():  # Path("") is the current directory
+        raise neither
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise neither from None
+    except IsADirectoryError:
+        raise ShardfitError(f"{value} is a directory, not {what} file", where=where, fix=fix) from None
+    except (OSError, ValueError) as e:  # permission, a NUL byte in the name, invalid UTF-8
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise ShardfitError(f"cannot read {value} ({reason})", where=where, fix="give a readable UTF-8 file") from None
+    if not text.strip():
+        raise ShardfitError(f"{value} is empty", where=where, fix=fix)
+    return str(path.resolve())
 
 
 def _head_dim(m) -> int:
@@ -436,7 +470,9 @@ def config_help(cfg: Config | None = None) -> str:
         out.append(f"[{sname}]")
         for name, f in _fields(section).items():
             ftype = f.type if isinstance(f.type, str) else f.type.__name__
-            choices = f" {{{'|'.join(f.metadata['choices'])}}}" if f.metadata.get("choices") else ""
+            named = (*f.metadata["choices"], *(("PATH",) if f.metadata["or_file"] else ())) if f.metadata.get(
+                "choices") else ()
+            choices = f" {{{'|'.join(named)}}}" if named else ""
             default = _toml_value(getattr(section, name))
             note = " (by model size: see below)" if f"{sname}.{name}" in sized else ""
             if getattr(section, name) != getattr(getattr(base, sname), name) and not note:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from shardfit.config.spellings import foreign_spelling
+from shardfit.config.spellings import foreign_spelling, sectionless
 from shardfit.errors import ShardfitError
 
 
@@ -43,7 +43,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     for name, value in read_options(args, is_override):
         if name is None:
             raise ShardfitError(f"cannot read argument '{value}'", where="command line",
-                                fix=(foreign_spelling(str(value)) if str(value).startswith("--") else None)
+                                fix=(foreign_spelling(value) or sectionless(value) if value.startswith("--") else None)
                                 or "write overrides as --section.key=value (see shardfit train --help)")
         section, _, key = name[2:].partition(".")
         out.append((section.replace("-", "_"), key.replace("-", "_"), value))

@@ -1,7 +1,7 @@
 """The config tree. Every key has a type, a default and a help line; `shardfit train --help` prints them all.
 
 Sections map one to one onto TOML tables (`[train]`) and onto CLI overrides (`--train.lr=3e-4`). [parallel] places
-the work on ranks and devices, [compute] says how each rank computes; config/renamed.py maps the keys that moved
+the work on ranks and devices, [compute] says how each rank computes; config/spellings.py maps the keys that moved
 from [parallel] to [compute] for one release.
 """
 
@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, lt: float | None = None):
-    """A config field: default, one-line help, and the checks the loader applies: its choices, or its range
-    (ge/gt: lower bound, le/lt: upper bound). Every float must also be finite, every int fit 64 bits."""
-    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt})
+def opt(default: Any, help: str, *, choices: tuple | None = None, or_file: str | None = None, ge: float | None = None,
+        gt: float | None = None, le: float | None = None, lt: float | None = None):
+    """A config field: default, one-line help, and the checks the loader applies: its choices (or_file: what file a
+    value outside them names instead, read by the loader), or its range (ge/gt: lower bound, le/lt: upper bound).
+    Every float must also be finite, every int fit 64 bits."""
+    return field(default=default, metadata={"help": help, "choices": choices, "or_file": or_file, "ge": ge, "gt": gt,
+                                            "le": le, "lt": lt})
 
 
 # Ceilings of the model's shape, far above any real model (Llama-3-405B: width 16384, 126 layers, 128 heads): they
@@ -77,6 +79,15 @@ class ModelConfig:
                         choices=("none", "nf4"))
 
 
+def dense_layer_ids(cfg: ModelConfig) -> list[int]:
+    """model.dense_layers ("1,5") as layer indices: the layers of an MoE model that keep a dense MLP."""
+    return [int(x) for x in cfg.dense_layers.split(",") if x.strip()]
+
+
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    return cfg.n_experts > 0 and i not in dense_layer_ids(cfg) and (i + 1) % cfg.moe_every == 0
+
+
 # LoRA's default targets: every linear layer of a dense block (attention and MLP), as Hugging Face names them.
 LORA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_OPTIONAL = ("embed_tokens", "lm_head")
@@ -105,6 +116,9 @@ class LoraConfig:
                            "fill the lora.* keys you leave unset")
 
 
+CHAT_TEMPLATES = ("auto", "tokenizer", "plain", "none")  # data.chat_template's names; any other value is a file
+
+
 @dataclass
 class DataConfig:
     path: str = opt("", "text (.txt), JSON lines (.jsonl) or Parquet files, a directory or a glob; "
@@ -122,9 +136,11 @@ class DataConfig:
     tokenizer: str = opt("byte", "'byte' for the built-in byte tokenizer, or a path to a tokenizer.json")
     chat_template: str = opt("auto", "how chats (messages, sharegpt, alpaca) become text: tokenizer (its "
                                      "chat_template), plain (shardfit's <|role|> template), auto (the tokenizer's when "
-                                     "it has one, else plain), none (chats refused); the run's config.toml records "
-                                     "the one applied (none: no chat in the data), which shardfit generate applies",
-                             choices=("auto", "tokenizer", "plain", "none"))
+                                     "it has one, else plain), none (chats refused), or the path of a Jinja template "
+                                     "file (rendered with the tokenizer's special tokens); the run's config.toml "
+                                     "records the one applied (none: no chat in the data), which shardfit generate "
+                                     "applies and an export holds as its tokenizer's template",
+                             choices=CHAT_TEMPLATES, or_file="a Jinja chat template")
     seq_len: int = opt(256, "tokens per training sequence (at least 2)", ge=2)
     seed: int = opt(1234, "seed of the sample order", ge=0)
     document_mask: bool = opt(True, "packed rows: a token attends only to earlier tokens of its own document and RoPE "
@@ -315,8 +331,8 @@ class MemoryConfig:
     snapshot_max_entries: int = opt(200000, "allocator events kept while recording (a ring buffer)", gt=0)
     keep_grads: bool = opt(True, "keep gradient buffers allocated between steps (zeroed, not freed): FSDP2 allocates "
                                  "the sharded gradients in its reduce-scatter stream's pool, and once freed that "
-                                 "memory is idle cache the compute stream cannot use (15 GiB per GPU for Llama-3-8B "
-                                 "on 2 GPUs)")
+                                 "memory is idle cache the compute stream cannot use (benchmarks/README.md"
+                                 "#doctor-keep-grads)")
     max_fraction: float = opt(0.0, "cap this process's CUDA memory at this fraction of the GPU (headroom for other "
                                    "processes); 0: no cap", ge=0, le=1)
     versions_gib: float = opt(1.0, "LoRA: GiB per rank of the device's memory for frozen weight versions (samplers' "

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from shardfit.data.dataset import ShuffledDataset
-from shardfit.data.formats import is_sft_file
+from shardfit.data.mode import holds_examples
 from shardfit.data.packing import PackedDataset, tokenize_documents
 from shardfit.data.sft import ExampleDataset, dropped_notice, read_examples
 from shardfit.data.sft_packed import PackedExamples
@@ -50,12 +50,9 @@ def build_datasets(data_cfg, vocab_size: int,
         raise ShardfitError(f"names the same files as data.path ({data_cfg.path}): the validation loss would "
                             "measure the training data", where="data.val_path",
                             fix="give held-out files, or data.val_fraction to hold out part of data.path")
-    if data_cfg.path and data_cfg.mode != "pretrain" and data_cfg.format != "text" and \
-            shard_dir_state(data_cfg.path) is None:
-        files = resolve_files(data_cfg.path)
-        if data_cfg.mode == "sft" or data_cfg.format != "auto" or all(is_sft_file(f, data_cfg.file_format)
-                                                                      for f in files):
-            return _fine_tuning(data_cfg, vocab_size, tokenizer, files, token_budget)
+    if data_cfg.path and data_cfg.format != "text" and shard_dir_state(data_cfg.path) is None and \
+            holds_examples(data_cfg):
+        return _fine_tuning(data_cfg, vocab_size, tokenizer, resolve_files(data_cfg.path), token_budget)
 
     def stream(path: str, where: str) -> tuple[PackedDataset, list[np.ndarray] | None]:
         """The dataset, and its documents when read from text (None for memory-mapped token shards)."""

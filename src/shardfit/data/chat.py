@@ -1,10 +1,11 @@
 """Chat templates: how a conversation becomes text, for fine-tuning (data/sft.py) and `shardfit generate`.
 
 data.chat_template picks one: tokenizer (tokenizer_config.json's "chat_template", else chat_template.jinja beside
-tokenizer.json: Jinja rendered in a sandbox, with the tokenizer's special tokens), plain (shardfit's template below)
-or auto (the tokenizer's when it has one, else plain). The run's config.toml records the one applied (none when the
-data held no chat), and an export holds it as the tokenizer's template (PLAIN_JINJA for plain), so `shardfit
-generate` renders a prompt as the model was fine-tuned to see it.
+tokenizer.json: Jinja rendered in a sandbox, with the tokenizer's special tokens), plain (shardfit's template below),
+auto (the tokenizer's when it has one, else plain), or the path of a Jinja file (FileTemplate: rendered with the
+tokenizer's special tokens). The run's config.toml records the one applied (none when the data held no chat; a file
+by its path), and an export holds it as the tokenizer's template (PLAIN_JINJA for plain, a file's text for a file),
+so `shardfit generate` renders a prompt as the model was fine-tuned to see it.
 
 Plain template (documented, stable):   <|role|>\\ncontent\\n   per message, EOS after each assistant message (an
 id, not text: PLAIN_JINJA writes the tokenizer's eos_token there); <|assistant|>\\n opens the assistant's turn.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shardfit.config.schema import CHAT_TEMPLATES
 from shardfit.errors import ShardfitError
 from shardfit.fsutil import write_atomic
 
@@ -36,6 +38,8 @@ def template_for(choice: str, tokenizer_spec: str) -> ChatRenderer | None:
     """The renderer data.chat_template asks for (None for none: chats are refused), its `kind` the one applied."""
     if choice == "none":
         return None
+    if choice not in CHAT_TEMPLATES:  # the path of a Jinja file (the config loader checked it is a readable one)
+        return FileTemplate(choice, chat_renderer(tokenizer_spec).special)
     renderer = ChatRenderer(None) if choice == "plain" else chat_renderer(tokenizer_spec)
     if choice == "tokenizer" and renderer.template is None:
         raise ShardfitError("the tokenizer has no chat template (no chat_template in tokenizer_config.json, no "
@@ -46,11 +50,15 @@ def template_for(choice: str, tokenizer_spec: str) -> ChatRenderer | None:
 
 def export_template(out: Path, kind: str) -> None:
     """Write the template a run applied into its Hugging Face export `out`: the tokenizer's is there already (its
-    files are copied); plain is written as chat_template.jinja, and into a copied tokenizer_config.json whose own
-    template it replaces (that file's template is read first)."""
-    if kind != "plain":
+    files are copied); plain (or a file's) is written as chat_template.jinja, and into a copied tokenizer_config.json
+    whose own template it replaces (that file's template is read first)."""
+    if kind == "plain":
+        text = PLAIN_JINJA
+    elif kind not in CHAT_TEMPLATES:  # a Jinja file's template: exported as the plain one is
+        text = FileTemplate.read(kind)
+    else:
         return
-    write_atomic(out / "chat_template.jinja", PLAIN_JINJA)
+    write_atomic(out / "chat_template.jinja", text)
     cfg = out / "tokenizer_config.json"
     if cfg.is_file():
         try:
@@ -58,7 +66,7 @@ def export_template(out: Path, kind: str) -> None:
         except (OSError, ValueError):
             return  # copied as it was; chat_renderer names it when it is read
         if isinstance(settings, dict) and settings.get("chat_template"):
-            write_atomic(cfg, json.dumps({**settings, "chat_template": PLAIN_JINJA}, indent=2))
+            write_atomic(cfg, json.dumps({**settings, "chat_template": text}, indent=2))
 
 
 def chat_renderer(tokenizer_spec: str, folder: Path | None = None) -> ChatRenderer:
@@ -255,3 +263,27 @@ class ChatRenderer:
             done = len(closed)
         out.append((text[done:], False))
         return [(piece, trained) for piece, trained in out if piece]
+
+
+class FileTemplate(ChatRenderer):
+    """data.chat_template=PATH: a Jinja chat template of its own file, with the tokenizer's special tokens. Its kind
+    is the path: the run's config.toml records it, `shardfit generate` renders through it, an export holds its text."""
+
+    def __init__(self, path: str, special: dict[str, str]):
+        super().__init__(self.read(path), special, path)
+
+    @staticmethod
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, ValueError) as e:  # gone since the run recorded it, unreadable, not UTF-8
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise ShardfitError(f"cannot read the chat template ({reason})", where=f"data.chat_template={path}",
+                                fix="restore the file, or set data.chat_template to auto, tokenizer or plain") from None
+
+    @property
+    def kind(self) -> str:
+        return self.source
+
+    def describe(self) -> str:
+        return f"the template of {self.source}"

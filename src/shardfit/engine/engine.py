@@ -36,6 +36,7 @@ import torch
 from shardfit.adapters.lora import lora_summary
 from shardfit.config import Config
 from shardfit.config.shape import StepShape
+from shardfit.doctor.record import SnapshotRecorder
 from shardfit.engine.batch import PackedBatch, to_device_batch
 from shardfit.engine.build import apply_alloc_conf, resolve_auto_checkpointing
 from shardfit.engine.losses import CrossEntropy, Loss
@@ -55,7 +56,6 @@ from shardfit.engine.state import EngineState
 from shardfit.engine.stats import MEMORY_FIELDS, ExpertLoad, memory_vector
 from shardfit.engine.timing import StepTimer
 from shardfit.errors import ShardfitError
-from shardfit.memory.record import SnapshotRecorder
 from shardfit.models import build_model, count_params
 from shardfit.models.attention import choose_doc_kernel
 from shardfit.models.loss import choose_loss_kernel
@@ -347,8 +347,8 @@ class Engine(EngineState):
         path = self.recorder.dump_oom(step) if self.recorder is not None else None
         verdict = ""
         if path is not None:
-            from shardfit.memory import examine
-            from shardfit.memory.report import verdict as one_line
+            from shardfit.doctor import examine
+            from shardfit.doctor.report import verdict as one_line
 
             try:
                 verdict = "; doctor: " + one_line(examine([str(path)])[1])

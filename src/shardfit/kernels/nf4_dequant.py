@@ -7,8 +7,8 @@ codes a byte, the even weight in the high nibble; absmax [g, 256] int8; stats [g
 scale); levels [16] fp32, the NF4 values. Weight i of block b reads back as fp32(levels[code_i] x a_b), then the
 output dtype, where a_b = fp32(q_b x scale + mean) computed in fp64 (q_b x scale is exact there: one rounding).
 
-Why a kernel: the same function under torch.compile (a gather from a [256, 2] table, fp32 products, a cast) moved
-~0.9 TB/s on an H200 against ~1.7 for bitsandbytes' CUDA kernel (benchmarks/notes/2026-11-25_s15.md). It is
+Why a kernel: the same function under torch.compile (a gather from a [256, 2] table, fp32 products, a cast) ran at
+about half the memory bandwidth bitsandbytes' CUDA kernel reaches (benchmarks/README.md#nf4-kernel). It is
 memory-bound: 0.5 byte a weight read (+ 1/64 of absmax), 2 written (bf16). A program here takes TILE_BLOCKS
 consecutive blocks of one group (TILE_BLOCKS divides GROUP_BLOCKS: one (mean, scale), two scalar loads) as rows of
 8 weights: a thread loads a row's 4 code bytes as one 32-bit word and writes its 8 weights as one 16-byte vector,

@@ -16,8 +16,8 @@ Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
           (shardfit::doc_sdpa) runs the whole loop, so a compiled block sees one opaque node and never recompiles
           for another layout; the documents reach it as a host tensor (no device sync). It has no backward.
 compute.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing); for a
-pass without gradients (Engine.forward) in bf16/fp16 it takes cudnn_docs (1.48x flex's attention time on one H100
-over real RL rollouts: benchmarks/notes/2026-11-26_s16.md, "Call 10"). compute.doc_attention=cudnn_docs applies to
+pass without gradients (Engine.forward) in bf16/fp16 it takes cudnn_docs (faster than flex over real RL rollouts:
+benchmarks/README.md#rl-2x). compute.doc_attention=cudnn_docs applies to
 passes without gradients alone; a training pass then takes what auto would (choose_doc_kernel).
 """
 

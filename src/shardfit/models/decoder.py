@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardfit.config.schema import ModelConfig
+from shardfit.config.schema import ModelConfig, is_moe_layer
 from shardfit.models.attention import DocumentMask, sdpa_attention
 from shardfit.models.init import ShardView, is_quantized_storage, seeded_normal_, whole_view
 from shardfit.models.logprobs import fused_linear_logprobs, select_rows, spread_rows
@@ -152,15 +152,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def dense_layer_ids(cfg: ModelConfig) -> list[int]:
-    """model.dense_layers ("1,5") as layer indices: the layers of an MoE model that keep a dense MLP."""
-    return [int(x) for x in cfg.dense_layers.split(",") if x.strip()]
-
-
-def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
-    return cfg.n_experts > 0 and i not in dense_layer_ids(cfg) and (i + 1) % cfg.moe_every == 0
-
-
 class DecoderBlock(nn.Module):
     """Pre-norm block: the unit of sharding, checkpointing and compilation."""
 
@@ -250,7 +241,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.loss_chunk = loss_chunk
-        self.loss_impl = "torch"  # "liger" where Liger-Kernel is installed on CUDA (see the trainer's choice)
+        self.loss_impl = "torch"  # "liger" where Liger-Kernel is installed on CUDA (the Engine's choice: loss.py)
         self.loss_compiled = False  # use_compiled_loss
         self.model = Decoder(cfg)
         self.lm_head = OutputHead(cfg.dim, cfg.vocab_size, bias=False)

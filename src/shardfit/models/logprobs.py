@@ -59,7 +59,7 @@ def _chunk_fns(compiled: bool):
 
 
 # The label of the head's work in a profile (torch.profiler; benchmarks/bench_rl_profiling.py's forward profile):
-# a host annotation the kernels launched under it are attributed to (memory/profile_trace.py time_by_region).
+# a host annotation the kernels launched under it are attributed to (doctor/profile_trace.py time_by_region).
 PROFILE_LABEL = "shardfit::logprob_head"
 
 

@@ -87,10 +87,11 @@ def weighted_slot_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     """rows [T, k, H], weights [T, k] -> sum_s weights[:, s] x rows[:, s] [T, H], the products in rows' dtype summed
     in fp32 (as the sum over dim 1 it replaced). The k slots as k terms, not a reduction over dim 1: compiled, the
     permutation's gather before it then fuses into one pointwise kernel whose loads run along H (Inductor's reduction
-    over k = 8 ran ~3.6x under the memory bandwidth: benchmarks/bench_moe_combine.py). Autograd saves each product's
-    operands: views of rows and weights, no fp32 copy (the .float() of a product saves nothing). Eager (compute.compile
-    off), the reduction itself, the same bits: there each slot's rows[:, s] would take a SelectBackward writing a
-    zeroed [T, k, H] gradient, k of them summed (~4.5x the bytes the reduction's backward writes)."""
+    over k = 8 ran far under the memory bandwidth: benchmarks/README.md#rl-2x, bench_moe_combine.py). Autograd saves
+    each product's operands: views of rows and weights, no fp32 copy (the .float() of a product saves nothing). Eager
+    (compute.compile off), the reduction itself, the same bits: there each slot's rows[:, s] would take a
+    SelectBackward writing a zeroed [T, k, H] gradient, k of them summed (~4.5x the bytes the reduction's backward
+    writes)."""
     if not torch.compiler.is_compiling():
         return (rows * weights[..., None]).sum(dim=1)
     acc = (rows[:, 0] * weights[:, 0, None]).float()
@@ -177,7 +178,7 @@ class MoE(nn.Module):
         # the other experts; its sort_keys(ids [T*k]), if it has one, gives the keys the rows are sorted by (ids that
         # put this rank's own experts first).
         self.exchange = None
-        # Rows routed to each expert [E] by the last forward (a recomputation writes the same values): the trainer
+        # Rows routed to each expert [E] by the last forward (a recomputation writes the same values): the Engine
         # sums them over the step's micro-batches and ranks for the load metrics and the balancing bias.
         self.load: torch.Tensor | None = None
         # Auxiliary-loss-free balancing (DeepSeek-V3, model.router_bias_rate): a bias [E] added to the routing

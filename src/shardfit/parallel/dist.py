@@ -200,7 +200,7 @@ def release_dtensor_caches() -> None:
     group, and one destroying a finished work during interpreter exit takes the GIL and aborts the process
     ("terminate called without an active exception"). The caches only save
     recomputation; they are private (torch 2.6-2.13), so each is cleared only where it exists. Clears this thread's
-    thread-local entries (the trainer's DTensor ops run on it)."""
+    thread-local entries (the step's DTensor ops run on it)."""
     import gc
 
     for module, names in (("torch._C", ("_clear_DTensor_sharding_propagator_cache",)),  # C++ fast path: spec -> mesh

@@ -105,7 +105,7 @@ def refresh_fp8_scales(model: nn.Module, cfg: ComputeConfig) -> None:
 
 
 def fp8_notice(cfg: ComputeConfig, layers: int, device_type: str) -> str:
-    """The line the trainer prints at start: what runs in FP8, and what would keep it from paying."""
+    """The Engine's notice at start: what runs in FP8, and what would keep it from paying."""
     if layers == 0:
         return (f"fp8 {cfg.fp8}: no linear layer is large enough to gain by torchao's thresholds (see "
                 f"parallel/fp8.py): every matmul runs in bf16")

@@ -12,7 +12,7 @@ it before each optimizer step and before reading the parameters (weights, export
 One gather per pass. FSDP2 gathers each group at every forward call, i.e. once per micro-batch. On one rank that
 gather is a cast of each fp32 master shard to the compute dtype and a copy of the result into the gathered
 parameter (torch's world-size-1 path, on the compute stream, not overlapped): about 10 bytes of memory traffic a
-parameter, ~68 GB a micro-batch for the 35 resharded blocks of an 8B model, ~23 ms of an H100's time each time.
+parameter, ~68 GB a micro-batch for the 35 resharded blocks of an 8B model (~23 ms at 3 TB/s) each time.
 gathered_for_pass(model, keep=True) turns every group's resharding after forward off for one no-grad pass and drops
 them all at its end: the cast then runs once per pass. It costs the model's gathered size in the compute dtype for
 the pass (8B in bf16: 16.4 GB), so the Engine keeps them only where that fits half the memory free (fits_gathered),
@@ -20,8 +20,7 @@ and only on one rank: with several, whether a group is gathered decides whether 
 and a decision taken from each rank's own free memory could differ between ranks.
 Experts kept out of FSDP (parallel/expert.py: E = W, one rank included) are cast from their fp32 masters by the MoE
 layer itself at every forward; in such a pass their cast is made once too (ShardedExperts.pass_cast) and freed at its
-end: measured on an H100, the bf16 copies of 4 Qwen3-30B-A3B layers' experts at each of 11 micro-batches were 54 of
-613 ms of an Engine.forward.
+end (what the copies at every micro-batch cost a forward: benchmarks/README.md#rl-2x).
 """
 
 from __future__ import annotations

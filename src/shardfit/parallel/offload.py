@@ -192,7 +192,7 @@ class OverlappedStep:
     gradients are taken out of the parameters when the step is handed over (param.grad = None on the main thread),
     given back one group at a time by the worker, and dropped after that group's step: the main thread never
     touches a .grad while a step is pending, and backward (which writes new ones) starts only after the forward
-    has waited for every group. wait() joins the step, re-raising the worker's exception; the trainer calls it
+    has waited for every group. wait() joins the step, re-raising the worker's exception; the Engine calls it
     before anything else that reads the parameters or the optimizer (checkpoints, export, the end of fit) and
     before the first backward (a no-op safety net: every group's forward has waited already).
     """

@@ -91,7 +91,7 @@ def _selective_policy(ctx, op, *args, adapter_rank: int = 0, **kwargs):
 
 
 def checkpointed_blocks(compute: ComputeConfig, n_blocks: int) -> list[bool]:
-    """Which blocks activation checkpointing wraps (the trainer and shardfit plan both ask here): every block under
+    """Which blocks activation checkpointing wraps (parallelize and shardfit plan both ask here): every block under
     selective; under full, block i when i % ac_every == 0 and, with ac_blocks = N, i < N. The FIRST N, not the last:
     at the peak (the end of the forward) every block's saved activations are live whichever are checkpointed, but
     the first blocks' backward comes last, when the later blocks' activations are freed, so their recompute adds

@@ -3,9 +3,10 @@ for all S tokens of H/P heads with one all-to-all, runs the ordinary causal kern
 
 Why this shape (the fourth seed's crash): everything a rank needs besides its own activations comes through the
 all-to-alls inside attention, which are the same on every rank of the group in every call. Position ids are never
-exchanged inside the model: the trainer cuts the full [B, S] position ids and labels once per micro-batch, before
-the model and outside any checkpointed region, so RoPE runs on local rows and recomputation under activation
-checkpointing repeats exactly the forward's collectives (the same all-to-alls, in the same order, on every rank).
+exchanged inside the model: the batch source (train/batches.py) and the Engine's datum pass cut the full [B, S]
+position ids and labels once per micro-batch (local_slice), before the model and outside any checkpointed region,
+so RoPE runs on local rows and recomputation under activation checkpointing repeats exactly the forward's
+collectives (the same all-to-alls, in the same order, on every rank).
 
 Memory arithmetic per rank and layer: q/k/v/out stay at [B, S/P, H, Dh]-sized buffers; only the attention kernel
 sees S tokens, for H/P heads, so attention activations shrink by P as well.

@@ -11,6 +11,6 @@ those below it:
   micro_batch       the largest micro-batch that fits (`train.micro_batch=0` at start-up)
   table             the report of `shardfit plan`
   proposals         configurations that fit, and the JSON report
-The snapshot doctor (shardfit.memory) explains measured memory; this package predicts it. Design and the
+The snapshot doctor (shardfit.doctor) explains measured memory; this package predicts it. Design and the
 measurements that check it: docs/memory-plan.md.
 """

@@ -137,7 +137,8 @@ def meta_block(m: ModelConfig, layer: int, micro_batch: int, S: int, dtype: torc
     """One decoder block on the meta device, with the flash attention core (and an MoE layer's CUDA expert path:
     meta_moe), its chosen linear layers FP8 if asked, LoRA adapters on a frozen base if lora (adapters.lora_key),
     and its inputs: (block, x [b, S, D], cos, sin)."""
-    from shardfit.models.decoder import DecoderBlock, is_moe_layer
+    from shardfit.config.schema import is_moe_layer
+    from shardfit.models.decoder import DecoderBlock
 
     head_dim = m.head_dim or m.dim // m.n_heads
     with torch.device("meta"):
@@ -208,7 +209,7 @@ def block_activation_bytes(cfg: Config, micro_batch: int, layer: int = 0, world:
 def _block_bytes(model: tuple, micro_batch: int, S: int, dtype: torch.dtype, layer: int, compile: bool,
                  fp8: str, ep: int = 1, eager_experts: bool = False, lora: tuple = ()) -> tuple[tuple[str, int], ...]:
     """block_activation_bytes, cached (the sharding and offload change nothing here): `plan --propose` traces once."""
-    from shardfit.models.decoder import is_moe_layer
+    from shardfit.config.schema import is_moe_layer
 
     m = ModelConfig(**dict(model))
     is_moe = is_moe_layer(m, layer)

@@ -156,9 +156,8 @@ def recompute_extra(c: Counts, tokens: int, element: int) -> tuple[int, ...]:
     SiLU-backward kernel an adapted gate or up projection's base and adapter outputs as two [T, ffn] buffers (the
     uncheckpointed block saves their sum) and an adapted down projection's base and adapter input gradients unsummed
     (backward_extra counts the one sum): one [T, ffn] more per adapted MLP projection, 11 [T, ffn] live in that
-    kernel where 8 were counted. Measured on one H200 (a block alone, compiled, full checkpointing): 46.8 [T, D]
-    above the block's start for the Llama-3-70B QLoRA and LoRA blocks at 4,096 tokens and the 8B LoRA block at
-    16,384, where the plan counted 36.3 (3 x 3.5 [T, D] short). Adapted experts: not measured, not counted."""
+    kernel where 8 were counted: 3 x 3.5 [T, D] a block short before (a block alone, compiled, fully checkpointed:
+    benchmarks/README.md#plan-terms). Adapted experts: not measured, not counted."""
     return tuple(tokens * w * element for w in c.block_mlp_width)
 
 

@@ -136,7 +136,7 @@ def adapter_params(cfg: Config) -> tuple[int, int]:
 
 
 def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
-    from shardfit.models.decoder import is_moe_layer
+    from shardfit.config.schema import is_moe_layer
     from shardfit.parallel.parallelize import check_replicate, checkpointed_blocks
 
     check_replicate(cfg.parallel.replicate, world)
@@ -154,7 +154,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     frozen_on_gpu = sum(t.block_frozen_bytes[:kept]) if offloaded else t.frozen_bytes
     # fp32 weights, Adam's two fp32 moments, fp32 gradients of what trains; the frozen base as stored
     weights, moments, sharded_grads = (frozen_on_gpu + 4 * on_gpu) // shard, 8 * on_gpu // shard, 4 * on_gpu // shard
-    # under offload=all the trainer frees every gradient after the step, the GPU-kept blocks' too
+    # under offload=all the step runner frees every gradient after the step, the GPU-kept blocks' too (offload.py)
     keep = cfg.memory.keep_grads and not offloaded
     # experts outside FSDP (E = W) free their gradients after every step whatever keep says (step_overlap.zero_grads)
     # and the backward writes them again as it frees the activations: added below, never idle in FSDP's pool. A LoRA
@@ -213,7 +213,7 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
     # the merged weight too), and one logits chunk [c, V] at 10 B a logit: eager, bf16 logits, an fp32 copy and
     # logsumexp's fp32 temporary; compiled (compile_loss), bf16 logits, the fp32 probabilities Inductor writes for
     # scatter_add_, the chunk's bf16 gradient and the previous chunk's, still bound to `g` until the call returns
-    # (models/loss.py; a snapshot on one H200: 250.5 + 501 + 250.5 + 250.5 MiB at [1024, 128,256])
+    # (models/loss.py; at [1024, 128,256]: 250.5 + 501 + 250.5 + 250.5 MiB, as snapshots show: docs/memory-plan.md)
     head = 1 if not t.lora else 2 if t.lora.head_trains else 0  # [V, D] buffers: dW; LoRA's merged weight and dW
     loss = tokens * m.dim * 2 + head * m.vocab_size * m.dim * 2 + comp.loss_chunk * m.vocab_size * LOSS_CHUNK_BYTES
     # backward of one block: gradients of its input and output, of the gate and up projections' outputs, expert
@@ -234,8 +234,8 @@ def gathered_blocks(shard: int) -> int:
     """Blocks whose gathered parameters are live at once: the running one and the one FSDP2 prefetches (the next in
     forward, the previous in backward). On a shard group of one rank FSDP2's unshard() (the prefetch) allocates
     nothing: the copy of the shards into the gathered parameters is made in wait_for_unshard, when the group itself
-    runs (torch.distributed.fsdp._fully_shard._fsdp_param_group), so one block is gathered at a time (measured on
-    one H200: the Llama-3-70B QLoRA and 8B LoRA runs' peaks hold one block's 0.42 / 0.41 GiB, never two)."""
+    runs (torch.distributed.fsdp._fully_shard._fsdp_param_group), so one block is gathered at a time (one-GPU runs'
+    peaks hold one block, never two: benchmarks/README.md#plan-terms)."""
     return 1 if shard == 1 else 2
 
 
@@ -245,8 +245,8 @@ def released_head(cfg: Config, t: _Trained, element: int) -> int:
     dloss/dh on, so the fsdp term's root counts it at the loss but not under a block's backward. Only a frozen head
     (LoRA without an adapter on lm_head): a trained one's post-backward starts its gradient's reduce-scatter, whose
     fp32 [V, D] input takes more than the weight frees, and a tied head is the embedding, used again at the end.
-    Measured on one H200 (snapshots of 4-block runs): at the last block's backward peak the gathered parameters are
-    the embedding and that block alone, the head's 1.96 GiB (Llama-3-70B) and 0.98 GiB (8B) freed."""
+    Snapshots of 4-block runs show it: at the last block's backward peak the gathered parameters are the embedding
+    and that block alone, the head freed (benchmarks/README.md#plan-terms)."""
     m = cfg.model
     if not t.lora or t.lora.head_trains or m.tie_embeddings:
         return 0

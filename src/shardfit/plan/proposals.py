@@ -79,7 +79,7 @@ def apply(cfg: Config, changes: dict[str, Any]) -> Config:
 
 def accepted(cfg: Config, world: int) -> bool:
     """What the config loader, the launcher and parallelize accept (parallel/layout.py: refusal): the keys' rules, the
-    offload layouts the trainer implements, Ulysses' divisibility (world, data.seq_len, model.n_heads), HSDP's replica
+    offload layouts the Engine implements, Ulysses' divisibility (world, data.seq_len, model.n_heads), HSDP's replica
     count dividing the world, expert parallelism's groups and overlap, and the global batch splitting over the
     data-parallel ranks and micro-batches."""
     from shardfit.parallel.layout import refusal

@@ -11,9 +11,9 @@ import time
 
 import torch
 
+from shardfit.config.schema import is_moe_layer
 from shardfit.engine.stats import MEMORY_FIELDS
 from shardfit.engine.timing import PHASES
-from shardfit.models.decoder import is_moe_layer
 
 # Dense bf16 peak FLOP/s by device-name substring (first match wins).
 PEAK_FLOPS = [
@@ -21,7 +21,6 @@ PEAK_FLOPS = [
     ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10G", 125e12), ("RTX 4090", 165e12),
 ]
 
-# Order of the memory fields inside the per-step stats vector (see Trainer._reduce_step).
 
 
 def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:

@@ -2,7 +2,7 @@
 
 Every rank runs step N under torch.profiler (so the step stays symmetric: no rank waits on a slower profiled peer
 more than the others do); rank 0 writes its Chrome trace to <run_dir>/profile/step{N}_rank0.json.gz (open it in
-Perfetto) and a summary next to it, step{N}_summary.json, made by memory/profile_trace.py (`shardfit profile`
+Perfetto) and a summary next to it, step{N}_summary.json, made by doctor/profile_trace.py (`shardfit profile`
 prints the same summary for any saved trace). Both files are written under a temporary name and renamed: never
 half-written. On a CPU run there are no kernels; the summary then lists the operators with the most self time.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shardfit.memory.profile_trace import format_summary, summarize_trace
+from shardfit.doctor.profile_trace import format_summary, summarize_trace
 
 
 class StepProfiler:

@@ -23,14 +23,14 @@ from shardfit.config import Config, accumulation_steps, config_to_dict, config_t
 from shardfit.config.shape import StepShape
 from shardfit.data.build import build_datasets
 from shardfit.data.chat import export_template
+from shardfit.doctor import MemoryMonitor
+from shardfit.doctor.record import SnapshotRecorder
 from shardfit.engine import AdamParams, CrossEntropy, Engine, StepRecord
 from shardfit.engine.build import apply_alloc_conf, device_memory_bytes
 from shardfit.engine.optim import lr_at
 from shardfit.engine.stats import reset_peaks
 from shardfit.errors import ShardfitError, Stopped
 from shardfit.fsutil import write_atomic
-from shardfit.memory import MemoryMonitor
-from shardfit.memory.record import SnapshotRecorder
 from shardfit.parallel import init_distributed
 from shardfit.parallel.agreement import agree
 from shardfit.parallel.layout import ParallelLayout

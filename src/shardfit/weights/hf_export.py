@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardfit.models.families import hf_config_json
+from shardfit.config.families import hf_config_json
 from shardfit.parallel.agreement import agree
 from shardfit.weights.hf_load import STACKED, expert_key
 from shardfit.weights.peft_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS

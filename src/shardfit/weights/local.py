@@ -23,13 +23,13 @@ import torch
 
 from shardfit.adapters.lora import apply_lora, is_adapter
 from shardfit.adapters.qlora import apply_nf4, to_dtype
+from shardfit.config.families import read_hf_config
 from shardfit.config.loader import _set, validate
-from shardfit.config.renamed import Spellings
 from shardfit.config.schema import Config, ModelConfig
+from shardfit.config.spellings import Spellings
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model
 from shardfit.models.decoder import CausalLM
-from shardfit.models.families import read_hf_config
 from shardfit.weights.checkpoint import COMPLETE, frozen_names, resolve_resume
 from shardfit.weights.checkpoint_verify import CheckpointProblem, config_toml, load_tensors
 from shardfit.weights.hf_export import export_hf
