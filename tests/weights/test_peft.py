@@ -116,3 +116,16 @@ def test_pickled_weights_and_tied_merges_are_refused(adapted, tmp_path):
     with pytest.raises(ShardfitError, match="tied to the output head"):
         next(merged_parameters(tied))
     assert not any(is_adapter(n) for n, _ in merged_parameters(model))
+
+
+def test_an_adapter_alone_names_its_base_as_generate_takes_it(adapted, tmp_path):
+    """--lora.adapter without --model.path: the adapter's base_model_name_or_path when it is a local directory (one
+    rule with `shardfit generate --adapter`), not the tiny preset; a base that is not here is one line naming it."""
+    path, _, out = adapted
+    cfg = load_config(None, [f"--lora.adapter={out}", "--data.seq_len=32"], adapter_lora_fields)
+    assert cfg.model.path == str(path) and cfg.model.dim == shardfit_model(path).cfg.dim and cfg.lora.rank == 4
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
+    (out / ADAPTER_CONFIG).write_text(json.dumps({**config, "base_model_name_or_path": "Org/not-here"}))
+    with pytest.raises(ShardfitError) as err:
+        load_config(None, [f"--lora.adapter={out}", "--data.seq_len=32"], adapter_lora_fields)
+    assert "'Org/not-here'" in str(err.value) and "--model.path" in err.value.fix

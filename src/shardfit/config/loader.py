@@ -19,7 +19,7 @@ from typing import Any
 
 from shardfit.config.defaults import _apply_training_defaults, defaults_table, training_defaults
 from shardfit.config.init_from import apply_init_from
-from shardfit.config.lora_rules import LORA_RULES, AdapterReader, adapter_fields, nested_section
+from shardfit.config.lora_rules import LORA_RULES, AdapterReader, adapter_base, adapter_fields, nested_section
 from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
 from shardfit.config.schema import PRESETS, Config
@@ -138,6 +138,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set(cfg, *on_line.key(section, key, value), value, f"--{section}.{key}", on_line_keys, from_text=True)
     explicit |= on_line_keys
     _steps_or_epochs(cfg, (in_file_keys, file_epochs, str(path)), (on_line_keys, cfg.train.epochs, "--train.epochs"))
+    if cfg.lora.adapter and not cfg.model.path and not any(k.startswith("model.") for k in explicit):
+        base = adapter_base(cfg.lora, read_adapter)  # the adapter's own base, as generate --adapter takes it
+        if base:
+            cfg.model.path = base
+            explicit.add("model.path")
     _apply_preset(cfg, explicit)
     if cfg.lora.adapter:  # lora.* from the PEFT adapter's adapter_config.json, as model.* from config.json
         _fill(cfg, "lora", *adapter_fields(cfg.lora, read_adapter), explicit, "the adapter's shapes fix it")

@@ -18,6 +18,7 @@ multiply or hold that base otherwise (FP8 matmuls, FSDP's CPU offload).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from shardfit.config.schema import LORA_EXPERTS, LORA_LINEAR, LORA_OPTIONAL, LoraConfig
@@ -36,9 +37,27 @@ def adapter_fields(lora: LoraConfig, read_adapter: AdapterReader | None) -> tupl
                             where="lora.adapter", fix="pass read_adapter=shardfit.weights.peft_config."
                             "adapter_lora_fields to load_config (as shardfit train and Engine.start do)")
     fields, source = read_adapter(lora.adapter)
+    fields = dict(fields)
+    fields.pop("base_model_name_or_path", None)
     if {t.strip() for t in lora.targets.split(",")} == set(fields["targets"].split(",")):
         fields["targets"] = lora.targets
     return fields, source
+
+
+def adapter_base(lora: LoraConfig, read_adapter: AdapterReader | None) -> str | None:
+    """The base model lora.adapter was trained on, for a config that names none (no model.path, no model.* key):
+    its base_model_name_or_path when that is a local directory (the rule `shardfit generate --adapter` follows);
+    None when the adapter names no base (a run of shardfit's presets); one line when it names one not here."""
+    if read_adapter is None:
+        return None
+    base = read_adapter(lora.adapter)[0].get("base_model_name_or_path")
+    if not base:
+        return None
+    if not Path(base).is_dir():
+        raise ShardfitError(f"the adapter's base model {base!r} (base_model_name_or_path) is not a local directory",
+                            where=f"lora.adapter={lora.adapter}", fix="give the base with --model.path=DIR (or "
+                            f"`hf download {base} --local-dir DIR` first)")
+    return base
 
 
 def nested_section(key: str, sections) -> str | None:

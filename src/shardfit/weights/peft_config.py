@@ -113,6 +113,9 @@ def adapter_lora_fields(path: str) -> tuple[dict[str, Any], str]:
     takes as read_adapter. A conflict with a key given names the rank a transformers-4 MoE adapter is read at, not
     the file's r."""
     fields = read_adapter_config(path)
+    hf, _ = _config(path)
+    # the base the adapter was trained on, for a config that names no model (config/lora_rules.py adapter_base)
+    fields["base_model_name_or_path"] = hf.get("base_model_name_or_path") or None
     source = per_expert_source(path)
     how = f" (transformers 4's per-expert MoE layout, r={source.r} read at rank {source.rank})" if source else ""
     return fields, f"{path}/{ADAPTER_CONFIG}{how}"
