@@ -2,6 +2,7 @@
 
     result = forward_backward(engine, datums, "ppo", {"clip_low_threshold": 0.8})   # ForwardBackwardResult
     metrics = optim_step(engine, AdamParams(learning_rate=1e-5))                   # Tinker's metric names
+    forward_backward(engine, pairs, "dpo", {"beta": 0.1})   # datums in pairs, chosen then rejected (rl/preference.py)
 
 Every rank passes the same datum list (docs/rl.md); each rank packs its own share (rl/pack.py) and the Engine runs
 the pass with the loss built from the spec (rl/losses.py): the same forward_backward, optim_step, MoE balancing,
