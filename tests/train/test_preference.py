@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardfit.errors import ShardfitError
+from tests._dist import run_ranks
 from tests.helpers import small_config
 
 PAIRS = [{"prompt": f"q{i}?", "chosen": " yes" + "!" * (i % 3), "rejected": " no" + "?" * (i % 5)} for i in range(8)]
@@ -85,3 +86,28 @@ def test_what_preference_training_cannot_run_with_is_one_line(tmp_path, extra, k
     with pytest.raises(ShardfitError) as e:
         check_preference_config(_cfg(tmp_path, *extra))
     assert e.value.where == key and e.value.fix
+
+
+def _fit(rank, world, args, run_dir):
+    from shardfit.config import load_config
+    from shardfit.train import Trainer
+
+    trainer = Trainer(load_config(None, [*args, f"--logging.run_dir={run_dir}"]))
+    history = trainer.fit()
+    return {"losses": [h["loss"] for h in history],
+            "reference": [float(c.sum() + r.sum()) for c, r in trainer.preference.reference]}
+
+
+def test_two_ranks_train_as_one(tmp_path):
+    """The reference pass and the steps on 2 gloo ranks (each its share of the pairs) equal one process."""
+    from tests.helpers import SMALL
+
+    path = _data(tmp_path)
+    args = [*SMALL, "--train.device=cpu", f"--data.path={path}", "--preference.objective=dpo",
+            "--train.micro_batch_tokens=64", "--train.global_batch=4", "--train.steps=3"]
+    one = run_ranks(_fit, 1, args, str(tmp_path / "one"))[0]
+    two = run_ranks(_fit, 2, args, str(tmp_path / "two"))
+    assert two[0] == two[1]
+    np.testing.assert_allclose(two[0]["reference"], one["reference"], rtol=1e-5)
+    np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=1e-5, atol=1e-6)
+    assert one["losses"][0] == pytest.approx(np.log(2), abs=1e-6)
