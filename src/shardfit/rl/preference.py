@@ -69,7 +69,8 @@ def pair_coefficients(datums: list[Datum], where: str = "data") -> tuple[list[np
 
 def pair_pass(engine: Engine, datums: list[Datum], obj: PairObjective,
               backward: bool) -> tuple[StepStats, list[np.ndarray], dict[str, float]]:
-    """One forward (or forward_backward) over the pairs: (the pass's stats, per-datum log-probs, TRL's metrics)."""
+    """One forward (or forward_backward) over the pairs: (the pass's stats, per-datum log-probs, 0 outside the
+    counted tokens, TRL's metrics)."""
     layout = engine.layout
     if layout.sequence > 1:
         raise ShardfitError("a preference loss sums each sequence's log-probs within one rank's row; sequence "
@@ -77,7 +78,8 @@ def pair_pass(engine: Engine, datums: list[Datum], obj: PairObjective,
                             fix="set parallel.sequence_parallel=1 for preference training")
     coefs, masks = pair_coefficients(datums)
     plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence, pairs=True)
-    batches = datum_batches(plan, datums, coefs, None, layout.data_rank, layout.sequence_rank,
+    # the head scores the counted tokens alone (a prompt's log-probs are never read): logprobs_at="counted"
+    batches = datum_batches(plan, datums, coefs, masks, layout.data_rank, layout.sequence_rank,
                             engine.doc_kernel(plan.budget, grad=backward), engine.device)
     loss = PairLoss(obj, len(datums))
     stats = engine.forward_backward(batches, loss) if backward else engine.forward(batches, loss)

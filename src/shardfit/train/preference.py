@@ -114,7 +114,9 @@ class PreferenceSteps:
         out: list[tuple[np.ndarray, np.ndarray]] = []
         for first in range(0, n, G):
             datums = [d for i in range(first, min(first + G, n)) for d in self.datums(i)]
-            lps = [o["logprobs"] for o in datum_forward(engine, datums).outputs]
+            # the answers' tokens alone (their mask): the prompts' log-probs are never read
+            lps = [o["logprobs"] for o in datum_forward(engine, datums, "cross_entropy",
+                                                       {"logprobs_at": "counted"}).outputs]
             out += [(lps[2 * k], lps[2 * k + 1]) for k in range(len(lps) // 2)]
         return out
 
