@@ -83,8 +83,9 @@ class PreferenceSteps:
         _stats, _logprobs, metrics = pair_pass(engine, datums, self.objective, backward=True)
         return metrics, G
 
-    def prepare(self, engine: Engine, resumed: bool, say) -> None:
-        """The reference's log-probs, before the first step (objectives that need one)."""
+    def prepare(self, engine: Engine, resumed: bool, say, beat=None) -> None:
+        """The reference's log-probs, before the first step (objectives that need one). say: prints a line (rank
+        0); beat: the watchdog's, before each forward of the pass."""
         if not self.objective.needs_reference:
             return
         lora = engine.models is not None
@@ -100,7 +101,7 @@ class PreferenceSteps:
         t0 = time.perf_counter()
         engine.using(BASE if lora else None)
         try:
-            self.reference = self.compute_reference(engine)
+            self.reference = self.compute_reference(engine, beat)
         finally:
             engine.using("default" if lora else None)
         say(f"reference log-probs of {len(self.reference):,} pairs in {time.perf_counter() - t0:.1f} s ("
@@ -108,11 +109,14 @@ class PreferenceSteps:
         if not lora and engine.dist.is_main:
             save_reference(path, self.reference)
 
-    def compute_reference(self, engine: Engine) -> list[tuple[np.ndarray, np.ndarray]]:
-        """No-grad log-probs of every pair's tokens, train.global_batch pairs per forward (each rank its share)."""
+    def compute_reference(self, engine: Engine, beat=None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """No-grad log-probs of every pair's answer tokens (0 elsewhere), train.global_batch pairs per forward (each
+        rank its share)."""
         n, G = self.pairs.num_windows, self.cfg.train.global_batch
         out: list[tuple[np.ndarray, np.ndarray]] = []
         for first in range(0, n, G):
+            if beat is not None:
+                beat(f"reference log-probs, pairs {first + 1}-{min(first + G, n)} of {n} (a no-grad pass)")
             datums = [d for i in range(first, min(first + G, n)) for d in self.datums(i)]
             # the answers' tokens alone (their mask): the prompts' log-probs are never read
             lps = [o["logprobs"] for o in datum_forward(engine, datums, "cross_entropy",

@@ -232,7 +232,8 @@ class Trainer:
         progress.message(self._banner())
         if self.preference is not None:
             self.watchdog.beat("reference log-probs (a no-grad pass over the pairs)")
-            self.preference.prepare(self.engine, self.resumed_from is not None, progress.message)
+            self.preference.prepare(self.engine, self.resumed_from is not None, progress.message,
+                                    self.watchdog.beat)
         monitor = MemoryMonitor(cfg.memory.warn_growth_mib / 1024)
         history: list[dict] = []
         window = LogWindow()  # since the last log line
