@@ -26,7 +26,8 @@ LAYERS: list[set[str]] = [
     {"parallel"},  # the layout, parallelize, the step runners
     {"weights", "plan"},  # every weight format; prediction (builds models on meta)
     {"engine"},  # the step
-    {"train", "rl"},  # the loop; Tinker's datums into the Engine's batches
+    {"rl"},  # Tinker's datums into the Engine's batches; preference pairs
+    {"train"},  # the loop (preference training packs its pairs as rl/ does)
     {"generate"},  # one device, a KV cache
     {"serve"},  # the Tinker API over HTTP
     {"shardfit"},  # the root package: Engine, and the answers config asks of models and data (config/defaults.py)

@@ -96,7 +96,8 @@ def test_help_lists_every_key():
     text = config_help()
     cfg = Config()
     sections = list(vars(cfg))
-    assert sections == ["model", "lora", "data", "train", "parallel", "compute", "checkpoint", "logging", "memory"]
+    assert sections == ["model", "lora", "data", "train", "parallel", "compute", "checkpoint", "logging", "memory",
+                        "preference"]
     for section in sections:
         assert f"[{section}]" in text
         for key in vars(getattr(cfg, section)):

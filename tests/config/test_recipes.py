@@ -101,8 +101,12 @@ def test_recipe_with_its_checkpoint_is_the_model_it_planned(name, tmp_path):
     assert {k: v for k, v in vars(real.model).items() if k not in skip} == \
         {k: v for k, v in vars(planned.model).items() if k not in skip}
     assert real.train == planned.train
-    # a fine-tuning rate (2e-5, 1e-5), not 3e-4; LoRA recipes LoRA's (the adapters start at zero: about 10x)
-    assert planned.train.lr in ({1e-4} if planned.lora.rank else {row[3] for row in SIZE_DEFAULTS})
+    # a fine-tuning rate (2e-5, 1e-5), not 3e-4; LoRA recipes LoRA's (the adapters start at zero: about 10x); DPO
+    # with LoRA the alignment handbook's (preference steps are small)
+    if planned.preference.objective != "none":
+        assert planned.lora.rank and planned.train.lr == 5e-6
+    else:
+        assert planned.train.lr in ({1e-4} if planned.lora.rank else {row[3] for row in SIZE_DEFAULTS})
     gpus, gib = read(f"recipe:{name}").layouts[0]
     real, planned = resolved(real, gpus, gib), resolved(planned, gpus, gib)  # activation_checkpoint=auto: its choice
     assert estimate(real, gpus, real.train.micro_batch).peak == estimate(planned, gpus, planned.train.micro_batch).peak

@@ -340,6 +340,19 @@ class MemoryConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    objective: str = opt("none", "train on preference pairs ({prompt?, chosen, rejected} records, docs/preference.md): "
+                                 "dpo (Rafailov et al.), ipo (Azar et al.), simpo (reference-free, length-normalised); "
+                                 "none: fine-tuning or pretraining as data.path says",
+                         choices=("none", "dpo", "ipo", "simpo"))
+    beta: float = opt(0.1, "the objective's beta: DPO/IPO's strength of the reference (TRL's default 0.1), SimPO's "
+                           "reward scale (its paper uses 2 to 2.5)", gt=0)
+    label_smoothing: float = opt(0.0, "dpo and simpo: the assumed fraction of flipped labels (conservative DPO)",
+                                 ge=0, lt=0.5)
+    simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma", ge=0)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -350,6 +363,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
 
 # Architecture presets: the sizes of real model families, used by `model.name`. "tiny" is the embedded default

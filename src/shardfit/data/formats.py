@@ -10,6 +10,8 @@ each becomes.
   prompt_completion  {"prompt", "completion"}: strings are trained as they are (prompt + completion + EOS, no chat
                      template); lists of messages (TRL's conversational form) are a chat of prompt then completion
   text               documents in data.text_field: pretraining, not examples
+  preference         TRL's preference pairs: {"prompt"?, "chosen", "rejected"}; trained by preference.objective
+                     (data/preference.py), refused by fine-tuning with that fix
 
 data.format=auto takes the layout of data.path's first record (data.val_path: its own first record) for every
 record; a record of another layout is one error naming its file:line and the key it lacks. Chats (messages,
@@ -28,13 +30,15 @@ from shardfit.errors import ShardfitError
 
 LAYOUT = {"messages": "'messages': [{role, content}, ...]", "sharegpt": "'conversations': [{from, value}, ...]",
           "alpaca": "'instruction', 'input' (optional), 'output'", "prompt_completion": "'prompt', 'completion'",
-          "text": "the text in data.text_field"}
+          "text": "the text in data.text_field", "preference": "'prompt' (optional), 'chosen', 'rejected'"}
 
 
 def detect(obj: object) -> str:
     """The layout a record's keys say (text when none of the fine-tuning layouts')."""
     if not isinstance(obj, dict):
         return "text"
+    if "chosen" in obj and "rejected" in obj:
+        return "preference"
     if "messages" in obj:
         return "messages"
     if "conversations" in obj:

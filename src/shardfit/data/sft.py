@@ -133,11 +133,14 @@ def read_examples(files: list[Path], data_cfg, tokenizer, spec: str | None = Non
     (a prompt longer than seq_len, or a template that masks every token) is left out and counted; a data set that
     keeps none is refused here, not trained for zero steps. spec: the data set as error lines name it."""
     fmt, origin = data_format(files, data_cfg)
+    if fmt == "preference":
+        raise ShardfitError(f"records are preference pairs (prompt, chosen, rejected; {origin}): fine-tuning "
+                            "trains on one answer", where=spec or str(files[0]),
+                            fix="--preference.objective=dpo (or ipo, simpo) to train on the pairs (docs/preference.md)")
     if fmt == "text":
         raise ShardfitError(f"holds no fine-tuning records ({origin})", where=spec or str(files[0]),
                             fix="give records of one layout: messages, sharegpt, alpaca or prompt_completion")
     renderer, chats = None, 0
-    eos_id = tokenizer.eos_id
     examples, dropped, seq_len = [], 0, data_cfg.seq_len
     for path in files:
         for obj, where in read_records(path, data_cfg.file_format):
@@ -152,25 +155,35 @@ def read_examples(files: list[Path], data_cfg, tokenizer, spec: str | None = Non
                 pieces = renderer.segments(ex, where, tools=record_tools(obj, where))
             else:
                 pieces = ex
-            ids, mask = [], []
-            for text, trained in pieces:
-                toks = (tokenizer.encode(text) if text else []) if text is not None else (
-                    [eos_id] if eos_id is not None else [])  # None: EOS after a completion or an assistant turn
-                ids += toks
-                mask += [trained] * len(toks)
-            if not any(mask[1:seq_len + 1]):  # label t is token t + 1: these are the labels a row keeps
+            ids, mask = tokenize_pieces(pieces, tokenizer)
+            if not mask[1:seq_len + 1].any():  # label t is token t + 1: these are the labels a row keeps
                 dropped += 1
                 continue
-            examples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
+            examples.append((ids, mask))
     if not examples and dropped:
         raise ShardfitError(f"none of the {dropped:,} examples has a loss-bearing token within data.seq_len="
                             f"{seq_len} (prompts longer than that, or every completion token masked)",
                             where=spec or str(files[0]),
                             fix="raise data.seq_len, shorten the prompts, or check the chat template's masks")
+    eos_id = tokenizer.eos_id
     pad = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else (eos_id or 0)
     template = renderer.kind if chats else "none"
     return Examples(examples, dropped, pad, fmt, origin, template,
                     renderer.describe() if chats else "none (no chat: records are trained as they are)")
+
+
+def tokenize_pieces(pieces: list[tuple[str | None, bool]], tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(text, trained) pieces -> (token ids [L] int64, trained [L] bool); text None is EOS (after a completion or an
+    assistant turn of the plain template)."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    eos_id = tokenizer.eos_id
+    for text, trained in pieces:
+        toks = (tokenizer.encode(text) if text else []) if text is not None else (
+            [eos_id] if eos_id is not None else [])
+        ids += toks
+        mask += [trained] * len(toks)
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
 
 
 def dropped_notice(dropped: int, kept: int, seq_len: int, where: str) -> str | None:

@@ -62,10 +62,19 @@ class TokenLoss(Loss):
         self.outputs = ("logprobs", "entropy") if self.entropy else ("logprobs",)
 
     def __call__(self, model, b):
-        logp, ent = model(b.input_ids, b.labels, b.position_ids, b.mask, logprobs=True, entropy=self.entropy,
-                          rows=b.rows)
-        logp, ent = logp.flatten(), (ent.flatten() if ent is not None else None)
-        total = (b.coef * self.fn(logp, ent, b.inputs)).sum()
-        aux = model.router_aux_term(b.coef.sum()) if torch.is_grad_enabled() else None
-        total = total + aux if aux is not None else total
+        logp, ent = scored_logprobs(model, b, self.entropy)
+        total = with_router_aux(model, b, (b.coef * self.fn(logp, ent, b.inputs)).sum())
         return total, ({"logprobs": logp, "entropy": ent} if ent is not None else {"logprobs": logp})
+
+
+def scored_logprobs(model: torch.nn.Module, b: DeviceBatch,
+                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of each label [n], entropy [n] or None) through the chunked head (0 where nothing is scored)."""
+    logp, ent = model(b.input_ids, b.labels, b.position_ids, b.mask, logprobs=True, entropy=entropy, rows=b.rows)
+    return logp.flatten(), (ent.flatten() if ent is not None else None)
+
+
+def with_router_aux(model: torch.nn.Module, b: DeviceBatch, total: torch.Tensor) -> torch.Tensor:
+    """A coefficient loss plus the MoE load-balancing term, weighted by the micro-batch's sum of coefficients."""
+    aux = model.router_aux_term(b.coef.sum()) if torch.is_grad_enabled() else None
+    return total + aux if aux is not None else total

@@ -26,7 +26,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, of
     # has a vectorised, multi-threaded CPU kernel: one pass reading parameter, gradient and both moments per element).
     # Measured on one core of the development machine (AMD EPYC, 69M fp32 parameters in block-shaped tensors):
     # fused 1.6 Gparam/s, single-tensor 0.40, foreach 0.22 (foreach on the CPU is a loop of unfused ops, ~12 passes
-    # over memory). Fused also takes the Engine's gradient scale as grad_scale (train/engine.py), saving a pass.
+    # over memory). Fused also takes the Engine's gradient scale as grad_scale (engine/engine.py), saving a pass.
     impl = {"fused": True} if device.type == "cuda" or offload == "all" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
 

@@ -17,6 +17,8 @@ weights != 0, else all. Built in (Tinker's definitions, ratio r = exp(logp - sam
                        (> 1) for A < 0 at most -c * A
 plus kl_coef * k3(ref_logprobs - logp) and -entropy_coef * entropy per token. A callable loss_fn(logp, inputs)
 returns l [n] itself (inputs also holds "datum", each token's datum index).
+Preference losses over pairs of datums (chosen, then rejected): dpo, ipo (both read ref_logprobs) and simpo, with
+beta, label_smoothing and gamma; not per-token: rl/preference.py and engine/preference.py.
 
 logprobs_at = "counted" scores the counted tokens only: the output head runs on their rows alone (an RL recompute
 needs the response's log-probs, not the prompt's: ~30% of the head's work on rollouts), the other tokens report a
@@ -64,6 +66,8 @@ def ppo(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict) -> torch.Tens
 
 BUILT_IN: dict[str, Callable] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling,
                                  "ppo": ppo}
+PAIR_LOSSES = {"dpo": ("target_tokens", "ref_logprobs"), "ipo": ("target_tokens", "ref_logprobs"),
+               "simpo": ("target_tokens",)}  # over pairs of datums: their required inputs (rl/preference.py)
 
 
 @dataclass
@@ -86,9 +90,12 @@ def resolve_loss(loss_fn, loss_fn_config: dict | None) -> LossSpec:
         name, fn, required, allowed = getattr(loss_fn, "__name__", "custom"), loss_fn, ("target_tokens",), None
     elif loss_fn in BUILT_IN:
         name, fn, required, allowed = loss_fn, BUILT_IN[loss_fn], _REQUIRED[loss_fn], _CONFIG[loss_fn] | _COMMON
+    elif loss_fn in PAIR_LOSSES:  # checked by rl/preference.py objective_of
+        return LossSpec(loss_fn, None, cfg, PAIR_LOSSES[loss_fn])
     else:
         raise ShardfitError(f"unknown loss_fn {loss_fn!r}", where="loss_fn",
-                            fix=f"use one of {', '.join(BUILT_IN)}, or a Python callable (logp, inputs) -> loss")
+                            fix=f"use one of {', '.join([*BUILT_IN, *PAIR_LOSSES])}, or a Python callable (logp, "
+                            "inputs) -> loss")
     if allowed is not None:
         unknown = sorted(set(cfg) - allowed)
         if unknown:

@@ -43,15 +43,21 @@ class DatumPlan:
     where: list[Placement]  # per datum
 
 
-def plan_datums(datums: list[Datum], budget: int, dp: int, sp: int) -> DatumPlan:
+def plan_datums(datums: list[Datum], budget: int, dp: int, sp: int, pairs: bool = False) -> DatumPlan:
+    """pairs: datums 2k and 2k + 1 are one item of the packer (a preference pair, engine/preference.py): the same
+    row, end to end, never split across rows or ranks."""
     lengths = [len(d) for d in datums]
-    longest = max(lengths)
+    group = 2 if pairs else 1
+    items = [sum(lengths[i:i + group]) for i in range(0, len(lengths), group)]
+    longest = max(items)
     if longest > budget:
-        i = lengths.index(longest)
-        raise ShardfitError(f"datum {i} has {longest:,} tokens, more than the engine's micro-batch of {budget:,}",
+        i = items.index(longest) * group
+        what = f"pair {i // 2} (datums {i} and {i + 1})" if pairs else f"datum {i}"
+        raise ShardfitError(f"{what} has {longest:,} tokens, more than the engine's micro-batch of {budget:,}",
                             where=f"data[{i}]", fix=f"raise train.micro_batch_tokens to at least {longest} "
                             "(a multiple of parallel.sequence_parallel) or send shorter datums")
-    bins = assign_bins(lengths, dp, budget)
+    bins = [[[i * group + j for i in b for j in range(group)] for b in rank_bins]
+            for rank_bins in assign_bins(items, dp, budget)]
     where: list[Placement | None] = [None] * len(datums)
     for r, rank_bins in enumerate(bins):
         for m, items in enumerate(rank_bins):

@@ -2,6 +2,7 @@
 
     result = forward_backward(engine, datums, "ppo", {"clip_low_threshold": 0.8})   # ForwardBackwardResult
     metrics = optim_step(engine, AdamParams(learning_rate=1e-5))                   # Tinker's metric names
+    forward_backward(engine, pairs, "dpo", {"beta": 0.1})   # datums in pairs, chosen then rejected (rl/preference.py)
 
 Every rank passes the same datum list (docs/rl.md); each rank packs its own share (rl/pack.py) and the Engine runs
 the pass with the loss built from the spec (rl/losses.py): the same forward_backward, optim_step, MoE balancing,
@@ -21,6 +22,7 @@ from shardfit.engine import AdamParams, CrossEntropy, Engine, TokenLoss
 from shardfit.rl.datum import Datum, ForwardBackwardResult, check_datums
 from shardfit.rl.losses import (
     BUILT_IN,
+    PAIR_LOSSES,
     LossSpec,
     coefficients,
     counted,
@@ -30,6 +32,7 @@ from shardfit.rl.losses import (
     token_loss,
 )
 from shardfit.rl.pack import datum_batches, plan_datums, unpack
+from shardfit.rl.preference import objective_of, pair_pass
 
 
 class DatumEngine:
@@ -111,6 +114,10 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
          backward: bool) -> ForwardBackwardResult:
     spec = resolve_loss(loss_fn, loss_fn_config)
     check_datums(datums, engine.cfg.model.vocab_size, spec.required)
+    if spec.name in PAIR_LOSSES and not callable(loss_fn):  # datums in pairs, chosen then rejected
+        stats, logprobs, metrics = pair_pass(engine, datums, objective_of(spec.name, spec.config), backward)
+        return ForwardBackwardResult([{"logprobs": lp} for lp in logprobs],
+                                     {"loss:sum": stats.loss_sum, **{f"{k}:mean": v for k, v in metrics.items()}})
     layout = engine.layout
     plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence)
     mean_ce = backward and not engine.pending and is_token_mean_cross_entropy(spec, datums)

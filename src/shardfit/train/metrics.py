@@ -91,7 +91,7 @@ class LogWindow:
         self.phases: dict[str, list[float]] = {}
 
     def add(self, rec) -> None:
-        """rec: a train.engine.StepRecord."""
+        """rec: an engine.StepRecord."""
         now = time.perf_counter()
         self.seconds += now - self.mark
         self.mark = now

@@ -50,6 +50,8 @@ def format_line(rec: dict) -> str:
         parts.append(f"{names} " + "/".join(f"{rec[f'time_{k}_s']:.3f}" for k in phases) + " s")
     if "moe_load_max_over_mean" in rec:
         parts.append(f"expert load max/mean {rec['moe_load_max_over_mean']:.2f} (layer {rec['moe_load_worst_layer']})")
+    if "rewards/accuracies" in rec:  # preference training (train/preference.py): TRL's two headline figures
+        parts.append(f"rewards acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:.3f}")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     parts.append(f"eta {_fmt_eta(rec['eta_s'])}")

@@ -2,7 +2,7 @@
 
 A signal reaches the ranks at different times (a scheduler's SIGTERM to every process, torchrun forwarding its own,
 a terminal's Ctrl-C to the whole job) or only some of them. The handler only records it (`Engine.stop_requested`);
-the step's one stats all-gather (train/engine.py, `_reduce`) carries every rank's record, so all ranks read the same
+the step's one stats all-gather (engine/engine.py, `_collect`) carries every rank's record, so all ranks read the same
 verdict after the same step and stop together: no collective of its own. The loop then saves (checkpoint.on_signal)
 and raises `Stopped`, one line naming the checkpoint, or what was lost and the key that keeps it.
 

@@ -23,6 +23,7 @@ from shardfit.config import Config, accumulation_steps, config_to_dict, config_t
 from shardfit.config.shape import StepShape
 from shardfit.data.build import build_datasets
 from shardfit.data.chat import export_template
+from shardfit.data.preference import build_preference
 from shardfit.doctor import MemoryMonitor
 from shardfit.doctor.record import SnapshotRecorder
 from shardfit.engine import AdamParams, CrossEntropy, Engine, StepRecord
@@ -38,6 +39,7 @@ from shardfit.train import stop
 from shardfit.train.batches import BatchSource
 from shardfit.train.curves import end_of_run
 from shardfit.train.metrics import LogWindow, flops_per_token, peak_flops, summarize_memory
+from shardfit.train.preference import PreferenceSteps, check_preference_config, mean_metrics
 from shardfit.train.profile import StepProfiler
 from shardfit.train.progress import Progress
 from shardfit.train.run_config import check_config, default_run_dir, saved_config, sibling_hint
@@ -89,8 +91,15 @@ class Trainer:
 
     def _set_up(self, cfg: Config) -> None:
         """Data, sequence-parallel layout, model (sharded, initialised or loaded), optimizer, checkpoint resume."""
-        self.dataset, self.val_set, self.tokenizer = build_datasets(cfg.data, cfg.model.vocab_size,
-                                                                    token_budget=StepShape.of(cfg).by_tokens)
+        self.preference: PreferenceSteps | None = None  # preference.objective's steps over pairs
+        self.pref_window: list[dict[str, float]] = []  # their metrics since the last log line
+        if cfg.preference.objective != "none":
+            check_preference_config(cfg)
+            self.dataset, self.tokenizer = build_preference(cfg.data, cfg.model.vocab_size)
+            self.val_set, self.preference = None, PreferenceSteps(cfg, self.dataset, self.run_dir)
+        else:
+            self.dataset, self.val_set, self.tokenizer = build_datasets(cfg.data, cfg.model.vocab_size,
+                                                                        token_budget=StepShape.of(cfg).by_tokens)
         # Ulysses: a group of sp ranks shares every sample and takes S/sp of its tokens each; the batch is split over
         # the data-parallel ranks (parallel/layout.py)
         self.layout = ParallelLayout.from_config(cfg, self.dist.world_size, self.dist.rank)  # once, handed down
@@ -185,7 +194,10 @@ class Trainer:
         """One step of the data loader's batches through the Engine."""
         t0 = time.perf_counter()
         self.recorder.before_step(self.step + 1)
-        self.engine.forward_backward(self.batches.step(self.step), CrossEntropy())
+        if self.preference is not None:
+            self.pref_window.append(self.preference.step(self.engine, self.step)[0])
+        else:
+            self.engine.forward_backward(self.batches.step(self.step), CrossEntropy())
         rec = self.engine.optim_step(AdamParams.of_train(self.cfg.train, lr_at(self.step, self.cfg.train)))
         self.recorder.after_step(self.step)
         rec.time_s = time.perf_counter() - t0
@@ -218,6 +230,10 @@ class Trainer:
         for notice in self.header + self.notices:
             progress.message(notice)
         progress.message(self._banner())
+        if self.preference is not None:
+            self.watchdog.beat("reference log-probs (a no-grad pass over the pairs)")
+            self.preference.prepare(self.engine, self.resumed_from is not None, progress.message,
+                                    self.watchdog.beat)
         monitor = MemoryMonitor(cfg.memory.warn_growth_mib / 1024)
         history: list[dict] = []
         window = LogWindow()  # since the last log line
@@ -330,7 +346,9 @@ class Trainer:
                       "loss_tokens_per_s_per_gpu": window.loss_tokens / world / window.seconds,
                       "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
                       "tokens_seen": self.engine.tokens_seen, "skipped_steps": self.skipped,
-                      "eta_s": progress.eta(self.step), **window.phase_means(), **mem, **rec.moe})
+                      "eta_s": progress.eta(self.step), **window.phase_means(), **mem, **rec.moe,
+                      **mean_metrics(self.pref_window)})
+        self.pref_window = []
         for warning in monitor.update(mem):
             progress.message(warning)
         reset_peaks(self.device)
