@@ -180,7 +180,8 @@ def _save_fails_on_rank_1(rank, world, root):
 
 def test_a_save_that_fails_on_one_rank_stops_every_rank_and_keeps_the_previous(tmp_path):
     res = run_ranks(_save_fails_on_rank_1, 2, str(tmp_path / "run"))
-    assert "could not write checkpoint step_00000006 on rank 1 (No space left on device)" in res[1]["error"]
+    assert "could not write checkpoint step_00000006 on rank 1: the disk is full (No space left on device)" \
+        in res[1]["error"]
     assert "rank 1 stopped" in res[0]["error"]
     for r in res:
         assert "the previous checkpoint" in r["error"] and "step_00000004 is intact" in r["error"]
