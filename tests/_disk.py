@@ -39,13 +39,13 @@ class SmallDisk:
                 while left > 0:
                     f.write(b"\0" * min(left, 1 << 20))
                     left -= 1 << 20
-        else:
+        elif pid is not None:  # else the next subprocess's preexec(limit) sets it
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (slack, UNLIMITED))
 
     def free(self, pid: int | None = None) -> None:
         if self.tmpfs:
             self.ballast.unlink(missing_ok=True)
-        else:
+        elif pid is not None:
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (UNLIMITED, UNLIMITED))
 
 
