@@ -4,8 +4,10 @@ rank executes it on the Engine, rank 0 files the result.
 Collectives per command, identical on every rank and in this order: one broadcast of the length (int64 [1]), one of
 the JSON bytes (uint8 [n]) -- never pickle: a command is plain JSON, arrays in it base64 -- then the Engine's own.
 When the queue stays empty for `idle_s`, rank 0 broadcasts a no-op, so that the other ranks' wait in the broadcast
-never reaches the process group's timeout. A ShardfitError from the Engine is raised on every rank alike (it checks
-its input the same way everywhere): it becomes the request's user error and the loop goes on in step.
+never reaches the process group's timeout. Whatever a command raises (the Engine checks its input, and agrees on a
+save's outcome, the same way on every rank) becomes the request's answer in one place, serve/failures.py, and the
+loop goes on in step. Once the scheduler is closed (SIGINT / SIGTERM), rank 0 broadcasts `stop` after the command in
+hand, carrying the stop line every rank raises (server.py): every rank leaves at the same command.
 """
 
 from __future__ import annotations
@@ -14,14 +16,13 @@ import base64
 import json
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from shardfit.errors import ShardfitError
+from shardfit.serve.failures import failure_result
 from shardfit.serve.futures import FutureStore, Result
 from shardfit.serve.ordering import Scheduler
 from shardfit.serve.protocol import WireDatum
@@ -34,6 +35,7 @@ class Command:
     kind: str  # forward_backward | optim_step | save_state | load_state | sampler_snapshot | sample | noop | stop
     request_id: str = ""
     args: dict = field(default_factory=dict)
+    model_id: str = ""  # the training model whose seq_id orders it ("" for sampling)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -41,7 +43,8 @@ class Command:
     @classmethod
     def from_bytes(cls, raw: bytes) -> Command:
         d = json.loads(raw.decode())
-        return cls(kind=str(d["kind"]), request_id=str(d["request_id"]), args=dict(d["args"]))
+        return cls(kind=str(d["kind"]), request_id=str(d["request_id"]), args=dict(d["args"]),
+                   model_id=str(d.get("model_id", "")))
 
 
 def array_to_json(a: np.ndarray) -> dict:
@@ -84,7 +87,9 @@ def broadcast_command(cmd: Command | None, rank: int, world: int, device: torch.
 @dataclass
 class Loop:
     """The command loop of one rank. `execute(cmd) -> (Result, phases)` runs the command on the Engine (every rank);
-    on rank 0 `scheduler` and `futures` are the server's, elsewhere None."""
+    on rank 0 `scheduler` and `futures` are the server's, elsewhere None. Rank 0's hooks: `needed(cmd)` the bytes a
+    command writes (a full disk's message), `done(cmd, result)` after each command, `stop_args()` what `stop`
+    carries to every rank."""
 
     execute: Callable[[Command], tuple[Result, dict[str, float]]]
     rank: int
@@ -94,20 +99,26 @@ class Loop:
     futures: FutureStore | None = None
     idle_s: float = 30.0
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+    needed: Callable[[Command], int | None] | None = None
+    done: Callable[[Command, Result], None] | None = None
+    stop_args: Callable[[], dict] | None = None
 
     def next_command(self) -> Command:
         """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
         pending = self.scheduler.next(self.idle_s)
         if pending is not None:
             return pending.command
-        return Command(STOP) if self.scheduler.closed else Command(NOOP)
+        if self.scheduler.closed:
+            return Command(STOP, args=self.stop_args() if self.stop_args is not None else {})
+        return Command(NOOP)
 
-    def run(self) -> None:
+    def run(self) -> Command:
+        """Commands until `stop`, which is returned (the same on every rank)."""
         while True:
             cmd = broadcast_command(self.next_command() if self.rank == 0 else None, self.rank, self.world,
                                     self.device)
             if cmd.kind == STOP:
-                return
+                return cmd
             if cmd.kind == NOOP:
                 continue
             self.step(cmd)
@@ -119,13 +130,13 @@ class Loop:
         phases: dict[str, float] = {}
         try:
             result, phases = self.execute(cmd)
-        except ShardfitError as e:  # bad input the Engine found: every rank raised it alike
-            result = Result(error=str(e), category="user")
-        except Exception as e:  # a bug: said once with its traceback, the request failed, the loop goes on
-            if self.rank == 0:
-                traceback.print_exc()
-            result = Result(error=f"{type(e).__name__}: {e} (a server bug: see the server's log)", category="server")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception
+            result = failure_result(e, cmd, self.rank, self.needed(cmd) if self.needed is not None else None)
         phases.setdefault("run", time.perf_counter() - t0)
+        if self.done is not None:
+            self.done(cmd, result)
         if self.futures is not None:
             self.futures.complete(cmd.request_id, result, phases)
             t = self.futures.timing(cmd.request_id)
