@@ -52,7 +52,11 @@ def setup_api_key(host: str, run_dir: Path, given: str | None) -> str | None:
     tmp = path.with_name(f".api_key.{secrets.token_hex(8)}.tmp")
     # O_EXCL: a new file, never one planted there (O_EXCL with O_CREAT also refuses a symlink at the name, and
     # O_NOFOLLOW says so twice); 0600 from the start: never readable by others, not even briefly
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        raise ShardfitError("something is already at the key file's temporary name (planted?)", where=str(tmp),
+                            fix="remove it, and check who can write the run directory") from None
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
         with os.fdopen(fd, "w") as f:
