@@ -91,8 +91,8 @@ def _in_context(outer: BaseException, inner: BaseException) -> BaseException:
 
 
 def test_whatever_a_save_raises_is_that_requests_answer(served):
-    """The one place (serve/failures.py), for each kind of exception a save can raise, BaseException included (DCP's
-    CheckpointException is not an Exception: it used to pass the loop's handler and end the server)."""
+    """The one place (commands.failure_result), for each kind of exception a save can raise, BaseException included
+    (DCP's CheckpointException is not an Exception: it used to pass the loop's handler and end the server)."""
     import errno
 
     from torch.distributed.checkpoint.api import CheckpointException

@@ -5,9 +5,17 @@ Collectives per command, identical on every rank and in this order: one broadcas
 the JSON bytes (uint8 [n]) -- never pickle: a command is plain JSON, arrays in it base64 -- then the Engine's own.
 When the queue stays empty for `idle_s`, rank 0 broadcasts a no-op, so that the other ranks' wait in the broadcast
 never reaches the process group's timeout. Whatever a command raises (the Engine checks its input, and agrees on a
-save's outcome, the same way on every rank) becomes the request's answer in one place, serve/failures.py, and the
-loop goes on in step. Once the scheduler is closed (SIGINT / SIGTERM), rank 0 broadcasts `stop` after the command in
-hand, carrying the stop line every rank raises (server.py): every rank leaves at the same command.
+save's outcome, the same way on every rank) becomes the request's answer in one place, `failure_result`, and the
+loop goes on in step:
+- a full disk (fsutil.full_disk anywhere in the exception's chain, or the Engine's own DiskFull): category server,
+  naming the directory and the space needed; nothing is listed from the failed save, the previous checkpoint is
+  untouched, and the same save works once space is freed;
+- a ShardfitError (bad input only the Engine could tell, raised on every rank alike): category user, its line;
+- anything else, BaseException subclasses included (DCP's CheckpointException is not an Exception): a server bug,
+  its traceback printed once on rank 0, category server.
+KeyboardInterrupt and SystemExit are not caught: they end the process.
+Once the scheduler is closed (SIGINT / SIGTERM), rank 0 broadcasts `stop` after the command in hand, carrying the stop
+line every rank raises (server.py): every rank leaves at the same command.
 """
 
 from __future__ import annotations
@@ -16,18 +24,21 @@ import base64
 import json
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from shardfit.serve.failures import failure_result
+from shardfit.errors import DiskFull, ShardfitError
+from shardfit.fsutil import full_disk_error
 from shardfit.serve.futures import FutureStore, Result
 from shardfit.serve.ordering import Scheduler
 from shardfit.serve.protocol import WireDatum
 
 NOOP, STOP = "noop", "stop"
+SPACE_FIX = "free space there: the server and its models keep running, and the same request works once it is freed"
 
 
 @dataclass
@@ -67,6 +78,27 @@ def datums_to_json(datums: list[WireDatum]) -> list[dict]:
 def datums_from_json(items: list[dict]) -> list[WireDatum]:
     return [WireDatum(array_from_json(d["tokens"]), {k: array_from_json(v) for k, v in d["inputs"].items()})
             for d in items]
+
+
+def _what(cmd) -> str:
+    path = cmd.args.get("tinker_path") if isinstance(cmd.args, dict) else None
+    return f"checkpoint {path}" if path else f"the {cmd.kind} request's files"
+
+
+def failure_result(e: BaseException, cmd, rank: int, needed: int | None = None) -> Result:
+    """The Result of command `cmd` that raised `e`; needed: the bytes its writes take (a save), when known."""
+    if isinstance(e, DiskFull):  # the Engine's checkpoint writer named it (every rank agreed)
+        return Result(error=str(ShardfitError(e.what, where=e.where, fix=SPACE_FIX)), category="server")
+    directory = cmd.args.get("dir", "") if isinstance(cmd.args, dict) else ""
+    disk = full_disk_error(e, directory, _what(cmd), SPACE_FIX, needed)
+    if disk is not None:
+        return Result(error=str(disk), category="server")
+    if isinstance(e, ShardfitError):
+        return Result(error=str(e), category="user")
+    if rank == 0:  # a bug: said once with its traceback, the request failed, the loop goes on
+        traceback.print_exception(type(e), e, e.__traceback__)
+    said = (str(e).strip().splitlines() or [""])[0][:300]
+    return Result(error=f"{type(e).__name__}: {said} (a server bug: see the server's log)", category="server")
 
 
 def broadcast_command(cmd: Command | None, rank: int, world: int, device: torch.device) -> Command:
