@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,12 @@ def test_write_atomic_on_a_full_disk_leaves_the_old_file_and_no_tmp(tmp_path):
                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, preexec_fn=disk.preexec(16 << 10))
         assert r.stdout.strip() in (str(errno.ENOSPC), str(errno.EFBIG)), r.stderr
         assert target.read_text() == "old" and [p.name for p in disk.path.iterdir() if p != disk.ballast] == ["f.json"]
+
+
+def test_a_failed_write_where_less_than_needed_is_free_is_a_full_disk(tmp_path):
+    """DCP pickles each rank's exception to gather it, and the OSError's context is lost: what is left is torch's
+    "unexpected pos". Where the writer knows what it needed, the space left decides."""
+    lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    free = shutil.disk_usage(tmp_path).free
+    assert full_disk(lost, tmp_path, needed=free + (1 << 30)) == errno.ENOSPC
+    assert full_disk(lost, tmp_path, needed=1) is None and full_disk(lost) is None

@@ -38,13 +38,16 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
     return path
 
 
-def full_disk(exc: BaseException) -> int | None:
+def full_disk(exc: BaseException, directory: str | Path | None = None, needed: int | None = None) -> int | None:
     """The errno (ENOSPC, EDQUOT, EFBIG) when `exc` is a write that failed for want of space, else None.
 
     Writers wrap the OSError: torch's stream writer raises a RuntimeError whose context is the OSError, DCP a
     CheckpointException (a BaseException, not an Exception) holding each rank's (exception, trace) in `failures`,
     safetensors a SafetensorError that only says "(os error 28)". So the cause and context chains, DCP's failures
-    and an exception group's members are all walked."""
+    and an exception group's members are all walked. Some lose the errno on the way: DCP pickles each rank's
+    exception to gather it (the context is gone), torch's C++ writer to a path keeps only "unexpected pos". For
+    those, given the `directory` written and the bytes `needed`: a failed write where less than that is free is a
+    full disk too (ENOSPC)."""
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -62,6 +65,10 @@ def full_disk(exc: BaseException) -> int | None:
         if isinstance(failures, dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
         todo += [x for x in getattr(e, "exceptions", ()) if isinstance(x, BaseException)]
+    if directory and needed:
+        free = free_bytes(directory)
+        if free is not None and free < needed:
+            return errno.ENOSPC
     return None
 
 
@@ -84,7 +91,7 @@ def full_disk_error(exc: BaseException, directory: str | Path, what: str, fix: s
                     needed: int | None = None) -> DiskFull | None:
     """One line for a full disk (None when `exc` is not one): what could not be written, where, the space it needs
     (when the writer knows it) and the space free there. `fix` says how to go on once space is freed."""
-    code = full_disk(exc)
+    code = full_disk(exc, directory, needed)
     if code is None:
         return None
     need = f"; it needs about {mib(needed)}" if needed else ""

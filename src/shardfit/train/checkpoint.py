@@ -11,7 +11,8 @@ Layout of <dir>/step_00000100/:
 Every rank writes into step_00000100.tmp/; once all have (one collective of their outcomes) rank 0 writes
 complete.json and renames the directory. A failed write (disk full, read-only) is raised on every rank alike and
 leaves the previous checkpoint as it was; a full disk (fsutil.full_disk: DCP wraps the OSError in a RuntimeError
-inside a CheckpointException, safetensors in its own error) names the directory and the space a rank needs.
+inside a CheckpointException, and loses it when it gathers the ranks' failures; safetensors words it in its own
+error) names the directory and the space a rank needs.
 Weights that are not finite are never saved. checkpoint.keep prunes only this run's own older checkpoints (same
 run id, carried across resumes). Loading goes through checkpoint_verify.
 """
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardfit.errors import DiskFull, ShardfitError
-from shardfit.fsutil import full_disk, full_disk_error, write_atomic
+from shardfit.fsutil import full_disk_error, write_atomic
 from shardfit.models.init import is_quantized_storage
 from shardfit.parallel.agreement import agree
 from shardfit.train.checkpoint_verify import COMPLETE, check_files, load_tensors
@@ -132,9 +133,10 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
 
     def failed(e: BaseException, r: int, needed: int | None = None) -> str | None:
         """The line's problem for a write that raised `e` on rank r; None when it is no write failure (a bug)."""
-        if full_disk(e) is not None:
+        disk = full_disk_error(e, root, f"checkpoint {final.name} on rank {r}", fix, needed)
+        if disk is not None:
             full.append(r)
-            return full_disk_error(e, root, f"checkpoint {final.name} on rank {r}", fix, needed).what
+            return disk.what
         if isinstance(e, OSError):
             return f"could not write checkpoint {final.name} on rank {r} ({e.strerror or e})"
         return None
