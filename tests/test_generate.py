@@ -308,3 +308,21 @@ def test_messages_prompts_carry_the_records_tools(tmp_path):
     upto = max(i for i, m in enumerate(case["messages"]) if m["role"] == "user") + 1  # up to the last user turn
     assert tok.tok.decode(ids, skip_special_tokens=False) == hf_tok.apply_chat_template(
         case["messages"][:upto], tools=case["tools"], tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("length, needle", [
+    (64, "--prompt: the prompt has 64 tokens and the model's context is max_seq_len=64: no room for a new token; "
+         "fix: shorten the prompt to at most 63 tokens"),
+    (80, "--prompt: the prompt has 80 tokens and the model's context is max_seq_len=64"),
+    (60, "--max-new-tokens: prompt (60 tokens) + 10 new tokens exceed the model's max_seq_len=64; fix: ask for at "
+         "most 4 new tokens"),
+])
+def test_a_prompt_too_long_for_the_context_names_its_length(length, needle):
+    from shardfit.config.schema import ModelConfig
+    from shardfit.errors import ShardfitError
+
+    model = build_model(ModelConfig(vocab_size=50, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                    max_seq_len=64))
+    with pytest.raises(ShardfitError) as e:
+        generate(model, [1] * length, 10)
+    assert needle in str(e.value), str(e.value)

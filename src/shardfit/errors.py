@@ -46,6 +46,11 @@ class ShardfitError(Exception):
         return f"shardfit: error: {self}"
 
 
+class DiskFull(ShardfitError):
+    """A write that ran out of space (fsutil.full_disk_error): one line naming the directory and the space needed,
+    exit 2 like other input problems; the server answers it as its own failure (category server), not the client's."""
+
+
 class Stopped(ShardfitError):
     """A run stopped on purpose by SIGINT or SIGTERM (train/stop.py): its line says what was saved, or what was lost
     and the key that keeps it. Printed as `shardfit: <line>` (not an error), exit code 128 + the signal."""

@@ -45,6 +45,10 @@ def generate(model: CausalLM, prompt: list[int], max_new_tokens: int, *, tempera
         raise ShardfitError("the prompt is empty", where="--prompt", fix="give some text")
     m = model.cfg
     total = len(prompt) + max_new_tokens
+    if len(prompt) >= m.max_seq_len:  # no number of new tokens fits: the prompt is what must change
+        raise ShardfitError(f"the prompt has {len(prompt)} tokens and the model's context is max_seq_len="
+                            f"{m.max_seq_len}: no room for a new token", where="--prompt",
+                            fix=f"shorten the prompt to at most {m.max_seq_len - 1} tokens")
     if total > m.max_seq_len:
         raise ShardfitError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed the model's "
                             f"max_seq_len={m.max_seq_len}", where="--max-new-tokens",

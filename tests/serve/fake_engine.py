@@ -1,13 +1,17 @@
 """A one-process stand-in for the Engine's RL API (the names serve/ codes against), on the real tiny model.
 
 It computes what the Engine computes where the server can tell: per-token log-probs of the targets, cross_entropy as
-the weighted sum of -logp (never renormalised), AdamW steps, saved and loaded state. Anything else is refused with a
+the weighted sum of -logp (never renormalised), AdamW steps (skipped, as the Engine skips them, when the gradient
+norm is not finite), saved and loaded state (written through a Python file under a temporary name, then renamed:
+as DCP writes, a full disk surfaces as the OSError inside the writer's RuntimeError). Anything else is refused with a
 ShardfitError, as the Engine refuses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,6 +85,10 @@ class FakeEngine:
             outputs.append({"logprobs": lp.detach().numpy().astype(np.float32)})
         return ForwardBackwardResult(outputs, {"loss:sum": total})
 
+    def datum_budget(self) -> int:  # the Engine's: train.micro_batch_tokens, else data.seq_len x train.micro_batch
+        t = self.cfg.train
+        return t.micro_batch_tokens or self.cfg.data.seq_len * max(t.micro_batch, 1)
+
     def gathered_pass(self):  # Engine's: the weights gathered once for a sampling request (one rank)
         return contextlib.nullcontext()
 
@@ -97,17 +105,25 @@ class FakeEngine:
         self.calls.append("optim_step")
         for g in self.opt.param_groups:
             g.update(lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.grad_clip_norm or float("inf"))
-        self.opt.step()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.grad_clip_norm or float("inf")))
+        if math.isfinite(norm):
+            self.opt.step()
         self.opt.zero_grad()
         self.step += 1
-        return {"grad_norm:mean": float(norm), "skipped:max": 0.0}
+        return {"grad_norm:mean": norm, "skipped:max": float(not math.isfinite(norm))}
 
     def save_state(self, path: Path, optimizer: bool = True) -> Path:
         self.calls.append("save_state")
         path.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.model.state_dict(), **({"opt": self.opt.state_dict()} if optimizer else {})},
-                   path / "state.pt")
+        tmp = path / "state.pt.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save({"model": self.model.state_dict(), **({"opt": self.opt.state_dict()} if optimizer else {})},
+                           f)
+            os.replace(tmp, path / "state.pt")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     def load_state(self, path: Path, optimizer: bool = True) -> None:

@@ -13,51 +13,7 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
-from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
-from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
-
-KEY = {"X-API-Key": "tml-test"}
-PROTO = {**KEY, "Content-Type": "application/x-protobuf"}
-
-
-def _fb(model_id: str, seq_id: int, tokens=(1, 2, 3), targets=(2, 3, 4), loss_fn="cross_entropy", data=None,
-        **inputs) -> bytes:
-    if data is None:
-        data = [types.Datum(model_input=types.ModelInput.from_ints(list(tokens)),
-                            loss_fn_inputs={"target_tokens": np.asarray(targets, np.int64), **inputs})]
-    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn),
-                                       model_id=model_id, seq_id=seq_id)
-    return forward_backward_request_to_proto(req).SerializeToString()
-
-
-class Client:
-    def __init__(self, url: str):
-        self.http = httpx.Client(base_url=url + "/api/v1", timeout=30)
-        sid = self.http.post("/create_session", json={}, headers=KEY).json()["session_id"]
-        created = self.http.post("/create_model", headers=KEY, json={
-            "session_id": sid, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}).json()
-        self.model_id, self.seq = created["model_id"], 0
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    def result(self, rid: str):
-        for _ in range(30):
-            r = self.http.post("/retrieve_future", json={"request_id": rid}, headers=KEY)
-            if r.headers["content-type"].startswith("application/x-protobuf"):
-                return deserialize_forward_backward_output(r.content)
-            if r.json().get("type") != "try_again":
-                return r.json()
-        raise AssertionError("no result")
-
-    def good_forward(self) -> float:
-        r = self.http.post("/forward_backward", content=_fb(self.model_id, self.next_seq()), headers=PROTO)
-        assert r.status_code == 200, r.text
-        return self.result(r.json()["request_id"]).metrics["loss:sum"]
+from tests.serve.raw_http import KEY, PROTO, Client, fb_body
 
 
 @pytest.fixture
@@ -73,10 +29,11 @@ def _cases(c: Client):
                                                        headers=KEY),
         "bad protobuf": lambda: c.http.post("/forward_backward", content=b"\x0a\xff\xff\xff", headers=PROTO),
         "token id beyond the vocabulary": lambda: c.http.post("/forward_backward", headers=PROTO,
-                                                              content=_fb(m, c.next_seq(), tokens=(1, 999, 3))),
-        "empty data": lambda: c.http.post("/forward_backward", content=_fb(m, c.next_seq(), data=[]), headers=PROTO),
+                                                              content=fb_body(m, c.next_seq(), tokens=(1, 999, 3))),
+        "empty data": lambda: c.http.post("/forward_backward", content=fb_body(m, c.next_seq(), data=[]),
+                                          headers=PROTO),
         "unknown loss": lambda: c.http.post("/forward_backward", headers=PROTO,
-                                            content=_fb(m, c.next_seq(), loss_fn="magic")),
+                                            content=fb_body(m, c.next_seq(), loss_fn="magic")),
         "unknown model": lambda: c.http.post("/optim_step", headers=KEY,
                                              json={"model_id": "nope:train:0", "seq_id": 1, "adam_params": {}}),
         "negative learning rate": lambda: c.http.post("/optim_step", headers=KEY, json={
@@ -120,7 +77,7 @@ def test_engine_error_is_a_user_error_result_and_the_loop_goes_on(client, served
     # accepted by the server (ppo with its inputs) but refused by the (fake) Engine, as every rank would refuse it
     lp = np.zeros(3, np.float32)
     r = client.http.post("/forward_backward", headers=PROTO,
-                         content=_fb(client.model_id, client.next_seq(), loss_fn="ppo", logprobs=lp, advantages=lp))
+                         content=fb_body(client.model_id, client.next_seq(), loss_fn="ppo", logprobs=lp, advantages=lp))
     out = client.result(r.json()["request_id"])
     assert out["category"] == "user" and "unknown loss_fn 'ppo'" in out["error"]
     client.good_forward()
@@ -131,7 +88,7 @@ def test_engine_error_is_a_user_error_result_and_the_loop_goes_on(client, served
 
 def test_client_killed_mid_request_leaves_the_server_working(client, served):
     u = urlparse(served.url)
-    body = _fb(client.model_id, client.next_seq())
+    body = fb_body(client.model_id, client.next_seq())
     for cut in (10, len(body) - 1):
         s = socket.create_connection((u.hostname, u.port))
         s.sendall(f"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-t\r\n"
@@ -146,7 +103,7 @@ def test_client_killed_mid_request_leaves_the_server_working(client, served):
 
 def test_a_retried_post_gets_the_first_answer(client, served):
     headers = {**PROTO, "X-Idempotency-Key": "abc"}
-    body = _fb(client.model_id, client.next_seq())
+    body = fb_body(client.model_id, client.next_seq())
     first = client.http.post("/forward_backward", content=body, headers=headers).json()
     again = client.http.post("/forward_backward", content=body, headers=headers).json()
     assert first == again

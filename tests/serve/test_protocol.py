@@ -112,3 +112,28 @@ def test_metric_keys_get_exactly_one_colon():
     assert metric_key("grad_norm") == "grad_norm:mean"
     assert metric_key("a:b:max") == "a_b_max:mean"
     assert metric_key("x:median") == "x_median:mean"
+
+
+def _sparse(rows: int, cols: int) -> types.TensorData:
+    return types.TensorData(data=[1.0], dtype="float32", shape=[rows, cols],
+                            sparse_crow_indices=[0, 1] + [1] * (rows - 1), sparse_col_indices=[0])
+
+
+@pytest.mark.parametrize("inputs, kwargs, needle", [
+    ({"topk": _sparse(2, 1 << 28)}, {}, "268,435,456 values per token, more than the vocabulary (264)"),
+    ({"topk": _sparse(5, 3)}, {}, "shape [5, 3] does not start with the model input's length 2"),
+    ({"topk": _sparse(2, 200)}, {"max_values": 300}, "declare more than 300 values in all"),
+    ({}, {"token_budget": 1}, "2 tokens are more than the server's micro-batch of 1 tokens"),
+])
+def test_shapes_are_checked_before_anything_is_expanded(inputs, kwargs, needle, monkeypatch):
+    import shardfit.serve.protocol as protocol
+
+    def refuse(*a, **k):  # nothing may be densified for a request that is refused
+        raise AssertionError("expanded before it was checked")
+
+    monkeypatch.setattr(protocol.np, "zeros", refuse)
+    data = [types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
+                        loss_fn_inputs={"target_tokens": np.array([2, 3], np.int64), **inputs})]
+    with pytest.raises(ShardfitError, match="fix: ") as e:
+        check_forward_backward(parse_forward_backward(_request(data)), vocab=264, max_len=8, **kwargs)
+    assert needle in str(e.value), str(e.value)

@@ -80,26 +80,29 @@ def _loop(rank: int, world: int):
         return Result(json={"sum": float(t)}), {}
 
     sched, futures = (Scheduler(), FutureStore()) if rank == 0 else (None, None)
-    results = {}
+    results, rids = {}, []
     if rank == 0:
         sched.add_model("m")
         # seq_ids arrive out of order (the SDK sends the first chunk last); one is refused before queueing
         for seq, n in ((3, 30), (2, 20), (5, 50)):
-            sched.submit(Command("work", futures.create("work"), {"n": n}), "m", seq)
+            rids.append(futures.create("work"))
+            sched.submit(Command("work", rids[-1], {"n": n}), "m", seq)
         sched.skip("m", 4)
-        sched.submit(Command("work", futures.create("work"), {"n": 10}), "m", 1)
-        sched.submit(Command("work", futures.create("work"), {"n": 0, "bad": True}))
+        rids.append(futures.create("work"))
+        sched.submit(Command("work", rids[-1], {"n": 10}), "m", 1)
+        rids.append(futures.create("work"))
+        sched.submit(Command("work", rids[-1], {"n": 0, "bad": True}))
     loop = Loop(execute, rank, world, torch.device("cpu"), sched, futures, idle_s=0.2, log=lambda line: None)
     if rank == 0:
         import threading
 
         threading.Timer(1.5, sched.close).start()
-    loop.run()
+    stop = loop.run()
     if rank == 0:
-        for i in range(1, 6):
-            r = futures._results.get(f"req-{i}")
+        for i, rid in enumerate(rids, 1):
+            r = futures._results.get(rid)
             results[i] = r.body() if r else None
-    return {"seen": seen, "results": results}
+    return {"seen": seen, "results": results, "stop": stop.kind}
 
 
 def test_loop_keeps_ranks_in_step_and_in_seq_order():
@@ -110,3 +113,4 @@ def test_loop_keeps_ranks_in_step_and_in_seq_order():
     assert [n for _, n in r0["seen"]] == [10, 20, 30, 50, 0]
     assert r0["results"]["4"] == {"sum": 20.0}  # n=10 on both ranks
     assert r0["results"]["5"] == {"error": "x: bad input; fix: y", "category": "user"}
+    assert r0["stop"] == r1["stop"] == "stop"  # both left at the same command

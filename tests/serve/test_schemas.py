@@ -17,12 +17,11 @@ def _ask(prompt_len: int, max_tokens: int, max_len: int = 8) -> str:
 
 @pytest.mark.parametrize("prompt_len", [8, 9, 30])
 def test_a_prompt_that_fills_the_context_names_the_prompt(prompt_len):
-    assert _ask(prompt_len, 1) == (f"/asample prompt: the prompt alone is {prompt_len} tokens, and the model's "
-                                   "max_seq_len=8 leaves no room to sample a token; fix: shorten the prompt to at "
-                                   "most 7 tokens")
+    assert _ask(prompt_len, 1) == (f"/asample prompt: the prompt has {prompt_len} tokens and the model's context is "
+                                   "max_seq_len=8: no room for a new token; fix: send a prompt of at most 7 tokens")
 
 
 def test_too_many_tokens_names_the_range_that_fits():
     assert _ask(5, 4).endswith("sampling_params.max_tokens: prompt (5 tokens) + max_tokens=4 exceeds the model's "
-                               "max_seq_len=8 or is not positive; fix: ask for 1 to 3 tokens")
-    assert _ask(7, 0).endswith("fix: ask for 1 to 1 tokens")  # one token of room: that range is the truth
+                               "max_seq_len=8; fix: ask for 1 to 3 tokens")
+    assert _ask(7, 0).endswith("max_tokens=0 is not a positive integer; fix: ask for 1 or more tokens")

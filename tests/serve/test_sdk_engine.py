@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,14 +33,13 @@ def _datum(text: bytes) -> types.Datum:
                                        "weights": np.full(len(t) - 1, 1.0 / (len(t) - 1), np.float32)})
 
 
-@pytest.fixture
-def server(tmp_path, request):
-    extra = getattr(request, "param", [])  # more `shardfit serve` keys (LoRA)
+def _start(tmp_path, *extra: str):
+    """`shardfit serve --nproc 2` as a user starts it (the launcher, its own session): (process, url, output lines,
+    collected by a thread until it exits)."""
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "shardfit",
-           "serve", "--port=0", f"--logging.run_dir={tmp_path / 'run'}", "--model.max_seq_len=128",
-           "--data.seq_len=128", "--train.device=cpu", *extra]
+    cmd = [sys.executable, "-m", "shardfit", "serve", "--nproc=2", "--port=0", f"--logging.run_dir={tmp_path / 'run'}",
+           "--model.max_seq_len=128", "--data.seq_len=128", "--train.device=cpu", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []
@@ -50,11 +50,47 @@ def server(tmp_path, request):
             url = m.group(1)
             break
     assert url, "".join(lines)
-    drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    drain.start()
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return proc, url, lines
+
+
+def _stop(proc, lines: list[str], sig: int) -> list[str]:
+    """Send `sig` to the launcher and its ranks (a terminal's Ctrl-C, a scheduler's SIGTERM); what they said after
+    `listening`, once they have exited with 128 + sig."""
+    os.killpg(proc.pid, sig)
+    assert proc.wait(90) == 128 + sig, "".join(lines)
+    time.sleep(0.5)  # the reader thread's last lines
+    after = lines[next(i for i, ln in enumerate(lines) if "listening on" in ln) + 1:]
+    return [ln.rstrip("\n") for ln in after if ln.strip() and not ln.startswith("shardfit serve: ")]
+
+
+@pytest.fixture
+def server(tmp_path, request):
+    extra = getattr(request, "param", [])  # more `shardfit serve` keys (LoRA)
+    proc, url, lines = _start(tmp_path, *extra)
     yield url, lines
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(60)
+    said = _stop(proc, lines, signal.SIGINT)  # Ctrl-C: every rank stops, one line, no traceback
+    assert len(said) == 1 and said[0].startswith("shardfit: serve interrupted (SIGINT): "), said
+
+
+def test_sigterm_stops_every_rank_and_says_what_was_not_saved(tmp_path, sdk_client):
+    """issue 38 item 6: SIGTERM to `shardfit serve --nproc 2` used to end rank 1 at once, leaving rank 0 a gloo
+    traceback from its next broadcast and the launcher blaming start-up. Now every rank leaves at the same command,
+    and the one line says which training was never saved."""
+    proc, url, lines = _start(tmp_path)
+    sc = sdk_client(url, "tml-local")
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+    data = [_datum(b"hello world, hello shardfit!")]
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    saved = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+    saved.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    saved.save_state("kept").result()
+    sc.close("success").result(timeout=30)
+    said = _stop(proc, lines, signal.SIGTERM)
+    assert said == [f"shardfit: serve stopped by SIGTERM: 1 model had unsaved steps since its last save, 2 optimizer "
+                    f"steps now lost: {tc.model_id} (2); save_state before stopping keeps them"], "".join(lines)
 
 
 def test_sdk_round_trip_on_two_ranks(server, sdk_client):

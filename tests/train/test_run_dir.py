@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shardfit.errors import ShardfitError
-from shardfit.train.run_dir import LOCK, _Lock
+from shardfit.train.run_dir import LOCK, DirLock
 from shardfit.weights.checkpoint import complete_checkpoints, prune
 from tests._dist import run_ranks
 from tests.helpers import EXTEND, small_config
@@ -53,15 +53,15 @@ def test_keep_prunes_only_this_runs_older_checkpoints(tmp_path, keep, newest, le
 def test_stale_lock_of_a_killed_process_is_taken_over(tmp_path):
     """flock dies with its holder: a SIGKILLed run leaves a lock file but no lock."""
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from shardfit.train.run_dir import _Lock; "
-        f"assert _Lock(Path({str(tmp_path)!r})).acquire() is None; print('held', flush=True); time.sleep(60)")],
+        "import sys, time; from pathlib import Path; from shardfit.train.run_dir import DirLock; "
+        f"assert DirLock(Path({str(tmp_path)!r})).acquire() is None; print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
-    busy = _Lock(tmp_path).acquire()
+    busy = DirLock(tmp_path).acquire()
     assert busy is not None and f'"pid": {holder.pid}' in busy  # who holds it is named
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    lock = _Lock(tmp_path)
+    lock = DirLock(tmp_path)
     assert lock.acquire() is None and (tmp_path / LOCK).is_file()
     lock.release()
 
@@ -180,7 +180,8 @@ def _save_fails_on_rank_1(rank, world, root):
 
 def test_a_save_that_fails_on_one_rank_stops_every_rank_and_keeps_the_previous(tmp_path):
     res = run_ranks(_save_fails_on_rank_1, 2, str(tmp_path / "run"))
-    assert "could not write checkpoint step_00000006 on rank 1 (No space left on device)" in res[1]["error"]
+    assert "could not write checkpoint step_00000006 on rank 1: the disk is full (No space left on device)" \
+        in res[1]["error"]
     assert "rank 1 stopped" in res[0]["error"]
     for r in res:
         assert "the previous checkpoint" in r["error"] and "step_00000004 is intact" in r["error"]

@@ -65,11 +65,14 @@ def serve(argv: list[str]) -> int:
         # every rank runs `shardfit serve` with the same options (its own --port etc. are read on rank 0 only)
         passed = [f"{k}={v}" for k, v in opts.items() if k in ("--port", "--host", "--api-key")]
         return launch_torchrun(nproc, opts.get("--config"), passed + rest, launcher, command="serve")
+    from shardfit.cli.rank_errors import report_error
     from shardfit.parallel import shutdown_distributed
     from shardfit.serve.server import run
 
     try:
         rc = run(cfg, host=host, port=port, api_key=api_key)
+    except ShardfitError as e:  # bad input at start-up, or Stopped (a signal): one line, once per job
+        rc = report_error(e)
     finally:
         shutdown_distributed()
     # As after training (cli.main.entry): gloo's worker threads can outlive the process group and abort a

@@ -55,10 +55,24 @@ def resolve_files(spec: str) -> list[Path]:
                                     f"{path.name}, then give data.path the files of the split to train on (a "
                                     f"file, directory or glob under {path.name}/)")
         raise ShardfitError("no such file or directory", where=spec, fix="check data.path")
+    for p in files:
+        check_utf8_name(p)
     if all(_size(p) == 0 for p in files):
         raise ShardfitError("is empty (0 bytes)" if len(files) == 1 else f"all {len(files)} files are empty",
                             where=str(files[0]) if len(files) == 1 else spec, fix="point data.path at the data")
     return files
+
+
+def check_utf8_name(path: str | Path) -> None:
+    """Refuse a path whose name is not valid UTF-8 (Python holds its bytes as lone surrogates, which every text it is
+    written into -- a message, plan.json, a terminal -- fails to encode), naming it with the bytes escaped."""
+    text = str(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise ShardfitError("the file name is not valid UTF-8", where=shown,
+                            fix="rename it (e.g. convmv -f latin1 -t utf8), or move it out of the inputs") from None
 
 
 def _size(path: Path) -> int:

@@ -9,11 +9,16 @@ without one is refused; its max_id is checked against the model's vocabulary.
 Invariant: the pieces laid end to end are the stream that packing.tokenize_documents makes from the same files
 (same documents, same order, same EOS), though they are tokenized in parallel.
 Reading: the pieces are never joined; TokenStream maps each one and answers a slice of the logical concatenation
-with a view into one map, copying only a window that straddles two pieces (seq_len + 1 tokens).
+with a view into one map, copying only a window that straddles two pieces (seq_len + 1 tokens). Ids are checked
+against the model's vocabulary when the directory is opened (each piece's max_id in the manifest) and again in every
+window read (its max: seq_len + 1 tokens), so a piece changed after its manifest was written is one line naming it,
+not an index error in the embedding. Writing: a full disk is one line naming the directory and the space the write
+needed (DiskFull); every file is written with plain writes (a memory map would die of SIGBUS on a full disk).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from shardfit.errors import ShardfitError
-from shardfit.fsutil import write_atomic
+from shardfit.fsutil import full_disk_error, write_atomic
 
 FORMAT = "shardfit.tokens/1"
 MANIFEST, PLAN = "manifest.json", "plan.json"
@@ -96,10 +101,14 @@ def shard_dir_state(path: str) -> str | None:
 
 
 class TokenStream:
-    """The pieces' token arrays as one logical 1-D stream: len() and slices, like the array it stands for."""
+    """The pieces' token arrays as one logical 1-D stream: len() and slices, like the array it stands for. With
+    vocab_size, every slice is checked against it, a bad id named with its piece's file (`names`)."""
 
-    def __init__(self, arrays: list[np.ndarray]):
-        self.arrays = [a for a in arrays if len(a)]
+    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None, vocab_size: int | None = None):
+        kept = [i for i, a in enumerate(arrays) if len(a)]
+        self.arrays = [arrays[i] for i in kept]
+        self.names = [names[i] for i in kept] if names is not None else [f"piece {i}" for i in kept]
+        self.vocab_size = vocab_size
         self.ends = np.cumsum([len(a) for a in self.arrays], dtype=np.int64)  # a few entries: one per piece
         self.dtype = self.arrays[0].dtype if self.arrays else np.dtype(np.uint16)
 
@@ -118,6 +127,9 @@ class TokenStream:
             first = int(self.ends[i - 1]) if i else 0
             take = min(b, int(self.ends[i])) - a
             parts.append(np.asarray(self.arrays[i][a - first:a - first + take]))  # a view, not a copy
+            if self.vocab_size is not None:
+                check_token_ids(int(parts[-1].max()), self.vocab_size, self.names[i],
+                                fix=f"{RETOKENIZE} with the model's tokenizer")
             a += take
             i += 1
         # Within one piece: the view itself. Across a boundary: only these few tokens are copied.
@@ -174,12 +186,12 @@ def check_manifest(manifest, where: str) -> None:
         bad(f"the pieces' tokens do not add up to tokens={manifest['tokens']}")
 
 
-def check_token_ids(max_id: int, vocab_size: int, where: str) -> None:
+def check_token_ids(max_id: int, vocab_size: int, where: str, fix: str | None = None) -> None:
     """Refuse a token id the model has no embedding row for (an index error on the GPU, mid-run, otherwise)."""
     if max_id >= vocab_size:
         raise ShardfitError(f"token id {max_id} is beyond the model's vocabulary (model.vocab_size={vocab_size})",
-                            where=where, fix=f"set model.vocab_size > {max_id}, or re-tokenize with the model's "
-                                             "tokenizer")
+                            where=where, fix=fix or f"set model.vocab_size > {max_id}, or re-tokenize with the "
+                                                    "model's tokenizer")
 
 
 def max_token_id(arrays: Iterable[np.ndarray]) -> int:
@@ -226,16 +238,20 @@ def open_token_shards(path: str, tokenizer_spec: str, tokenizer,
                             f"{tokenizer_spec!r} (a different tokenizer)", where=path,
                             fix=f"set --data.tokenizer={have.get('spec')}, or re-tokenize with --tokenizer "
                                 f"{tokenizer_spec}")
-    arrays = [_load_npy(d / f"tokens_{p['index']:05d}.npy", manifest["dtype"], p["tokens"])
-              for p in manifest["pieces"] if p["tokens"]]
+    pieces = [p for p in manifest["pieces"] if p["tokens"]]
+    names = [str(d / f"tokens_{p['index']:05d}.npy") for p in pieces]
+    arrays = [_load_npy(Path(n), manifest["dtype"], p["tokens"]) for n, p in zip(names, pieces)]
     starts = _load_npy(d / "doc_starts.npy", np.int64, manifest["documents"])
     _check_starts(starts, manifest["tokens"], str(d / "doc_starts.npy"))
     if vocab_size is not None:
+        for name, p in zip(names, pieces):  # each piece's largest id, where the manifest records it
+            if _is(p.get("max_id"), int):
+                check_token_ids(p["max_id"], vocab_size, name)
         max_id = manifest.get("max_id")
         if not _is(max_id, int):
             max_id = max_token_id(arrays)
         check_token_ids(max_id, vocab_size, path)
-    return TokenStream(arrays), starts, manifest
+    return TokenStream(arrays, names, vocab_size), starts, manifest
 
 
 def join_documents(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -252,10 +268,18 @@ def join_documents(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarr
 
 
 def _save_npy(path: Path, arr: np.ndarray) -> None:
+    """arr as path (.npy), whole or absent: header and data by plain writes under a .tmp name, then renamed (numpy's
+    own writer loses a full disk's errno in a short fwrite)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, arr, allow_pickle=False)
-    os.replace(tmp, path)
+    arr = np.ascontiguousarray(arr)
+    try:
+        with open(tmp, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(arr))
+            f.write(memoryview(arr).cast("B"))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class ShardWriter:
@@ -268,6 +292,7 @@ class ShardWriter:
 
     def __init__(self, out: str | Path, plan: dict):
         self.out, self.plan = Path(out), json.loads(json.dumps({"format": FORMAT, **plan}))  # as stored in JSON
+        plan_text = json.dumps(self.plan, indent=1)
         state = shard_dir_state(str(self.out))
         self.complete = state == "complete"
         if self.complete:
@@ -289,7 +314,20 @@ class ShardWriter:
         except OSError as e:  # a parent that is a file, no permission, a read-only file system
             raise ShardfitError(f"cannot create the directory ({e.strerror or e})", where=str(out),
                                 fix="pick an --out directory you can write") from None
-        write_atomic(self.out / PLAN, json.dumps(self.plan, indent=1))
+        with self.space("plan.json", len(plan_text)):
+            write_atomic(self.out / PLAN, plan_text)
+
+    @contextlib.contextmanager
+    def space(self, what: str, needed: int):
+        """A full disk while writing `what` (about `needed` bytes) as one line naming --out (DiskFull)."""
+        try:
+            yield
+        except Exception as e:
+            disk = full_disk_error(e, self.out, what, "free space there (or pick another --out), then re-run the same "
+                                   "command: the pieces already written are kept", needed)
+            if disk is None:
+                raise
+            raise disk from None
 
     @classmethod
     def reopen(cls, out: str | Path, plan: dict) -> ShardWriter:
@@ -319,11 +357,12 @@ class ShardWriter:
         if tokens.dtype != np.dtype(self.plan["dtype"]) or starts.dtype != np.int64:
             raise TypeError(f"piece arrays must be {self.plan['dtype']} and int64")
         self._name("done", index, "json").unlink(missing_ok=True)  # a stale piece of an older plan
-        _save_npy(self._name("tokens", index), tokens)
-        _save_npy(self._name("starts", index), starts)
         counts = {"tokens": int(len(tokens)), "documents": int(len(starts)), "key": self._key(index),
                   "max_id": int(tokens.max()) if len(tokens) else -1}  # checked against the model's vocabulary
-        write_atomic(self._name("done", index, "json"), json.dumps(counts))
+        with self.space(f"token shard piece {index}", tokens.nbytes + starts.nbytes):
+            _save_npy(self._name("tokens", index), tokens)
+            _save_npy(self._name("starts", index), starts)
+            write_atomic(self._name("done", index, "json"), json.dumps(counts))
         return counts
 
     def finish(self) -> dict:
@@ -339,24 +378,31 @@ class ShardWriter:
             raise ShardfitError("the inputs hold no text", where=", ".join(self.plan["inputs"]),
                                 fix="check the inputs and --text-field")
         tmp = self.out / "doc_starts.npy.tmp"
-        # Filled piece by piece through a map of the output: memory stays one piece's starts, whatever the corpus.
-        starts = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(total_docs,))
-        offset, first = 0, 0
-        for p, c in zip(self.plan["pieces"], counts):
-            local = np.load(self._name("starts", p["index"]), allow_pickle=False)
-            starts[first:first + len(local)] = local + offset
-            offset, first = offset + c["tokens"], first + len(local)
-        starts.flush()
-        del starts
-        os.replace(tmp, self.out / "doc_starts.npy")
+        # Written piece by piece: memory stays one piece's starts, whatever the corpus.
+        offset = 0
+        with self.space("doc_starts.npy", 8 * total_docs):
+            try:
+                with open(tmp, "wb") as f:
+                    np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False,
+                                                             "shape": (total_docs,)})
+                    for p, c in zip(self.plan["pieces"], counts):
+                        local = np.load(self._name("starts", p["index"]), allow_pickle=False)
+                        f.write(memoryview((local + offset).astype("<i8")).cast("B"))
+                        offset += c["tokens"]
+                os.replace(tmp, self.out / "doc_starts.npy")
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         for p, c in zip(self.plan["pieces"], counts):  # a piece finished by an older shardfit has no max_id
             if "max_id" not in c:
                 c["max_id"] = max_token_id([np.load(self._name("tokens", p["index"]), mmap_mode="r")])
         manifest = {**self.plan, "tokens": offset, "documents": total_docs,
                     "max_id": max(c["max_id"] for c in counts),
-                    "pieces": [{**p, "tokens": c["tokens"], "documents": c["documents"]}
+                    "pieces": [{**p, "tokens": c["tokens"], "documents": c["documents"], "max_id": c["max_id"]}
                                for p, c in zip(self.plan["pieces"], counts)]}
-        write_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1))
+        text = json.dumps(manifest, indent=1)
+        with self.space("manifest.json", len(text)):
+            write_atomic(self.out / MANIFEST, text)
         for p in self.plan["pieces"]:  # now redundant with doc_starts.npy and the manifest
             for leftover in (self._name("starts", p["index"]), self._name("done", p["index"], "json")):
                 leftover.unlink(missing_ok=True)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,19 @@ def plan_pieces(inputs: list[str], fmt: str, piece_bytes: int) -> list[dict]:
         pieces[-1]["segments"].append(seg)
         pieces[-1]["bytes"] += seg["bytes"]
     return pieces
+
+
+def check_out_apart(inputs: list[str], out: str) -> None:
+    """Refuse an --out inside an input directory (or among a glob's files): its shards (.json among them) would be
+    read back as input by the next run of the same command."""
+    from shardfit.data.sources import resolve_files
+
+    target = Path(out).resolve()
+    for spec in inputs:
+        inside = Path(spec).is_dir() and target.is_relative_to(Path(spec).resolve())
+        if inside or any(p.resolve().is_relative_to(target) for p in resolve_files(spec)):
+            raise ShardfitError(f"--out lies inside the input directory {spec}: the next run would read its shards "
+                                "as input", where=out, fix="pick an --out directory outside the inputs")
 
 
 def default_piece_bytes(total_bytes: int) -> int:
@@ -208,14 +222,15 @@ def tokenize_to_shards(inputs: list[str], out: str, tokenizer_spec: str = "byte"
     stop_after=k (tests) returns None after k pieces, as if the run had been killed there."""
     import multiprocessing as mp
 
+    from shardfit.data.sources import check_utf8_name, resolve_files
     from shardfit.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(tokenizer_spec)
     if not inputs:
         raise ShardfitError("no input files", where="shardfit tokenize", fix="give text, JSONL or Parquet inputs")
+    check_utf8_name(out)
+    check_out_apart(inputs, out)
     if piece_bytes is None:
-        from shardfit.data.sources import resolve_files
-
         piece_bytes = default_piece_bytes(sum(p.stat().st_size for s in inputs for p in resolve_files(s)))
     pieces = plan_pieces(inputs, fmt, piece_bytes)
     for piece in pieces:  # an input rewritten since an interrupted run must not resume into it
@@ -263,6 +278,10 @@ def tokenize_to_shards(inputs: list[str], out: str, tokenizer_spec: str = "byte"
                 if stop_after is not None and finished >= stop_after:
                     return None
             ok = True
+        except BrokenProcessPool:  # a worker killed (the OOM killer, a signal): the finished pieces are kept
+            raise ShardfitError("a worker process died (killed by a signal or the out-of-memory killer)",
+                                where="shardfit tokenize", fix="re-run the same command: it resumes after the "
+                                "pieces already finished (with fewer --workers if memory ran out)") from None
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)

@@ -68,6 +68,8 @@ BUILT_IN: dict[str, Callable] = {"cross_entropy": cross_entropy, "importance_sam
                                  "ppo": ppo}
 PAIR_LOSSES = {"dpo": ("target_tokens", "ref_logprobs"), "ipo": ("target_tokens", "ref_logprobs"),
                "simpo": ("target_tokens",)}  # over pairs of datums: their required inputs (rl/preference.py)
+# every loss a name selects, with the inputs it reads (Tinker's names): what the server checks on rank 0
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {**_REQUIRED, **PAIR_LOSSES}
 
 
 @dataclass
@@ -83,12 +85,36 @@ class LossSpec:
     logprobs_at: str = "all"  # or "counted": only the counted tokens are scored (module docstring)
 
 
+_NUMBERS = ("normalize_constant", "kl_coef", "entropy_coef", "clip_low_threshold", "clip_high_threshold", "dual_clip")
+
+
+def _numbers(cfg: dict) -> dict:
+    """cfg with each numeric option a finite float, or one clear error naming the key (a client's wrong value is
+    its own error, not the server's)."""
+    out = dict(cfg)
+    for key in _NUMBERS:
+        if key not in cfg:
+            continue
+        v = cfg[key]
+        try:
+            number = float(v) if not isinstance(v, bool) else None
+        except (TypeError, ValueError, OverflowError):
+            number = None
+        if number is None or not np.isfinite(number):
+            shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+            raise ShardfitError(f"{key}={shown} is not a finite number", where=f"loss_fn_config.{key}",
+                                fix="pass a number")
+        out[key] = number
+    return out
+
+
 def resolve_loss(loss_fn, loss_fn_config: dict | None) -> LossSpec:
-    """The loss and its configuration, checked: an unknown name or key is one clear error."""
+    """The loss and its configuration, checked: an unknown name or key, or a value of the wrong kind, is one clear
+    error naming it."""
     cfg = dict(loss_fn_config or {})
     if callable(loss_fn):
         name, fn, required, allowed = getattr(loss_fn, "__name__", "custom"), loss_fn, ("target_tokens",), None
-    elif loss_fn in BUILT_IN:
+    elif isinstance(loss_fn, str) and loss_fn in BUILT_IN:
         name, fn, required, allowed = loss_fn, BUILT_IN[loss_fn], _REQUIRED[loss_fn], _CONFIG[loss_fn] | _COMMON
     elif loss_fn in PAIR_LOSSES:  # checked by rl/preference.py objective_of
         return LossSpec(loss_fn, None, cfg, PAIR_LOSSES[loss_fn])
@@ -97,14 +123,14 @@ def resolve_loss(loss_fn, loss_fn_config: dict | None) -> LossSpec:
                             fix=f"use one of {', '.join([*BUILT_IN, *PAIR_LOSSES])}, or a Python callable (logp, "
                             "inputs) -> loss")
     if allowed is not None:
-        unknown = sorted(set(cfg) - allowed)
+        unknown = sorted(set(cfg) - allowed, key=str)
         if unknown:
             raise ShardfitError(f"{name} takes no option {unknown[0]!r}", where="loss_fn_config",
                                 fix=f"options: {', '.join(sorted(allowed))}")
+    cfg = _numbers(cfg)
     spec = LossSpec(name, fn, {k: v for k, v in cfg.items() if k not in _COMMON}, required,
-                    str(cfg.get("normalize", "sum")), float(cfg.get("normalize_constant", 1.0)),
-                    float(cfg.get("kl_coef", 0.0)), float(cfg.get("entropy_coef", 0.0)),
-                    str(cfg.get("logprobs_at", "all")))
+                    str(cfg.get("normalize", "sum")), cfg.get("normalize_constant", 1.0),
+                    cfg.get("kl_coef", 0.0), cfg.get("entropy_coef", 0.0), str(cfg.get("logprobs_at", "all")))
     if spec.logprobs_at not in LOGPROBS_AT:
         raise ShardfitError(f"logprobs_at={spec.logprobs_at!r} is not known", where="loss_fn_config.logprobs_at",
                             fix="use 'all' (every token) or 'counted' (the tokens of mask != 0, else weights != 0)")
@@ -114,9 +140,6 @@ def resolve_loss(loss_fn, loss_fn_config: dict | None) -> LossSpec:
     if spec.normalize == "constant" and not spec.constant > 0:
         raise ShardfitError("normalize_constant must be > 0", where="loss_fn_config.normalize_constant",
                             fix="e.g. the maximum response length")
-    for key in ("clip_low_threshold", "clip_high_threshold", "dual_clip", "kl_coef", "entropy_coef"):
-        if key in cfg and not np.isfinite(float(cfg[key])):
-            raise ShardfitError(f"{key} must be finite", where=f"loss_fn_config.{key}", fix="pass a number")
     if spec.kl_coef:
         spec.required = (*spec.required, "ref_logprobs")
     return spec

@@ -4,8 +4,18 @@ rank executes it on the Engine, rank 0 files the result.
 Collectives per command, identical on every rank and in this order: one broadcast of the length (int64 [1]), one of
 the JSON bytes (uint8 [n]) -- never pickle: a command is plain JSON, arrays in it base64 -- then the Engine's own.
 When the queue stays empty for `idle_s`, rank 0 broadcasts a no-op, so that the other ranks' wait in the broadcast
-never reaches the process group's timeout. A ShardfitError from the Engine is raised on every rank alike (it checks
-its input the same way everywhere): it becomes the request's user error and the loop goes on in step.
+never reaches the process group's timeout. Whatever a command raises (the Engine checks its input, and agrees on a
+save's outcome, the same way on every rank) becomes the request's answer in one place, `failure_result`, and the
+loop goes on in step:
+- a full disk (fsutil.full_disk anywhere in the exception's chain, or the Engine's own DiskFull): category server,
+  naming the directory and the space needed; nothing is listed from the failed save, the previous checkpoint is
+  untouched, and the same save works once space is freed;
+- a ShardfitError (bad input only the Engine could tell, raised on every rank alike): category user, its line;
+- anything else, BaseException subclasses included (DCP's CheckpointException is not an Exception): a server bug,
+  its traceback printed once on rank 0, category server.
+KeyboardInterrupt and SystemExit are not caught: they end the process.
+Once the scheduler is closed (SIGINT / SIGTERM), rank 0 broadcasts `stop` after the command in hand, carrying the stop
+line every rank raises (server.py): every rank leaves at the same command.
 """
 
 from __future__ import annotations
@@ -21,12 +31,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from shardfit.errors import ShardfitError
+from shardfit.errors import DiskFull, ShardfitError
+from shardfit.fsutil import full_disk_error
 from shardfit.serve.futures import FutureStore, Result
 from shardfit.serve.ordering import Scheduler
 from shardfit.serve.protocol import WireDatum
 
 NOOP, STOP = "noop", "stop"
+SPACE_FIX = "free space there: the server and its models keep running, and the same request works once it is freed"
 
 
 @dataclass
@@ -34,6 +46,7 @@ class Command:
     kind: str  # forward_backward | optim_step | save_state | load_state | sampler_snapshot | sample | noop | stop
     request_id: str = ""
     args: dict = field(default_factory=dict)
+    model_id: str = ""  # the training model whose seq_id orders it ("" for sampling)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -41,7 +54,8 @@ class Command:
     @classmethod
     def from_bytes(cls, raw: bytes) -> Command:
         d = json.loads(raw.decode())
-        return cls(kind=str(d["kind"]), request_id=str(d["request_id"]), args=dict(d["args"]))
+        return cls(kind=str(d["kind"]), request_id=str(d["request_id"]), args=dict(d["args"]),
+                   model_id=str(d.get("model_id", "")))
 
 
 def array_to_json(a: np.ndarray) -> dict:
@@ -66,6 +80,27 @@ def datums_from_json(items: list[dict]) -> list[WireDatum]:
             for d in items]
 
 
+def _what(cmd) -> str:
+    path = cmd.args.get("tinker_path") if isinstance(cmd.args, dict) else None
+    return f"checkpoint {path}" if path else f"the {cmd.kind} request's files"
+
+
+def failure_result(e: BaseException, cmd, rank: int, needed: int | None = None) -> Result:
+    """The Result of command `cmd` that raised `e`; needed: the bytes its writes take (a save), when known."""
+    if isinstance(e, DiskFull):  # the Engine's checkpoint writer named it (every rank agreed)
+        return Result(error=str(ShardfitError(e.what, where=e.where, fix=SPACE_FIX)), category="server")
+    directory = cmd.args.get("dir", "") if isinstance(cmd.args, dict) else ""
+    disk = full_disk_error(e, directory, _what(cmd), SPACE_FIX, needed)
+    if disk is not None:
+        return Result(error=str(disk), category="server")
+    if isinstance(e, ShardfitError):
+        return Result(error=str(e), category="user")
+    if rank == 0:  # a bug: said once with its traceback, the request failed, the loop goes on
+        traceback.print_exception(type(e), e, e.__traceback__)
+    said = (str(e).strip().splitlines() or [""])[0][:300]
+    return Result(error=f"{type(e).__name__}: {said} (a server bug: see the server's log)", category="server")
+
+
 def broadcast_command(cmd: Command | None, rank: int, world: int, device: torch.device) -> Command:
     """Rank 0's command on every rank (two broadcasts: the length, then the bytes)."""
     if world == 1:
@@ -84,7 +119,9 @@ def broadcast_command(cmd: Command | None, rank: int, world: int, device: torch.
 @dataclass
 class Loop:
     """The command loop of one rank. `execute(cmd) -> (Result, phases)` runs the command on the Engine (every rank);
-    on rank 0 `scheduler` and `futures` are the server's, elsewhere None."""
+    on rank 0 `scheduler` and `futures` are the server's, elsewhere None. Rank 0's hooks: `needed(cmd)` the bytes a
+    command writes (a full disk's message), `done(cmd, result)` after each command, `stop_args()` what `stop`
+    carries to every rank."""
 
     execute: Callable[[Command], tuple[Result, dict[str, float]]]
     rank: int
@@ -94,20 +131,26 @@ class Loop:
     futures: FutureStore | None = None
     idle_s: float = 30.0
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+    needed: Callable[[Command], int | None] | None = None
+    done: Callable[[Command, Result], None] | None = None
+    stop_args: Callable[[], dict] | None = None
 
     def next_command(self) -> Command:
         """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
         pending = self.scheduler.next(self.idle_s)
         if pending is not None:
             return pending.command
-        return Command(STOP) if self.scheduler.closed else Command(NOOP)
+        if self.scheduler.closed:
+            return Command(STOP, args=self.stop_args() if self.stop_args is not None else {})
+        return Command(NOOP)
 
-    def run(self) -> None:
+    def run(self) -> Command:
+        """Commands until `stop`, which is returned (the same on every rank)."""
         while True:
             cmd = broadcast_command(self.next_command() if self.rank == 0 else None, self.rank, self.world,
                                     self.device)
             if cmd.kind == STOP:
-                return
+                return cmd
             if cmd.kind == NOOP:
                 continue
             self.step(cmd)
@@ -119,13 +162,13 @@ class Loop:
         phases: dict[str, float] = {}
         try:
             result, phases = self.execute(cmd)
-        except ShardfitError as e:  # bad input the Engine found: every rank raised it alike
-            result = Result(error=str(e), category="user")
-        except Exception as e:  # a bug: said once with its traceback, the request failed, the loop goes on
-            if self.rank == 0:
-                traceback.print_exc()
-            result = Result(error=f"{type(e).__name__}: {e} (a server bug: see the server's log)", category="server")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception
+            result = failure_result(e, cmd, self.rank, self.needed(cmd) if self.needed is not None else None)
         phases.setdefault("run", time.perf_counter() - t0)
+        if self.done is not None:
+            self.done(cmd, result)
         if self.futures is not None:
             self.futures.complete(cmd.request_id, result, phases)
             t = self.futures.timing(cmd.request_id)

@@ -68,6 +68,15 @@ class Executor:
             raise ValueError(f"unknown command kind '{cmd.kind}'")
         return handler(cmd)
 
+    def space_needed(self, cmd: Command) -> int | None:
+        """About the bytes a save writes, for a full disk's message: the trained parameters (all ranks' shards),
+        and with the optimizer Adam's two fp32 moments of each."""
+        if cmd.kind != "save_state":
+            return None
+        trained = [p for p in self.engine.model.parameters() if p.requires_grad]
+        weights = sum(p.numel() * p.element_size() for p in trained)
+        return weights + (8 * sum(p.numel() for p in trained) if cmd.args.get("optimizer") else 0)
+
     def forward_backward(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         a = cmd.args
         datums = [self.Datum(tokens=d.tokens, inputs=d.inputs) for d in datums_from_json(a["datums"])]

@@ -3,18 +3,24 @@
 Every mutating call answers {request_id} at once; the SDK then polls /retrieve_future and re-polls a try_again at
 once, without sleeping, so a poll is held here until the result is ready or `poll_s` passes
 (well under the client's 45 s timeout). Results are set by the command loop's thread (`complete`) and awaited on
-the HTTP server's event loop (`wait`): the hand-over is loop.call_soon_threadsafe. A result stays retrievable for
-`keep_s` after it is first read (a retry of a lost answer gets it again), then it is dropped; an id dropped or never
-issued is 'expired' (HTTP 410, which the SDK answers by re-submitting a sample) or unknown (404).
+the HTTP server's event loop (`wait`): the hand-over is loop.call_soon_threadsafe.
+
+Ids are unguessable (128 random bits) and each is bound to the principal that made it (a digest of its API key): a
+future is read by whoever holds its id and the key that created it, never by another key, and an id it does not
+own is as unknown to it (404) as one never issued. A result stays retrievable for `keep_s` after it is first read (a
+retry of a lost answer gets it again); one nobody reads expires `unread_s` after it finished; past `max_kept`
+finished results the oldest go first, read ones before unread ones. An id dropped so is 'expired' (HTTP 410, which
+the SDK answers by re-submitting a sample; a training call fails) while it is among the last `max_expired` dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -38,6 +44,7 @@ class Timing:
     """Seconds on the server: waiting in the queue (including for earlier seq_ids), then running."""
 
     kind: str
+    owner: str | None = None  # the principal that made the request
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None
     finished: float | None = None
@@ -51,24 +58,23 @@ class Timing:
 
 
 class FutureStore:
-    def __init__(self, poll_s: float = 20.0, keep_s: float = 600.0, max_kept: int = 4096):
-        self.poll_s, self.keep_s, self.max_kept = poll_s, keep_s, max_kept
+    def __init__(self, poll_s: float = 20.0, keep_s: float = 600.0, unread_s: float = 3600.0, max_kept: int = 4096,
+                 max_expired: int = 65536):
+        self.poll_s, self.keep_s, self.unread_s, self.max_kept = poll_s, keep_s, unread_s, max_kept
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
         self._results: dict[str, Result] = {}
         self._timings: dict[str, Timing] = {}
         self._read_at: dict[str, float] = {}
         self._waiters: dict[str, list[asyncio.Event]] = {}
-        self._issued = 0
+        self._expired: OrderedDict[str, str | None] = OrderedDict()  # dropped id -> its owner
+        self._max_expired = max_expired
         self.loop: asyncio.AbstractEventLoop | None = None  # the HTTP server's loop, set at its start-up
 
-    def create(self, kind: str) -> str:
+    def create(self, kind: str, owner: str | None = None) -> str:
+        rid = "req-" + secrets.token_urlsafe(16)
         with self._lock:
-            n = next(self._ids)
-            self._issued = n
-            rid = f"req-{n}"
-            self._timings[rid] = Timing(kind)
-            return rid
+            self._timings[rid] = Timing(kind, owner)
+        return rid
 
     def started(self, rid: str) -> None:
         with self._lock:
@@ -85,19 +91,21 @@ class FutureStore:
                 t.started = t.started or t.finished
                 t.phases.update(phases or {})
             waiters = self._waiters.pop(rid, [])
+            self._evict(keep=rid)
         if waiters and self.loop is not None:
             for ev in waiters:
                 self.loop.call_soon_threadsafe(ev.set)
 
-    def state(self, rid: str) -> str:
-        """'done', 'pending', 'expired' (issued, then dropped) or 'unknown'."""
+    def state(self, rid: str, owner: str | None = None) -> str:
+        """'done', 'pending', 'expired' (issued to `owner`, then dropped) or 'unknown' (never issued to it)."""
         with self._lock:
-            if rid in self._results:
-                return "done"
-            if rid in self._timings:
-                return "pending"
-            n = rid[4:] if rid.startswith("req-") else ""
-            return "expired" if n.isdigit() and 0 < int(n) <= self._issued else "unknown"
+            self._evict(keep=None)
+            t = self._timings.get(rid)
+            if t is not None and t.owner == owner:
+                return "done" if rid in self._results else "pending"
+            if rid in self._expired and self._expired[rid] == owner:
+                return "expired"
+            return "unknown"
 
     async def wait(self, rid: str, timeout: float | None = None) -> Result | None:
         """The result, waiting up to `timeout` (default poll_s) on the server's loop; None: not ready yet."""
@@ -114,31 +122,42 @@ class FutureStore:
             return self._read(rid) if rid in self._results else None
 
     def _read(self, rid: str) -> Result:
-        result = self._results[rid]
-        self._evict(keep=rid)
         self._read_at.setdefault(rid, time.monotonic())
-        return result
+        return self._results[rid]
 
-    def _evict(self, keep: str) -> None:
-        """Drop results read more than keep_s ago, and the oldest read ones beyond max_kept, but `keep` (the one
-        being read now) (lock held)."""
+    def _evict(self, keep: str | None) -> None:
+        """Drop results read more than keep_s ago or finished and unread for unread_s, then the oldest finished
+        beyond max_kept (read ones first), never `keep` (the one being answered) (lock held)."""
         now = time.monotonic()
-        old = [r for r, t in self._read_at.items() if now - t > self.keep_s and r != keep]
-        excess = len(self._read_at) - len(old) - self.max_kept
+
+        def finished(r: str) -> float:
+            t = self._timings.get(r)
+            return t.finished if t is not None and t.finished is not None else now
+
+        done = [r for r in self._results if r != keep]
+        old = {r for r in done if (now - self._read_at[r] > self.keep_s if r in self._read_at else
+                                   now - finished(r) > self.unread_s)}
+        excess = len(self._results) - len(old) - self.max_kept
         if excess > 0:
-            old += sorted((r for r in self._read_at if r not in old and r != keep), key=self._read_at.get)[:excess]
+            rest = sorted((r for r in done if r not in old), key=lambda r: (r not in self._read_at, finished(r)))
+            old.update(rest[:excess])
         for r in old:
             self._results.pop(r, None)
-            self._timings.pop(r, None)
             self._read_at.pop(r, None)
+            t = self._timings.pop(r, None)
+            self._expired[r] = t.owner if t is not None else None
+        while len(self._expired) > self._max_expired:
+            self._expired.popitem(last=False)
 
     def timing(self, rid: str) -> Timing | None:
         with self._lock:
             return self._timings.get(rid)
 
-    def snapshot(self, last: int = 50) -> dict:
-        """Queue state and the latest requests' timings (GET /api/v1/shardfit/status)."""
+    def snapshot(self, owner: str | None = None, last: int = 50) -> dict:
+        """Queue state, and the latest requests' timings of `owner` alone (GET /api/v1/shardfit/status): another
+        principal's ids are never shown."""
         with self._lock:
             pending = [r for r in self._timings if r not in self._results]
-            recent = sorted(self._timings.items(), key=lambda kv: kv[1].submitted)[-last:]
+            mine = [(r, t) for r, t in self._timings.items() if t.owner == owner]
+            recent = sorted(mine, key=lambda kv: kv[1].submitted)[-last:]
             return {"pending": len(pending), "requests": {r: t.as_dict() for r, t in recent}}

@@ -4,8 +4,11 @@ SampleResponse out (the schema is the SDK's own, tinker.proto.tinker_public_pb2,
 Shapes: a datum's model input is its chunks' int32 token bytes concatenated, [L]; every loss_fn_input is [L, ...]
 (dense, or CSR densified here). Outputs go back as one ArrayRecord per run of datums whose fields agree in dtype and
 trailing shape, each field a BatchedTensor (the datums' bytes concatenated, byte offsets [n+1] int64).
-Everything a request carries is checked here, on rank 0, before any rank sees it: a bad request is a ShardfitError
-(HTTP 400) and never a command.
+Everything a request carries is checked here, on rank 0, before any rank sees it, and each tensor's declared shape
+before it is expanded: L against the model's context and the Engine's token budget, a tensor's leading dimension
+against L, its values per token against the vocabulary, and the values of all of a request's tensors against
+`max_values` (what a dense request of the largest accepted body holds), so a few bytes of CSR cannot declare
+gigabytes. A bad request is a ShardfitError (HTTP 400) and never a command.
 """
 
 from __future__ import annotations
@@ -16,16 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardfit.errors import ShardfitError
+from shardfit.rl.losses import REQUIRED_INPUTS  # every loss a name selects (the pair losses too)
 
 try:  # the SDK's schema (Apache-2.0): `pip install 'shardfit[serve]'`
     from tinker.proto import tinker_public_pb2 as pb
 except ImportError:  # pragma: no cover - the CLI says how to install it
     pb = None
 
-LOSSES = ("cross_entropy", "importance_sampling", "ppo")
-# Inputs each built-in loss reads besides target_tokens (Tinker's names).
-REQUIRED_INPUTS = {"cross_entropy": (), "importance_sampling": ("logprobs", "advantages"),
-                   "ppo": ("logprobs", "advantages")}
+LOSSES = tuple(REQUIRED_INPUTS)
 _NP = {1: np.float32, 2: np.int64, 3: np.int32, 4: np.uint16}  # pb.DType -> numpy (4: bfloat16 bits)
 
 
@@ -49,29 +50,56 @@ def _frombuffer(raw: bytes, dtype, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def tensor_from_proto(msg, where: str) -> np.ndarray:
-    """A pb.Tensor as a dense numpy array: float32 (bfloat16 widened) or int64 (int32 widened)."""
+class ValueBudget:
+    """The values a request's tensors may still expand to (dense elements, CSR included)."""
+
+    def __init__(self, values: int | None):
+        self.left, self.total = values, values
+
+    def take(self, shape: list[int], where: str) -> None:
+        if self.left is None:
+            return
+        self.left -= math.prod(shape)
+        if self.left < 0:
+            raise _bad(f"the request's tensors declare more than {self.total:,} values in all (this one: shape "
+                       f"{shape})", where, "send fewer or smaller datums per request")
+
+
+def tensor_from_proto(msg, where: str, rows: int | None = None, max_width: int | None = None,
+                      budget: ValueBudget | None = None) -> np.ndarray:
+    """A pb.Tensor as a dense numpy array: float32 (bfloat16 widened) or int64 (int32 widened). With rows: its shape
+    must be [rows, ...] with at most max_width values per row, and budget takes its values, before anything is
+    expanded."""
     dtype = _NP.get(msg.dtype)
     if dtype is None:
         raise _bad(f"unsupported tensor dtype {msg.dtype}", where, "send float32 or int64 tensors")
     shape = [int(s) for s in msg.shape]
     if any(s < 0 for s in shape):
         raise _bad(f"negative dimension in shape {shape}", where, "send the tensor's true shape")
-    if msg.HasField("sparse_csr"):
+    sparse = msg.HasField("sparse_csr")
+    if sparse and len(shape) != 2:
+        raise _bad(f"a CSR tensor needs a 2-D shape, got {shape}", where, "send shape [rows, cols]")
+    if rows is not None and shape and shape[0] != rows:
+        raise _bad(f"shape {shape} does not start with the model input's length {rows}", where,
+                   "send one value per input token")
+    if max_width is not None and math.prod(shape[1:]) > max_width:
+        raise _bad(f"shape {shape} holds {math.prod(shape[1:]):,} values per token, more than the vocabulary "
+                   f"({max_width:,})", where, "send at most one value per vocabulary entry per token")
+    if budget is not None:
+        budget.take(shape or [len(msg.dense) // np.dtype(dtype).itemsize], where)
+    if sparse:
         csr = msg.sparse_csr
         values = _widen(_frombuffer(csr.values, dtype, where), msg.dtype)
         crow = _frombuffer(csr.crow_indices, np.int64, where)
         col = _frombuffer(csr.col_indices, np.int64, where)
-        if len(shape) != 2:
-            raise _bad(f"a CSR tensor needs a 2-D shape, got {shape}", where, "send shape [rows, cols]")
-        rows, cols = shape
-        ends_ok = len(crow) == rows + 1 and crow[0] == 0 and crow[-1] == len(values)
+        n_rows, cols = shape
+        ends_ok = len(crow) == n_rows + 1 and crow[0] == 0 and crow[-1] == len(values)
         if (not ends_ok or len(col) != len(values) or np.any(np.diff(crow) < 0)
                 or np.any((col < 0) | (col >= cols))):
             raise _bad("inconsistent CSR indices", where, "send crow_indices [rows + 1] (0 .. nnz, rising) and "
                        "col_indices [nnz] within the shape")
         dense = np.zeros(shape, dtype=values.dtype)
-        dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+        dense[np.repeat(np.arange(n_rows), np.diff(crow)), col] = values
         return dense
     data = _widen(_frombuffer(msg.dense, dtype, where), msg.dtype)
     if shape:
@@ -120,35 +148,44 @@ def parse_forward_backward(body: bytes):
     return msg
 
 
-def check_forward_backward(msg, vocab: int, max_len: int) -> list[WireDatum]:
-    """The request's datums, each checked against the model and the loss."""
+def check_forward_backward(msg, vocab: int, max_len: int, token_budget: int = 0,
+                           max_values: int | None = None) -> list[WireDatum]:
+    """The request's datums, each checked against the model (vocabulary, max_len), the Engine's token budget (a
+    datum longer than one micro-batch; 0: none) and the loss, before any tensor is expanded (module docstring)."""
     if msg.loss_fn not in LOSSES:
         raise _bad(f"unknown loss_fn '{msg.loss_fn[:80]}'", "/forward_backward loss_fn",
                    f"use one of {', '.join(LOSSES)} (or forward_backward_custom)")
     if not msg.data:
         raise _bad("no datums", "/forward_backward data", "send at least one datum")
-    return [decode_datum(d, f"data[{i}]", msg.loss_fn, vocab, max_len) for i, d in enumerate(msg.data)]
+    budget = ValueBudget(max_values)
+    return [decode_datum(d, f"data[{i}]", msg.loss_fn, vocab, max_len, token_budget, budget)
+            for i, d in enumerate(msg.data)]
 
 
-def decode_datum(d, where: str, loss_fn: str, vocab: int, max_len: int) -> WireDatum:
+def decode_datum(d, where: str, loss_fn: str, vocab: int, max_len: int, token_budget: int = 0,
+                 budget: ValueBudget | None = None) -> WireDatum:
     tokens = chunk_tokens(d.model_input, where)
     L = len(tokens)
     if L == 0:
         raise _bad("empty model input", where, "send at least one token")
     if max_len < L:
         raise _bad(f"{L} tokens exceed the model's max_seq_len={max_len}", where, "send shorter datums")
+    if token_budget and token_budget < L:
+        raise _bad(f"{L} tokens are more than the server's micro-batch of {token_budget} tokens", where,
+                   f"send datums of at most {token_budget} tokens, or start shardfit serve with "
+                   f"--train.micro_batch_tokens={L} or more")
     check_tokens(tokens, vocab, f"{where}.model_input")
     inputs = {}
     for name, t in d.loss_fn_inputs.items():
         at = f"{where}.loss_fn_inputs[{name}]"
-        a = tensor_from_proto(t, at)
+        a = tensor_from_proto(t, at, rows=L, max_width=vocab, budget=budget)
         if a.ndim == 0 or a.shape[0] != L:
             raise _bad(f"shape {list(a.shape)} does not start with the model input's length {L}", at,
                        "send one value per input token")
         if a.dtype == np.float32 and not np.isfinite(a).all():
             raise _bad("holds a NaN or an infinity", at, "send finite values")
         inputs[name] = a
-    for name in ("target_tokens", *REQUIRED_INPUTS[loss_fn]):
+    for name in REQUIRED_INPUTS[loss_fn]:
         if name not in inputs:
             raise _bad(f"'{name}' is missing", f"{where}.loss_fn_inputs", f"loss_fn={loss_fn} needs {name}")
     target = inputs["target_tokens"]

@@ -1,19 +1,24 @@
 """The Tinker API's routes (as tinker 0.38.0 calls them), each a check and then a queued command or an answer.
 
-Requests of a training model carry a seq_id: the scheduler releases them in that order. A request refused after its
-model and seq_id were read gives its seq_id up (Scheduler.skip) so the model's later requests do not wait for it.
-A POST retried by the SDK carries the same X-Idempotency-Key and gets the first answer again, not a second command.
+Every POST that becomes a command goes through one decorator, `queued` (said once, not per route): a retry with the
+same X-Idempotency-Key from the same principal gets the first answer again, not a second command; a body that names a
+model_id has its model and seq_id checked first, and if what follows refuses the request its seq_id is given up
+(Scheduler.skip) so that the model's later requests do not wait for it; then the route's Queued becomes a future,
+answered {request_id, ...} at once. The scheduler releases a model's commands in seq_id order.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import shutil
 import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from shardfit.errors import ShardfitError
 from shardfit.serve import schemas as s
@@ -25,6 +30,19 @@ from shardfit.serve.state import META, ServerState
 
 V1 = "/api/v1"
 PROTO = "application/x-protobuf"
+MAX_DEPTH = 32  # JSON nesting: the SDK's deepest body is 4; an answer that echoes a body must encode it again
+
+
+@dataclass
+class Queued:
+    """A route's outcome: command `kind` with `args` to queue, or (`now`) its result ready at once; `extra` keys
+    join the answer, and `samples` sample ids (rid:i, one per sample, as the SDK asserts)."""
+
+    kind: str
+    args: dict = field(default_factory=dict)
+    now: dict | None = None
+    extra: dict = field(default_factory=dict)
+    samples: int = 0
 
 
 async def _json(request: Request, model):
@@ -34,47 +52,101 @@ async def _json(request: Request, model):
     except (ValueError, UnicodeDecodeError):
         raise ShardfitError("the body is not JSON", where=request.url.path,
                             fix="send a JSON object (the tinker SDK does)") from None
+    except RecursionError:
+        raise ShardfitError("the body's JSON is nested too deeply", where=request.url.path,
+                            fix="send the flat objects the tinker SDK sends") from None
     if not isinstance(data, dict):
         raise ShardfitError("the body is not a JSON object", where=request.url.path, fix="send a JSON object")
+    if _depth(data) > MAX_DEPTH:
+        raise ShardfitError(f"the body's JSON is nested more than {MAX_DEPTH} levels deep", where=request.url.path,
+                            fix="send the flat objects the tinker SDK sends")
     return model.model_validate(data) if model is not None else data
 
 
-def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route table
-    facts = st.facts
-    said_full = []
+def _depth(value) -> int:
+    """How deeply objects and arrays nest in a parsed JSON value (iterative: no recursion to exhaust)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
 
-    def queue(request: Request, kind: str, args: dict, model_id: str | None = None, seq_id: int | None = None,
-              extra: dict | None = None) -> dict:
-        rid = st.futures.create(kind)
-        answer = {"request_id": rid, **(extra or {})}
-        st.remember(request.headers.get("x-idempotency-key"), answer)
-        st.scheduler.submit(Command(kind, rid, args), model_id, seq_id)
-        return answer
 
-    def done_now(request: Request, kind: str, result: dict, extra: dict | None = None) -> dict:
-        rid = st.futures.create(kind)
-        st.futures.complete(rid, Result(json=result))
-        answer = {"request_id": rid, **(extra or {})}
-        st.remember(request.headers.get("x-idempotency-key"), answer)
-        return answer
+def json_body(model) -> Callable[[Request], Awaitable]:
+    return lambda request: _json(request, model)
 
-    def ordered(model_id: str, seq_id: int, where: str):
-        """Check the model and seq_id; the returned context gives the seq_id up if what follows refuses."""
-        st.model(model_id, where)
-        st.scheduler.check_seq(model_id, seq_id, where)
 
-        class _GiveUp:
-            def __enter__(self):
-                return self
+async def proto_body(request: Request):
+    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+        raise ShardfitError("compressed bodies are not accepted", where=request.url.path,
+                            fix="send it uncompressed (this server leaves proto_compress_fwdbwd off)")
+    return parse_forward_backward(await request.body())
 
-            def __exit__(self, kind, _e, _tb):
-                if kind is not None:
+
+def queued(app: FastAPI, st: ServerState, path: str, parse: Callable[[Request], Awaitable]):
+    """Register `handler(body) -> Queued` as POST `path`, with the prologue every command route shares (module
+    docstring)."""
+    def wrap(handler: Callable[[object], Queued]):
+        async def route(request: Request):
+            owner, key = request.state.principal, request.headers.get("x-idempotency-key")
+            if (seen := st.remembered(owner, key)) is not None:
+                return seen
+            try:
+                body = await parse(request)
+            except (ShardfitError, ValidationError):
+                await give_up_seq(request)
+                raise
+            model_id, seq_id = getattr(body, "model_id", None), getattr(body, "seq_id", None)
+            if model_id is None:
+                out, seq_id = handler(body), None
+            else:
+                if seq_id is None:
+                    raise ShardfitError("seq_id is missing", where=path, fix="send the request's seq_id")
+                st.model(model_id, f"{path} model_id")
+                st.scheduler.check_seq(model_id, seq_id, path)
+                try:
+                    out = handler(body)
+                except BaseException:
+                    st.scheduler.skip(model_id, seq_id)  # refused: the model's later requests go on
+                    raise
+            rid = st.futures.create(out.kind, owner)
+            answer = {"request_id": rid, **out.extra}
+            if out.samples:
+                answer["sample_sequence_ids"] = [f"{rid}:{i}" for i in range(out.samples)]
+            st.remember(owner, key, answer)
+            if out.now is not None:
+                st.futures.complete(rid, Result(json=out.now))
+            else:
+                st.scheduler.submit(Command(out.kind, rid, out.args, model_id or ""), model_id, seq_id)
+            return answer
+
+        app.post(V1 + path)(route)
+        return handler
+
+    async def give_up_seq(request: Request) -> None:
+        """A JSON body refused by its schema (a field of the wrong type) whose model_id and seq_id are readable: that
+        seq_id is given up too, or the model's later requests would wait for it forever."""
+        with contextlib.suppress(ValueError, RecursionError):
+            raw = json.loads(await request.body())
+            model_id, seq_id = (raw.get("model_id"), raw.get("seq_id")) if isinstance(raw, dict) else (None, None)
+            if isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool):
+                with contextlib.suppress(ShardfitError):  # unknown model, or a seq_id in use: nothing to give up
+                    st.scheduler.check_seq(model_id, seq_id, path)
                     st.scheduler.skip(model_id, seq_id)
-                return False
 
-        return _GiveUp()
+    return wrap
 
-    # ------------------------------------------------------------------ client and sessions
+
+def add_routes(app: FastAPI, st: ServerState) -> None:
+    _session_routes(app, st)
+    _training_routes(app, st)
+    _sampling_routes(app, st)
+    _future_and_checkpoint_routes(app, st)
+
+
+def _session_routes(app: FastAPI, st: ServerState) -> None:
     @app.post(V1 + "/client/config")
     @app.post(V1 + "/client/dynamic_config")
     async def client_config():
@@ -88,7 +160,7 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
     async def heartbeat(request: Request):
         body = await _json(request, s.SessionBody)
         if body.session_id not in st.sessions:
-            return JSONResponse({"detail": "unknown session"}, status_code=410)  # the SDK stops beating
+            return JSONResponse({"detail": "unknown session"}, 410)  # the SDK stops beating
         st.session(body.session_id, "/session_heartbeat")
         return {"type": "session_heartbeat"}
 
@@ -100,12 +172,21 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
     async def finish(session_id: str):
         return {}
 
-    # ------------------------------------------------------------------ training models
-    @app.post(V1 + "/create_model")
-    async def create_model(request: Request):
-        if (seen := st.remembered(request.headers.get("x-idempotency-key"))) is not None:
-            return seen
-        body = await _json(request, s.CreateModelBody)
+    @app.post(V1 + "/get_info")
+    async def get_info(request: Request):
+        body = await _json(request, s.ModelBody)
+        st.model(body.model_id, "/get_info model_id")
+        f = st.facts
+        return {"type": "get_info", "model_id": body.model_id, "model_name": f.base_model,
+                "model_data": {"model_name": f.base_model, "arch": f.arch, "tokenizer_id": f.tokenizer_id},
+                "is_lora": bool(f.lora_rank), "lora_rank": f.lora_rank or None}
+
+
+def _training_routes(app: FastAPI, st: ServerState) -> None:
+    facts, said_full = st.facts, []
+
+    @queued(app, st, "/create_model", json_body(s.CreateModelBody))
+    def create_model(body) -> Queued:
         st.session(body.session_id, "/create_model session_id")
         st.check_base_model(body.base_model, "/create_model base_model")
         rank = (body.lora_config or {}).get("rank")
@@ -116,98 +197,62 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
             print(f"shardfit serve: {model_id}: LoRA (rank {rank}) was asked for; this server trains every parameter "
                   "(get_info says is_lora=false): start it with --lora.rank=R to train adapters",
                   file=sys.stderr, flush=True)
-        return done_now(request, "create_model", {"model_id": model_id, "type": "create_model"},
-                        {"model_id": model_id})
+        return Queued("create_model", now={"model_id": model_id, "type": "create_model"},
+                      extra={"model_id": model_id})
 
-    @app.post(V1 + "/get_info")
-    async def get_info(request: Request):
-        body = await _json(request, s.ModelBody)
-        st.model(body.model_id, "/get_info model_id")
-        return {"type": "get_info", "model_id": body.model_id, "model_name": facts.base_model,
-                "model_data": {"model_name": facts.base_model, "arch": facts.arch,
-                               "tokenizer_id": facts.tokenizer_id},
-                "is_lora": bool(facts.lora_rank), "lora_rank": facts.lora_rank or None}
+    @queued(app, st, "/forward_backward", proto_body)
+    def forward_backward(msg) -> Queued:
+        from shardfit.rl.losses import resolve_loss
 
-    @app.post(V1 + "/forward_backward")
-    async def forward_backward(request: Request):
-        if (seen := st.remembered(request.headers.get("x-idempotency-key"))) is not None:
-            return seen
-        if request.headers.get("content-encoding", "identity") not in ("identity", ""):
-            raise ShardfitError("compressed bodies are not accepted", where="/forward_backward",
-                                fix="send it uncompressed (this server leaves proto_compress_fwdbwd off)")
-        msg = parse_forward_backward(await request.body())
-        with ordered(msg.model_id, msg.seq_id, "/forward_backward"):
-            datums = check_forward_backward(msg, facts.vocab_size, facts.max_seq_len)
-            args = {"datums": datums_to_json(datums), "loss_fn": msg.loss_fn, "loss_fn_config": loss_config(msg),
-                    "forward_only": bool(msg.forward_only)}
-        return queue(request, "forward_backward", args, msg.model_id, msg.seq_id)
+        datums = check_forward_backward(msg, facts.vocab_size, facts.max_seq_len, facts.token_budget,
+                                        max_values=st.max_body // 4)  # a dense body's float32 values at most
+        config = loss_config(msg)
+        resolve_loss(msg.loss_fn, config)  # the Engine's own check of each option, before any rank sees it
+        return Queued("forward_backward", {"datums": datums_to_json(datums), "loss_fn": msg.loss_fn,
+                                           "loss_fn_config": config, "forward_only": bool(msg.forward_only)})
 
-    @app.post(V1 + "/optim_step")
-    async def optim_step(request: Request):
-        if (seen := st.remembered(request.headers.get("x-idempotency-key"))) is not None:
-            return seen
-        body = await _json(request, s.OptimStepBody)
-        with ordered(body.model_id, body.seq_id, "/optim_step"):
-            adam = s.adam_args(body)
-        return queue(request, "optim_step", {"adam": adam}, body.model_id, body.seq_id)
+    @queued(app, st, "/optim_step", json_body(s.OptimStepBody))
+    def optim_step(body) -> Queued:
+        return Queued("optim_step", {"adam": s.adam_args(body)})
 
-    def save_command(model_id: str, kind: str, name: str, optimizer: bool, response_type: str) -> dict:
+    def save(model_id: str, kind: str, name: str, optimizer: bool, response_type: str) -> Queued:
         directory, tinker_path = st.checkpoint_target(model_id, kind, check_segment(name, "path"))
-        return {"dir": str(directory), "tinker_path": tinker_path, "optimizer": optimizer,
-                "response_type": response_type, "meta_file": str(directory / META),
-                "meta": st.checkpoint_meta(tinker_path, kind, model_id)}
+        return Queued("save_state", {"dir": str(directory), "tinker_path": tinker_path, "optimizer": optimizer,
+                                     "response_type": response_type, "meta_file": str(directory / META),
+                                     "meta": st.checkpoint_meta(tinker_path, kind, model_id)})
 
-    @app.post(V1 + "/save_weights")
-    async def save_weights(request: Request):
-        if (seen := st.remembered(request.headers.get("x-idempotency-key"))) is not None:
-            return seen
-        body = await _json(request, s.SaveWeightsBody)
-        with ordered(body.model_id, body.seq_id, "/save_weights"):
-            if not body.path:
-                raise ShardfitError("path is missing", where="/save_weights", fix="name the checkpoint")
-            args = save_command(body.model_id, "weights", body.path, True, "save_weights")
-        return queue(request, "save_state", args, body.model_id, body.seq_id)
+    @queued(app, st, "/save_weights", json_body(s.SaveWeightsBody))
+    def save_weights(body) -> Queued:
+        if not body.path:
+            raise ShardfitError("path is missing", where="/save_weights", fix="name the checkpoint")
+        return save(body.model_id, "weights", body.path, True, "save_weights")
 
-    @app.post(V1 + "/save_weights_for_sampler")
-    async def save_for_sampler(request: Request):
-        if (seen := st.remembered(request.headers.get("x-idempotency-key"))) is not None:
-            return seen
-        body = await _json(request, s.SaveWeightsBody)
-        with ordered(body.model_id, body.seq_id, "/save_weights_for_sampler"):
-            if body.path:
-                args = save_command(body.model_id, "sampler_weights", body.path, False, "save_weights_for_sampler")
-                return queue(request, "save_state", args, body.model_id, body.seq_id)
-            sid = st.new_sampler(None, body.model_id)
-        return queue(request, "sampler_snapshot", {"sampling_session_id": sid}, body.model_id, body.seq_id)
+    @queued(app, st, "/save_weights_for_sampler", json_body(s.SaveWeightsBody))
+    def save_for_sampler(body) -> Queued:
+        if body.path:
+            return save(body.model_id, "sampler_weights", body.path, False, "save_weights_for_sampler")
+        return Queued("sampler_snapshot", {"sampling_session_id": st.new_sampler(None, body.model_id)})
 
-    @app.post(V1 + "/load_weights")
-    async def load_weights(request: Request):
-        if (seen := st.remembered(request.headers.get("x-idempotency-key"))) is not None:
-            return seen
-        body = await _json(request, s.LoadWeightsBody)
-
-        def target() -> dict:
-            run, kind, name = parse_tinker_path(body.path, "/load_weights path")
-            directory, tinker_path = st.checkpoint_target(run, kind, name)
-            return {"dir": str(directory), "tinker_path": tinker_path, "optimizer": body.optimizer}
-
+    @queued(app, st, "/load_weights", json_body(s.LoadWeightsBody))
+    def load_weights(body) -> Queued:
+        run, kind, name = parse_tinker_path(body.path, "/load_weights path")
+        directory, tinker_path = st.checkpoint_target(run, kind, name)
+        args = {"dir": str(directory), "tinker_path": tinker_path, "optimizer": body.optimizer}
         if body.model_id is not None:  # load_state on an existing TrainingClient: in its order
-            if body.seq_id is None:
-                raise ShardfitError("seq_id is missing", where="/load_weights", fix="send the request's seq_id")
-            with ordered(body.model_id, body.seq_id, "/load_weights"):
-                args = target()
-            return queue(request, "load_state", {**args, "model_id": body.model_id}, body.model_id, body.seq_id)
+            return Queued("load_state", {**args, "model_id": body.model_id})
         if body.session_id is None or body.model_seq_id is None:  # create_training_client_from_state
             raise ShardfitError("neither model_id nor session_id + model_seq_id", where="/load_weights",
                                 fix="send the fields the tinker SDK sends")
         st.session(body.session_id, "/load_weights session_id")
         if body.base_model is not None:
             st.check_base_model(body.base_model, "/load_weights base_model")
-        args = target()
         model_id = st.add_model(body.session_id, body.model_seq_id, facts.base_model, None, None)
-        return queue(request, "load_state", {**args, "model_id": model_id})
+        return Queued("load_state", {**args, "model_id": model_id})
 
-    # ------------------------------------------------------------------ sampling
+
+def _sampling_routes(app: FastAPI, st: ServerState) -> None:
+    facts = st.facts
+
     @app.post(V1 + "/create_sampling_session")
     async def create_sampling_session(request: Request):
         body = await _json(request, s.SamplingSessionBody)
@@ -226,11 +271,8 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
         sp = st.sampler(sampler_id, "/samplers")
         return {"sampler_id": sampler_id, "base_model": sp["base_model"], "model_path": sp["model_path"]}
 
-    @app.post(V1 + "/asample")
-    async def asample(request: Request):
-        if (seen := st.remembered(request.headers.get("x-idempotency-key"))) is not None:
-            return seen
-        body = await _json(request, s.SampleBody)
+    @queued(app, st, "/asample", json_body(s.SampleBody))
+    def asample(body) -> Queued:
         if body.sampling_session_id is not None:
             st.sampler(body.sampling_session_id, "/asample sampling_session_id")
         elif body.base_model is not None:
@@ -240,28 +282,24 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
         else:
             raise ShardfitError("no sampling_session_id", where="/asample", fix="create a sampling client first")
         args = s.sample_args(body, facts.vocab_size, facts.max_seq_len, facts.eos_ids, facts.has_tokenizer)
-        rid = st.futures.create("sample")
-        answer = {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(args.num_samples)]}
-        st.remember(request.headers.get("x-idempotency-key"), answer)
-        st.scheduler.submit(Command("sample", rid, dataclasses.asdict(args)))
-        return answer
+        return Queued("sample", asdict(args), samples=args.num_samples)
 
-    # ------------------------------------------------------------------ futures
+
+def _future_and_checkpoint_routes(app: FastAPI, st: ServerState) -> None:
     @app.post(V1 + "/retrieve_future")
     async def retrieve_future(request: Request):
         body = await _json(request, s.RetrieveBody)
-        state = st.futures.state(body.request_id)
+        state = st.futures.state(body.request_id, request.state.principal)
         if state == "unknown":
-            return JSONResponse({"detail": f"unknown request_id '{body.request_id[:80]}'"}, status_code=404)
+            return JSONResponse({"detail": "unknown request_id (never issued to this key)"}, 404)
         if state == "expired":
-            return JSONResponse({"detail": "the result expired"}, status_code=410)
+            return JSONResponse({"detail": "the result expired (nobody read it in time)"}, 410)
         result = await st.futures.wait(body.request_id)
         if result is None:
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
         out = result.body()
         return Response(out, media_type=PROTO) if isinstance(out, bytes) else out
 
-    # ------------------------------------------------------------------ runs and checkpoints
     @app.get(V1 + "/training_runs/{run}")
     async def training_run(run: str):
         return st.training_run(run)
@@ -273,14 +311,14 @@ def add_routes(app: FastAPI, st: ServerState) -> None:  # noqa: C901 - one route
     @app.delete(V1 + "/training_runs/{run}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(run: str, kind: str, name: str):
         if kind not in ("weights", "sampler_weights"):
-            return JSONResponse({"detail": f"unknown checkpoint kind '{kind[:40]}'"}, status_code=404)
+            return JSONResponse({"detail": "unknown checkpoint kind"}, 404)
         directory, _ = st.checkpoint_target(run, kind, name)
         if not (directory / META).is_file():
-            return JSONResponse({"detail": "no such checkpoint"}, status_code=404)
+            return JSONResponse({"detail": "no such checkpoint"}, 404)
         (directory / META).unlink()  # out of the listing first: a half-deleted checkpoint is never listed
         shutil.rmtree(directory, ignore_errors=True)
         return {}
 
     @app.get(V1 + "/shardfit/status")
-    async def status():
-        return {"queue": st.scheduler.depth(), **st.futures.snapshot()}
+    async def status(request: Request):
+        return {"queue": st.scheduler.depth(), **st.futures.snapshot(request.state.principal)}

@@ -14,7 +14,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from shardfit.errors import ShardfitError
-from shardfit.serve.protocol import check_tokens
 from shardfit.serve.sampling import SampleArgs
 
 MAX_SAMPLES = 256
@@ -106,7 +105,7 @@ def adam_args(body: OptimStepBody) -> dict[str, float]:
     for key, default in ADAM_KEYS.items():
         v = body.adam_params.get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ShardfitError(f"{key}={v!r} is not a finite number >= 0", where="/optim_step adam_params",
+            raise ShardfitError(f"{key}={shown(v)} is not a finite number >= 0", where="/optim_step adam_params",
                                 fix=f"send a number (Tinker's default is {default})")
         out[key] = float(v)
     for key in ("beta1", "beta2"):
@@ -116,6 +115,13 @@ def adam_args(body: OptimStepBody) -> dict[str, float]:
     return out
 
 
+def shown(value) -> str:
+    """A client's value as an error message quotes it: its repr, cut short (a long number or string stays a short
+    line; JSON itself refuses integers beyond 4,300 digits, which repr could not print)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def prompt_tokens(prompt: dict, vocab: int) -> list[int]:
     chunks = prompt.get("chunks")
     if not isinstance(chunks, list) or not chunks:
@@ -123,16 +129,17 @@ def prompt_tokens(prompt: dict, vocab: int) -> list[int]:
     tokens: list[int] = []
     for i, c in enumerate(chunks):
         toks = c.get("tokens") if isinstance(c, dict) else None
-        if c.get("type", "encoded_text") != "encoded_text" or not isinstance(toks, list) \
+        if not isinstance(toks, list) or c.get("type", "encoded_text") != "encoded_text" \
                 or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise ShardfitError(f"chunk {i} is not an encoded_text chunk of token ids", where="/asample prompt",
                                 fix="send text as token ids (EncodedTextChunk); images are not served")
         tokens += toks
     if not tokens:
         raise ShardfitError("the prompt is empty", where="/asample prompt", fix="send at least one token")
-    import numpy as np
-
-    check_tokens(np.asarray(tokens, dtype=np.int64), vocab, "/asample prompt")
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)  # Python ints: any size, before numpy sees one
+    if bad is not None:
+        raise ShardfitError(f"token id {shown(bad)} is outside the vocabulary [0, {vocab})", where="/asample prompt",
+                            fix="encode with the model's tokenizer (get_tokenizer())")
     return tokens
 
 
@@ -145,28 +152,32 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
         raise ShardfitError("target_prompt_logprobs and prompt_logprobs_last_n are not served", where=where,
                             fix="ask for prompt_logprobs over the whole prompt")
     if not 1 <= body.num_samples <= MAX_SAMPLES:
-        raise ShardfitError(f"num_samples={body.num_samples} is out of range", where=where,
+        raise ShardfitError(f"num_samples={shown(body.num_samples)} is out of range", where=where,
                             fix=f"ask for 1 to {MAX_SAMPLES} samples per request")
     tokens = prompt_tokens(body.prompt, vocab)
     p = body.sampling_params
     max_tokens = p.get("max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    if len(tokens) >= max_len:  # no max_tokens fits: the prompt is what to change
-        raise ShardfitError(f"the prompt alone is {len(tokens)} tokens, and the model's max_seq_len={max_len} leaves "
-                            "no room to sample a token", where=f"{where} prompt",
-                            fix=f"shorten the prompt to at most {max_len - 1} tokens")
-    if not isinstance(max_tokens, int) or max_tokens < 1 or len(tokens) + max_tokens > max_len:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ShardfitError(f"max_tokens={shown(max_tokens)} is not a positive integer",
+                            where=f"{where} sampling_params.max_tokens", fix="ask for 1 or more tokens")
+    if len(tokens) >= max_len:
+        raise ShardfitError(f"the prompt has {len(tokens)} tokens and the model's context is max_seq_len={max_len}: "
+                            "no room for a new token", where=f"{where} prompt",
+                            fix=f"send a prompt of at most {max_len - 1} tokens")
+    if len(tokens) + max_tokens > max_len:
         raise ShardfitError(f"prompt ({len(tokens)} tokens) + max_tokens={max_tokens} exceeds the model's "
-                            f"max_seq_len={max_len} or is not positive", where=f"{where} sampling_params.max_tokens",
+                            f"max_seq_len={max_len}", where=f"{where} sampling_params.max_tokens",
                             fix=f"ask for 1 to {max_len - len(tokens)} tokens")
     temperature, top_p, top_k = p.get("temperature", 1.0), p.get("top_p", 1.0), p.get("top_k", -1)
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise ShardfitError(f"temperature={temperature!r}", where=f"{where} sampling_params",
+        raise ShardfitError(f"temperature={shown(temperature)}", where=f"{where} sampling_params",
                             fix="send 0 (greedy) or more")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ShardfitError(f"top_p={top_p!r}", where=f"{where} sampling_params", fix="send a value in (0, 1]")
+        raise ShardfitError(f"top_p={shown(top_p)}", where=f"{where} sampling_params", fix="send a value in (0, 1]")
     if not isinstance(top_k, int) or top_k < -1:
-        raise ShardfitError(f"top_k={top_k!r}", where=f"{where} sampling_params", fix="send -1 (no limit) or more")
+        raise ShardfitError(f"top_k={shown(top_k)}", where=f"{where} sampling_params",
+                            fix="send -1 (no limit) or more")
     stop = p.get("stop")
     stop_tokens: list[int] = sorted(eos_ids) if stop is None else []
     stop_strings: list[str] = []
@@ -181,7 +192,7 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
             raise ShardfitError("stop mixes kinds, holds an empty string or a token id outside the vocabulary",
                                 where=f"{where} sampling_params.stop", fix="send strings, or token ids, or null")
     elif stop is not None:
-        raise ShardfitError(f"stop={stop!r}", where=f"{where} sampling_params.stop",
+        raise ShardfitError(f"stop={shown(stop)}", where=f"{where} sampling_params.stop",
                             fix="send a string, a list of strings, a list of token ids, or null")
     if stop_strings and not has_tokenizer:
         raise ShardfitError("stop strings need the model's tokenizer, and this server has none",
@@ -189,7 +200,7 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
     seed = p.get("seed")
     seed = secrets.randbits(63) if seed is None else seed
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ShardfitError(f"seed={seed!r}", where=f"{where} sampling_params", fix="send an integer or null")
+        raise ShardfitError(f"seed={shown(seed)}", where=f"{where} sampling_params", fix="send an integer or null")
     return SampleArgs(prompt=tokens, num_samples=body.num_samples, max_tokens=max_tokens,
                       temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed % (2**63 - 1),
                       stop_tokens=tuple(stop_tokens), stop_strings=tuple(stop_strings),

@@ -1,8 +1,12 @@
 """Who may call the server, and where a request's paths may point.
 
 Binding: 127.0.0.1 unless --host says otherwise. Any other address requires an API key: given (--api-key or
-SHARDFIT_API_KEY) or generated, written to <run dir>/api_key with mode 0600, and compared in constant time. On
-loopback with no key configured, any key the SDK accepts (it refuses one without the `tml-` prefix) is let in.
+SHARDFIT_API_KEY) or generated, written to <run dir>/api_key with mode 0600, and compared in constant time. The
+file is written under a temporary name of its own (random, created exclusively and never through a symlink, so
+nothing planted at a guessable name can redirect the key), then renamed over api_key (a rename replaces a link, it
+does not follow it). On loopback with no key configured, any key the SDK accepts (it refuses one without the `tml-`
+prefix) is let in. Each request's principal is a digest of the key it sent (`principal`): futures and idempotent
+answers belong to the principal that made them.
 Paths: a request names checkpoints as tinker://<run>/<weights|sampler_weights>/<name> or by a bare name; each
 maps to <run dir>/checkpoints/<run>/<kind>/<name>, with every segment checked against a narrow pattern (no `..`,
 no `/`, no absolute paths) and the result checked to lie inside the run directory.
@@ -10,6 +14,7 @@ no `/`, no absolute paths) and the result checked to lie inside the run director
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -44,13 +49,28 @@ def setup_api_key(host: str, run_dir: Path, given: str | None) -> str | None:
     key = given or "tml-" + secrets.token_urlsafe(32)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "api_key"
-    tmp = path.with_name("api_key.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never readable by others, not even briefly
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".api_key.{secrets.token_hex(8)}.tmp")
+    # O_EXCL: a new file, never one planted there (O_EXCL with O_CREAT also refuses a symlink at the name, and
+    # O_NOFOLLOW says so twice); 0600 from the start: never readable by others, not even briefly
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        raise ShardfitError("something is already at the key file's temporary name (planted?)", where=str(tmp),
+                            fix="remove it, and check who can write the run directory") from None
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return key
+
+
+def principal(sent: str | None) -> str:
+    """Who a request comes from, as far as the server can tell: a digest of the key it sent (never the key)."""
+    return hashlib.sha256((sent or "").encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def key_ok(expected: str | None, sent: str | None) -> bool:

@@ -1,14 +1,19 @@
 """`shardfit serve` on each rank: the Engine everywhere, the HTTP server (uvicorn, in a thread) on rank 0 only, and
 the command loop (commands.Loop) on every rank in the main thread.
 
-Start-up: every rank builds the Engine (its own collectives); rank 0 then binds the address, writes the API key
-when one is needed, and prints `shardfit serve: listening on http://HOST:PORT` once it accepts connections.
-Shut-down (Ctrl-C / SIGTERM to rank 0, or the launcher's): the scheduler closes, the loop broadcasts `stop` after
-the command in hand, and every rank leaves the loop at the same command.
+Start-up: rank 0 holds the run directory (flock, as `shardfit train` does: a second server on it is refused in one
+line, before any Engine is built); every rank builds the Engine (its own collectives); rank 0 then binds the
+address, writes the API key when one is needed, and prints `shardfit serve: listening on http://HOST:PORT` once it
+accepts connections.
+Shut-down (Ctrl-C / SIGTERM, to rank 0 or to every rank from the launcher): every rank holds the signal; rank 0
+closes the scheduler and the loop broadcasts `stop` after the command in hand, carrying one line (which models had
+optimizer steps since their last save, now lost) that every rank raises as Stopped (exit 128 + the signal): the
+launcher prints it once, and no rank is left in a collective with a peer that is gone.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -19,12 +24,33 @@ from pathlib import Path
 
 import torch
 
+from shardfit.errors import ShardfitError, Stopped
 from shardfit.serve.app import build_app
 from shardfit.serve.commands import Loop
 from shardfit.serve.executor import Executor
 from shardfit.serve.security import setup_api_key
 from shardfit.serve.state import ModelFacts, ServerState
 from shardfit.train.run_config import default_run_dir
+from shardfit.train.run_dir import DirLock
+
+
+def serve_run_dir(cfg) -> Path:
+    return Path(cfg.logging.run_dir or default_run_dir(cfg, "serve"))
+
+
+def hold_run_dir(run_dir: Path) -> DirLock:
+    """The run directory for this server alone (DirLock: flock, as shardfit train holds its own), or one line."""
+    fix = "stop the server (or run) that holds it, or give this one its own --logging.run_dir"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = DirLock(run_dir)
+        held = lock.acquire()
+    except OSError as e:
+        raise ShardfitError(f"cannot write the run directory ({e.strerror or e})", where=str(run_dir),
+                            fix="choose a directory this server can write (--logging.run_dir)") from None
+    if held:
+        raise ShardfitError(f"run directory is locked: {held}", where=str(run_dir), fix=fix)
+    return lock
 
 
 def model_facts(cfg) -> tuple[ModelFacts, object]:
@@ -85,16 +111,24 @@ class Serving:
     server: object
     thread: threading.Thread
     url: str
+    lock: DirLock | None = None
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        if self.lock is not None:
+            self.lock.release()
 
 
 def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                rl_types: tuple | None = None, poll_s: float = 20.0, max_body: int = 256 << 20) -> Serving:
-    run_dir = Path(cfg.logging.run_dir or default_run_dir(cfg, "serve"))
+                rl_types: tuple | None = None, poll_s: float = 20.0, max_body: int = 256 << 20,
+                lock: DirLock | None = None) -> Serving:
+    """Rank 0's parts: the run directory held (unless `lock` already holds it), the key, the HTTP thread."""
+    run_dir = serve_run_dir(cfg)
+    lock = lock or hold_run_dir(run_dir)
     facts, tokenizer = model_facts(cfg)
+    budget = getattr(engine, "datum_budget", None)  # the Engine's micro-batch of datum tokens
+    facts.token_budget = budget() if budget is not None else 0
     state = ServerState(facts, run_dir, setup_api_key(host, run_dir, api_key), poll_s=poll_s,
                         max_body=max_body)
 
@@ -103,38 +137,62 @@ def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_k
         return (t.started - t.submitted) if t is not None and t.started is not None else 0.0
 
     executor = Executor(engine, tokenizer=tokenizer, queue_wait=queue_wait, rl_types=rl_types)
-    loop = Loop(executor, 0, engine.dist.world_size, comm_device(engine), state.scheduler, state.futures)
+    loop = Loop(executor, 0, engine.dist.world_size, comm_device(engine), state.scheduler, state.futures,
+                needed=executor.space_needed, done=state.note_done)
     server, thread, bound = start_http(state, host, port)
-    return Serving(state, loop, server, thread, f"http://{'[' + host + ']' if ':' in host else host}:{bound}")
+    return Serving(state, loop, server, thread, f"http://{'[' + host + ']' if ':' in host else host}:{bound}",
+                   lock)
+
+
+def hold_signals(on_signal: Callable[[int], None]) -> dict:
+    """SIGINT and SIGTERM call on_signal(signum) instead of ending the process; the previous handlers."""
+    return {sig: signal.signal(sig, lambda signum, _frame: on_signal(signum))
+            for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def run(cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         engine_factory: Callable | None = None) -> int:
-    """Every rank: build the Engine, then serve until stopped."""
+    """Every rank: build the Engine, then serve until stopped; a stop by a signal raises Stopped on every rank."""
     if engine_factory is None:
         from shardfit.engine import Engine
 
         engine_factory = Engine.start
-    engine = engine_factory(cfg)
-    rank, world = engine.dist.rank, engine.dist.world_size
-    if rank != 0:
-        Loop(Executor(engine), rank, world, comm_device(engine)).run()
-        return 0
-    serving = start_rank0(cfg, engine, host=host, port=port, api_key=api_key)
-    state = serving.state
-    previous = {sig: signal.signal(sig, lambda *_: state.scheduler.close()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    key_note = (f" (API key in {state.run_dir / 'api_key'})" if state.api_key else " (any tml- key on loopback)")
-    for notice in engine.notices:  # what the Engine's build chose (LoRA, offload, FP8, loading), as train says it
-        print(f"shardfit serve: {notice}", flush=True)
-    training = (f"LoRA adapters of rank {cfg.lora.rank}" if cfg.lora.rank else
-                "every parameter (start with --lora.rank=R for LoRA adapters)")
-    print(f"shardfit serve: listening on {serving.url}{key_note}; {state.facts.base_model}, {world} rank(s); "
-          f"training {training}", flush=True)
+    lock = hold_run_dir(serve_run_dir(cfg)) if os.environ.get("RANK", "0") == "0" else None  # before the Engine
     try:
-        serving.loop.run()
+        engine = engine_factory(cfg)
+        rank, world = engine.dist.rank, engine.dist.world_size
+        got: list[int] = []
+        if rank != 0:  # the signal is held: rank 0's `stop` ends this loop at the same command as its own
+            previous = hold_signals(got.append)
+            loop = Loop(Executor(engine), rank, world, comm_device(engine))
+        else:
+            serving = start_rank0(cfg, engine, host=host, port=port, api_key=api_key, lock=lock)
+            state, loop = serving.state, serving.loop
+
+            def on_signal(signum: int) -> None:
+                got.append(signum)
+                state.scheduler.close()
+
+            previous = hold_signals(on_signal)
+            loop.stop_args = lambda: {"line": state.stop_line(got[0]), "exit_code": 128 + got[0]} if got else {}
+            key_note = (f" (API key in {state.run_dir / 'api_key'})" if state.api_key else
+                        " (any tml- key on loopback)")
+            for notice in engine.notices:  # what the Engine's build chose (LoRA, offload, FP8, loading), as train
+                print(f"shardfit serve: {notice}", flush=True)
+            training = (f"LoRA adapters of rank {cfg.lora.rank}" if cfg.lora.rank else
+                        "every parameter (start with --lora.rank=R for LoRA adapters)")
+            print(f"shardfit serve: listening on {serving.url}{key_note}; {state.facts.base_model}, {world} rank(s); "
+                  f"training {training}", flush=True)
+        try:
+            stop = loop.run()
+        finally:
+            if rank == 0:
+                serving.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
-        serving.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    print("shardfit serve: stopped", file=sys.stderr, flush=True)
+        if lock is not None:
+            lock.release()
+    if stop.args.get("line"):
+        raise Stopped(stop.args["line"], exit_code=int(stop.args["exit_code"]))
     return 0

@@ -4,13 +4,15 @@ checkpoints listing and the idempotency cache. No torch here: the HTTP threads n
 One Engine serves one set of weights: every training model created on it trains those weights (LoRA adapters of
 the server's --lora.rank, or every parameter when it was started without one, which get_info and the first
 create_model say), and a sampling session samples them as they are when its request runs. A model's seq_id order
-is kept by ordering.Scheduler.
+is kept by ordering.Scheduler. Each model counts its optimizer steps since its last save_state (or load), for the
+line a stopped server prints: training nobody saved is said to be lost, never silently dropped.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +40,7 @@ class ModelFacts:
     has_tokenizer: bool = False
     arch: str = ""
     lora_rank: int = 0  # the Engine's lora.rank: 0 trains every parameter
+    token_budget: int = 0  # the Engine's micro-batch of datum tokens (a longer datum is refused); 0: none
 
     def check_lora_rank(self, rank: int | None, where: str) -> None:
         """A LoRA server trains adapters of its own rank only: a client asking for another would get different
@@ -70,10 +73,11 @@ class ServerState:
         self.models: dict[str, dict] = {}
         self.samplers: dict[str, dict] = {}
         self._idem: OrderedDict[str, dict] = OrderedDict()
+        self.bugs = 0  # requests that raised what no check foresaw (app.py answers them 400, never 5xx)
 
     # ------------------------------------------------------------------ sessions and models
     def new_session(self, body: dict) -> str:
-        sid = "sess-" + secrets.token_hex(8)
+        sid = "sess-" + secrets.token_hex(16)
         with self.lock:
             self.sessions[sid] = {"created": time.time(), "seen": time.time(),
                                   "user_metadata": body.get("user_metadata")}
@@ -99,7 +103,8 @@ class ServerState:
         model_id = check_segment(f"{session_id}:train:{model_seq_id}", "model_id")  # the SDK rebuilds this id itself
         with self.lock:
             self.models[model_id] = {"base_model": base_model, "created": now_iso(), "seen": now_iso(),
-                                     "user_metadata": user_metadata, "requested_lora_rank": lora_rank}
+                                     "user_metadata": user_metadata, "requested_lora_rank": lora_rank,
+                                     "unsaved": 0}
         self.scheduler.add_model(model_id)
         return model_id
 
@@ -113,7 +118,7 @@ class ServerState:
         return m
 
     def new_sampler(self, model_path: str | None, model_id: str | None) -> str:
-        sid = "samp-" + secrets.token_hex(8)
+        sid = "samp-" + secrets.token_hex(16)
         with self.lock:
             self.samplers[sid] = {"base_model": self.facts.base_model, "model_path": model_path,
                                   "model_id": model_id}
@@ -128,19 +133,49 @@ class ServerState:
         return s
 
     # ------------------------------------------------------------------ idempotency (the SDK's retries)
-    def remembered(self, key: str | None) -> dict | None:
+    def remembered(self, owner: str | None, key: str | None) -> dict | None:
+        """The first answer to a POST retried with the same X-Idempotency-Key, by the same principal only (another
+        key replaying it must not learn the request id)."""
         if not key:
             return None
         with self.lock:
-            return self._idem.get(key)
+            return self._idem.get(f"{owner}\0{key}")
 
-    def remember(self, key: str | None, response: dict) -> None:
+    def remember(self, owner: str | None, key: str | None, response: dict) -> None:
         if not key:
             return
         with self.lock:
-            self._idem[key] = response
+            self._idem[f"{owner}\0{key}"] = response
             while len(self._idem) > 10000:
                 self._idem.popitem(last=False)
+
+    # ------------------------------------------------------------------ unsaved training, said at stop
+    def note_done(self, cmd, result) -> None:
+        """After each command (the loop's thread, rank 0): a model's optimizer steps since its last save or load."""
+        if result.error is not None:
+            return
+        model_id = cmd.model_id or cmd.args.get("model_id", "")
+        with self.lock:
+            m = self.models.get(model_id)
+            if m is None:
+                return
+            if cmd.kind == "optim_step":
+                m["unsaved"] += 1
+            elif cmd.kind == "load_state" or (cmd.kind == "save_state" and cmd.args.get("optimizer")):
+                m["unsaved"] = 0  # what a resume needs: weights and optimizer (save_state, not a sampler's save)
+
+    def stop_line(self, signum: int) -> str:
+        """What a server stopped by a signal says, once: which training was never saved, now lost."""
+        how = "interrupted (SIGINT)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        with self.lock:
+            lost = {m: d["unsaved"] for m, d in self.models.items() if d.get("unsaved")}
+        if not lost:
+            return f"serve {how}: no model had optimizer steps since its last save_state"
+        names = ", ".join(f"{m} ({n})" for m, n in list(lost.items())[:3]) + (", ..." if len(lost) > 3 else "")
+        n = len(lost)
+        return (f"serve {how}: {n} model{'s' if n > 1 else ''} had unsaved steps since {'their' if n > 1 else 'its'} "
+                f"last save, {sum(lost.values())} optimizer steps now lost: {names}; save_state before stopping keeps "
+                "them")
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_target(self, run: str, kind: str, name: str) -> tuple[Path, str]:

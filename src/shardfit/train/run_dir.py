@@ -32,7 +32,9 @@ from shardfit.weights.hf_export import export_problem
 LOCK = ".shardfit.lock"
 
 
-class _Lock:
+class DirLock:
+    """flock on <directory>/.shardfit.lock (module docstring); `shardfit serve` holds its run directory with it too."""
+
     def __init__(self, directory: Path):
         self.path, self.fd = directory / LOCK, None
 
@@ -76,7 +78,7 @@ class RunClaim:
     def __init__(self, run_dir: Path, ckpt_dir: Path, exports: dict[str, str], rank: int, device: torch.device):
         """exports: {config key: directory} of the export targets (checkpoint.export_hf, export_merged)."""
         self.created: list[Path] = []
-        self.locks: list[_Lock] = []
+        self.locks: list[DirLock] = []
         dirs = list(dict.fromkeys((run_dir, ckpt_dir)))
         for first in (True, False):
             problem, where = None, str(run_dir)
@@ -106,7 +108,7 @@ class RunClaim:
                 raise
 
     def _lock(self, d: Path) -> str | None:
-        lock = _Lock(d)
+        lock = DirLock(d)
         held = lock.acquire()
         if held:
             return f"run directory is locked: {held}"

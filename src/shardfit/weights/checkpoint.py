@@ -11,8 +11,11 @@ Layout of <dir>/step_00000100/:
 
 Every rank writes into step_00000100.tmp/; once all have (one collective of their outcomes) rank 0 writes
 complete.json and renames the directory. A failed write (disk full, read-only) is raised on every rank alike and
-leaves the previous checkpoint as it was. Weights that are not finite are never saved. checkpoint.keep prunes only
-this run's own older checkpoints (same run id, carried across resumes). Loading goes through checkpoint_verify.
+leaves the previous checkpoint as it was; a full disk (fsutil.full_disk: DCP wraps the OSError in a RuntimeError
+inside a CheckpointException, and loses it when it gathers the ranks' failures; safetensors words it in its own
+error) names the directory and the space a rank needs.
+Weights that are not finite are never saved. checkpoint.keep prunes only this run's own older checkpoints (same
+run id, carried across resumes). Loading goes through checkpoint_verify.
 Saved without an optimizer (Engine.save_state(optimizer=False): weights for a sampler), a checkpoint holds the
 trained parameters and buffers only, a third of the bytes under Adam (fp32 weights and two fp32 moments each); it is
 written, checked and loaded as any other, and an attempt to restore an optimizer from it is one line.
@@ -40,8 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from shardfit.errors import ShardfitError
-from shardfit.fsutil import write_atomic
+from shardfit.errors import DiskFull, ShardfitError
+from shardfit.fsutil import full_disk_error, write_atomic
 from shardfit.models.init import is_quantized_storage
 from shardfit.parallel.agreement import agree
 from shardfit.weights.checkpoint_verify import COMPLETE, check_files, load_tensors
@@ -70,6 +73,16 @@ class NonFiniteWeights(ShardfitError):
     """The weights hold NaN or inf: nothing is saved or exported from them."""
 
     exit_code = 3
+
+
+def _local_bytes(state) -> int:
+    """Bytes of this rank's share of a state dict (DTensors by their local shard), nested dicts walked."""
+    if isinstance(state, dict):
+        return sum(_local_bytes(v) for v in state.values())
+    if isinstance(state, torch.Tensor):
+        t = state.to_local() if hasattr(state, "to_local") else state
+        return t.numel() * t.element_size()
+    return 0
 
 
 def new_run_id() -> str:
@@ -121,11 +134,24 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     tmp = root / f"step_{step:08d}.tmp"
     fix = f"free space or fix permissions in {root} (or set checkpoint.dir), then resume"
 
-    def attempt(fn) -> str | None:
+    full = []  # a full disk seen here: the error is then a DiskFull (serve answers it as its own failure)
+
+    def failed(e: BaseException, r: int, needed: int | None = None) -> str | None:
+        """The line's problem for a write that raised `e` on rank r; None when it is no write failure (a bug)."""
+        disk = full_disk_error(e, root, f"checkpoint {final.name} on rank {r}", fix, needed)
+        if disk is not None:
+            full.append(r)
+            return disk.what
+        if isinstance(e, OSError):
+            return f"could not write checkpoint {final.name} on rank {r} ({e.strerror or e})"
+        return None
+
+    def attempt(fn, needed: int | None = None) -> str | None:
         try:
             fn()
-        except OSError as e:
-            return f"could not write checkpoint {final.name} on rank {rank} ({e.strerror or e})"
+        except Exception as e:  # any: a rank that raised alone would leave the others waiting in settle
+            return failed(e, rank, needed) or f"could not write checkpoint {final.name} on rank {rank} " \
+                                              f"({type(e).__name__}: {e})"
         return None
 
     def prepare():
@@ -140,22 +166,25 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             last = complete_checkpoints(root)
-            raise ShardfitError(f"{e}; " + (f"the previous checkpoint {last[-1]} is intact" if last else
-                                            "no checkpoint of this run exists yet")) from None
+            previous = f"the previous checkpoint {last[-1]} is intact" if last else "no checkpoint of this run " \
+                                                                                    "exists yet"
+            raise (DiskFull if full else ShardfitError)(f"{e.what}; {previous}", where=e.where, fix=e.fix) from None
 
     settle(attempt(prepare) if rank == 0 else None)
     state = {"model": trained_state(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)["state"]
+    needed = _local_bytes(state)  # what this rank writes (its shards), for a full disk's message
     try:
         dcp.save(state, checkpoint_id=str(tmp))
-        problem = attempt(lambda: save_file(_rng_state(device), str(tmp / "rng" / f"rank{rank}.safetensors")))
+        problem = attempt(lambda: save_file(_rng_state(device), str(tmp / "rng" / f"rank{rank}.safetensors")),
+                          needed)
     except CheckpointException as e:  # DCP gathers every rank's failure and raises it on all ranks alike
-        failed = {r: err for r, (err, _trace) in e.failures.items() if isinstance(err, OSError)}
-        if not failed:
+        said = {r: failed(err, r, needed) for r, (err, _trace) in e.failures.items()}
+        said = {r: p for r, p in said.items() if p is not None}
+        if not said:
             raise
-        r, err = min(failed.items())
-        problem = f"could not write checkpoint {final.name} on rank {r} ({err.strerror or err})"
+        problem = said[min(said)]
     settle(problem)  # every rank has finished writing, or all stop here
 
     def publish():
