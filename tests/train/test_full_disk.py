@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardfit.train.checkpoint_verify import check_files
+from shardfit.weights.checkpoint_verify import check_files
 
 from shardfit.weights.checkpoint import complete_checkpoints
 from tests._disk import small_disk
