@@ -199,3 +199,22 @@ def test_two_ranks_serve_the_same_table(table):
     _check_versions(two)
     for key in ("ref_after", "from_path", "a_after_b", "b_after"):
         np.testing.assert_allclose(two[key], table[key], rtol=0, atol=2e-5)
+
+
+def test_a_sampler_is_freed_when_its_ttl_passes(served):
+    """ttl_seconds on save_weights_for_sampler (the SDK sends it for named saves): past it the sampling session is
+    gone, one 400 line (the fake Engine holds no versions: the session's bookkeeping is what is checked here)."""
+    import time
+
+    from tests.serve.raw_http import KEY, Client
+
+    c = Client(served.url)
+    rid = c.http.post("/save_weights_for_sampler", headers=KEY, json={
+        "model_id": c.model_id, "seq_id": c.next_seq(), "ttl_seconds": 0.2}).json()["request_id"]
+    sid = c.result(rid)["sampling_session_id"]
+    sample = {"sampling_session_id": sid, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+              "sampling_params": {"max_tokens": 1}}
+    assert c.http.post("/asample", headers=KEY, json=sample).status_code == 200
+    time.sleep(0.3)
+    r = c.http.post("/asample", headers=KEY, json=sample)
+    assert r.status_code == 400 and "freed" in r.json()["detail"] and "ttl_seconds" in r.json()["detail"]

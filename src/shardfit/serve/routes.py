@@ -246,8 +246,8 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
                                 where="/save_weights_for_sampler kind", fix="pass kind='snapshot' (the default)")
         freeze = bool(facts.lora_rank) and body.kind != "inflight"
         ttl = body.ttl_seconds if body.ttl_seconds and body.ttl_seconds > 0 else None
-        sid = st.new_sampler(st.models[body.model_id]["session_id"], VERSION if freeze else LIVE + body.model_id,
-                             ttl_s=ttl)
+        session = st.model(body.model_id, "/save_weights_for_sampler")["session_id"]
+        sid = st.new_sampler(session, VERSION if freeze else LIVE + body.model_id, ttl_s=ttl)
         return Queued("sampler_snapshot", {"sampling_session_id": sid, "freeze": freeze})
 
     @queued(app, st, "/load_weights", json_body(s.LoadWeightsBody))
