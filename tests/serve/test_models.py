@@ -201,6 +201,32 @@ def test_two_ranks_serve_the_same_table(table):
         np.testing.assert_allclose(two[key], table[key], rtol=0, atol=2e-5)
 
 
+def _pipelined(sc, url: str, base_model: str, seeds: tuple[int, ...]) -> dict:
+    """One client per seed, their requests sent together (each step's forward_backward and optim_step of every
+    client before any is read): each client's losses and final log-probs."""
+    from tinker import types
+
+    clients = [sc.create_lora_training_client(base_model=base_model, rank=8, seed=s).result() for s in seeds]
+    losses: dict[str, list[float]] = {str(s): [] for s in seeds}
+    for step in range(3):
+        fbs = [c.forward_backward(_datums(10 * s + step), "cross_entropy") for s, c in zip(seeds, clients)]
+        opts = [c.optim_step(types.AdamParams(learning_rate=2e-2)) for c in clients]  # gradients held apart
+        for s, fb, opt in zip(seeds, fbs, opts):
+            losses[str(s)].append(fb.result().metrics["loss:sum"])
+            opt.result()
+    return {"losses": losses, "lp": {str(s): _lp(c) for s, c in zip(seeds, clients)}}
+
+
+def test_clients_trained_together_equal_each_trained_alone(tmp_path):
+    """Two clients' requests interleaved on one server: each gets exactly what it gets alone (bit for bit, CPU)."""
+    import functools
+
+    both = run_ranks(_serve, 1, str(tmp_path / "both"), functools.partial(_pipelined, seeds=(1, 2)), timeout=600)[0]
+    alone = run_ranks(_serve, 1, str(tmp_path / "alone"), functools.partial(_pipelined, seeds=(2,)), timeout=600)[0]
+    assert both["losses"]["2"] == alone["losses"]["2"] and both["lp"]["2"] == alone["lp"]["2"]
+    assert both["losses"]["1"] != both["losses"]["2"]
+
+
 def test_a_sampler_is_freed_when_its_ttl_passes(served):
     """ttl_seconds on save_weights_for_sampler (the SDK sends it for named saves): past it the sampling session is
     gone, one 400 line (the fake Engine holds no versions: the session's bookkeeping is what is checked here)."""
