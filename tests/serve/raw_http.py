@@ -27,16 +27,18 @@ def fb_body(model_id: str, seq_id: int, tokens=(1, 2, 3), targets=(2, 3, 4), los
 
 
 class Client:
-    """One session with one training model, speaking with `key`."""
+    """One session with one training model (none: `model=False`), speaking with `key`."""
 
-    def __init__(self, url: str, key: str = "tml-test"):
+    def __init__(self, url: str, key: str = "tml-test", model: bool = True):
         self.key = {"X-API-Key": key}
         self.proto = {**self.key, "Content-Type": "application/x-protobuf"}
         self.http = httpx.Client(base_url=url + "/api/v1", timeout=30)
         self.session = self.http.post("/create_session", json={}, headers=self.key).json()["session_id"]
-        created = self.http.post("/create_model", headers=self.key, json={
-            "session_id": self.session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}).json()
-        self.model_id, self.seq = created["model_id"], 0
+        self.model_id, self.seq = None, 0
+        if model:
+            self.model_id = self.http.post("/create_model", headers=self.key, json={
+                "session_id": self.session, "model_seq_id": 0, "base_model": "tiny",
+                "lora_config": {"rank": 4}}).json()["model_id"]
 
     def next_seq(self) -> int:
         self.seq += 1

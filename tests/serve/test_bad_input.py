@@ -52,6 +52,19 @@ def _cases(c: Client):
             "sampling_params": {"max_tokens": 10_000}}),
         "seq_id used twice": lambda: c.http.post("/optim_step", headers=KEY,
                                                  json={"model_id": m, "seq_id": 1, "adam_params": {}}),
+        # the fake Engine trains every parameter (no --lora.rank): one model, no versions
+        "a second model without --lora.rank": lambda: c.http.post("/create_model", headers=KEY, json={
+            "session_id": c.session, "model_seq_id": 1, "base_model": "tiny", "lora_config": {"rank": 4}}),
+        "a seed that is not an integer": lambda: c.http.post("/create_model", headers=KEY, json={
+            "session_id": c.session, "model_seq_id": 2, "base_model": "tiny", "lora_config": {"seed": "x"}}),
+        "a sampler of a saved path without LoRA": lambda: c.http.post("/create_sampling_session", headers=KEY, json={
+            "session_id": c.session, "model_path": f"tinker://{m}/sampler_weights/s"}),
+        "a sampler kind that is not served": lambda: c.http.post("/save_weights_for_sampler", headers=KEY, json={
+            "model_id": m, "seq_id": c.next_seq(), "kind": "eventual"}),
+        "a sample of a path without its session": lambda: c.http.post("/asample", headers=KEY, json={
+            "model_path": f"tinker://{m}/sampler_weights/s", "prompt": {"chunks": [{"type": "encoded_text",
+                                                                                   "tokens": [1, 2]}]},
+            "sampling_params": {"max_tokens": 2}}),
     }
 
 
@@ -65,6 +78,8 @@ def test_each_bad_request_is_refused_and_the_next_works(client):
         assert r.status_code == EXPECTED.get(name, 400), (name, r.status_code, r.text)
         detail = r.json()["detail"]
         assert "fix" in detail and "\n" not in detail, (name, detail)
+        assert name != "a second model without --lora.rank" or "--lora.rank=R" in detail, detail
+        assert name != "a sampler of a saved path without LoRA" or "--lora.rank=R" in detail, detail
         assert client.good_forward() == pytest.approx(loss), name  # nothing ran in between: same weights
 
 

@@ -77,14 +77,15 @@ def test_sigterm_stops_every_rank_and_says_what_was_not_saved(tmp_path, sdk_clie
     """issue 38 item 6: SIGTERM to `shardfit serve --nproc 2` used to end rank 1 at once, leaving rank 0 a gloo
     traceback from its next broadcast and the launcher blaming start-up. Now every rank leaves at the same command,
     and the one line says which training was never saved."""
-    proc, url, lines = _start(tmp_path)
+    proc, url, lines = _start(tmp_path, "--lora.rank=8")  # two models: LoRA (without it a second is refused)
     sc = sdk_client(url, "tml-local")
     tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
     data = [_datum(b"hello world, hello shardfit!")]
     for _ in range(2):
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-    saved = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+    saved = sc.create_lora_training_client(base_model="tiny", rank=8).result()  # a model of its own
+    saved.forward_backward(data, "cross_entropy").result()
     saved.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     saved.save_state("kept").result()
     sc.close("success").result(timeout=30)
@@ -131,10 +132,16 @@ def test_sdk_round_trip_on_two_ranks(server, sdk_client):
     assert np.allclose(trained, seq.logprobs, atol=1e-3)
     lps = sampler.compute_logprobs(types.ModelInput.from_ints(list(b"hello world"))).result()
     assert lps[0] is None and len(lps) == 11
+    # without --lora.rank the server holds one model: a second create_model is refused in one line; a client
+    # made from a saved state takes the model over, and the client it replaced is refused from then on
+    with pytest.raises(tinker.BadRequestError, match="--lora.rank=R"):
+        sc.create_lora_training_client(base_model="tiny", rank=8).result()
     path = tc.save_state("step4").result().path
     resumed = sc.create_training_client_from_state_with_optimizer(path).result()
     again = resumed.forward(data, "cross_entropy").result()
     assert again.metrics["loss:sum"] == pytest.approx(fwd.metrics["loss:sum"], rel=1e-4)
+    with pytest.raises(tinker.BadRequestError, match=f"was replaced by '{resumed.model_id}'"):
+        tc.forward(data, "cross_entropy").result()
 
 
 @pytest.mark.parametrize("server", [["--lora.rank=8", "--lora.alpha=16"]], indirect=True)

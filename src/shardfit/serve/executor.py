@@ -2,7 +2,11 @@
 
 The RL API (rl/step.py DatumEngine): forward / forward_backward(datums, loss_fn, loss_fn_config) -> outputs +
 metrics, optim_step(AdamParams) -> metrics; the Engine's save_state / load_state(path, optimizer) and model (the
-sharded CausalLM, for sampling). Paths in a command were resolved inside the run directory by rank 0
+sharded CausalLM, for sampling). With LoRA (the Engine has a model registry, engine/registry.py) each command runs
+on its own model: `engine.using(model_id)` first (a swap of adapter shards only when another model was in the slot);
+a sampling session's version id is kept here, on every rank alike (`versions`: the same commands make the same ids),
+and a sample runs under `using(version)`. Without LoRA there is one model and no version: `using` is never called.
+Paths in a command were resolved inside the run directory by rank 0
 (serve.security) before the broadcast. Timings go back with the answer: fwd/bwd metrics carry the server's queue wait
 and compute time as "server_queue_s:max" and "server_compute_s:sum" (the SDK sums or maxes them over chunks).
 """
@@ -54,9 +58,14 @@ class Executor:
         self.Datum, self.AdamParams = rl_types or _rl_types()
         self.rl = engine if rl_types is not None else _datum_engine(engine)  # a test's fake engine speaks datums
         self.weights_version = 0  # optimizer steps and loads applied: which weights a sample came from
-        self.handlers = {"forward_backward": self.forward_backward, "optim_step": self.optim_step,
-                         "save_state": self.save_state, "load_state": self.load_state,
-                         "sampler_snapshot": self.sampler_snapshot, "sample": self.sample}
+        self.registry = getattr(engine, "models", None)  # engine/registry.py's ModelRegistry (LoRA), else None
+        self.versions: dict[str, str] = {}  # sampling session id -> its version id (LoRA)
+        self.failed: dict[str, str] = {}  # sampling session id -> why its model_path did not load
+        self.summary: dict = {}  # the registry's summary after the last command (GET /api/v1/shardfit/status)
+        self.handlers = {"create_model": self.create_model, "forward_backward": self.forward_backward,
+                         "optim_step": self.optim_step, "save_state": self.save_state, "load_state": self.load_state,
+                         "sampler_snapshot": self.sampler_snapshot, "sampler_load": self.sampler_load,
+                         "release_samplers": self.release_samplers, "sample": self.sample}
 
     @property
     def rank(self) -> int:
@@ -66,7 +75,26 @@ class Executor:
         handler = self.handlers.get(cmd.kind)
         if handler is None:  # rank 0 only makes the kinds above: a mismatch is a bug
             raise ValueError(f"unknown command kind '{cmd.kind}'")
-        return handler(cmd)
+        try:
+            return handler(cmd)
+        finally:
+            if self.registry is not None:
+                self.summary = self.registry.summary()
+
+    def held(self) -> dict:
+        """What the Engine holds (the HTTP thread's view: a copy of plain numbers, never the Engine itself)."""
+        return dict(self.summary) if self.registry is not None else {"models": 1, "versions": 0}
+
+    def use(self, model: str) -> None:
+        """Put `model` (a model id, a version id, or registry.BASE) in the adapters' slot (LoRA only)."""
+        if self.registry is not None:
+            self.engine.using(model)
+
+    def create_model(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        a = cmd.args
+        if self.registry is not None:
+            self.engine.add_model(a["model_id"], a.get("seed"))  # at the base: B = 0, its own optimizer state
+        return Result(json={"model_id": a["model_id"], "type": "create_model"}), {}
 
     def space_needed(self, cmd: Command) -> int | None:
         """About the bytes a save writes, for a full disk's message: the trained parameters (all ranks' shards),
@@ -80,6 +108,7 @@ class Executor:
     def forward_backward(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         a = cmd.args
         datums = [self.Datum(tokens=d.tokens, inputs=d.inputs) for d in datums_from_json(a["datums"])]
+        self.use(cmd.model_id)
         t0 = time.perf_counter()
         call = self.rl.forward if a["forward_only"] else self.rl.forward_backward
         res = call(datums, loss_fn=a["loss_fn"], loss_fn_config=a.get("loss_fn_config") or None)
@@ -94,6 +123,7 @@ class Executor:
         return Result(proto=encode_forward_backward(outputs, metrics)), {phase: compute}
 
     def optim_step(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        self.use(cmd.model_id)
         t0 = time.perf_counter()
         metrics = self.rl.optim_step(self.AdamParams(**cmd.args["adam"]))
         took = time.perf_counter() - t0
@@ -105,6 +135,7 @@ class Executor:
 
     def save_state(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         a = cmd.args
+        self.use(cmd.model_id)
         t0 = time.perf_counter()
         self.engine.save_state(Path(a["dir"]), optimizer=bool(a["optimizer"]))
         took = time.perf_counter() - t0
@@ -120,19 +151,74 @@ class Executor:
             raise ShardfitError("no such checkpoint", where=a["tinker_path"],
                                 fix="give a path save_state returned (tinker://RUN/weights/NAME)")
         t0 = time.perf_counter()
+        if a.get("create") and self.registry is not None:
+            self.engine.add_model(a["model_id"])  # create_training_client_from_state: a new model, then its weights
+        self.use(a["model_id"])
         self.engine.load_state(Path(a["dir"]), optimizer=bool(a["optimizer"]))
         self.weights_version += 1
         return (Result(json={"path": a["tinker_path"], "model_id": a["model_id"], "type": "load_weights"}),
                 {"load": time.perf_counter() - t0})
 
     def sampler_snapshot(self, cmd: Command) -> tuple[Result, dict[str, float]]:
-        """An unnamed save_weights_for_sampler: the sampling session reads the weights as they are now (in
-        order with the model's other requests); nothing is written."""
-        return Result(json={"sampling_session_id": cmd.args["sampling_session_id"],
-                            "type": "save_weights_for_sampler"}), {}
+        """An unnamed save_weights_for_sampler, in order with the model's other requests: a version frozen now
+        (`freeze`), or nothing (the session reads the model's live weights)."""
+        sid = cmd.args["sampling_session_id"]
+        if cmd.args.get("freeze"):
+            self.versions[sid] = self.engine.freeze(cmd.model_id)
+        return Result(json={"sampling_session_id": sid, "type": "save_weights_for_sampler"}), {}
+
+    def sampler_load(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        """create_sampling_client(model_path): the saved adapters loaded into a temporary model, frozen into a
+        version, the model removed (its optimizer state was never read). A failure is kept for the session's
+        samples to say."""
+        a, sid = cmd.args, cmd.args["sampling_session_id"]
+        temp = f"load:{sid}"
+        t0 = time.perf_counter()
+        try:
+            self.engine.add_model(temp)
+            self.engine.load_state(Path(a["dir"]), optimizer=False, model=temp)
+            self.versions[sid] = self.engine.freeze(temp)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception; re-raised
+            self.failed[sid] = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise
+        finally:
+            if temp in self.registry.models:
+                self.registry.remove(temp)
+        return Result(json={"sampling_session_id": sid, "path": a["tinker_path"]}), {"load": time.perf_counter() - t0}
+
+    def release_samplers(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        for sid in cmd.args["sampling_session_ids"]:
+            self.failed.pop(sid, None)
+            vid = self.versions.pop(sid, None)
+            if vid is not None:
+                self.registry.release(vid)
+        return Result(json={}), {}
+
+    def sampler_weights(self, a: dict) -> str | None:
+        """What a sample reads: a version id, registry.BASE or a model id (LoRA); None without LoRA."""
+        weights, sid = a.pop("weights", None), a.pop("sampler", None)
+        if self.registry is None:
+            return None
+        if weights == "version":
+            if sid in self.failed:
+                raise ShardfitError(f"this sampling session's weights did not load: {self.failed[sid]}",
+                                    where="/asample sampling_session_id", fix="create the sampling client again "
+                                    "from a path save_weights_for_sampler returned")
+            if sid not in self.versions:
+                raise ShardfitError("this sampling session's version was freed", where="/asample sampling_session_id",
+                                    fix="save the weights again (save_weights_for_sampler) and sample from that")
+            return self.versions[sid]
+        if weights == "base":
+            from shardfit.engine.registry import BASE
+
+            return BASE
+        return weights.removeprefix("live:")
 
     def sample(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         a = dict(cmd.args)
+        weights = self.sampler_weights(a)
+        if weights is not None:
+            self.use(weights)
         a["stop_tokens"], a["stop_strings"] = tuple(a.get("stop_tokens", ())), tuple(a.get("stop_strings", ()))
         args = SampleArgs(**a)
         from shardfit.parallel.parallelize import mixed_precision

@@ -26,7 +26,7 @@ from shardfit.serve.commands import Command, datums_to_json
 from shardfit.serve.futures import Result
 from shardfit.serve.protocol import check_forward_backward, loss_config, parse_forward_backward
 from shardfit.serve.security import check_segment, parse_tinker_path
-from shardfit.serve.state import META, ServerState
+from shardfit.serve.state import BASE, LIVE, META, VERSION, ServerState
 
 V1 = "/api/v1"
 PROTO = "application/x-protobuf"
@@ -170,6 +170,7 @@ def _session_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.post(V1 + "/sessions/{session_id}/finish")
     async def finish(session_id: str):
+        release_expired(st, session_id)  # its sampling clients are gone: so are their versions
         return {}
 
     @app.post(V1 + "/get_info")
@@ -187,18 +188,24 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
 
     @queued(app, st, "/create_model", json_body(s.CreateModelBody))
     def create_model(body) -> Queued:
+        """A new model of the Engine's registry (LoRA: its own adapters, starting at the base, and optimizer state);
+        without LoRA the one model, every parameter."""
         st.session(body.session_id, "/create_model session_id")
         st.check_base_model(body.base_model, "/create_model base_model")
-        rank = (body.lora_config or {}).get("rank")
-        facts.check_lora_rank(rank, "/create_model lora_config.rank")
-        model_id = st.add_model(body.session_id, body.model_seq_id, body.base_model, body.user_metadata, rank)
+        config = body.lora_config or {}
+        facts.check_lora_config(config, "/create_model lora_config")
+        seed = config.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ShardfitError(f"seed={s.shown(seed)} is not an integer >= 0", where="/create_model lora_config.seed",
+                                fix="pass an integer seed, or none")
+        model_id = st.add_model(body.session_id, body.model_seq_id, body.base_model, body.user_metadata,
+                                config.get("rank"))
         if not said_full and not facts.lora_rank:
             said_full.append(True)
-            print(f"shardfit serve: {model_id}: LoRA (rank {rank}) was asked for; this server trains every parameter "
-                  "(get_info says is_lora=false): start it with --lora.rank=R to train adapters",
+            print(f"shardfit serve: {model_id}: LoRA (rank {config.get('rank')}) was asked for; this server trains "
+                  "every parameter (get_info says is_lora=false): start it with --lora.rank=R to train adapters",
                   file=sys.stderr, flush=True)
-        return Queued("create_model", now={"model_id": model_id, "type": "create_model"},
-                      extra={"model_id": model_id})
+        return Queued("create_model", {"model_id": model_id, "seed": seed}, extra={"model_id": model_id})
 
     @queued(app, st, "/forward_backward", proto_body)
     def forward_backward(msg) -> Queued:
@@ -229,9 +236,19 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
 
     @queued(app, st, "/save_weights_for_sampler", json_body(s.SaveWeightsBody))
     def save_for_sampler(body) -> Queued:
+        """With a path: the checkpoint (create_sampling_client(model_path) loads it into a version). Without: a
+        sampling session of a version frozen now (LoRA; the SDK's kind="snapshot"), or of the model's live weights
+        (kind="inflight", or a server without LoRA: its versions would copy every weight)."""
         if body.path:
             return save(body.model_id, "sampler_weights", body.path, False, "save_weights_for_sampler")
-        return Queued("sampler_snapshot", {"sampling_session_id": st.new_sampler(None, body.model_id)})
+        if body.kind not in (None, "snapshot", "inflight"):
+            raise ShardfitError(f"kind={s.shown(body.kind)} is not snapshot or inflight",
+                                where="/save_weights_for_sampler kind", fix="pass kind='snapshot' (the default)")
+        freeze = bool(facts.lora_rank) and body.kind != "inflight"
+        ttl = body.ttl_seconds if body.ttl_seconds and body.ttl_seconds > 0 else None
+        session = st.model(body.model_id, "/save_weights_for_sampler")["session_id"]
+        sid = st.new_sampler(session, VERSION if freeze else LIVE + body.model_id, ttl_s=ttl)
+        return Queued("sampler_snapshot", {"sampling_session_id": sid, "freeze": freeze})
 
     @queued(app, st, "/load_weights", json_body(s.LoadWeightsBody))
     def load_weights(body) -> Queued:
@@ -246,8 +263,8 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
         st.session(body.session_id, "/load_weights session_id")
         if body.base_model is not None:
             st.check_base_model(body.base_model, "/load_weights base_model")
-        model_id = st.add_model(body.session_id, body.model_seq_id, facts.base_model, None, None)
-        return Queued("load_state", {**args, "model_id": model_id})
+        model_id = st.add_model(body.session_id, body.model_seq_id, facts.base_model, None, None, "/load_weights")
+        return Queued("load_state", {**args, "model_id": model_id, "create": True})
 
 
 def _sampling_routes(app: FastAPI, st: ServerState) -> None:
@@ -255,16 +272,32 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.post(V1 + "/create_sampling_session")
     async def create_sampling_session(request: Request):
+        """base_model: the base alone (LoRA; without LoRA the one model's live weights). model_path: the saved
+        weights, loaded into a version by a `sampler_load` command queued before any of the session's samples."""
         body = await _json(request, s.SamplingSessionBody)
         st.session(body.session_id, "/create_sampling_session session_id")
+        release_expired(st)
         if body.model_path is not None:
-            parse_tinker_path(body.model_path, "/create_sampling_session model_path")
+            where = "/create_sampling_session model_path"
+            run, kind, name = parse_tinker_path(body.model_path, where)
+            if not facts.lora_rank:
+                raise ShardfitError("a sampler of saved weights needs LoRA: without it the one model's weights are "
+                                    "the only ones held", where=where,
+                                    fix="start shardfit serve with --lora.rank=R, or load_state into the model")
+            directory, tinker_path = st.checkpoint_target(run, kind, name)
+            if not (directory / META).is_file():
+                raise ShardfitError("no such checkpoint", where=where,
+                                    fix="give a path save_weights_for_sampler or save_state returned")
+            sid = st.new_sampler(body.session_id, VERSION, body.model_path)
+            submit(st, "sampler_load", {"sampling_session_id": sid, "dir": str(directory),
+                                        "tinker_path": tinker_path}, request.state.principal)
         elif body.base_model is not None:
             st.check_base_model(body.base_model, "/create_sampling_session base_model")
+            sid = st.new_sampler(body.session_id, BASE)
         else:
             raise ShardfitError("neither base_model nor model_path", where="/create_sampling_session",
                                 fix="name what to sample from")
-        return {"type": "create_sampling_session", "sampling_session_id": st.new_sampler(body.model_path, None)}
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @app.get(V1 + "/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
@@ -273,16 +306,35 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
 
     @queued(app, st, "/asample", json_body(s.SampleBody))
     def asample(body) -> Queued:
+        release_expired(st)
         if body.sampling_session_id is not None:
-            st.sampler(body.sampling_session_id, "/asample sampling_session_id")
+            weights = st.sampler(body.sampling_session_id, "/asample sampling_session_id")["weights"]
         elif body.base_model is not None:
             st.check_base_model(body.base_model, "/asample base_model")
+            weights = BASE
         elif body.model_path is not None:
             parse_tinker_path(body.model_path, "/asample model_path")
+            raise ShardfitError("a sample of model_path needs its sampling session", where="/asample model_path",
+                                fix="create_sampling_client(model_path=...) and sample from it")
         else:
             raise ShardfitError("no sampling_session_id", where="/asample", fix="create a sampling client first")
         args = s.sample_args(body, facts.vocab_size, facts.max_seq_len, facts.eos_ids, facts.has_tokenizer)
-        return Queued("sample", asdict(args), samples=args.num_samples)
+        return Queued("sample", {**asdict(args), "weights": weights, "sampler": body.sampling_session_id},
+                      samples=args.num_samples)
+
+
+def submit(st: ServerState, kind: str, args: dict, owner: str | None) -> str:
+    """Queue a command no client waits for by seq_id (a sampler's load, a release); its request id."""
+    rid = st.futures.create(kind, owner)
+    st.scheduler.submit(Command(kind, rid, args, ""))
+    return rid
+
+
+def release_expired(st: ServerState, session_id: str | None = None) -> None:
+    """Free the versions of the sampling sessions of `session_id` (None: those past their ttl_seconds)."""
+    gone = st.drop_samplers(session_id)
+    if gone:
+        submit(st, "release_samplers", {"sampling_session_ids": gone}, None)
 
 
 def _future_and_checkpoint_routes(app: FastAPI, st: ServerState) -> None:
@@ -321,4 +373,5 @@ def _future_and_checkpoint_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.get(V1 + "/shardfit/status")
     async def status(request: Request):
-        return {"queue": st.scheduler.depth(), **st.futures.snapshot(request.state.principal)}
+        release_expired(st)
+        return {"queue": st.scheduler.depth(), "held": st.held(), **st.futures.snapshot(request.state.principal)}

@@ -52,7 +52,8 @@ class SaveWeightsBody(_Body):
     seq_id: int
     path: str | None = None
     sampling_session_seq_id: int | None = None
-    kind: str | None = None
+    kind: str | None = None  # snapshot (a frozen version) | inflight (the model's live weights)
+    ttl_seconds: float | None = None  # the sampler's version is freed after this long
 
 
 class LoadWeightsBody(_Body):

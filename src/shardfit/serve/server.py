@@ -70,7 +70,8 @@ def model_facts(cfg) -> tuple[ModelFacts, object]:
                        max_seq_len=cfg.model.max_seq_len,
                        eos_ids=eos_ids(tokenizer, model_dir) if tokenizer is not None else set(),
                        tokenizer_id=str(model_dir) if hf_tok is not None and hf_tok.is_file() else None,
-                       has_tokenizer=tokenizer is not None, arch=cfg.model.name, lora_rank=cfg.lora.rank)
+                       has_tokenizer=tokenizer is not None, arch=cfg.model.name, lora_rank=cfg.lora.rank,
+                       lora_targets=cfg.lora.targets)
     return facts, tokenizer
 
 
@@ -137,6 +138,7 @@ def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_k
         return (t.started - t.submitted) if t is not None and t.started is not None else 0.0
 
     executor = Executor(engine, tokenizer=tokenizer, queue_wait=queue_wait, rl_types=rl_types)
+    state.held = executor.held
     loop = Loop(executor, 0, engine.dist.world_size, comm_device(engine), state.scheduler, state.futures,
                 needed=executor.space_needed, done=state.note_done)
     server, thread, bound = start_http(state, host, port)

@@ -1,10 +1,16 @@
 """What rank 0's HTTP side knows: the served model's facts, sessions, training models, sampling sessions, the
 checkpoints listing and the idempotency cache. No torch here: the HTTP threads never touch the Engine.
 
-One Engine serves one set of weights: every training model created on it trains those weights (LoRA adapters of
-the server's --lora.rank, or every parameter when it was started without one, which get_info and the first
-create_model say), and a sampling session samples them as they are when its request runs. A model's seq_id order
-is kept by ordering.Scheduler. Each model counts its optimizer steps since its last save_state (or load), for the
+With --lora.rank every training model is a model of the Engine's registry (engine/registry.py: its own adapters and
+optimizer state on the one frozen base), named by its model_id; without it the server holds one training model that
+trains every parameter, and a second is refused in one line naming --lora.rank. A sampling session samples what it
+was made from (new_sampler's `weights`): a frozen version of a model (save_weights_for_sampler, or a saved path loaded
+into one), the base alone, or a model's live weights (the SDK's kind="inflight", and every sampler of a server
+without LoRA, whose versions would cost a copy of every weight: not held). The version ids live on every rank's
+executor (the same commands make the same ids); rank 0's HTTP side knows only which sampling sessions exist, whose
+they are and when they expire, and asks for their release (a `release_samplers` command) when their session
+finishes or their ttl_seconds pass. A model's seq_id order is kept by ordering.Scheduler.
+Each model counts its optimizer steps since its last save_state (or load), for the
 line a stopped server prints: training nobody saved is said to be lost, never silently dropped.
 """
 
@@ -26,6 +32,7 @@ from shardfit.serve.ordering import Scheduler
 from shardfit.serve.security import KINDS, check_segment, checkpoint_dir
 
 META = ".tinker.json"  # beside a saved checkpoint's files: what the checkpoints listing shows
+VERSION, BASE, LIVE = "version", "base", "live:"  # what a sampling session reads (new_sampler)
 
 
 @dataclass
@@ -40,6 +47,7 @@ class ModelFacts:
     has_tokenizer: bool = False
     arch: str = ""
     lora_rank: int = 0  # the Engine's lora.rank: 0 trains every parameter
+    lora_targets: str = ""  # the Engine's lora.targets: which layers a LoRA model adapts
     token_budget: int = 0  # the Engine's micro-batch of datum tokens (a longer datum is refused); 0: none
 
     def check_lora_rank(self, rank: int | None, where: str) -> None:
@@ -48,6 +56,34 @@ class ModelFacts:
         if self.lora_rank and rank is not None and rank != self.lora_rank:
             raise ShardfitError(f"this server trains LoRA adapters of rank {self.lora_rank}, not {rank}", where=where,
                                 fix=f"pass rank={self.lora_rank}, or start shardfit serve with --lora.rank={rank}")
+
+    def adapts(self) -> dict[str, bool]:
+        """What the server's adapters cover, as the SDK's lora_config names it (train_mlp, train_attn,
+        train_unembed)."""
+        names = {t.strip() for t in self.lora_targets.split(",") if t.strip()}
+        every = "all-linear" in names
+        return {"train_attn": every or bool(names & {"q_proj", "k_proj", "v_proj", "o_proj"}),
+                "train_mlp": every or bool(names & {"gate_proj", "up_proj", "down_proj"}) or any(
+                    n.startswith("experts") for n in names),
+                "train_unembed": "lm_head" in names}
+
+    def check_lora_config(self, config: dict, where: str) -> None:
+        """The SDK's lora_config against what this server trains: one line naming the field that cannot be served.
+        train_unembed=True (the SDK's default) is accepted without lm_head adapters (it is what every default
+        client sends; get_info's lora_rank and the server's start line say what is trained); asking for none
+        where the server adapts lm_head is refused, as are train_mlp / train_attn that differ."""
+        self.check_lora_rank(config.get("rank"), f"{where}.rank")
+        if not self.lora_rank:
+            return
+        have = self.adapts()
+        for key in ("train_attn", "train_mlp", "train_unembed"):
+            want = config.get(key)
+            if want is None or bool(want) == have[key] or (key == "train_unembed" and want):
+                continue
+            raise ShardfitError(f"{key}={bool(want)}: this server's adapters (--lora.targets={self.lora_targets}) "
+                                f"{'cover' if have[key] else 'leave out'} those layers", where=f"{where}.{key}",
+                                fix=f"pass {key}={have[key]}, or start shardfit serve with --lora.targets naming the "
+                                "layers you train")
 
     def accepts(self, name: str) -> bool:
         if name == self.base_model:
@@ -73,6 +109,7 @@ class ServerState:
         self.models: dict[str, dict] = {}
         self.samplers: dict[str, dict] = {}
         self._idem: OrderedDict[str, dict] = OrderedDict()
+        self.held = dict  # () -> the Engine's models and versions held (the executor's registry summary)
         self.bugs = 0  # requests that raised what no check foresaw (app.py answers them 400, never 5xx)
 
     # ------------------------------------------------------------------ sessions and models
@@ -99,10 +136,23 @@ class ServerState:
                                 "--model.name=PRESET or --model.path=HF_DIR")
 
     def add_model(self, session_id: str, model_seq_id: int, base_model: str, user_metadata: dict | None,
-                  lora_rank: int | None) -> str:
+                  lora_rank: int | None, where: str = "/create_model") -> str:
+        """A training model's id and record (the Engine's model is made by its create_model / load_state command).
+        Without LoRA the Engine holds one model: a second create_model would train the first one's weights, so it is
+        refused; a model made from a saved state (/load_weights) takes the one model over, and the model it
+        replaces is refused from then on (its client would train the loaded weights)."""
         model_id = check_segment(f"{session_id}:train:{model_seq_id}", "model_id")  # the SDK rebuilds this id itself
         with self.lock:
-            self.models[model_id] = {"base_model": base_model, "created": now_iso(), "seen": now_iso(),
+            if not self.facts.lora_rank:
+                live = [m for m, d in self.models.items() if not d.get("replaced_by")]
+                if live and where != "/load_weights":
+                    raise ShardfitError("this server trains every parameter of one model, and it has one already",
+                                        where=where, fix="start shardfit serve with --lora.rank=R (e.g. 16) to train "
+                                        "several models on one base")
+                for m in live:
+                    self.models[m]["replaced_by"] = model_id
+            self.models[model_id] = {"base_model": base_model, "session_id": session_id, "created": now_iso(),
+                                     "seen": now_iso(),
                                      "user_metadata": user_metadata, "requested_lora_rank": lora_rank,
                                      "unsaved": 0}
         self.scheduler.add_model(model_id)
@@ -114,23 +164,45 @@ class ServerState:
         if m is None:
             raise ShardfitError(f"unknown model_id '{str(model_id)[:120]}'", where=where,
                                 fix="create the model first (ServiceClient.create_lora_training_client)")
+        if m.get("replaced_by"):
+            raise ShardfitError(f"model '{model_id}' was replaced by '{m['replaced_by']}', loaded from a saved state: "
+                                "this server trains every parameter of one model", where=where,
+                                fix="use the client create_training_client_from_state returned, or start shardfit "
+                                "serve with --lora.rank=R to hold several models")
         m["seen"] = now_iso()
         return m
 
-    def new_sampler(self, model_path: str | None, model_id: str | None) -> str:
+    def new_sampler(self, session_id: str, weights: str, model_path: str | None = None,
+                    ttl_s: float | None = None) -> str:
+        """A sampling session of `session_id` reading `weights`: VERSION (the version its command freezes or loads,
+        kept by the executors under the sampler's id), BASE, or LIVE + a model_id."""
         sid = "samp-" + secrets.token_hex(16)
         with self.lock:
-            self.samplers[sid] = {"base_model": self.facts.base_model, "model_path": model_path,
-                                  "model_id": model_id}
+            self.samplers[sid] = {"base_model": self.facts.base_model, "model_path": model_path, "weights": weights,
+                                  "session_id": session_id,
+                                  "expires": time.monotonic() + ttl_s if ttl_s else None}
         return sid
 
     def sampler(self, sid: str, where: str) -> dict:
         with self.lock:
             s = self.samplers.get(sid)
         if s is None:
-            raise ShardfitError(f"unknown sampling session '{str(sid)[:80]}'", where=where,
+            raise ShardfitError(f"unknown sampling session '{str(sid)[:80]}' (never made, or freed: its session "
+                                "finished or its ttl_seconds passed)", where=where,
                                 fix="create it with create_sampling_client or save_weights_and_get_sampling_client")
         return s
+
+    def drop_samplers(self, session_id: str | None = None) -> list[str]:
+        """Forget the sampling sessions of `session_id` (None: those past their ttl); their ids, whose versions the
+        caller releases on every rank (a release_samplers command)."""
+        now = time.monotonic()
+        with self.lock:
+            gone = [sid for sid, s in self.samplers.items()
+                    if (s["session_id"] == session_id if session_id is not None
+                        else s["expires"] is not None and s["expires"] <= now)]
+            for sid in gone:
+                del self.samplers[sid]
+        return gone
 
     # ------------------------------------------------------------------ idempotency (the SDK's retries)
     def remembered(self, owner: str | None, key: str | None) -> dict | None:
@@ -168,7 +240,7 @@ class ServerState:
         """What a server stopped by a signal says, once: which training was never saved, now lost."""
         how = "interrupted (SIGINT)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
         with self.lock:
-            lost = {m: d["unsaved"] for m, d in self.models.items() if d.get("unsaved")}
+            lost = {m: d["unsaved"] for m, d in self.models.items() if d.get("unsaved") and not d.get("replaced_by")}
         if not lost:
             return f"serve {how}: no model had optimizer steps since its last save_state"
         names = ", ".join(f"{m} ({n})" for m, n in list(lost.items())[:3]) + (", ..." if len(lost) > 3 else "")
