@@ -19,7 +19,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # The layers, lowest first: the one place the package order is written (docs/architecture.md describes it).
 LAYERS: list[set[str]] = [
-    {"errors", "fsutil", "safe_pickle", "kernels"},  # used everywhere; import no shardfit package
+    {"errors"},  # the one error type and its kinds; imports no shardfit package
+    {"fsutil", "safe_pickle", "kernels"},  # used everywhere: atomic files and a full disk told apart, safe loads
     {"config", "doctor"},  # the config tree; the doctor (forensics of measured snapshots and traces) builds no model
     {"models", "data"},  # the decoder (no distributed code); records, tokenizers, packing
     {"adapters"},  # module transforms on the model: LoRA, expert LoRA, NF4

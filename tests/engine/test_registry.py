@@ -157,3 +157,26 @@ def _full_param(rank, world):
 def test_a_second_model_without_lora_is_refused_naming_the_option():
     msg = run_ranks(_full_param, 1)[0]
     assert "needs LoRA" in msg and "--lora.rank" in msg
+
+
+def _step_without_gradients(rank, world):
+    """optim_step with no forward_backward since the last one (a new model's first call, or a client's): no error,
+    nothing to apply, the weights as they were; with and without LoRA."""
+    from shardfit.config import load_config
+    from shardfit.rl import AdamParams, DatumEngine
+    from tests.helpers import full_state
+
+    out = {}
+    for name, args in (("lora", ARGS), ("full", [a for a in ARGS if not a.startswith("--lora")])):
+        e = DatumEngine.start(load_config(None, args))
+        before = {k: v.clone() for k, v in full_state(e.model).items()}
+        m = e.optim_step(AdamParams(learning_rate=1e-2))
+        e.finish()
+        after = full_state(e.model)
+        out[name] = [m["grad_norm:mean"], m["skipped:max"], all(bool((before[k] == after[k]).all()) for k in before)]
+    return out
+
+
+def test_an_optimizer_step_with_no_gradients_changes_nothing():
+    r = run_ranks(_step_without_gradients, 1)[0]
+    assert r["lora"] == [0.0, 0.0, True] and r["full"] == [0.0, 0.0, True]

@@ -371,7 +371,9 @@ class Engine(EngineState):
             n = first.loss_tokens
             factor = first.capacity / n if n > 0 else 0.0
             self.runner.wait()
-            torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None], factor)
+            grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, factor)
             first.mean_over_tokens, first.capacity = False, 1
 
     def optim_step(self, adam: AdamParams) -> StepRecord:
@@ -453,7 +455,9 @@ class Engine(EngineState):
             self.optimizer.grad_scale = torch.tensor(1.0 / (scale * coef), dtype=torch.float32,
                                                      device=self.runner.grad_scale_device)
         else:
-            torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None], scale * coef)
+            grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+            if grads:  # none: an optim_step with no forward_backward since the last one (a no-op but for Adam's state)
+                torch._foreach_mul_(grads, scale * coef)
         self.runner.launch()  # an overlapped runner takes the gradients and frees them group by group
         if gathers_in_fp8(self.cfg.compute):
             self.runner.wait()  # the FP8 scales are read from the updated weights, all of them, now

@@ -116,7 +116,7 @@ def resolve_loss(loss_fn, loss_fn_config: dict | None) -> LossSpec:
         name, fn, required, allowed = getattr(loss_fn, "__name__", "custom"), loss_fn, ("target_tokens",), None
     elif isinstance(loss_fn, str) and loss_fn in BUILT_IN:
         name, fn, required, allowed = loss_fn, BUILT_IN[loss_fn], _REQUIRED[loss_fn], _CONFIG[loss_fn] | _COMMON
-    elif loss_fn in PAIR_LOSSES:  # checked by rl/preference.py objective_of
+    elif isinstance(loss_fn, str) and loss_fn in PAIR_LOSSES:  # checked by rl/preference.py objective_of
         return LossSpec(loss_fn, None, cfg, PAIR_LOSSES[loss_fn])
     else:
         raise ShardfitError(f"unknown loss_fn {loss_fn!r}", where="loss_fn",
