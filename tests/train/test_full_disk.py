@@ -9,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardfit.weights.checkpoint_verify import check_files
-
 from shardfit.weights.checkpoint import complete_checkpoints
+from shardfit.weights.checkpoint_verify import check_files
 from tests._disk import small_disk
 from tests._dist import run_ranks
 from tests.helpers import EXTEND, SMALL, small_config
