@@ -48,6 +48,18 @@ def template_for(choice: str, tokenizer_spec: str) -> ChatRenderer | None:
     return renderer
 
 
+def renderer_of(renderer: ChatRenderer | None, data_cfg, where: str, what: str) -> ChatRenderer:
+    """The data's chat renderer, made on the first chat record (`what`: an example, a pair) that needs one;
+    data.chat_template=none refuses that record in one line."""
+    if renderer is not None:
+        return renderer
+    renderer = template_for(data_cfg.chat_template, data_cfg.tokenizer)
+    if renderer is None:
+        raise ShardfitError(f"a chat {what}, but data.chat_template=none", where=where,
+                            fix="set data.chat_template to auto, tokenizer or plain")
+    return renderer
+
+
 def export_template(out: Path, kind: str) -> None:
     """Write the template a run applied into its Hugging Face export `out`: the tokenizer's is there already (its
     files are copied); plain (or a file's) is written as chat_template.jinja, and into a copied tokenizer_config.json

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardfit.data.chat import template_for
+from shardfit.data.chat import renderer_of
 from shardfit.data.dataset import ShuffledDataset
 from shardfit.data.formats import detect
 from shardfit.data.messages import check_messages, json_type, record_tools
@@ -132,11 +132,7 @@ def read_pairs(files: list[Path], data_cfg, tokenizer, spec: str) -> Pairs:
         for obj, where in read_records(path, data_cfg.file_format):
             chosen, rejected, chat = pair_pieces(obj, where)
             if chat:
-                if renderer is None:
-                    renderer = template_for(data_cfg.chat_template, data_cfg.tokenizer)
-                    if renderer is None:
-                        raise ShardfitError("a chat pair, but data.chat_template=none", where=where,
-                                            fix="set data.chat_template to auto, tokenizer or plain")
+                renderer = renderer_of(renderer, data_cfg, where, "pair")
                 chats += 1
                 tools = record_tools(obj, where)
                 chosen, rejected = (renderer.segments(s, where, tools=tools) for s in (chosen, rejected))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardfit.data.chat import template_for
+from shardfit.data.chat import renderer_of
 from shardfit.data.dataset import ShuffledDataset
 from shardfit.data.formats import file_format, to_example
 from shardfit.data.messages import record_tools
@@ -146,11 +146,7 @@ def read_examples(files: list[Path], data_cfg, tokenizer, spec: str | None = Non
         for obj, where in read_records(path, data_cfg.file_format):
             ex = to_example(obj, fmt, origin, where)
             if isinstance(ex[0], dict):  # a chat: through the template
-                if renderer is None:
-                    renderer = template_for(data_cfg.chat_template, data_cfg.tokenizer)
-                    if renderer is None:
-                        raise ShardfitError("a chat example, but data.chat_template=none", where=where,
-                                            fix="set data.chat_template to auto, tokenizer or plain")
+                renderer = renderer_of(renderer, data_cfg, where, "example")
                 chats += 1
                 pieces = renderer.segments(ex, where, tools=record_tools(obj, where))
             else:
