@@ -183,3 +183,29 @@ def test_ranks_given_different_datums_are_refused_on_every_rank():
         assert "ranks were given different data: rank(s) 1 differ from rank 0" in x["error"], x
         assert "\n" not in x["error"] and not x["pending"]
     assert r[0]["loss"] == r[1]["loss"] and r[0]["grad_norm"] == r[1]["grad_norm"] > 0
+
+
+def _mean_ce_outputs(rank, world):
+    from shardfit.config import load_config
+    from shardfit.rl import DatumEngine, make_datum
+
+    e = DatumEngine.start(load_config(None, [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=32",
+                                             "--logging.run_dir="]))
+    rng = np.random.default_rng(3)
+    data = []
+    for n in (14, 9, 20):
+        s = rng.integers(0, 256, n + 1)
+        w = np.ones(n)
+        w[:4] = 0  # a prompt
+        data.append(make_datum(s[:-1], target_tokens=s[1:], weights=w))
+    ref = e.forward(data, "cross_entropy")  # the per-token head: every target's log-prob
+    got = e.forward_backward(data, "cross_entropy", {"normalize": "token_mean"})  # the trainer's fused head
+    return [[a["logprobs"].tolist(), b["logprobs"].tolist()] for a, b in zip(ref.outputs, got.outputs)]
+
+
+def test_the_trainers_cross_entropy_reports_every_targets_logprob():
+    """Routed to the fused cross-entropy, a token_mean forward_backward still returns the log-prob of every target,
+    the weight-0 (prompt) tokens' included, as Tinker's loss_fn_outputs carry them."""
+    for ref, got in run_ranks(_mean_ce_outputs, 1)[0]:
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
+        assert all(v < 0 for v in got[:4])  # the prompt's log-probs are there, not zeros

@@ -44,8 +44,9 @@ class CrossEntropy(Loss):
 
     def __call__(self, model, b):
         per_token = torch.zeros(b.labels.numel(), dtype=torch.float32, device=b.labels.device) if self.outputs else None
+        # the RL API's datums report every target's log-prob, in the sum or not (rl/pack.py: "target_tokens")
         loss = model(b.input_ids, b.labels, b.position_ids, b.mask, router_aux=self.router_aux,
-                     token_losses=per_token)
+                     token_losses=per_token, token_targets=b.inputs.get("target_tokens"))
         return loss, ({"logprobs": -per_token} if per_token is not None else {})
 
 

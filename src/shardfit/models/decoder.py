@@ -224,14 +224,14 @@ class OutputHead(nn.Linear):
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 1024, impl: str = "torch",
                 compiled: bool = False, logprobs: bool = False, entropy: bool = False,
-                token_losses: torch.Tensor | None = None):
+                token_losses: torch.Tensor | None = None, token_targets: torch.Tensor | None = None):
         weight = self.head_weight()
         if labels is None:
             return F.linear(h, weight, self.bias)  # logits [..., V]
         if logprobs:  # per-token log-probs of the labels (and entropies): (logp [N], entropy [N] or None)
             return fused_linear_logprobs(h, weight, labels, chunk, entropy, compiled=compiled)
         return fused_linear_cross_entropy(h, weight, labels, chunk, impl=impl, compiled=compiled,
-                                          token_losses=token_losses)
+                                          token_losses=token_losses, token_targets=token_targets)
 
 
 class CausalLM(nn.Module):
@@ -251,13 +251,15 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, mask: DocumentMask | None = None,
                 router_aux: bool = True, logprobs: bool = False, entropy: bool = False,
-                rows: torch.Tensor | None = None, token_losses: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, token_losses: torch.Tensor | None = None,
+                token_targets: torch.Tensor | None = None):
         """router_aux=False leaves the MoE load-balancing term out (validation reports the cross-entropy alone).
         logprobs=True: instead of the loss, the log-probability of each label (flat [B x S] fp32, 0 where the label
         is negative) and with entropy=True each token's entropy (flat) or None: what the RL losses are made of.
         rows (logprobs only): the flat positions the head scores (models/logprobs.scored_rows); the others get 0.
         token_losses (the loss only): a flat [B x S] fp32 buffer that receives each token's cross-entropy (0 where
-        the label is negative), detached, the very values the sum is made of."""
+        the label is negative), detached, the very values the sum is made of; with token_targets [B x S], each
+        token's cross-entropy for its target there (0 where negative), in the sum or not."""
         h = self.model(input_ids, position_ids, mask)  # [B, S, D]
         if labels is None:
             return self.lm_head(h)  # logits [B, S, V]
@@ -274,7 +276,7 @@ class CausalLM(nn.Module):
         # Sum over labels != -100; the Engine divides by the global token count once per step.
         impl = "torch" if token_losses is not None else self.loss_impl  # only this module's kernel writes them
         loss = self.lm_head(h.flatten(0, 1), labels.flatten(), self.loss_chunk, impl, self.loss_compiled,
-                            token_losses=token_losses)
+                            token_losses=token_losses, token_targets=token_targets)
         if router_aux:
             # Weighted by this micro-batch's loss tokens, so that after the Engine's division by the global count it
             # is the token-weighted mean of the micro-batches' auxiliary losses (for one micro-batch: cross-entropy

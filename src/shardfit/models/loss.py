@@ -50,8 +50,8 @@ def _chunk_fn(compiled: bool):
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, ignore_index: int,
-                compiled: bool, token_losses: torch.Tensor | None):
-        # h [N, D], weight [V, D], labels [N]; token_losses [N] fp32 or None
+                compiled: bool, token_losses: torch.Tensor | None, token_targets: torch.Tensor | None):
+        # h [N, D], weight [V, D], labels [N]; token_losses [N] fp32 or None; token_targets [N] int64 or None
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc = torch.promote_types(h.dtype, torch.float32)  # fp32 for bf16/fp16 inputs, fp64 stays fp64
         loss = torch.zeros((), dtype=acc, device=h.device)
@@ -65,7 +65,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             valid = lc != ignore_index
             target = lc.clamp(min=0)
             # each token's loss, picked before the chunk function turns the logits into their gradient
-            picked = logits.gather(1, target[:, None]).squeeze(1).to(acc) if token_losses is not None else None
+            tt = token_targets[s:s + chunk] if token_targets is not None else None  # [c]: whose loss to report
+            picked = (logits.gather(1, (target if tt is None else tt.clamp(min=0))[:, None]).squeeze(1).to(acc)
+                      if token_losses is not None else None)
             if not (want_h or want_w):
                 part, lse = _chunk_loss(logits.to(acc), target, valid)
                 loss += part
@@ -73,7 +75,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 part, g, lse = chunk_fn(logits, target, valid)  # g = d(sum loss)/d(logits) [c, V]
                 loss += part
             if token_losses is not None:
-                token_losses[s:s + chunk] = (lse - picked) * valid
+                token_losses[s:s + chunk] = (lse - picked) * (valid if tt is None else tt >= 0)
             if not (want_h or want_w):
                 continue
             if want_h:
@@ -88,7 +90,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def liger_available() -> bool:
@@ -112,14 +114,16 @@ def choose_loss_kernel(kind: str, device: torch.device) -> str:
 
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024,
                                ignore_index: int = -100, impl: str = "torch", compiled: bool = False,
-                               token_losses: torch.Tensor | None = None) -> torch.Tensor:
+                               token_losses: torch.Tensor | None = None,
+                               token_targets: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over tokens with label != ignore_index of cross_entropy(h @ weight.T, label), as an fp32 scalar.
 
     impl "liger": Liger-Kernel's Triton kernel (CUDA only; optional extra), which also computes the gradients in
     forward but fuses the softmax, its gradient and the loss into one pass over each logits chunk, and accumulates
     the weight gradient in fp32. "torch": the chunked pure-PyTorch version above (any device); `compiled` runs its
     per-chunk softmax and gradient through torch.compile. token_losses ("torch" only): an [N] buffer that receives
-    each token's loss (0 where ignored), the values the sum adds up."""
+    each token's loss (0 where ignored), the values the sum adds up; with token_targets [N], each token's loss for
+    that target instead (0 where negative), so that tokens outside the sum (a prompt's) report theirs too."""
     if impl == "liger":
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
@@ -128,4 +132,5 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: to
         loss = LigerFusedLinearCrossEntropyFunction.apply(h, weight, labels, None, None, ignore_index, 0.0, 0.0,
                                                           "sum", None, False, torch.float32)[0]
         return loss.float()
-    return _FusedLinearCrossEntropy.apply(h, weight, labels, chunk, ignore_index, compiled, token_losses)
+    return _FusedLinearCrossEntropy.apply(h, weight, labels, chunk, ignore_index, compiled, token_losses,
+                                          token_targets)

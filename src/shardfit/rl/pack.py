@@ -90,6 +90,7 @@ def pack_row(T: int, datums: list[Datum], items: list[int], coefs: list[np.ndarr
     tail), the coefficients (0 in the tail), the scored tokens, and the real tokens."""
     ids = np.zeros(T, dtype=np.int64)
     labels = np.full(T, -100, dtype=np.int64)
+    targets = np.full(T, -100, dtype=np.int64)  # every datum token's target, in the loss or not (the mean's outputs)
     pos = np.zeros(T, dtype=np.int64)
     coef = np.zeros(T, dtype=np.float32)
     inputs = {k: np.zeros(T, dtype=np.float32) for k in names}
@@ -99,7 +100,7 @@ def pack_row(T: int, datums: list[Datum], items: list[int], coefs: list[np.ndarr
     for i in items:
         d, L = datums[i], len(datums[i])
         ids[s:s + L] = d.tokens
-        labels[s:s + L] = d.inputs["target_tokens"]
+        labels[s:s + L] = targets[s:s + L] = d.inputs["target_tokens"]
         if coefs is None and "weights" in d.inputs:  # the mean cross-entropy: weight 0 is no label
             labels[s:s + L][d.inputs["weights"] == 0] = -100
         pos[s:s + L] = np.arange(L)
@@ -116,6 +117,8 @@ def pack_row(T: int, datums: list[Datum], items: list[int], coefs: list[np.ndarr
     per_token = {k: t(v) for k, v in inputs.items()}
     if coefs is not None:
         per_token["datum"] = t(index)
+    else:  # the mean cross-entropy reports each target's log-prob, weight 0 included (engine/losses.py)
+        per_token["target_tokens"] = t(targets)
     return (t(ids), t(labels), t(pos), per_token, t(coef) if coefs is not None else None,
             t(score) if score is not None else None, s)
 
