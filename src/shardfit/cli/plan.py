@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from shardfit.cli.args import count, gib, take_options
+from shardfit.cli.args import count, gib, number, take_options
+from shardfit.errors import ShardfitError
 
 PLAN_HELP = """\
 Predict a rank's peak GPU memory before launch, pick the largest micro-batch that fits, and when the configuration
 does not fit, propose configurations that do.
 
   shardfit plan [--config FILE.toml | --config recipe:NAME] [--section.key=value ...] --nproc N [--gpu-memory GIB]
-                [--host-memory GIB] [--gpus-per-node G] [--propose] [--json]
+                [--host-memory GIB] [--gpus-per-node G] [--models N] [--versions K] [--propose] [--json]
 
 The same config keys as `shardfit train` (model, data.seq_len, parallel.*, compute.*, memory.keep_grads). --nproc is
 the number of GPUs the model is sharded over, all nodes together; --gpu-memory the memory of one GPU in GiB (default:
 this machine's GPU, else 80). With --compute.compile=true dense blocks are counted as the compiled graph saves them.
 With --parallel.offload=all the host memory each node needs is printed; --host-memory (one node's, GiB) checks it.
 With --compute.activation_checkpoint=auto the plan is of what a run would choose on a GPU of --gpu-memory, and says
-which blocks that is (in --json: auto_checkpointing).
+which blocks that is (in --json: auto_checkpointing). With LoRA, --models N and --versions K count a server's LoRA
+models on one base and their frozen versions (plan/models.py): what each adds to a rank, and how many models fit.
 
 Proposals, printed when the configuration does not fit or always with --propose, cheapest first: fewer checkpointed
 blocks (--compute.ac_blocks; also printed when a configuration with full checkpointing fits with room), expert
@@ -34,10 +36,15 @@ def plan(argv: list[str]) -> int:
         return 0
     switches = {a for a in argv if a in ("--propose", "--json")}
     opts, rest = take_options([a for a in argv if a not in switches],
-                              ("--config", "--nproc", "--gpu-memory", "--host-memory", "--gpus-per-node"))
+                              ("--config", "--nproc", "--gpu-memory", "--host-memory", "--gpus-per-node", "--models",
+                               "--versions"))
     # The numbers first: each is one line before the config is read.
     world = count(opts.get("--nproc", "1"), "--nproc", "GPUs")
     per_node = count(opts.get("--gpus-per-node", "8"), "--gpus-per-node", "GPUs per node")
+    models = count(opts.get("--models", "1"), "--models", "LoRA models")
+    versions = number(opts.get("--versions", "0"), "--versions", int)
+    if versions < 0:
+        raise ShardfitError(f"{versions} is out of range", where="--versions", fix="give 0 or more frozen versions")
     gpu = opts.get("--gpu-memory")
     gpu_gib = None if gpu is None else gib(gpu, "--gpu-memory", "give one GPU's memory in GiB, e.g. 79 (80 GB H100) "
                                            "or 139 (H200)")
@@ -76,6 +83,15 @@ def plan(argv: list[str]) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(plan_table(cfg, world, gpu_gib, host_gib, per_node))
+    if cfg.lora.rank and ("--models" in opts or "--versions" in opts):  # a server's clients (engine/registry.py)
+        from shardfit.plan.estimate import allocation_budget
+        from shardfit.plan.models import models_lines
+
+        e, _ = configured(cfg, world, gpu_gib, host_gib, per_node)
+        print("\n".join(models_lines(cfg, world, models, versions, e.peak, allocation_budget(gpu_gib * 2**30))))
+    elif "--models" in opts and models > 1:
+        raise ShardfitError("several models share one base only with LoRA", where="--models",
+                            fix="add --lora.rank=R (e.g. 16), as shardfit serve would run")
     if auto:
         print(auto["line"])
     if propose or props:

@@ -1,0 +1,53 @@
+"""The plan's LoRA models and versions (plan/models.py) against what the registry holds (engine/registry.py), measured
+on the CPU: a model out of the slot and a frozen version cost exactly the bytes the plan counts; `shardfit plan
+--models/--versions` prints them and how many fit; without LoRA --models is one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from tests._dist import run_ranks
+from tests.engine.test_registry import ARGS, _data
+
+
+def _held(rank, world):
+    from shardfit.config import load_config
+    from shardfit.plan.models import models_cost
+    from shardfit.rl import AdamParams, DatumEngine
+
+    cfg = load_config(None, ARGS)
+    e = DatumEngine.start(cfg)
+    e.add_model("A", seed=1)
+    e.forward_backward(_data(1), "cross_entropy", model="A")
+    e.optim_step(AdamParams(learning_rate=1e-2), model="A")
+    e.forward_backward(_data(2), "cross_entropy", model="A")  # gradients pending when A leaves the slot
+    e.add_model("B", seed=2)
+    slot = e.models.models["A"]
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))  # noqa: E731
+    held = (nbytes(slot.values) + nbytes(g.to_local() if hasattr(g, "to_local") else g for g in slot.grads)
+            + nbytes(v.to_local() if hasattr(v, "to_local") else v for s in slot.opt_state
+                     for k, v in s.items() if k != "step"))
+    vid = e.freeze("A")
+    cost = models_cost(cfg, world, models=2, versions=1)
+    return {"held": held, "version": e.models.versions[vid].nbytes, "plan_model": cost.model_bytes,
+            "plan_version": cost.version_bytes}
+
+
+def test_a_model_and_a_version_cost_what_the_plan_counts():
+    for world in (1, 2):
+        r = run_ranks(_held, world)[0]
+        assert r["held"] == r["plan_model"] and r["version"] == r["plan_version"], (world, r)
+
+
+def test_plan_says_what_models_cost_and_how_many_fit():
+    base = [sys.executable, "-m", "shardfit", "plan", "--model.name=llama3-8b", "--data.seq_len=4096",
+            "--gpu-memory", "79"]
+    p = subprocess.run([*base, "--lora.rank=16", "--lora.targets=all-linear", "--models", "16", "--versions", "4"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "0.625 GiB a model beyond the first" in p.stdout and "models that fit this GPU with 4 version(s):" in p.stdout
+    q = subprocess.run([*base, "--models", "3"], capture_output=True, text=True, timeout=300)
+    assert q.returncode == 2 and "--models: several models share one base only with LoRA" in q.stderr
