@@ -48,6 +48,7 @@ def test_plan_says_what_models_cost_and_how_many_fit():
     p = subprocess.run([*base, "--lora.rank=16", "--lora.targets=all-linear", "--models", "16", "--versions", "4"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert "0.625 GiB a model beyond the first" in p.stdout and "models that fit this GPU with 4 version(s):" in p.stdout
+    assert "0.625 GiB a model beyond the first" in p.stdout
+    assert "models that fit this GPU with 4 version(s):" in p.stdout
     q = subprocess.run([*base, "--models", "3"], capture_output=True, text=True, timeout=300)
     assert q.returncode == 2 and "--models: several models share one base only with LoRA" in q.stderr
