@@ -2,6 +2,7 @@
 each call returns what was created or saved, checkpoints after a restart too, and a path that does not exist is one
 4xx line naming it."""
 
+import httpx
 import pytest
 
 tinker = pytest.importorskip("tinker")
@@ -76,6 +77,8 @@ def test_a_missing_path_or_a_bad_page_is_one_line_naming_it(served, sdk_client):
     said = _refusal(lambda: rest.list_user_checkpoints(limit=0))
     assert "limit='0' is not an integer 1..1000" in said and "/checkpoints ?limit" in said
     assert "unknown model_id 'nope'" in _refusal(lambda: rest.get_training_run("nope"))
+    answer = httpx.post(f"{served.url}/api/v1/weights_info", json={}, headers={"X-API-Key": KEY})  # no tinker_path
+    assert answer.status_code == 400 and answer.json()["detail"].startswith("tinker_path: Field required")
 
 
 def test_checkpoints_and_their_runs_are_listed_after_a_restart(tmp_path):
