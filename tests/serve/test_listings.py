@@ -118,3 +118,19 @@ def test_a_checkpoint_reports_the_lora_it_was_saved_with(tmp_path):
     assert lora_facts(full, meta) == {"is_lora": True, "lora_rank": 8, "train_attn": True, "train_mlp": False,
                                       "train_unembed": False}
     assert lora_facts(full, None)["is_lora"] is False and meta["base_model"] == "tiny"
+
+
+def test_what_serve_did_not_write_is_not_listed(served, sdk_client):
+    """A META that is not JSON or lacks a field, and a link out of the run directory, are skipped, never answered."""
+    sc, rest = sdk_client(served.url, KEY), _rest(served.url)
+    tc, w, s = _saved(sc)
+    kind_dir = served.state.run_dir / "checkpoints" / tc.model_id / "weights"
+    (kind_dir / "torn").mkdir()
+    (kind_dir / "torn" / ".tinker.json").write_text("{")
+    (kind_dir / "bare").mkdir()
+    (kind_dir / "bare" / ".tinker.json").write_text('{"tinker_path": "tinker://x/weights/bare"}')
+    outside = served.state.run_dir.parent / "outside"
+    outside.mkdir()
+    (outside / ".tinker.json").write_text((kind_dir / "w1" / ".tinker.json").read_text())
+    (kind_dir / "linked").symlink_to(outside)
+    assert [c.tinker_path for c in rest.list_user_checkpoints().result(timeout=60).checkpoints] == [s, w]

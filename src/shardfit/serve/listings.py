@@ -93,11 +93,13 @@ def _int_param(request: Request, key: str, default: int, low: int, high: int | N
 
 
 def read_meta(directory: Path) -> dict | None:
-    """A checkpoint's META, or None where there is none (being written, deleted, not ours) or it is unreadable."""
+    """A checkpoint's META, or None where there is none (being written, deleted, not ours) or it lacks the fields
+    every listing shows."""
     with contextlib.suppress(OSError, ValueError):
         meta = json.loads((directory / META).read_text(encoding="utf-8"))
-        if isinstance(meta, dict) and isinstance(meta.get("tinker_path"), str):
-            return meta
+        if (isinstance(meta, dict) and isinstance(meta.get("tinker_path"), str) and isinstance(meta.get("time"), str)
+                and meta.get("checkpoint_type") in ("training", "sampler")):
+            return meta  # else not one serve wrote: a listing the SDK could not read is never answered
     return None
 
 
