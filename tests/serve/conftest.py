@@ -7,22 +7,34 @@ import pytest
 os.environ["TINKER_TELEMETRY"] = "0"  # the SDK's telemetry goes to this server's /telemetry only when on
 
 
-@pytest.fixture
-def served(tmp_path):
-    """The server's HTTP side and command loop in this process, on the one-process fake Engine."""
+def start_fake(cfg):
+    """The server's HTTP side and command loop in this process, on a one-process fake Engine made from `cfg`; end it
+    with stop_fake (a restart: stop_fake, then start_fake on the same run directory)."""
     from shardfit.serve.server import start_rank0
-    from tests.serve.fake_engine import RL_TYPES, FakeEngine, tiny_config
+    from tests.serve.fake_engine import RL_TYPES, FakeEngine
 
-    cfg = tiny_config(tmp_path)
     engine = FakeEngine(cfg)
     serving = start_rank0(cfg, engine, port=0, rl_types=RL_TYPES, poll_s=2.0, max_body=1 << 20)
-    loop = threading.Thread(target=serving.loop.run, daemon=True)
-    loop.start()
+    serving.loop_thread = threading.Thread(target=serving.loop.run, daemon=True)
+    serving.loop_thread.start()
     serving.engine = engine
-    yield serving
+    return serving
+
+
+def stop_fake(serving) -> None:
     serving.state.scheduler.close()
-    loop.join(10)
+    serving.loop_thread.join(10)
     serving.stop()
+
+
+@pytest.fixture
+def served(tmp_path):
+    """The server on the fake Engine (start_fake), tiny model, run directory under tmp_path."""
+    from tests.serve.fake_engine import tiny_config
+
+    serving = start_fake(tiny_config(tmp_path))
+    yield serving
+    stop_fake(serving)
 
 
 @pytest.fixture

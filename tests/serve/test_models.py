@@ -3,7 +3,8 @@ frozen versions for its samplers (the real Engine on gloo ranks, CPU, the server
 
 Each row of the issue's table, reversed: a reference sampler keeps its log-probs after 5 of its model's steps; a
 sampler made from a saved path (before and after a restart) returns the saved weights' log-probs; a second training
-client starts at the base; B's training leaves A untouched. Bad input: an unknown model, a freed version, a rank or
+client starts at the base; B's training leaves A untouched; the REST listings name each LoRA model and, after the
+restart, its checkpoint. Bad input: an unknown model, a freed version, a rank or
 a lora_config field the server cannot hold: one 4xx line each.
 """
 
@@ -113,6 +114,11 @@ def _table(sc, url: str, base_model: str) -> dict:
     out["a_before_b"] = _lp(a)
     _steps(b, [6, 7, 8])
     out["a_after_b"], out["b_after"] = _lp(a), _lp(b)
+    rest = tinker.RestClient(base_url=url, api_key="tml-local")  # the listings (serve/listings.py), LoRA models
+    out["runs"] = ([r.training_run_id for r in rest.list_training_runs().result().training_runs], [b.model_id,
+                   a.model_id])
+    info = rest.get_weights_info_by_tinker_path(saved).result()
+    out["weights_info"] = (info.base_model == base_model, info.is_lora, info.lora_rank)
     key = {"X-API-Key": "tml-local"}
     out["held"] = httpx.get(f"{url}/api/v1/shardfit/status", headers=key).json()["held"]
     # bad input, one line each
@@ -134,8 +140,9 @@ def _table(sc, url: str, base_model: str) -> dict:
     return out
 
 
-def _restarted(sc, url: str, base_model: str, path: str) -> list[float]:
-    return _scored(sc.create_sampling_client(model_path=path).result())
+def _restarted(sc, url: str, base_model: str, path: str) -> tuple[list[float], list[str]]:
+    listed = tinker.RestClient(base_url=url, api_key="tml-local").list_user_checkpoints().result().checkpoints
+    return _scored(sc.create_sampling_client(model_path=path).result()), [c.tinker_path for c in listed]
 
 
 def _restarted_with(path: str):
@@ -171,8 +178,15 @@ def test_the_issue_table_reversed_on_one_rank(table):
 
 
 def test_a_saved_path_samples_the_same_weights_after_a_restart(table):
-    again = run_ranks(_serve, 1, table["run_dir"], _restarted_with(table["saved_path"]), timeout=600)[0]
+    again, listed = run_ranks(_serve, 1, table["run_dir"], _restarted_with(table["saved_path"]), timeout=600)[0]
     np.testing.assert_allclose(again, table["two"], rtol=0, atol=1e-6)
+    assert listed == [table["saved_path"]]  # the one named save, listed from disk after the restart
+
+
+def test_the_listings_name_each_lora_model_and_its_checkpoint(table):
+    runs, made = table["runs"]
+    assert runs == made  # B, then A: newest first
+    assert list(table["weights_info"]) == [True, True, 8]  # a tuple comes back from the rank as a list
 
 
 def test_status_counts_the_models_and_versions_held(table):

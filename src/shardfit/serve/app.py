@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from shardfit.errors import ShardfitError
-from shardfit.serve import routes
+from shardfit.serve import listings, routes
 from shardfit.serve.security import key_ok, principal
 from shardfit.serve.state import ServerState
 
@@ -133,5 +133,6 @@ def build_app(state: ServerState) -> FastAPI:
                           "was not run)")
 
     routes.add_routes(app, state)
+    listings.add_listing_routes(app, state)  # the REST listings: answered from the state and the run directory
     app.add_middleware(BodyLimit, limit=state.max_body)  # outermost: before authentication reads anything
     return app

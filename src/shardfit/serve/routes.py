@@ -352,14 +352,6 @@ def _future_and_checkpoint_routes(app: FastAPI, st: ServerState) -> None:
         out = result.body()
         return Response(out, media_type=PROTO) if isinstance(out, bytes) else out
 
-    @app.get(V1 + "/training_runs/{run}")
-    async def training_run(run: str):
-        return st.training_run(run)
-
-    @app.get(V1 + "/training_runs/{run}/checkpoints")
-    async def list_checkpoints(run: str):
-        return {"checkpoints": st.list_checkpoints(run), "cursor": None}
-
     @app.delete(V1 + "/training_runs/{run}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(run: str, kind: str, name: str):
         if kind not in ("weights", "sampler_weights"):

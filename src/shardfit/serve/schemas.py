@@ -40,6 +40,10 @@ class ModelBody(_Body):
     model_id: str
 
 
+class WeightsInfoBody(_Body):
+    tinker_path: str
+
+
 class OptimStepBody(_Body):
     model_id: str
     seq_id: int

@@ -1,5 +1,6 @@
-"""What rank 0's HTTP side knows: the served model's facts, sessions, training models, sampling sessions, the
-checkpoints listing and the idempotency cache. No torch here: the HTTP threads never touch the Engine.
+"""What rank 0's HTTP side knows: the served model's facts, sessions, training models, sampling sessions, what
+a checkpoint's META records (its listing entry: serve/listings.py reads it) and the idempotency cache. No torch
+here: the HTTP threads never touch the Engine.
 
 With --lora.rank every training model is a model of the Engine's registry (engine/registry.py: its own adapters and
 optimizer state on the one frozen base), named by its model_id; without it the server holds one training model that
@@ -29,9 +30,9 @@ from pathlib import Path
 from shardfit.errors import ShardfitError
 from shardfit.serve.futures import FutureStore
 from shardfit.serve.ordering import Scheduler
-from shardfit.serve.security import KINDS, check_segment, checkpoint_dir
+from shardfit.serve.security import check_segment, checkpoint_dir
 
-META = ".tinker.json"  # beside a saved checkpoint's files: what the checkpoints listing shows
+META = ".tinker.json"  # beside a saved checkpoint's files: what the listings show (serve/listings.py)
 VERSION, BASE, LIVE = "version", "base", "live:"  # what a sampling session reads (new_sampler)
 
 
@@ -85,6 +86,11 @@ class ModelFacts:
                                 fix=f"pass {key}={have[key]}, or start shardfit serve with --lora.targets naming the "
                                 "layers you train")
 
+    def lora_fields(self) -> dict:
+        """What this server trains, as Tinker's TrainingRun and WeightsInfoResponse name it."""
+        adapts = self.adapts() if self.lora_rank else dict.fromkeys(("train_attn", "train_mlp", "train_unembed"))
+        return {"is_lora": bool(self.lora_rank), "lora_rank": self.lora_rank or None, **adapts}
+
     def accepts(self, name: str) -> bool:
         if name == self.base_model:
             return True
@@ -117,7 +123,7 @@ class ServerState:
         sid = "sess-" + secrets.token_hex(16)
         with self.lock:
             self.sessions[sid] = {"created": time.time(), "seen": time.time(),
-                                  "user_metadata": body.get("user_metadata")}
+                                  "user_metadata": body.get("user_metadata"), "project_id": body.get("project_id")}
         return sid
 
     def session(self, sid: str, where: str) -> dict:
@@ -255,29 +261,10 @@ class ServerState:
         return checkpoint_dir(self.run_dir, run, kind, name), f"tinker://{run}/{kind}/{name}"
 
     def checkpoint_meta(self, tinker_path: str, kind: str, model_id: str) -> str:
+        """The listings' entry of a checkpoint (serve/listings.py), written beside its files once they are complete:
+        what get_weights_info_by_tinker_path and a training run listed after a restart report."""
+        with self.lock:
+            base_model = self.models.get(model_id, {}).get("base_model", self.facts.base_model)
         return json.dumps({"tinker_path": tinker_path, "checkpoint_type": "training" if kind == "weights"
-                           else "sampler", "time": now_iso(), "model_id": model_id})
-
-    def list_checkpoints(self, run: str) -> list[dict]:
-        check_segment(run, "run")
-        out = []
-        for kind in KINDS:
-            root = checkpoint_dir(self.run_dir, run, kind, "x").parent
-            if not root.is_dir():
-                continue
-            for d in sorted(root.iterdir()):
-                meta = d / META
-                if not meta.is_file():
-                    continue  # being written, or not ours
-                m = json.loads(meta.read_text(encoding="utf-8"))
-                size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-                out.append({"checkpoint_id": f"{kind}/{d.name}", "checkpoint_type": m["checkpoint_type"],
-                            "time": m["time"], "tinker_path": m["tinker_path"], "size_bytes": size})
-        return out
-
-    def training_run(self, run: str) -> dict:
-        m = self.model(run, f"/training_runs/{run[:80]}")
-        return {"training_run_id": run, "base_model": m["base_model"], "model_owner": "shardfit",
-                "is_lora": bool(self.facts.lora_rank), "lora_rank": self.facts.lora_rank or None,
-                "last_request_time": m["seen"], "corrupted": False,
-                "user_metadata": m["user_metadata"]}
+                           else "sampler", "time": now_iso(), "model_id": model_id, "base_model": base_model,
+                           **self.facts.lora_fields()})
