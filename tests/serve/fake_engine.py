@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from shardfit.config import load_config
+from shardfit.engine.optim import AdamParams  # the real step's hyperparameters: Tinker's names and defaults
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model
 
@@ -28,16 +29,6 @@ from shardfit.models import build_model
 class Datum:
     tokens: np.ndarray
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-@dataclass
-class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 @dataclass

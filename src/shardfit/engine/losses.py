@@ -58,8 +58,8 @@ class TokenLoss(Loss):
     entropies) through the chunked head of models/logprobs.py; c_t the batch's coefficients (0 in padding). The
     outputs are the log-probs (and entropies), 0 where the head scored nothing."""
 
-    def __init__(self, fn: TokenFn, entropy: bool = False, entropy_out: bool = False):
-        self.fn, self.entropy = fn, entropy or entropy_out
+    def __init__(self, fn: TokenFn, entropy: bool = False):
+        self.fn, self.entropy = fn, entropy
         self.outputs = ("logprobs", "entropy") if self.entropy else ("logprobs",)
 
     def __call__(self, model, b):

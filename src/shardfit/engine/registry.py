@@ -31,6 +31,10 @@ from shardfit.parallel.dtensor import local_tensor, local_view
 BASE = "base"  # the zero adapter: the frozen base alone
 
 
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @dataclass
 class ModelSlot:
     """A model's contents while it is out of the slot."""
@@ -53,7 +57,7 @@ class Version:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.values)
+        return _nbytes(self.values)
 
 
 class ModelRegistry:
@@ -127,8 +131,7 @@ class ModelRegistry:
         self.engine.finish()  # a launched overlapped step writes the adapters
         slot = self.models[name]
         src = [local_tensor(p.data) for p in self.params] if slot.values is None else slot.values
-        nbytes = sum(t.numel() * t.element_size() for t in src)
-        on_device = self.device_bytes() + nbytes <= self.device_budget
+        on_device = self.device_bytes() + _nbytes(src) <= self.device_budget
         with torch.no_grad():
             values = [t.detach().clone() if on_device else t.detach().to("cpu", copy=True) for t in src]
         vid = f"{name}@{next(self._ids)}"

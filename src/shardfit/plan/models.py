@@ -26,8 +26,13 @@ class ModelsCost:
     version_bytes: int  # one version, one rank
     models: int  # models asked for (the configured run's included)
     versions: int  # versions asked for
-    device_bytes: int  # what the models beyond the first and the versions on the device add to one rank's peak
+    version_device_bytes: int  # the versions kept on the device (up to memory.versions_gib), one rank
     host_bytes: int  # versions past memory.versions_gib, one rank's host memory
+
+    @property
+    def device_bytes(self) -> int:
+        """What the models beyond the first and the versions on the device add to one rank's peak."""
+        return self.model_bytes * max(self.models - 1, 0) + self.version_device_bytes
 
 
 def models_cost(cfg: Config, world: int, models: int, versions: int) -> ModelsCost:
@@ -36,14 +41,14 @@ def models_cost(cfg: Config, world: int, models: int, versions: int) -> ModelsCo
     per_model = -(-MODEL_BYTES * trained // shard)
     per_version = -(-VERSION_BYTES * trained // shard)
     on_device = min(versions, int(cfg.memory.versions_gib * 2**30 // per_version) if per_version else versions)
-    return ModelsCost(per_model, per_version, models, versions,
-                      per_model * max(models - 1, 0) + per_version * on_device, per_version * (versions - on_device))
+    return ModelsCost(per_model, per_version, models, versions, per_version * on_device,
+                      per_version * (versions - on_device))
 
 
 def models_that_fit(cost: ModelsCost, peak: int, budget: float) -> int:
     """Models (the configured run's included) one rank holds within `budget` beside a peak of `peak` bytes, the
     asked-for versions counted first; 0 when the run itself does not fit."""
-    room = budget - peak - (cost.device_bytes - cost.model_bytes * max(cost.models - 1, 0))
+    room = budget - peak - cost.version_device_bytes
     if room < 0:
         return 0
     return 1 + int(room // cost.model_bytes) if cost.model_bytes else 1

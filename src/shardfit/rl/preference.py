@@ -67,10 +67,10 @@ def pair_coefficients(datums: list[Datum], where: str = "data") -> tuple[list[np
     return coefs, masks
 
 
-def pair_pass(engine: Engine, datums: list[Datum], obj: PairObjective,
-              backward: bool) -> tuple[StepStats, list[np.ndarray], dict[str, float]]:
+def pair_pass(engine: Engine, datums: list[Datum], obj: PairObjective, backward: bool,
+              fingerprint: int | None = None) -> tuple[StepStats, list[np.ndarray], dict[str, float]]:
     """One forward (or forward_backward) over the pairs: (the pass's stats, per-datum log-probs, 0 outside the
-    counted tokens, TRL's metrics)."""
+    counted tokens, TRL's metrics). fingerprint: of the datums, checked the same on every rank (rl/step.py)."""
     layout = engine.layout
     if layout.sequence > 1:
         raise ShardfitError("a preference loss sums each sequence's log-probs within one rank's row; sequence "
@@ -82,7 +82,8 @@ def pair_pass(engine: Engine, datums: list[Datum], obj: PairObjective,
     batches = datum_batches(plan, datums, coefs, masks, layout.data_rank, layout.sequence_rank,
                             engine.doc_kernel(plan.budget, grad=backward), engine.device)
     loss = PairLoss(obj, len(datums))
-    stats = engine.forward_backward(batches, loss) if backward else engine.forward(batches, loss)
+    call = engine.forward_backward if backward else engine.forward
+    stats = call(batches, loss, fingerprint=fingerprint)
     logprobs = unpack(plan, datums, stats.outputs[:, 0])
     return stats, logprobs, pair_metrics(obj, datums, logprobs, masks)
 

@@ -114,8 +114,9 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
          backward: bool) -> ForwardBackwardResult:
     spec = resolve_loss(loss_fn, loss_fn_config)
     check_datums(datums, engine.cfg.model.vocab_size, spec.required)
+    given = fingerprint(datums)  # every rank must have been given these datums: checked in the pass's collective
     if spec.name in PAIR_LOSSES and not callable(loss_fn):  # datums in pairs, chosen then rejected
-        stats, logprobs, metrics = pair_pass(engine, datums, objective_of(spec.name, spec.config), backward)
+        stats, logprobs, metrics = pair_pass(engine, datums, objective_of(spec.name, spec.config), backward, given)
         return ForwardBackwardResult([{"logprobs": lp} for lp in logprobs],
                                      {"loss:sum": stats.loss_sum, **{f"{k}:mean": v for k, v in metrics.items()}})
     layout = engine.layout
@@ -130,7 +131,7 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
     else:
         loss = TokenLoss(lambda logp, ent, x: token_loss(spec, logp, ent, x), entropy=spec.entropy_coef != 0)
     call = engine.forward_backward if backward else engine.forward
-    stats = call(batches, loss, fingerprint=fingerprint(datums))
+    stats = call(batches, loss, fingerprint=given)
     logprobs = unpack(plan, datums, stats.outputs[:, 0])
     outputs = [{"logprobs": lp} for lp in logprobs]
     if "entropy" in loss.outputs:
