@@ -1,6 +1,12 @@
-"""Issue 36, step 0: today's sampler measured before a new one is built. One GPU, Qwen3-8B shape, random weights, bf16.
+"""Issue 36: the new sampler and today's, against the decode roofline and transformers. One GPU, Qwen3-8B shape,
+random weights, bf16.
 
-  python benchmarks/bench_sampling.py --rows 16,64 --prompt 512 --new 256 --out OUT.json [--hf hf,hf-static,hf-cb]
+  python benchmarks/bench_sampling.py --new-rows 16,64,256 --rows 16,64 --prompt 512 --new 256 --out OUT.json \
+      [--new-variants attention=gather+cuda_graphs=1,attention=flex+cuda_graphs=1] [--hf hf,hf-static,hf-cb]
+
+new: `Engine.sample` (sampling/: the decode model over the Engine's weights with the live adapter in its bank, a
+paged KV cache, continuous batching, the decode step as CUDA graphs), `rows` distinct prompts of one sample each;
+its decode rate is (max_tokens=new call) - (max_tokens=1 call), so that the prefill and the set-up are out of it.
 
 shardfit: `shardfit serve`'s sampler as it runs today (serve/sampling.py `sample` on the Engine's sharded model
 inside `engine.gathered_pass()`, as the executor calls it): one request of `rows` samples of one prompt, each forced to
@@ -54,16 +60,57 @@ def roofline(rows: int, context: float, bandwidth: float, params: int, layers: i
     return rows / ((2 * params + kv) / bandwidth)
 
 
-def shardfit_rows(a, rows_list: list[int], bandwidth: float) -> list[dict]:
-    import torch
-
+def start_engine(a):
     from shardfit.engine import Engine
-    from shardfit.serve.sampling import SampleArgs, sample
 
     ov = [*SHAPES["8b"], "--train.device=cuda", "--logging.run_dir=", "--logging.progress=none",
           f"--model.max_seq_len={a.prompt + a.new + 64}", f"--data.seq_len={a.prompt + a.new}",
           *lora_overrides(16)]
-    engine = Engine.start(overrides=ov)
+    return Engine.start(overrides=ov)
+
+
+def new_rows(a, engine, rows_list: list[int], bandwidth: float, variant: str) -> list[dict]:
+    """The new sampler (Engine.sample: the decode model over the Engine's weights, the live LoRA adapter in its bank,
+    paged KV, continuous batching, CUDA graphs): `rows` distinct prompts, one sample each, `--new` tokens forced.
+    Decode tokens/s from two timed calls: max_tokens=new minus max_tokens=1 (the prefill, the pool's and graphs'
+    set-up and the first token), so that the rate is the decode loop's alone; the whole call's rate beside it."""
+    import torch
+
+    from shardfit.sampling.params import SamplingParams
+
+    opts = dict(x.split("=", 1) for x in variant.split("+") if "=" in x)
+    opts = {k: (v == "1" if k == "cuda_graphs" else v) for k, v in opts.items()}
+    m = engine.cfg.model
+    params = sum(p.numel() for n, p in engine.model.named_parameters() if "lora_" not in n)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for rows in rows_list:
+        prompts = torch.randint(10, m.vocab_size - 1, (rows, a.prompt), generator=g).tolist()
+        engine.sample([p[:64] for p in prompts], SamplingParams(max_tokens=4, temperature=1.0, seed=0), **opts)
+        times = {}
+        for new in (1, a.new):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            got = engine.sample(prompts, SamplingParams(max_tokens=new, temperature=1.0, seed=0), **opts)
+            torch.cuda.synchronize()
+            times[new] = time.perf_counter() - t
+        n = sum(len(s.tokens) for r in got for s in r.samples)
+        decode = rows * (a.new - 1) / (times[a.new] - times[1])
+        roof = roofline(rows, a.prompt + a.new / 2, bandwidth, params, m.n_layers, m.n_kv_heads, m.head_dim or
+                        m.dim // m.n_heads)
+        out.append({"system": f"shardfit-new {variant}", "rows": rows, "tokens": n, "seconds": times[a.new],
+                    "prefill_s": times[1], "tok_s": decode, "call_tok_s": n / times[a.new], "roofline_tok_s": roof,
+                    "fraction": decode / roof, "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def shardfit_rows(a, engine, rows_list: list[int], bandwidth: float) -> list[dict]:
+    import torch
+
+    from shardfit.serve.sampling import SampleArgs, sample
+
     m = engine.cfg.model
     params = sum(p.numel() for n, p in engine.model.named_parameters() if "lora_" not in n)
     g = torch.Generator().manual_seed(0)
@@ -113,6 +160,10 @@ def main() -> int:
     ap.add_argument("--rows", default="16,64")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--today", type=int, default=1, help="1: today's serve sampler at --rows too")
+    ap.add_argument("--new-rows", default="16,64,256", help="the new sampler's row counts")
+    ap.add_argument("--new-variants", default="attention=gather+cuda_graphs=1",
+                    help="the new sampler's option sets, comma-separated (Sampler options joined by +)")
     ap.add_argument("--hf", default="hf,hf-static,hf-cb")
     ap.add_argument("--hf-rows", default="64", help="the anchors' row counts (a subset: each builds the model anew)")
     ap.add_argument("--hf-timeout", type=int, default=150)
@@ -123,8 +174,15 @@ def main() -> int:
     rows_list = [int(r) for r in a.rows.split(",")]
     bw = copy_bandwidth()
     print(json.dumps({"copy_bandwidth_TBps": bw / 1e12}), flush=True)
-    rows = shardfit_rows(a, rows_list, bw)
+    engine = start_engine(a)
+    rows = []
+    for variant in [v for v in a.new_variants.split(",") if v]:
+        rows += new_rows(a, engine, [int(r) for r in a.new_rows.split(",")], bw, variant)
+    if a.today:
+        rows += shardfit_rows(a, engine, rows_list, bw)
     import torch
+
+    del engine
 
     gpu = torch.cuda.get_device_name()
     torch.cuda.empty_cache()
