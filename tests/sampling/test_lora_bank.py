@@ -1,0 +1,128 @@
+"""sampling/lora_bank.py and sampling/source.py: the Engine's decode model with a bank of adapters.
+
+- rows of 3 adapter versions and the base in one batch: each row's logits are the FSDP Engine's forward with that
+  version in the registry's slot, on the same tokens (fp32, tight tolerance), every adapted kind (linear layers, the
+  embedding, the head);
+- on one rank the decode model views the Engine's storage (no copy); a freed slot adds exactly nothing;
+- refusals are one line: LoRA on MoE experts, a load of the wrong rank or an unknown target.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shardfit.errors import ShardfitError
+from tests.helpers import SMALL
+
+ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=32", "--logging.run_dir=", "--lora.rank=4",
+        "--lora.targets=all-linear,embed_tokens,lm_head"]
+
+
+def _data(seed, n=3):
+    from shardfit.rl import make_datum
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for L in rng.integers(8, 20, n):
+        s = rng.integers(0, 256, L + 1)
+        out.append(make_datum(s[:-1], target_tokens=s[1:], weights=np.ones(L)))
+    return out
+
+
+def _train(engine, seed):
+    from shardfit.rl import AdamParams
+
+    engine.forward_backward(_data(seed), "cross_entropy")
+    engine.optim_step(AdamParams(learning_rate=2e-2))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """An Engine with two frozen versions behind its live model (each after one more step)."""
+    from shardfit.config import load_config
+    from shardfit.rl import DatumEngine
+
+    e = DatumEngine.start(load_config(None, ARGS))
+    versions = []
+    for seed in (1, 2, 3):
+        _train(e, seed)
+        versions.append(e.freeze())
+    _train(e, 4)
+    return e, versions[:2]
+
+
+@torch.no_grad()
+def _engine_logits(engine, model, ids):
+    engine.using(model)
+    engine.finish()
+    return engine.model(ids).float()  # [B, S, V] through the FSDP root
+
+
+def test_rows_of_three_versions_and_the_base_each_get_their_own_logits(trained):
+    from shardfit.engine.registry import BASE
+    from shardfit.sampling.source import adapter_scale, adapter_tensors, decode_model
+
+    e, (v1, v2) = trained
+    e.finish()
+    plain, bank, live = decode_model(e.model, torch.float32, capacity=4)
+    assert set(bank.modules) == set(e.lora_targets)  # every adapted module banked: linears, embedding, head
+    scale = adapter_scale(e.model)
+    bank.load(2, live, scale)  # the live model's adapters, read with it in the slot
+    for slot, vid in ((0, v1), (1, v2)):
+        e.using(vid)
+        bank.load(slot, adapter_tensors(e.model), scale)
+    e.using("default")
+    ids = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([1, -1, 2, 0])  # v2, the base, the live model, v1: one batch
+    bank.set_rows(rows[:, None].expand(-1, ids.shape[1]))
+    got = plain(ids).float()
+    for r, model in enumerate((v2, BASE, "default", v1)):
+        want = _engine_logits(e, model, ids[r:r + 1])[0]
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+    # the versions differ from each other (else the test proves nothing)
+    assert (got[0] - got[3]).abs().max() > 1e-3 and (got[2] - got[1]).abs().max() > 1e-3
+    # the head on each row's last position only takes that row's slot
+    h = plain.model(ids)
+    torch.testing.assert_close(plain.lm_head(h[:, -1]), got[:, -1], rtol=1e-5, atol=1e-5)
+    e.using("default")
+
+
+def test_one_rank_decode_model_views_the_engines_storage_and_a_freed_slot_adds_nothing(trained):
+    from shardfit.parallel.dtensor import local_tensor
+    from shardfit.sampling.source import adapter_scale, decode_model, gathers
+
+    e, _ = trained
+    e.finish()
+    plain, bank, live = decode_model(e.model, torch.float32, capacity=2)
+    assert not gathers(e.model, torch.float32)
+    w = dict(e.model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    assert plain.model.layers[0].self_attn.q_proj.weight.data_ptr() == local_tensor(w).data_ptr()
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    bank.set_rows(torch.full((2, 5), -1))
+    base = plain(ids)
+    bank.load(1, live, adapter_scale(e.model))
+    bank.set_rows(torch.ones(2, 5, dtype=torch.long))
+    assert not torch.equal(plain(ids), base)
+    bank.free(1)
+    assert torch.equal(plain(ids), base)
+
+
+def test_refusals_are_one_line(trained):
+    from shardfit.sampling.lora_bank import LoRABank
+    from shardfit.sampling.source import decode_model
+
+    e, _ = trained
+    _, bank, live = decode_model(e.model, torch.float32, capacity=2)
+    name = "model.layers.0.self_attn.q_proj"
+    a, b = live[name]
+    with pytest.raises(ShardfitError, match="rank <= 4") as err:
+        bank.load(0, {name: (torch.cat([a, a]), torch.cat([b, b], 1))}, 1.0)
+    assert err.value.where == name
+    with pytest.raises(ShardfitError, match="does not hold"):
+        bank.load(0, {"model.layers.0.mlp.experts.down_proj": (a, b)}, 1.0)
+    with pytest.raises(ShardfitError, match="MoE experts") as err:
+        LoRABank(torch.nn.Module(), ["model.layers.1.mlp.experts.gate_up_proj"], 2, 4, torch.float32,
+                 torch.device("cpu"))
+    assert err.value.where == "lora.targets" and "\n" not in str(err.value)
