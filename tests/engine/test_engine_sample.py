@@ -161,11 +161,11 @@ def _ranks(rank, world):
     _train(e, [2])
     prompts = PROMPTS + [[7, 7, 7], [100, 2]]
     res = e.sample(prompts, SamplingParams(max_tokens=5, temperature=1.0, seed=3), num_samples=2,
-                   prompt_logprobs=True, topk_sample_logprobs=2, version=[v, None, v, None, None, v],
+                   prompt_logprobs=True, topk_prompt_logprobs=2, topk_sample_logprobs=2, version=[v, None, v, None, None, v],
                    model=[None, "default", None, "default", "default", None], **KV)
     return [{"tokens": [s.tokens for s in r.samples], "logprobs": [s.logprobs for s in r.samples],
              "stop": [s.stop_reason for s in r.samples], "topk": [s.topk for s in r.samples],
-             "prompt": r.prompt_logprobs} for r in res]
+             "prompt": r.prompt_logprobs, "topk_prompt": r.topk_prompt_logprobs} for r in res]
 
 
 def test_two_ranks_return_what_one_returns():
@@ -178,3 +178,6 @@ def test_two_ranks_return_what_one_returns():
         assert [[[t for t, _ in pos] for pos in s] for s in a["topk"]] == \
                [[[t for t, _ in pos] for pos in s] for s in b["topk"]]
         np.testing.assert_allclose(np.array(a["prompt"][1:]), np.array(b["prompt"][1:]), atol=2e-5)
+        assert a["topk_prompt"][0] is None and b["topk_prompt"][0] is None
+        assert [[t for t, _ in pos] for pos in a["topk_prompt"][1:]] == \
+               [[t for t, _ in pos] for pos in b["topk_prompt"][1:]]
