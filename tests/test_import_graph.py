@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"adapters"},  # module transforms on the model: LoRA, expert LoRA, NF4
     {"parallel"},  # the layout, parallelize, the step runners
     {"weights", "plan"},  # every weight format; prediction (builds models on meta)
+    {"sampling"},  # continuous batching over a paged KV cache, from a plain CausalLM
     {"engine"},  # the step
     {"rl"},  # Tinker's datums into the Engine's batches; preference pairs
     {"train"},  # the loop (preference training packs its pairs as rl/ does)
