@@ -82,14 +82,22 @@ class Sampler:
     def describe(self) -> str:
         return self.kv.describe()
 
+    @property
+    def preemptions(self) -> int:
+        return self.sched.preemptions
+
     def _decode_fn(self, active, width, topk, filters):
         return decode_step(self.model, self.kv, self.st, active, width, topk, filters, self.bank)
 
     # Requests.
-    def submit(self, req: SampleRequest) -> SampleHandle:
-        """Check the request (one line naming the field if it is refused: nothing else is touched) and queue it."""
+    def check(self, req: SampleRequest) -> None:
+        """One line naming the field if this sampler cannot serve `req` as asked (params.check_request)."""
         check_request(req, max_seq_len=self.cfg.max_seq_len, vocab_size=self.cfg.vocab_size,
                       kv_tokens=self.kv.tokens, max_rows=self.max_rows, tokenizer=self.tokenizer, bank=self.bank)
+
+    def submit(self, req: SampleRequest) -> SampleHandle:
+        """Check the request (one line naming the field if it is refused: nothing else is touched) and queue it."""
+        self.check(req)
         seed = req.params.seed if req.params.seed is not None else random.getrandbits(63)
         n = req.num_samples
         scoring = req.params.max_tokens == 0

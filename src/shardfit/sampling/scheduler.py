@@ -83,6 +83,7 @@ class Scheduler:
         self.step = 0  # decode steps run
         self._seq = itertools.count()
         self.watermark = max(1, allocator.n_blocks // 100)
+        self.preemptions = 0  # rows and jobs sent back to the queue, counted (a too small KV cache shows here)
 
     @property
     def idle(self) -> bool:
@@ -170,6 +171,7 @@ class Scheduler:
         return max(cands, key=lambda x: (x.seq, getattr(x, "sample", 0)), default=None)
 
     def preempt_job(self, job: Prefill) -> None:
+        self.preemptions += 1
         self.prefilling.remove(job)
         self.alloc.release_all(job.blocks)
         job.blocks, job.done = [], 0
@@ -182,6 +184,7 @@ class Scheduler:
 
     def preempt_row(self, row: Row) -> None:
         """Row (its tokens flushed to the host) waits to be recomputed: its prompt and tokens but the last."""
+        self.preemptions += 1
         self.leave(row)
         toks = row.out.tokens
         self.waiting.appendleft(Prefill(row.request, list(row.request.req.prompt) + toks[:-1], [row], new=False))
