@@ -86,6 +86,10 @@ class Sampler:
     def preemptions(self) -> int:
         return self.sched.preemptions
 
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """Host ints as an int64 device tensor, without waiting for the device's queue (a blocking copy would)."""
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
     def _decode_fn(self, active, width, topk, filters):
         return decode_step(self.model, self.kv, self.st, active, width, topk, filters, self.bank)
 
@@ -158,7 +162,7 @@ class Sampler:
         n = min(b, len(req.prompt) - 1) - a  # positions whose next prompt token is known
         if n > 0 and (req.prompt_logprobs or req.topk_prompt_logprobs):
             logits = self.model.lm_head(h[:n]).float()  # [n, V]
-            targets = torch.tensor(req.prompt[a + 1:a + 1 + n], device=self.device)
+            targets = self._upload(req.prompt[a + 1:a + 1 + n])
             job.request.prompt_parts.append(token_logprobs(logits, targets, req.topk_prompt_logprobs))
 
     def _start(self, job: Prefill, last_h: torch.Tensor) -> None:
@@ -173,7 +177,7 @@ class Sampler:
         if job.new:
             request.prefilled = True
             if job.rows:
-                slots = torch.tensor([r.slot for r in job.rows], device=self.device)
+                slots = self._upload([r.slot for r in job.rows])
                 logits = self.model.lm_head(last_h).float()  # [V]
                 filters = req.params.top_k > 0 or req.params.top_p < 1
                 out = st.first_tokens(logits, slots, len(req.prompt), req.topk_sample_logprobs, filters)
@@ -234,7 +238,7 @@ class Sampler:
             topk = max(q.topk_sample_logprobs for q in params)
             filters = any(q.params.temperature > 0 and (q.params.top_k > 0 or q.params.top_p < 1) for q in params)
             need = max(len(r.blocks) for r in rows)
-            self._batch = [rows, torch.tensor(slots, device=self.device), need, topk, filters]
+            self._batch = [rows, self._upload(slots), need, topk, filters]
             sched.active_changed = False
         self._batch[2] = max(self._batch[2], grown)
         rows, active, need, topk, filters = self._batch

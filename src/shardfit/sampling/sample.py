@@ -64,13 +64,14 @@ def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 def top_p_filter(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """logits [..., V] with every token outside the nucleus set to -inf: the smallest set of most likely tokens whose
     probabilities add up to at least top_p (the most likely token always stays). top_p: a float, or per row [...]."""
-    if not isinstance(top_p, torch.Tensor):
-        if top_p >= 1.0:
-            return logits
-        top_p = torch.tensor(top_p, device=logits.device)
+    if not isinstance(top_p, torch.Tensor) and top_p >= 1.0:
+        return logits
     probs, order = torch.sort(torch.softmax(logits, -1), descending=True)
-    outside = probs.cumsum(-1) - probs >= top_p[..., None]  # the mass before this token already reaches top_p
-    outside &= (top_p < 1)[..., None]  # a row at 1 keeps every token, rounding of the cumulative sum aside
+    if isinstance(top_p, torch.Tensor):
+        # the mass before this token already reaches top_p; a row at 1 keeps every token, rounding of the sum aside
+        outside = (probs.cumsum(-1) - probs >= top_p[..., None]) & (top_p < 1)[..., None]
+    else:
+        outside = probs.cumsum(-1) - probs >= top_p
     return logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
 
 

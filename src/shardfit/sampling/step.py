@@ -52,12 +52,12 @@ class RowState:
             self.stop_tokens = wider
         row = torch.full((self.stop_tokens.shape[1],), -1, dtype=torch.int64)
         row[:len(stops)] = torch.tensor(stops, dtype=torch.int64)
-        self.stop_tokens[slot] = row.to(self.device)
+        self.stop_tokens[slot] = row.to(self.device, non_blocking=True)
         self.temperature[slot] = float(params.temperature)
         self.top_p[slot] = float(params.top_p)
         ints = torch.tensor([params.top_k, seed, sample, params.max_tokens, n_gen, position, token or 0, adapter])
         for t, v in zip((self.top_k, self.seed, self.sample, self.max_tokens, self.n_gen, self.position,
-                         self.last_token, self.adapter), ints.to(self.device)):
+                         self.last_token, self.adapter), ints.to(self.device, non_blocking=True)):
             t[slot] = v
         self.done[slot] = False
         self.tables[slot] = self.trash
