@@ -8,12 +8,21 @@ reads and advances in place, and the slot mapping is computed inside the step. A
 its bucket runs, with every entry of `active` on the padding slot, so that the warm-up runs before capture touch
 only the padding slot and the KV cache's trash block. All graphs share one memory pool.
 
-Off (the CPU, cuda_graphs=False, FlexAttention), the same step runs eagerly at the batch's own size.
+Off (the CPU, cuda_graphs=False, FlexAttention, or a model whose forward reads the device: an MoE layer outside
+the bf16 grouped-GEMM path reads its expert counts on the host), the same step runs eagerly at the batch's own size.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def capturable(model) -> bool:
+    """Whether the model's decode forward has no host sync: every MoE layer runs the grouped GEMM (CUDA, bf16)."""
+    from shardfit.models.moe import MoE
+
+    grouped = model.lm_head.weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    return grouped or not any(isinstance(m, MoE) for m in model.modules())
 
 
 def bucket(n: int, cap: int) -> int:

@@ -29,7 +29,8 @@ import random
 
 import torch
 
-from shardfit.sampling.graphs import DecodeGraphs, bucket
+from shardfit.errors import ShardfitError
+from shardfit.sampling.graphs import DecodeGraphs, bucket, capturable
 from shardfit.sampling.kv import PagedKV, blocks_for_memory
 from shardfit.sampling.params import Sampled, SampleRequest, SampleResult, check_request
 from shardfit.sampling.sample import token_logprobs
@@ -59,6 +60,17 @@ class Sampler:
     def __init__(self, model, *, kv_blocks: int | None = None, kv_fraction: float = 0.9, block_size: int = 16,
                  max_rows: int = 256, prefill_chunk: int = 512, attention: str = "gather", cuda_graphs: bool = True,
                  bank=None, tokenizer=None, check_every: int = 8):
+        for name, value, low in (("kv_blocks", kv_blocks, 1), ("block_size", block_size, 1), ("max_rows", max_rows, 1),
+                                 ("prefill_chunk", prefill_chunk, 1), ("check_every", check_every, 1)):
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise ShardfitError(f"{name}={value!r} is out of range", where=f"Sampler({name}=...)",
+                                    fix=f"give an integer >= {low}")
+        if attention not in ("gather", "flex"):
+            raise ShardfitError(f"attention={attention!r} is not a paged attention path",
+                                where="Sampler(attention=...)", fix="give gather (any device) or flex (CUDA)")
+        if not 0 < kv_fraction <= 1:
+            raise ShardfitError(f"kv_fraction={kv_fraction} is outside (0, 1]", where="Sampler(kv_fraction=...)",
+                                fix="give the share of the free memory the KV cache may take, e.g. 0.9")
         self.model, self.bank, self.tokenizer = model, bank, tokenizer
         self.cfg = model.cfg
         weight = model.lm_head.weight
@@ -73,7 +85,7 @@ class Sampler:
         self.max_rows, self.prefill_chunk, self.check_every = max_rows, prefill_chunk, check_every
         self.st = RowState(max_rows, self.kv.blocks_for(self.cfg.max_seq_len), self.kv.trash, self.device)
         self.sched = Scheduler(self.kv.allocator, block_size, max_rows)
-        graphs = cuda_graphs and self.device.type == "cuda" and attention == "gather"
+        graphs = cuda_graphs and self.device.type == "cuda" and attention == "gather" and capturable(model)
         self.graphs = DecodeGraphs(self._decode_fn, self.st.pad, graphs)
         self.pending: list[tuple] = []  # (rows, packed outputs on the host, top-k width, event) per forward
         self._requests = 0
@@ -116,6 +128,10 @@ class Sampler:
         """Submit all, step until every one is answered; results in request order."""
         handles = [self.submit(r) for r in reqs]
         while not all(h.done for h in handles):
+            if self.sched.idle:  # every row ended: what is left to answer is in the outputs not read yet
+                self.flush()
+                if not all(h.done for h in handles):
+                    raise RuntimeError("the sampler is idle with requests unanswered")  # a bug, not bad input
             self.step()
         return [h.result for h in handles]
 
