@@ -25,6 +25,17 @@ def tokenizer_source(spec: str) -> str | None:
     return str(Path(spec).parent if Path(spec).suffix == ".json" else Path(spec))
 
 
+def eos_ids(tokenizer, model_dir: Path | None) -> set[int]:
+    """The tokenizer's EOS and generation_config.json's eos_token_id (an int or a list: chat models end a turn with
+    their own token, e.g. Llama-3's <|eot_id|>)."""
+    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    gen_cfg = model_dir / "generation_config.json" if model_dir else None
+    if gen_cfg is not None and gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else {eos} if isinstance(eos, int) else set()
+    return ids
+
+
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's printable stand-in for each byte (the ByteLevel pre-tokenizer's mapping)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

@@ -1,0 +1,71 @@
+"""Attention of each row's new queries over that row's own blocks of the paged KV cache (sampling/kv.py).
+
+Shapes: B rows, S new tokens per row (1 when decoding, a prompt chunk when prefilling), H query heads, K key/value
+heads, Dh head size, M blocks per row (the table's width, padded with the trash block), bs tokens per block,
+T = M x bs keys per row.
+
+- "gather" (the reference, every device, capturable in a CUDA graph at fixed B, S, M): the row's blocks gathered by
+  its table into k, v [B, T, K, Dh], then SDPA with a per-row mask: key t is visible to the query at position p iff
+  t <= p. That one rule is causal inside a prefill chunk, covers everything cached before it, and hides the table's
+  padding and the unwritten tail of the last block (they lie past p).
+- "flex" (CUDA): the same gathered keys through FlexAttention with the rule as its mask_mod, compiled once; it skips
+  the work of masked key blocks (a long table with short rows) that SDPA's dense mask pays for. The gather itself is
+  the same, so both paths read the same bytes; which is faster at which shape is measured on the device
+  (benchmarks/README.md), the default stays gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_blocks(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """pool [n_blocks + 1, bs, K, Dh], tables [B, M] -> [B, M x bs, K, Dh]: each row's keys (or values) in order."""
+    return pool[tables].flatten(1, 2)
+
+
+def visible(positions: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """[B, S, T] bool: key t visible to the query at positions[b, s] (t <= that position)."""
+    keys = torch.arange(n_keys, device=positions.device)
+    return keys[None, None, :] <= positions[:, :, None]
+
+
+def gather_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """q [B, S, H, Dh] at positions [B, S] over the row's blocks -> [B, S, H, Dh]."""
+    k = gather_blocks(k_pool, tables).transpose(1, 2)  # [B, K, T, Dh]
+    v = gather_blocks(v_pool, tables).transpose(1, 2)
+    mask = visible(positions, k.shape[2])[:, None]  # [B, 1, S, T]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                         enable_gqa=k.shape[1] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+_FLEX = {}
+
+
+def flex_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                         positions: torch.Tensor) -> torch.Tensor:
+    """The gather path's keys through FlexAttention with the visibility rule as a block mask (CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    k = gather_blocks(k_pool, tables).transpose(1, 2)  # [B, K, T, Dh]
+    v = gather_blocks(v_pool, tables).transpose(1, 2)
+    B, S, T = q.shape[0], q.shape[1], k.shape[2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= positions[b, q_idx]
+
+    block_mask = create_block_mask(mask_mod, B, None, S, T, device=q.device)
+    out = _FLEX["fn"](q.transpose(1, 2), k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                    positions: torch.Tensor, impl: str = "gather") -> torch.Tensor:
+    if impl == "flex":
+        return flex_attention_paged(q, k_pool, v_pool, tables, positions)
+    return gather_attention(q, k_pool, v_pool, tables, positions)
