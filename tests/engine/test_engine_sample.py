@@ -39,8 +39,8 @@ def _train(engine, seeds, lr=5e-2):
     from shardfit.rl import AdamParams
 
     for s in seeds:
-        engine.forward_backward(_data(s), "cross_entropy")
-        engine.optim_step(AdamParams(learning_rate=lr))
+        engine.forward_backward(_data(s), "cross_entropy", model="default")
+        engine.optim_step(AdamParams(learning_rate=lr), model="default")
 
 
 def _greedy(max_tokens=8):
@@ -90,12 +90,12 @@ def test_greedy_tokens_are_the_serve_samplers_for_the_live_model_and_a_frozen_ve
     assert live != before  # the live model moved (else the rest proves nothing)
     assert _tokens(e.sample(PROMPTS, _greedy(), version=v, **KV)) == before  # the version keeps its tokens
     assert _tokens(e.sample(PROMPTS, _greedy(), model="default", **KV)) == live
-    base = _serve_greedy(e, BASE)
+    base = _serve_greedy(e, BASE)  # leaves the base in the registry's slot
     # one call, a different weight version per prompt: each row decodes with its own
-    mixed = e.sample(PROMPTS, _greedy(), version=[v, None, BASE, None], model=[None, "default", None, "default"],
-                     **KV)
+    v2 = e.freeze("default")  # live's weights, new to the bank: loaded through the registry's slot
+    mixed = e.sample(PROMPTS, _greedy(), version=[v, None, BASE, v2], model=[None, "default", None, None], **KV)
     assert _tokens(mixed) == [before[0], live[1], base[2], live[3]]
-    assert e.models.current == "default"  # the slot is back where it was
+    assert e.models.current == BASE  # the slot is back where it was
 
 
 def test_logprobs_are_engine_forwards_on_the_same_tokens(lora):
@@ -161,8 +161,8 @@ def _ranks(rank, world):
     _train(e, [2])
     prompts = PROMPTS + [[7, 7, 7], [100, 2]]
     res = e.sample(prompts, SamplingParams(max_tokens=5, temperature=1.0, seed=3), num_samples=2,
-                   prompt_logprobs=True, topk_prompt_logprobs=2, topk_sample_logprobs=2, version=[v, None, v, None, None, v],
-                   model=[None, "default", None, "default", "default", None], **KV)
+                   prompt_logprobs=True, topk_prompt_logprobs=2, topk_sample_logprobs=2,
+                   version=[v, None, v, None, None, v], model=[None, "default", None, "default", "default", None], **KV)
     return [{"tokens": [s.tokens for s in r.samples], "logprobs": [s.logprobs for s in r.samples],
              "stop": [s.stop_reason for s in r.samples], "topk": [s.topk for s in r.samples],
              "prompt": r.prompt_logprobs, "topk_prompt": r.topk_prompt_logprobs} for r in res]

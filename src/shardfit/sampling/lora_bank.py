@@ -15,8 +15,12 @@ them: the module's full name, lora_A [r, in] and lora_B [out, r], or the embeddi
 not adapt gets zeros (what "not adapted" means). `free(slot)` zeroes it. Before every forward the sampler's runner
 calls `set_rows(slots)` with a LongTensor shaped like the forward's input_ids [B, S]: each token's slot, -1 for the
 base alone; the column mask of kernels/multi_lora.py is made there once and read by every banked layer.
-The head may be called on each row's last position only ([B, D] or [B, 1, D]: the logits a decode step samples
-from): it then takes each row's last token's slot.
+The head is called on whatever positions the sampler wants logits for (a chunk's last, a prompt's span, each
+decode row's one), sliced from the decoder's output after set_rows' forward: so a banked head's shrink rides with
+the hidden states. A forward hook on the decoder appends to its output h [..., D] each token's head shrink
+(h A_all^T) * cols [..., S*R] (kernels/multi_lora.py), and the head splits what it is given: logits = h W^T + u B_all.
+Any slice of the decoder's output then carries its own tokens' adapters, with no bookkeeping of which rows it holds
+and nothing data-dependent (CUDA graphs capture it). Only the head reads the decoder's output in the decode model.
 Refused in one line, never skipped: a target that is not a linear, head or embedding module, and LoRA on MoE experts
 (adapters/expert_lora.py's grouped adapters are not banked yet). Memory: S x R x (in + out) elements per target in
 the decode dtype; no collective anywhere here.
@@ -25,6 +29,7 @@ the decode dtype; no collective anywhere here.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardfit.adapters.expert_lora import is_expert_target
@@ -53,13 +58,25 @@ class BankedLinear(_Banked, nn.Linear):
 
 
 class BankedOutputHead(_Banked, OutputHead):
-    """The head's adapter per row on the logits (a per-row weight cannot be folded into one head weight, as
-    training's LoRAOutputHead does): logits only, no fused loss."""
+    """The head's adapter per token on the logits (a per-row weight cannot be folded into one head weight, as
+    training's LoRAOutputHead does): logits only, no fused loss. Takes the decoder's output widened by the hook
+    (module docstring), [..., D + S*R], or plain hidden states [..., D] of the last set_rows' tokens."""
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, *args, **kwargs) -> torch.Tensor:
         if labels is not None:
             raise NotImplementedError("the banked decode head returns logits only (no fused loss or log-probs)")
-        return self._delta(h, super().forward(h))
+        D = self.weight.shape[1]
+        if h.shape[-1] == D:
+            return self._delta(h, super().forward(h))
+        x, u = h[..., :D], h[..., D:]  # [..., D], [..., S*R]: the shrink already scaled by the token's slot
+        out = super().forward(x)
+        return out + (u.to(self.bank_B.dtype) @ self.bank_B).to(out.dtype)
+
+    def widen(self, h: torch.Tensor) -> torch.Tensor:
+        """The decoder's output h [..., D] -> [..., D + S*R], each token's head shrink appended."""
+        flat = h.reshape(-1, h.shape[-1])
+        u = F.linear(flat.to(self.bank_A.dtype), self.bank_A) * self.lora_bank.columns(flat.shape[0])
+        return torch.cat([h, u.to(h.dtype).view(*h.shape[:-1], -1)], -1)
 
 
 class BankedEmbedding(_Banked, nn.Embedding):
@@ -113,7 +130,9 @@ class LoRABank:
             self.modules[fqn] = mod
         self.scale = torch.zeros(capacity, **{"dtype": dtype, "device": device})  # [S]: alpha / r per slot
         self._cols: torch.Tensor | None = None  # [B*S, S*R] of the last set_rows
-        self._last_cols: torch.Tensor | None = None  # [B, S*R]: each row's last token's
+        head = [m for m in self.modules.values() if isinstance(m, BankedOutputHead)]
+        if head:
+            model.model.register_forward_hook(lambda _mod, _args, out: head[0].widen(out))
 
     # ------------------------------------------------------------------ slots
     @torch.no_grad()
@@ -168,20 +187,14 @@ class LoRABank:
     def set_rows(self, slots: torch.Tensor) -> None:
         """slots [B, S] (long, -1: the base alone): each token's slot for the next forward. Device ops only (no host
         sync): capturable with the forward."""
-        slots = slots.to(self.device)
-        self._cols = slot_columns(slots.reshape(-1), self.scale, self.rank)  # [B*S, S*R]
-        self._last_cols = slot_columns(slots[:, -1], self.scale, self.rank)  # [B, S*R]
+        self._cols = slot_columns(slots.to(self.device).reshape(-1), self.scale, self.rank)  # [B*S, S*R]
 
     def columns(self, n: int) -> torch.Tensor:
-        """The column mask for a call on n tokens: every token of the last set_rows, or each row's last one."""
-        if self._cols is None:
-            raise RuntimeError("LoRABank.set_rows must be called before the decode model's forward")
-        if n == self._cols.shape[0]:
-            return self._cols
-        if n == self._last_cols.shape[0]:
-            return self._last_cols
-        raise RuntimeError(f"a banked layer called on {n} tokens after set_rows of {self._cols.shape[0]} tokens in "
-                           f"{self._last_cols.shape[0]} rows")
+        """The column mask of the last set_rows' tokens, for a layer called on all n of them."""
+        if self._cols is None or n != self._cols.shape[0]:
+            raise RuntimeError(f"a banked layer called on {n} tokens; set_rows gave "
+                               f"{None if self._cols is None else self._cols.shape[0]}: call it before each forward")
+        return self._cols
 
     @property
     def nbytes(self) -> int:
