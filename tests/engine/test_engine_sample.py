@@ -181,3 +181,20 @@ def test_two_ranks_return_what_one_returns():
         assert a["topk_prompt"][0] is None and b["topk_prompt"][0] is None
         assert [[t for t, _ in pos] for pos in a["topk_prompt"][1:]] == \
                [[t for t, _ in pos] for pos in b["topk_prompt"][1:]]
+
+
+def test_results_packed_for_the_ranks_exchange_come_back_whole():
+    """What rank w sends (engine/sampling.py's fixed-length float64 vector, sized from the request alone) unpacks to
+    the very results: a sample stopped early, top-k per token, the prompt's None first position."""
+    from shardfit.engine.sampling import _pack, _size, _unpack
+    from shardfit.sampling.params import Sampled, SampleRequest, SampleResult, SamplingParams
+
+    req = SampleRequest([4, 5, 6], SamplingParams(max_tokens=4, stop_tokens=(9,)), num_samples=2,
+                        prompt_logprobs=True, topk_prompt_logprobs=1, topk_sample_logprobs=2)
+    res = SampleResult([Sampled([1, 9], [-0.5, -1.25], "stop", [[(1, -0.5), (3, -2.0)], [(9, -1.25), (2, -3.5)]]),
+                        Sampled([7, 7, 8, 2], [-1.0, -2.0, -3.0, -4.0], "length",
+                                [[(7, -1.0), (0, -5.0)]] * 4)],
+                       [None, -2.5, -0.75], [None, [(5, -2.5)], [(6, -0.75)]])
+    vec = _pack(req, res)
+    assert len(vec) == _size(req)  # every rank knows each rank's length without asking
+    assert _unpack(req, vec) == res
