@@ -148,6 +148,10 @@ def test_refusals_are_one_line(lora):
     assert "\n" not in str(err.value)
     with pytest.raises(ShardfitError, match="3 entries for 4 prompts"):
         e.sample(PROMPTS, _greedy(), version=[None] * 3, **KV)
+    with pytest.raises(ShardfitError, match="max_seq_len=64") as err:
+        e.sample([*PROMPTS, [1] * 64], _greedy(), **KV)
+    assert err.value.where == "prompt"
+    assert _tokens(e.sample(PROMPTS[:1], _greedy(), **KV)) == _serve_greedy(e, "default")[:1]  # nothing left over
 
 
 def _ranks(rank, world):
@@ -163,16 +167,23 @@ def _ranks(rank, world):
     res = e.sample(prompts, SamplingParams(max_tokens=5, temperature=1.0, seed=3), num_samples=2,
                    prompt_logprobs=True, topk_prompt_logprobs=2, topk_sample_logprobs=2,
                    version=[v, None, v, None, None, v], model=[None, "default", None, "default", "default", None], **KV)
-    return [{"tokens": [s.tokens for s in r.samples], "logprobs": [s.logprobs for s in r.samples],
-             "stop": [s.stop_reason for s in r.samples], "topk": [s.topk for s in r.samples],
-             "prompt": r.prompt_logprobs, "topk_prompt": r.topk_prompt_logprobs} for r in res]
+    try:  # refused on every rank (it would decode on rank 1), none left waiting in a collective
+        e.sample([[1, 2], [3] * 60], SamplingParams(max_tokens=10), **KV)
+        refused = ""
+    except Exception as err:  # noqa: BLE001  the message is the assertion
+        refused = str(err)
+    return [{"refused": refused}] + [
+        {"tokens": [s.tokens for s in r.samples], "logprobs": [s.logprobs for s in r.samples],
+         "stop": [s.stop_reason for s in r.samples], "topk": [s.topk for s in r.samples],
+         "prompt": r.prompt_logprobs, "topk_prompt": r.topk_prompt_logprobs} for r in res]
 
 
 def test_two_ranks_return_what_one_returns():
     one = run_ranks(_ranks, 1)[0]
     two = run_ranks(_ranks, 2)
-    assert two[0] == two[1]  # every rank has every prompt's results
-    for a, b in zip(one, two[0]):
+    assert two[0] == two[1]  # every rank has every prompt's results, and the same refusal
+    assert "sampling_params.max_tokens" in one[0]["refused"] and two[0][0]["refused"] == one[0]["refused"]
+    for a, b in zip(one[1:], two[0][1:]):
         assert a["tokens"] == b["tokens"] and a["stop"] == b["stop"]
         np.testing.assert_allclose(np.concatenate(a["logprobs"]), np.concatenate(b["logprobs"]), atol=2e-5)
         assert [[[t for t, _ in pos] for pos in s] for s in a["topk"]] == \

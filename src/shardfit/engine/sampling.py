@@ -14,7 +14,7 @@ version of the call decode in one continuous batch (sampling/'s Sampler).
 
 The Sampler and its paged KV pool are built per call and dropped at its end: the pool is sized from the memory free
 after the weights (kv_fraction of it, the allocator's cache emptied first), and that memory is the next training
-step's activations. Its CUDA graphs are captured per call (a fraction of a second against a rollout batch).
+step's activations. Its CUDA graphs are captured per call, once per batch-size bucket the call reaches.
 
 Several ranks: every rank is given the same prompts (as every Engine call); request i decodes on rank i % world
 (data-parallel, no collective per token), and the results travel once at the end: each rank's results packed into
@@ -72,22 +72,44 @@ class EngineSampling:
         params = _per_prompt(params, n, "params")
         keys = self._sample_keys(_per_prompt(model, n, "model"), _per_prompt(version, n, "version"))
         self.finish()  # the weights after the last optim_step, every parameter its shard (no gathered copy)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the training step's cached blocks: free memory for the gathered model, the pool
         state = self._sampling_state(len(set(k for k in keys if k is not None)))
         slot_of = self._load_slots(state, keys)
-        reqs = [SampleRequest([int(t) for t in p], params[i], num_samples, slot_of.get(keys[i], -1), prompt_logprobs,
-                              topk_prompt_logprobs, topk_sample_logprobs) for i, p in enumerate(prompts)]
+        reqs = [SampleRequest([t.item() if hasattr(t, "item") else t for t in p], params[i], num_samples,
+                              slot_of.get(keys[i], -1), prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs)
+                for i, p in enumerate(prompts)]
         rank, world = self.dist.rank, self.dist.world_size
         mine = [i for i in range(n) if i % world == rank]
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the training step's cached blocks: free memory the KV pool is sized from
         sampler = Sampler(state.model, bank=state.bank, tokenizer=tokenizer, **sampler_options)
         try:
+            self._check_requests(sampler, reqs)
             done = sampler.run([reqs[i] for i in mine]) if mine else []
         finally:
             del sampler  # the KV pool: the next training step's memory
         if world == 1:
             return done
         return _gather_results(reqs, dict(zip(mine, done)), rank, world, self.device)
+
+    def _check_requests(self, sampler, reqs: list) -> None:
+        """Every request checked on every rank (one line naming the field), and on N ranks the verdict agreed in one
+        all-reduce before any rank decodes: a rank never waits in the results' gather for one that refused (their
+        KV pools, sized from each GPU's free memory, may differ)."""
+        err = None
+        for r in reqs:
+            try:
+                sampler.check(r)
+            except ShardfitError as e:
+                err = e
+                break
+        if self.dist.world_size > 1:
+            bad = torch.tensor([float(err is not None)], device=self.device)
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+            if bad.item() and err is None:
+                raise ShardfitError("another rank refused one of the requests (its KV cache holds fewer tokens)",
+                                    where="Engine.sample", fix="ask for fewer new tokens, or give kv_blocks")
+        if err is not None:
+            raise err
 
     # ------------------------------------------------------------------ the decode model and its slots
     def _sample_keys(self, models: list, versions: list) -> list[tuple | None]:
@@ -135,7 +157,7 @@ class EngineSampling:
         if st is not None and st.bank is not None and st.capacity < capacity:
             st = None  # a bigger bank: the decode model again (views on one rank: cheap)
         if st is None:
-            plain, bank, _ = decode_model(self.model, dtype, capacity=capacity)
+            plain, bank, _ = decode_model(self.model, dtype, capacity=capacity, live_adapters=False)  # _load_slots
             st = self._sampling = SamplingState(plain, bank, self.weights_epoch, capacity)
         elif st.bank is None and st.epoch != self.weights_epoch:
             if gathers(self.model, dtype):

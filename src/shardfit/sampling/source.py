@@ -106,9 +106,10 @@ def _set(model: nn.Module, name: str, value: torch.Tensor, buffer: bool = False)
 
 
 @torch.no_grad()
-def decode_model(engine_model: nn.Module, dtype: torch.dtype, capacity: int = 4):
-    """(plain CausalLM, LoRABank or None, the live model's adapters {name: (A, B)} or None); module docstring.
-    Every rank calls it at the same point (N ranks: one all-reduce, then one all-gather per tensor)."""
+def decode_model(engine_model: nn.Module, dtype: torch.dtype, capacity: int = 4, live_adapters: bool = True):
+    """(plain CausalLM, LoRABank or None, the live model's adapters {name: (A, B)} or None: live_adapters=False
+    skips reading them); module docstring. Every rank calls it at the same point (N ranks: one all-reduce, then one
+    all-gather per tensor)."""
     params = _base_params(engine_model)
     device = local_tensor(params[0][1]).device
     if device.type == "cpu" and any(local_tensor(p).device.type == "cpu" and isinstance(p, DTensor)
@@ -133,7 +134,7 @@ def decode_model(engine_model: nn.Module, dtype: torch.dtype, capacity: int = 4)
         return plain, None, None
     rank = next(iter(targets.values())).lora_rank
     bank = LoRABank(plain, list(targets), capacity, rank, dtype, device)
-    return plain, bank, adapter_tensors(engine_model)
+    return plain, bank, adapter_tensors(engine_model) if live_adapters else None
 
 
 @torch.no_grad()
