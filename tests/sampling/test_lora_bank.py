@@ -4,6 +4,7 @@
   version in the registry's slot, on the same tokens (fp32, tight tolerance), every adapted kind (linear layers, the
   embedding, the head);
 - on one rank the decode model views the Engine's storage (no copy); a freed slot adds exactly nothing;
+- an MoE model's decode model (its experts and balancing biases as they are) gives the Engine's logits;
 - refusals are one line: LoRA on MoE experts, a load of the wrong rank or an unknown target.
 """
 
@@ -126,3 +127,28 @@ def test_refusals_are_one_line(trained):
         LoRABank(torch.nn.Module(), ["model.layers.1.mlp.experts.gate_up_proj"], 2, 4, torch.float32,
                  torch.device("cpu"))
     assert err.value.where == "lora.targets" and "\n" not in str(err.value)
+
+
+def test_an_moe_models_decode_model_gives_the_engines_logits_and_expert_lora_is_refused():
+    """Routed experts (and their balancing biases, buffers) come over as they are; LoRA on the experts is one line."""
+    from shardfit.config import load_config
+    from shardfit.engine.registry import BASE
+    from shardfit.rl import DatumEngine
+    from shardfit.sampling.source import adapter_scale, decode_model
+
+    moe = ["--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32"]
+    e = DatumEngine.start(load_config(None, [*ARGS[:-1], "--lora.targets=all-linear", *moe]))
+    _train(e, 1)
+    e.finish()
+    plain, bank, live = decode_model(e.model, torch.float32, capacity=2)
+    assert not any(".mlp." in name for name in bank.modules)  # attention's linears only (the router stays frozen)
+    bank.load(0, live, adapter_scale(e.model))
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    bank.set_rows(torch.tensor([[0], [-1]]).expand(-1, 7))
+    got = plain(ids).float()
+    torch.testing.assert_close(got[0], _engine_logits(e, "default", ids[:1])[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], _engine_logits(e, BASE, ids[1:])[0], rtol=1e-5, atol=1e-5)
+    e2 = DatumEngine.start(load_config(None, [*ARGS[:-1], "--lora.targets=q_proj,experts", *moe]))
+    with pytest.raises(ShardfitError, match="MoE experts") as err:
+        decode_model(e2.model, torch.float32)
+    assert err.value.where == "lora.targets"
