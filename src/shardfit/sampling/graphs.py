@@ -41,12 +41,14 @@ class DecodeGraphs:
         self.graphs: dict[tuple, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if enabled else None
 
-    def __call__(self, active: torch.Tensor, width: int, topk: int, filters: bool):
+    def __call__(self, active: torch.Tensor, width: int, topk: int, filters: bool, state_key=None):
+        """state_key: what identifies the state tensors a graph reads, when one may be replaced (RowState's stop
+        tokens, widened): a graph is captured per value."""
         if not self.enabled:
             return self.step(active, width, topk, filters)
-        key = (active.shape[0], width, topk, filters)
+        key = (active.shape[0], width, topk, filters, state_key)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(*key)
+            self.graphs[key] = self._capture(*key[:4])
         graph, static_active, outputs = self.graphs[key]
         static_active.copy_(active)
         graph.replay()

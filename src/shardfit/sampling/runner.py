@@ -234,7 +234,7 @@ class Sampler:
         if not sched.active:
             return
         rows, active, width, topk, filters = self._decode_batch(max(upd[1], default=-1) + 1)
-        out = self.graphs(active, width, topk, filters)
+        out = self.graphs(active, width, topk, filters, self.st.stop_tokens.shape[1])
         self._record(rows, out, topk)
         sched.step += 1
         for row, epoch in sched.ends_due.pop(s, []):  # max_tokens reached: out of the batch, answered at the flush

@@ -38,7 +38,8 @@ class RowState:
         self.n_gen, self.position, self.last_token, self.adapter = z(torch.int64), z(torch.int64), z(
             torch.int64), z(torch.int64)
         self.done = torch.ones(R, dtype=torch.bool, device=device)
-        self.stop_tokens = torch.full((R, 1), -1, dtype=torch.int64, device=device)
+        # widened (a new tensor: graphs.py keys its graphs by the width) for a request with more stop tokens
+        self.stop_tokens = torch.full((R, 4), -1, dtype=torch.int64, device=device)
         self.tables = torch.full((R, max_blocks), trash, dtype=torch.int64, device=device)
 
     def start_row(self, slot: int, params, sample: int, seed: int, adapter: int, *, token: int | None = None,
