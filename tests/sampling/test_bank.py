@@ -17,10 +17,17 @@ class ShiftBank:
         self.calls: list[tuple[tuple, torch.Tensor]] = []
         self.slots = None
         model.model.embed_tokens.register_forward_hook(self._shift)
+        model.lm_head.register_forward_pre_hook(self._check_head)
+        self.heads = 0
 
     def set_rows(self, slots: torch.Tensor) -> None:
         self.slots = slots.clone()
         self.calls.append(tuple(slots.shape))
+
+    def _check_head(self, module, args):
+        """A bank that adapts the head reads the rows too: its input [B, S, D] is the shape set_rows was told."""
+        assert tuple(self.slots.shape) == tuple(args[0].shape[:-1]), (self.slots.shape, args[0].shape)
+        self.heads += 1
 
     def _shift(self, module, args, out):
         assert self.slots is not None and tuple(self.slots.shape) == tuple(args[0].shape)
@@ -29,7 +36,8 @@ class ShiftBank:
 
 def _req(adapter, seed=3):
     prompt = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return SampleRequest(prompt, SamplingParams(10, temperature=1.0, seed=seed), num_samples=2, adapter=adapter)
+    return SampleRequest(prompt, SamplingParams(10, temperature=1.0, seed=seed), num_samples=2, adapter=adapter,
+                         prompt_logprobs=True)
 
 
 def test_rows_of_different_adapters_decode_in_one_batch_each_with_its_own():
@@ -38,7 +46,7 @@ def test_rows_of_different_adapters_decode_in_one_batch_each_with_its_own():
     model = tiny_model(seed=1)
     bank = ShiftBank(model)
     mixed = Sampler(model, block_size=4, bank=bank).run([_req(0), _req(-1), _req(1)])
-    assert bank.calls and all(len(shape) == 2 for shape in bank.calls)
+    assert bank.calls and all(len(shape) == 2 for shape in bank.calls) and bank.heads > 10
     assert any(shape[1] == 1 and shape[0] == 6 for shape in bank.calls)  # the decode step of the 6 rows
     alone = [Sampler(model, block_size=4, bank=bank).run([_req(a)])[0] for a in (0, -1, 1)]
     tokens = [[s.tokens for s in r.samples] for r in mixed]

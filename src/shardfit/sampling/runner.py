@@ -20,7 +20,8 @@ stop token is; the tokens drawn after it are dropped). A stopped row keeps its b
 check_every wasted tokens) so that the device never waits for the host.
 
 LoRA rows: with a `bank`, every forward is preceded by bank.set_rows(slots [B, S]): each token's adapter slot
-(the request's `adapter`, -1 for the base model).
+(the request's `adapter`, -1 for the base model); the head applied to a prefill's positions alone is called as a
+forward of [1, n] after its own set_rows.
 """
 
 from __future__ import annotations
@@ -177,9 +178,16 @@ class Sampler:
         req = job.request.req
         n = min(b, len(req.prompt) - 1) - a  # positions whose next prompt token is known
         if n > 0 and (req.prompt_logprobs or req.topk_prompt_logprobs):
-            logits = self.model.lm_head(h[:n]).float()  # [n, V]
+            logits = self._head(h[:n], req.adapter)  # [n, V]
             targets = self._upload(req.prompt[a + 1:a + 1 + n])
             job.request.prompt_parts.append(token_logprobs(logits, targets, req.topk_prompt_logprobs))
+
+    def _head(self, h: torch.Tensor, adapter: int) -> torch.Tensor:
+        """fp32 logits [n, V] of one request's hidden states h [n, D], called as a forward of input [1, n]: a LoRA
+        bank that adapts the head is told the rows first, in that shape."""
+        if self.bank is not None:
+            self.bank.set_rows(torch.full((1, h.shape[0]), adapter, dtype=torch.int64, device=self.device))
+        return self.model.lm_head(h[None])[0].float()
 
     def _start(self, job: Prefill, last_h: torch.Tensor) -> None:
         """The job's prompt is in the cache: its rows start (a new prompt's draw their first token from last_h [D])."""
@@ -194,7 +202,7 @@ class Sampler:
             request.prefilled = True
             if job.rows:
                 slots = self._upload([r.slot for r in job.rows])
-                logits = self.model.lm_head(last_h).float()  # [V]
+                logits = self._head(last_h[None], req.adapter)[0]  # [V]
                 filters = req.params.top_k > 0 or req.params.top_p < 1
                 out = st.first_tokens(logits, slots, len(req.prompt), req.topk_sample_logprobs, filters)
                 self._record(list(job.rows), out, req.topk_sample_logprobs)

@@ -104,8 +104,8 @@ def decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: i
     kv.bind(pos[:, None], slots, tables)
     if bank is not None:
         bank.set_rows(st.adapter[active][:, None])  # [B, 1]: each token's adapter slot
-    h = model.model(st.last_token[active][:, None], cache=kv)[:, -1]  # [B, D]
-    logits = model.lm_head(h).float()  # [B, V]
+    h = model.model(st.last_token[active][:, None], cache=kv)  # [B, 1, D]
+    logits = model.lm_head(h)[:, -1].float()  # [B, V]: the head sees the shape set_rows was told
     return st._advance(logits, active, pos + 1, topk, filters, ~st.done[active])
 
 
