@@ -34,7 +34,7 @@ from shardfit.errors import ShardfitError
 from shardfit.sampling.graphs import DecodeGraphs, bucket, capturable
 from shardfit.sampling.kv import PagedKV, blocks_for_memory
 from shardfit.sampling.params import Sampled, SampleRequest, SampleResult, check_request
-from shardfit.sampling.sample import token_logprobs
+from shardfit.sampling.sample import draw_kind, token_logprobs
 from shardfit.sampling.scheduler import Prefill, Request, Row, Scheduler
 from shardfit.sampling.step import RowState, decode_step, prefill_forward
 
@@ -90,7 +90,7 @@ class Sampler:
         self.graphs = DecodeGraphs(self._decode_fn, self.st.pad, graphs)
         self.pending: list[tuple] = []  # (rows, packed outputs on the host, top-k width, event) per forward
         self._requests = 0
-        self._batch = None  # (rows, active slots tensor, width, top-k, filters) while the decode batch is unchanged
+        self._batch = None  # (rows, active slots tensor, width, top-k, draw) while the decode batch is unchanged
 
     def describe(self) -> str:
         return self.kv.describe()
@@ -103,8 +103,8 @@ class Sampler:
         """Host ints as an int64 device tensor, without waiting for the device's queue (a blocking copy would)."""
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    def _decode_fn(self, active, width, topk, filters):
-        return decode_step(self.model, self.kv, self.st, active, width, topk, filters, self.bank)
+    def _decode_fn(self, active, width, topk, draw):
+        return decode_step(self.model, self.kv, self.st, active, width, topk, draw, self.bank)
 
     # Requests.
     def check(self, req: SampleRequest) -> None:
@@ -203,8 +203,8 @@ class Sampler:
             if job.rows:
                 slots = self._upload([r.slot for r in job.rows])
                 logits = self._head(last_h[None], req.adapter)[0]  # [V]
-                filters = req.params.top_k > 0 or req.params.top_p < 1
-                out = st.first_tokens(logits, slots, len(req.prompt), req.topk_sample_logprobs, filters)
+                draw = draw_kind([req.params])
+                out = st.first_tokens(logits, slots, len(req.prompt), req.topk_sample_logprobs, draw)
                 self._record(list(job.rows), out, req.topk_sample_logprobs)
         for row in job.rows:
             row.n_gen = len(row.out.tokens) if not job.new else 1
@@ -241,8 +241,8 @@ class Sampler:
         self.st.set_blocks(*upd)
         if not sched.active:
             return
-        rows, active, width, topk, filters = self._decode_batch(max(upd[1], default=-1) + 1)
-        out = self.graphs(active, width, topk, filters, self.st.stop_tokens.shape[1])
+        rows, active, width, topk, draw = self._decode_batch(max(upd[1], default=-1) + 1)
+        out = self.graphs(active, width, topk, draw, self.st.stop_tokens.shape[1])
         self._record(rows, out, topk)
         sched.step += 1
         for row, epoch in sched.ends_due.pop(s, []):  # max_tokens reached: out of the batch, answered at the flush
@@ -250,7 +250,7 @@ class Sampler:
                 sched.leave(row)
 
     def _decode_batch(self, grown: int):
-        """The batch's slots tensor (padded to a graph bucket), table width, top-k and filters: rebuilt when rows
+        """The batch's slots tensor (padded to a graph bucket), table width, top-k and draw: rebuilt when rows
         joined or left, else the table width grown to cover a new block."""
         sched = self.sched
         if sched.active_changed or self._batch is None:
@@ -260,14 +260,14 @@ class Sampler:
                 slots += [self.st.pad] * (bucket(len(slots), self.max_rows) - len(slots))
             params = [r.request.req for r in rows]
             topk = max(q.topk_sample_logprobs for q in params)
-            filters = any(q.params.temperature > 0 and (q.params.top_k > 0 or q.params.top_p < 1) for q in params)
+            draw = draw_kind([q.params for q in params])
             need = max(len(r.blocks) for r in rows)
-            self._batch = [rows, self._upload(slots), need, topk, filters]
+            self._batch = [rows, self._upload(slots), need, topk, draw]
             sched.active_changed = False
         self._batch[2] = max(self._batch[2], grown)
-        rows, active, need, topk, filters = self._batch
+        rows, active, need, topk, draw = self._batch
         width = bucket(need, self.st.max_blocks) if self.graphs.enabled else need
-        return rows, active, width, topk, filters
+        return rows, active, width, topk, draw
 
     def _allocate(self, row: Row) -> int | None:
         """A free block for row, preempting the newest rows or jobs while none is; None if row itself went."""

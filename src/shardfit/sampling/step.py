@@ -10,7 +10,7 @@ block (`set_blocks`); nothing else crosses from the host while a row decodes.
 `decode_step(active)` runs one token for the rows whose slots `active` [B] lists: the slot of each new key from the
 table (computed on the device), the model's forward through the paged cache, the head on the last position, the
 choice (sampling/sample.py), the stop-token and length checks (`done`), and the state advanced in place. It has no
-host sync and no data-dependent shape: at fixed (B, table width, top-k, filters) it is what graphs.py captures.
+host sync and no data-dependent shape: at fixed (B, table width, top-k, draw) it is what graphs.py captures.
 Outputs [B]: tokens, their log-probs, `valid` (the row was not done before this step: its token counts), `done`
 after it, and the top-k (log-probs, ids) [B, k] when asked.
 """
@@ -69,18 +69,18 @@ class RowState:
             t = torch.tensor([slots, cols, blocks], dtype=torch.int64).to(self.device, non_blocking=True)
             self.tables[t[0], t[1]] = t[2]
 
-    def first_tokens(self, logits: torch.Tensor, slots: torch.Tensor, position: int, topk: int, filters: bool):
+    def first_tokens(self, logits: torch.Tensor, slots: torch.Tensor, position: int, topk: int, draw: str):
         """The first draw of a prompt's rows: logits [V] (the prompt's last position) for every slot [n] at the
         token position `position` (the prompt's length). Returns decode_step's outputs and starts the rows."""
         n = slots.shape[0]
         logits = logits.float().expand(n, -1)
         pos = torch.full((n,), position, dtype=torch.int64, device=logits.device)
-        return self._advance(logits, slots, pos, topk, filters, torch.ones(n, dtype=torch.bool, device=pos.device))
+        return self._advance(logits, slots, pos, topk, draw, torch.ones(n, dtype=torch.bool, device=pos.device))
 
-    def _advance(self, logits, slots, pos, topk, filters, valid):
+    def _advance(self, logits, slots, pos, topk, draw, valid):
         """Draw the token at position `pos` [B] for each row, check stops, advance the state (no sync)."""
         keys = row_keys(self.seed[slots], self.sample[slots], pos)
-        tokens = choose(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], keys, filters)
+        tokens = choose(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], keys, draw)
         logp, top = token_logprobs(logits, tokens, topk)
         n_gen = self.n_gen[slots] + valid.long()
         stop = (tokens[:, None] == self.stop_tokens[slots]).any(-1)
@@ -92,7 +92,7 @@ class RowState:
         return tokens, logp, valid, done, top
 
 
-def decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: int, topk: int, filters: bool,
+def decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: int, topk: int, draw: str,
                 bank=None):
     """One token for the rows in `active` [B] (slots; padding: st.pad). width: the table columns read (every row's
     blocks fit in them). Returns (tokens, logprobs, valid, done, top-k or None), [B] each."""
@@ -106,7 +106,7 @@ def decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: i
         bank.set_rows(st.adapter[active][:, None])  # [B, 1]: each token's adapter slot
     h = model.model(st.last_token[active][:, None], cache=kv)  # [B, 1, D]
     logits = model.lm_head(h)[:, -1].float()  # [B, V]: the head sees the shape set_rows was told
-    return st._advance(logits, active, pos + 1, topk, filters, ~st.done[active])
+    return st._advance(logits, active, pos + 1, topk, draw, ~st.done[active])
 
 
 def prefill_forward(model, kv: PagedKV, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
