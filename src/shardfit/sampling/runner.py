@@ -149,22 +149,19 @@ class Sampler:
     # Prefill.
     def _prefill(self) -> None:
         chunks = self.sched.chunks(self.prefill_chunk)
-        bs, trash = self.kv.block_size, self.kv.trash
         J, S = len(chunks), max(b - a for _, a, b in chunks)
         M = max(len(job.blocks) for job, _, _ in chunks)
         ids, pos = torch.zeros(J, S, dtype=torch.int64), torch.zeros(J, S, dtype=torch.int64)
-        slots = torch.full((J, S), trash * bs, dtype=torch.int64)
-        tables = torch.full((J, M), trash, dtype=torch.int64)
+        real = torch.zeros(J, S, dtype=torch.bool)
+        tables = torch.full((J, M), self.kv.trash, dtype=torch.int64)
         adapters = torch.full((J, S), -1, dtype=torch.int64)
         for j, (job, a, b) in enumerate(chunks):
-            blocks = torch.tensor(job.blocks, dtype=torch.int64)
-            p = torch.arange(a, b)
             ids[j, :b - a] = torch.tensor(job.tokens[a:b])
-            pos[j, :b - a] = p
-            slots[j, :b - a] = blocks[p // bs] * bs + p % bs
-            tables[j, :len(job.blocks)] = blocks
+            pos[j, :b - a] = torch.arange(a, b)
+            real[j, :b - a] = True
+            tables[j, :len(job.blocks)] = torch.tensor(job.blocks, dtype=torch.int64)
             adapters[j, :b - a] = job.request.req.adapter
-        dev = [t.to(self.device, non_blocking=True) for t in (ids, pos, slots.flatten(), tables, adapters)]
+        dev = [t.to(self.device, non_blocking=True) for t in (ids, pos, real, tables, adapters)]
         h = prefill_forward(self.model, self.kv, *dev[:4], dev[4] if self.bank is not None else None, self.bank)
         for j, (job, a, b) in enumerate(chunks):
             job.done = b

@@ -92,16 +92,25 @@ class RowState:
         return tokens, logp, valid, done, top
 
 
+def slot_mapping(tables: torch.Tensor, positions: torch.Tensor, block_size: int, trash: int,
+                 real: torch.Tensor | None = None) -> torch.Tensor:
+    """Where each new token's key and value go in the flat pool, on the device: tables [B, M], positions [B, S] ->
+    [B x S] (the block of the row's table that holds the position, and the offset in it). real [B, S] bool: the
+    padding's slots (False) go to the trash block, where nothing reads them."""
+    col = (positions // block_size).clamp(0, tables.shape[1] - 1)  # the padding slot's position runs on: bounded
+    slots = tables.gather(1, col) * block_size + positions % block_size
+    if real is not None:
+        slots = torch.where(real, slots, trash * block_size)
+    return slots.flatten()
+
+
 def decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: int, topk: int, draw: str,
                 bank=None):
     """One token for the rows in `active` [B] (slots; padding: st.pad). width: the table columns read (every row's
     blocks fit in them). Returns (tokens, logprobs, valid, done, top-k or None), [B] each."""
     pos = st.position[active]  # [B]: the input token's position
     tables = st.tables[active, :width]  # [B, M]
-    bs = kv.block_size
-    col = (pos // bs).clamp(max=width - 1)[:, None]  # the padding slot's position runs on: keep it in the table
-    slots = tables.gather(1, col)[:, 0] * bs + pos % bs  # [B]: where the input token's key and value go
-    kv.bind(pos[:, None], slots, tables)
+    kv.bind(pos[:, None], slot_mapping(tables, pos[:, None], kv.block_size, kv.trash), tables)
     if bank is not None:
         bank.set_rows(st.adapter[active][:, None])  # [B, 1]: each token's adapter slot
     h = model.model(st.last_token[active][:, None], cache=kv)  # [B, 1, D]
@@ -109,11 +118,12 @@ def decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: i
     return st._advance(logits, active, pos + 1, topk, draw, ~st.done[active])
 
 
-def prefill_forward(model, kv: PagedKV, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+def prefill_forward(model, kv: PagedKV, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor,
                     tables: torch.Tensor, adapters: torch.Tensor | None, bank=None) -> torch.Tensor:
-    """Prompt chunks ids [J, S] (padded: their slots point at the trash block) at positions [J, S] -> the final
-    hidden states [J, S, D] (the head is applied where logits are needed)."""
-    kv.bind(positions, slots, tables)
+    """Prompt chunks ids [J, S] at positions [J, S] (real [J, S]: False for the padding, whose keys go to the trash
+    block) over the jobs' tables [J, M] -> the final hidden states [J, S, D] (the head is applied where logits are
+    needed)."""
+    kv.bind(positions, slot_mapping(tables, positions, kv.block_size, kv.trash, real), tables)
     if bank is not None:
         bank.set_rows(adapters)
     return model.model(ids, cache=kv)
