@@ -1,6 +1,7 @@
 """The paged KV cache (sampling/kv.py): the allocator's reference counts, copy-on-write of a block's contents, the
 pool sized from memory, and attention over a row's blocks equal to the dense cache's attention."""
 
+import pytest
 import torch
 
 from shardfit.config.schema import ModelConfig
@@ -57,3 +58,16 @@ def test_attention_over_scattered_blocks_is_the_dense_caches():
     out = gather_attention(q, pool_k, pool_v, torch.tensor(tables), positions)
     for b, (k, v) in enumerate(dense):
         torch.testing.assert_close(out[b:b + 1], cached_attention(q[b:b + 1], k, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # FlexAttention compiles (~15 s on 2 idle cores)
+def test_flex_attention_is_the_gather_paths():
+    from shardfit.sampling.attention import flex_attention_paged, flex_block_mask
+
+    torch.manual_seed(0)
+    pool_k, pool_v = torch.randn(9, 4, 2, 16), torch.randn(9, 4, 2, 16)
+    tables = torch.tensor([[5, 0, 7, 8], [3, 1, 8, 8]])  # 8: the trash block
+    q = torch.randn(2, 3, 4, 16)
+    positions = torch.tensor([[8, 9, 10], [3, 4, 5]])
+    torch.testing.assert_close(flex_attention_paged(q, pool_k, pool_v, tables, flex_block_mask(positions, 16)),
+                               gather_attention(q, pool_k, pool_v, tables, positions), rtol=1e-5, atol=1e-6)

@@ -106,7 +106,7 @@ def _thirty(tok, model):
     for i in range(30):
         prompt = _prompt(2 + (i * 7) % 23, 100 + i)
         params = SamplingParams(1 + (i * 5) % 19, temperature=0.0 if i % 4 == 0 else 1.0, seed=i,
-                                top_k=-1 if i % 3 else 50, stop_tokens=(7, 8) if i % 5 == 1 else ())
+                                top_k=-1 if i % 3 else 50, stop_tokens=tuple(range(7, 13)) if i % 5 == 1 else ())
         reqs.append(SampleRequest(prompt, params, num_samples=1 + i % 4))
     firsts = Sampler(model, block_size=4, tokenizer=tok).run(reqs)
     for i in range(0, 30, 3):  # every third request stops at a string from its first sample's middle
@@ -141,6 +141,8 @@ def test_continuous_batching_gives_each_request_what_it_gets_alone(model):
                                                                       for r in alone]
     stopped = [s for r, q in zip(alone, reqs) if q.params.stop_strings for s in r.samples if s.stop_reason == "stop"]
     assert len(stopped) >= 5
+    assert any(s.stop_reason == "stop" and s.tokens[-1] in q.params.stop_tokens  # a stop token, of six
+               for r, q in zip(alone, reqs) for s in r.samples)
     for r, q in zip(alone, reqs):  # a stop string ends its sample at the token that completes it
         for s in r.samples:
             if q.params.stop_strings and s.stop_reason == "stop" and s.tokens[-1] not in q.params.stop_tokens:

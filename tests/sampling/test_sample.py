@@ -82,3 +82,21 @@ def test_logprobs_are_the_fp32_log_softmax_and_its_top_k():
     full = torch.log_softmax(logits.float(), -1)
     assert torch.equal(lp, full.gather(-1, tokens[:, None])[:, 0])
     assert torch.equal(vals, full.topk(3, -1).values) and torch.equal(ids, full.topk(3, -1).indices)
+
+
+def test_the_cheaper_draws_are_the_full_ones_where_they_apply():
+    """A batch with no top-k/top-p skips the filters, an all-greedy one the noise: the same tokens either way."""
+    from shardfit.sampling.params import SamplingParams
+    from shardfit.sampling.sample import draw_kind
+
+    assert draw_kind([SamplingParams(4, temperature=0.0, top_k=5)]) == "greedy"
+    assert draw_kind([SamplingParams(4, temperature=0.0, top_k=5), SamplingParams(4)]) == "plain"
+    assert draw_kind([SamplingParams(4), SamplingParams(4, top_p=0.9)]) == "filtered"
+    n = 64
+    logits = torch.randn(n, 100, generator=torch.Generator().manual_seed(1)) * 3
+    keys = row_keys(torch.full((n,), 5), torch.arange(n), torch.full((n,), 9))
+    temp, top_k, top_p = torch.rand(n, generator=torch.Generator().manual_seed(2)) + 0.2, torch.full((n,), -1), \
+        torch.ones(n)
+    assert torch.equal(choose(logits, temp, top_k, top_p, keys, "plain"),
+                       choose(logits, temp, top_k, top_p, keys, "filtered"))
+    assert torch.equal(choose(logits, torch.zeros(n), top_k, top_p, keys, "greedy"), logits.argmax(-1))

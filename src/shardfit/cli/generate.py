@@ -44,9 +44,10 @@ def decode(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, *, te
     params = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             stop_tokens=tuple(sorted(eos_ids)))
     reqs = [SampleRequest(p, params) for p in prompts]
-    block = 16  # a KV cache that holds every prompt and its answer at once
+    block = 16  # a KV cache that holds every prompt and its answer at once, not a share of the GPU's memory
     need = sum(-(-(len(p) + max_new_tokens) // block) for p in prompts)
-    sampler = Sampler(model, kv_blocks=max(1, need), block_size=block, max_rows=max(1, len(prompts)),
+    # eager decode steps: a look at a few answers does not pay for capturing a graph per batch size
+    sampler = Sampler(model, kv_blocks=max(1, need), block_size=block, max_rows=min(256, max(1, len(prompts))),
                       cuda_graphs=False)
     for r in reqs:  # every prompt checked before any is decoded, the errors naming this command's flags
         try:

@@ -45,27 +45,26 @@ def gather_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 _FLEX = {}
 
 
+def flex_block_mask(positions: torch.Tensor, n_keys: int):
+    """The visibility rule as FlexAttention's block mask for queries at positions [B, S] over n_keys keys: built once
+    per forward (PagedKV.bind), used by every layer."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= positions[b, q_idx]
+
+    B, S = positions.shape
+    return create_block_mask(mask_mod, B, None, S, n_keys, device=positions.device)
+
+
 def flex_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                         positions: torch.Tensor) -> torch.Tensor:
+                         block_mask) -> torch.Tensor:
     """The gather path's keys through FlexAttention with the visibility rule as a block mask (CUDA)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if "fn" not in _FLEX:
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     k = gather_blocks(k_pool, tables).transpose(1, 2)  # [B, K, T, Dh]
     v = gather_blocks(v_pool, tables).transpose(1, 2)
-    B, S, T = q.shape[0], q.shape[1], k.shape[2]
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= positions[b, q_idx]
-
-    block_mask = create_block_mask(mask_mod, B, None, S, T, device=q.device)
     out = _FLEX["fn"](q.transpose(1, 2), k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[2])
     return out.transpose(1, 2)
-
-
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                    positions: torch.Tensor, impl: str = "gather") -> torch.Tensor:
-    if impl == "flex":
-        return flex_attention_paged(q, k_pool, v_pool, tables, positions)
-    return gather_attention(q, k_pool, v_pool, tables, positions)

@@ -1,6 +1,6 @@
 """The decode step (sampling/step.py decode_step) captured as CUDA graphs, one per shape bucket, replayed per token.
 
-A bucket is (rows B, table width M, top-k, filters): B and M rounded up to a power of two, so that a few graphs
+A bucket is (rows B, table width M, top-k, draw): B and M rounded up to a power of two, so that a few graphs
 cover every batch (1, 2, 4, ... max_rows rows; 1, 2, 4, ... blocks a row). The graph's one input that changes
 between buckets' replays is its static `active` buffer (the rows' slots, padded with the padding slot): every other
 input (tokens, positions, tables, sampling params, seeds) already lives in RowState's fixed tensors, which the step
@@ -34,33 +34,35 @@ def bucket(n: int, cap: int) -> int:
 
 
 class DecodeGraphs:
-    """Calls step(active, width, topk, filters) -> outputs, through a captured graph per bucket when enabled."""
+    """Calls step(active, width, topk, draw) -> outputs, through a captured graph per bucket when enabled."""
 
     def __init__(self, step, pad_slot: int, enabled: bool):
         self.step, self.pad, self.enabled = step, pad_slot, enabled
         self.graphs: dict[tuple, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if enabled else None
 
-    def __call__(self, active: torch.Tensor, width: int, topk: int, filters: bool):
+    def __call__(self, active: torch.Tensor, width: int, topk: int, draw: str, state_key=None):
+        """state_key: what identifies the state tensors a graph reads, when one may be replaced (RowState's stop
+        tokens, widened): a graph is captured per value."""
         if not self.enabled:
-            return self.step(active, width, topk, filters)
-        key = (active.shape[0], width, topk, filters)
+            return self.step(active, width, topk, draw)
+        key = (active.shape[0], width, topk, draw, state_key)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(*key)
+            self.graphs[key] = self._capture(*key[:4])
         graph, static_active, outputs = self.graphs[key]
         static_active.copy_(active)
         graph.replay()
         return outputs
 
-    def _capture(self, rows: int, width: int, topk: int, filters: bool):
+    def _capture(self, rows: int, width: int, topk: int, draw: str):
         static_active = torch.full((rows,), self.pad, dtype=torch.int64, device="cuda")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: lazy inits and autotuning happen outside the capture
-                self.step(static_active, width, topk, filters)
+                self.step(static_active, width, topk, draw)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.step(static_active, width, topk, filters)
+            outputs = self.step(static_active, width, topk, draw)
         return graph, static_active, outputs

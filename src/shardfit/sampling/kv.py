@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from shardfit.config.schema import ModelConfig
-from shardfit.sampling.attention import paged_attention
+from shardfit.sampling.attention import flex_attention_paged, flex_block_mask, gather_attention
 
 
 def block_bytes(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
@@ -90,7 +90,7 @@ class PagedKV:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.allocator = BlockAllocator(n_blocks)
-        self._positions = self._slots = self._tables = None
+        self._positions = self._slots = self._tables = self._mask = None
 
     @property
     def tokens(self) -> int:
@@ -118,6 +118,7 @@ class PagedKV:
         last key it may attend to), slots [B x S] (int64: where its key and value go in the flat pool
         [(n_blocks + 1) x block_size]), tables [B, M] (int64: the row's blocks in order, padded with `trash`)."""
         self._positions, self._slots, self._tables = positions, slots, tables
+        self._mask = None  # flex: the block mask, made by the forward's first layer
 
     def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._positions
@@ -128,7 +129,11 @@ class PagedKV:
         flat = (-1, *kp.shape[2:])  # [(n_blocks + 1) x block_size, K, Dh]: a view of the pool
         kp.view(flat).index_copy_(0, self._slots, k.reshape(-1, *k.shape[2:]).to(kp.dtype))
         vp.view(flat).index_copy_(0, self._slots, v.reshape(-1, *v.shape[2:]).to(vp.dtype))
-        return paged_attention(q, kp, vp, self._tables, self._positions, self.attention)
+        if self.attention == "flex":
+            if self._mask is None:
+                self._mask = flex_block_mask(self._positions, self._tables.shape[1] * self.block_size)
+            return flex_attention_paged(q, kp, vp, self._tables, self._mask)
+        return gather_attention(q, kp, vp, self._tables, self._positions)
 
     def advance(self, input_ids: torch.Tensor) -> None:
         """Lengths are the runner's (each row's own): nothing to do here."""

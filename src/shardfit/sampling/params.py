@@ -116,6 +116,8 @@ def check_request(req: SampleRequest, *, max_seq_len: int, vocab_size: int, kv_t
         k = getattr(req, name)
         if not isinstance(k, int) or not 0 <= k <= min(MAX_TOPK, vocab_size):
             _fail(f"{name}={k!r} is out of range", name, f"give 0 to {min(MAX_TOPK, vocab_size)}")
-    if req.adapter != -1 and (bank is None or not isinstance(req.adapter, int) or req.adapter < 0):
+    slots = getattr(bank, "n_slots", None)  # a bank that says how many slots it has: the others are refused here
+    if req.adapter != -1 and (bank is None or not isinstance(req.adapter, int) or req.adapter < 0
+                              or (slots is not None and req.adapter >= slots)):
         _fail(f"adapter slot {req.adapter!r} is not served here" + (" (no LoRA bank)" if bank is None else ""),
               "adapter", "give -1 (the base model) or a slot of the sampler's LoRA bank")

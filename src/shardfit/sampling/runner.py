@@ -20,7 +20,8 @@ stop token is; the tokens drawn after it are dropped). A stopped row keeps its b
 check_every wasted tokens) so that the device never waits for the host.
 
 LoRA rows: with a `bank`, every forward is preceded by bank.set_rows(slots [B, S]): each token's adapter slot
-(the request's `adapter`, -1 for the base model).
+(the request's `adapter`, -1 for the base model); the head applied to a prefill's positions alone is called as a
+forward of [1, n] after its own set_rows.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from shardfit.errors import ShardfitError
 from shardfit.sampling.graphs import DecodeGraphs, bucket, capturable
 from shardfit.sampling.kv import PagedKV, blocks_for_memory
 from shardfit.sampling.params import Sampled, SampleRequest, SampleResult, check_request
-from shardfit.sampling.sample import token_logprobs
+from shardfit.sampling.sample import draw_kind, token_logprobs
 from shardfit.sampling.scheduler import Prefill, Request, Row, Scheduler
 from shardfit.sampling.step import RowState, decode_step, prefill_forward
 
@@ -89,7 +90,7 @@ class Sampler:
         self.graphs = DecodeGraphs(self._decode_fn, self.st.pad, graphs)
         self.pending: list[tuple] = []  # (rows, packed outputs on the host, top-k width, event) per forward
         self._requests = 0
-        self._batch = None  # (rows, active slots tensor, width, top-k, filters) while the decode batch is unchanged
+        self._batch = None  # (rows, active slots tensor, width, top-k, draw) while the decode batch is unchanged
 
     def describe(self) -> str:
         return self.kv.describe()
@@ -102,8 +103,8 @@ class Sampler:
         """Host ints as an int64 device tensor, without waiting for the device's queue (a blocking copy would)."""
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    def _decode_fn(self, active, width, topk, filters):
-        return decode_step(self.model, self.kv, self.st, active, width, topk, filters, self.bank)
+    def _decode_fn(self, active, width, topk, draw):
+        return decode_step(self.model, self.kv, self.st, active, width, topk, draw, self.bank)
 
     # Requests.
     def check(self, req: SampleRequest) -> None:
@@ -148,22 +149,19 @@ class Sampler:
     # Prefill.
     def _prefill(self) -> None:
         chunks = self.sched.chunks(self.prefill_chunk)
-        bs, trash = self.kv.block_size, self.kv.trash
         J, S = len(chunks), max(b - a for _, a, b in chunks)
         M = max(len(job.blocks) for job, _, _ in chunks)
         ids, pos = torch.zeros(J, S, dtype=torch.int64), torch.zeros(J, S, dtype=torch.int64)
-        slots = torch.full((J, S), trash * bs, dtype=torch.int64)
-        tables = torch.full((J, M), trash, dtype=torch.int64)
+        real = torch.zeros(J, S, dtype=torch.bool)
+        tables = torch.full((J, M), self.kv.trash, dtype=torch.int64)
         adapters = torch.full((J, S), -1, dtype=torch.int64)
         for j, (job, a, b) in enumerate(chunks):
-            blocks = torch.tensor(job.blocks, dtype=torch.int64)
-            p = torch.arange(a, b)
             ids[j, :b - a] = torch.tensor(job.tokens[a:b])
-            pos[j, :b - a] = p
-            slots[j, :b - a] = blocks[p // bs] * bs + p % bs
-            tables[j, :len(job.blocks)] = blocks
+            pos[j, :b - a] = torch.arange(a, b)
+            real[j, :b - a] = True
+            tables[j, :len(job.blocks)] = torch.tensor(job.blocks, dtype=torch.int64)
             adapters[j, :b - a] = job.request.req.adapter
-        dev = [t.to(self.device, non_blocking=True) for t in (ids, pos, slots.flatten(), tables, adapters)]
+        dev = [t.to(self.device, non_blocking=True) for t in (ids, pos, real, tables, adapters)]
         h = prefill_forward(self.model, self.kv, *dev[:4], dev[4] if self.bank is not None else None, self.bank)
         for j, (job, a, b) in enumerate(chunks):
             job.done = b
@@ -177,9 +175,16 @@ class Sampler:
         req = job.request.req
         n = min(b, len(req.prompt) - 1) - a  # positions whose next prompt token is known
         if n > 0 and (req.prompt_logprobs or req.topk_prompt_logprobs):
-            logits = self.model.lm_head(h[:n]).float()  # [n, V]
+            logits = self._head(h[:n], req.adapter)  # [n, V]
             targets = self._upload(req.prompt[a + 1:a + 1 + n])
             job.request.prompt_parts.append(token_logprobs(logits, targets, req.topk_prompt_logprobs))
+
+    def _head(self, h: torch.Tensor, adapter: int) -> torch.Tensor:
+        """fp32 logits [n, V] of one request's hidden states h [n, D], called as a forward of input [1, n]: a LoRA
+        bank that adapts the head is told the rows first, in that shape."""
+        if self.bank is not None:
+            self.bank.set_rows(torch.full((1, h.shape[0]), adapter, dtype=torch.int64, device=self.device))
+        return self.model.lm_head(h[None])[0].float()
 
     def _start(self, job: Prefill, last_h: torch.Tensor) -> None:
         """The job's prompt is in the cache: its rows start (a new prompt's draw their first token from last_h [D])."""
@@ -194,9 +199,9 @@ class Sampler:
             request.prefilled = True
             if job.rows:
                 slots = self._upload([r.slot for r in job.rows])
-                logits = self.model.lm_head(last_h).float()  # [V]
-                filters = req.params.top_k > 0 or req.params.top_p < 1
-                out = st.first_tokens(logits, slots, len(req.prompt), req.topk_sample_logprobs, filters)
+                logits = self._head(last_h[None], req.adapter)[0]  # [V]
+                draw = draw_kind([req.params])
+                out = st.first_tokens(logits, slots, len(req.prompt), req.topk_sample_logprobs, draw)
                 self._record(list(job.rows), out, req.topk_sample_logprobs)
         for row in job.rows:
             row.n_gen = len(row.out.tokens) if not job.new else 1
@@ -233,8 +238,8 @@ class Sampler:
         self.st.set_blocks(*upd)
         if not sched.active:
             return
-        rows, active, width, topk, filters = self._decode_batch(max(upd[1], default=-1) + 1)
-        out = self.graphs(active, width, topk, filters)
+        rows, active, width, topk, draw = self._decode_batch(max(upd[1], default=-1) + 1)
+        out = self.graphs(active, width, topk, draw, self.st.stop_tokens.shape[1])
         self._record(rows, out, topk)
         sched.step += 1
         for row, epoch in sched.ends_due.pop(s, []):  # max_tokens reached: out of the batch, answered at the flush
@@ -242,7 +247,7 @@ class Sampler:
                 sched.leave(row)
 
     def _decode_batch(self, grown: int):
-        """The batch's slots tensor (padded to a graph bucket), table width, top-k and filters: rebuilt when rows
+        """The batch's slots tensor (padded to a graph bucket), table width, top-k and draw: rebuilt when rows
         joined or left, else the table width grown to cover a new block."""
         sched = self.sched
         if sched.active_changed or self._batch is None:
@@ -252,14 +257,14 @@ class Sampler:
                 slots += [self.st.pad] * (bucket(len(slots), self.max_rows) - len(slots))
             params = [r.request.req for r in rows]
             topk = max(q.topk_sample_logprobs for q in params)
-            filters = any(q.params.temperature > 0 and (q.params.top_k > 0 or q.params.top_p < 1) for q in params)
+            draw = draw_kind([q.params for q in params])
             need = max(len(r.blocks) for r in rows)
-            self._batch = [rows, self._upload(slots), need, topk, filters]
+            self._batch = [rows, self._upload(slots), need, topk, draw]
             sched.active_changed = False
         self._batch[2] = max(self._batch[2], grown)
-        rows, active, need, topk, filters = self._batch
+        rows, active, need, topk, draw = self._batch
         width = bucket(need, self.st.max_blocks) if self.graphs.enabled else need
-        return rows, active, width, topk, filters
+        return rows, active, width, topk, draw
 
     def _allocate(self, row: Row) -> int | None:
         """A free block for row, preempting the newest rows or jobs while none is; None if row itself went."""

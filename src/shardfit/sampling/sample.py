@@ -75,13 +75,23 @@ def top_p_filter(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Ten
     return logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
 
 
+def draw_kind(params) -> str:
+    """How a batch of rows (their SamplingParams) draws: "greedy" (every row at temperature 0: no noise is made),
+    "plain" (no sampled row asks for top-k or top-p: the two sorts over V are skipped) or "filtered"."""
+    sampled = [p for p in params if p.temperature > 0]
+    if not sampled:
+        return "greedy"
+    return "filtered" if any(p.top_k > 0 or p.top_p < 1 for p in sampled) else "plain"
+
+
 def choose(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           keys: torch.Tensor, filters: bool = True) -> torch.Tensor:
-    """logits [B, V] fp32 -> tokens [B] int64. filters=False: no row asks for top-k or top-p (the host knows it from
-    the rows' params), and the two sorts over V are skipped."""
+           keys: torch.Tensor, draw: str = "filtered") -> torch.Tensor:
+    """logits [B, V] fp32 -> tokens [B] int64; draw: draw_kind's (the host knows it from the rows' params)."""
     greedy = logits.argmax(-1)
+    if draw == "greedy":
+        return greedy
     scaled = logits / temperature.clamp(min=1e-6)[:, None]
-    if filters:
+    if draw == "filtered":
         scaled = top_p_filter(top_k_filter(scaled, top_k), top_p)
     drawn = (scaled + gumbel_noise(keys, logits.shape[-1])).argmax(-1)
     return torch.where(temperature > 0, drawn, greedy)

@@ -10,7 +10,7 @@ block (`set_blocks`); nothing else crosses from the host while a row decodes.
 `decode_step(active)` runs one token for the rows whose slots `active` [B] lists: the slot of each new key from the
 table (computed on the device), the model's forward through the paged cache, the head on the last position, the
 choice (sampling/sample.py), the stop-token and length checks (`done`), and the state advanced in place. It has no
-host sync and no data-dependent shape: at fixed (B, table width, top-k, filters) it is what graphs.py captures.
+host sync and no data-dependent shape: at fixed (B, table width, top-k, draw) it is what graphs.py captures.
 Outputs [B]: tokens, their log-probs, `valid` (the row was not done before this step: its token counts), `done`
 after it, and the top-k (log-probs, ids) [B, k] when asked.
 """
@@ -38,7 +38,8 @@ class RowState:
         self.n_gen, self.position, self.last_token, self.adapter = z(torch.int64), z(torch.int64), z(
             torch.int64), z(torch.int64)
         self.done = torch.ones(R, dtype=torch.bool, device=device)
-        self.stop_tokens = torch.full((R, 1), -1, dtype=torch.int64, device=device)
+        # widened (a new tensor: graphs.py keys its graphs by the width) for a request with more stop tokens
+        self.stop_tokens = torch.full((R, 4), -1, dtype=torch.int64, device=device)
         self.tables = torch.full((R, max_blocks), trash, dtype=torch.int64, device=device)
 
     def start_row(self, slot: int, params, sample: int, seed: int, adapter: int, *, token: int | None = None,
@@ -68,18 +69,18 @@ class RowState:
             t = torch.tensor([slots, cols, blocks], dtype=torch.int64).to(self.device, non_blocking=True)
             self.tables[t[0], t[1]] = t[2]
 
-    def first_tokens(self, logits: torch.Tensor, slots: torch.Tensor, position: int, topk: int, filters: bool):
+    def first_tokens(self, logits: torch.Tensor, slots: torch.Tensor, position: int, topk: int, draw: str):
         """The first draw of a prompt's rows: logits [V] (the prompt's last position) for every slot [n] at the
         token position `position` (the prompt's length). Returns decode_step's outputs and starts the rows."""
         n = slots.shape[0]
         logits = logits.float().expand(n, -1)
         pos = torch.full((n,), position, dtype=torch.int64, device=logits.device)
-        return self._advance(logits, slots, pos, topk, filters, torch.ones(n, dtype=torch.bool, device=pos.device))
+        return self._advance(logits, slots, pos, topk, draw, torch.ones(n, dtype=torch.bool, device=pos.device))
 
-    def _advance(self, logits, slots, pos, topk, filters, valid):
+    def _advance(self, logits, slots, pos, topk, draw, valid):
         """Draw the token at position `pos` [B] for each row, check stops, advance the state (no sync)."""
         keys = row_keys(self.seed[slots], self.sample[slots], pos)
-        tokens = choose(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], keys, filters)
+        tokens = choose(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], keys, draw)
         logp, top = token_logprobs(logits, tokens, topk)
         n_gen = self.n_gen[slots] + valid.long()
         stop = (tokens[:, None] == self.stop_tokens[slots]).any(-1)
@@ -91,28 +92,38 @@ class RowState:
         return tokens, logp, valid, done, top
 
 
-def decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: int, topk: int, filters: bool,
+def slot_mapping(tables: torch.Tensor, positions: torch.Tensor, block_size: int, trash: int,
+                 real: torch.Tensor | None = None) -> torch.Tensor:
+    """Where each new token's key and value go in the flat pool, on the device: tables [B, M], positions [B, S] ->
+    [B x S] (the block of the row's table that holds the position, and the offset in it). real [B, S] bool: the
+    padding's slots (False) go to the trash block, where nothing reads them."""
+    col = (positions // block_size).clamp(0, tables.shape[1] - 1)  # the padding slot's position runs on: bounded
+    slots = tables.gather(1, col) * block_size + positions % block_size
+    if real is not None:
+        slots = torch.where(real, slots, trash * block_size)
+    return slots.flatten()
+
+
+def decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: int, topk: int, draw: str,
                 bank=None):
     """One token for the rows in `active` [B] (slots; padding: st.pad). width: the table columns read (every row's
     blocks fit in them). Returns (tokens, logprobs, valid, done, top-k or None), [B] each."""
     pos = st.position[active]  # [B]: the input token's position
     tables = st.tables[active, :width]  # [B, M]
-    bs = kv.block_size
-    col = (pos // bs).clamp(max=width - 1)[:, None]  # the padding slot's position runs on: keep it in the table
-    slots = tables.gather(1, col)[:, 0] * bs + pos % bs  # [B]: where the input token's key and value go
-    kv.bind(pos[:, None], slots, tables)
+    kv.bind(pos[:, None], slot_mapping(tables, pos[:, None], kv.block_size, kv.trash), tables)
     if bank is not None:
         bank.set_rows(st.adapter[active][:, None])  # [B, 1]: each token's adapter slot
-    h = model.model(st.last_token[active][:, None], cache=kv)[:, -1]  # [B, D]
-    logits = model.lm_head(h).float()  # [B, V]
-    return st._advance(logits, active, pos + 1, topk, filters, ~st.done[active])
+    h = model.model(st.last_token[active][:, None], cache=kv)  # [B, 1, D]
+    logits = model.lm_head(h)[:, -1].float()  # [B, V]: the head sees the shape set_rows was told
+    return st._advance(logits, active, pos + 1, topk, draw, ~st.done[active])
 
 
-def prefill_forward(model, kv: PagedKV, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+def prefill_forward(model, kv: PagedKV, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor,
                     tables: torch.Tensor, adapters: torch.Tensor | None, bank=None) -> torch.Tensor:
-    """Prompt chunks ids [J, S] (padded: their slots point at the trash block) at positions [J, S] -> the final
-    hidden states [J, S, D] (the head is applied where logits are needed)."""
-    kv.bind(positions, slots, tables)
+    """Prompt chunks ids [J, S] at positions [J, S] (real [J, S]: False for the padding, whose keys go to the trash
+    block) over the jobs' tables [J, M] -> the final hidden states [J, S, D] (the head is applied where logits are
+    needed)."""
+    kv.bind(positions, slot_mapping(tables, positions, kv.block_size, kv.trash, real), tables)
     if bank is not None:
         bank.set_rows(adapters)
     return model.model(ids, cache=kv)
