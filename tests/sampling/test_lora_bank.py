@@ -84,9 +84,12 @@ def test_rows_of_three_versions_and_the_base_each_get_their_own_logits(trained):
         torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
     # the versions differ from each other (else the test proves nothing)
     assert (got[0] - got[3]).abs().max() > 1e-3 and (got[2] - got[1]).abs().max() > 1e-3
-    # the head on each row's last position only takes that row's slot
+    # the head called apart on each row's last position, told its rows in that shape (as the sampler does)
     h = plain.model(ids)
+    bank.set_rows(rows[:, None])
     torch.testing.assert_close(plain.lm_head(h[:, -1]), got[:, -1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="set_rows"):  # told another shape: refused, never the wrong rows
+        plain.lm_head(h)
     e.using("default")
 
 

@@ -15,12 +15,10 @@ them: the module's full name, lora_A [r, in] and lora_B [out, r], or the embeddi
 not adapt gets zeros (what "not adapted" means). `free(slot)` zeroes it. Before every forward the sampler's runner
 calls `set_rows(slots)` with a LongTensor shaped like the forward's input_ids [B, S]: each token's slot, -1 for the
 base alone; the column mask of kernels/multi_lora.py is made there once and read by every banked layer.
-The head is called on whatever positions the sampler wants logits for (a chunk's last, a prompt's span, each
-decode row's one), sliced from the decoder's output after set_rows' forward: so a banked head's shrink rides with
-the hidden states. A forward hook on the decoder appends to its output h [..., D] each token's head shrink
-(h A_all^T) * cols [..., S*R] (kernels/multi_lora.py), and the head splits what it is given: logits = h W^T + u B_all.
-Any slice of the decoder's output then carries its own tokens' adapters, with no bookkeeping of which rows it holds
-and nothing data-dependent (CUDA graphs capture it). Only the head reads the decoder's output in the decode model.
+The head, called apart on the positions the sampler wants logits for (a prompt's span, its last position, each
+decode row's one), is told its rows the same way: the runner calls set_rows in the shape of the head's input first
+(sampling/runner.py's _head; a decode step's [B, 1] serves both). `n_slots` tells the sampler's request check how
+many slots there are.
 Refused in one line, never skipped: a target that is not a linear, head or embedding module, and LoRA on MoE experts
 (adapters/expert_lora.py's grouped adapters are not banked yet). Memory: S x R x (in + out) elements per target in
 the decode dtype; no collective anywhere here.
@@ -29,7 +27,6 @@ the decode dtype; no collective anywhere here.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardfit.adapters.expert_lora import is_expert_target
@@ -59,24 +56,12 @@ class BankedLinear(_Banked, nn.Linear):
 
 class BankedOutputHead(_Banked, OutputHead):
     """The head's adapter per token on the logits (a per-row weight cannot be folded into one head weight, as
-    training's LoRAOutputHead does): logits only, no fused loss. Takes the decoder's output widened by the hook
-    (module docstring), [..., D + S*R], or plain hidden states [..., D] of the last set_rows' tokens."""
+    training's LoRAOutputHead does): logits only, no fused loss."""
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, *args, **kwargs) -> torch.Tensor:
         if labels is not None:
             raise NotImplementedError("the banked decode head returns logits only (no fused loss or log-probs)")
-        D = self.weight.shape[1]
-        if h.shape[-1] == D:
-            return self._delta(h, super().forward(h))
-        x, u = h[..., :D], h[..., D:]  # [..., D], [..., S*R]: the shrink already scaled by the token's slot
-        out = super().forward(x)
-        return out + (u.to(self.bank_B.dtype) @ self.bank_B).to(out.dtype)
-
-    def widen(self, h: torch.Tensor) -> torch.Tensor:
-        """The decoder's output h [..., D] -> [..., D + S*R], each token's head shrink appended."""
-        flat = h.reshape(-1, h.shape[-1])
-        u = F.linear(flat.to(self.bank_A.dtype), self.bank_A) * self.lora_bank.columns(flat.shape[0])
-        return torch.cat([h, u.to(h.dtype).view(*h.shape[:-1], -1)], -1)
+        return self._delta(h, super().forward(h))
 
 
 class BankedEmbedding(_Banked, nn.Embedding):
@@ -130,9 +115,6 @@ class LoRABank:
             self.modules[fqn] = mod
         self.scale = torch.zeros(capacity, **{"dtype": dtype, "device": device})  # [S]: alpha / r per slot
         self._cols: torch.Tensor | None = None  # [B*S, S*R] of the last set_rows
-        head = [m for m in self.modules.values() if isinstance(m, BankedOutputHead)]
-        if head:
-            model.model.register_forward_hook(lambda _mod, _args, out: head[0].widen(out))
 
     # ------------------------------------------------------------------ slots
     @torch.no_grad()
@@ -195,6 +177,10 @@ class LoRABank:
             raise RuntimeError(f"a banked layer called on {n} tokens; set_rows gave "
                                f"{None if self._cols is None else self._cols.shape[0]}: call it before each forward")
         return self._cols
+
+    @property
+    def n_slots(self) -> int:
+        return self.capacity
 
     @property
     def nbytes(self) -> int:
