@@ -3,7 +3,8 @@
 - rows of 3 adapter versions and the base in one batch: each row's logits are the FSDP Engine's forward with that
   version in the registry's slot, on the same tokens (fp32, tight tolerance), every adapted kind (linear layers, the
   embedding, the head);
-- on one rank the decode model views the Engine's storage (no copy); a freed slot adds exactly nothing;
+- on one rank the decode model views the Engine's storage (no copy); a cast one is a copy that refresh updates in
+  place after a step; a freed slot adds exactly nothing;
 - an MoE model's decode model (its experts and balancing biases as they are) gives the Engine's logits;
 - refusals are one line: LoRA on MoE experts, a load of the wrong rank or an unknown target.
 """
@@ -155,3 +156,25 @@ def test_an_moe_models_decode_model_gives_the_engines_logits_and_expert_lora_is_
     with pytest.raises(ShardfitError, match="MoE experts") as err:
         decode_model(e2.model, torch.float32)
     assert err.value.where == "lora.targets"
+
+
+def test_a_cast_decode_model_is_a_copy_refreshed_in_place_after_a_step():
+    """Full-parameter weights decoded in another dtype (fp32 masters, bf16 decode) are a copy: stale after a step
+    until refresh copies the new values into the same tensors (a sampler's CUDA graphs keep their addresses)."""
+    from shardfit.config import load_config
+    from shardfit.parallel.dtensor import local_tensor
+    from shardfit.rl import DatumEngine
+    from shardfit.sampling.source import decode_model, gathers, refresh
+
+    e = DatumEngine.start(load_config(None, [a for a in ARGS if not a.startswith("--lora")]))
+    plain, bank, live = decode_model(e.model, torch.bfloat16)
+    assert bank is None and live is None and gathers(e.model, torch.bfloat16)
+    w = plain.model.layers[0].mlp.up_proj.weight
+    src = local_tensor(dict(e.model.named_parameters())["model.layers.0.mlp.up_proj.weight"])
+    ptr, before = w.data_ptr(), w.clone()
+    assert w.dtype == torch.bfloat16 and torch.equal(w, src.to(torch.bfloat16))
+    _train(e, 1)
+    e.finish()
+    assert torch.equal(w, before)  # a copy: the step did not reach it
+    refresh(plain, e.model)
+    assert w.data_ptr() == ptr and torch.equal(w, src.to(torch.bfloat16)) and not torch.equal(w, before)
