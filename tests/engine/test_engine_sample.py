@@ -98,6 +98,22 @@ def test_greedy_tokens_are_the_serve_samplers_for_the_live_model_and_a_frozen_ve
     assert e.models.current == BASE  # the slot is back where it was
 
 
+def test_more_versions_than_the_banks_slots_grow_it_and_each_keeps_its_tokens(lora):
+    """Six versions, each sampled alone (the bank of 4 slots refilled as they come), then all in one call (a bank
+    of 8 on the same decode model): each prompt gets its version's tokens either way."""
+    e = lora
+    versions = []
+    for seed in range(6):
+        _train(e, [10 + seed])
+        versions.append(e.freeze("default"))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
+    alone = [_tokens(e.sample([p], _greedy(), version=v, **KV))[0] for p, v in zip(prompts, versions)]
+    assert len({str(t) for t in alone}) > 2  # the versions differ
+    assert _tokens(e.sample(prompts, _greedy(), version=versions, **KV)) == alone
+    assert e._sampling.capacity == 8
+    assert _tokens(e.sample(prompts[:1], _greedy(), version=versions[0], **KV)) == alone[:1]  # still held
+
+
 def test_logprobs_are_engine_forwards_on_the_same_tokens(lora):
     from shardfit.rl import make_datum
     from shardfit.sampling.params import SamplingParams

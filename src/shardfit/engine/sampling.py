@@ -147,18 +147,21 @@ class EngineSampling:
 
     def _sampling_state(self, needed: int) -> SamplingState:
         """The decode model (built once; a full-parameter model's copy refreshed after optim_step) with a bank of
-        at least `needed` slots (a larger call rebuilds the bank)."""
+        at least `needed` slots (a call that needs more gets a new bank, twice as large, on the same decode model)."""
         from shardfit.parallel.parallelize import mixed_precision
+        from shardfit.sampling.lora_bank import LoRABank
         from shardfit.sampling.source import decode_model, gathers, refresh
 
         st = self._sampling
         dtype = mixed_precision(self.cfg.compute, self.device).param_dtype  # the training forward's compute dtype
-        capacity = max(4, needed)
-        if st is not None and st.bank is not None and st.capacity < capacity:
-            st = None  # a bigger bank: the decode model again (views on one rank: cheap)
         if st is None:
-            plain, bank, _ = decode_model(self.model, dtype, capacity=capacity, live_adapters=False)  # _load_slots
-            st = self._sampling = SamplingState(plain, bank, self.weights_epoch, capacity)
+            plain, bank, _ = decode_model(self.model, dtype, capacity=max(4, needed), live_adapters=False)
+            st = self._sampling = SamplingState(plain, bank, self.weights_epoch, max(4, needed))
+        elif st.bank is not None and st.capacity < needed:  # a bigger bank on the same decode model, empty
+            old = st.bank
+            st.capacity = max(2 * st.capacity, needed)
+            st.bank = LoRABank(st.model, list(old.modules), st.capacity, old.rank, old.dtype, old.device)
+            st.slots = {}
         elif st.bank is None and st.epoch != self.weights_epoch:
             if gathers(self.model, dtype):
                 refresh(st.model, self.model)  # full-parameter weights changed: copied in place
@@ -171,23 +174,26 @@ class EngineSampling:
         from shardfit.sampling.source import adapter_scale, adapter_tensors
 
         wanted = list(dict.fromkeys(k for k in keys if k is not None))  # first-seen order: the same on every rank
-        if not wanted:
-            return {}
-        held = {k: s for k, s in st.slots.items() if k in wanted}
-        free = [s for s in range(st.capacity) if s not in held.values()]
-        missing = [k for k in wanted if k not in held]
+        missing = [k for k in wanted if k not in st.slots]
         if missing:
+            # slots to fill: empty ones, then those of adapters that can never be asked for again (a live model's
+            # before its last step, a freed version), then the least recently loaded of the others
+            dead = [k for k in st.slots if (k[0] == "model" and k[2] != self.weights_epoch)
+                    or (k[0] == "version" and k[1] not in self.models.versions)]
+            others = [k for k in st.slots if k not in wanted and k not in dead]
+            empty = [s for s in range(st.capacity) if s not in st.slots.values()]
+            free = empty + [st.slots[k] for k in dead + others]
             back = self.models.current
             scale = adapter_scale(self.model)
             for k in missing:
                 slot = free.pop(0)
+                st.slots = {old: s for old, s in st.slots.items() if s != slot}
                 self.using(k[1])
                 st.bank.load(slot, adapter_tensors(self.model), scale)
-                held[k] = slot
+                st.slots[k] = slot
             if back:
                 self.using(back)
-        st.slots = held
-        return held
+        return {k: st.slots[k] for k in wanted}
 
 
 def _layout(req) -> list[tuple[str, int]]:

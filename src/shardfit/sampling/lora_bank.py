@@ -100,7 +100,7 @@ class LoRABank:
         self.modules: dict[str, _Banked] = {}
         for fqn in targets:
             mod = model.get_submodule(fqn)
-            cls = _banked_class(mod, fqn)
+            cls = type(mod) if isinstance(mod, _Banked) else _banked_class(mod, fqn)  # a new bank: buffers replaced
             out_f, in_f = mod.weight.shape  # Linear [out, in]; Embedding [V, D]
             width = capacity * rank
             kw = {"dtype": dtype, "device": device}
