@@ -21,14 +21,15 @@ def _bank(dtype, g):
     return adapters, a.to(dtype), b.to(dtype), torch.tensor([16.0 / r for r in RANKS], dtype=dtype)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_token_gets_its_own_slots_adapter(dtype):
+def test_each_token_gets_its_own_slots_adapter(dtype, device):
     g = torch.Generator().manual_seed(0)
     adapters, a, b, scale = _bank(dtype, g)
     x = torch.randn(N, IN, generator=g).to(dtype)
     slot = torch.tensor([0, 1, 2, -1, 2, 0, -1, 1, 1, 0, 2])
-    a_all, b_all = stack_bank(a, b)
-    got = multi_lora(x, a_all, b_all, slot_columns(slot, scale, R))
+    a_all, b_all = (t.to(device) for t in stack_bank(a, b))
+    got = multi_lora(x.to(device), a_all, b_all, slot_columns(slot.to(device), scale.to(device), R)).cpu()
     assert got.shape == (N, OUT) and got.dtype == dtype
     for n in range(N):
         s = int(slot[n])
