@@ -74,3 +74,28 @@ def test_the_banked_embedding_is_pefts_per_token():
         want = torch.zeros(D) if s < 0 else a[s][:, ids[n]] @ b[s].t() * scale[s]
         torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[2], torch.zeros(D))
+
+
+def test_the_grouped_form_gives_each_routed_row_its_experts_adapter_of_its_slot():
+    """MoE experts: rows sorted by expert, expert e's bank [S*R, in] / [out, S*R]; each row through the adapter of
+    its expert and its token's slot (models/moe.py's split_linear as the grouped matmul)."""
+    import functools
+
+    from shardfit.kernels.multi_lora import multi_lora_grouped
+    from shardfit.models.moe import split_linear
+
+    g = torch.Generator().manual_seed(3)
+    E, sizes = 3, [2, 0, 4]
+    a = torch.randn(E, S, R, IN, generator=g)  # per expert, per slot
+    b = torch.randn(E, S, OUT, R, generator=g)
+    scale = torch.tensor([0.5, 1.0, 2.0])
+    x = torch.randn(sum(sizes), IN, generator=g)
+    slot = torch.tensor([2, -1, 0, 1, 2, 0])
+    experts = [e for e, n in enumerate(sizes) for _ in range(n)]
+    a_bank = a.reshape(E, S * R, IN)
+    b_bank = b.permute(0, 2, 1, 3).reshape(E, OUT, S * R)
+    got = multi_lora_grouped(x, a_bank, b_bank, slot_columns(slot, scale, R),
+                             functools.partial(split_linear, sizes=sizes))
+    for n, (e, s) in enumerate(zip(experts, slot.tolist())):
+        want = torch.zeros(OUT) if s < 0 else b[e, s] @ (a[e, s] @ x[n]) * scale[s]
+        torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-4)

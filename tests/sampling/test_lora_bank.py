@@ -5,8 +5,9 @@
   embedding, the head);
 - on one rank the decode model views the Engine's storage (no copy); a cast one is a copy that refresh updates in
   place after a step; a freed slot adds exactly nothing;
-- an MoE model's decode model (its experts and balancing biases as they are) gives the Engine's logits;
-- refusals are one line: LoRA on MoE experts, a load of the wrong rank or an unknown target.
+- an MoE model's decode model (its experts and balancing biases as they are) gives the Engine's logits, with LoRA on
+  its attention, on its experts (both projections, or down_proj alone) banked;
+- refusals are one line: a load of the wrong rank or shape, an unknown target, a target of another kind.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def test_rows_of_three_versions_and_the_base_each_get_their_own_logits(trained):
     e, (v1, v2) = trained
     e.finish()
     plain, bank, live = decode_model(e.model, torch.float32, capacity=4)
-    assert set(bank.modules) == set(e.lora_targets)  # every adapted module banked: linears, embedding, head
+    assert set(bank.targets) == set(e.lora_targets)  # every adapted module banked: linears, embedding, head
     scale = adapter_scale(e.model)
     bank.load(2, live, scale)  # the live model's adapters, read with it in the slot
     for slot, vid in ((0, v1), (1, v2)):
@@ -127,35 +128,45 @@ def test_refusals_are_one_line(trained):
     assert err.value.where == name
     with pytest.raises(ShardfitError, match="does not hold"):
         bank.load(0, {"model.layers.0.mlp.experts.down_proj": (a, b)}, 1.0)
-    with pytest.raises(ShardfitError, match="MoE experts") as err:
-        LoRABank(torch.nn.Module(), ["model.layers.1.mlp.experts.gate_up_proj"], 2, 4, torch.float32,
-                 torch.device("cpu"))
+    k = "model.layers.0.self_attn.k_proj"  # [32, 64]: B [32, r] where A [r, 64] belongs
+    with pytest.raises(ShardfitError, match="does not fit") as err:
+        bank.load(0, {k: (live[k][1], live[k][0])}, 1.0)
+    assert err.value.where == k
+    plain = decode_model(e.model, torch.float32)[0]
+    with pytest.raises(ShardfitError, match="no such module") as err:  # a dense model's
+        LoRABank(plain, ["model.layers.1.mlp.experts.gate_up_proj"], 2, 4, torch.float32, torch.device("cpu"))
     assert err.value.where == "lora.targets" and "\n" not in str(err.value)
+    with pytest.raises(ShardfitError, match="cannot hold a bank") as err:
+        LoRABank(plain, ["model.layers.1.input_layernorm"], 2, 4, torch.float32, torch.device("cpu"))
 
 
-def test_an_moe_models_decode_model_gives_the_engines_logits_and_expert_lora_is_refused():
-    """Routed experts (and their balancing biases, buffers) come over as they are; LoRA on the experts is one line."""
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,experts", "experts.down_proj"])
+def test_an_moe_models_decode_model_gives_the_engines_logits(targets):
+    """Routed experts (and their balancing biases, buffers) come over as they are; LoRA on the experts banked too:
+    rows of the live adapters and of the base in one batch each get the Engine's logits."""
     from shardfit.config import load_config
     from shardfit.engine.registry import BASE
     from shardfit.rl import DatumEngine
     from shardfit.sampling.source import adapter_scale, decode_model
 
     moe = ["--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32"]
-    e = DatumEngine.start(load_config(None, [*ARGS[:-1], "--lora.targets=all-linear", *moe]))
+    e = DatumEngine.start(load_config(None, [*ARGS[:-1], f"--lora.targets={targets}", *moe]))
     _train(e, 1)
     e.finish()
     plain, bank, live = decode_model(e.model, torch.float32, capacity=2)
-    assert not any(".mlp." in name for name in bank.modules)  # attention's linears only (the router stays frozen)
-    bank.load(0, live, adapter_scale(e.model))
+    assert set(bank.targets) == set(e.lora_targets) and not any("mlp.gate" in n for n in bank.targets)  # router
+    bank.load(1, live, adapter_scale(e.model))
+    bank.set_rows(torch.tensor([[1], [-1]]).expand(-1, 7))
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    alone = plain(ids).float()[0]
+    bank.free(1)
+    bank.load(0, live, adapter_scale(e.model))
     bank.set_rows(torch.tensor([[0], [-1]]).expand(-1, 7))
     got = plain(ids).float()
     torch.testing.assert_close(got[0], _engine_logits(e, "default", ids[:1])[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], _engine_logits(e, BASE, ids[1:])[0], rtol=1e-5, atol=1e-5)
-    e2 = DatumEngine.start(load_config(None, [*ARGS[:-1], "--lora.targets=q_proj,experts", *moe]))
-    with pytest.raises(ShardfitError, match="MoE experts") as err:
-        decode_model(e2.model, torch.float32)
-    assert err.value.where == "lora.targets"
+    torch.testing.assert_close(got[0], alone, rtol=1e-5, atol=1e-5)  # slot 1 then slot 0: the same adapter
+    assert (got[0] - got[1]).abs().max() > 1e-3  # the adapters moved the logits
 
 
 def test_a_cast_decode_model_is_a_copy_refreshed_in_place_after_a_step():

@@ -160,7 +160,7 @@ class EngineSampling:
         elif st.bank is not None and st.capacity < needed:  # a bigger bank on the same decode model, empty
             old = st.bank
             st.capacity = max(2 * st.capacity, needed)
-            st.bank = LoRABank(st.model, list(old.modules), st.capacity, old.rank, old.dtype, old.device)
+            st.bank = LoRABank(st.model, list(old.targets), st.capacity, old.rank, old.dtype, old.device)
             st.slots = {}
         elif st.bank is None and st.epoch != self.weights_epoch:
             if gathers(self.model, dtype):

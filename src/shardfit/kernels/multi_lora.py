@@ -63,4 +63,13 @@ def multi_lora_embedding(ids: torch.Tensor, a_t: torch.Tensor, b_all: torch.Tens
     return expand(F.embedding(ids, a_t), cols, b_all)
 
 
-__all__ = ["expand", "multi_lora", "multi_lora_embedding", "slot_columns", "stack_bank"]
+def multi_lora_grouped(x: torch.Tensor, a_bank: torch.Tensor, b_bank: torch.Tensor, cols: torch.Tensor,
+                       linear) -> torch.Tensor:
+    """MoE experts' adapters, banked: x [N, in] the routed rows sorted by expert, a_bank [E, S*R, in] (expert e's
+    A of every slot stacked), b_bank [E, out, S*R], cols [N, S*R] (each row's token's), `linear(x, w [E, o, i])` the
+    matmul over the experts' row groups (models/moe.py's grouped_linear or split_linear) -> delta [N, out]: two more
+    grouped matmuls, each row through its expert's adapter of its own slot."""
+    return linear(linear(x, a_bank) * cols, b_bank)
+
+
+__all__ = ["expand", "multi_lora", "multi_lora_embedding", "multi_lora_grouped", "slot_columns", "stack_bank"]

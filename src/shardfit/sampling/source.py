@@ -11,11 +11,11 @@ tensors of the Engine's (FSDP-sharded) model, under the same names:
   bf16, which an 80 GB GPU holds beside its shards). Where they do not fit the free memory, every rank refuses in one
   line with the arithmetic, decided by one all-reduce (MIN) of the room left, before any gather.
 Buffers (RoPE frequencies, the MoE balancing biases) are the Engine's own tensors (not sharded: views everywhere).
-LoRA layers become plain base linears (the frozen base, gathered once: it never changes) and their adapters move to
-a LoRABank (sampling/lora_bank.py) of `capacity` slots; `adapter_tensors` reads the live model's adapters (full A
-and B per target, one all-gather per tensor on N ranks), which the caller loads into a slot. A full-parameter
-model's gathered copy is stale after each optim_step: `refresh` copies the new values in place (the sampler's
-tensors, and CUDA graphs captured on them, stay valid); the Engine counts its weights' epochs to know when.
+LoRA layers (and LoRA experts) become plain base layers (the frozen base, gathered once: it never changes) and their
+adapters move to a LoRABank (sampling/lora_bank.py) of `capacity` slots; `adapter_tensors` reads the live model's
+adapters (full A and B per target, one all-gather per tensor on N ranks), which the caller loads into a slot. A
+full-parameter model's gathered copy is stale after each optim_step: `refresh` copies the new values in place (the
+sampler's tensors, and CUDA graphs captured on them, stay valid); the Engine counts its weights' epochs to know when.
 The caller reshards first (Engine.finish: no gathered copy of a no-grad pass left as the module's parameters).
 Refused: an NF4 base (adapters/qlora.py: its codes are no linear weight) and parameters offloaded to the host.
 """
@@ -155,10 +155,11 @@ def adapter_tensors(engine_model: nn.Module) -> dict[str, tuple[torch.Tensor, to
     in model order on every rank."""
     out = {}
     for fqn, mod in lora_modules(engine_model).items():
-        if isinstance(mod, LoRAExperts):
-            raise ShardfitError(f"sampling in-process from LoRA on MoE experts ({fqn}) is not supported yet",
-                                where="lora.targets", fix="leave experts out of lora.targets")
-        a, b = mod.adapter_pair()
+        if isinstance(mod, LoRAExperts):  # <experts>.gate_up_proj: A [E, r, in], B [E, out, r]
+            w = fqn.rpartition(".")[2]
+            a, b = getattr(mod, f"{w}_lora_A"), getattr(mod, f"{w}_lora_B")
+        else:
+            a, b = mod.adapter_pair()
         out[fqn] = (_full(a, torch.float32).clone(), _full(b, torch.float32).clone())  # not views: the slot changes
     return out
 
