@@ -6,7 +6,8 @@
 - its log-probs (sampled tokens and prompt) are Engine.forward's on the same tokens (CPU fp32: the train/sample
   gap is 0 up to fp32 rounding);
 - 2 gloo ranks (each decoding its share of the prompts) return what 1 returns;
-- a full-parameter engine samples its live weights after each optim_step; refusals are one line.
+- a full-parameter engine samples its live weights after each optim_step; an MoE model with LoRA on its experts
+  samples each version's tokens; refusals are one line.
 """
 
 from __future__ import annotations
@@ -151,6 +152,21 @@ def test_a_full_parameter_engine_samples_its_weights_after_each_step():
     assert _tokens(e.sample(PROMPTS, _greedy(), **KV)) == after
     with pytest.raises(Exception, match="--lora.rank"):
         e.sample(PROMPTS, _greedy(), model="other", **KV)
+
+
+def test_an_moe_model_with_lora_on_its_experts_samples_the_serve_samplers_tokens():
+    from shardfit.config import load_config
+    from shardfit.rl import DatumEngine
+
+    moe = ["--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=32"]
+    e = DatumEngine.start(load_config(None, [*ARGS[:-1], "--lora.targets=q_proj,v_proj,experts", *moe]))
+    _train(e, [1, 2])
+    v = e.freeze()
+    _train(e, [3])
+    want_v, want_live = _serve_greedy(e, v), _serve_greedy(e, "default")
+    assert want_v != want_live
+    got = e.sample(PROMPTS * 2, _greedy(), version=[v] * 4 + [None] * 4, model=[None] * 4 + ["default"] * 4, **KV)
+    assert _tokens(got) == want_v + want_live
 
 
 def test_refusals_are_one_line(lora):
