@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shardfit.sampling import Sampler, SampleRequest, SamplingParams
-from tests.sampling.conftest import tiny_model
+from tests.sampling.tiny import tiny_model
 
 pytestmark = pytest.mark.cuda
 
