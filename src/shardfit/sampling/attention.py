@@ -70,7 +70,9 @@ def flex_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     from torch.nn.attention.flex_attention import flex_attention
 
     if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention)  # shapes made dynamic after the first recompile (rows vary)
+        # static shapes, a compile per (rows, table width): Inductor's CPU code for dynamic ones does not build
+        # (torch 2.13); the runner rounds widths to buckets so that a steady batch compiles once
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     k = gather_blocks(k_pool, tables).transpose(1, 2)  # [B, K, T, Dh]
     v = gather_blocks(v_pool, tables).transpose(1, 2)
     out = _FLEX["fn"](q.transpose(1, 2), k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[2])
