@@ -292,3 +292,13 @@ def test_a_prompt_too_long_for_the_context_names_its_length(length, needle):
     with pytest.raises(ShardfitError) as e:
         decode(model, [[1] * length], 10)
     assert needle in str(e.value), str(e.value)
+
+
+def test_a_negative_seed_names_the_flag(tmp_path):
+    from shardfit.errors import ShardfitError
+
+    path, _ = _save("llama", tmp_path)
+    with pytest.raises(ShardfitError) as e:
+        main(["--model.path", str(path), "--raw", "--device", "cpu", "--prompt", "a", "--seed", "-1",
+              "--temperature", "1"])
+    assert str(e.value).startswith("--seed: seed=-1 is not a non-negative 64-bit integer")

@@ -41,7 +41,7 @@ def _req(adapter, seed=3):
 
 
 def test_rows_of_different_adapters_decode_in_one_batch_each_with_its_own():
-    from tests.sampling.conftest import tiny_model
+    from tests.sampling.tiny import tiny_model
 
     model = tiny_model(seed=1)
     bank = ShiftBank(model)
@@ -58,7 +58,7 @@ def test_rows_of_different_adapters_decode_in_one_batch_each_with_its_own():
 
 
 def test_sampler_arguments_are_checked():
-    from tests.sampling.conftest import tiny_model
+    from tests.sampling.tiny import tiny_model
 
     model = tiny_model()
     for kw, line in ((dict(block_size=0), "Sampler(block_size=...): block_size=0 is out of range"),

@@ -219,3 +219,13 @@ def test_bad_input_is_one_line_and_the_running_batch_goes_on(model):
         small.submit(SampleRequest(_prompt(10, 7), SamplingParams(8)))
     assert str(e.value).startswith("sampling_params.max_tokens: prompt (10 tokens) + 8 new tokens exceed the KV "
                                    "cache's 16 tokens")
+
+
+@pytest.mark.slow  # FlexAttention compiles per shape (~20 s on 2 idle cores)
+def test_flex_attention_samples_what_the_gather_path_samples(model):
+    one = [SampleRequest(_prompt(11, 8), SamplingParams(12, temperature=1.0, seed=2), num_samples=3)]
+    flex = Sampler(model, kv_blocks=64, block_size=4, attention="flex").run(one)[0]
+    gather = Sampler(model, kv_blocks=64, block_size=4).run(one)[0]
+    assert _tokens([flex]) == _tokens([gather])
+    for a, b in zip(flex.samples, gather.samples):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)

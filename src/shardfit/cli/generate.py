@@ -30,7 +30,8 @@ from shardfit.errors import ShardfitError
 from shardfit.models.decoder import CausalLM
 
 # The errors of sampling_params the Sampler names, as this command's flags.
-FLAGS = {"prompt": "--prompt", "sampling_params.max_tokens": "--max-new-tokens"}
+FLAGS = {"prompt": "--prompt", "sampling_params.max_tokens": "--max-new-tokens", "sampling_params.seed": "--seed",
+         "sampling_params.temperature": "--temperature", "sampling_params.top_p": "--top-p"}
 
 
 @torch.no_grad()

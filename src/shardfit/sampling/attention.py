@@ -33,13 +33,20 @@ def visible(positions: torch.Tensor, n_keys: int) -> torch.Tensor:
 
 def gather_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
-    """q [B, S, H, Dh] at positions [B, S] over the row's blocks -> [B, S, H, Dh]."""
+    """q [B, S, H, Dh] at positions [B, S] over the row's blocks -> [B, S, H, Dh].
+
+    Grouped queries: the G = H / K query heads of a key/value head (heads k*G .. k*G+G-1, Hugging Face's layout) are
+    stacked as G x S queries of that head, so SDPA reads each gathered key once instead of repeating it per query
+    head (what enable_gqa's math path does)."""
+    B, S, H, Dh = q.shape
+    K = k_pool.shape[2]
+    G = H // K
     k = gather_blocks(k_pool, tables).transpose(1, 2)  # [B, K, T, Dh]
     v = gather_blocks(v_pool, tables).transpose(1, 2)
-    mask = visible(positions, k.shape[2])[:, None]  # [B, 1, S, T]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
-                                         enable_gqa=k.shape[1] != q.shape[2])
-    return out.transpose(1, 2)
+    qg = q.view(B, S, K, G, Dh).permute(0, 2, 1, 3, 4).reshape(B, K, S * G, Dh)  # query (s, g) at row s * G + g
+    mask = visible(positions, k.shape[2]).repeat_interleave(G, dim=1)[:, None]  # [B, 1, S x G, T]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [B, K, S x G, Dh]
+    return out.view(B, K, S, G, Dh).permute(0, 2, 1, 3, 4).reshape(B, S, H, Dh)
 
 
 _FLEX = {}
@@ -63,6 +70,8 @@ def flex_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     from torch.nn.attention.flex_attention import flex_attention
 
     if "fn" not in _FLEX:
+        # static shapes, a compile per (rows, table width): Inductor's CPU code for dynamic ones does not build
+        # (torch 2.13); the runner rounds widths to buckets so that a steady batch compiles once
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     k = gather_blocks(k_pool, tables).transpose(1, 2)  # [B, K, T, Dh]
     v = gather_blocks(v_pool, tables).transpose(1, 2)

@@ -263,7 +263,8 @@ class Sampler:
             sched.active_changed = False
         self._batch[2] = max(self._batch[2], grown)
         rows, active, need, topk, draw = self._batch
-        width = bucket(need, self.st.max_blocks) if self.graphs.enabled else need
+        # a graph per width bucket; FlexAttention compiles per width: both read a table rounded up to a bucket
+        width = bucket(need, self.st.max_blocks) if self.graphs.enabled or self.kv.attention == "flex" else need
         return rows, active, width, topk, draw
 
     def _allocate(self, row: Row) -> int | None:

@@ -33,10 +33,8 @@ class RowState:
             return torch.zeros(R, dtype=dtype, device=device)
 
         self.temperature, self.top_p = z(torch.float32), z(torch.float32)
-        self.top_k, self.seed, self.sample, self.max_tokens = z(torch.int64), z(torch.int64), z(torch.int64), z(
-            torch.int64)
-        self.n_gen, self.position, self.last_token, self.adapter = z(torch.int64), z(torch.int64), z(
-            torch.int64), z(torch.int64)
+        self.top_k, self.seed, self.sample, self.max_tokens = (z(torch.int64) for _ in range(4))
+        self.n_gen, self.position, self.last_token, self.adapter = (z(torch.int64) for _ in range(4))
         self.done = torch.ones(R, dtype=torch.bool, device=device)
         # widened (a new tensor: graphs.py keys its graphs by the width) for a request with more stop tokens
         self.stop_tokens = torch.full((R, 4), -1, dtype=torch.int64, device=device)

@@ -5,6 +5,7 @@ built-in byte tokenizer (data/tokenizer.py: UTF-8 bytes as ids 0-255, then BOS, 
 exact equivalent in the tokenizers library: a byte-level BPE with GPT-2's byte alphabet and no merges (every byte
 one token, its id the byte), the three special tokens at 256-258, and `split_special_tokens` so that text that
 spells "<eos>" is encoded as its bytes, as shardfit's tokenizer does. Decoding joins the bytes and reads UTF-8.
+`eos_ids`: the ids that end a model's answer, from its tokenizer and its directory's generation_config.json.
 """
 
 from __future__ import annotations
