@@ -6,7 +6,7 @@ statement names (`from shardfit.a import b` -> shardfit.a.b when b is a module, 
 `__init__` that Python runs on the way is not counted as an edge of its own.
 
 Packages: a module's package is its first component under shardfit (shardfit.config.loader -> config; the top-level
-modules are their own: errors, fsutil, safe_pickle, generate, __main__; the root package's __init__ is `shardfit`).
+modules are their own: errors, fsutil, safe_pickle, __main__; the root package's __init__ is `shardfit`).
 LAYERS orders them: a package imports only packages of lower layers, never one of its own layer or above.
 """
 
@@ -26,10 +26,10 @@ LAYERS: list[set[str]] = [
     {"adapters"},  # module transforms on the model: LoRA, expert LoRA, NF4
     {"parallel"},  # the layout, parallelize, the step runners
     {"weights", "plan"},  # every weight format; prediction (builds models on meta)
+    {"sampling"},  # continuous batching over a paged KV cache, from a plain CausalLM; an Engine's decode model
     {"engine"},  # the step
     {"rl"},  # Tinker's datums into the Engine's batches; preference pairs
     {"train"},  # the loop (preference training packs its pairs as rl/ does)
-    {"generate"},  # one device, a KV cache
     {"serve"},  # the Tinker API over HTTP
     {"shardfit"},  # the root package: Engine, and the answers config asks of models and data (config/defaults.py)
     {"cli"},  # one module per command

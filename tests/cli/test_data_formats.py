@@ -75,7 +75,7 @@ def test_every_layout_trains_as_its_messages(tmp_path, messages_run, layout):
 def test_generate_applies_the_template_the_run_recorded(tmp_path, capsys):
     """A run on ShareGPT (plain template, byte tokenizer): generate on its checkpoint and on its export sends the
     prompt in that template and says so; --raw does not; a pretraining run's checkpoint gets the text as it is."""
-    from shardfit.generate import main as generate
+    from shardfit.cli.generate import generate
 
     export = tmp_path / "export"
     _, _, run = _train(tmp_path, "chat", [_record("sharegpt", e) for e in EXAMPLES], "--checkpoint.final=true",

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
+from shardfit.cli.generate import training_template
 from shardfit.config import load_config
 from shardfit.data import build_dataset
 from shardfit.data.chat import export_template
 from shardfit.data.tokenizer import ByteTokenizer
 from shardfit.errors import ShardfitError
-from shardfit.generate import training_template
 
 # a ChatML-like template (not shardfit's plain one): a role line, the content, an end marker
 CHATML = ("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}<<end>>\n{% endfor %}"

@@ -283,7 +283,7 @@ GENERATE_CASES = {
 
 @pytest.mark.parametrize("case", list(GENERATE_CASES))
 def test_generate_on_a_bad_checkpoint_says_one_line(made, tmp_path, case):
-    from shardfit.generate import main as generate_main
+    from shardfit.cli.generate import generate as generate_main
 
     damage, flags, given, needle = GENERATE_CASES[case]
     root = tmp_path / "run" / "checkpoints"

@@ -72,8 +72,8 @@ def test_merged_export_loads_in_transformers_with_the_adapters_logits(adapted, t
 
 
 def test_generate_with_an_adapter_decodes_what_peft_decodes(adapted, capsys):
+    from shardfit.cli.generate import generate as main
     from shardfit.data.tokenizer import build_tokenizer
-    from shardfit.generate import main
 
     path, _, out = adapted
     ref = peft.PeftModel.from_pretrained(hf_model(path), out).eval()

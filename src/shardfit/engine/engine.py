@@ -52,6 +52,7 @@ from shardfit.engine.records import (
     StepStats,
 )
 from shardfit.engine.registry import ModelRegistry
+from shardfit.engine.sampling import EngineSampling
 from shardfit.engine.state import EngineState
 from shardfit.engine.stats import MEMORY_FIELDS, ExpertLoad, memory_vector
 from shardfit.engine.timing import StepTimer
@@ -76,7 +77,7 @@ def _check_call(name: str, loss) -> None:
                             "loss_fn, loss_fn_config)")
 
 
-class Engine(EngineState):
+class Engine(EngineState, EngineSampling):
     """Builds the sharded model (initialised, or loaded from `cfg.model.path` or the checkpoint `resume`), its
     optimizer and step runner, and runs steps fed from anywhere: the trainer's data loader, the RL API, a server."""
 
@@ -171,6 +172,7 @@ class Engine(EngineState):
         self.n_params = count_params(self.model)
         self.optimizer = build_optimizer(self.model, cfg.train, self.device, cfg.parallel.offload)
         self.step, self.skipped, self.tokens_seen = 0, 0, 0
+        self.weights_epoch = 0  # + 1 whenever the weights change (optim_step applied, load_state, a new model)
         self.stop_requested = 0  # a signal number, set by a handler at any time (train/stop.py); read by _collect
         self.run_id = new_run_id()  # follows the run across resumes: checkpoint.keep prunes only its own
         if resume is not None:
@@ -205,6 +207,7 @@ class Engine(EngineState):
             raise ShardfitError("a second model needs LoRA: this engine trains every parameter as one model",
                                 where="lora.rank", fix="start it with --lora.rank=R (e.g. 16) to hold several models")
         self.models.add(name, self.cfg.train.seed if seed is None else seed)
+        self.weights_epoch += 1  # a name removed and added again is another model
 
     def freeze(self, model: str | None = None) -> str | None:
         """A frozen version of `model`'s adapters (the active one by default): its id, which `using` accepts; None
@@ -405,6 +408,7 @@ class Engine(EngineState):
             set_hyperparameters(self.optimizer, adam.learning_rate, (adam.beta1, adam.beta2), adam.eps,
                                 adam.weight_decay)
             self._update(scale, grad_norm, adam.grad_clip_norm)
+            self.weights_epoch += 1  # Engine.sample's decode weights and cached adapter slots are stale
         else:
             self.skipped += 1
         # keep_grads: zeroed, not freed (freed sharded gradients become another stream's idle cache); FSDP then adds

@@ -48,6 +48,7 @@ class EngineState:
         state = load_checkpoint(path, self.model, self.optimizer if optimizer else None, self.device)
         if optimizer:
             self.step, self.skipped = state["step"], state.get("skipped", 0)
+        self.weights_epoch += 1  # Engine.sample's decode weights and cached adapter slots are stale
         refresh_fp8_scales(self.model, self.cfg.compute)
 
     def weights(self, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 1 << 28, model: str | None = None):

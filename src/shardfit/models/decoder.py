@@ -66,11 +66,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer, for decoding one token at a time (shardfit.generate).
+    """Keys and values of the tokens seen so far, per layer, dense: the reference cache (the sampler's reference decode,
+    sampling/reference.py, and serve's per-request loop). The paged cache (sampling/kv.py) keeps the same protocol.
 
-    Preallocated [B, max_len, K, Dh] per layer; `length` tokens are filled. Each layer's attention appends its new
-    keys and values (after RoPE, so they are never recomputed) and attends over everything stored; the decoder
-    advances `length` once all layers have run. Training never passes one.
+    The cache protocol the decoder calls, which any cache implements: `positions(input_ids)` the position ids [B, S]
+    of the new tokens; `attend(layer, q, k, v)` stores this layer's new keys and values (after RoPE, so they are
+    never recomputed) and returns the attention of q [B, S, H, Dh] over every stored token, [B, S, H, Dh];
+    `advance(input_ids)` once all layers have run. Training never passes a cache.
+
+    Here: preallocated [B, max_len, K, Dh] per layer, `length` tokens filled, the same for every row.
     """
 
     def __init__(self, n_layers: int, batch: int, max_len: int, n_kv: int, head_dim: int, dtype: torch.dtype,
@@ -88,6 +92,17 @@ class KVCache:
         self.k[layer][:, self.length:end] = k
         self.v[layer][:, self.length:end] = v
         return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S]: the new tokens sit after the `length` cached ones."""
+        return torch.arange(self.length, self.length + input_ids.shape[1],
+                            device=input_ids.device).expand_as(input_ids)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cached_attention(q, *self.append(layer, k, v))
+
+    def advance(self, input_ids: torch.Tensor) -> None:
+        self.length += input_ids.shape[1]
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -126,7 +141,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: DocumentMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
-        """cache: (the KV cache, this layer's index) when decoding; None in training."""
+        """cache: (a cache of KVCache's protocol, this layer's index) when decoding; None in training."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, Dh]
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)  # [B, S, K, Dh]
@@ -135,7 +150,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            out = cached_attention(q, *cache[0].append(cache[1], k, v))
+            out = cache[0].attend(cache[1], q, k, v)  # [B, S, H, Dh]
         else:
             out = self.core(q, k, v, mask)  # [B, S, H, Dh]
         return self.o_proj(out.reshape(B, S, self.n_heads * self.head_dim))
@@ -200,17 +215,17 @@ class Decoder(nn.Module):
                 mask: DocumentMask | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """position_ids [B, S] restart at 0 at each document of a packed row; mask says where the documents are
         (DocumentMask.build, from the full position ids). Both None: one document per row. With a KV cache (decoding)
-        input_ids are the tokens after the cached ones, positioned after them."""
+        input_ids are the tokens after the cached ones, positioned where the cache says (KVCache's protocol: a dense
+        cache after its `length`, a paged one (sampling/kv.py) at each row's own length)."""
         h = self.embed_tokens(input_ids)  # [B, S, D]
-        start = cache.length if cache is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(start, start + input_ids.shape[1],
-                                        device=input_ids.device).expand_as(input_ids)
+            position_ids = (cache.positions(input_ids) if cache is not None else
+                            torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids))
         cos, sin = self.rope(position_ids, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, (cache, i))
         if cache is not None:
-            cache.length += input_ids.shape[1]
+            cache.advance(input_ids)
         return self.norm(h)
 
 

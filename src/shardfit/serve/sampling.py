@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardfit.generate import top_p_filter
 from shardfit.models.decoder import KVCache
+from shardfit.sampling.sample import top_p_filter
 from shardfit.serve.protocol import Sampled
 
 

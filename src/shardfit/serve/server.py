@@ -56,7 +56,7 @@ def hold_run_dir(run_dir: Path) -> DirLock:
 def model_facts(cfg) -> tuple[ModelFacts, object]:
     """(what requests are checked against, rank 0's tokenizer or None)."""
     from shardfit.data.tokenizer import build_tokenizer
-    from shardfit.generate import eos_ids
+    from shardfit.weights.tokenizer_files import eos_ids
 
     model_dir = Path(cfg.model.path) if cfg.model.path else None
     hf_tok = model_dir / "tokenizer.json" if model_dir else None

@@ -1,5 +1,5 @@
 """Every weight format shardfit reads and writes, in and out, in one package (above adapters/ and parallel/, whose
-modules and layout it fills; below train/, serve/, cli/ and generate, which call it). Nothing is imported here, so
+modules and layout it fills; below sampling/, train/, serve/ and cli/, which call it). Nothing is imported here, so
 that the torch-free reader of PEFT's config (peft_config.py) stays torch-free for the CLI.
 
 Hugging Face safetensors
@@ -8,7 +8,8 @@ Hugging Face safetensors
                        (Engine start from model.path; `generate`; the PEFT and NF4 readers below go through it)
   hf_export.py         a (sharded) model as a model directory, one parameter gathered at a time, written atomically
                        (Engine.export_hf, Engine.weights' buckets, `shardfit export`)
-  tokenizer_files.py   the tokenizer's files beside an export (the byte tokenizer's written as tokenizer.json)
+  tokenizer_files.py   the tokenizer's files beside an export (the byte tokenizer's written as tokenizer.json);
+                       a model directory's EOS ids (`generate`, `serve`'s stop tokens)
 PEFT adapters
   peft_config.py       adapter_config.json read into lora.* values (torch-free: `train`, `plan`, `serve` and
                        Engine.start hand its adapter_lora_fields to the config loader) and written for an export

@@ -5,6 +5,7 @@ built-in byte tokenizer (data/tokenizer.py: UTF-8 bytes as ids 0-255, then BOS, 
 exact equivalent in the tokenizers library: a byte-level BPE with GPT-2's byte alphabet and no merges (every byte
 one token, its id the byte), the three special tokens at 256-258, and `split_special_tokens` so that text that
 spells "<eos>" is encoded as its bytes, as shardfit's tokenizer does. Decoding joins the bytes and reads UTF-8.
+`eos_ids`: the ids that end a model's answer, from its tokenizer and its directory's generation_config.json.
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ def tokenizer_source(spec: str) -> str | None:
     if spec == "byte":
         return None
     return str(Path(spec).parent if Path(spec).suffix == ".json" else Path(spec))
+
+
+def eos_ids(tokenizer, model_dir: Path | None) -> set[int]:
+    """The tokenizer's EOS and generation_config.json's eos_token_id (an int or a list: chat models end a turn with
+    their own token, e.g. Llama-3's <|eot_id|>)."""
+    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    gen_cfg = model_dir / "generation_config.json" if model_dir else None
+    if gen_cfg is not None and gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else {eos} if isinstance(eos, int) else set()
+    return ids
 
 
 def _byte_alphabet() -> dict[int, str]:

@@ -1,14 +1,15 @@
-"""shardfit generate: the same tokens as transformers' generate, a KV cache that changes nothing, top-p as transformers
-filters, the chat template as transformers applies it, and a DCP checkpoint that generates what its export does."""
+"""shardfit generate: the same tokens as transformers' generate (through the Sampler, and through the reference loop
+with --no-cache), seeded sampling within the nucleus, the chat template as transformers applies it, and a DCP
+checkpoint that generates what its export does."""
 
 import json
 
 import pytest
 import torch
 
-from shardfit.generate import generate, main, prompt_ids, top_p_filter
+from shardfit.cli.generate import decode, prompt_ids
+from shardfit.cli.generate import generate as main
 from shardfit.models import build_model
-from shardfit.models.decoder import KVCache
 from shardfit.weights.local import load_dcp, load_hf
 
 transformers = pytest.importorskip("transformers")
@@ -35,10 +36,10 @@ def test_greedy_tokens_match_transformers_generate(tmp_path, kind):
     path, hf = _save(kind, tmp_path)
     model, _ = load_hf(str(path), CPU, torch.float32)
     prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    ours = generate(model, prompt, 30)
+    ours = decode(model, [prompt], 30)[0]
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None,
                          pad_token_id=0)[0, len(prompt):].tolist()
-    assert ours == theirs
+    assert ours == theirs == decode(model, [prompt], 30, use_cache=False)[0]
     assert len(set(ours)) > 1  # a real sequence, not one repeated token that any bug could also produce
 
 
@@ -53,49 +54,14 @@ def test_bf16_generation_keeps_fp32_rope_frequencies(tmp_path):
     assert torch.equal(inv, rope_inv_freq(model.cfg, model.model.head_dim))
 
 
-def test_kv_cache_changes_nothing():
-    """Prompt in one go, then in two chunks (the masked branch), then token by token: the logits of the full forward."""
-    from shardfit.config.schema import ModelConfig
-
-    torch.manual_seed(0)
-    m = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
-    model = build_model(m).eval()
-    model.init_weights(1)
-    ids = torch.randint(0, 50, (1, 20))
-    with torch.no_grad():
-        full = model(ids)
-        for cuts in ([20], [7, 20], list(range(1, 21))):
-            cache = KVCache(2, 1, 20, 2, 8, torch.float32)
-            parts, start = [], 0
-            for end in cuts:
-                parts.append(model.lm_head(model.model(ids[:, start:end], cache=cache)))
-                start = end
-            torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
-        prompt = ids[0, :5].tolist()
-        assert generate(model, prompt, 15) == generate(model, prompt, 15, use_cache=False)
-        assert generate(model, prompt, 15, temperature=0.8, top_p=0.9, seed=4) == \
-            generate(model, prompt, 15, temperature=0.8, top_p=0.9, seed=4, use_cache=False)
-
-
-@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
-def test_top_p_keeps_the_tokens_transformers_keeps(top_p):
-    from transformers.generation.logits_process import TopPLogitsWarper
-
-    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(int(top_p * 100))) * 3
-    theirs = TopPLogitsWarper(top_p)(None, logits.clone())[0]
-    ours = top_p_filter(logits[0], top_p)
-    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
-    assert 0 < int(torch.isfinite(ours).sum()) < 300 or top_p > 0.95
-
-
 def test_sampling_is_seeded_and_stays_in_the_nucleus(tmp_path):
     path, _ = _save("llama", tmp_path)
     model, _ = load_hf(str(path), CPU, torch.float32)
-    prompt = list(range(10, 20))
-    a = generate(model, prompt, 20, temperature=1.0, top_p=0.9, seed=1)
-    assert a == generate(model, prompt, 20, temperature=1.0, top_p=0.9, seed=1)
-    assert a != generate(model, prompt, 20, temperature=1.0, top_p=0.9, seed=2)
-    assert generate(model, prompt, 20, temperature=1.0, top_p=1e-6, seed=1) == generate(model, prompt, 20)
+    prompt, other = list(range(10, 20)), list(range(40, 47))
+    a = decode(model, [prompt], 20, temperature=1.0, top_p=0.9, seed=1)[0]
+    assert a == decode(model, [other, prompt], 20, temperature=1.0, top_p=0.9, seed=1)[1]  # whatever else is asked
+    assert a != decode(model, [prompt], 20, temperature=1.0, top_p=0.9, seed=2)[0]
+    assert decode(model, [prompt], 20, temperature=1.0, top_p=1e-6, seed=1) == decode(model, [prompt], 20)
 
 
 def _chat_tokenizer(tmp_path):
@@ -260,11 +226,11 @@ def test_each_answer_is_one_line_of_output(tmp_path, capsys, monkeypatch):
     unicode_escape (printf '%b') turns back into the answer."""
     import codecs
 
-    import shardfit.generate as gen
+    import shardfit.cli.generate as gen
 
     path, _ = _save("llama", tmp_path)
-    answers = iter(["two\nlines", "C:\\new\r\nfolder", "plain"])
-    monkeypatch.setattr(gen, "generate", lambda *a, **k: list(next(answers).encode()))  # the byte tokenizer's ids
+    answers = ["two\nlines", "C:\\new\r\nfolder", "plain"]
+    monkeypatch.setattr(gen, "decode", lambda *a, **k: [list(t.encode()) for t in answers])  # the byte tokenizer's
     assert main(["--model.path", str(path), "--raw", "--device", "cpu", "--prompt", "a", "--prompt", "b",
                  "--prompt", "c"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -291,9 +257,9 @@ def test_answers_to_a_closed_pipe_end_quietly(tmp_path):
 def test_messages_prompts_carry_the_records_tools(tmp_path):
     """--messages on tool-calling records: the prompt holds the record's tools, calls and results, as
     transformers' apply_chat_template(messages, tools=tools, add_generation_prompt=True) renders them."""
+    from shardfit.cli.generate import conversations
     from shardfit.data.chat import chat_renderer
     from shardfit.data.tokenizer import build_tokenizer
-    from shardfit.generate import conversations
     from tests.data.chat_templates import tool_tokenizer
     from tests.data.test_chat import CASES, openai_shaped
 
@@ -324,5 +290,15 @@ def test_a_prompt_too_long_for_the_context_names_its_length(length, needle):
     model = build_model(ModelConfig(vocab_size=50, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
                                     max_seq_len=64))
     with pytest.raises(ShardfitError) as e:
-        generate(model, [1] * length, 10)
+        decode(model, [[1] * length], 10)
     assert needle in str(e.value), str(e.value)
+
+
+def test_a_negative_seed_names_the_flag(tmp_path):
+    from shardfit.errors import ShardfitError
+
+    path, _ = _save("llama", tmp_path)
+    with pytest.raises(ShardfitError) as e:
+        main(["--model.path", str(path), "--raw", "--device", "cpu", "--prompt", "a", "--seed", "-1",
+              "--temperature", "1"])
+    assert str(e.value).startswith("--seed: seed=-1 is not a non-negative 64-bit integer")

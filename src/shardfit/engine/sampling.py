@@ -1,0 +1,275 @@
+"""Engine.sample: rollouts from the trainer's own weights in the same process, with no weight sync (issue 36).
+
+    results = engine.sample(prompts, SamplingParams(max_tokens=256, temperature=1.0), num_samples=16,
+                            model="policy")     # or version=engine.freeze("policy"), or per prompt: lists
+
+The decode model is a plain CausalLM over the Engine's weights (sampling/source.py): on one rank views of the
+sharded model's storage (no copy: the decode model is free and follows every optimizer step), on N ranks each
+parameter gathered once (one all-gather per tensor) and kept: a LoRA model's base is frozen, so never again; a
+full-parameter model's after each optim_step (the Engine's weights epoch). Its LoRA layers hold a bank of adapter
+slots (sampling/lora_bank.py): each distinct model or version a call asks for is loaded into a slot (its adapters
+read from the registry's slot: a swap, and on N ranks one all-gather per adapter tensor), and kept there for later
+calls while nothing changes it (a version never; a live model until the next optim_step). Rows of every model and
+version of the call decode in one continuous batch (sampling/'s Sampler).
+
+The Sampler and its paged KV pool are built per call and dropped at its end: the pool is sized from the memory free
+after the weights (kv_fraction of it, the allocator's cache emptied first), and that memory is the next training
+step's activations. Its CUDA graphs are captured per call, once per batch-size bucket the call reaches.
+
+Several ranks: every rank is given the same prompts (as every Engine call); request i decodes on rank i % world
+(data-parallel, no collective per token), and the results travel once at the end: each rank's results packed into
+a float64 vector whose length every rank computes from the requests alone (tokens and fp32 log-probs are exact in
+float64), padded to the longest rank's, one all-gather (all_gather_rows). No pickling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardfit.errors import ShardfitError
+
+_STOP = ("stop", "length")  # a sample's stop_reason, coded as its index
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ShardfitError(f"{name} has {len(value)} entries for {n} prompts", where=name,
+                                fix="give one per prompt, or one for all")
+        return list(value)
+    return [value] * n
+
+
+class SamplingState:
+    """What Engine.sample keeps between calls: the decode model, its bank and which adapter is in which slot."""
+
+    def __init__(self, model, bank, epoch: int, capacity: int):
+        self.model, self.bank, self.epoch, self.capacity = model, bank, epoch, capacity
+        self.slots: dict[tuple, int] = {}  # (kind, name, epoch) -> bank slot
+
+
+class EngineSampling:
+    """Mixed into Engine (engine/engine.py): needs its cfg, model, dist, device, models (the registry), using(),
+    finish() and weights_epoch."""
+
+    _sampling: SamplingState | None = None
+
+    def sample(self, prompts: list[list[int]], params, *, model=None, version=None, num_samples: int = 1,
+               prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+               tokenizer=None, **sampler_options) -> list:
+        """num_samples continuations of each prompt (list of token ids) under `params` (a SamplingParams, or one
+        per prompt), from `model` (a LoRA model's name: its live adapters; None: the one in the slot now) or
+        `version` (a frozen version's id, or registry.BASE: the base alone); each may be a list, one per prompt.
+        Returns a SampleResult per prompt, in order. Every rank calls it with the same arguments.
+        sampler_options: the Sampler's (kv_fraction, kv_blocks, block_size, max_rows, prefill_chunk, attention,
+        cuda_graphs)."""
+        from shardfit.sampling.params import SampleRequest
+        from shardfit.sampling.runner import Sampler
+
+        n = len(prompts)
+        params = _per_prompt(params, n, "params")
+        keys = self._sample_keys(_per_prompt(model, n, "model"), _per_prompt(version, n, "version"))
+        self.finish()  # the weights after the last optim_step, every parameter its shard (no gathered copy)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the training step's cached blocks: free memory for the gathered model, the pool
+        state = self._sampling_state(len(set(k for k in keys if k is not None)))
+        slot_of = self._load_slots(state, keys)
+        reqs = [SampleRequest([t.item() if hasattr(t, "item") else t for t in p], params[i], num_samples,
+                              slot_of.get(keys[i], -1), prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs)
+                for i, p in enumerate(prompts)]
+        rank, world = self.dist.rank, self.dist.world_size
+        mine = [i for i in range(n) if i % world == rank]
+        sampler = Sampler(state.model, bank=state.bank, tokenizer=tokenizer, **sampler_options)
+        try:
+            self._check_requests(sampler, reqs)
+            done = sampler.run([reqs[i] for i in mine]) if mine else []
+        finally:
+            del sampler  # the KV pool: the next training step's memory
+        if world == 1:
+            return done
+        return _gather_results(reqs, dict(zip(mine, done)), rank, world, self.device)
+
+    def _check_requests(self, sampler, reqs: list) -> None:
+        """Every request checked on every rank (one line naming the field), and on N ranks the verdict agreed in one
+        all-reduce before any rank decodes: a rank never waits in the results' gather for one that refused (their
+        KV pools, sized from each GPU's free memory, may differ)."""
+        err = None
+        for r in reqs:
+            try:
+                sampler.check(r)
+            except ShardfitError as e:
+                err = e
+                break
+        if self.dist.world_size > 1:
+            bad = torch.tensor([float(err is not None)], device=self.device)
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+            if bad.item() and err is None:
+                raise ShardfitError("another rank refused one of the requests (its KV cache holds fewer tokens)",
+                                    where="Engine.sample", fix="ask for fewer new tokens, or give kv_blocks")
+        if err is not None:
+            raise err
+
+    # ------------------------------------------------------------------ the decode model and its slots
+    def _sample_keys(self, models: list, versions: list) -> list[tuple | None]:
+        """Per prompt: what its rows decode with, as a cache key; None: the base alone (slot -1)."""
+        from shardfit.engine.registry import BASE
+
+        reg, out = self.models, []
+        for m, v in zip(models, versions):
+            if v == BASE:
+                v, m = None, BASE
+            if v is not None and m is not None:
+                raise ShardfitError("a prompt names both a model and a version", where="version",
+                                    fix="give model= (its live weights) or version= (frozen), not both")
+            name = v if v is not None else m
+            if reg is None:  # full-parameter: one model, the live weights
+                if name not in (None, "default"):
+                    self.using(name)  # the Engine's own one-line refusal
+                out.append(None)
+            elif v is not None:
+                if v not in reg.versions:
+                    reg.release(v)  # its one line: not held (freed, or never saved)
+                out.append(("version", v, 0))
+            else:
+                name = name if name is not None else reg.current
+                if name == BASE:
+                    out.append(None)
+                    continue
+                if name not in reg.models:
+                    if name in reg.versions:
+                        out.append(("version", name, 0))
+                        continue
+                    raise reg._unknown(name)
+                out.append(("model", name, self.weights_epoch))
+        return out
+
+    def _sampling_state(self, needed: int) -> SamplingState:
+        """The decode model (built once; a full-parameter model's copy refreshed after optim_step) with a bank of
+        at least `needed` slots (a call that needs more gets a new bank, twice as large, on the same decode model)."""
+        from shardfit.parallel.parallelize import mixed_precision
+        from shardfit.sampling.lora_bank import LoRABank
+        from shardfit.sampling.source import decode_model, gathers, refresh
+
+        st = self._sampling
+        dtype = mixed_precision(self.cfg.compute, self.device).param_dtype  # the training forward's compute dtype
+        if st is None:
+            plain, bank, _ = decode_model(self.model, dtype, capacity=max(4, needed), live_adapters=False)
+            st = self._sampling = SamplingState(plain, bank, self.weights_epoch, max(4, needed))
+        elif st.bank is not None and st.capacity < needed:  # a bigger bank on the same decode model, empty
+            old = st.bank
+            st.capacity = max(2 * st.capacity, needed)
+            st.bank = LoRABank(st.model, list(old.targets), st.capacity, old.rank, old.dtype, old.device)
+            st.slots = {}
+        elif st.bank is None and st.epoch != self.weights_epoch:
+            if gathers(self.model, dtype):
+                refresh(st.model, self.model)  # full-parameter weights changed: copied in place
+            st.epoch = self.weights_epoch
+        return st
+
+    def _load_slots(self, st: SamplingState, keys: list[tuple | None]) -> dict[tuple, int]:
+        """Each distinct key of the call in a bank slot: kept ones where they are, the others loaded (the
+        registry's slot swapped to them and back; every rank the same loads in the same order)."""
+        from shardfit.sampling.source import adapter_scale, adapter_tensors
+
+        wanted = list(dict.fromkeys(k for k in keys if k is not None))  # first-seen order: the same on every rank
+        missing = [k for k in wanted if k not in st.slots]
+        if missing:
+            # slots to fill: empty ones, then those of adapters that can never be asked for again (a live model's
+            # before its last step, a freed version), then the least recently loaded of the others
+            dead = [k for k in st.slots if (k[0] == "model" and k[2] != self.weights_epoch)
+                    or (k[0] == "version" and k[1] not in self.models.versions)]
+            others = [k for k in st.slots if k not in wanted and k not in dead]
+            empty = [s for s in range(st.capacity) if s not in st.slots.values()]
+            free = empty + [st.slots[k] for k in dead + others]
+            back = self.models.current
+            scale = adapter_scale(self.model)
+            for k in missing:
+                slot = free.pop(0)
+                st.slots = {old: s for old, s in st.slots.items() if s != slot}
+                self.using(k[1])
+                st.bank.load(slot, adapter_tensors(self.model), scale)
+                st.slots[k] = slot
+            if back:
+                self.using(back)
+        return {k: st.slots[k] for k in wanted}
+
+
+def _layout(req) -> list[tuple[str, int]]:
+    """(field, length) of one request's packed result, a function of the request alone (every rank knows it)."""
+    T, k, P = req.params.max_tokens, req.topk_sample_logprobs, len(req.prompt)
+    out = []
+    for _ in range(req.num_samples):
+        out += [("count", 1), ("stop", 1), ("tokens", T), ("logprobs", T), ("topk", 2 * T * k)]
+    if req.prompt_logprobs:
+        out.append(("prompt_logprobs", P))
+    if req.topk_prompt_logprobs:
+        out.append(("topk_prompt", 2 * P * req.topk_prompt_logprobs))
+    return out
+
+
+def _size(req) -> int:
+    return sum(n for _, n in _layout(req))
+
+
+def _pack(req, res) -> list[float]:
+    out: list[float] = []
+    T = req.params.max_tokens
+    for s in res.samples:
+        pad = [0.0] * (T - len(s.tokens))
+        out += [float(len(s.tokens)), float(_STOP.index(s.stop_reason))]
+        out += [float(t) for t in s.tokens] + pad + list(s.logprobs) + pad
+        topk = [x for pos in (s.topk or []) for pair in pos for x in pair]
+        out += topk + [0.0] * (2 * T * req.topk_sample_logprobs - len(topk))
+    if req.prompt_logprobs:
+        out += [math.nan if x is None else x for x in res.prompt_logprobs]
+    if req.topk_prompt_logprobs:
+        k = req.topk_prompt_logprobs
+        for pos in res.topk_prompt_logprobs:
+            out += [math.nan] * (2 * k) if pos is None else [x for pair in pos for x in pair]
+    return out
+
+
+def _unpack(req, vec: list[float]):
+    from shardfit.sampling.params import Sampled, SampleResult
+
+    T, k = req.params.max_tokens, req.topk_sample_logprobs
+    at, samples = 0, []
+    for _ in range(req.num_samples):
+        n, stop = int(vec[at]), _STOP[int(vec[at + 1])]
+        tokens = [int(t) for t in vec[at + 2:at + 2 + n]]
+        logprobs = vec[at + 2 + T:at + 2 + T + n]
+        flat = vec[at + 2 + 2 * T:at + 2 + 2 * T + 2 * n * k]
+        topk = [[(int(flat[2 * (p * k + j)]), flat[2 * (p * k + j) + 1]) for j in range(k)] for p in range(n)]
+        samples.append(Sampled(tokens, logprobs, stop, topk if k else None))
+        at += 2 + 2 * T + 2 * T * k
+    res = SampleResult(samples)
+    P = len(req.prompt)
+    if req.prompt_logprobs:
+        res.prompt_logprobs = [None if math.isnan(x) else x for x in vec[at:at + P]]
+        at += P
+    if req.topk_prompt_logprobs:
+        kp = req.topk_prompt_logprobs
+        flat = vec[at:at + 2 * P * kp]
+        res.topk_prompt_logprobs = [None if math.isnan(flat[2 * p * kp]) else
+                                    [(int(flat[2 * (p * kp + j)]), flat[2 * (p * kp + j) + 1]) for j in range(kp)]
+                                    for p in range(P)]
+    return res
+
+
+def _gather_results(reqs: list, done: dict, rank: int, world: int, device: torch.device) -> list:
+    """Every rank's results on every rank in one all-gather of fixed-length float64 vectors (module docstring)."""
+    from shardfit.parallel import all_gather_rows
+
+    sizes = [sum(_size(r) for i, r in enumerate(reqs) if i % world == w) for w in range(world)]
+    mine = [x for i in sorted(done) for x in _pack(reqs[i], done[i])]
+    vec = torch.zeros(max(sizes), dtype=torch.float64)
+    vec[:len(mine)] = torch.tensor(mine, dtype=torch.float64)
+    rows = all_gather_rows(vec.to(device)).cpu().tolist()  # [world, max(sizes)]
+    out, at = [], [0] * world
+    for i, r in enumerate(reqs):
+        w = i % world
+        out.append(_unpack(r, rows[w][at[w]:at[w] + _size(r)]))
+        at[w] += _size(r)
+    return out
