@@ -28,6 +28,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from rl_worker_setup import SHAPES  # noqa: E402
 
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
+         "triton+graphs": dict(attention="triton", cuda_graphs=True),
          "gather+eager": dict(attention="gather", cuda_graphs=False),
          "flex+eager": dict(attention="flex", cuda_graphs=False)}
 

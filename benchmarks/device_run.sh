@@ -291,7 +291,9 @@ for stage in "$@"; do
       env CUDA_VISIBLE_DEVICES=0 timeout ${SAMPLE_CAP:-560} python3 benchmarks/bench_sampling.py ${SAMPLE_ARGS:-} --rows ${SAMPLE_ROWS:-16,64} --hf-rows ${SAMPLE_HF_ROWS:-64} --hf-timeout 130 --out "$OUT/sampling_baseline.json" 2>&1 | tee "$OUT/sampling.log" | grep -v '^{' | tail -12 ;;
     sample-core)  # issue 36: the new sampler (src/shardfit/sampling) per decode path (gather+graphs, gather+eager,
       # flex+eager) at 16/64/256 rows against the decode roofline; Qwen3-8B shape, plain bf16 CausalLM, 1 GPU
-      env CUDA_VISIBLE_DEVICES=0 timeout ${SAMPLE_CAP:-560} python3 benchmarks/bench_sampler_core.py --rows ${SAMPLE_ROWS:-16,64,256} --out "$OUT/sampler_core.json" 2>&1 | tee "$OUT/sampler_core.log" | grep -v '^{' | tail -14 ;;
+      env CUDA_VISIBLE_DEVICES=0 timeout ${SAMPLE_CAP:-560} python3 benchmarks/bench_sampler_core.py ${CORE_ARGS:-} --rows ${CORE_ROWS:-16,64,256} --out "$OUT/sampler_core.json" 2>&1 | tee "$OUT/sampler_core.log" | grep -v '^{' | tail -14 ;;
+    tests-sampling)  # the sampler's CUDA tests: graphs, flex, the paged-attention and multi-LoRA kernels (1 GPU)
+      env CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_CAP:-200} python3 -m pytest -m cuda -q -rf --tb=short -p no:cacheprovider tests/cuda/test_cuda_sampling.py tests/kernels/test_paged_attention.py tests/kernels/test_multi_lora.py 2>&1 | tee "$OUT/pytest_sampling.log" | tail -8 ;;
     rl-auto)  # the 8B LoRA PPO step with compute.activation_checkpoint=auto against anchor D with and without its
       # gradient checkpointing, then the same step with full AC (the one change), each its own JSON
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl

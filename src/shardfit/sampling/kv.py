@@ -80,8 +80,8 @@ class PagedKV:
 
     def __init__(self, cfg: ModelConfig, n_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  attention: str = "gather"):
-        if attention not in ("gather", "flex"):
-            raise ValueError(f"attention={attention!r}: gather or flex")
+        if attention not in ("gather", "flex", "triton"):
+            raise ValueError(f"attention={attention!r}: gather, flex or triton")
         self.cfg, self.block_size, self.dtype, self.device = cfg, block_size, dtype, torch.device(device)
         self.n_blocks, self.attention = n_blocks, attention
         self.trash = n_blocks  # the padding block: written by padded rows, never read unmasked
@@ -119,6 +119,13 @@ class PagedKV:
         [(n_blocks + 1) x block_size]), tables [B, M] (int64: the row's blocks in order, padded with `trash`)."""
         self._positions, self._slots, self._tables = positions, slots, tables
         self._mask = None  # flex: the block mask, made by the forward's first layer
+        # triton: decoding (one token a row) reads the pool in place (kernels/paged_attention.py); a prefill chunk
+        # takes the gather path. The split count is chosen here, on the host, once per forward's shape.
+        self._kernel = self.attention == "triton" and positions.shape[1] == 1
+        if self._kernel:
+            from shardfit.kernels.paged_attention import default_splits
+
+            self._splits = default_splits(tables.shape[0], self.k[0].shape[2], tables.shape[1], tables.device)
 
     def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._positions
@@ -133,6 +140,11 @@ class PagedKV:
             if self._mask is None:
                 self._mask = flex_block_mask(self._positions, self._tables.shape[1] * self.block_size)
             return flex_attention_paged(q, kp, vp, self._tables, self._mask)
+        if self._kernel:
+            from shardfit.kernels.paged_attention import paged_decode_attention
+
+            lengths = self._positions[:, 0] + 1  # [B]: keys 0 .. position are visible
+            return paged_decode_attention(q[:, 0], kp, vp, self._tables, lengths, splits=self._splits)[:, None]
         return gather_attention(q, kp, vp, self._tables, self._positions)
 
     def advance(self, input_ids: torch.Tensor) -> None:

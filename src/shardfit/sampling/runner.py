@@ -66,12 +66,19 @@ class Sampler:
             if value is not None and (not isinstance(value, int) or value < low):
                 raise ShardfitError(f"{name}={value!r} is out of range", where=f"Sampler({name}=...)",
                                     fix=f"give an integer >= {low}")
-        if attention not in ("gather", "flex"):
+        if attention not in ("gather", "flex", "triton"):
             raise ShardfitError(f"attention={attention!r} is not a paged attention path",
-                                where="Sampler(attention=...)", fix="give gather (any device) or flex (CUDA)")
+                                where="Sampler(attention=...)", fix="give gather (any device), flex (CUDA) or "
+                                "triton (CUDA: kernels/paged_attention.py for decoding)")
         if not 0 < kv_fraction <= 1:
             raise ShardfitError(f"kv_fraction={kv_fraction} is outside (0, 1]", where="Sampler(kv_fraction=...)",
                                 fix="give the share of the free memory the KV cache may take, e.g. 0.9")
+        if attention == "triton":
+            from shardfit.kernels.paged_attention import available
+
+            if not available(model.lm_head.weight):
+                raise ShardfitError("attention=triton needs CUDA and Triton", where="Sampler(attention=...)",
+                                    fix="give gather (any device)")
         self.model, self.bank, self.tokenizer = model, bank, tokenizer
         self.cfg = model.cfg
         weight = model.lm_head.weight
@@ -86,7 +93,7 @@ class Sampler:
         self.max_rows, self.prefill_chunk, self.check_every = max_rows, prefill_chunk, check_every
         self.st = RowState(max_rows, self.kv.blocks_for(self.cfg.max_seq_len), self.kv.trash, self.device)
         self.sched = Scheduler(self.kv.allocator, block_size, max_rows)
-        graphs = cuda_graphs and self.device.type == "cuda" and attention == "gather" and capturable(model)
+        graphs = cuda_graphs and self.device.type == "cuda" and attention in ("gather", "triton") and capturable(model)
         self.graphs = DecodeGraphs(self._decode_fn, self.st.pad, graphs)
         self.pending: list[tuple] = []  # (rows, packed outputs on the host, top-k width, event) per forward
         self._requests = 0
