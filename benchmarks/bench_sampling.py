@@ -8,7 +8,7 @@ new: `Engine.sample` (sampling/: the decode model over the Engine's weights with
 paged KV cache, continuous batching, the decode step as CUDA graphs), `rows` distinct prompts of one sample each;
 its decode rate is (max_tokens=new call) - (max_tokens=1 call), so that the prefill and the set-up are out of it.
 
-shardfit: `shardfit serve`'s sampler as it runs today (serve/sampling.py `sample` on the Engine's sharded model
+shardfit: `shardfit serve`'s sampler as it runs today (sampling/fsdp_reference.py `sample` on the Engine's sharded model
 inside `engine.gathered_pass()`, as the executor calls it): one request of `rows` samples of one prompt, each forced to
 `--new` tokens (no stop token: random weights), temperature 1. The Engine is the RL server's: LoRA r=16 on every
 linear layer of a frozen bf16 base (`serve --lora.rank=16`).
@@ -109,7 +109,7 @@ def new_rows(a, engine, rows_list: list[int], bandwidth: float, variant: str) ->
 def shardfit_rows(a, engine, rows_list: list[int], bandwidth: float) -> list[dict]:
     import torch
 
-    from shardfit.serve.sampling import SampleArgs, sample
+    from shardfit.sampling.fsdp_reference import SampleArgs, sample
 
     m = engine.cfg.model
     params = sum(p.numel() for n, p in engine.model.named_parameters() if "lora_" not in n)

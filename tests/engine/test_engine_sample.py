@@ -1,6 +1,6 @@
 """Engine.sample (engine/sampling.py): rollouts from the trainer's own weights, no weight sync.
 
-- at temperature 0 its tokens are the old serve sampler's greedy tokens (serve/sampling.sample through the FSDP
+- at temperature 0 its tokens are the old serve sampler's greedy tokens (sampling/fsdp_reference.sample through the FSDP
   model) for the live model and for a frozen version, before and after 3 optimizer steps (the version keeps its
   tokens, the live model's change); rows of several versions in one call each get what they get alone;
 - its log-probs (sampled tokens and prompt) are Engine.forward's on the same tokens (CPU fp32: the train/sample
@@ -55,8 +55,9 @@ def _tokens(results):
 
 
 def _serve_greedy(engine, model, max_tokens=8):
-    """The old sampler's greedy tokens: serve/sampling.sample through the FSDP model with `model` in the slot."""
-    from shardfit.serve.sampling import SampleArgs, sample
+    """The old sampler's greedy tokens: sampling/fsdp_reference.sample through the FSDP model, `model` in the
+    slot."""
+    from shardfit.sampling.fsdp_reference import SampleArgs, sample
 
     engine.using(model)
     out = []

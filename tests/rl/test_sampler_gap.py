@@ -53,7 +53,7 @@ def _sampler_copy(engine, kind: str):
 def _rollout_datums(model) -> list:
     """4 samples of 12 tokens per prompt from `model` (deterministic seeds: every rank builds the same datums)."""
     from shardfit.rl import make_datum
-    from shardfit.serve.sampling import SampleArgs, sample
+    from shardfit.sampling.fsdp_reference import SampleArgs, sample
 
     datums = []
     for i, prompt in enumerate(PROMPTS):

@@ -18,13 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from shardfit.errors import ShardfitError
 from shardfit.serve.commands import Command, datums_from_json
 from shardfit.serve.futures import Result
 from shardfit.serve.protocol import encode_forward_backward, encode_sample
-from shardfit.serve.sampling import SampleArgs, sample
 
 
 def metric_key(name: str) -> str:
@@ -215,19 +213,25 @@ class Executor:
         return weights.removeprefix("live:")
 
     def sample(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        """One /asample request through Engine.sample (sampling/: the decode model over the Engine's weights, the
+        model's or version's adapter in the LoRA bank, a paged KV cache; on N ranks each its share of the rows)."""
+        from shardfit.engine.registry import BASE
+        from shardfit.sampling.params import SamplingParams
+
         a = dict(cmd.args)
         weights = self.sampler_weights(a)
-        if weights is not None:
-            self.use(weights)
-        a["stop_tokens"], a["stop_strings"] = tuple(a.get("stop_tokens", ())), tuple(a.get("stop_strings", ()))
-        args = SampleArgs(**a)
-        from shardfit.parallel.parallelize import mixed_precision
-
-        e = self.engine
-        dtype = mixed_precision(e.cfg.compute, e.dist.device).param_dtype or torch.float32
+        model = version = None
+        if weights == BASE or (self.registry is not None and weights in self.registry.versions):
+            version = weights
+        else:
+            model = weights
+        p = a["params"]
+        params = SamplingParams(p["max_tokens"], p["temperature"], p["top_k"], p["top_p"], p["seed"],
+                                tuple(p["stop_tokens"]), tuple(p["stop_strings"]))
         t0 = time.perf_counter()
-        with e.gathered_pass():  # one rank: the weights cast once for the request, not at every decoding step
-            seqs, prompt_lp = sample(e.model, args, dtype, e.dist.device, e.dist.rank, e.dist.world_size,
-                                     self.tokenizer)
+        [res] = self.engine.sample([a["prompt"]], params, model=model, version=version,
+                                   num_samples=a["num_samples"], prompt_logprobs=a["prompt_logprobs"],
+                                   topk_prompt_logprobs=a["topk_prompt_logprobs"],
+                                   topk_sample_logprobs=a["topk_sample_logprobs"], tokenizer=self.tokenizer)
         took = time.perf_counter() - t0
-        return Result(proto=encode_sample(seqs, prompt_lp) if self.rank == 0 else None), {"sample": took}
+        return Result(proto=encode_sample(res) if self.rank == 0 else None), {"sample": took}

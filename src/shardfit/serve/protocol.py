@@ -241,20 +241,33 @@ def encode_forward_backward(outputs: list[dict[str, np.ndarray]], metrics: dict[
     return msg.SerializeToString()
 
 
-@dataclass
-class Sampled:
-    tokens: list[int]
-    logprobs: list[float]
-    stopped: bool  # True: a stop token/string or EOS; False: max_tokens reached
+def _topk(msg, rows: list) -> None:
+    """rows: per position None (no context) or up to k (token, log-prob) pairs -> a TopkLogprobs message: two [n, k]
+    matrices, empty places as the SDK's sentinel (token 0, log-prob -99999)."""
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), -99999.0, dtype=np.float32)
+    for i, r in enumerate(rows):
+        for j, (t, lp) in enumerate(r or ()):
+            ids[i, j], lps[i, j] = t, lp
+    msg.length, msg.k = len(rows), k
+    msg.token_ids, msg.logprobs = ids.tobytes(), lps.tobytes()
 
 
-def encode_sample(sequences: list[Sampled], prompt_logprobs: list[float] | None) -> bytes:
-    """SampleResponse bytes. prompt_logprobs: one per prompt token, NaN at position 0 (no context)."""
+def encode_sample(result) -> bytes:
+    """SampleResponse bytes of a sampling.SampleResult: each sample's tokens, log-probs, stop reason ("stop": a stop
+    token or string, EOS included) and top-k on request; the prompt's log-probs (NaN at position 0: no context) and
+    top-k."""
     msg = pb.SampleResponse()
-    for s in sequences:
-        msg.sequences.add(stop_reason=pb.STOP_REASON_STOP if s.stopped else pb.STOP_REASON_LENGTH,
-                          tokens=np.asarray(s.tokens, dtype=np.int32).tobytes(),
-                          logprobs=np.asarray(s.logprobs, dtype=np.float32).tobytes())
-    if prompt_logprobs is not None:
-        msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    for s in result.samples:
+        seq = msg.sequences.add(stop_reason=pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
+                                tokens=np.asarray(s.tokens, dtype=np.int32).tobytes(),
+                                logprobs=np.asarray(s.logprobs, dtype=np.float32).tobytes())
+        if s.topk is not None:
+            _topk(seq.topk_sampled_logprobs, s.topk)
+    if result.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray([float("nan") if x is None else x for x in result.prompt_logprobs],
+                                         dtype=np.float32).tobytes()
+    if result.topk_prompt_logprobs is not None:
+        _topk(msg.topk_prompt_logprobs, result.topk_prompt_logprobs)
     return msg.SerializeToString()

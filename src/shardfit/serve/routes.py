@@ -14,7 +14,7 @@ import json
 import shutil
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -319,8 +319,8 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
         else:
             raise ShardfitError("no sampling_session_id", where="/asample", fix="create a sampling client first")
         args = s.sample_args(body, facts.vocab_size, facts.max_seq_len, facts.eos_ids, facts.has_tokenizer)
-        return Queued("sample", {**asdict(args), "weights": weights, "sampler": body.sampling_session_id},
-                      samples=args.num_samples)
+        return Queued("sample", {**args, "weights": weights, "sampler": body.sampling_session_id},
+                      samples=args["num_samples"])
 
 
 def submit(st: ServerState, kind: str, args: dict, owner: str | None) -> str:

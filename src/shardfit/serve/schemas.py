@@ -1,8 +1,9 @@
 """The JSON requests of the Tinker API, as the SDK (tinker 0.38.0) sends them, and their checks on rank 0.
 
 Unknown fields are ignored (the SDK adds `type` tags and optional extras); a field of the wrong type is a 400 before
-anything is queued. `sample_args` turns an /asample body into the concrete SampleArgs every rank runs: the stop rule
-resolved (None = the tokenizer's EOS, [] = none, strings, token ids), the seed drawn on rank 0 when none is given.
+anything is queued. `sample_args` turns an /asample body into the concrete request (plain JSON) every rank runs:
+the stop rule resolved (None = the tokenizer's EOS, [] = none, strings, token ids), the seed drawn on rank 0 when
+none is given.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from shardfit.errors import ShardfitError
-from shardfit.serve.sampling import SampleArgs
+from shardfit.sampling.params import MAX_TOPK
 
 MAX_SAMPLES = 256
 DEFAULT_MAX_TOKENS = 16
@@ -148,11 +149,15 @@ def prompt_tokens(prompt: dict, vocab: int) -> list[int]:
     return tokens
 
 
-def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], has_tokenizer: bool) -> SampleArgs:
+def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], has_tokenizer: bool) -> dict:
     where = "/asample"
-    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if getattr(body, name):
-            raise ShardfitError(f"{name} is not served", where=where, fix=f"leave {name} at 0")
+    if body.prompt_alt_tokens_k:
+        raise ShardfitError("prompt_alt_tokens_k is not served", where=where, fix="leave prompt_alt_tokens_k at 0")
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        k = getattr(body, name)
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOPK:
+            raise ShardfitError(f"{name}={shown(k)} is out of range", where=f"{where} {name}",
+                                fix=f"ask for 0 to {MAX_TOPK} log-probs a position")
     if body.target_prompt_logprobs is not None or body.prompt_logprobs_last_n is not None:
         raise ShardfitError("target_prompt_logprobs and prompt_logprobs_last_n are not served", where=where,
                             fix="ask for prompt_logprobs over the whole prompt")
@@ -206,7 +211,8 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
     seed = secrets.randbits(63) if seed is None else seed
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ShardfitError(f"seed={shown(seed)}", where=f"{where} sampling_params", fix="send an integer or null")
-    return SampleArgs(prompt=tokens, num_samples=body.num_samples, max_tokens=max_tokens,
-                      temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed % (2**63 - 1),
-                      stop_tokens=tuple(stop_tokens), stop_strings=tuple(stop_strings),
-                      prompt_logprobs=bool(body.prompt_logprobs))
+    params = dict(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                  seed=seed % (2**63 - 1), stop_tokens=list(stop_tokens), stop_strings=list(stop_strings))
+    return dict(prompt=tokens, num_samples=body.num_samples, params=params,
+                prompt_logprobs=bool(body.prompt_logprobs), topk_prompt_logprobs=body.topk_prompt_logprobs,
+                topk_sample_logprobs=body.topk_sample_logprobs)

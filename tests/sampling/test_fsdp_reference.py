@@ -21,7 +21,7 @@ ARGS = dict(prompt=[72, 101, 108, 108, 111], num_samples=3, max_tokens=6, temper
 
 def _sample_sharded(rank: int, world: int):
     from shardfit.models import build_model
-    from shardfit.serve.sampling import SampleArgs, sample
+    from shardfit.sampling.fsdp_reference import SampleArgs, sample
     from tests.helpers import parallelize_config as parallelize
 
     cfg = _cfg()
@@ -37,7 +37,7 @@ def _sample_sharded(rank: int, world: int):
 
 def test_sharded_sampling_equals_whole_model():
     from shardfit.models import build_model
-    from shardfit.serve.sampling import SampleArgs, sample
+    from shardfit.sampling.fsdp_reference import SampleArgs, sample
 
     cfg = _cfg()
     model = build_model(cfg.model)

@@ -1,4 +1,6 @@
-"""Sampling from the Engine's own model with a KV cache: num_samples continuations of one prompt, batched.
+"""The reference sampler through the Engine's FSDP model (what `shardfit serve` ran before the Sampler): kept as the
+reference that Engine.sample is checked against (tests/engine, tests/rl) and as the "before" of
+benchmarks/bench_sampling.py. Nothing serves through it. num_samples continuations of one prompt, batched.
 
 Every rank runs the same forward calls (FSDP all-gathers parameters inside each): the prompt once ([1, S], which
 also gives the prompt's log-probs), then one token per step for all B = num_samples rows ([B, 1]) until every row
@@ -19,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from shardfit.models.decoder import KVCache
+from shardfit.sampling.params import Sampled
 from shardfit.sampling.sample import top_p_filter
-from shardfit.serve.protocol import Sampled
 
 
 @dataclass
@@ -112,7 +114,7 @@ def sample(model, a: SampleArgs, dtype: torch.dtype, device: torch.device, rank:
     last = logits[-1:].expand(B, -1)  # [B, V]
     gen = torch.Generator(device=device).manual_seed(a.seed)
     stop = StopCheck(a, tokenizer)
-    out = [Sampled([], [], False) for _ in range(B)]
+    out = [Sampled([], [], "length") for _ in range(B)]
     done = [False] * B
     for step in range(a.max_tokens):
         tokens = _pick(last, a, gen)  # every rank computes; rank 0's are the ones used
@@ -123,9 +125,9 @@ def sample(model, a: SampleArgs, dtype: torch.dtype, device: torch.device, rank:
                 if not done[i]:
                     out[i].tokens.append(int(tokens[i]))
                     out[i].logprobs.append(float(logp[i]))
-                    out[i].stopped = stop(out[i].tokens)
+                    out[i].stop_reason = "stop" if stop(out[i].tokens) else "length"
             agreed[:B] = tokens
-            agreed[B:] = torch.tensor([d or o.stopped for d, o in zip(done, out)], dtype=torch.int64)
+            agreed[B:] = torch.tensor([d or o.stop_reason == "stop" for d, o in zip(done, out)], dtype=torch.int64)
         agreed = _agree(agreed, rank, world).cpu()
         done = [bool(x) for x in agreed[B:]]
         if all(done) or step == a.max_tokens - 1:
