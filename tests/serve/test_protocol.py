@@ -16,7 +16,6 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 from shardfit.errors import ShardfitError  # noqa: E402
 from shardfit.serve.executor import metric_key  # noqa: E402
 from shardfit.serve.protocol import (  # noqa: E402
-    Sampled,
     check_forward_backward,
     encode_forward_backward,
     encode_sample,
@@ -99,12 +98,23 @@ def test_outputs_decode_in_the_sdk():
 
 
 def test_sample_response_decodes_in_the_sdk():
-    seqs = [Sampled([5, 6, 257], [-0.5, -1.0, -0.25], True), Sampled([7], [-2.0], False)]
-    res = deserialize_sample_response(encode_sample(seqs, [math.nan, -1.0, -2.5]))
-    assert [s.stop_reason for s in res.sequences] == ["stop", "length"]
-    assert list(res.sequences[0].tokens) == [5, 6, 257]
-    assert np.allclose(res.sequences[0].logprobs, [-0.5, -1.0, -0.25])
-    assert res.prompt_logprobs[0] is None and res.prompt_logprobs[1:] == [-1.0, -2.5]
+    """A SampleResult's samples, stop reasons, prompt log-probs and both top-k lists read back through the SDK's own
+    decoder: a position with no context is None, a shorter top-k row keeps its own length."""
+    from shardfit.sampling.params import Sampled, SampleResult
+
+    res = SampleResult([Sampled([5, 6, 257], [-0.5, -1.0, -0.25], "stop", [[(5, -0.5), (9, -1.5)], [(6, -1.0)],
+                                                                            [(257, -0.25), (3, -2.0)]]),
+                        Sampled([7], [-2.0], "length")],
+                       prompt_logprobs=[None, -1.0, -2.5],
+                       topk_prompt_logprobs=[None, [(4, -0.75), (1, -1.0)], [(2, -2.5), (8, -3.0)]])
+    back = deserialize_sample_response(encode_sample(res))
+    assert [s.stop_reason for s in back.sequences] == ["stop", "length"]
+    assert list(back.sequences[0].tokens) == [5, 6, 257]
+    assert np.allclose(back.sequences[0].logprobs, [-0.5, -1.0, -0.25])
+    assert back.prompt_logprobs[0] is None and back.prompt_logprobs[1:] == [-1.0, -2.5]
+    assert back.topk_prompt_logprobs == [None, [(4, -0.75), (1, -1.0)], [(2, -2.5), (8, -3.0)]]
+    assert back.sequences[0].topk_logprobs == [[(5, -0.5), (9, -1.5)], [(6, -1.0)], [(257, -0.25), (3, -2.0)]]
+    assert back.sequences[1].topk_logprobs is None
 
 
 def test_metric_keys_get_exactly_one_colon():
