@@ -6,7 +6,8 @@ between buckets' replays is its static `active` buffer (the rows' slots, padded 
 input (tokens, positions, tables, sampling params, seeds) already lives in RowState's fixed tensors, which the step
 reads and advances in place, and the slot mapping is computed inside the step. A graph is captured the first time
 its bucket runs, with every entry of `active` on the padding slot, so that the warm-up runs before capture touch
-only the padding slot and the KV cache's trash block. All graphs share one memory pool.
+only the padding slot and the KV cache's trash block. All graphs share one memory pool: a graph's scratch may lie
+where another graph's outputs are, so the runner copies a replay's outputs (runner._record) before any other replay.
 
 Off (the CPU, cuda_graphs=False, FlexAttention, or a model whose forward reads the device: an MoE layer outside
 the bf16 grouped-GEMM path reads its expert counts on the host), the same step runs eagerly at the batch's own size.
