@@ -189,3 +189,19 @@ def test_a_cast_decode_model_is_a_copy_refreshed_in_place_after_a_step():
     assert torch.equal(w, before)  # a copy: the step did not reach it
     refresh(plain, e.model)
     assert w.data_ptr() == ptr and torch.equal(w, src.to(torch.bfloat16)) and not torch.equal(w, before)
+
+
+def test_a_decode_model_that_does_not_fit_is_one_line_with_the_arithmetic(trained, monkeypatch):
+    """On CUDA, what decode_model would copy (here: every weight cast to bf16) against 90% of the free memory."""
+    from shardfit.sampling import source
+
+    e, _ = trained
+    params = source._base_params(e.model)
+    n = sum(p.numel() for _, p in params)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (n, 10 * n))  # room for half of n x 2 bytes
+    with pytest.raises(ShardfitError, match=f"{n:,} parameters x 2 bytes") as err:
+        source._check_room(params, torch.bfloat16, torch.device("cuda"))
+    assert err.value.where == "Engine.sample" and "\n" not in str(err.value)
+    source._check_room(params, torch.float32, torch.device("cuda"))  # views on one rank: nothing to fit
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * n, 10 * n))
+    source._check_room(params, torch.bfloat16, torch.device("cuda"))  # 2n bytes within 90% of 4n

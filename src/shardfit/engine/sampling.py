@@ -20,6 +20,10 @@ Several ranks: every rank is given the same prompts (as every Engine call); requ
 (data-parallel, no collective per token), and the results travel once at the end: each rank's results packed into
 a float64 vector whose length every rank computes from the requests alone (tokens and fp32 log-probs are exact in
 float64), padded to the longest rank's, one all-gather (all_gather_rows). No pickling.
+Collectives of a call on N ranks, the same on every rank in this order: building the decode model (the first call;
+a full-parameter model's refresh after a step) one all-reduce of the room on CUDA and one all-gather per parameter;
+per adapter loaded into a slot, one all-gather per adapter tensor; one all-reduce of the requests' verdict; one
+all-gather of the results. On one rank, none.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ for the experts) in the decode dtype; no collective anywhere here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,10 +120,10 @@ class _Target:
 
     a: torch.Tensor
     a_dim: int
-    a_of: object
+    a_of: Callable[[torch.Tensor], torch.Tensor]
     b: torch.Tensor
     b_dim: int
-    b_of: object
+    b_of: Callable[[torch.Tensor], torch.Tensor]
 
     def views(self, slot: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.a.narrow(self.a_dim, slot * rank, rank), self.b.narrow(self.b_dim, slot * rank, rank)

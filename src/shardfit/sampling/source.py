@@ -78,22 +78,28 @@ def _full(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_room(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> None:
-    """N ranks on CUDA: the gathered model must fit; one all-reduce (MIN) of the room left, the same verdict on
-    every rank before any gather."""
-    if _world() == 1 or device.type != "cuda":
+    """On CUDA, what decode_model copies must fit: every parameter on N ranks (gathered whole), those cast to dtype
+    on one. N ranks: one all-reduce (MIN) of the room left, the same verdict on every rank before any gather."""
+    if device.type != "cuda":
         return
-    need = sum(p.numel() for _, p in params) * dtype.itemsize
-    free = torch.cuda.mem_get_info(device)[0]
-    room = torch.tensor(float(free * _ROOM - need), dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
-    if float(room) < 0:
-        n = sum(p.numel() for _, p in params)
-        short = -float(room) / 2**30
-        raise ShardfitError(f"the decode model needs the whole model on every rank: {n:,} parameters x "
-                            f"{dtype.itemsize} bytes = {need / 2**30:.1f} GiB, and a rank has {short:.1f} GiB too "
-                            f"little ({_ROOM:.0%} of its free memory)", where="Engine.sample",
-                            fix="sample through Engine.weights() in an inference engine, or use more GPUs per model "
-                            "shard (fewer parameters per rank leave more room)")
+    world = _world()
+    copied = [p for _, p in params if world > 1 or local_tensor(p).dtype != dtype]
+    if not copied and world == 1:
+        return  # views only
+    n = sum(p.numel() for p in copied)
+    need = n * dtype.itemsize
+    room = float(torch.cuda.mem_get_info(device)[0] * _ROOM - need)
+    if world > 1:
+        agreed = torch.tensor(room, dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        room = float(agreed)
+    if room < 0:
+        whole = "the whole model on every rank" if world > 1 else "a copy of the weights cast to the compute dtype"
+        raise ShardfitError(f"the decode model needs {whole}: {n:,} parameters x {dtype.itemsize} bytes = "
+                            f"{need / 2**30:.1f} GiB, and a rank has {-room / 2**30:.1f} GiB too little "
+                            f"({_ROOM:.0%} of its free memory)", where="Engine.sample",
+                            fix="sample through Engine.weights() in an inference engine, or shard the model over "
+                            "more GPUs (a smaller shard per rank leaves more room)")
 
 
 def _set(model: nn.Module, name: str, value: torch.Tensor, buffer: bool = False) -> None:
