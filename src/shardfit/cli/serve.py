@@ -27,8 +27,10 @@ training (forward, forward_backward, optim_step, save/load state) and sampling f
 
 The model is the train config's (--model.name=tiny, --model.path=HF_DIR, parallel.*, compute.*); clients pass that name
 (or directory) as base_model. Training is full-parameter unless --lora.rank=R (LoRA adapters of rank R on a frozen
-base, docs/lora.md). Example (Python):
-  tinker.ServiceClient(base_url=URL, api_key="tml-local").create_lora_training_client(base_model="tiny")
+base, docs/lora.md): each training client is then a model of its own. --serve.models=DIR[,DIR...] serves more frozen
+models to sample and score; --serve.versions=N caps the frozen versions (samplers' weights) held. Example (Python;
+rank=0 asks a server without --lora.rank for every parameter):
+  tinker.ServiceClient(base_url=URL, api_key="tml-local").create_lora_training_client(base_model="tiny", rank=0)
 """
 
 
@@ -57,6 +59,9 @@ def serve(argv: list[str]) -> int:
     from shardfit.weights.peft_config import adapter_lora_fields
 
     cfg = load_config(opts.get("--config"), rest, adapter_lora_fields)  # validate before starting any process
+    from shardfit.serve.served import served_configs
+
+    served_configs(cfg)  # each --serve.models path a model directory, or one line before any process starts
     if nproc > 1 or launcher:
         from shardfit.parallel.layout import check_layout
 
