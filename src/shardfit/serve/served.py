@@ -36,7 +36,9 @@ def served_configs(cfg: Config) -> dict[str, Config]:
             raise ShardfitError("named twice (the trained model is served already)", where=where,
                                 fix="name each extra model once")
         try:
-            own = load_config(None, [f"--model.path={path}"])
+            # [model] and the tokenizer as --model.path brings them; a short data.seq_len: the default may exceed a
+            # small model's limit, and only the server's own data keys are kept
+            own = load_config(None, [f"--model.path={path}", "--data.seq_len=16"])
         except ShardfitError as e:
             raise ShardfitError(e.what, where=where, fix=FIX) from None
         if not any(Path(own.model.path).glob("*.safetensors")):
