@@ -9,7 +9,7 @@ the format first (and about a third of the sums); then each step:
      groups whose samples all score alike carry no signal and are left out;
   3. forward_backward with importance_sampling (or ppo) on Tinker-shaped datums: the prompt's positions hold
      log-prob 0 and advantage 0, the sampled tokens the sampler's log-probs and the sample's advantage;
-  4. optim_step, then save_weights_and_get_sampling_client for the next step's rollouts.
+  4. optim_step, then save_weights_and_get_sampling_client(kind="inflight") for the next step's rollouts.
 The server reports the sampler/trainer log-prob gap of every step (sampler_logprob_gap:mean, sampler_kl:mean): near
 0 when the sampler runs the trained weights, as here; a broken weight sync shows as a jump.
 
