@@ -15,7 +15,8 @@ from shardfit.errors import ShardfitError
 
 SERVE_HELP = """\
 Serve the Tinker API (the official `tinker` SDK runs against it with only base_url and api_key changed):
-training (forward, forward_backward, optim_step, save/load state) and sampling from the model's current weights.
+training (forward, forward_backward, optim_step, save/load state) and sampling (frozen versions of the weights, or
+the current ones).
 
   shardfit serve [--port P] [--host 127.0.0.1] [--api-key tml-...] [--nproc N] [--config FILE] [--section.key=value ...]
 

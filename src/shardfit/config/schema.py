@@ -335,8 +335,9 @@ class MemoryConfig:
                                  "#doctor-keep-grads)")
     max_fraction: float = opt(0.0, "cap this process's CUDA memory at this fraction of the GPU (headroom for other "
                                    "processes); 0: no cap", ge=0, le=1)
-    versions_gib: float = opt(1.0, "LoRA: GiB per rank of the device's memory for frozen weight versions (samplers' "
-                                   "adapters, engine/registry.py); past it versions are kept in host memory", ge=0)
+    versions_gib: float = opt(1.0, "GiB per rank of the device's memory for frozen weight versions (samplers' "
+                                   "weights: LoRA adapters, or without LoRA copies of every weight, "
+                                   "engine/registry.py); past it versions are kept in host memory", ge=0)
 
 
 @dataclass
