@@ -288,9 +288,9 @@ def worker_sdk(a) -> int:
     data = ro.to_tinker(ro.to_datums(r, np.split(saved["old"], cut), np.split(saved["adv"], cut)))
     t = time.perf_counter()
     # base_model: the server's model.name (the dense shapes set every size over the default); a LoRA server
-    # answers only a client asking its own rank (a full-parameter one any)
+    # answers only a client asking its own rank, a full-parameter one only rank=0
     tc = tinker.ServiceClient(base_url=a.url, api_key="tml-local").create_lora_training_client(
-        base_model="tiny", rank=a.lora or 8)
+        base_model="tiny", rank=a.lora or 0)
     emit("sdk-client", s=round(time.perf_counter() - t, 2))
 
     def step(d):

@@ -9,7 +9,7 @@ the format first (and about a third of the sums); then each step:
      groups whose samples all score alike carry no signal and are left out;
   3. forward_backward with importance_sampling (or ppo) on Tinker-shaped datums: the prompt's positions hold
      log-prob 0 and advantage 0, the sampled tokens the sampler's log-probs and the sample's advantage;
-  4. optim_step, then save_weights_and_get_sampling_client for the next step's rollouts.
+  4. optim_step, then save_weights_and_get_sampling_client(kind="inflight") for the next step's rollouts.
 The server reports the sampler/trainer log-prob gap of every step (sampler_logprob_gap:mean, sampler_kl:mean): near
 0 when the sampler runs the trained weights, as here; a broken weight sync shows as a jump.
 
@@ -71,8 +71,8 @@ def train(base_url: str, api_key: str, **kw) -> dict:
 
 def run(service, *, warmup_steps: int, warmup_lr: float, steps: int, lr: float, prompts: int, samples: int, loss: str,
         max_operand: int, seed: int, log=print) -> dict:
-    # rank 8 with `shardfit serve --lora.rank=8`; this example's server trains every parameter
-    client = service.create_lora_training_client(base_model="tiny", rank=8).result()
+    # rank=0: every parameter, what this example's server trains; rank=8 with `shardfit serve --lora.rank=8`
+    client = service.create_lora_training_client(base_model="tiny", rank=0).result()
     probs = problems(max_operand)
     rng = random.Random(seed)
     t0 = time.perf_counter()
@@ -84,7 +84,10 @@ def run(service, *, warmup_steps: int, warmup_lr: float, steps: int, lr: float, 
         pending.append(client.optim_step(types.AdamParams(learning_rate=warmup_lr)))
     for f in pending:
         f.result()
-    sampler = client.save_weights_and_get_sampling_client().result()
+    # kind="inflight": the model's live weights, which synchronous RL samples (each rollout before the next step);
+    # a snapshot per step would hold a frozen version per step (without LoRA a copy of every weight, up to
+    # --serve.versions) until the session ends
+    sampler = client.save_weights_and_get_sampling_client(kind="inflight").result()
     before = evaluate(sampler, probs, seed=seed * 7919 + 10**6)
     log(f"after {warmup_steps} warm-up steps: mean reward {before:.3f} ({time.perf_counter() - t0:.0f} s)")
     history = []
@@ -107,7 +110,7 @@ def run(service, *, warmup_steps: int, warmup_lr: float, steps: int, lr: float, 
             opt.result()
             row.update(gap=m["sampler_logprob_gap:mean"], gap_max=m["sampler_logprob_gap:max"],
                        kl=m["sampler_kl:mean"])
-            sampler = client.save_weights_and_get_sampling_client().result()  # the next rollouts: new weights
+            sampler = client.save_weights_and_get_sampling_client(kind="inflight").result()  # the new weights
         history.append(row)
         gap = f"  gap {row['gap']:.1e} (max {row['gap_max']:.1e}) kl {row['kl']:.1e}" if data else ""
         log(f"step {step:3d}  reward {row['reward']:.3f}  datums {len(data):3d}{gap}  "

@@ -54,8 +54,8 @@ def train(base_url: str, api_key: str, **kw) -> dict:
 
 def run(service, *, steps: int, batch: int, lr: float, seed: int, log=print) -> dict:
     """SFT for `steps` steps, then greedy answers for every country; returns the losses and the answers."""
-    # rank 8 with `shardfit serve --lora.rank=8`; this example's server trains every parameter
-    client = service.create_lora_training_client(base_model="tiny", rank=8).result()
+    # rank=0: every parameter, what this example's server trains; rank=8 with `shardfit serve --lora.rank=8`
+    client = service.create_lora_training_client(base_model="tiny", rank=0).result()
     data = [make_datum(prompt_of(country), " " + capital) for country, capital in FACTS]
     rng = random.Random(seed)
     losses = []

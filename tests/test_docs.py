@@ -21,7 +21,8 @@ from shardfit.config.spellings import RENAMED
 
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
-SECTIONS = ("model", "lora", "data", "train", "parallel", "compute", "checkpoint", "logging", "memory", "preference")
+SECTIONS = ("model", "lora", "data", "train", "parallel", "compute", "checkpoint", "logging", "memory", "preference",
+            "serve")
 
 
 def _prose(text: str) -> str:

@@ -3,7 +3,8 @@
 - a new model starts at the base exactly; B's steps leave A untouched; interleaved models equal each trained alone,
   bit for bit (CPU); a frozen version keeps its log-probs however the model trains afterwards; the base is the zero
   adapter; 2 gloo ranks return what 1 returns;
-- refusals are one line: an unknown model, training a version, a second model on an engine without LoRA.
+- refusals are one line: an unknown model, training a version, a second model on an engine without LoRA;
+- without LoRA a version is a copy of every weight: it keeps its weights through training, the model's come back.
 """
 
 from __future__ import annotations
@@ -143,20 +144,38 @@ def test_two_ranks_equal_one(one):
 
 
 def _full_param(rank, world):
+    """Without LoRA: a second model and the base alone refused; a version (a copy of every weight) keeps the weights
+    it was made from through training, and the model's own come back exactly after it is sampled."""
     from shardfit.config import load_config
+    from shardfit.engine.registry import BASE
     from shardfit.rl import DatumEngine
 
     e = DatumEngine.start(load_config(None, [a for a in ARGS if not a.startswith("--lora")]))
-    try:
-        e.add_model("B")
-    except Exception as err:  # noqa: BLE001
-        return str(err)
-    return ""
+    probe = _data(99, 2)
+    out = {"errors": {}, "start": _lp(e.forward(probe))}
+    for what, call in {"add": lambda: e.add_model("B"), "base": lambda: e.forward(probe, model=BASE)}.items():
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001  the message is the assertion
+            out["errors"][what] = str(err)
+    ref = e.freeze()
+    out["losses"] = _steps(e, None, [1, 2])
+    out["trained"] = _lp(e.forward(probe))
+    out["ref"] = _lp(e.forward(probe, model=ref))
+    out["back"] = _lp(e.forward(probe, model="default"))  # the model's own weights, copied back from the host
+    out["more"] = _steps(e, None, [3])
+    out["ref_again"] = _lp(e.forward(probe, model=ref))
+    out["summary"] = e.models.summary()
+    return out
 
 
-def test_a_second_model_without_lora_is_refused_naming_the_option():
-    msg = run_ranks(_full_param, 1)[0]
-    assert "needs LoRA" in msg and "--lora.rank" in msg
+def test_without_lora_one_model_and_its_versions():
+    r = run_ranks(_full_param, 1)[0]
+    assert "needs LoRA" in r["errors"]["add"] and "--lora.rank" in r["errors"]["add"]
+    assert "the base alone is LoRA's" in r["errors"]["base"]
+    assert r["ref"] == r["ref_again"] == r["start"] != r["trained"]
+    assert r["back"] == r["trained"]
+    assert r["summary"]["models"] == 1 and r["summary"]["versions"] == 1
 
 
 def _step_without_gradients(rank, world):

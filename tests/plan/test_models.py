@@ -1,6 +1,7 @@
 """The plan's LoRA models and versions (plan/models.py) against what the registry holds (engine/registry.py), measured
 on the CPU: a model out of the slot and a frozen version cost exactly the bytes the plan counts; `shardfit plan
---models/--versions` prints them and how many fit; without LoRA --models is one line."""
+--models/--versions` prints them and how many fit; without LoRA --models is one line, and a version is a copy of
+every weight in the compute dtype."""
 
 from __future__ import annotations
 
@@ -42,6 +43,24 @@ def test_a_model_and_a_version_cost_what_the_plan_counts():
         assert r["held"] == r["plan_model"] and r["version"] == r["plan_version"], (world, r)
 
 
+def _held_full(rank, world):
+    """Without LoRA: a version's bytes (every parameter's shard in the compute dtype, bf16 here) and the plan's."""
+    from shardfit.config import load_config
+    from shardfit.plan.models import models_cost
+    from shardfit.rl import DatumEngine
+
+    cfg = load_config(None, [a for a in ARGS if not a.startswith("--lora")] + ["--compute.param_dtype=bfloat16"])
+    e = DatumEngine.start(cfg)
+    vid = e.freeze()
+    return {"version": e.models.versions[vid].nbytes, "plan_version": models_cost(cfg, world, 1, 1).version_bytes,
+            "dtype": str(e.models.versions[vid].values[0].dtype)}
+
+
+def test_a_full_parameter_version_costs_what_the_plan_counts():
+    r = run_ranks(_held_full, 2)[0]  # each rank's shards of every parameter
+    assert r["version"] == r["plan_version"] and r["dtype"] == "torch.bfloat16", r
+
+
 def test_plan_says_what_models_cost_and_how_many_fit():
     base = [sys.executable, "-m", "shardfit", "plan", "--model.name=llama3-8b", "--data.seq_len=4096",
             "--gpu-memory", "79"]
@@ -52,3 +71,6 @@ def test_plan_says_what_models_cost_and_how_many_fit():
     assert "models that fit this GPU with 4 version(s):" in p.stdout
     q = subprocess.run([*base, "--models", "3"], capture_output=True, text=True, timeout=300)
     assert q.returncode == 2 and "--models: several models share one base only with LoRA" in q.stderr
+    f = subprocess.run([*base, "--versions", "2"], capture_output=True, text=True, timeout=300)
+    assert f.returncode == 0, f.stderr
+    assert "frozen versions (without LoRA a copy of every weight): 14.958 GiB each" in f.stdout, f.stdout

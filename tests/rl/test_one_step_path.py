@@ -77,7 +77,7 @@ def _sdk_equals_train(rank, world, data, root):
     sdk_losses = []
     try:
         with tinker.ServiceClient(base_url=serving.url, api_key="tml-test") as sc:
-            tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+            tc = sc.create_lora_training_client(base_model="tiny", rank=0).result()
             for step, datums in enumerate(steps):
                 fb = tc.forward_backward(datums, "cross_entropy", loss_fn_config={"normalize": "token_mean"})
                 tc.optim_step(types.AdamParams(learning_rate=lr_at(step, cfg.train), beta1=cfg.train.beta1,

@@ -38,7 +38,7 @@ class Client:
         if model:
             self.model_id = self.http.post("/create_model", headers=self.key, json={
                 "session_id": self.session, "model_seq_id": 0, "base_model": "tiny",
-                "lora_config": {"rank": 4}}).json()["model_id"]
+                "lora_config": {"rank": 0}}).json()["model_id"]
 
     def next_seq(self) -> int:
         self.seq += 1

@@ -54,7 +54,9 @@ def _cases(c: Client):
                                                  json={"model_id": m, "seq_id": 1, "adam_params": {}}),
         # the fake Engine trains every parameter (no --lora.rank): one model, no versions
         "a second model without --lora.rank": lambda: c.http.post("/create_model", headers=KEY, json={
-            "session_id": c.session, "model_seq_id": 1, "base_model": "tiny", "lora_config": {"rank": 4}}),
+            "session_id": c.session, "model_seq_id": 1, "base_model": "tiny", "lora_config": {"rank": 0}}),
+        "a LoRA client without --lora.rank": lambda: c.http.post("/create_model", headers=KEY, json={
+            "session_id": c.session, "model_seq_id": 3, "base_model": "tiny", "lora_config": {"rank": 4}}),
         "a seed that is not an integer": lambda: c.http.post("/create_model", headers=KEY, json={
             "session_id": c.session, "model_seq_id": 2, "base_model": "tiny", "lora_config": {"seed": "x"}}),
         "a sampler of a saved path without LoRA": lambda: c.http.post("/create_sampling_session", headers=KEY, json={
@@ -80,6 +82,8 @@ def test_each_bad_request_is_refused_and_the_next_works(client):
         assert "fix" in detail and "\n" not in detail, (name, detail)
         assert name != "a second model without --lora.rank" or "--lora.rank=R" in detail, detail
         assert name != "a sampler of a saved path without LoRA" or "--lora.rank=R" in detail, detail
+        assert name != "a LoRA client without --lora.rank" or (
+            "lora_config.rank" in detail and "pass rank=0" in detail and "--lora.rank=4" in detail), detail
         assert client.good_forward() == pytest.approx(loss), name  # nothing ran in between: same weights
 
 

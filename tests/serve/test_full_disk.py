@@ -54,7 +54,7 @@ def _data() -> list[types.Datum]:
 def test_a_full_disk_fails_that_save_alone(server_on_small_disk, sdk_client):
     url, disk, proc = server_on_small_disk
     sc = sdk_client(url, "tml-test")
-    tc = sc.create_lora_training_client(base_model="tiny", rank=4).result()
+    tc = sc.create_lora_training_client(base_model="tiny", rank=0).result()
     tc.forward_backward(_data(), "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     first = tc.save_state("first").result().path

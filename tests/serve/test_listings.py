@@ -26,7 +26,7 @@ def _refusal(call) -> str:
 
 def _saved(sc) -> tuple[object, str, str]:
     """A training client, its save_state path and its named sampler save's path (saved in this order)."""
-    tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+    tc = sc.create_lora_training_client(base_model="tiny", rank=0).result()
     return tc, tc.save_state("w1").result().path, tc.save_weights_for_sampler("s1").result().path
 
 

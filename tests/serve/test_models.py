@@ -4,14 +4,14 @@ frozen versions for its samplers (the real Engine on gloo ranks, CPU, the server
 Each row of the issue's table, reversed: a reference sampler keeps its log-probs after 5 of its model's steps; a
 sampler made from a saved path (before and after a restart) returns the saved weights' log-probs; a second training
 client starts at the base; B's training leaves A untouched; the REST listings name each LoRA model and, after the
-restart, its checkpoint. Bad input: an unknown model, a freed version, a rank or
-a lora_config field the server cannot hold: one 4xx line each.
+restart, its checkpoint. 4 clients trained at once by SDK threads equal each trained alone (16: slow);
+tinker-cookbook's DPO loop keeps its reference frozen. Bad input: an unknown model, a freed version, a rank or a
+lora_config field the server cannot hold, too many models or versions for the limits: one 4xx line each.
 """
 
 from __future__ import annotations
 
-import os
-import threading
+import functools
 
 import numpy as np
 import pytest
@@ -20,75 +20,13 @@ tinker = pytest.importorskip("tinker")
 
 from tests._dist import run_ranks  # noqa: E402
 from tests.helpers import SMALL  # noqa: E402
+from tests.serve.engine_server import SEQ, datums, error, logprobs, scored, serve, steps  # noqa: E402
 
 ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=64", "--lora.rank=8"]
-SEQ = list(b"hello shardfit models")  # what every sampler scores
 
 
 def _serve(rank: int, world: int, run_dir: str, scenario):
-    """The Engine on every rank, the server on rank 0 running `scenario(service_client, url)`; its result."""
-    os.environ["TINKER_TELEMETRY"] = "0"
-    from shardfit.config import load_config
-    from shardfit.engine import Engine
-    from shardfit.serve.commands import Loop
-    from shardfit.serve.executor import Executor
-    from shardfit.serve.server import comm_device, start_rank0
-
-    cfg = load_config(None, [*ARGS, f"--logging.run_dir={run_dir}"])
-    engine = Engine.start(cfg)
-    if rank != 0:
-        Loop(Executor(engine), rank, world, comm_device(engine)).run()
-        return None
-    serving = start_rank0(cfg, engine, port=0, poll_s=2.0)
-    loop = threading.Thread(target=serving.loop.run, daemon=True)
-    loop.start()
-    sc = tinker.ServiceClient(base_url=serving.url, api_key="tml-local")
-    try:
-        return scenario(sc, serving.url, serving.state.facts.base_model)
-    finally:
-        sc.close("success").result(timeout=30)
-        serving.state.scheduler.close()  # rank 0 broadcasts stop: every rank leaves its loop
-        loop.join(60)
-        serving.stop()
-
-
-def _datums(seed: int, n: int = 2):
-    from tinker import types
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for L in rng.integers(8, 16, n):
-        t = rng.integers(0, 256, L + 1)
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(t[:-1].tolist()),
-                               loss_fn_inputs={"target_tokens": t[1:].astype(np.int64),
-                                               "weights": np.ones(L, np.float32)}))
-    return out
-
-
-def _steps(tc, seeds) -> None:
-    from tinker import types
-
-    for s in seeds:
-        tc.forward_backward(_datums(s), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-
-
-def _lp(tc) -> list[float]:
-    return tc.forward(_datums(99), "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy().tolist()
-
-
-def _scored(sampler) -> list[float]:
-    from tinker import types
-
-    return sampler.compute_logprobs(types.ModelInput.from_ints(SEQ)).result()[1:]
-
-
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the message is the assertion
-        return str(e)
-    return "no error"
+    return serve(rank, world, run_dir, scenario, ARGS)
 
 
 def _table(sc, url: str, base_model: str) -> dict:
@@ -96,24 +34,24 @@ def _table(sc, url: str, base_model: str) -> dict:
 
     out = {}
     a = sc.create_lora_training_client(base_model=base_model, rank=8, seed=1).result()
-    out["base"] = _lp(a)
+    out["base"] = logprobs(a)
     ref = a.save_weights_and_get_sampling_client().result()  # the DPO reference, taken before training
-    out["ref_before"] = _scored(ref)
-    _steps(a, [1, 2])
+    out["ref_before"] = scored(ref)
+    steps(a, [1, 2])
     saved = a.save_weights_for_sampler("two").result().path
-    out["two"] = _scored(a.save_weights_and_get_sampling_client().result())
-    _steps(a, [3, 4, 5])
-    out["ref_after"] = _scored(ref)  # 5 optimizer steps later
+    out["two"] = scored(a.save_weights_and_get_sampling_client().result())
+    steps(a, [3, 4, 5])
+    out["ref_after"] = scored(ref)  # 5 optimizer steps later
     out["saved_path"] = saved
-    out["from_path"] = _scored(sc.create_sampling_client(model_path=saved).result())
-    out["inflight"] = _scored(a.save_weights_and_get_sampling_client(kind="inflight").result())
-    out["a_now"] = _scored(a.save_weights_and_get_sampling_client().result())
-    out["of_base"] = _scored(sc.create_sampling_client(base_model=base_model).result())
+    out["from_path"] = scored(sc.create_sampling_client(model_path=saved).result())
+    out["inflight"] = scored(a.save_weights_and_get_sampling_client(kind="inflight").result())
+    out["a_now"] = scored(a.save_weights_and_get_sampling_client().result())
+    out["of_base"] = scored(sc.create_sampling_client(base_model=base_model).result())
     b = sc.create_lora_training_client(base_model=base_model, rank=8, seed=2).result()
-    out["b_start"] = _lp(b)
-    out["a_before_b"] = _lp(a)
-    _steps(b, [6, 7, 8])
-    out["a_after_b"], out["b_after"] = _lp(a), _lp(b)
+    out["b_start"] = logprobs(b)
+    out["a_before_b"] = logprobs(a)
+    steps(b, [6, 7, 8])
+    out["a_after_b"], out["b_after"] = logprobs(a), logprobs(b)
     rest = tinker.RestClient(base_url=url, api_key="tml-local")  # the listings (serve/listings.py), LoRA models
     out["runs"] = ([r.training_run_id for r in rest.list_training_runs().result().training_runs], [b.model_id,
                    a.model_id])
@@ -122,8 +60,8 @@ def _table(sc, url: str, base_model: str) -> dict:
     key = {"X-API-Key": "tml-local"}
     out["held"] = httpx.get(f"{url}/api/v1/shardfit/status", headers=key).json()["held"]
     # bad input, one line each
-    out["wrong_rank"] = _error(lambda: sc.create_lora_training_client(base_model=base_model, rank=16).result())
-    out["wrong_attn"] = _error(lambda: sc.create_lora_training_client(base_model=base_model, rank=8,
+    out["wrong_rank"] = error(lambda: sc.create_lora_training_client(base_model=base_model, rank=16).result())
+    out["wrong_attn"] = error(lambda: sc.create_lora_training_client(base_model=base_model, rank=8,
                                                                        train_attn=False).result())
     out["unknown_model"] = httpx.post(f"{url}/api/v1/optim_step", headers=key, json={
         "model_id": "sess-nope:train:0", "seq_id": 1, "adam_params": {}}).json()
@@ -142,7 +80,7 @@ def _table(sc, url: str, base_model: str) -> dict:
 
 def _restarted(sc, url: str, base_model: str, path: str) -> tuple[list[float], list[str]]:
     listed = tinker.RestClient(base_url=url, api_key="tml-local").list_user_checkpoints().result().checkpoints
-    return _scored(sc.create_sampling_client(model_path=path).result()), [c.tinker_path for c in listed]
+    return scored(sc.create_sampling_client(model_path=path).result()), [c.tinker_path for c in listed]
 
 
 def _restarted_with(path: str):
@@ -215,30 +153,139 @@ def test_two_ranks_serve_the_same_table(table):
         np.testing.assert_allclose(two[key], table[key], rtol=0, atol=2e-5)
 
 
-def _pipelined(sc, url: str, base_model: str, seeds: tuple[int, ...]) -> dict:
-    """One client per seed, their requests sent together (each step's forward_backward and optim_step of every
-    client before any is read): each client's losses and final log-probs."""
+def _trained(tc, seed: int) -> dict:
+    """3 steps of one client, each step's forward_backward and optim_step sent before either is read: the losses and
+    the first datum's log-probs of each step."""
     from tinker import types
 
-    clients = [sc.create_lora_training_client(base_model=base_model, rank=8, seed=s).result() for s in seeds]
-    losses: dict[str, list[float]] = {str(s): [] for s in seeds}
+    out = {"loss": [], "lp": []}
     for step in range(3):
-        fbs = [c.forward_backward(_datums(10 * s + step), "cross_entropy") for s, c in zip(seeds, clients)]
-        opts = [c.optim_step(types.AdamParams(learning_rate=2e-2)) for c in clients]  # gradients held apart
-        for s, fb, opt in zip(seeds, fbs, opts):
-            losses[str(s)].append(fb.result().metrics["loss:sum"])
-            opt.result()
-    return {"losses": losses, "lp": {str(s): _lp(c) for s, c in zip(seeds, clients)}}
+        fb = tc.forward_backward(datums(10 * seed + step), "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=2e-2))
+        res = fb.result()
+        opt.result()
+        out["loss"].append(res.metrics["loss:sum"])
+        out["lp"].append(res.loss_fn_outputs[0]["logprobs"].to_numpy().tolist())
+    return out
 
 
-def test_clients_trained_together_equal_each_trained_alone(tmp_path):
-    """Two clients' requests interleaved on one server: each gets exactly what it gets alone (bit for bit, CPU)."""
-    import functools
+def _together_then_alone(sc, url: str, base_model: str, n: int) -> dict:
+    """n clients trained at once by n SDK threads, then a client of each seed trained alone on the same server."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    both = run_ranks(_serve, 1, str(tmp_path / "both"), functools.partial(_pipelined, seeds=(1, 2)), timeout=600)[0]
-    alone = run_ranks(_serve, 1, str(tmp_path / "alone"), functools.partial(_pipelined, seeds=(2,)), timeout=600)[0]
-    assert both["losses"]["2"] == alone["losses"]["2"] and both["lp"]["2"] == alone["lp"]["2"]
-    assert both["losses"]["1"] != both["losses"]["2"]
+    import httpx
+
+    seeds = list(range(1, n + 1))
+    clients = [sc.create_lora_training_client(base_model=base_model, rank=8, seed=s).result() for s in seeds]
+    with ThreadPoolExecutor(n) as pool:
+        together = list(pool.map(_trained, clients, seeds))
+    alone = [_trained(sc.create_lora_training_client(base_model=base_model, rank=8, seed=s).result(), s)
+             for s in seeds]
+    if n != 4:
+        return {"together": together, "alone": alone}
+    out = {"together": together, "alone": alone, **_dpo(sc, base_model)}  # 9 models, 1 version (the reference)
+    key = {"X-API-Key": "tml-local"}
+    out["too_many_models"] = httpx.post(f"{url}/api/v1/create_model", headers=key, json={
+        "session_id": sc.holder.get_session_id(), "model_seq_id": 10**6, "base_model": base_model,
+        "lora_config": {"rank": 8}}).json()["detail"]
+    tc = clients[0]
+    tc.save_weights_and_get_sampling_client().result()  # the second version: the limit
+    out["too_many_versions"] = error(lambda: tc.save_weights_and_get_sampling_client().result())
+    out["after_refusals"] = steps(tc, [40])  # the refused requests' seq_ids given up: the model trains on
+    out["held"] = httpx.get(f"{url}/api/v1/shardfit/status", headers=key).json()["held"]
+    return out
+
+
+def _dpo(sc, base_model: str, beta: float = 0.1) -> dict:
+    """tinker-cookbook 0.6.1's preference/train_dpo.py, its calls reproduced through the official SDK (the cookbook is
+    not installed here): the reference from save_weights_and_get_sampling_client("reference") before any step; each
+    step the reference's log-probs of every chosen and rejected sequence (compute_logprobs), then
+    forward_backward_custom with the DPO loss -logsigmoid(beta * (chosen log-ratio - rejected log-ratio)) on the
+    policy, then optim_step. The reference's log-probs of each step, and the policy's."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from tinker import types
+
+    policy = sc.create_lora_training_client(base_model=base_model, rank=8, seed=7).result()
+    with warnings.catch_warnings():  # the SDK deprecates the name (it has no effect); the cookbook passes it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        reference = policy.save_weights_and_get_sampling_client("reference").result()
+    prompt = list(b"Q: the capital of France? A:")
+    pairs = [(prompt + list(b" Paris"), prompt + list(b" Rome")), (prompt + list(b" Paris."), prompt + list(b" Lyon"))]
+    seqs = [s for pair in pairs for s in pair]  # chosen, rejected, chosen, rejected
+    answer = [np.asarray([0.0] * (len(prompt) - 1) + [1.0] * (len(s) - len(prompt)), np.float32) for s in seqs]
+    data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                        loss_fn_inputs={"target_tokens": np.asarray(s[1:], np.int64), "weights": w})
+            for s, w in zip(seqs, answer)]
+    out = {"ref": [], "policy": [], "loss": []}
+    for _ in range(4):
+        ref_lp = [torch.tensor(reference.compute_logprobs(types.ModelInput.from_ints(s)).result()[1:]) for s in seqs]
+        out["ref"].append([float((lp * torch.as_tensor(d.loss_fn_inputs["weights"].to_numpy())).sum())
+                           for lp, d in zip(ref_lp, data)])
+
+        def dpo_loss(batch, logprobs_list, ref_lp=ref_lp):
+            w = [torch.as_tensor(d.loss_fn_inputs["weights"].to_numpy()) for d in batch]
+            pol = [(lp * wi).sum() for lp, wi in zip(logprobs_list, w)]
+            ref = [(lp * wi).sum() for lp, wi in zip(ref_lp, w)]
+            chosen = torch.stack([pol[i] - ref[i] for i in range(0, len(pol), 2)])
+            rejected = torch.stack([pol[i] - ref[i] for i in range(1, len(pol), 2)])
+            loss = -F.logsigmoid(beta * (chosen - rejected)).mean()
+            return loss, {"dpo_loss": float(loss), "policy_chosen": float(pol[0])}
+
+        fb = policy.forward_backward_custom(data, dpo_loss)
+        policy.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        m = fb.result().metrics
+        out["loss"].append(m["dpo_loss"])
+        out["policy"].append(m["policy_chosen"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("four") / "run")
+    return run_ranks(serve, 1, run_dir, functools.partial(_together_then_alone, n=4),
+                     [*ARGS, "--serve.max_models=9", "--serve.versions=2"], timeout=600)[0]
+
+
+def _same_as_alone(r: dict) -> None:
+    for got, want in zip(r["together"], r["alone"]):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0)
+        np.testing.assert_allclose(np.concatenate(got["lp"]), np.concatenate(want["lp"]), rtol=0, atol=1e-6)
+    assert len({round(t["loss"][-1], 6) for t in r["together"]}) == len(r["together"])  # seeds apart: models apart
+
+
+def test_four_clients_trained_at_once_equal_each_trained_alone(four):
+    """4 SDK threads, each its own model, requests interleaved as they come: each equals its seed trained alone."""
+    _same_as_alone(four)
+
+
+def test_the_cookbook_dpo_reference_stays_frozen_while_the_policy_moves(four):
+    """issue 35's DPO row: the reference is the policy before training, its log-probs the same at every step.
+    tinker-cookbook is not installed here (nor fetchable): its train_dpo.py loop is written out with the same SDK
+    calls in _dpo."""
+    d = four
+    assert all(ref == d["ref"][0] for ref in d["ref"])  # exactly: a frozen version
+    assert d["policy"][-1] != d["policy"][0]  # the policy moved (its chosen sequence's log-prob)
+    assert d["loss"][0] == pytest.approx(np.log(2), abs=1e-6)  # policy == reference at step 0: -logsigmoid(0)
+    assert d["loss"][-1] < d["loss"][0]
+
+
+def test_too_many_models_or_versions_is_one_line_each_and_the_model_trains_on(four):
+    r = four
+    assert "--serve.max_models=9" in r["too_many_models"] and "9 training models" in r["too_many_models"]
+    assert "--serve.versions=2" in r["too_many_versions"] and "2 frozen versions" in r["too_many_versions"]
+    assert "kind='inflight'" in r["too_many_versions"]
+    for line in (r["too_many_models"], r["too_many_versions"]):
+        assert "\n" not in line and "fix:" in line
+    assert len(r["after_refusals"]) == 1 and r["held"]["models"] == 10 and r["held"]["versions"] == 2  # + default
+
+
+@pytest.mark.slow
+def test_sixteen_clients_trained_at_once_equal_each_trained_alone(tmp_path):
+    _same_as_alone(run_ranks(_serve, 1, str(tmp_path / "run"), functools.partial(_together_then_alone, n=16),
+                             timeout=1200)[0])
 
 
 def test_a_sampler_is_freed_when_its_ttl_passes(served):

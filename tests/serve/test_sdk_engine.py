@@ -97,7 +97,7 @@ def test_sigterm_stops_every_rank_and_says_what_was_not_saved(tmp_path, sdk_clie
 def test_sdk_round_trip_on_two_ranks(server, sdk_client):
     url, _ = server
     sc = sdk_client(url, "tml-local")
-    tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+    tc = sc.create_lora_training_client(base_model="tiny", rank=0).result()
     data = [_datum(b"hello world, hello shardfit!"), _datum(b"two ranks serve one model")]
     losses = []
     for _ in range(4):
@@ -135,7 +135,7 @@ def test_sdk_round_trip_on_two_ranks(server, sdk_client):
     # without --lora.rank the server holds one model: a second create_model is refused in one line; a client
     # made from a saved state takes the model over, and the client it replaced is refused from then on
     with pytest.raises(tinker.BadRequestError, match="--lora.rank=R"):
-        sc.create_lora_training_client(base_model="tiny", rank=8).result()
+        sc.create_lora_training_client(base_model="tiny", rank=0).result()
     path = tc.save_state("step4").result().path
     resumed = sc.create_training_client_from_state_with_optimizer(path).result()
     again = resumed.forward(data, "cross_entropy").result()

@@ -18,7 +18,8 @@ this machine's GPU, else 80). With --compute.compile=true dense blocks are count
 With --parallel.offload=all the host memory each node needs is printed; --host-memory (one node's, GiB) checks it.
 With --compute.activation_checkpoint=auto the plan is of what a run would choose on a GPU of --gpu-memory, and says
 which blocks that is (in --json: auto_checkpointing). With LoRA, --models N and --versions K count a server's LoRA
-models on one base and their frozen versions (plan/models.py): what each adds to a rank, and how many models fit.
+models on one base and their frozen versions (plan/models.py): what each adds to a rank, and how many models fit;
+without LoRA, --versions K counts frozen copies of every weight (shardfit serve's serve.versions).
 
 Proposals, printed when the configuration does not fit or always with --propose, cheapest first: fewer checkpointed
 blocks (--compute.ac_blocks; also printed when a configuration with full checkpointing fits with room), expert
@@ -83,7 +84,10 @@ def plan(argv: list[str]) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(plan_table(cfg, world, gpu_gib, host_gib, per_node))
-    if cfg.lora.rank and ("--models" in opts or "--versions" in opts):  # a server's clients (engine/registry.py)
+    if "--versions" in opts or (cfg.lora.rank and "--models" in opts):  # a server's clients (engine/registry.py)
+        if not cfg.lora.rank and models > 1:
+            raise ShardfitError("several models share one base only with LoRA", where="--models",
+                                fix="add --lora.rank=R (e.g. 16), as shardfit serve would run")
         from shardfit.plan.estimate import allocation_budget
         from shardfit.plan.models import models_lines
 

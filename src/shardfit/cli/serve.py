@@ -15,7 +15,8 @@ from shardfit.errors import ShardfitError
 
 SERVE_HELP = """\
 Serve the Tinker API (the official `tinker` SDK runs against it with only base_url and api_key changed):
-training (forward, forward_backward, optim_step, save/load state) and sampling from the model's current weights.
+training (forward, forward_backward, optim_step, save/load state) and sampling (frozen versions of the weights, or
+the current ones).
 
   shardfit serve [--port P] [--host 127.0.0.1] [--api-key tml-...] [--nproc N] [--config FILE] [--section.key=value ...]
 
@@ -27,8 +28,10 @@ training (forward, forward_backward, optim_step, save/load state) and sampling f
 
 The model is the train config's (--model.name=tiny, --model.path=HF_DIR, parallel.*, compute.*); clients pass that name
 (or directory) as base_model. Training is full-parameter unless --lora.rank=R (LoRA adapters of rank R on a frozen
-base, docs/lora.md). Example (Python):
-  tinker.ServiceClient(base_url=URL, api_key="tml-local").create_lora_training_client(base_model="tiny")
+base, docs/lora.md): each training client is then a model of its own. --serve.models=DIR[,DIR...] serves more frozen
+models to sample and score; --serve.versions=N caps the frozen versions (samplers' weights) held. Example (Python;
+rank=0 asks a server without --lora.rank for every parameter):
+  tinker.ServiceClient(base_url=URL, api_key="tml-local").create_lora_training_client(base_model="tiny", rank=0)
 """
 
 
@@ -57,6 +60,9 @@ def serve(argv: list[str]) -> int:
     from shardfit.weights.peft_config import adapter_lora_fields
 
     cfg = load_config(opts.get("--config"), rest, adapter_lora_fields)  # validate before starting any process
+    from shardfit.serve.served import served_configs
+
+    served_configs(cfg)  # each --serve.models path a model directory, or one line before any process starts
     if nproc > 1 or launcher:
         from shardfit.parallel.layout import check_layout
 

@@ -335,8 +335,9 @@ class MemoryConfig:
                                  "#doctor-keep-grads)")
     max_fraction: float = opt(0.0, "cap this process's CUDA memory at this fraction of the GPU (headroom for other "
                                    "processes); 0: no cap", ge=0, le=1)
-    versions_gib: float = opt(1.0, "LoRA: GiB per rank of the device's memory for frozen weight versions (samplers' "
-                                   "adapters, engine/registry.py); past it versions are kept in host memory", ge=0)
+    versions_gib: float = opt(1.0, "GiB per rank of the device's memory for frozen weight versions (samplers' "
+                                   "weights: LoRA adapters, or without LoRA copies of every weight, "
+                                   "engine/registry.py); past it versions are kept in host memory", ge=0)
 
 
 @dataclass
@@ -353,6 +354,20 @@ class PreferenceConfig:
 
 
 @dataclass
+class ServeConfig:
+    """`shardfit serve` only (docs/rl.md): what it holds beside its training model."""
+
+    models: str = opt("", "more frozen models to sample and score, comma-separated Hugging Face directories (each "
+                          "sharded like the trained model, loaded at start): sampling clients name one as "
+                          "base_model (a distillation teacher, another family's reference)")
+    versions: int = opt(0, "frozen weight versions (samplers' weights) held at most; past it a new one is refused "
+                           "(400) until a sampling session finishes or its ttl_seconds pass. 0: no limit with LoRA "
+                           "(a version is its adapters), 2 without (each a copy of every weight)", ge=0)
+    max_models: int = opt(0, "LoRA training models held at most (create_model past it is refused, 400); 0: no "
+                             "limit (shardfit plan --models says how many fit)", ge=0)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -364,6 +379,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 # Architecture presets: the sizes of real model families, used by `model.name`. "tiny" is the embedded default

@@ -65,6 +65,7 @@ from shardfit.parallel.fp8 import fp8_notice, gathers_in_fp8, refresh_fp8_scales
 from shardfit.parallel.gathered import drop_gathered, fits_gathered, gathered_for_pass
 from shardfit.parallel.layout import ParallelLayout
 from shardfit.parallel.offload import grad_sq_norm
+from shardfit.parallel.parallelize import mixed_precision
 from shardfit.parallel.step_overlap import local_tensor
 from shardfit.parallel.step_runner import build_step_runner
 from shardfit.weights.checkpoint import load_checkpoint, new_run_id
@@ -182,42 +183,33 @@ class Engine(EngineState, EngineSampling):
             self.run_id = state.get("run_id") or self.run_id
         refresh_fp8_scales(self.model, cfg.compute)  # FP8 scales of the weights in place: initialised, loaded, resumed
         self.runner = build_step_runner(cfg, self.model, self.optimizer, self.device)
-        # LoRA: the adapters are a slot that many models and frozen versions fill in turn (engine/registry.py)
+        # The trained parameters are a slot that models and frozen versions fill in turn (engine/registry.py): with
+        # LoRA many models on the frozen base; without it one model, its versions in the compute dtype
         lora = self.lora_targets is not None
-        self.models = ModelRegistry(self, int(cfg.memory.versions_gib * 2**30)) if lora else None
-
+        self.models = ModelRegistry(self, int(cfg.memory.versions_gib * 2**30), lora=lora,
+                                    version_dtype=None if lora else
+                                    mixed_precision(cfg.compute, self.device).param_dtype)
 
     # ------------------------------------------------------------------ models and versions (engine/registry.py)
     def using(self, model: str | None) -> None:
-        """Put `model` (a model name, a version id, or registry.BASE) in the adapters' slot; None: leave the slot as
-        it is. Every rank makes the same calls."""
-        if model is None:
-            return
-        if self.models is None:
-            if model == "default":
-                return
-            raise ShardfitError(f"model {model!r}: this engine trains every parameter as one model",
-                                where="model_id", fix="start it with --lora.rank=R to hold several LoRA models")
-        self.models.activate(model)
+        """Put `model` (a model name, a version id, or registry.BASE) in the trained parameters' slot; None: leave
+        the slot as it is. Every rank makes the same calls."""
+        if model is not None:
+            self.models.activate(model)
 
     def add_model(self, name: str, seed: int | None = None) -> None:
         """A new LoRA model on the frozen base, starting at the base exactly (B = 0), with its own optimizer state and
-        step; it becomes the active one."""
-        if self.models is None:
-            raise ShardfitError("a second model needs LoRA: this engine trains every parameter as one model",
-                                where="lora.rank", fix="start it with --lora.rank=R (e.g. 16) to hold several models")
+        step; it becomes the active one. Without LoRA: refused naming --lora.rank."""
         self.models.add(name, self.cfg.train.seed if seed is None else seed)
         self.weights_epoch += 1  # a name removed and added again is another model
 
-    def freeze(self, model: str | None = None) -> str | None:
-        """A frozen version of `model`'s adapters (the active one by default): its id, which `using` accepts; None
-        for an engine that trains every parameter (a version there is a copy of the weights: not held)."""
-        if self.models is None:
-            return None
+    def freeze(self, model: str | None = None) -> str:
+        """A frozen version of `model` (the active one by default): its adapters, or without LoRA a copy of every
+        weight in the compute dtype; its id, which `using` accepts."""
         return self.models.freeze(model or self.models.current)
 
     def _check_trainable(self, what: str) -> None:
-        if self.models is not None and not self.models.trainable:
+        if not self.models.trainable:
             raise ShardfitError(f"{what} on {self.models.current!r}, a frozen version (or the base): it samples and "
                                 "scores only", where="model_id", fix="train the model itself, not a sampler's version")
 

@@ -1,4 +1,5 @@
-"""Many LoRA models on one frozen base, and frozen versions of them (Tinker's model: docs/rl.md).
+"""Many LoRA models on one frozen base, and frozen versions of them (Tinker's model: docs/rl.md); without LoRA the
+one model that trains every parameter, and frozen versions of it.
 
 The sharded model holds one set of adapter parameters, the slot (FSDP-sharded with the base, in every block's
 group). A model is what fills the slot: its adapter values, its gradients since its last optim_step, its optimizer
@@ -15,6 +16,13 @@ alone (a sampler of the base model) is the zero adapter. Versions are kept on th
 
 Memory, per rank: a model costs its adapter shards (fp32) x 2 (values, gradients) + the optimizer's 2 moments when
 inactive; a version its adapter shards. The slot's own copies are the model's parameters themselves.
+
+Without LoRA (`lora=False`) the slot is every parameter and holds one model, "default": `add` and the base alone are
+refused naming --lora.rank. A version is a copy of every parameter's local shards in `version_dtype` (the compute
+dtype FSDP casts them to for the forward: bf16 on CUDA, so a version samples exactly the weights at freeze time); while
+one is in the slot the model's own fp32 shards wait in host memory (`_leave`), copied back when the model is called
+again. Such a swap writes every weight: the FP8 scales are refreshed (one all-reduce with tensorwise FP8 all-gather,
+on every rank alike).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 from shardfit.adapters.lora import init_adapters
 from shardfit.errors import ShardfitError
 from shardfit.parallel.dtensor import local_tensor, local_view
+from shardfit.parallel.fp8 import refresh_fp8_scales
 
 BASE = "base"  # the zero adapter: the frozen base alone
 
@@ -52,7 +61,7 @@ class ModelSlot:
 class Version:
     model: str
     step: int
-    values: list[torch.Tensor]  # this rank's adapter shards, on the device or the host
+    values: list[torch.Tensor]  # this rank's adapter shards (every parameter's without LoRA), device or host
     on_device: bool
 
     @property
@@ -62,21 +71,27 @@ class Version:
 
 class ModelRegistry:
     """The models and versions of one Engine. `current` names what is in the slot (a model, a version id, or
-    BASE)."""
+    BASE). lora=False: the slot is every parameter, one model (module docstring); versions are kept in
+    `version_dtype` (None: the parameters' own)."""
 
-    def __init__(self, engine, device_budget: int = 1 << 30):
+    def __init__(self, engine, device_budget: int = 1 << 30, *, lora: bool = True,
+                 version_dtype: torch.dtype | None = None):
         self.engine = engine
-        self.params = list(engine.params)  # the slot: every adapter parameter, in a fixed order
+        self.params = list(engine.params)  # the slot: every trained parameter (the adapters), in a fixed order
         self.models: dict[str, ModelSlot] = {"default": ModelSlot(None)}
         self.versions: dict[str, Version] = {}
         self.current = "default"
         self.device_budget = device_budget
+        self.lora, self.version_dtype = lora, version_dtype
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ models
     def add(self, name: str, seed: int) -> None:
         """A new model, starting at the base exactly: A drawn from (seed, parameter name) as PEFT draws it, B zero;
         no optimizer state, step 0. It becomes the active one."""
+        if not self.lora:
+            raise ShardfitError("a second model needs LoRA: this engine trains every parameter as one model",
+                                where="lora.rank", fix="start it with --lora.rank=R (e.g. 16) to hold several models")
         if name in self.models:
             raise ShardfitError(f"model {name!r} exists", where="model_id", fix="choose another name")
         self._leave()
@@ -102,6 +117,11 @@ class ModelRegistry:
             return
         if name != BASE and name not in self.models and name not in self.versions:
             raise self._unknown(name)
+        if name == BASE and not self.lora:
+            raise ShardfitError("the base alone is LoRA's (the zero adapter): this engine trains every parameter, "
+                                "the weights it started from are not kept", where="model_id",
+                                fix="freeze a version before training (save_weights_for_sampler), or start it with "
+                                "--lora.rank=R")
         self._leave()
         with torch.no_grad():
             if name == BASE:
@@ -116,6 +136,8 @@ class ModelRegistry:
                     local_tensor(p.data).copy_(v)
                 self._enter_state(slot)
                 slot.values = None
+        if not self.lora:
+            refresh_fp8_scales(self.engine.model, self.engine.cfg.compute)  # every weight was written
         self.current = name
 
     @property
@@ -131,9 +153,12 @@ class ModelRegistry:
         self.engine.finish()  # a launched overlapped step writes the adapters
         slot = self.models[name]
         src = [local_tensor(p.data) for p in self.params] if slot.values is None else slot.values
-        on_device = self.device_bytes() + _nbytes(src) <= self.device_budget
-        with torch.no_grad():
-            values = [t.detach().clone() if on_device else t.detach().to("cpu", copy=True) for t in src]
+        dtype = self.version_dtype
+        need = sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for t in src)
+        on_device = self.device_bytes() + need <= self.device_budget
+        with torch.no_grad():  # on the device: where the slot's shard lives (its values may wait on the host)
+            values = [t.detach().to(local_tensor(p.data).device if on_device else "cpu", dtype or t.dtype, copy=True)
+                      for p, t in zip(self.params, src)]
         vid = f"{name}@{next(self._ids)}"
         step = self.engine.step if slot.values is None else slot.step
         self.versions[vid] = Version(name, step, values, on_device)
@@ -164,8 +189,9 @@ class ModelRegistry:
             return
         slot = self.models[self.current]
         e, opt = self.engine, self.engine.optimizer
-        with torch.no_grad():
-            slot.values = [local_tensor(p.data).clone() for p in self.params]
+        with torch.no_grad():  # without LoRA, every weight: it waits on the host while a version is in the slot
+            slot.values = [local_tensor(p.data).to("cpu", copy=True) if not self.lora else
+                           local_tensor(p.data).clone() for p in self.params]
         slot.grads = [p.grad for p in self.params]  # by reference: the slot gets fresh ones
         slot.opt_state = [opt.state.pop(p, {}) for p in self.params]
         slot.pending, e._pending = e._pending, []

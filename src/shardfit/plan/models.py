@@ -7,6 +7,8 @@ optim_step (counted always: a client may leave them pending) and its two moments
 sharded like the adapters (over world / replicate ranks). A version keeps its adapter values (4 bytes a parameter,
 sharded alike) on the device while the versions' bytes fit memory.versions_gib, in host memory beyond it.
   models that fit = 1 + floor((budget - peak) / model_bytes)   (budget: plan/estimate.py allocation_budget)
+Without LoRA there is one model, and a version is a copy of every weight in the compute dtype (2 bytes a parameter
+in bf16, sharded alike; engine/registry.py), placed the same way; `shardfit serve` holds serve.versions of them.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardfit.config.schema import Config
+from shardfit.plan.activation_trace import compute_dtype
 from shardfit.plan.estimate import adapter_params
 
 MODEL_BYTES = 16  # fp32 values, gradients, exp_avg, exp_avg_sq: a model out of the slot, per adapter parameter
-VERSION_BYTES = 4  # fp32 values: a frozen version, per adapter parameter
+VERSION_BYTES = 4  # fp32 values: a frozen version, per adapter parameter (without LoRA: the compute dtype's)
 
 
 @dataclass
@@ -36,10 +39,10 @@ class ModelsCost:
 
 
 def models_cost(cfg: Config, world: int, models: int, versions: int) -> ModelsCost:
-    trained, _ = adapter_params(cfg)
+    trained, _ = adapter_params(cfg)  # without LoRA: every parameter
     shard = max(world // cfg.parallel.replicate, 1)
-    per_model = -(-MODEL_BYTES * trained // shard)
-    per_version = -(-VERSION_BYTES * trained // shard)
+    per_model = -(-MODEL_BYTES * trained // shard) if cfg.lora.rank else 0  # without LoRA: one model only
+    per_version = -(-(VERSION_BYTES if cfg.lora.rank else compute_dtype(cfg.compute).itemsize) * trained // shard)
     on_device = min(versions, int(cfg.memory.versions_gib * 2**30 // per_version) if per_version else versions)
     return ModelsCost(per_model, per_version, models, versions, per_version * on_device,
                       per_version * (versions - on_device))
@@ -55,9 +58,15 @@ def models_that_fit(cost: ModelsCost, peak: int, budget: float) -> int:
 
 
 def models_lines(cfg: Config, world: int, models: int, versions: int, peak: int, budget: float) -> list[str]:
-    """The plan's lines about models and versions (LoRA only)."""
+    """The plan's lines about models and versions (without LoRA: versions only)."""
     cost = models_cost(cfg, world, models, versions)
     gib = 2**30
+    if not cfg.lora.rank:
+        room = budget - peak - cost.version_device_bytes
+        return [f"frozen versions (without LoRA a copy of every weight): {cost.version_bytes / gib:.3f} GiB each "
+                f"(one rank); {versions} version(s) add {cost.version_device_bytes / gib:.2f} GiB to the peak"
+                + (f" and {cost.host_bytes / gib:.2f} GiB of host memory (past memory.versions_gib)" if cost.host_bytes
+                   else "") + ("" if room >= 0 else "; they do not fit this GPU")]
     fit = models_that_fit(cost, peak, budget)
     lines = [f"LoRA models on one base: {cost.model_bytes / gib:.3f} GiB a model beyond the first, "
              f"{cost.version_bytes / gib:.3f} GiB a frozen version (one rank); {models} model(s) and {versions} "

@@ -2,10 +2,12 @@
 
 The RL API (rl/step.py DatumEngine): forward / forward_backward(datums, loss_fn, loss_fn_config) -> outputs +
 metrics, optim_step(AdamParams) -> metrics; the Engine's save_state / load_state(path, optimizer) and model (the
-sharded CausalLM, for sampling). With LoRA (the Engine has a model registry, engine/registry.py) each command runs
-on its own model: `engine.using(model_id)` first (a swap of adapter shards only when another model was in the slot);
-a sampling session's version id is kept here, on every rank alike (`versions`: the same commands make the same ids),
-and a sample runs under `using(version)`. Without LoRA there is one model and no version: `using` is never called.
+sharded CausalLM, for sampling). The Engine's registry (engine/registry.py) holds the models and versions: with LoRA
+each command runs on its own model, `engine.using(model_id)` first (a swap of adapter shards only when another model
+was in the slot); without LoRA every training command runs on its one model ("default"). A sampling session's version
+id is kept here, on every rank alike (`versions`: the same commands make the same ids), and a sample runs under
+`using(version)`: without LoRA the version's copy of every weight is swapped in, the model's own waiting on the host
+until its next command.
 Paths in a command were resolved inside the run directory by rank 0
 (serve.security) before the broadcast. Timings go back with the answer: fwd/bwd metrics carry the server's queue wait
 and compute time as "server_queue_s:max" and "server_compute_s:sum" (the SDK sums or maxes them over chunks).
@@ -49,14 +51,16 @@ class Executor:
     """execute(cmd) -> (Result, phases). Rank 0's Result is the one filed; the other ranks' are dropped."""
 
     def __init__(self, engine, *, tokenizer=None, queue_wait: Callable[[str], float] | None = None,
-                 rl_types: tuple | None = None):
+                 rl_types: tuple | None = None, served: dict[str, tuple] | None = None):
         self.engine = engine
         self.tokenizer = tokenizer  # rank 0: stop strings are decoded there
+        self.served = served or {}  # a frozen extra model's name -> (its Engine, rank 0's tokenizer or None)
         self.queue_wait = queue_wait or (lambda rid: 0.0)
         self.Datum, self.AdamParams = rl_types or _rl_types()
         self.rl = engine if rl_types is not None else _datum_engine(engine)  # a test's fake engine speaks datums
         self.weights_version = 0  # optimizer steps and loads applied: which weights a sample came from
-        self.registry = getattr(engine, "models", None)  # engine/registry.py's ModelRegistry (LoRA), else None
+        self.registry = getattr(engine, "models", None)  # engine/registry.py's ModelRegistry (None: a test's fake)
+        self.lora = bool(getattr(self.registry, "lora", False))
         self.versions: dict[str, str] = {}  # sampling session id -> its version id (LoRA)
         self.failed: dict[str, str] = {}  # sampling session id -> why its model_path did not load
         self.summary: dict = {}  # the registry's summary after the last command (GET /api/v1/shardfit/status)
@@ -83,14 +87,21 @@ class Executor:
         """What the Engine holds (the HTTP thread's view: a copy of plain numbers, never the Engine itself)."""
         return dict(self.summary) if self.registry is not None else {"models": 1, "versions": 0}
 
+    def slot_name(self, model: str) -> str:
+        """The registry's name of `model`: a version id or registry.BASE as is; a training model's id with LoRA, the
+        one model ("default") without."""
+        if self.lora or model in self.registry.versions:
+            return model
+        return "default"
+
     def use(self, model: str) -> None:
-        """Put `model` (a model id, a version id, or registry.BASE) in the adapters' slot (LoRA only)."""
+        """Put `model` (a model id, a version id, or registry.BASE) in the trained parameters' slot."""
         if self.registry is not None:
-            self.engine.using(model)
+            self.engine.using(self.slot_name(model))
 
     def create_model(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         a = cmd.args
-        if self.registry is not None:
+        if self.lora:
             self.engine.add_model(a["model_id"], a.get("seed"))  # at the base: B = 0, its own optimizer state
         return Result(json={"model_id": a["model_id"], "type": "create_model"}), {}
 
@@ -149,7 +160,7 @@ class Executor:
             raise ShardfitError("no such checkpoint", where=a["tinker_path"],
                                 fix="give a path save_state returned (tinker://RUN/weights/NAME)")
         t0 = time.perf_counter()
-        if a.get("create") and self.registry is not None:
+        if a.get("create") and self.lora:
             self.engine.add_model(a["model_id"])  # create_training_client_from_state: a new model, then its weights
         self.use(a["model_id"])
         self.engine.load_state(Path(a["dir"]), optimizer=bool(a["optimizer"]))
@@ -159,10 +170,11 @@ class Executor:
 
     def sampler_snapshot(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         """An unnamed save_weights_for_sampler, in order with the model's other requests: a version frozen now
-        (`freeze`), or nothing (the session reads the model's live weights)."""
+        (`freeze`: LoRA adapters, or without LoRA a copy of every weight), or nothing (kind="inflight": the session
+        reads the model's live weights)."""
         sid = cmd.args["sampling_session_id"]
-        if cmd.args.get("freeze"):
-            self.versions[sid] = self.engine.freeze(cmd.model_id)
+        if cmd.args.get("freeze") and self.registry is not None:
+            self.versions[sid] = self.engine.freeze(self.slot_name(cmd.model_id))
         return Result(json={"sampling_session_id": sid, "type": "save_weights_for_sampler"}), {}
 
     def sampler_load(self, cmd: Command) -> tuple[Result, dict[str, float]]:
@@ -193,7 +205,8 @@ class Executor:
         return Result(json={}), {}
 
     def sampler_weights(self, a: dict) -> str | None:
-        """What a sample reads: a version id, registry.BASE or a model id (LoRA); None without LoRA."""
+        """What a sample reads: a version id, registry.BASE or a model id; None on a test's fake Engine. Without LoRA
+        the base alone is not kept: a sampler of base_model reads the one model's live weights."""
         weights, sid = a.pop("weights", None), a.pop("sampler", None)
         if self.registry is None:
             return None
@@ -209,8 +222,8 @@ class Executor:
         if weights == "base":
             from shardfit.engine.registry import BASE
 
-            return BASE
-        return weights.removeprefix("live:")
+            return BASE if self.lora else "default"
+        return self.slot_name(weights.removeprefix("live:"))
 
     def sample(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         """One /asample request through Engine.sample (sampling/: the decode model over the Engine's weights, the
@@ -219,19 +232,21 @@ class Executor:
         from shardfit.sampling.params import SamplingParams
 
         a = dict(cmd.args)
+        served = a.pop("served", None)
         weights = self.sampler_weights(a)
+        e, tokenizer = self.served[served] if served else (self.engine, self.tokenizer)
         model = version = None
-        if weights == BASE or (self.registry is not None and weights in self.registry.versions):
-            version = weights
-        else:
-            model = weights
+        if not served:  # an extra served model samples its own (frozen) weights
+            if weights == BASE or weights in e.models.versions:
+                version = weights
+            else:
+                model = weights
         p = a["params"]
         params = SamplingParams(p["max_tokens"], p["temperature"], p["top_k"], p["top_p"], p["seed"],
                                 tuple(p["stop_tokens"]), tuple(p["stop_strings"]))
         t0 = time.perf_counter()
-        [res] = self.engine.sample([a["prompt"]], params, model=model, version=version,
-                                   num_samples=a["num_samples"], prompt_logprobs=a["prompt_logprobs"],
-                                   topk_prompt_logprobs=a["topk_prompt_logprobs"],
-                                   topk_sample_logprobs=a["topk_sample_logprobs"], tokenizer=self.tokenizer)
+        [res] = e.sample([a["prompt"]], params, model=model, version=version, num_samples=a["num_samples"],
+                         prompt_logprobs=a["prompt_logprobs"], topk_prompt_logprobs=a["topk_prompt_logprobs"],
+                         topk_sample_logprobs=a["topk_sample_logprobs"], tokenizer=tokenizer)
         took = time.perf_counter() - t0
         return Result(proto=encode_sample(res) if self.rank == 0 else None), {"sample": took}

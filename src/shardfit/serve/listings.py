@@ -31,10 +31,11 @@ ADAPTS = ("train_attn", "train_mlp", "train_unembed")
 def add_listing_routes(app: FastAPI, st: ServerState) -> None:
     @app.get(V1 + "/get_server_capabilities")
     async def capabilities():
-        """The one base model this server holds; every training client and sampler uses it."""
-        f = st.facts
+        """Every model this server serves: the trained one's base, then the frozen extra models (--serve.models),
+        which sampling clients name as base_model."""
         return {"supported_models": [{"model_name": f.base_model, "max_context_length": f.max_seq_len,
-                                      "trainable": True, "sampleable": True}]}
+                                      "trainable": f.trainable, "sampleable": True}
+                                     for f in [st.facts, *st.served]]}
 
     @app.get(V1 + "/training_runs")
     async def list_training_runs(request: Request):

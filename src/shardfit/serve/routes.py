@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -184,12 +183,12 @@ def _session_routes(app: FastAPI, st: ServerState) -> None:
 
 
 def _training_routes(app: FastAPI, st: ServerState) -> None:
-    facts, said_full = st.facts, []
+    facts = st.facts
 
     @queued(app, st, "/create_model", json_body(s.CreateModelBody))
     def create_model(body) -> Queued:
         """A new model of the Engine's registry (LoRA: its own adapters, starting at the base, and optimizer state);
-        without LoRA the one model, every parameter."""
+        without LoRA the one model, every parameter (asked for with rank=0: a LoRA rank is refused)."""
         st.session(body.session_id, "/create_model session_id")
         st.check_base_model(body.base_model, "/create_model base_model")
         config = body.lora_config or {}
@@ -200,11 +199,6 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
                                 fix="pass an integer seed, or none")
         model_id = st.add_model(body.session_id, body.model_seq_id, body.base_model, body.user_metadata,
                                 config.get("rank"))
-        if not said_full and not facts.lora_rank:
-            said_full.append(True)
-            print(f"shardfit serve: {model_id}: LoRA (rank {config.get('rank')}) was asked for; this server trains "
-                  "every parameter (get_info says is_lora=false): start it with --lora.rank=R to train adapters",
-                  file=sys.stderr, flush=True)
         return Queued("create_model", {"model_id": model_id, "seed": seed}, extra={"model_id": model_id})
 
     @queued(app, st, "/forward_backward", proto_body)
@@ -237,16 +231,17 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
     @queued(app, st, "/save_weights_for_sampler", json_body(s.SaveWeightsBody))
     def save_for_sampler(body) -> Queued:
         """With a path: the checkpoint (create_sampling_client(model_path) loads it into a version). Without: a
-        sampling session of a version frozen now (LoRA; the SDK's kind="snapshot"), or of the model's live weights
-        (kind="inflight", or a server without LoRA: its versions would copy every weight)."""
+        sampling session of a version frozen now (the SDK's kind="snapshot": adapters, or without LoRA a copy of
+        every weight, up to --serve.versions), or of the model's live weights (kind="inflight")."""
         if body.path:
             return save(body.model_id, "sampler_weights", body.path, False, "save_weights_for_sampler")
         if body.kind not in (None, "snapshot", "inflight"):
             raise ShardfitError(f"kind={s.shown(body.kind)} is not snapshot or inflight",
                                 where="/save_weights_for_sampler kind", fix="pass kind='snapshot' (the default)")
-        freeze = bool(facts.lora_rank) and body.kind != "inflight"
+        freeze = body.kind != "inflight"
         ttl = body.ttl_seconds if body.ttl_seconds and body.ttl_seconds > 0 else None
         session = st.model(body.model_id, "/save_weights_for_sampler")["session_id"]
+        release_expired(st)  # a version past its ttl makes room before the limit is checked
         sid = st.new_sampler(session, VERSION if freeze else LIVE + body.model_id, ttl_s=ttl)
         return Queued("sampler_snapshot", {"sampling_session_id": sid, "freeze": freeze})
 
@@ -272,8 +267,9 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
 
     @app.post(V1 + "/create_sampling_session")
     async def create_sampling_session(request: Request):
-        """base_model: the base alone (LoRA; without LoRA the one model's live weights). model_path: the saved
-        weights, loaded into a version by a `sampler_load` command queued before any of the session's samples."""
+        """base_model: the base alone (LoRA; without LoRA the one model's live weights), or a frozen extra model
+        (--serve.models). model_path: the saved weights, loaded into a version by a `sampler_load` command queued
+        before any of the session's samples."""
         body = await _json(request, s.SamplingSessionBody)
         st.session(body.session_id, "/create_sampling_session session_id")
         release_expired(st)
@@ -288,12 +284,12 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
             if not (directory / META).is_file():
                 raise ShardfitError("no such checkpoint", where=where,
                                     fix="give a path save_weights_for_sampler or save_state returned")
-            sid = st.new_sampler(body.session_id, VERSION, body.model_path)
+            sid = st.new_sampler(body.session_id, VERSION, body.model_path, where=where)
             submit(st, "sampler_load", {"sampling_session_id": sid, "dir": str(directory),
                                         "tinker_path": tinker_path}, request.state.principal)
         elif body.base_model is not None:
-            st.check_base_model(body.base_model, "/create_sampling_session base_model")
-            sid = st.new_sampler(body.session_id, BASE)
+            served = st.check_base_model(body.base_model, "/create_sampling_session base_model", sampling=True)
+            sid = st.new_sampler(body.session_id, BASE, served=None if served is facts else served.base_model)
         else:
             raise ShardfitError("neither base_model nor model_path", where="/create_sampling_session",
                                 fix="name what to sample from")
@@ -307,10 +303,14 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
     @queued(app, st, "/asample", json_body(s.SampleBody))
     def asample(body) -> Queued:
         release_expired(st)
+        served = facts
         if body.sampling_session_id is not None:
-            weights = st.sampler(body.sampling_session_id, "/asample sampling_session_id")["weights"]
+            sp = st.sampler(body.sampling_session_id, "/asample sampling_session_id")
+            weights = sp["weights"]
+            if sp.get("served"):
+                served = st.check_base_model(sp["served"], "/asample sampling_session_id", sampling=True)
         elif body.base_model is not None:
-            st.check_base_model(body.base_model, "/asample base_model")
+            served = st.check_base_model(body.base_model, "/asample base_model", sampling=True)
             weights = BASE
         elif body.model_path is not None:
             parse_tinker_path(body.model_path, "/asample model_path")
@@ -318,8 +318,9 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
                                 fix="create_sampling_client(model_path=...) and sample from it")
         else:
             raise ShardfitError("no sampling_session_id", where="/asample", fix="create a sampling client first")
-        args = s.sample_args(body, facts.vocab_size, facts.max_seq_len, facts.eos_ids, facts.has_tokenizer)
-        return Queued("sample", {**args, "weights": weights, "sampler": body.sampling_session_id},
+        args = s.sample_args(body, served.vocab_size, served.max_seq_len, served.eos_ids, served.has_tokenizer)
+        return Queued("sample", {**args, "weights": weights, "sampler": body.sampling_session_id,
+                                 "served": None if served is facts else served.base_model},
                       samples=args["num_samples"])
 
 

@@ -2,8 +2,9 @@
 the command loop (commands.Loop) on every rank in the main thread.
 
 Start-up: rank 0 holds the run directory (flock, as `shardfit train` does: a second server on it is refused in one
-line, before any Engine is built); every rank builds the Engine (its own collectives); rank 0 then binds the
-address, writes the API key when one is needed, and prints `shardfit serve: listening on http://HOST:PORT` once it
+line, before any Engine is built); every rank builds the Engine (its own collectives), then one per frozen extra model
+(--serve.models, serve/served.py) in the same order; rank 0 then binds the address, writes the API key when one is
+needed, and prints `shardfit serve: listening on http://HOST:PORT` once it
 accepts connections.
 Shut-down (Ctrl-C / SIGTERM, to rank 0 or to every rank from the launcher): every rank holds the signal; rank 0
 closes the scheduler and the loop broadcasts `stop` after the command in hand, carrying one line (which models had
@@ -29,9 +30,12 @@ from shardfit.serve.app import build_app
 from shardfit.serve.commands import Loop
 from shardfit.serve.executor import Executor
 from shardfit.serve.security import setup_api_key
+from shardfit.serve.served import served_configs, start_served
 from shardfit.serve.state import ModelFacts, ServerState
 from shardfit.train.run_config import default_run_dir
 from shardfit.train.run_dir import DirLock
+
+FULL_VERSIONS = 2  # serve.versions=0 without LoRA: frozen copies of every weight held at most
 
 
 def serve_run_dir(cfg) -> Path:
@@ -53,8 +57,9 @@ def hold_run_dir(run_dir: Path) -> DirLock:
     return lock
 
 
-def model_facts(cfg) -> tuple[ModelFacts, object]:
-    """(what requests are checked against, rank 0's tokenizer or None)."""
+def model_facts(cfg, name: str | None = None) -> tuple[ModelFacts, object]:
+    """(what requests are checked against, rank 0's tokenizer or None); `name`: a frozen extra model's, as given in
+    --serve.models."""
     from shardfit.data.tokenizer import build_tokenizer
     from shardfit.weights.tokenizer_files import eos_ids
 
@@ -71,7 +76,11 @@ def model_facts(cfg) -> tuple[ModelFacts, object]:
                        eos_ids=eos_ids(tokenizer, model_dir) if tokenizer is not None else set(),
                        tokenizer_id=str(model_dir) if hf_tok is not None and hf_tok.is_file() else None,
                        has_tokenizer=tokenizer is not None, arch=cfg.model.name, lora_rank=cfg.lora.rank,
-                       lora_targets=cfg.lora.targets)
+                       lora_targets=cfg.lora.targets,
+                       max_versions=cfg.serve.versions or (0 if cfg.lora.rank else FULL_VERSIONS),
+                       max_models=cfg.serve.max_models)
+    if name is not None:
+        facts.base_model, facts.trainable = name, False
     return facts, tokenizer
 
 
@@ -123,21 +132,24 @@ class Serving:
 
 def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                 rl_types: tuple | None = None, poll_s: float = 20.0, max_body: int = 256 << 20,
-                lock: DirLock | None = None) -> Serving:
-    """Rank 0's parts: the run directory held (unless `lock` already holds it), the key, the HTTP thread."""
+                lock: DirLock | None = None, served: dict | None = None) -> Serving:
+    """Rank 0's parts: the run directory held (unless `lock` already holds it), the key, the HTTP thread. served:
+    the frozen extra models' Engines by name (start_served)."""
     run_dir = serve_run_dir(cfg)
     lock = lock or hold_run_dir(run_dir)
     facts, tokenizer = model_facts(cfg)
     budget = getattr(engine, "datum_budget", None)  # the Engine's micro-batch of datum tokens
     facts.token_budget = budget() if budget is not None else 0
+    extra = {name: model_facts(c, name) for name, c in served_configs(cfg).items()} if served else {}
     state = ServerState(facts, run_dir, setup_api_key(host, run_dir, api_key), poll_s=poll_s,
-                        max_body=max_body)
+                        max_body=max_body, served=[f for f, _ in extra.values()])
 
     def queue_wait(rid: str) -> float:
         t = state.futures.timing(rid)
         return (t.started - t.submitted) if t is not None and t.started is not None else 0.0
 
-    executor = Executor(engine, tokenizer=tokenizer, queue_wait=queue_wait, rl_types=rl_types)
+    executor = Executor(engine, tokenizer=tokenizer, queue_wait=queue_wait, rl_types=rl_types,
+                        served={name: (served[name], tok) for name, (_, tok) in extra.items()})
     state.held = executor.held
     loop = Loop(executor, 0, engine.dist.world_size, comm_device(engine), state.scheduler, state.futures,
                 needed=executor.space_needed, done=state.note_done)
@@ -162,13 +174,15 @@ def run(cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None =
     lock = hold_run_dir(serve_run_dir(cfg)) if os.environ.get("RANK", "0") == "0" else None  # before the Engine
     try:
         engine = engine_factory(cfg)
+        served = start_served(cfg, engine_factory)  # the frozen extra models, in the same order on every rank
         rank, world = engine.dist.rank, engine.dist.world_size
         got: list[int] = []
         if rank != 0:  # the signal is held: rank 0's `stop` ends this loop at the same command as its own
             previous = hold_signals(got.append)
-            loop = Loop(Executor(engine), rank, world, comm_device(engine))
+            loop = Loop(Executor(engine, served={name: (e, None) for name, e in served.items()}), rank, world,
+                        comm_device(engine))
         else:
-            serving = start_rank0(cfg, engine, host=host, port=port, api_key=api_key, lock=lock)
+            serving = start_rank0(cfg, engine, host=host, port=port, api_key=api_key, lock=lock, served=served)
             state, loop = serving.state, serving.loop
 
             def on_signal(signum: int) -> None:
@@ -183,8 +197,9 @@ def run(cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None =
                 print(f"shardfit serve: {notice}", flush=True)
             training = (f"LoRA adapters of rank {cfg.lora.rank}" if cfg.lora.rank else
                         "every parameter (start with --lora.rank=R for LoRA adapters)")
+            also = "".join(f"; sampling also {name}" for name in served)
             print(f"shardfit serve: listening on {serving.url}{key_note}; {state.facts.base_model}, {world} rank(s); "
-                  f"training {training}", flush=True)
+                  f"training {training}{also}", flush=True)
         try:
             stop = loop.run()
         finally:

@@ -1,16 +1,18 @@
-"""What rank 0's HTTP side knows: the served model's facts, sessions, training models, sampling sessions, what
+"""What rank 0's HTTP side knows: the served models' facts, sessions, training models, sampling sessions, what
 a checkpoint's META records (its listing entry: serve/listings.py reads it) and the idempotency cache. No torch
 here: the HTTP threads never touch the Engine.
 
 With --lora.rank every training model is a model of the Engine's registry (engine/registry.py: its own adapters and
-optimizer state on the one frozen base), named by its model_id; without it the server holds one training model that
-trains every parameter, and a second is refused in one line naming --lora.rank. A sampling session samples what it
-was made from (new_sampler's `weights`): a frozen version of a model (save_weights_for_sampler, or a saved path loaded
-into one), the base alone, or a model's live weights (the SDK's kind="inflight", and every sampler of a server
-without LoRA, whose versions would cost a copy of every weight: not held). The version ids live on every rank's
-executor (the same commands make the same ids); rank 0's HTTP side knows only which sampling sessions exist, whose
-they are and when they expire, and asks for their release (a `release_samplers` command) when their session
-finishes or their ttl_seconds pass. A model's seq_id order is kept by ordering.Scheduler.
+optimizer state on the one frozen base), named by its model_id, up to --serve.max_models; without it the server
+holds one training model that trains every parameter: a second, and a client asking for LoRA (a rank > 0), are
+refused in one line naming --lora.rank. A sampling session samples what it was made from (new_sampler's `weights`):
+a frozen version of a model (save_weights_for_sampler, or a saved path loaded into one; without LoRA a copy of every
+weight), the base alone, a frozen extra model (--serve.models: `served`), or a model's live weights (the SDK's
+kind="inflight"). Versions are held up to --serve.versions (ModelFacts.max_versions): past it a new one is refused,
+never a silent sample of the live weights. The version ids live on every rank's executor (the same commands make the
+same ids); rank 0's HTTP side knows only which sampling sessions exist, whose they are and when they expire, and
+asks for their release (a `release_samplers` command) when their session finishes or their ttl_seconds pass. A
+model's seq_id order is kept by ordering.Scheduler.
 Each model counts its optimizer steps since its last save_state (or load), for the
 line a stopped server prints: training nobody saved is said to be lost, never silently dropped.
 """
@@ -50,10 +52,20 @@ class ModelFacts:
     lora_rank: int = 0  # the Engine's lora.rank: 0 trains every parameter
     lora_targets: str = ""  # the Engine's lora.targets: which layers a LoRA model adapts
     token_budget: int = 0  # the Engine's micro-batch of datum tokens (a longer datum is refused); 0: none
+    max_versions: int = 0  # frozen versions held at most (serve.versions, resolved); 0: no limit
+    max_models: int = 0  # LoRA training models held at most (serve.max_models); 0: no limit
+    trainable: bool = True  # False: a frozen extra model (--serve.models), sampled and scored only
 
     def check_lora_rank(self, rank: int | None, where: str) -> None:
         """A LoRA server trains adapters of its own rank only: a client asking for another would get different
-        numbers of trainable parameters than it asked for, silently."""
+        numbers of trainable parameters than it asked for, silently. A server without LoRA trains every parameter:
+        a client asking for LoRA (a rank > 0; the SDK always sends one) would train every parameter with the learning
+        rate it chose for adapters, silently; rank=0 asks for every parameter."""
+        if not self.lora_rank and rank:
+            raise ShardfitError(f"this server trains every parameter (started without --lora.rank), not LoRA "
+                                f"adapters of rank {rank}", where=where,
+                                fix=f"pass rank=0 to train every parameter, or start shardfit serve with "
+                                f"--lora.rank={rank}")
         if self.lora_rank and rank is not None and rank != self.lora_rank:
             raise ShardfitError(f"this server trains LoRA adapters of rank {self.lora_rank}, not {rank}", where=where,
                                 fix=f"pass rank={self.lora_rank}, or start shardfit serve with --lora.rank={rank}")
@@ -106,8 +118,9 @@ def now_iso() -> str:
 
 class ServerState:
     def __init__(self, facts: ModelFacts, run_dir: Path, api_key: str | None, *, max_body: int = 256 << 20,
-                 poll_s: float = 20.0):
+                 poll_s: float = 20.0, served: list[ModelFacts] = ()):
         self.facts, self.run_dir, self.api_key, self.max_body = facts, run_dir, api_key, max_body
+        self.served = list(served)  # the frozen extra models (--serve.models), sampled and scored only
         self.scheduler = Scheduler()
         self.futures = FutureStore(poll_s=poll_s)
         self.lock = threading.Lock()
@@ -135,11 +148,24 @@ class ServerState:
         s["seen"] = time.time()
         return s
 
-    def check_base_model(self, name: str, where: str) -> None:
-        if not self.facts.accepts(name):
-            raise ShardfitError(f"this server serves '{self.facts.base_model}', not '{name[:200]}'", where=where,
-                                fix=f"pass base_model='{self.facts.base_model}', or start shardfit serve with "
-                                "--model.name=PRESET or --model.path=HF_DIR")
+    def check_base_model(self, name: str, where: str, sampling: bool = False) -> ModelFacts:
+        """The served model `name` names (the trained one's base, or with `sampling` a frozen extra model too), or
+        one line naming what is served."""
+        if self.facts.accepts(name):
+            return self.facts
+        extra = next((f for f in self.served if f.accepts(name)), None)
+        if extra is not None and sampling:
+            return extra
+        if extra is not None:
+            raise ShardfitError(f"'{extra.base_model}' is served for sampling and scoring only (--serve.models): "
+                                "training clients train the server's model", where=where,
+                                fix=f"pass base_model='{self.facts.base_model}', or sample '{extra.base_model}' "
+                                "with create_sampling_client(base_model=...)")
+        names = ", ".join(f"'{f.base_model}'" for f in [self.facts, *self.served])
+        raise ShardfitError(f"this server serves {names}, not '{name[:200]}'", where=where,
+                            fix=f"pass base_model='{self.facts.base_model}'" + (" (or a --serve.models one to sample)"
+                                                                                if self.served else "")
+                            + ", or start shardfit serve with --model.name=PRESET or --model.path=HF_DIR")
 
     def add_model(self, session_id: str, model_seq_id: int, base_model: str, user_metadata: dict | None,
                   lora_rank: int | None, where: str = "/create_model") -> str:
@@ -149,6 +175,12 @@ class ServerState:
         replaces is refused from then on (its client would train the loaded weights)."""
         model_id = check_segment(f"{session_id}:train:{model_seq_id}", "model_id")  # the SDK rebuilds this id itself
         with self.lock:
+            cap = self.facts.max_models
+            if self.facts.lora_rank and cap and len(self.models) >= cap:
+                raise ShardfitError(f"this server holds {len(self.models)} training models, its limit "
+                                    f"(--serve.max_models={cap})", where=where,
+                                    fix="train on an existing client, or start shardfit serve with a larger "
+                                    "--serve.max_models (shardfit plan --models N says how many fit)")
             if not self.facts.lora_rank:
                 live = [m for m, d in self.models.items() if not d.get("replaced_by")]
                 if live and where != "/load_weights":
@@ -179,13 +211,23 @@ class ServerState:
         return m
 
     def new_sampler(self, session_id: str, weights: str, model_path: str | None = None,
-                    ttl_s: float | None = None) -> str:
+                    ttl_s: float | None = None, served: str | None = None, where: str = "/save_weights_for_sampler"
+                    ) -> str:
         """A sampling session of `session_id` reading `weights`: VERSION (the version its command freezes or loads,
-        kept by the executors under the sampler's id), BASE, or LIVE + a model_id."""
+        kept by the executors under the sampler's id), BASE (`served`: of that frozen extra model), or LIVE + a
+        model_id. A VERSION past max_versions is refused in one line naming --serve.versions."""
         sid = "samp-" + secrets.token_hex(16)
         with self.lock:
-            self.samplers[sid] = {"base_model": self.facts.base_model, "model_path": model_path, "weights": weights,
-                                  "session_id": session_id,
+            held, cap = sum(s["weights"] == VERSION for s in self.samplers.values()), self.facts.max_versions
+            if weights == VERSION and cap and held >= cap:
+                what = "adapters" if self.facts.lora_rank else "copies of every weight"
+                raise ShardfitError(f"this server holds {held} frozen versions ({what}), its limit "
+                                    f"(--serve.versions={cap})", where=where,
+                                    fix="let a sampling client go (its session's close(), or ttl_seconds on the "
+                                    "save), sample the live weights (kind='inflight'), or start shardfit serve with a "
+                                    "larger --serve.versions (shardfit plan --versions K counts them)")
+            self.samplers[sid] = {"base_model": served or self.facts.base_model, "model_path": model_path,
+                                  "weights": weights, "session_id": session_id, "served": served,
                                   "expires": time.monotonic() + ttl_s if ttl_s else None}
         return sid
 

@@ -88,7 +88,7 @@ class PreferenceSteps:
         0); beat: the watchdog's, before each forward of the pass."""
         if not self.objective.needs_reference:
             return
-        lora = engine.models is not None
+        lora = engine.models.lora
         path = self.run_dir / REFERENCE_FILE
         if resumed and not lora:
             problem = None if path.is_file() else f"{path} is missing: the reference (the model this run started " \

@@ -2,7 +2,7 @@
 
 Every key is in one of three groups (`group`):
   - compatible: how and where the run computes, logs and saves ([parallel], [compute], [checkpoint], [logging],
-    [memory], and COMPATIBLE below): a resumed run may change them freely (DCP reshards for another layout);
+    [memory], [serve], and COMPATIBLE below): a resumed run may change them freely (DCP reshards for another layout);
   - schedule (SCHEDULE): the learning-rate schedule and AdamW's settings; a change re-stretches the schedule from the
     step resumed, so it is refused unless named in checkpoint.allow_changes (train.steps brings the warm-up, which
     follows it by default), and then said in one line;
@@ -31,7 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-COMPATIBLE_SECTIONS = ("parallel", "compute", "checkpoint", "logging", "memory")
+COMPATIBLE_SECTIONS = ("parallel", "compute", "checkpoint", "logging", "memory", "serve")
 COMPATIBLE = {"data.val_path", "train.micro_batch", "train.eval_every", "train.eval_batches",
               "train.max_skipped_steps", "train.watchdog_s", "train.device"}
 SCHEDULE = ("train.steps", "train.epochs", "train.lr", "train.min_lr_ratio", "train.warmup_steps",
