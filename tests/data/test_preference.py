@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from shardfit.data.preference import build_preference, pair_pieces, read_pairs
+from shardfit.data.build import build_preference
+from shardfit.data.preference import pair_pieces, read_units
 from shardfit.data.tokenizer import build_tokenizer
 from shardfit.errors import ShardfitError
 
@@ -49,9 +50,9 @@ def test_conversational_layouts_explicit_and_implicit_prompt(tmp_path):
                 "rejected": [{"role": "assistant", "content": "loud"}]}
     implicit = {"chosen": [user, {"role": "assistant", "content": "blue"}],
                 "rejected": [user, {"role": "assistant", "content": "loud"}]}
-    got = read_pairs([_write(tmp_path, [explicit, implicit])], _cfg(tmp_path), TOK, "pairs")
+    got = read_units([_write(tmp_path, [explicit, implicit])], _cfg(tmp_path), TOK, "pairs")
     assert got.template == "plain" and got.dropped == 0
-    first, second = got.pairs
+    first, second = got.units
     for (c_ids, c_mask), (r_ids, r_mask) in (first, second):
         assert "blue" in _trained_text(c_ids, c_mask) and "colour" not in _trained_text(c_ids, c_mask)
         assert "loud" in _trained_text(r_ids, r_mask)
@@ -60,7 +61,7 @@ def test_conversational_layouts_explicit_and_implicit_prompt(tmp_path):
 
 def test_the_dataset_gives_shifted_sides_with_their_counted_labels(tmp_path):
     path = _write(tmp_path, [{"prompt": "ab", "chosen": "cd", "rejected": "e"}] * 3)
-    pairs, _ = build_preference(_cfg(path), 264)
+    pairs, _, _ = build_preference(_cfg(path), 264, "dpo")
     chosen, rejected = pairs.sides_of(0)
     assert bytes(chosen.tokens.tolist()).decode() == "abcd"  # ids[:-1]; the targets the next tokens, EOS last
     assert chosen.targets.tolist()[:3] == list(b"bcd") and chosen.counted.tolist() == [False, True, True, True]
@@ -92,12 +93,12 @@ def test_fine_tuning_refuses_preference_records_with_the_fix(tmp_path):
 def test_a_bad_record_is_one_line_naming_line_and_field(tmp_path, record, message):
     path = _write(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}, record])
     with pytest.raises(ShardfitError, match=message) as e:
-        read_pairs([path], _cfg(path), TOK, "pairs")
+        read_units([path], _cfg(path), TOK, "pairs")
     assert e.value.where == f"{path}:2"
 
 
 def test_an_sft_record_among_pairs_is_refused_by_its_line(tmp_path):
     path = _write(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}, {"prompt": "Q", "completion": "a"}])
     with pytest.raises(ShardfitError, match="not a preference record .found: completion, prompt") as e:
-        read_pairs([path], _cfg(path), TOK, "pairs")
+        read_units([path], _cfg(path), TOK, "pairs")
     assert e.value.where == f"{path}:2"

@@ -50,7 +50,7 @@ def test_lora_reference_is_the_base_with_the_adapters_off(tmp_path):
                 if "lora_B" in name:
                     p.zero_()
         base = steps.compute_reference(trainer.engine)
-        for (c, r), (bc, br) in zip(steps.reference, base):
+        for (c, r), (bc, br) in zip(steps.train_reference, base):
             np.testing.assert_allclose(c, bc, atol=1e-6)
             np.testing.assert_allclose(r, br, atol=1e-6)
         assert max(float(np.abs(c - ac).max()) for (c, _), (ac, _) in zip(base, with_adapters)) > 1e-3
@@ -64,13 +64,13 @@ def test_a_resumed_full_run_reads_the_reference_its_start_wrote(tmp_path, capsys
 
     first = Trainer(_cfg(tmp_path, "--train.steps=2", "--checkpoint.final=true", "--logging.progress=lines"))
     first.fit()
-    start = [(c.copy(), r.copy()) for c, r in first.preference.reference]
+    start = [(c.copy(), r.copy()) for c, r in first.preference.train_reference]
     second = Trainer(_cfg(tmp_path, "--train.steps=3", "--checkpoint.final=true", "--logging.progress=lines",
                           "--checkpoint.allow_changes=train.steps"))
     assert second.step == 2
     history = second.fit()
     assert "reference log-probs: read from" in capsys.readouterr().out
-    for (c, r), (c0, r0) in zip(second.preference.reference, start):
+    for (c, r), (c0, r0) in zip(second.preference.train_reference, start):
         assert np.array_equal(c, c0) and np.array_equal(r, r0)
     assert [h["step"] for h in history] == [3]
 
@@ -95,7 +95,7 @@ def _fit(rank, world, args, run_dir):
     trainer = Trainer(load_config(None, [*args, f"--logging.run_dir={run_dir}"]))
     history = trainer.fit()
     return {"losses": [h["loss"] for h in history],
-            "reference": [float(c.sum() + r.sum()) for c, r in trainer.preference.reference]}
+            "reference": [float(c.sum() + r.sum()) for c, r in trainer.preference.train_reference]}
 
 
 def test_two_ranks_train_as_one(tmp_path):

@@ -125,11 +125,11 @@ def pair_coefficients(datums: list[Datum], where: str = "data",
 
 
 def pair_pass(engine: Engine, datums: list[Datum], obj: PairObjective, backward: bool,
-              fingerprint: int | None = None, cfg: dict | None = None,
-              where: str = "loss_fn_config") -> tuple[StepStats, list[np.ndarray], dict[str, float]]:
+              fingerprint: int | None = None, cfg: dict | None = None, where: str = "loss_fn_config",
+              with_loss: bool = False) -> tuple[StepStats, list[np.ndarray], dict[str, float]]:
     """One forward (or forward_backward) over the units: (the pass's stats, per-datum log-probs, 0 outside the
     counted tokens, TRL's metrics). fingerprint: of the datums, checked the same on every rank (rl/step.py); cfg:
-    KTO's desirable and kl (terms_of)."""
+    KTO's desirable and kl (terms_of); with_loss: the metrics hold "loss", the mean over units (validation)."""
     layout = engine.layout
     if layout.sequence > 1:
         raise ShardfitError("a preference loss sums each sequence's log-probs within one rank's row; sequence "
@@ -145,7 +145,7 @@ def pair_pass(engine: Engine, datums: list[Datum], obj: PairObjective, backward:
     call = engine.forward_backward if backward else engine.forward
     stats = call(batches, loss, fingerprint=fingerprint)
     logprobs = unpack(plan, datums, stats.outputs[:, 0])
-    return stats, logprobs, pair_metrics(obj, datums, logprobs, masks, terms)
+    return stats, logprobs, pair_metrics(obj, datums, logprobs, masks, terms, with_loss)
 
 
 def pair_metrics(obj: PairObjective, datums: list[Datum], logprobs: list[np.ndarray], masks: list[np.ndarray],
