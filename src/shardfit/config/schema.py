@@ -341,11 +341,11 @@ class MemoryConfig:
 
 @dataclass
 class PreferenceConfig:
-    objective: str = opt("none", "train on preference data ({prompt?, chosen, rejected} pairs; kto: {prompt, completion, "
-                                 "label} too; docs/preference.md): dpo (Rafailov et al.), ipo (Azar et al.), simpo "
-                                 "(reference-free, length-normalised), orpo (reference-free: SFT on chosen + an odds "
-                                 "ratio term), kto (labelled examples, unpaired); none: fine-tuning or pretraining as "
-                                 "data.path says",
+    objective: str = opt("none", "train on preference data ({prompt?, chosen, rejected} pairs; kto: {prompt, "
+                                 "completion, label} too; docs/preference.md): dpo (Rafailov et al.), ipo (Azar et "
+                                 "al.), simpo (reference-free, length-normalised), orpo (reference-free: SFT on "
+                                 "chosen + an odds ratio term), kto (labelled examples, unpaired); none: fine-tuning "
+                                 "or pretraining as data.path says",
                          choices=("none", "dpo", "ipo", "simpo", "orpo", "kto"))
     beta: float = opt(0.1, "the objective's beta: DPO/IPO/KTO's strength of the reference (TRL's default 0.1), SimPO's "
                            "reward scale (its paper uses 2 to 2.5), ORPO's lambda (the odds-ratio term's weight)",

@@ -9,10 +9,11 @@ per-token log-probs of every unit are computed in a no-grad pass over the whole 
 Engine's forward, train.global_batch units per call) and kept on the host; a KTO unit's two sequences are its example
 and its KL sequence (data/unpaired.py). KTO's step first runs a no-grad forward of the policy over its examples' KL
 sequences: z = max(0, mean over the step's examples of (policy - reference) log-prob sums), TRL's reference point
-over the global batch (TRL's over each rank's micro-batch, averaged across ranks), a constant of the step's loss. With LoRA the frozen base is the reference: the
-pass runs with the adapters' slot holding the base (engine/registry.py BASE), so a resumed LoRA run computes the same
-values again. A run that trains every parameter saves them in <run_dir>/reference_logprobs.npz (no pickle) and a
-resumed one reads them back: its model is no longer the reference. Collectives: the pass's own (every rank runs the
+over the global batch (TRL's over each rank's micro-batch, averaged across ranks), a constant of the step's loss.
+With LoRA the frozen base is the reference: the pass runs with the adapters' slot holding the base
+(engine/registry.py BASE), so a resumed LoRA run computes the same values again. A run that trains every parameter
+saves them in <run_dir>/reference_logprobs.npz (no pickle; the held-out units' in reference_logprobs_val.npz) and
+a resumed one reads them back: its model is no longer the reference. Collectives: the pass's own (every rank runs the
 same calls over the same list), and on resume one agreement on the file.
 
 Validation (data.val_path or data.val_fraction, train.eval_every): the same pass without a gradient over the held-out
