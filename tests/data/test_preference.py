@@ -102,3 +102,48 @@ def test_an_sft_record_among_pairs_is_refused_by_its_line(tmp_path):
     with pytest.raises(ShardfitError, match="not a preference record .found: completion, prompt") as e:
         read_units([path], _cfg(path), TOK, "pairs")
     assert e.value.where == f"{path}:2"
+
+
+def test_kto_examples_carry_labels_and_their_mismatched_kl_sequences(tmp_path):
+    records = [{"prompt": "P0", "completion": "aa", "label": True}, {"prompt": "P1", "completion": "b", "label": False},
+               {"prompt": "P2", "chosen": "cc", "rejected": "d"}]  # a pair: two examples, chosen desirable
+    path = _write(tmp_path, records)
+    data, val, _ = build_preference(_cfg(path), 264, "kto")
+    assert val is None and data.unit == "examples" and data.labels.tolist() == [True, False, True, False]
+    text = lambda side: bytes(int(i) for i in side.tokens if i < 256).decode()  # noqa: E731
+    example, kl = data.sides_of(1)
+    assert text(example) == "P1b" and _trained_text(example.targets, example.counted) == "b"
+    assert text(kl) == "P1aa"  # prompt 1, then example 0's completion (TRL's rotation by one)
+    assert _trained_text(kl.targets, kl.counted) == "aa"
+    assert text(data.sides_of(0)[1]) == "P0d"  # the first takes the last one's
+    assert data.header[0].startswith("data: KTO examples, 2 desirable and 2 not") and "4 examples" in data.header[0]
+
+
+@pytest.mark.parametrize("record, objective, message, fix", [
+    ({"prompt": "Q", "completion": "a", "label": "yes"}, "kto", "label: a JSON string, not true or false",
+     "label: true"),
+    ({"prompt": "Q", "completion": "a", "label": True}, "dpo", "an unpaired example", "--preference.objective=kto"),
+    ({"text": "x"}, "kto", "not a KTO record", "completion"),
+])
+def test_a_bad_kto_record_is_one_line(tmp_path, record, objective, message, fix):
+    path = _write(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}, record])
+    with pytest.raises(ShardfitError, match=message) as e:
+        build_preference(_cfg(path), 264, objective)
+    assert e.value.where == f"{path}:2" and fix in e.value.fix
+
+
+def test_fine_tuning_refuses_kto_records_and_validation_holds_out_units(tmp_path):
+    from shardfit.config import load_config
+    from shardfit.data.build import build_datasets
+
+    path = _write(tmp_path, [{"prompt": f"Q{i}", "completion": "a", "label": True} for i in range(8)])
+    cfg = load_config(None, [f"--data.path={path}"])
+    with pytest.raises(ShardfitError, match="records are KTO's labelled examples") as e:
+        build_datasets(cfg.data, cfg.model.vocab_size)
+    assert "--preference.objective=kto" in e.value.fix
+    pairs = _write(tmp_path, [{"prompt": f"Q{i}", "chosen": "a", "rejected": "b"} for i in range(8)])
+    train, val, _ = build_preference(_cfg(pairs, val_fraction=0.25), 264, "dpo")
+    assert (train.num_windows, val.num_windows, val.ordered) == (6, 2, True)
+    assert "6 pairs (+2 for validation)" in train.header[0]
+    with pytest.raises(ShardfitError, match="names the same files as data.path"):
+        build_preference(_cfg(pairs, val_path=str(pairs)), 264, "dpo")
