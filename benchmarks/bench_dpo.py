@@ -12,9 +12,10 @@ shardfit's real_tokens count), so tokens/s = pairs/s x 2 x (prompt + answer).
 Cases, in this order, each a fresh process under a cap cut to what is left of --budget (the JSON is rewritten after
 each; a case that has too little left is recorded as skipped):
   sf-lora8b   `shardfit train --preference.objective=dpo`, Llama-3-8B shape (random weights), LoRA r=16 alpha 32 on
-              the 7 linears of every block, bf16 compute, compiled, pairs packed in token-budget rows
-              (--sf-budget tokens, 2 pairs of 2 x 1024), the frozen base as the reference (its log-probs in one
-              no-grad pass before step 1: not in the step times)
+              the 7 linears of every block, bf16 compute, compiled, full AC, pairs packed in token-budget rows of
+              --sf-budget tokens (16,384: 8 pairs; SFT's measured LoRA optimum, 1.71x PEFT at 0.62x its peak), the
+              frozen base as the reference (its log-probs in one no-grad pass before step 1: not in the step times).
+              sf-lora8b-noac (not in the default --cases): no AC, 4,096-token rows (SFT's fastest, at more memory)
   trl-lora8b  TRL DPOTrainer + PEFT on transformers' LlamaForCausalLM of the same shape, bf16 weights, LoRA r=16
               alpha 32 target_modules all-linear, as TRL documents it for one GPU: bf16, gradient checkpointing
               (non-reentrant), SDPA (flash_attention_2 when flash_attn is installed), precompute_ref_log_probs
@@ -59,7 +60,7 @@ SHAPES = {  # transformers' LlamaConfig fields; shardfit's preset of the same sh
     "tiny": ("tiny", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=1024, rope_theta=10000.0, tie_word_embeddings=False)),
 }
-CAPS = {"sf-lora8b": 170, "trl-lora8b": 170, "sf-full1b": 100, "trl-full1b": 100}
+CAPS = {"sf-lora8b": 170, "trl-lora8b": 170, "sf-full1b": 100, "trl-full1b": 100, "sf-lora8b-noac": 150}
 RESULT = "DPO_RESULT "  # the worker's line (the Trainer prints its logs as Python dicts)
 MIN_START = 0.5  # a case is not started with less than this fraction of its cap left of the budget
 
@@ -91,18 +92,19 @@ def write_data(out: Path, pairs: int, prompt: int, answer: int, vocab: int, seed
 # ---------------------------------------------------------------------------------------------- shardfit
 def run_shardfit(a, label: str, shape: str, lora: bool, data: Path, cap: int) -> dict:
     preset, _ = SHAPES[shape]
+    ac, budget = ("none", 4096) if label.endswith("-noac") else (a.sf_ac, a.sf_budget)
     run_dir = Path(tempfile.mkdtemp(prefix="dpo-sf-"))
     seq = a.prompt + a.answer  # labels a side keeps: prompt + answer + EOS, shifted
     args = [f"--model.name={preset}", f"--data.path={data / 'pairs.jsonl'}", f"--data.tokenizer={data}",
             "--preference.objective=dpo", "--preference.beta=0.1", f"--data.seq_len={seq}",
-            f"--train.micro_batch_tokens={a.sf_budget if not a.tiny else 4 * seq}",
+            f"--train.micro_batch_tokens={budget if not a.tiny else 4 * seq}",
             f"--train.global_batch={a.global_batch}", f"--train.steps={a.warmup + a.steps}",
             "--train.warmup_steps=1", "--train.lr=5e-6", f"--logging.run_dir={run_dir}", "--logging.log_every=1",
             "--logging.progress=lines", "--checkpoint.final=false", "--checkpoint.resume=none"]
     if a.tiny:
         args += ["--train.device=cpu", f"--model.vocab_size={SHAPES['tiny'][1]['vocab_size']}"]
     else:
-        args += ["--compute.compile=true", f"--compute.activation_checkpoint={a.sf_ac}"]
+        args += ["--compute.compile=true", f"--compute.activation_checkpoint={ac}"]
     if lora:
         args += ["--lora.rank=16", "--lora.alpha=32"]
     args += [x for x in a.sf_extra.split() if x]
@@ -236,8 +238,8 @@ def run_trl(a, label: str, shape: str, lora: bool, data: Path, cap: int) -> dict
 def summarize(rows: list[dict]) -> dict:
     by = {r["label"]: r for r in rows}
     out = {}
-    for case in ("lora8b", "full1b"):
-        sf, hf = by.get(f"sf-{case}", {}), by.get(f"trl-{case}", {})
+    for case in ("lora8b", "lora8b-noac", "full1b"):
+        sf, hf = by.get(f"sf-{case}", {}), by.get(f"trl-{case.removesuffix('-noac')}", {})
         if sf.get("tok_s") and hf.get("tok_s"):
             mem = (round(sf["peak_alloc_GiB"] / hf["peak_alloc_GiB"], 3)
                    if sf.get("peak_alloc_GiB") and hf.get("peak_alloc_GiB") else None)
@@ -262,7 +264,8 @@ def main_parent(a) -> int:
         system, case = label.split("-", 1)
         run = run_shardfit if system == "sf" else run_trl
         print(f"--- {label} (cap {min(cap, int(left))} s)", flush=True)
-        rows.append(run(a, label, shapes[case], case.startswith("lora"), data, min(cap, int(left))))
+        rows.append(run(a, label, shapes[case.removesuffix("-noac")], case.startswith("lora"), data,
+                        min(cap, int(left))))
         print(json.dumps(rows[-1])[:600], flush=True)
         result["summary"] = summarize(rows)
         if a.out:
@@ -291,8 +294,8 @@ def main() -> int:
     ap.add_argument("--global-batch", type=int, default=16, help="pairs a step")
     ap.add_argument("--trl-mbs", type=int, default=4, help="TRL's per-device batch (pairs)")
     ap.add_argument("--trl-no-gc", dest="trl_gc", action="store_false", help="TRL without gradient checkpointing")
-    ap.add_argument("--sf-budget", type=int, default=4096, help="shardfit's train.micro_batch_tokens")
-    ap.add_argument("--sf-ac", default="none", help="shardfit's compute.activation_checkpoint")
+    ap.add_argument("--sf-budget", type=int, default=16384, help="shardfit's train.micro_batch_tokens")
+    ap.add_argument("--sf-ac", default="full", help="shardfit's compute.activation_checkpoint")
     ap.add_argument("--sf-extra", default="", help="more shardfit train overrides, space-separated")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)

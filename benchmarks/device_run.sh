@@ -157,10 +157,11 @@
 # does not have (transformers, peft, torch are the device's).
 #   dpo       DPO, shardfit train against TRL's DPOTrainer (+ PEFT) on the same random-token pairs (prompt 512, answers
 #             511 + EOS: 2 x 1,023 tokens a pair, 16 pairs a step, 3 warm-up + 4 timed steps): Llama-3-8B shape LoRA
-#             r=16 all linears (shardfit compiled, no AC, 2 pairs a 4,096-token row; TRL bf16, gradient
+#             r=16 all linears (shardfit compiled, full AC, 8 pairs a 16,384-token row; TRL bf16, gradient
 #             checkpointing, 4 pairs a micro-batch, reference precomputed), then the Llama-3.2-1B shape full fine-tune
 #             (fp32 master, bf16 compute, both); caps 170 + 170 + 100 + 100 s cut to a 470 s budget (DPO_CAP 480).
-#             DPO_ARGS adds bench_dpo.py options (--cases, --sf-budget 8192 --sf-ac auto, --trl-mbs 2, ...).
+#             DPO_ARGS adds bench_dpo.py options (--cases sf-lora8b-noac,... : no AC, 4,096-token rows; --sf-ac auto;
+#             --trl-mbs 2; ...).
 #             JSON $OUT/dpo.json: summary.dpo_vs_trl {lora8b, full1b: {throughput, memory}} (shardfit over TRL)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
