@@ -165,6 +165,9 @@ def test_bad_kto_and_orpo_input_is_one_line():
     with pytest.raises(ShardfitError, match=r"kto needs one label a datum \(3 datums\)") as e:
         terms_of(obj, datums, masks, {"desirable": [True, False]})
     assert e.value.where == "loss_fn_config.desirable"
+    assert terms_of(obj, datums, masks, {"desirable": "1,0,1"}).desirable.tolist() == [True, False, True]
+    with pytest.raises(ShardfitError, match="kto needs one label a datum"):
+        terms_of(obj, datums, masks, {"desirable": "1,0,x"})
     with pytest.raises(ShardfitError, match="kl=-1 must be a number >= 0"):
         terms_of(obj, datums, masks, {"desirable": [True, False, True], "kl": -1})
     assert resolve_loss("kto", {}).required == ("target_tokens", "ref_logprobs")

@@ -6,10 +6,10 @@ The RL API's loss_fn="dpo" | "ipo" | "simpo" | "orpo" | "kto" (rl/step.py) and `
 preference.objective (train/preference.py) both run `pair_pass`. A datum's counted tokens are the completion's (its
 `mask` input, else `weights`, else every token: rl/losses.py counted); DPO, IPO and KTO read its `ref_logprobs`
 input, the reference model's log-prob of each target token. KTO's loss_fn_config carries `desirable` (one bool per
-datum) and `kl`, the batch's reference point (the caller measures it: train/preference.py does as TRL does). The
-coefficients and the batch's constants (engine/preference.py BatchTerms) are made here from the whole list, the same
-on every rank; the metrics are computed on the host from the per-token log-probs that came back in the pass's one
-collective: no collective of their own.
+datum, or a string of 0s and 1s: what `shardfit serve` can carry) and `kl`, the batch's reference point (the caller
+measures it: train/preference.py does as TRL does). The coefficients and the batch's constants (engine/preference.py
+BatchTerms) are made here from the whole list, the same on every rank; the metrics are computed on the host from the
+per-token log-probs that came back in the pass's one collective: no collective of their own.
 """
 
 from __future__ import annotations
@@ -87,10 +87,13 @@ def terms_of(obj: PairObjective, datums: list[Datum], masks: list[np.ndarray], c
     if obj.name != "kto":
         return BatchTerms()
     labels = cfg.get("desirable")
+    if isinstance(labels, str):  # Tinker's loss_fn_config carries numbers and strings: "1,0,1" or "101"
+        labels = [{"1": True, "0": False}.get(c, c) for c in labels if c not in ", "]
     if not isinstance(labels, (list, tuple)) or len(labels) != len(datums) or \
-            not all(isinstance(x, (bool, np.bool_)) or x in (0, 1) for x in labels):
+            not all(isinstance(x, (bool, np.bool_)) or (isinstance(x, (int, float)) and x in (0, 1)) for x in labels):
         raise ShardfitError(f"kto needs one label a datum ({len(datums)} datums)", where=f"{where}.desirable",
-                            fix="pass desirable=[true, false, ...]: true for a good completion, false for a bad one")
+                            fix="pass desirable=[true, false, ...] (or the string \"1,0,...\"): true for a good "
+                                "completion, false for a bad one")
     try:
         kl = float(cfg.get("kl", 0.0))
     except (TypeError, ValueError):
