@@ -91,7 +91,7 @@ class PreferenceSteps:
     def datums(self, index: int, data: PreferencePairs | None = None) -> list[Datum]:
         """Unit `index` of a data set (not of the run's order) as two datums: chosen, then rejected (KTO: the
         example, then its KL sequence)."""
-        data = data or self.pairs
+        data = self.pairs if data is None else data
         ref = self.reference.get(id(data))
         out = []
         for j, s in enumerate(data.sides_of(index)):
@@ -102,7 +102,7 @@ class PreferenceSteps:
     def unit_pass(self, engine: Engine, indices: list[int], backward: bool,
                   data: PreferencePairs | None = None) -> dict[str, float]:
         """The pair pass over units `indices` of a data set: TRL's metrics (with the mean loss when not training)."""
-        data = data or self.pairs
+        data = self.pairs if data is None else data
         units = [self.datums(i, data) for i in indices]
         if self.objective.name != "kto":
             _, _, metrics = pair_pass(engine, [d for u in units for d in u], self.objective, backward,
@@ -152,7 +152,7 @@ class PreferenceSteps:
             return
         lora = engine.models is not None
         sets = [(self.pairs, self.run_dir / REFERENCE_FILE)]
-        if self.val is not None:
+        if self.val is not None and self.cfg.train.eval_every:  # held out to be evaluated
             sets.append((self.val, self.run_dir / REFERENCE_VAL_FILE))
         if resumed and not lora:
             for data, path in sets:
@@ -180,7 +180,7 @@ class PreferenceSteps:
     def compute_reference(self, engine: Engine, beat=None, data: PreferencePairs | None = None) -> Reference:
         """No-grad log-probs of every unit's sequences' answer tokens (0 elsewhere), train.global_batch units per
         forward (each rank its share)."""
-        data = data or self.pairs
+        data = self.pairs if data is None else data
         n, G = data.num_windows, self.cfg.train.global_batch
         out: Reference = []
         for first in range(0, n, G):
