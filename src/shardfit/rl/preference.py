@@ -81,28 +81,42 @@ def terms_of(obj: PairObjective, datums: list[Datum], masks: list[np.ndarray], c
              where: str = "loss_fn_config") -> BatchTerms:
     """The global batch's constants (engine/preference.py BatchTerms) from the whole datum list: ORPO's pairs over
     chosen tokens; KTO's labels and reference point from cfg (`desirable`: a bool per datum, `kl`: a number >= 0)."""
-    cfg = cfg or {}
     if obj.name == "orpo":
         return BatchTerms(nll_share=(len(masks) // 2) / sum(float(m.sum()) for m in masks[0::2]))
     if obj.name != "kto":
         return BatchTerms()
+    labels, kl = kto_config(cfg or {}, len(datums), where)
+    return BatchTerms(kl=kl, desirable=torch.tensor(labels))
+
+
+def kto_config(cfg: dict, n: int, where: str = "loss_fn_config") -> tuple[list[bool], float]:
+    """KTO's labels (a bool per datum, or a string of 0s and 1s) and reference point (a number >= 0), checked."""
     labels = cfg.get("desirable")
     if isinstance(labels, str):  # Tinker's loss_fn_config carries numbers and strings: "1,0,1" or "101"
         labels = [{"1": True, "0": False}.get(c, c) for c in labels if c not in ", "]
-    if not isinstance(labels, (list, tuple)) or len(labels) != len(datums) or \
+    if not isinstance(labels, (list, tuple)) or len(labels) != n or \
             not all(isinstance(x, (bool, np.bool_)) or (isinstance(x, (int, float)) and x in (0, 1)) for x in labels):
-        raise ShardfitError(f"kto needs one label a datum ({len(datums)} datums)", where=f"{where}.desirable",
+        raise ShardfitError(f"kto needs one label a datum ({n} datums)", where=f"{where}.desirable",
                             fix="pass desirable=[true, false, ...] (or the string \"1,0,...\"): true for a good "
                                 "completion, false for a bad one")
-    try:
-        kl = float(cfg.get("kl", 0.0))
-    except (TypeError, ValueError):
-        kl = float("nan")
+    v = cfg.get("kl", 0.0)
+    kl = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
     if not (np.isfinite(kl) and kl >= 0):
-        raise ShardfitError(f"kl={cfg.get('kl')!r} must be a number >= 0", where=f"{where}.kl",
+        raise ShardfitError(f"kl={v!r} must be a number >= 0", where=f"{where}.kl",
                             fix="the batch's KL estimate, mean (policy - reference) log-prob of mismatched "
                                 "prompt/completion sequences, clamped at 0 (TRL's); 0 to leave it out")
-    return BatchTerms(kl=kl, desirable=torch.tensor([bool(x) for x in labels]))
+    return [bool(x) for x in labels], kl
+
+
+def check_pair_config(name: str, cfg: dict, n: int) -> None:
+    """A pair loss's loss_fn_config and datum count as pair_pass will check them: what `shardfit serve` validates on
+    rank 0 before any rank sees the request."""
+    obj = objective_of(name, cfg)
+    if obj.name == "kto":
+        kto_config(cfg, n)
+    elif n % 2:
+        raise ShardfitError(f"{n} datums: a preference loss takes pairs", where="data",
+                            fix="send datums in pairs: chosen, then rejected, for every prompt")
 
 
 def pair_coefficients(datums: list[Datum], where: str = "data",
