@@ -154,7 +154,7 @@
 # manylinux2014_x86_64 -d benchmarks/wheels_dpo trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 dill==0.4.1
 # multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0 pyarrow==24.0.0 pandas==3.1.1 python-dateutil==4.0.0
 # pytz==2026.6 tzdata==2026.6 six==1.17.0`); the stage installs into /tmp/site those whose distribution the device
-# does not have (transformers, peft, torch are the device's).
+# does not have, or has older (transformers, peft, torch are the device's).
 #   dpo       DPO, shardfit train against TRL's DPOTrainer (+ PEFT) on the same random-token pairs (prompt 512, answers
 #             511 + EOS: 2 x 1,023 tokens a pair, 16 pairs a step, 3 warm-up + 4 timed steps): Llama-3-8B shape LoRA
 #             r=16 all linears (shardfit compiled, full AC, 8 pairs a 16,384-token row; TRL bf16, gradient
@@ -326,9 +326,8 @@ for stage in "$@"; do
       name=$stage${RL_TAG:+-$RL_TAG}
       env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) --logprobs-at "${RL_LOGPROBS_AT:-all}" "${more[@]}" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -90 ;;
     dpo)
-      for w in benchmarks/wheels_dpo/*.whl; do  # each wheel whose distribution the device lacks
-        dist=$(basename "$w" | cut -d- -f1)
-        python3 -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" 2>/dev/null || echo "$w"
+      for w in benchmarks/wheels_dpo/*.whl; do  # each wheel whose distribution the device lacks, or has older
+        python3 -c "import importlib.metadata as m, sys; from packaging.version import Version as V; n, v = sys.argv[1].split('-')[:2]; sys.exit(V(m.version(n)) < V(v))" "$(basename "$w")" 2>/dev/null || echo "$w"
       done > /tmp/dpo_wheels.txt
       [ -s /tmp/dpo_wheels.txt ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(cat /tmp/dpo_wheels.txt)
       echo "installed: $(xargs -n1 basename < /tmp/dpo_wheels.txt | tr '\n' ' ')"

@@ -114,8 +114,12 @@ def check_pair_config(name: str, cfg: dict, n: int) -> None:
     obj = objective_of(name, cfg)
     if obj.name == "kto":
         kto_config(cfg, n)
-    elif n % 2:
-        raise ShardfitError(f"{n} datums: a preference loss takes pairs", where="data",
+    check_units(n, obj.group)
+
+
+def check_units(n: int, group: int, where: str = "data") -> None:
+    if n % group:
+        raise ShardfitError(f"{n} datums: a preference loss takes pairs", where=where,
                             fix="send datums in pairs: chosen, then rejected, for every prompt")
 
 
@@ -123,9 +127,7 @@ def pair_coefficients(datums: list[Datum], where: str = "data",
                       group: int = 2) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(coefficients, counted tokens) per datum: c_t = (1 / U) / (tokens of the unit) on a unit's counted tokens
     (units: pairs, group 2; KTO's examples, group 1)."""
-    if len(datums) % group:
-        raise ShardfitError(f"{len(datums)} datums: a preference loss takes pairs", where=where,
-                            fix="send datums in pairs: chosen, then rejected, for every prompt")
+    check_units(len(datums), group, where)
     masks = [counted(d) for d in datums]
     for i, m in enumerate(masks):
         if not m.any():
