@@ -182,6 +182,9 @@ class Progress:
         self._track(rec)
         pref = (f" | rewards acc {rec['eval_rewards/accuracies']:.2f} margin {rec['eval_rewards/margins']:.3f}"
                 if "eval_rewards/accuracies" in rec else "")  # preference training: TRL's two headline figures
+        if "eval_kl" in rec:  # KTO's: its reference point, and the margin when the held-out set has both kinds
+            pref = f" | kl {rec['eval_kl']:.3f}" + (f" margin {rec['eval_rewards/margins']:.3f}"
+                                                   if "eval_rewards/margins" in rec else "")
         self.message(f"eval step {rec['step']}: val_loss {rec['val_loss']:.4f} over {rec['val_tokens']:,} tokens "
                      f"({rec['val_s']:.1f} s){pref}")
 
