@@ -148,6 +148,21 @@
 #             ppo_compare.json (table_ms [shardfit, anchor, anchor/shardfit], gemm, bounds: how far 2x is,
 #             useful: the step's matmul and attention work by the model's sizes), traces under 15 MB (else the GPU
 #             events alone, else none); JSON $OUT/rl-prof-ppo.json (summary.ppo_profile, rl_lora_fwdbwd_vs_hf)
+# Issue 38, preference training: benchmarks/bench_dpo.py, one GPU (H100 or H200; say which). Carry benchmarks/wheels_dpo
+# (TRL and what it imports that the device may lack, ~62 MiB for CPython 3.12; made here by `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform
+# manylinux2014_x86_64 -d benchmarks/wheels_dpo trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 dill==0.4.1
+# multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0 pyarrow==24.0.0 pandas==3.1.1 python-dateutil==4.0.0
+# pytz==2026.6 tzdata==2026.6 six==1.17.0`); the stage installs into /tmp/site those whose distribution the device
+# does not have, or has older (transformers, peft, torch are the device's).
+#   dpo       DPO, shardfit train against TRL's DPOTrainer (+ PEFT) on the same random-token pairs (prompt 512, answers
+#             511 + EOS: 2 x 1,023 tokens a pair, 16 pairs a step, 3 warm-up + 4 timed steps): Llama-3-8B shape LoRA
+#             r=16 all linears (shardfit compiled, full AC, 8 pairs a 16,384-token row; TRL bf16, gradient
+#             checkpointing, 4 pairs a micro-batch, reference precomputed), then the Llama-3.2-1B shape full fine-tune
+#             (fp32 master, bf16 compute, both); caps 170 + 170 + 100 + 100 s cut to a 470 s budget (DPO_CAP 480).
+#             DPO_ARGS adds bench_dpo.py options (--cases sf-lora8b-noac,... : no AC, 4,096-token rows; --sf-ac auto;
+#             --trl-mbs 2; ...).
+#             JSON $OUT/dpo.json: summary.dpo_vs_trl {lora8b, full1b: {throughput, memory}} (shardfit over TRL)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -316,6 +331,13 @@ for stage in "$@"; do
       # all); RL_TAG names the JSON/log $OUT/<stage>-<tag>.json so that a second run of a stage keeps the first's
       name=$stage${RL_TAG:+-$RL_TAG}
       env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) --logprobs-at "${RL_LOGPROBS_AT:-all}" "${more[@]}" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -90 ;;
+    dpo)
+      for w in benchmarks/wheels_dpo/*.whl; do  # each wheel whose distribution the device lacks, or has older
+        python3 -c "import importlib.metadata as m, sys; from packaging.version import Version as V; n, v = sys.argv[1].split('-')[:2]; sys.exit(V(m.version(n)) < V(v))" "$(basename "$w")" 2>/dev/null || echo "$w"
+      done > /tmp/dpo_wheels.txt
+      [ -s /tmp/dpo_wheels.txt ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(cat /tmp/dpo_wheels.txt)
+      echo "installed: $(xargs -n1 basename < /tmp/dpo_wheels.txt | tr '\n' ' ')"
+      env CUDA_VISIBLE_DEVICES=0 timeout ${DPO_CAP:-480} python3 benchmarks/bench_dpo.py --budget $((${DPO_CAP:-480} - 10)) ${DPO_ARGS:-} --out "$OUT/dpo.json" 2>&1 | tee "$OUT/dpo.log" | grep -v '^{' | tail -14 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from shardfit.data.preference import build_preference, pair_pieces, read_pairs
+from shardfit.data.build import build_preference
+from shardfit.data.preference import pair_pieces, read_units
 from shardfit.data.tokenizer import build_tokenizer
 from shardfit.errors import ShardfitError
 
@@ -49,9 +50,9 @@ def test_conversational_layouts_explicit_and_implicit_prompt(tmp_path):
                 "rejected": [{"role": "assistant", "content": "loud"}]}
     implicit = {"chosen": [user, {"role": "assistant", "content": "blue"}],
                 "rejected": [user, {"role": "assistant", "content": "loud"}]}
-    got = read_pairs([_write(tmp_path, [explicit, implicit])], _cfg(tmp_path), TOK, "pairs")
+    got = read_units([_write(tmp_path, [explicit, implicit])], _cfg(tmp_path), TOK, "pairs")
     assert got.template == "plain" and got.dropped == 0
-    first, second = got.pairs
+    first, second = got.units
     for (c_ids, c_mask), (r_ids, r_mask) in (first, second):
         assert "blue" in _trained_text(c_ids, c_mask) and "colour" not in _trained_text(c_ids, c_mask)
         assert "loud" in _trained_text(r_ids, r_mask)
@@ -60,7 +61,7 @@ def test_conversational_layouts_explicit_and_implicit_prompt(tmp_path):
 
 def test_the_dataset_gives_shifted_sides_with_their_counted_labels(tmp_path):
     path = _write(tmp_path, [{"prompt": "ab", "chosen": "cd", "rejected": "e"}] * 3)
-    pairs, _ = build_preference(_cfg(path), 264)
+    pairs, _, _ = build_preference(_cfg(path), 264, "dpo")
     chosen, rejected = pairs.sides_of(0)
     assert bytes(chosen.tokens.tolist()).decode() == "abcd"  # ids[:-1]; the targets the next tokens, EOS last
     assert chosen.targets.tolist()[:3] == list(b"bcd") and chosen.counted.tolist() == [False, True, True, True]
@@ -92,12 +93,57 @@ def test_fine_tuning_refuses_preference_records_with_the_fix(tmp_path):
 def test_a_bad_record_is_one_line_naming_line_and_field(tmp_path, record, message):
     path = _write(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}, record])
     with pytest.raises(ShardfitError, match=message) as e:
-        read_pairs([path], _cfg(path), TOK, "pairs")
+        read_units([path], _cfg(path), TOK, "pairs")
     assert e.value.where == f"{path}:2"
 
 
 def test_an_sft_record_among_pairs_is_refused_by_its_line(tmp_path):
     path = _write(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}, {"prompt": "Q", "completion": "a"}])
     with pytest.raises(ShardfitError, match="not a preference record .found: completion, prompt") as e:
-        read_pairs([path], _cfg(path), TOK, "pairs")
+        read_units([path], _cfg(path), TOK, "pairs")
     assert e.value.where == f"{path}:2"
+
+
+def test_kto_examples_carry_labels_and_their_mismatched_kl_sequences(tmp_path):
+    records = [{"prompt": "P0", "completion": "aa", "label": True}, {"prompt": "P1", "completion": "b", "label": False},
+               {"prompt": "P2", "chosen": "cc", "rejected": "d"}]  # a pair: two examples, chosen desirable
+    path = _write(tmp_path, records)
+    data, val, _ = build_preference(_cfg(path), 264, "kto")
+    assert val is None and data.unit == "examples" and data.labels.tolist() == [True, False, True, False]
+    text = lambda side: bytes(int(i) for i in side.tokens if i < 256).decode()  # noqa: E731
+    example, kl = data.sides_of(1)
+    assert text(example) == "P1b" and _trained_text(example.targets, example.counted) == "b"
+    assert text(kl) == "P1aa"  # prompt 1, then example 0's completion (TRL's rotation by one)
+    assert _trained_text(kl.targets, kl.counted) == "aa"
+    assert text(data.sides_of(0)[1]) == "P0d"  # the first takes the last one's
+    assert data.header[0].startswith("data: KTO examples, 2 desirable and 2 not") and "4 examples" in data.header[0]
+
+
+@pytest.mark.parametrize("record, objective, message, fix", [
+    ({"prompt": "Q", "completion": "a", "label": "yes"}, "kto", "label: a JSON string, not true or false",
+     "label: true"),
+    ({"prompt": "Q", "completion": "a", "label": True}, "dpo", "an unpaired example", "--preference.objective=kto"),
+    ({"text": "x"}, "kto", "not a KTO record", "completion"),
+])
+def test_a_bad_kto_record_is_one_line(tmp_path, record, objective, message, fix):
+    path = _write(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}, record])
+    with pytest.raises(ShardfitError, match=message) as e:
+        build_preference(_cfg(path), 264, objective)
+    assert e.value.where == f"{path}:2" and fix in e.value.fix
+
+
+def test_fine_tuning_refuses_kto_records_and_validation_holds_out_units(tmp_path):
+    from shardfit.config import load_config
+    from shardfit.data.build import build_datasets
+
+    path = _write(tmp_path, [{"prompt": f"Q{i}", "completion": "a", "label": True} for i in range(8)])
+    cfg = load_config(None, [f"--data.path={path}"])
+    with pytest.raises(ShardfitError, match="records are KTO's labelled examples") as e:
+        build_datasets(cfg.data, cfg.model.vocab_size)
+    assert "--preference.objective=kto" in e.value.fix
+    pairs = _write(tmp_path, [{"prompt": f"Q{i}", "chosen": "a", "rejected": "b"} for i in range(8)])
+    train, val, _ = build_preference(_cfg(pairs, val_fraction=0.25), 264, "dpo")
+    assert (train.num_windows, val.num_windows, val.ordered) == (6, 2, True)
+    assert "6 pairs (+2 for validation)" in train.header[0]
+    with pytest.raises(ShardfitError, match="names the same files as data.path"):
+        build_preference(_cfg(pairs, val_path=str(pairs)), 264, "dpo")

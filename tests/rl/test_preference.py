@@ -1,7 +1,7 @@
-"""Preference losses of the RL API (rl/preference.py, engine/preference.py): loss_fn="dpo" | "ipo" | "simpo" over
-datums in pairs. The gradient equals a hand-written single-process reference (each sequence alone, plain
-log_softmax, the mean over pairs) on 1 and 2 gloo ranks, with pairs of skewed lengths packed several to a row; TRL's
-metrics come back; bad input is one line."""
+"""Preference losses of the RL API (rl/preference.py, engine/preference.py): loss_fn="dpo" | "ipo" | "simpo" |
+"orpo" over datums in pairs, "kto" over labelled datums. The gradient equals a hand-written single-process reference
+(each sequence alone, plain log_softmax, the mean over units: TRL's formulas) on 1 and 2 gloo ranks, with pairs of
+skewed lengths packed several to a row; TRL's metrics come back; bad input is one line."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from tests.helpers import SMALL
 
 ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=40", "--logging.run_dir="]
 LENGTHS = [(9, 5), (3, 12), (7, 7), (15, 4), (2, 2), (6, 11), (10, 3)]  # (chosen, rejected) tokens per pair
-CASES = {"dpo": {"beta": 0.5, "label_smoothing": 0.1}, "ipo": {"beta": 0.3}, "simpo": {"beta": 2.0, "gamma": 0.4}}
+DESIRABLE = [True, True, False, True, False, False, True, False, True, True, False, True, True, False]
+CASES = {"dpo": {"beta": 0.5, "label_smoothing": 0.1}, "ipo": {"beta": 0.3}, "simpo": {"beta": 2.0, "gamma": 0.4},
+         "orpo": {"beta": 0.25},
+         "kto": {"beta": 0.4, "desirable": DESIRABLE, "kl": 0.3, "desirable_weight": 1.2, "undesirable_weight": 0.8}}
 
 
 def _pairs(seed=0):
@@ -45,6 +48,11 @@ def _hand_written(model, datums, case, cfg):
         r.append(torch.as_tensor(d.inputs["ref_logprobs"])[m].sum())
         n.append(float(m.sum()))
     beta = cfg["beta"]
+    if case == "kto":  # TRL's KTOTrainer: per example, the mean over the batch's examples
+        losses = [cfg["desirable_weight"] * (1 - torch.sigmoid(beta * ((s[i] - r[i]) - cfg["kl"]))) if good else
+                  cfg["undesirable_weight"] * (1 - torch.sigmoid(beta * (cfg["kl"] - (s[i] - r[i]))))
+                  for i, good in enumerate(cfg["desirable"])]
+        return torch.stack(losses).mean()
     losses = []
     for k in range(len(datums) // 2):
         c, j = 2 * k, 2 * k + 1
@@ -55,6 +63,12 @@ def _hand_written(model, datums, case, cfg):
         elif case == "ipo":
             h = (s[c] - r[c]) / n[c] - (s[j] - r[j]) / n[j]
             losses.append((h - 1 / (2 * beta)) ** 2)
+        elif case == "orpo":  # TRL's ORPOTrainer: the chosen NLL over the batch's chosen tokens, minus lambda x
+            # the mean log-sigmoid of the log odds ratio of per-token means
+            mc, mr = s[c] / n[c], s[j] / n[j]
+            log_odds = (mc - mr) - (torch.log(1 - torch.exp(mc)) - torch.log(1 - torch.exp(mr)))
+            chosen_tokens = sum(n[0::2])
+            losses.append(-s[c] * (len(datums) // 2) / chosen_tokens - beta * F.logsigmoid(log_odds))
         else:
             losses.append(-F.logsigmoid(beta * (s[c] / n[c] - s[j] / n[j]) - cfg["gamma"]))
     return torch.stack(losses).mean()
@@ -85,7 +99,7 @@ def _grads_vs_reference(rank, world):
         want = dict(ref.named_parameters())
         err = max(float((got[k] - want[k].grad).abs().max() / (want[k].grad.abs().max() + 1e-12)) for k in got)
         report[case] = {"err": err, "loss": res.metrics["loss:sum"], "want": float(want_loss),
-                        "acc": res.metrics["rewards/accuracies:mean"]}
+                        "acc": res.metrics.get("rewards/accuracies:mean", 0.5)}
     return report
 
 
@@ -132,3 +146,29 @@ def test_bad_pair_input_is_one_line():
         objective_of("ipo", {"beta": 0})
     assert resolve_loss("dpo", {}).required == ("target_tokens", "ref_logprobs")
     assert resolve_loss("simpo", {}).required == ("target_tokens",)
+
+
+def test_bad_kto_and_orpo_input_is_one_line():
+    from shardfit.errors import ShardfitError
+    from shardfit.rl.losses import resolve_loss
+    from shardfit.rl.preference import objective_of, pair_coefficients, terms_of
+
+    with pytest.raises(ShardfitError, match="dpo takes no option 'kl'"):
+        objective_of("dpo", {"kl": 0.1})
+    with pytest.raises(ShardfitError, match="undesirable_weight=0.0 must be a number > 0"):
+        objective_of("kto", {"undesirable_weight": 0})
+    with pytest.raises(ShardfitError, match="beta='x' is not a number"):
+        objective_of("orpo", {"beta": "x"})
+    datums = _pairs()[:3]
+    obj = objective_of("kto", {})
+    _, masks = pair_coefficients(datums, group=obj.group)  # KTO takes any number of datums
+    with pytest.raises(ShardfitError, match=r"kto needs one label a datum \(3 datums\)") as e:
+        terms_of(obj, datums, masks, {"desirable": [True, False]})
+    assert e.value.where == "loss_fn_config.desirable"
+    assert terms_of(obj, datums, masks, {"desirable": "1,0,1"}).desirable.tolist() == [True, False, True]
+    with pytest.raises(ShardfitError, match="kto needs one label a datum"):
+        terms_of(obj, datums, masks, {"desirable": "1,0,x"})
+    with pytest.raises(ShardfitError, match="kl=-1 must be a number >= 0"):
+        terms_of(obj, datums, masks, {"desirable": [True, False, True], "kl": -1})
+    assert resolve_loss("kto", {}).required == ("target_tokens", "ref_logprobs")
+    assert resolve_loss("orpo", {}).required == ("target_tokens",)

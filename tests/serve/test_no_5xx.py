@@ -74,6 +74,11 @@ def _cases(c: Client, url: str) -> dict:
                                           400, "session_id"),
         "a loss option of the wrong kind": (fb(config={"kl_coef": "high"}), 400, "loss_fn_config.kl_coef"),
         "a loss option that is unknown": (fb(config={"clip": 0.2}), 400, "loss_fn_config"),
+        "a preference loss's option that is KTO's": (fb(loss_fn="simpo", config={"kl": 0.1}), 400,
+                                                     "simpo takes no option 'kl'"),
+        "a preference loss over one datum": (fb(loss_fn="orpo"), 400, "1 datums: a preference loss takes pairs"),
+        "KTO's labels, one too few": (fb(loss_fn="kto", config={"desirable": ""},
+                                         ref_logprobs=np.zeros(3, np.float32)), 400, "loss_fn_config.desirable"),
         "CSR declaring a [3, 2^28] tensor": (fb(topk=_csr(3, 1 << 28)), 400, "loss_fn_inputs[topk]"),
         "CSR within the vocabulary, over the request's values": (
             fb(data=[types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),

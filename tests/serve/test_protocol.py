@@ -3,8 +3,6 @@ encodes, the SDK decodes into the same arrays."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 

@@ -342,15 +342,21 @@ class MemoryConfig:
 
 @dataclass
 class PreferenceConfig:
-    objective: str = opt("none", "train on preference pairs ({prompt?, chosen, rejected} records, docs/preference.md): "
-                                 "dpo (Rafailov et al.), ipo (Azar et al.), simpo (reference-free, length-normalised); "
-                                 "none: fine-tuning or pretraining as data.path says",
-                         choices=("none", "dpo", "ipo", "simpo"))
-    beta: float = opt(0.1, "the objective's beta: DPO/IPO's strength of the reference (TRL's default 0.1), SimPO's "
-                           "reward scale (its paper uses 2 to 2.5)", gt=0)
+    objective: str = opt("none", "train on preference data ({prompt?, chosen, rejected} pairs; kto: {prompt, "
+                                 "completion, label} too; docs/preference.md): dpo (Rafailov et al.), ipo (Azar et "
+                                 "al.), simpo (reference-free, length-normalised), orpo (reference-free: SFT on "
+                                 "chosen + an odds ratio term), kto (labelled examples, unpaired); none: fine-tuning "
+                                 "or pretraining as data.path says",
+                         choices=("none", "dpo", "ipo", "simpo", "orpo", "kto"))
+    beta: float = opt(0.1, "the objective's beta: DPO/IPO/KTO's strength of the reference (TRL's default 0.1), SimPO's "
+                           "reward scale (its paper uses 2 to 2.5), ORPO's lambda (the odds-ratio term's weight)",
+                      gt=0)
     label_smoothing: float = opt(0.0, "dpo and simpo: the assumed fraction of flipped labels (conservative DPO)",
                                  ge=0, lt=0.5)
     simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma", ge=0)
+    desirable_weight: float = opt(1.0, "kto: the weight of a desirable example's loss (TRL's; raise the rarer kind's "
+                                       "so that weight x count is about even)", gt=0)
+    undesirable_weight: float = opt(1.0, "kto: the weight of an undesirable example's loss", gt=0)
 
 
 @dataclass

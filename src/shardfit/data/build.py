@@ -17,11 +17,13 @@ import numpy as np
 from shardfit.data.dataset import ShuffledDataset
 from shardfit.data.mode import holds_examples
 from shardfit.data.packing import PackedDataset, tokenize_documents
+from shardfit.data.preference import PreferencePairs, read_units
 from shardfit.data.sft import ExampleDataset, dropped_notice, read_examples
 from shardfit.data.sft_packed import PackedExamples
 from shardfit.data.sources import resolve_files
 from shardfit.data.token_shards import check_token_ids, open_token_shards, shard_dir_state
 from shardfit.data.tokenizer import build_tokenizer
+from shardfit.data.unpaired import UnpairedExamples, unpaired_pieces
 from shardfit.errors import ShardfitError
 
 
@@ -128,6 +130,58 @@ def _fine_tuning(data_cfg, vocab_size: int, tokenizer, files: list[Path],
     train.header = tuple(n for n in [head, cut.warning(data_cfg.seq_len)] if n)
     train.notices = tuple(n for n in notices if n)
     train.info = {"format": got.format, "template": template}
+    return train, val, tokenizer
+
+
+def build_preference(data_cfg, vocab_size: int, objective: str) -> tuple[PreferencePairs, PreferencePairs | None,
+                                                                       object]:
+    """(training units, validation units or None, tokenizer) for preference.objective: pairs (data/preference.py),
+    or KTO's labelled examples (data/unpaired.py). Validation from data.val_path, or data.val_fraction of the
+    units held out; visited in order. The training set's header: the start-up lines; its info: format, template."""
+    tokenizer = build_tokenizer(data_cfg.tokenizer)
+    if not data_cfg.path:
+        raise ShardfitError("preference training needs preference records", where="data.path",
+                            fix="give JSON lines of {\"prompt\", \"chosen\", \"rejected\"} (docs/preference.md)")
+    if data_cfg.val_path and same_files(data_cfg.path, data_cfg.val_path):
+        raise ShardfitError(f"names the same files as data.path ({data_cfg.path}): the validation metrics would "
+                            "measure the training data", where="data.val_path",
+                            fix="give held-out files, or data.val_fraction to hold out part of data.path")
+    kto = objective == "kto"
+    how = dict(records_of=unpaired_pieces, group=1) if kto else {}
+
+    def read(spec: str):
+        got = read_units(resolve_files(spec), data_cfg, tokenizer, spec, **how)
+        seqs = [s for u in got.units for s in ([u[0]] if kto else u)]
+        check_token_ids(max(int(ids.max()) for ids, _ in seqs), vocab_size, spec)
+        return got
+
+    def make(units: list, where: str, ordered: bool = False) -> PreferencePairs:
+        ds = (UnpairedExamples([u[0] for u in units], [u[1] for u in units], data_cfg.seq_len, data_cfg.seed, where)
+              if kto else PreferencePairs(units, data_cfg.seq_len, data_cfg.seed, where))
+        ds.ordered = ordered
+        return ds
+
+    files = resolve_files(data_cfg.path)
+    got = read(data_cfg.path)
+    units, val = got.units, None
+    if data_cfg.val_path:
+        val = make(read(data_cfg.val_path).units, data_cfg.val_path, True)
+    elif data_cfg.val_fraction > 0:
+        units, held = holdout(units, data_cfg.val_fraction, data_cfg.seed)
+        val = make(held, f"{files[0]} (held out)", True)
+    train = make(units, str(files[0]))
+    cut, unit = train.truncation, train.unit
+    what = "preference pairs"
+    if kto:
+        good = int(train.labels.sum())
+        what = f"KTO examples, {good:,} desirable and {len(units) - good:,} not"
+    left = (f", {got.dropped:,} left out (no trained token within data.seq_len)" if got.dropped else "")
+    held = f" (+{val.num_windows:,} for validation)" if val is not None else ""
+    train.header = tuple(n for n in [
+        f"data: {what} ({data_cfg.path}), chat template: {got.template_text}; {len(units):,} {unit}{held}"
+        f"{left}, {cut.kept:,} tokens after truncation at data.seq_len={data_cfg.seq_len} ({cut.describe()})",
+        cut.warning(data_cfg.seq_len)] if n)
+    train.info = {"format": "unpaired" if kto else "preference", "template": got.template}
     return train, val, tokenizer
 
 

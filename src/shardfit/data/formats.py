@@ -12,6 +12,8 @@ each becomes.
   text               documents in data.text_field: pretraining, not examples
   preference         TRL's preference pairs: {"prompt"?, "chosen", "rejected"}; trained by preference.objective
                      (data/preference.py), refused by fine-tuning with that fix
+  unpaired           TRL's unpaired preference: {"prompt", "completion", "label": true|false}; trained by
+                     preference.objective=kto (data/unpaired.py), refused by fine-tuning with that fix
 
 data.format=auto takes the layout of data.path's first record (data.val_path: its own first record) for every
 record; a record of another layout is one error naming its file:line and the key it lacks. Chats (messages,
@@ -30,7 +32,8 @@ from shardfit.errors import ShardfitError
 
 LAYOUT = {"messages": "'messages': [{role, content}, ...]", "sharegpt": "'conversations': [{from, value}, ...]",
           "alpaca": "'instruction', 'input' (optional), 'output'", "prompt_completion": "'prompt', 'completion'",
-          "text": "the text in data.text_field", "preference": "'prompt' (optional), 'chosen', 'rejected'"}
+          "text": "the text in data.text_field", "preference": "'prompt' (optional), 'chosen', 'rejected'",
+          "unpaired": "'prompt', 'completion', 'label'"}
 
 
 def detect(obj: object) -> str:
@@ -46,7 +49,7 @@ def detect(obj: object) -> str:
     if "instruction" in obj and "output" in obj:
         return "alpaca"
     if "prompt" in obj and "completion" in obj:
-        return "prompt_completion"
+        return "unpaired" if "label" in obj else "prompt_completion"
     return "text"
 
 

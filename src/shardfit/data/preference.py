@@ -27,9 +27,7 @@ from shardfit.data.dataset import ShuffledDataset
 from shardfit.data.formats import detect
 from shardfit.data.messages import check_messages, json_type, record_tools
 from shardfit.data.sft import Truncation, tokenize_pieces
-from shardfit.data.sources import read_records, resolve_files
-from shardfit.data.token_shards import check_token_ids
-from shardfit.data.tokenizer import build_tokenizer
+from shardfit.data.sources import read_records
 from shardfit.errors import ShardfitError
 
 Sequence = tuple[np.ndarray, np.ndarray]  # (token ids [L] int64, trained [L] bool)
@@ -47,6 +45,8 @@ class Side:
 
 class PreferencePairs(ShuffledDataset):
     """One pair per item, visited in the seeded order of a run (data/dataset.py)."""
+
+    unit = "pairs"  # what an item is, as the header names it (train/schedule.py)
 
     def __init__(self, pairs: list[tuple[Sequence, Sequence]], seq_len: int, seed: int, where: str):
         self.pairs, self.seq_len, self.seed, self.where = pairs, seq_len, seed, where
@@ -117,57 +117,55 @@ def pair_pieces(obj: object, where: str) -> tuple[list, list, bool]:
     return head + c, head + r, True
 
 
+def pair_records(obj: object, where: str) -> list[tuple[list, bool, None]]:
+    """A preference record as read_units takes it: [(chosen, chat, None), (rejected, chat, None)]."""
+    if isinstance(obj, dict) and detect(obj) == "unpaired":
+        raise ShardfitError("an unpaired example (prompt, completion, label): DPO, IPO, SimPO and ORPO train on "
+                            "pairs", where=where, fix="--preference.objective=kto trains on labelled examples")
+    chosen, rejected, chat = pair_pieces(obj, where)
+    return [(chosen, chat, None), (rejected, chat, None)]
+
+
 @dataclass
-class Pairs:
-    pairs: list[tuple[Sequence, Sequence]]
+class Units:
+    units: list[tuple]  # pairs: (chosen, rejected) Sequences; KTO: (Sequence, desirable)
     dropped: int
     template: str  # the chat template applied: tokenizer, plain, or none
     template_text: str
 
 
-def read_pairs(files: list[Path], data_cfg, tokenizer, spec: str) -> Pairs:
-    """Every pair of the files whose sides both keep a trained label within data.seq_len."""
-    renderer, chats, pairs, dropped = None, 0, [], 0
+def read_units(files: list[Path], data_cfg, tokenizer, spec: str, records_of=pair_records,
+               group: int = 2) -> Units:
+    """Every unit of the files whose sequences all keep a trained label within data.seq_len. records_of(obj, where)
+    -> [(pieces or messages, chat, tag)]: group 2, a pair per record (tags unused); group 1, a labelled example per
+    item (data/unpaired.py: tag the label)."""
+    renderer, chats, units, dropped = None, 0, [], 0
     for path in files:
         for obj, where in read_records(path, data_cfg.file_format):
-            chosen, rejected, chat = pair_pieces(obj, where)
-            if chat:
-                renderer = renderer_of(renderer, data_cfg, where, "pair")
-                chats += 1
-                tools = record_tools(obj, where)
-                chosen, rejected = (renderer.segments(s, where, tools=tools) for s in (chosen, rejected))
-            pair = tuple(tokenize_pieces(s, tokenizer) for s in (chosen, rejected))
-            if not all(trained[1:data_cfg.seq_len + 1].any() for _, trained in pair):
-                dropped += 1
+            items = records_of(obj, where)
+            seqs = []
+            for pieces, chat, _tag in items:
+                if chat:
+                    renderer = renderer_of(renderer, data_cfg, where, "pair" if group == 2 else "example")
+                    chats += 1
+                    pieces = renderer.segments(pieces, where, tools=record_tools(obj, where))
+                seqs.append(tokenize_pieces(pieces, tokenizer))
+            kept = [trained[1:data_cfg.seq_len + 1].any() for _, trained in seqs]
+            if group == 2:
+                if all(kept):
+                    units.append(tuple(seqs))
+                else:
+                    dropped += 1
                 continue
-            pairs.append(pair)
-    if not pairs:
-        raise ShardfitError(f"no preference pair with a trained token within data.seq_len={data_cfg.seq_len} on both "
-                            f"sides ({dropped:,} left out)", where=spec,
-                            fix="raise data.seq_len, or give pairs with non-empty answers")
-    return Pairs(pairs, dropped, renderer.kind if chats else "none",
+            for seq, ok, (_, _, tag) in zip(seqs, kept, items):
+                if ok:
+                    units.append((seq, tag))
+                else:
+                    dropped += 1
+    what = "preference pair with a trained token within data.seq_len={} on both sides" if group == 2 else \
+        "KTO example with a trained token within data.seq_len={}"
+    if not units:
+        raise ShardfitError(f"no {what.format(data_cfg.seq_len)} ({dropped:,} left out)", where=spec,
+                            fix="raise data.seq_len, or give non-empty answers")
+    return Units(units, dropped, renderer.kind if chats else "none",
                  renderer.describe() if chats else "none (strings are trained as they are)")
-
-
-def build_preference(data_cfg, vocab_size: int) -> tuple[PreferencePairs, object]:
-    """(the training pairs, tokenizer); its header the start-up lines, its info the format and template."""
-    tokenizer = build_tokenizer(data_cfg.tokenizer)
-    if data_cfg.val_path or data_cfg.val_fraction > 0:
-        raise ShardfitError("no validation set for preference training yet", where="data.val_path",
-                            fix="leave data.val_path empty and data.val_fraction=0 (the log's rewards/accuracies "
-                                "and rewards/margins follow training)")
-    if not data_cfg.path:
-        raise ShardfitError("preference training needs preference records", where="data.path",
-                            fix="give JSON lines of {\"prompt\", \"chosen\", \"rejected\"} (docs/preference.md)")
-    files = resolve_files(data_cfg.path)
-    got = read_pairs(files, data_cfg, tokenizer, data_cfg.path)
-    check_token_ids(max(int(ids.max()) for p in got.pairs for ids, _ in p), vocab_size, data_cfg.path)
-    pairs = PreferencePairs(got.pairs, data_cfg.seq_len, data_cfg.seed, str(files[0]))
-    cut = pairs.truncation
-    left = f", {got.dropped:,} left out (a side with no trained token within data.seq_len)" if got.dropped else ""
-    pairs.header = tuple(n for n in [
-        f"data: preference pairs ({data_cfg.path}), chat template: {got.template_text}; {len(got.pairs):,} pairs"
-        f"{left}, {cut.kept:,} tokens after truncation at data.seq_len={data_cfg.seq_len} ({cut.describe()})",
-        cut.warning(data_cfg.seq_len)] if n)
-    pairs.info = {"format": "preference", "template": got.template}
-    return pairs, tokenizer

@@ -136,7 +136,12 @@ def read_examples(files: list[Path], data_cfg, tokenizer, spec: str | None = Non
     if fmt == "preference":
         raise ShardfitError(f"records are preference pairs (prompt, chosen, rejected; {origin}): fine-tuning "
                             "trains on one answer", where=spec or str(files[0]),
-                            fix="--preference.objective=dpo (or ipo, simpo) to train on the pairs (docs/preference.md)")
+                            fix="--preference.objective=dpo (or ipo, simpo, orpo, kto) to train on the pairs "
+                                "(docs/preference.md)")
+    if fmt == "unpaired":
+        raise ShardfitError(f"records are KTO's labelled examples (prompt, completion, label; {origin}): "
+                            "fine-tuning would train on the undesirable ones too", where=spec or str(files[0]),
+                            fix="--preference.objective=kto to train on them (docs/preference.md)")
     if fmt == "text":
         raise ShardfitError(f"holds no fine-tuning records ({origin})", where=spec or str(files[0]),
                             fix="give records of one layout: messages, sharegpt, alpaca or prompt_completion")

@@ -17,8 +17,9 @@ weights != 0, else all. Built in (Tinker's definitions, ratio r = exp(logp - sam
                        (> 1) for A < 0 at most -c * A
 plus kl_coef * k3(ref_logprobs - logp) and -entropy_coef * entropy per token. A callable loss_fn(logp, inputs)
 returns l [n] itself (inputs also holds "datum", each token's datum index).
-Preference losses over pairs of datums (chosen, then rejected): dpo, ipo (both read ref_logprobs) and simpo, with
-beta, label_smoothing and gamma; not per-token: rl/preference.py and engine/preference.py.
+Preference losses over pairs of datums (chosen, then rejected): dpo, ipo (both read ref_logprobs), simpo and orpo,
+with beta, label_smoothing and gamma; kto over datums each labelled desirable or not (loss_fn_config's desirable and
+kl); not per-token: rl/preference.py and engine/preference.py.
 
 logprobs_at = "counted" scores the counted tokens only: the output head runs on their rows alone (an RL recompute
 needs the response's log-probs, not the prompt's: ~30% of the head's work on rollouts), the other tokens report a
@@ -67,7 +68,9 @@ def ppo(logp: torch.Tensor, x: dict[str, torch.Tensor], cfg: dict) -> torch.Tens
 BUILT_IN: dict[str, Callable] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling,
                                  "ppo": ppo}
 PAIR_LOSSES = {"dpo": ("target_tokens", "ref_logprobs"), "ipo": ("target_tokens", "ref_logprobs"),
-               "simpo": ("target_tokens",)}  # over pairs of datums: their required inputs (rl/preference.py)
+               "simpo": ("target_tokens",), "orpo": ("target_tokens",),
+               "kto": ("target_tokens", "ref_logprobs")}  # over pairs of datums (KTO: labelled datums): their
+# required inputs (rl/preference.py)
 # every loss a name selects, with the inputs it reads (Tinker's names): what the server checks on rank 0
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {**_REQUIRED, **PAIR_LOSSES}
 

@@ -1,12 +1,15 @@
-"""Preference pairs on the Engine's one step path: datums given in pairs (chosen, then rejected) -> rows that hold
-both sequences of a pair -> engine/preference.py's PairLoss -> per-datum log-probs and TRL's metrics.
+"""Preference losses on the Engine's one step path: datums given in pairs (chosen, then rejected; KTO: one datum an
+example, labelled) -> rows that hold a unit's sequences together -> engine/preference.py's PairLoss -> per-datum
+log-probs and TRL's metrics.
 
-The RL API's loss_fn="dpo" | "ipo" | "simpo" (rl/step.py) and `shardfit train` with preference.objective
-(train/preference.py) both run `pair_pass`. A datum's counted tokens are the completion's (its `mask` input, else
-`weights`, else every token: rl/losses.py counted); DPO and IPO read its `ref_logprobs` input, the reference
-model's log-prob of each target token. The coefficients (engine/preference.py) are made here from the whole list,
-the same on every rank; the metrics are computed on the host from the per-token log-probs that came back in the
-pass's one collective: no collective of their own.
+The RL API's loss_fn="dpo" | "ipo" | "simpo" | "orpo" | "kto" (rl/step.py) and `shardfit train` with
+preference.objective (train/preference.py) both run `pair_pass`. A datum's counted tokens are the completion's (its
+`mask` input, else `weights`, else every token: rl/losses.py counted); DPO, IPO and KTO read its `ref_logprobs`
+input, the reference model's log-prob of each target token. KTO's loss_fn_config carries `desirable` (one bool per
+datum, or a string of 0s and 1s: what `shardfit serve` can carry) and `kl`, the batch's reference point (the caller
+measures it: train/preference.py does as TRL does). The coefficients and the batch's constants (engine/preference.py
+BatchTerms) are made here from the whole list, the same on every rank; the metrics are computed on the host from the
+per-token log-probs that came back in the pass's one collective: no collective of their own.
 """
 
 from __future__ import annotations
@@ -15,23 +18,43 @@ import numpy as np
 import torch
 
 from shardfit.engine import Engine, StepStats
-from shardfit.engine.preference import OBJECTIVES, PairLoss, PairObjective, pair_loss
+from shardfit.engine.preference import (
+    NO_TERMS,
+    OBJECTIVES,
+    BatchTerms,
+    PairLoss,
+    PairObjective,
+    orpo_log_odds,
+    pair_loss,
+)
 from shardfit.errors import ShardfitError
 from shardfit.rl.datum import Datum
 from shardfit.rl.losses import counted
 from shardfit.rl.pack import datum_batches, plan_datums, unpack
 
-CONFIG = {"beta", "label_smoothing", "gamma"}
+CONFIG = {"beta", "label_smoothing", "gamma", "desirable_weight", "undesirable_weight", "desirable", "kl"}
+
+
+KTO_ONLY = {"desirable", "kl", "desirable_weight", "undesirable_weight"}
 
 
 def objective_of(name: str, cfg: dict) -> PairObjective:
-    """The pair objective `name` with the RL API's loss_fn_config (beta, label_smoothing, gamma), checked."""
-    unknown = sorted(set(cfg) - CONFIG)
+    """The pair objective `name` with the RL API's loss_fn_config (beta, label_smoothing, gamma; KTO's weights),
+    checked. KTO's per-batch `desirable` and `kl` are read by terms_of."""
+    allowed = CONFIG if name == "kto" else CONFIG - KTO_ONLY
+    unknown = sorted(set(cfg) - allowed, key=str)
     if unknown:
         raise ShardfitError(f"{name} takes no option {unknown[0]!r}", where="loss_fn_config",
-                            fix=f"options: {', '.join(sorted(CONFIG))}")
-    obj = PairObjective(name, float(cfg.get("beta", 0.1)), float(cfg.get("label_smoothing", 0.0)),
-                        float(cfg.get("gamma", 0.5)))
+                            fix=f"options: {', '.join(sorted(allowed))}")
+    numbers = {}
+    for key, default in (("beta", 0.1), ("label_smoothing", 0.0), ("gamma", 0.5), ("desirable_weight", 1.0),
+                         ("undesirable_weight", 1.0)):
+        v = cfg.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ShardfitError(f"{key}={v!r} is not a number", where=f"loss_fn_config.{key}", fix="pass a number")
+        numbers[key] = float(v)
+    obj = PairObjective(name, numbers["beta"], numbers["label_smoothing"], numbers["gamma"],
+                        numbers["desirable_weight"], numbers["undesirable_weight"])
     check_objective(obj, "loss_fn_config")
     return obj
 
@@ -47,60 +70,136 @@ def check_objective(obj: PairObjective, where: str) -> None:
                             where=f"{where}.label_smoothing", fix="0 for DPO, e.g. 0.1 for conservative DPO")
     if not np.isfinite(obj.gamma):
         raise ShardfitError("gamma must be finite", where=f"{where}.gamma", fix="e.g. 0.5")
+    for key in ("desirable_weight", "undesirable_weight"):
+        v = getattr(obj, key)
+        if not (np.isfinite(v) and v > 0):
+            raise ShardfitError(f"{key}={v} must be a number > 0", where=f"{where}.{key}",
+                                fix="1.0 (TRL's default); raise the rarer kind's weight")
 
 
-def pair_coefficients(datums: list[Datum], where: str = "data") -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(coefficients, counted tokens) per datum: c_t = (1 / P) / (n_c + n_r) on a pair's counted tokens."""
-    if len(datums) % 2:
-        raise ShardfitError(f"{len(datums)} datums: a preference loss takes pairs", where=where,
+def terms_of(obj: PairObjective, datums: list[Datum], masks: list[np.ndarray], cfg: dict | None = None,
+             where: str = "loss_fn_config") -> BatchTerms:
+    """The global batch's constants (engine/preference.py BatchTerms) from the whole datum list: ORPO's pairs over
+    chosen tokens; KTO's labels and reference point from cfg (`desirable`: a bool per datum, `kl`: a number >= 0)."""
+    if obj.name == "orpo":
+        return BatchTerms(nll_share=(len(masks) // 2) / sum(float(m.sum()) for m in masks[0::2]))
+    if obj.name != "kto":
+        return BatchTerms()
+    labels, kl = kto_config(cfg or {}, len(datums), where)
+    return BatchTerms(kl=kl, desirable=torch.tensor(labels))
+
+
+def kto_config(cfg: dict, n: int, where: str = "loss_fn_config") -> tuple[list[bool], float]:
+    """KTO's labels (a bool per datum, or a string of 0s and 1s) and reference point (a number >= 0), checked."""
+    labels = cfg.get("desirable")
+    if isinstance(labels, str):  # Tinker's loss_fn_config carries numbers and strings: "1,0,1" or "101"
+        labels = [{"1": True, "0": False}.get(c, c) for c in labels if c not in ", "]
+    if not isinstance(labels, (list, tuple)) or len(labels) != n or \
+            not all(isinstance(x, (bool, np.bool_)) or (isinstance(x, (int, float)) and x in (0, 1)) for x in labels):
+        raise ShardfitError(f"kto needs one label a datum ({n} datums)", where=f"{where}.desirable",
+                            fix="pass desirable=[true, false, ...] (or the string \"1,0,...\"): true for a good "
+                                "completion, false for a bad one")
+    v = cfg.get("kl", 0.0)
+    kl = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
+    if not (np.isfinite(kl) and kl >= 0):
+        raise ShardfitError(f"kl={v!r} must be a number >= 0", where=f"{where}.kl",
+                            fix="the batch's KL estimate, mean (policy - reference) log-prob of mismatched "
+                                "prompt/completion sequences, clamped at 0 (TRL's); 0 to leave it out")
+    return [bool(x) for x in labels], kl
+
+
+def check_pair_config(name: str, cfg: dict, n: int) -> None:
+    """A pair loss's loss_fn_config and datum count as pair_pass will check them: what `shardfit serve` validates on
+    rank 0 before any rank sees the request."""
+    obj = objective_of(name, cfg)
+    if obj.name == "kto":
+        kto_config(cfg, n)
+    check_units(n, obj.group)
+
+
+def check_units(n: int, group: int, where: str = "data") -> None:
+    if n % group:
+        raise ShardfitError(f"{n} datums: a preference loss takes pairs", where=where,
                             fix="send datums in pairs: chosen, then rejected, for every prompt")
+
+
+def pair_coefficients(datums: list[Datum], where: str = "data",
+                      group: int = 2) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(coefficients, counted tokens) per datum: c_t = (1 / U) / (tokens of the unit) on a unit's counted tokens
+    (units: pairs, group 2; KTO's examples, group 1)."""
+    check_units(len(datums), group, where)
     masks = [counted(d) for d in datums]
     for i, m in enumerate(masks):
         if not m.any():
-            raise ShardfitError(f"datum {i} has no counted token ({'chosen' if i % 2 == 0 else 'rejected'} of pair "
-                                f"{i // 2})", where=f"{where}[{i}]", fix="mark the completion's tokens with mask 1")
-    P = len(datums) // 2
+            what = f"example {i}" if group == 1 else f"{'chosen' if i % 2 == 0 else 'rejected'} of pair {i // 2}"
+            raise ShardfitError(f"datum {i} has no counted token ({what})", where=f"{where}[{i}]",
+                                fix="mark the completion's tokens with mask 1")
+    U = len(datums) // group
     coefs = []
-    for k in range(P):
-        w = 1.0 / (P * (int(masks[2 * k].sum()) + int(masks[2 * k + 1].sum())))
-        coefs += [(masks[2 * k] * w).astype(np.float32), (masks[2 * k + 1] * w).astype(np.float32)]
+    for k in range(U):
+        unit = masks[group * k:group * (k + 1)]
+        w = 1.0 / (U * sum(int(m.sum()) for m in unit))
+        coefs += [(m * w).astype(np.float32) for m in unit]
     return coefs, masks
 
 
 def pair_pass(engine: Engine, datums: list[Datum], obj: PairObjective, backward: bool,
-              fingerprint: int | None = None) -> tuple[StepStats, list[np.ndarray], dict[str, float]]:
-    """One forward (or forward_backward) over the pairs: (the pass's stats, per-datum log-probs, 0 outside the
-    counted tokens, TRL's metrics). fingerprint: of the datums, checked the same on every rank (rl/step.py)."""
+              fingerprint: int | None = None, cfg: dict | None = None, where: str = "loss_fn_config",
+              with_loss: bool = False) -> tuple[StepStats, list[np.ndarray], dict[str, float]]:
+    """One forward (or forward_backward) over the units: (the pass's stats, per-datum log-probs, 0 outside the
+    counted tokens, TRL's metrics). fingerprint: of the datums, checked the same on every rank (rl/step.py); cfg:
+    KTO's desirable and kl (terms_of); with_loss: the metrics hold "loss", the mean over units (validation)."""
     layout = engine.layout
     if layout.sequence > 1:
         raise ShardfitError("a preference loss sums each sequence's log-probs within one rank's row; sequence "
                             "parallelism splits the row", where="parallel.sequence_parallel",
                             fix="set parallel.sequence_parallel=1 for preference training")
-    coefs, masks = pair_coefficients(datums)
-    plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence, pairs=True)
+    coefs, masks = pair_coefficients(datums, group=obj.group)
+    terms = terms_of(obj, datums, masks, cfg, where)
+    plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence, pairs=obj.group == 2)
     # the head scores the counted tokens alone (a prompt's log-probs are never read): logprobs_at="counted"
     batches = datum_batches(plan, datums, coefs, masks, layout.data_rank, layout.sequence_rank,
                             engine.doc_kernel(plan.budget, grad=backward), engine.device)
-    loss = PairLoss(obj, len(datums))
+    loss = PairLoss(obj, len(datums), terms)
     call = engine.forward_backward if backward else engine.forward
     stats = call(batches, loss, fingerprint=fingerprint)
     logprobs = unpack(plan, datums, stats.outputs[:, 0])
-    return stats, logprobs, pair_metrics(obj, datums, logprobs, masks)
+    return stats, logprobs, pair_metrics(obj, datums, logprobs, masks, terms, with_loss)
 
 
-def pair_metrics(obj: PairObjective, datums: list[Datum], logprobs: list[np.ndarray],
-                 masks: list[np.ndarray]) -> dict[str, float]:
-    """TRL's names, means over the pairs: rewards/chosen, rewards/rejected, rewards/accuracies (chosen's reward
-    above rejected's), rewards/margins, logps/chosen, logps/rejected (sums over the counted tokens)."""
-    def sums(values: list[np.ndarray]) -> torch.Tensor:  # [P, 2] float64
+def pair_metrics(obj: PairObjective, datums: list[Datum], logprobs: list[np.ndarray], masks: list[np.ndarray],
+                 terms: BatchTerms = NO_TERMS, with_loss: bool = False) -> dict[str, float]:
+    """TRL's names, means over the units: rewards/chosen, rewards/rejected, rewards/accuracies (pairs: chosen's
+    reward above rejected's), rewards/margins, logps/chosen, logps/rejected (sums over the counted tokens); ORPO's
+    nll_loss, log_odds_ratio, log_odds_chosen; KTO's kl, its chosen/rejected the desirable/undesirable examples
+    (a kind absent from the batch: its keys left out, as TRL's). with_loss: "loss" too, the mean over units."""
+    g = obj.group
+
+    def sums(values: list[np.ndarray]) -> torch.Tensor:  # [U, g] float64
         return torch.tensor([float(v[m].astype(np.float64).sum()) for v, m in zip(values, masks)],
-                            dtype=torch.float64).view(-1, 2)
+                            dtype=torch.float64).view(-1, g)
 
     s = sums(logprobs)
-    n = torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64).view(-1, 2)
+    n = torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64).view(-1, g)
     r = sums([d.inputs["ref_logprobs"] for d in datums]) if obj.needs_reference else None
-    _, rewards = pair_loss(obj, s, r, n)
-    return {"rewards/chosen": float(rewards[:, 0].mean()), "rewards/rejected": float(rewards[:, 1].mean()),
-            "rewards/accuracies": float((rewards[:, 0] > rewards[:, 1]).double().mean()),
-            "rewards/margins": float((rewards[:, 0] - rewards[:, 1]).mean()),
-            "logps/chosen": float(s[:, 0].mean()), "logps/rejected": float(s[:, 1].mean())}
+    loss, rewards = pair_loss(obj, s, r, n, terms)
+    out = {"loss": float(loss.mean())} if with_loss else {}
+    if obj.name == "kto":
+        good = terms.desirable
+        for kind, rows in (("chosen", good), ("rejected", ~good)):
+            if rows.any():
+                out[f"rewards/{kind}"] = float(rewards[rows, 0].mean())
+                out[f"logps/{kind}"] = float(s[rows, 0].mean())
+        if good.any() and (~good).any():
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return {**out, "kl": terms.kl}
+    out.update({"rewards/chosen": float(rewards[:, 0].mean()), "rewards/rejected": float(rewards[:, 1].mean()),
+                "rewards/accuracies": float((rewards[:, 0] > rewards[:, 1]).double().mean()),
+                "rewards/margins": float((rewards[:, 0] - rewards[:, 1]).mean()),
+                "logps/chosen": float(s[:, 0].mean()), "logps/rejected": float(s[:, 1].mean())})
+    if obj.name == "orpo":
+        odds = orpo_log_odds(s, n)
+        out.update({"nll_loss": float(-s[:, 0].sum() / n[:, 0].sum()),
+                    "log_odds_ratio": float(torch.nn.functional.logsigmoid(odds).mean()),
+                    "log_odds_chosen": float(odds.mean())})
+    return out

@@ -3,6 +3,7 @@
     result = forward_backward(engine, datums, "ppo", {"clip_low_threshold": 0.8})   # ForwardBackwardResult
     metrics = optim_step(engine, AdamParams(learning_rate=1e-5))                   # Tinker's metric names
     forward_backward(engine, pairs, "dpo", {"beta": 0.1})   # datums in pairs, chosen then rejected (rl/preference.py)
+    forward_backward(engine, examples, "kto", {"desirable": [True, False, ...], "kl": 0.3})  # labelled datums
 
 Every rank passes the same datum list (docs/rl.md); each rank packs its own share (rl/pack.py) and the Engine runs
 the pass with the loss built from the spec (rl/losses.py): the same forward_backward, optim_step, MoE balancing,
@@ -116,7 +117,8 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
     check_datums(datums, engine.cfg.model.vocab_size, spec.required)
     given = fingerprint(datums)  # every rank must have been given these datums: checked in the pass's collective
     if spec.name in PAIR_LOSSES and not callable(loss_fn):  # datums in pairs, chosen then rejected
-        stats, logprobs, metrics = pair_pass(engine, datums, objective_of(spec.name, spec.config), backward, given)
+        stats, logprobs, metrics = pair_pass(engine, datums, objective_of(spec.name, spec.config), backward, given,
+                                              spec.config)
         return ForwardBackwardResult([{"logprobs": lp} for lp in logprobs],
                                      {"loss:sum": stats.loss_sum, **{f"{k}:mean": v for k, v in metrics.items()}})
     layout = engine.layout

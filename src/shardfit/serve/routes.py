@@ -203,12 +203,15 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
 
     @queued(app, st, "/forward_backward", proto_body)
     def forward_backward(msg) -> Queued:
-        from shardfit.rl.losses import resolve_loss
+        from shardfit.rl.losses import PAIR_LOSSES, resolve_loss
+        from shardfit.rl.preference import check_pair_config
 
         datums = check_forward_backward(msg, facts.vocab_size, facts.max_seq_len, facts.token_budget,
                                         max_values=st.max_body // 4)  # a dense body's float32 values at most
         config = loss_config(msg)
         resolve_loss(msg.loss_fn, config)  # the Engine's own check of each option, before any rank sees it
+        if msg.loss_fn in PAIR_LOSSES:  # and a preference loss's (its options, pairs, KTO's labels)
+            check_pair_config(msg.loss_fn, config, len(datums))
         return Queued("forward_backward", {"datums": datums_to_json(datums), "loss_fn": msg.loss_fn,
                                            "loss_fn_config": config, "forward_only": bool(msg.forward_only)})
 

@@ -52,6 +52,9 @@ def format_line(rec: dict) -> str:
         parts.append(f"expert load max/mean {rec['moe_load_max_over_mean']:.2f} (layer {rec['moe_load_worst_layer']})")
     if "rewards/accuracies" in rec:  # preference training (train/preference.py): TRL's two headline figures
         parts.append(f"rewards acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:.3f}")
+    elif "kl" in rec:  # KTO: its reference point, and the margin when the step's examples held both kinds
+        margin = f" margin {rec['rewards/margins']:.3f}" if "rewards/margins" in rec else ""
+        parts.append(f"kl {rec['kl']:.3f}{margin}")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
     parts.append(f"eta {_fmt_eta(rec['eta_s'])}")
@@ -177,8 +180,13 @@ class Progress:
             return
         self._write({"kind": "eval", **rec, "eval": True})
         self._track(rec)
+        pref = (f" | rewards acc {rec['eval_rewards/accuracies']:.2f} margin {rec['eval_rewards/margins']:.3f}"
+                if "eval_rewards/accuracies" in rec else "")  # preference training: TRL's two headline figures
+        if "eval_kl" in rec:  # KTO's: its reference point, and the margin when the held-out set has both kinds
+            pref = f" | kl {rec['eval_kl']:.3f}" + (f" margin {rec['eval_rewards/margins']:.3f}"
+                                                   if "eval_rewards/margins" in rec else "")
         self.message(f"eval step {rec['step']}: val_loss {rec['val_loss']:.4f} over {rec['val_tokens']:,} tokens "
-                     f"({rec['val_s']:.1f} s)")
+                     f"({rec['val_s']:.1f} s){pref}")
 
     def message(self, text: str) -> None:
         if not self.enabled:

@@ -20,8 +20,8 @@ from shardfit.config.shape import StepShape
 
 def item_unit(cfg: Config, ds) -> str:
     """What one item of the step's global batch is, as the header names it."""
-    if hasattr(ds, "pairs"):  # preference training (data/preference.py)
-        return "pairs"
+    if hasattr(ds, "pairs"):  # preference training (data/preference.py, data/unpaired.py): pairs or examples
+        return ds.unit
     if StepShape.of(cfg).by_tokens or not hasattr(ds, "examples"):
         return "examples" if hasattr(ds, "examples") else "windows"
     return "packed rows" if hasattr(ds, "fill") else "examples"

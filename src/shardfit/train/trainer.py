@@ -21,9 +21,8 @@ import torch
 
 from shardfit.config import Config, accumulation_steps, config_to_dict, config_to_toml
 from shardfit.config.shape import StepShape
-from shardfit.data.build import build_datasets
+from shardfit.data.build import build_datasets, build_preference
 from shardfit.data.chat import export_template
-from shardfit.data.preference import build_preference
 from shardfit.doctor import MemoryMonitor
 from shardfit.doctor.record import SnapshotRecorder
 from shardfit.engine import AdamParams, CrossEntropy, Engine, StepRecord
@@ -95,8 +94,9 @@ class Trainer:
         self.pref_window: list[dict[str, float]] = []  # their metrics since the last log line
         if cfg.preference.objective != "none":
             check_preference_config(cfg)
-            self.dataset, self.tokenizer = build_preference(cfg.data, cfg.model.vocab_size)
-            self.val_set, self.preference = None, PreferenceSteps(cfg, self.dataset, self.run_dir)
+            self.dataset, pref_val, self.tokenizer = build_preference(cfg.data, cfg.model.vocab_size,
+                                                                      cfg.preference.objective)
+            self.val_set, self.preference = None, PreferenceSteps(cfg, self.dataset, self.run_dir, pref_val)
         else:
             self.dataset, self.val_set, self.tokenizer = build_datasets(cfg.data, cfg.model.vocab_size,
                                                                         token_budget=StepShape.of(cfg).by_tokens)
@@ -260,7 +260,9 @@ class Trainer:
                     raise self._stop(rec, progress)
                 if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == total):
                     self.watchdog.beat(f"step {self.step} validation")
-                    progress.log_eval({"step": self.step, **self.engine.evaluate(self.batches.validation())})
+                    progress.log_eval({"step": self.step, **(
+                        self.preference.evaluate(self.engine, self.watchdog.beat) if self.preference is not None
+                        else self.engine.evaluate(self.batches.validation()))})
                     window.restart()
                 every = cfg.checkpoint.every
                 if every and self.step % every == 0 and self.step < total:
