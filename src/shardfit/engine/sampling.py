@@ -120,7 +120,7 @@ class EngineSampling:
         """Per prompt: what its rows decode with, as a cache key; None: the base alone (slot -1)."""
         from shardfit.engine.registry import BASE
 
-        reg, out = self.models, []
+        reg, out, full = self.models, [], set()
         for m, v in zip(models, versions):
             if v == BASE:
                 v, m = None, BASE
@@ -128,9 +128,8 @@ class EngineSampling:
                 raise ShardfitError("a prompt names both a model and a version", where="version",
                                     fix="give model= (its live weights) or version= (frozen), not both")
             name = v if v is not None else m
-            if reg is None:  # full-parameter: one model, the live weights
-                if name not in (None, "default"):
-                    self.using(name)  # the Engine's own one-line refusal
+            if not reg.lora:  # full-parameter: the live weights or one frozen version, swapped into the model
+                full.add(name if name is not None else reg.current)
                 out.append(None)
             elif v is not None:
                 if v not in reg.versions:
@@ -147,6 +146,12 @@ class EngineSampling:
                         continue
                     raise reg._unknown(name)
                 out.append(("model", name, self.weights_epoch))
+        if len(full) > 1:
+            raise ShardfitError(f"one call samples {sorted(map(str, full))}: a full-parameter model's weights and "
+                                "versions are swapped into the model one at a time", where="Engine.sample",
+                                fix="sample each version (and the live weights) in a call of its own")
+        if full:
+            self.using(full.pop())  # its one-line refusal for what is not held; a version's weights swapped in
         return out
 
     def _sampling_state(self, needed: int) -> SamplingState:
@@ -160,16 +165,18 @@ class EngineSampling:
         dtype = mixed_precision(self.cfg.compute, self.device).param_dtype  # the training forward's compute dtype
         if st is None:
             plain, bank, _ = decode_model(self.model, dtype, capacity=max(4, needed), live_adapters=False)
-            st = self._sampling = SamplingState(plain, bank, self.weights_epoch, max(4, needed))
+            # the weights it holds: (epoch, what is in the slot): a full-parameter version is swapped in by copy
+            held = (self.weights_epoch, self.models.current)
+            st = self._sampling = SamplingState(plain, bank, held, max(4, needed))
         elif st.bank is not None and st.capacity < needed:  # a bigger bank on the same decode model, empty
             old = st.bank
             st.capacity = max(2 * st.capacity, needed)
             st.bank = LoRABank(st.model, list(old.targets), st.capacity, old.rank, old.dtype, old.device)
             st.slots = {}
-        elif st.bank is None and st.epoch != self.weights_epoch:
+        elif st.bank is None and st.epoch != (self.weights_epoch, self.models.current):
             if gathers(self.model, dtype):
                 refresh(st.model, self.model)  # full-parameter weights changed: copied in place
-            st.epoch = self.weights_epoch
+            st.epoch = (self.weights_epoch, self.models.current)
         return st
 
     def _load_slots(self, st: SamplingState, keys: list[tuple | None]) -> dict[tuple, int]:
