@@ -9,7 +9,6 @@ ShardfitError, as the Engine refuses it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -80,8 +79,16 @@ class FakeEngine:
         t = self.cfg.train
         return t.micro_batch_tokens or self.cfg.data.seq_len * max(t.micro_batch, 1)
 
-    def gathered_pass(self):  # Engine's: the weights gathered once for a sampling request (one rank)
-        return contextlib.nullcontext()
+    def sample(self, prompts, params, *, model=None, version=None, num_samples=1, prompt_logprobs=False,
+               topk_prompt_logprobs=0, topk_sample_logprobs=0, tokenizer=None):
+        """The Engine's: the real Sampler over this one-process model (no versions: one set of weights)."""
+        from shardfit.sampling import Sampler, SampleRequest
+
+        self.calls.append("sample")
+        reqs = [SampleRequest(list(p), params, num_samples, -1, prompt_logprobs, topk_prompt_logprobs,
+                              topk_sample_logprobs) for p in prompts]
+        with torch.no_grad():
+            return Sampler(self.model, tokenizer=tokenizer).run(reqs)
 
     def forward(self, datums, loss_fn="cross_entropy", loss_fn_config=None):
         self.calls.append("forward")

@@ -237,7 +237,7 @@ class Executor:
         e, tokenizer = self.served[served] if served else (self.engine, self.tokenizer)
         model = version = None
         if not served:  # an extra served model samples its own (frozen) weights
-            if weights == BASE or weights in e.models.versions:
+            if weights == BASE or (self.registry is not None and weights in self.registry.versions):
                 version = weights
             else:
                 model = weights
