@@ -231,7 +231,7 @@ def _bad_input(rank, world):
         "negative id": ([make_datum([1, -2], target_tokens=[2, 3])], "cross_entropy", {}),
         "ragged": ([make_datum([1, 2, 3], target_tokens=[2, 3])], "cross_entropy", {}),
         "missing input": (good, "ppo", {}),
-        "unknown loss": (good, "orpo", {}),
+        "unknown loss": (good, "wasserstein", {}),
         "unknown option": (good, "ppo", {"clip": 0.2}),
         "bad normalize": (good, "cross_entropy", {"normalize": "mean"}),
         "too long": ([make_datum(list(range(40)), target_tokens=list(range(40)))], "cross_entropy", {}),
@@ -255,7 +255,7 @@ def _bad_input(rank, world):
 def test_bad_input_is_one_clear_error_and_the_engine_goes_on():
     seen = run_ranks(_bad_input, 1)[0]
     expect = {"empty": "no data", "beyond vocabulary": "99999", "target beyond vocabulary": "1000000",
-              "negative id": "-2", "ragged": "shape", "missing input": "'logprobs'", "unknown loss": "orpo",
+              "negative id": "-2", "ragged": "shape", "missing input": "'logprobs'", "unknown loss": "wasserstein",
               "unknown option": "clip", "bad normalize": "normalize", "too long": "40 tokens", "nan": "non-finite",
               "adam": "learning_rate"}
     for name, needle in expect.items():

@@ -210,5 +210,7 @@ class ModelRegistry:
         slot.grads, slot.opt_state, slot.pending = [], [], []
 
     def _unknown(self, name: str) -> ShardfitError:
+        known = ", ".join(sorted(self.models)) or "none"
         return ShardfitError(f"no model or version {name!r} on this engine", where="model_id",
-                             fix=f"one of {', '.join(sorted(self.models)) or 'none'}, or create it first")
+                             fix=f"one of {known}, or create it first" if self.lora else
+                             f"one of {known} (a full-parameter engine trains one model; more need --lora.rank)")
