@@ -205,8 +205,8 @@ def main() -> int:
     ap.add_argument("--parts", default="clients,memory")
     ap.add_argument("--out", default="")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts (each capped to what is left)")
-    ap.add_argument("--tiny", action="store_true", help="the machinery: tiny shape on the CPU, 1/2/4 clients, 4 steps "
-                    "of 4 datums of 24-32 tokens, 5 models, 2 versions")
+    ap.add_argument("--tiny", action="store_true", help="the machinery: tiny shape on the CPU and, unless given, 1/2/4 "
+                    "clients, 4 steps of 4 datums of 24-32 tokens, 5 models, 2 versions")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--shape", default="8b", help="a key of rl_worker_setup.SHAPES")
     ap.add_argument("--lora", type=int, default=LORA_RANK)
@@ -229,9 +229,11 @@ def main() -> int:
     a = ap.parse_args()
     a.moe_layers = 0  # rl_worker_setup.engine_overrides reads it (MoE shapes only)
     if a.tiny and not a.worker:
-        a.device, a.shape, a.micro_batch_tokens, a.datum_min, a.datum_max = "cpu", "tiny", 128, 24, 32
-        a.clients, a.total_steps, a.datums, a.measure_models, a.versions = "1,2,4", 4, 4, 2, 2
-        a.reps, a.max_models, a.budget = 1, a.max_models or 5, max(a.budget, 900)
+        tiny = dict(device="cpu", shape="tiny", micro_batch_tokens=128, datum_min=24, datum_max=32, clients="1,2,4",
+                    total_steps=4, datums=4, measure_models=2, versions=2, reps=1, max_models=5, budget=900)
+        for k, v in tiny.items():  # where the command line left the default
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
         for k in CAPS:
             CAPS[k] = 400
     if a.worker:

@@ -56,6 +56,8 @@ def running_server(cmd: list[str], cap_start: float, cwd, env: dict) -> Iterator
             found.wait(0.5)
         srv.start_s = round(time.time() - t0, 1)
         if not srv.url:
+            if p.poll() is not None:  # it ended: its last lines are still on their way through the reader
+                reader.join(5)
             srv.error = "no 'listening on' line: " + "".join(srv.log[-8:])[-600:]
         yield srv
     finally:  # the server and its CUDA context go before the next part (or on SIGTERM): its whole session
