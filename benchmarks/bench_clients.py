@@ -53,7 +53,7 @@ from bench_train import ROOT  # noqa: E402
 from rl_worker_setup import LORA_RANK, TAG, engine_overrides  # noqa: E402
 from serve_process import running_server  # noqa: E402
 
-CAPS = {"server": 150, "clients": 260, "memory": 230}
+CAPS = {"server": 180, "clients": 260, "memory": 230}
 MIN_START = 0.4  # a part is not started with less than this fraction of its cap left of the budget
 GiB = 2**30
 
@@ -231,8 +231,9 @@ def main() -> int:
     if a.tiny and not a.worker:
         tiny = dict(device="cpu", shape="tiny", micro_batch_tokens=128, datum_min=24, datum_max=32, clients="1,2,4",
                     total_steps=4, datums=4, measure_models=2, versions=2, reps=1, max_models=5, budget=900)
-        for k, v in tiny.items():  # where the command line left the default
-            if getattr(a, k) == ap.get_default(k):
+        given = {x.split("=")[0] for x in sys.argv[1:] if x.startswith("--")}
+        for k, v in tiny.items():  # what the command line does not give
+            if "--" + k.replace("_", "-") not in given:
                 setattr(a, k, v)
         for k in CAPS:
             CAPS[k] = 400

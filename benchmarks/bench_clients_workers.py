@@ -138,6 +138,7 @@ def worker_clients(a) -> int:
     # a LoRA server answers only a client asking its own rank; base_model: the server's model.name (the dense
     # shapes set every size over the default, tiny)
     clients = [service.create_lora_training_client(base_model="tiny", rank=a.lora) for _ in range(n)]
+    clients = [c if isinstance(c, tinker.TrainingClient) else c.result() for c in clients]  # 0.38: futures
     emit("created", clients=n, s=round(time.perf_counter() - t, 2))
     data = [to_sdk(step_data(i, lengths, vocab_of(a.shape))) for i in range(n)]
     adam = types.AdamParams(**ADAM)
