@@ -187,11 +187,15 @@ def plan_prediction(cfg, versions: int, models: int) -> dict:
 
 
 def is_oom(e: BaseException) -> bool:
+    """The Engine's OutOfMemory (a pass), torch's (an adapter's allocation), or a library's failed allocation
+    (cuBLAS's workspace: a RuntimeError)."""
     import torch
 
     from shardfit.engine.records import OutOfMemory
 
-    return isinstance(e, (torch.cuda.OutOfMemoryError, OutOfMemory))
+    text = str(e).lower()
+    return (isinstance(e, (torch.cuda.OutOfMemoryError, OutOfMemory)) or "out of memory" in text
+            or "alloc_failed" in text)
 
 
 def worker_memory(a) -> int:

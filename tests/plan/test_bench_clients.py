@@ -130,3 +130,15 @@ def test_a_server_that_never_listens_is_an_error_line(tmp_path):
                         {}) as srv:
         assert srv.url == ""
     assert srv.error.startswith("no 'listening on' line: ") and "starting" in srv.error
+
+
+def test_an_oom_ends_the_count_and_nothing_else_does():
+    import torch
+
+    from shardfit.engine.records import OutOfMemory
+
+    assert bw.is_oom(OutOfMemory("rank 0 ran out of GPU memory in step 3", where="step 3", fix="lower it"))
+    assert bw.is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert bw.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)"))
+    assert not bw.is_oom(ValueError("datum 0 has 5,000 tokens, more than the engine's micro-batch"))
+    assert not bw.is_oom(KeyboardInterrupt())
