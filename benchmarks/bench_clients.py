@@ -67,8 +67,9 @@ def worker_cmd(a, kind: str, *extra: str) -> list[str]:
             str(a.max_models), f"--sf-extra={a.sf_extra}", *extra]
 
 
-def clients_part(a, cap_start: int, cap_clients: int) -> list[dict]:
-    """The server, the clients worker against it, the server stopped: [server row, clients row]."""
+def clients_part(a, cap_start: int, left) -> list[dict]:
+    """The server, the clients worker against it (capped to CAPS["clients"] and to left(), the budget's seconds
+    left once the server is up), the server stopped: [server row, clients row]."""
     run_dir = Path(tempfile.mkdtemp(prefix="clientbench-serve-"))
     cmd = [sys.executable, "-m", "shardfit", "serve", "--port=0",
            *engine_overrides(a, a.shape, a.micro_batch_tokens, run_dir / "run", lora=a.lora)]
@@ -81,7 +82,7 @@ def clients_part(a, cap_start: int, cap_clients: int) -> list[dict]:
         if srv.url:
             rows.append({"part": "clients", "system": "sdk",
                          **run(f"tinker SDK clients -> serve {a.shape}", worker_cmd(a, "clients", "--url", srv.url),
-                               cap_clients, env={"TINKER_TELEMETRY": "0"})})
+                               int(max(min(CAPS["clients"], left() - 5), 30)), env={"TINKER_TELEMETRY": "0"})})
         else:
             row["error"] = srv.error
     row["log_tail"] = srv.log_tail()
@@ -182,7 +183,8 @@ def main_parent(a) -> int:
             if left < MIN_START * (CAPS["server"] + CAPS["clients"]):
                 rows.append({"part": part, "label": "clients", "skipped": f"budget ({left:.0f} s left)"})
             else:
-                rows.extend(clients_part(a, int(min(CAPS["server"], left / 2)), int(min(CAPS["clients"], left - 5))))
+                rows.extend(clients_part(a, int(min(CAPS["server"], left / 2)),
+                                         lambda: a.budget - (time.time() - t0)))
         elif part == "memory":
             if left < MIN_START * CAPS["memory"]:
                 rows.append({"part": part, "label": "memory", "skipped": f"budget ({left:.0f} s left)"})
