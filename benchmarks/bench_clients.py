@@ -2,7 +2,9 @@
 version cost against `shardfit plan --models N --versions K`, how many models fit one GPU, and one client through
 the SDK against the Engine in process. One GPU, Qwen3-8B shape (rl_worker_setup.SHAPES), LoRA r=16 alpha 32 on the
 7 linear layers of every block with full checkpointing (bench_rl's lora-ppo and rl-8b serve), random weights, fp32
-adapters, bf16 compute, compiled; micro-batches of --micro-batch-tokens (4,096) tokens.
+adapters, bf16 compute, compiled; micro-batches of --micro-batch-tokens (4,096) tokens: a step's 16 datums are four
+[1, 4096] rows, and a model of the memory part costs one row's pass (~0.5 s, where rl-8b's 17,408-token rows would
+cost ~2 s: ~90 models would not fit the stage's time). models_fit is the plan's count at that T (the peak of one row).
 
   python benchmarks/bench_clients.py --out clients.json          # both parts (device_run.sh clients, ~8 min)
   python benchmarks/bench_clients.py --parts memory               # one part
@@ -29,7 +31,9 @@ JSON summary: multi_client_aggregate {"1", "4", "16", "sequential16": tokens/s},
 "1"; the issue's target: "16" >= 0.9), model_gib and version_gib (median allocated delta), plan_ratio {model,
 version: measured over the plan's bytes; the target is within 3%}, models_fit {predicted, measured, stopped: oom,
 cap (a lower bound) or deadline}, sdk_vs_inprocess (the SDK step of one client over the in-process step, the
-issue's "within 3%"), peak_vs_plan (the last model's pass: allocated peak over the plan's peak + models + versions).
+issue's "within 3%"; of this ~16k-token step, where bench_rl's serve part times a 178,786-token PPO step: a request's
+fixed cost weighs ~10x more here), peak_vs_plan (the last model's pass: allocated peak over the plan's peak +
+models + versions).
 The device lacks the SDK and the server stack: device_run.sh installs benchmarks/wheels_rl (bench_rl.py's docstring).
 """
 
