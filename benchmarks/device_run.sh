@@ -163,6 +163,17 @@
 #             DPO_ARGS adds bench_dpo.py options (--cases sf-lora8b-noac,... : no AC, 4,096-token rows; --sf-ac auto;
 #             --trl-mbs 2; ...).
 #             JSON $OUT/dpo.json: summary.dpo_vs_trl {lora8b, full1b: {throughput, memory}} (shardfit over TRL)
+# Issue 35, many LoRA models on one base (benchmarks/bench_clients.py; one GPU, H100 or H200: say which). Carry
+# benchmarks/wheels_rl (as the rl stages: the tinker SDK and the server stack, installed into /tmp/site first).
+#   clients   Qwen3-8B shape, LoRA r=16 on the 7 linears, full AC, 4,096-token rows, random weights: `shardfit serve
+#             --lora.rank=16` and 16 tinker SDK training clients (one model each), the cookbook's RL step
+#             (importance_sampling, 16 datums of 896-1,024 tokens, + optim_step): 1, 4, 16 concurrent clients and the
+#             16 models one after another, 16 steps each configuration (~4 min with the server's start); then the
+#             Engine in process: the same step timed (the SDK's 1-client step against it), a model's and a version's
+#             allocated bytes against the plan's, models added until an OOM or the plan's count + 12 (~3.5 min).
+#             Cap CLIENTS_CAP, 490 s; CLIENTS_ARGS adds options (--parts memory, --total-steps 32, ...). JSON
+#             $OUT/clients.json: summary multi_client_aggregate {1, 4, 16, sequential16}, multi_client_vs_one,
+#             model_gib, version_gib, plan_ratio, models_fit, sdk_vs_inprocess, peak_vs_plan
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -338,6 +349,9 @@ for stage in "$@"; do
       [ -s /tmp/dpo_wheels.txt ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(cat /tmp/dpo_wheels.txt)
       echo "installed: $(xargs -n1 basename < /tmp/dpo_wheels.txt | tr '\n' ' ')"
       env CUDA_VISIBLE_DEVICES=0 timeout ${DPO_CAP:-480} python3 benchmarks/bench_dpo.py --budget $((${DPO_CAP:-480} - 10)) ${DPO_ARGS:-} --out "$OUT/dpo.json" 2>&1 | tee "$OUT/dpo.log" | grep -v '^{' | tail -14 ;;
+    clients)  # issue 35: concurrent SDK training clients, a model's and a version's memory against the plan
+      [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
+      env CUDA_VISIBLE_DEVICES=0 timeout ${CLIENTS_CAP:-490} python3 benchmarks/bench_clients.py --budget $((${CLIENTS_CAP:-490} - 20)) ${CLIENTS_ARGS:-} --out "$OUT/clients.json" 2>&1 | tee "$OUT/clients.log" | grep -v '^{' | grep -v "^Retrying request" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
