@@ -61,13 +61,11 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -77,7 +75,7 @@ from bench_moe import why  # noqa: E402
 from bench_rl_workers import WORKERS  # noqa: E402
 from bench_train import ROOT, _run_group  # noqa: E402  (bench_train's private helpers, on purpose)
 from rl_report import summarize, table  # noqa: E402
-from rl_worker_setup import LORA_RANK, SHAPES, engine_overrides, vocab_of  # noqa: E402
+from rl_worker_setup import LORA_RANK, SHAPES, engine_overrides, serve_process, vocab_of  # noqa: E402
 
 CAPS = {"sf": 200, "sf-prof": 230, "hf": 200, "sf-moe": 240, "hf-moe": 220, "server": 180, "sdk": 150,
         "sf-prof-ppo": 260, "hf-prof-ppo": 400}
@@ -137,52 +135,22 @@ def serve(a, shape: str, T: int, cap_start: int, cap_sdk: int, inputs: Path) -> 
     run_dir = Path(tempfile.mkdtemp(prefix="rlbench-serve-"))
     cmd = [sys.executable, "-m", "shardfit", "serve", "--port=0",
            *engine_overrides(a, shape, T, run_dir / "run", lora=a.serve_lora)]
-    env = {**os.environ, "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1"}
-    t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
-                         start_new_session=True)
-    log: list[str] = []
-    found: dict = {}
-
-    def read():
-        for line in p.stdout:
-            log.append(line)
-            if not found and (m := re.search(r"listening on (http://\S+)", line)):
-                found["url"], found["t"] = m.group(1), time.time()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     row = {"label": f"shardfit serve {shape}", "cmd": " ".join(cmd[1:])}
     rows = [row]
-    try:
-        while not found and p.poll() is None and time.time() - t0 < cap_start:
-            time.sleep(0.5)
-        row["start_s"] = round(time.time() - t0, 1)
-        if found:
+    with serve_process(cmd, cap_start, ROOT) as server:
+        row["start_s"] = server["start_s"]
+        if server["url"]:
             rows.append(run(f"tinker SDK -> serve {shape}",
-                            worker_cmd(a, "sdk", "--shape", shape, "--url", found["url"], "--save-inputs",
+                            worker_cmd(a, "sdk", "--shape", shape, "--url", server["url"], "--save-inputs",
                                        str(inputs), "--lora", str(a.serve_lora)), cap_sdk,
                             env={"TINKER_TELEMETRY": "0"}))
         else:
-            row["error"] = "no 'listening on' line: " + "".join(log[-8:])[-600:]
-    finally:  # the server and its CUDA context go before the next part (or on SIGTERM): its whole session
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)  # serve stops after the command in hand
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        reader.join(5)
-    row["log_tail"] = "".join(log[-6:])[-800:]
+            row["error"] = "no 'listening on' line: " + "".join(server["log"][-8:])[-600:]
+    row["log_tail"] = server["log_tail"]
     shutil.rmtree(run_dir, ignore_errors=True)
     return rows
 
 
-
-
-# ---------------------------------------------------------------------------------------------- main
 def gpu_memory_gib() -> float:
     """The GPU's memory from nvidia-smi (no CUDA context in this process); 0 without one."""
     if not shutil.which("nvidia-smi"):

@@ -1,5 +1,6 @@
 """What the worker processes of benchmarks/bench_rl.py (bench_rl_workers.py) share: the shapes as Engine
-overrides, the JSON lines they print, and their timing.
+overrides, the JSON lines they print, their timing, and `shardfit serve` run in a session of its own
+(serve_process: bench_rl.py's serve part, bench_rl_iter.py).
 
 Shapes: the anchor's SHAPES, key for key, as Engine overrides (bench_rl.py's JSON compares the parameter counts);
 MOE the Qwen3-30B-A3B shape (bench_moe.py's constants) and a tiny one for CPU checks. Timing: one warm-up call over
@@ -9,9 +10,15 @@ tokens (prompt + response).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -138,3 +145,44 @@ def warm_idx(r: ro.Rollouts) -> list[int]:
     lens = [len(s) for s in r.seqs]
     return [lens.index(max(lens)), lens.index(min(lens))]
 
+
+
+# ---------------------------------------------------------------------------------------------- the server
+@contextlib.contextmanager
+def serve_process(cmd: list[str], cap_start: float, cwd: Path, env: dict | None = None):
+    """`cmd` (a `shardfit serve --port=0 ...` command line) in a session of its own; yields a dict with "url" (None
+    if no 'listening on' line came within cap_start seconds, or the server exited), "start_s" and, once the block
+    ends, "log_tail". The server and its CUDA context go at the end (or on SIGTERM): SIGTERM to its whole session
+    (serve stops after the command in hand), SIGKILL after 30 s."""
+    env = {**os.environ, "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
+    t0 = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
+                         start_new_session=True)
+    log: list[str] = []
+    found: dict = {}
+
+    def read():
+        for line in p.stdout:
+            log.append(line)
+            if not found and (m := re.search(r"listening on (http://\S+)", line)):
+                found["url"] = m.group(1)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    out = {"url": None, "log": log}
+    try:
+        while not found and p.poll() is None and time.time() - t0 < cap_start:
+            time.sleep(0.5)
+        out["url"], out["start_s"] = found.get("url"), round(time.time() - t0, 1)
+        yield out
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        reader.join(5)
+        out["log_tail"] = "".join(log[-6:])[-800:]
