@@ -247,8 +247,8 @@ class Executor:
                 results[c.request_id] = failure_result(e, c, self.rank)
                 continue
             model = version = None
-            if not served:  # an extra served model samples its own (frozen) weights
-                if weights == BASE or weights in self.engine.models.versions:
+            if not served and self.registry is not None:  # an extra served model samples its own (frozen) weights
+                if weights == BASE or weights in self.registry.versions:
                     version = weights
                 else:
                     model = weights
