@@ -106,7 +106,11 @@ class EngineSampling:
         good = [i for i in range(n) if i not in errors]
         rank, world = self.dist.rank, self.dist.world_size
         mine = [i for j, i in enumerate(good) if j % world == rank]
-        done = sampler.run([reqs[i] for i in mine]) if mine else []
+        try:
+            done = sampler.run([reqs[i] for i in mine]) if mine else []
+        except BaseException:
+            self.release_sampler(training=False)  # what it held half-decoded must not meet the next call's requests
+            raise
         if world > 1:
             done = _gather_results([reqs[i] for i in good], dict(zip(range(rank, len(good), world), done)), rank,
                                    world, self.device)

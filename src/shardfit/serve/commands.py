@@ -210,7 +210,7 @@ class Loop:
             if self.done is not None:
                 self.done(c, result)
             if self.futures is not None:
-                self.futures.complete(c.request_id, result, phases)
+                self.futures.complete(c.request_id, result, dict(phases))
                 self._log(c, result, len(members))
 
     def _log(self, cmd: Command, result: Result, batch: int) -> None:

@@ -1,4 +1,5 @@
-"""One command on the Engine, the same call on every rank; rank 0 encodes the answer.
+"""One command on the Engine, the same call on every rank; rank 0 encodes the answer (a sample_batch's: one per
+request, commands.py).
 
 The RL API (rl/step.py DatumEngine): forward / forward_backward(datums, loss_fn, loss_fn_config) -> outputs +
 metrics, optim_step(AdamParams) -> metrics; the Engine's save_state / load_state(path, optimizer) and model (the
