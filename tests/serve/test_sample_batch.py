@@ -1,8 +1,8 @@
 """Sample requests batched across clients (serve/commands.py's sample_batch), through the official tinker SDK on the
-real Engine (`--lora.rank=8`, one gloo rank, CPU, loopback): 12 seeded requests from 3 sampling clients (two frozen
-versions and the model's live weights) sent at once run as 1-2 Engine.sample calls, and each equals what it gets
-alone; a request of a sampler whose saved weights did not load, sent among them, fails alone with its one line;
-2 gloo ranks return what 1 returns.
+real Engine (`--lora.rank=8`, two gloo ranks, CPU, loopback): 12 seeded requests from 3 sampling clients (two frozen
+versions and the model's live weights) sent at once run as 1-2 Engine.sample calls (the batch broadcast as one
+command, its requests shared out between the ranks), and each equals what it gets alone (decoded by rank 0); a
+request of a sampler whose saved weights did not load, sent among them, fails alone with its one line.
 The order of the queue (serve/ordering.py's take_following) is tested without a server.
 """
 
@@ -103,7 +103,7 @@ def _serve(rank: int, world: int, run_dir: str):
 
 @pytest.fixture(scope="module")
 def burst(tmp_path_factory):
-    return run_ranks(_serve, 1, str(tmp_path_factory.mktemp("batch")), timeout=600)[0]
+    return run_ranks(_serve, 2, str(tmp_path_factory.mktemp("batch")), timeout=600)[0]
 
 
 def test_twelve_requests_of_three_clients_run_as_one_or_two_calls_each_as_alone(burst):
@@ -119,16 +119,6 @@ def test_twelve_requests_of_three_clients_run_as_one_or_two_calls_each_as_alone(
 def test_a_bad_request_among_them_fails_alone_with_its_line(burst):
     assert "/asample sampling_session_id" in burst["bad"] and "did not load" in burst["bad"]
     assert "\n" not in burst["bad"].strip()
-
-
-def test_two_ranks_return_what_one_returns(burst, tmp_path):
-    """The batch broadcast as one command, each rank decoding its share of the requests: the same samples."""
-    two = run_ranks(_serve, 2, str(tmp_path), timeout=600)[0]
-    assert 1 <= len(two["burst_calls"]) <= 2 and "did not load" in two["bad"]
-    for a, b in zip(burst["together"] + burst["alone"], two["together"] + two["alone"]):
-        assert [t for t, _ in a] == [t for t, _ in b]
-        np.testing.assert_allclose(np.concatenate([lp for _, lp in a]), np.concatenate([lp for _, lp in b]),
-                                   rtol=0, atol=1e-4)  # the 2 steps' gradient reductions in another order
 
 
 def _pending(kind: str, rows: int = 1):
