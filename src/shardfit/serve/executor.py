@@ -234,7 +234,9 @@ class Executor:
         fails alone here); then one Engine.sample call per group that decodes together -- per Engine (the trained
         one, each served extra model) and without LoRA per weights (swapped into the model one at a time) -- with
         refused="return": a request the Engine refuses fails alone with its line, the others decode as if it were
-        not there. Every rank groups alike (the same command, the same sessions)."""
+        not there. Every rank groups alike (the same command, the same sessions). One Sampler is kept per server,
+        the trained Engine's (engine/sampling.py): a served extra model's is dropped after its call, and the trained
+        Engine's before it, so that neither KV pool holds the memory the other's (or a training step) needs."""
         from shardfit.engine.registry import BASE
 
         results: dict[str, Result] = {}
@@ -273,9 +275,18 @@ class Executor:
     def _sample_group(self, served: str, members: list) -> list:
         """One Engine.sample call for the group's requests [(command, args, model, version)]: per request its
         SampleResult, or the ShardfitError that refused it."""
+        e, tokenizer = self.served[served] if served else (self.engine, self.tokenizer)
+        if served:  # one Sampler kept per server, the trained Engine's: its KV pool would be the served model's memory
+            self.engine.release_sampler(training=False)
+        try:
+            return self._sample_call(e, tokenizer, members)
+        finally:
+            if served:  # a frozen extra model keeps none: its pool would hold the training step's memory for good
+                e.release_sampler(training=False)
+
+    def _sample_call(self, e, tokenizer, members: list) -> list:
         from shardfit.sampling.params import SamplingParams
 
-        e, tokenizer = self.served[served] if served else (self.engine, self.tokenizer)
         args = [a for _, a, _, _ in members]
         params = [SamplingParams(p["max_tokens"], p["temperature"], p["top_k"], p["top_p"], p["seed"],
                                  tuple(p["stop_tokens"]), tuple(p["stop_strings"]))
