@@ -134,7 +134,7 @@ class EngineSampling:
         if kept is not None and kept[1] == key:
             kept[0].tokenizer = tokenizer  # stop strings are decoded with this call's
             return kept[0]
-        self.release_sampler()
+        self.release_sampler(training=False)  # its pool first: the new one is sized from the memory then free
         sampler = Sampler(state.model, bank=state.bank, tokenizer=tokenizer, **options)
         self._sampling_sampler = (sampler, key)
         return sampler
@@ -231,6 +231,7 @@ class EngineSampling:
             held = (self.weights_epoch, self.models.current)
             st = self._sampling = SamplingState(plain, bank, held, max(4, needed))
         elif st.bank is not None and st.capacity < needed:  # a bigger bank on the same decode model, empty
+            self.release_sampler(training=False)  # its KV pool (built for the old bank) before the bank's memory
             old = st.bank
             st.capacity = max(2 * st.capacity, needed)
             st.bank = LoRABank(st.model, list(old.targets), st.capacity, old.rank, old.dtype, old.device)
