@@ -72,6 +72,9 @@
 #   house1-dense  Llama-3.2-1B shape compiled mbs 4 (suite single), old then new then old then new (4 x ~60 s)
 #   house1-moe    moe1's fastest shardfit case (6 layers, compiled, overlapped step), 40 steps, old/new/old/new:
 #                 wall-clock ms per step from timestamped log lines (benchmarks/wall_per_step.py; ~110 s)
+# Issue 36, sampling in an RL loop: rl-iter (bench_rl_iter.py: an SDK-driven RL iteration against `shardfit serve`,
+#   8B shape LoRA r=16, 64 x 16 x 512 sampled then trained; rl_iter_sample_over_train) and rl-iter-old (the same
+#   against .old/src's server); carry benchmarks/wheels_rl as the rl stages do (~8-9 min each, cap RLITER_CAP)
 # Issue 23, QLoRA: nf4  benchmarks/bench_nf4.py, NF4 dequantisation and the frozen linear's forward at the 70B
 #   shapes: shardfit eager, compiled and its Triton kernel (kernels/nf4_dequant.py, with a sweep of its launch
 #   shapes), bitsandbytes 0.50.2 (carry benchmarks/wheels_bnb), torchao if present (~50 s)
@@ -318,6 +321,15 @@ for stage in "$@"; do
     sample-core)  # issue 36: the new sampler (src/shardfit/sampling) per decode path (gather+graphs, gather+eager,
       # flex+eager) at 16/64/256 rows against the decode roofline; Qwen3-8B shape, plain bf16 CausalLM, 1 GPU
       env CUDA_VISIBLE_DEVICES=0 timeout ${SAMPLE_CAP:-560} python3 benchmarks/bench_sampler_core.py ${CORE_ARGS:-} --rows ${CORE_ROWS:-16,64,256} --out "$OUT/sampler_core.json" 2>&1 | tee "$OUT/sampler_core.log" | grep -v '^{' | tail -14 ;;
+    rl-iter|rl-iter-old)  # issue 36: a cookbook-shaped RL iteration through the tinker SDK against `shardfit serve`
+      # (benchmarks/bench_rl_iter.py): Qwen3-8B shape, LoRA r=16, 64 prompts of 256 tokens x 16 samples x 512 new
+      # tokens (forced), then importance_sampling forward_backward + optim_step; a warm-up, then 2 timed iterations
+      # (those the budget holds). rl-iter-old: the same against .old/src's server (an earlier commit's src, carried),
+      # in a call of its own. RLITER_ARGS: more flags (--shape 4b, --prompts 32, --iters 3, ...). JSON
+      # $OUT/<stage>.json (summary: rl_iter_sample_over_train, rl_iter_s, ...), log $OUT/<stage>.log
+      [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
+      src=src; [ $stage = rl-iter-old ] && src=.old/src
+      env CUDA_VISIBLE_DEVICES=0 timeout ${RLITER_CAP:-570} python3 benchmarks/bench_rl_iter.py --src $src --budget $((${RLITER_CAP:-570} - 40)) ${RLITER_ARGS:-} --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v FutureWarning | tail -12 ;;
     tests-sampling)  # the sampler's CUDA tests: graphs, flex, the paged-attention and multi-LoRA kernels (1 GPU)
       env CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_CAP:-200} python3 -m pytest -m cuda -q -rf --tb=short -p no:cacheprovider tests/cuda/test_cuda_sampling.py tests/kernels/test_paged_attention.py tests/kernels/test_multi_lora.py 2>&1 | tee "$OUT/pytest_sampling.log" | tail -8 ;;
     rl-auto)  # the 8B LoRA PPO step with compute.activation_checkpoint=auto against anchor D with and without its

@@ -1,5 +1,5 @@
 """What the worker processes of benchmarks/bench_rl.py (bench_rl_workers.py) share: the shapes as Engine
-overrides, the JSON lines they print, and their timing.
+overrides, the JSON lines they print and their timing (`shardfit serve` as a child: serve_process.py).
 
 Shapes: the anchor's SHAPES, key for key, as Engine overrides (bench_rl.py's JSON compares the parameter counts);
 MOE the Qwen3-30B-A3B shape (bench_moe.py's constants) and a tiny one for CPU checks. Timing: one warm-up call over
@@ -137,4 +137,3 @@ def rate(r: ro.Rollouts, times: list[float]) -> dict:
 def warm_idx(r: ro.Rollouts) -> list[int]:
     lens = [len(s) for s in r.seqs]
     return [lens.index(max(lens)), lens.index(min(lens))]
-

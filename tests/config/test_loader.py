@@ -97,7 +97,7 @@ def test_help_lists_every_key():
     cfg = Config()
     sections = list(vars(cfg))
     assert sections == ["model", "lora", "data", "train", "parallel", "compute", "checkpoint", "logging", "memory",
-                        "preference", "serve"]
+                        "preference", "serve", "sampling"]
     for section in sections:
         assert f"[{section}]" in text
         for key in vars(getattr(cfg, section)):

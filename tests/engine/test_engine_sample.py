@@ -7,7 +7,11 @@
   gap is 0 up to fp32 rounding);
 - 2 gloo ranks (each decoding its share of the prompts) return what 1 returns;
 - a full-parameter engine samples its live weights after each optim_step; an MoE model with LoRA on its experts
-  samples each version's tokens; refusals are one line.
+  samples each version's tokens; refusals are one line;
+- refused="return" (serve's batches): a prompt refused by the Engine (a freed version) or the Sampler (too long)
+  comes back as its one-line error and the others of the call get what they get alone;
+- the Sampler is kept between sample calls (one built), dropped before a forward_backward (rl/step.py) and kept
+  across it with sampling.keep_kv; the samples are the same either way.
 """
 
 from __future__ import annotations
@@ -187,6 +191,56 @@ def test_refusals_are_one_line(lora):
     assert _tokens(e.sample(PROMPTS[:1], _greedy(), **KV)) == _serve_greedy(e, "default")[:1]  # nothing left over
 
 
+def test_a_refused_prompt_fails_alone_and_the_others_get_what_they_get_alone(lora):
+    from shardfit.errors import ShardfitError
+    from shardfit.sampling.params import SamplingParams
+
+    e = lora
+    v = e.freeze("default")
+    gone = e.freeze("default")
+    e.models.release(gone)
+    prompts = [PROMPTS[0], [1] * 64, PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    params = [SamplingParams(max_tokens=3 + i, temperature=1.0, seed=20 + i) for i in range(5)]
+    versions, models = [v, None, gone, None, v], [None, "default", None, "default", None]
+    counts = [2, 1, 1, 3, 1]
+    got = e.sample(prompts, params, version=versions, model=models, num_samples=counts, prompt_logprobs=[
+        True, False, False, False, True], refused="return", **KV)
+    assert isinstance(got[1], ShardfitError) and got[1].where == "prompt" and "max_seq_len=64" in str(got[1])
+    assert isinstance(got[2], ShardfitError) and "not held" in str(got[2]) and "\n" not in str(got[2])
+    for i in (0, 3, 4):
+        [alone] = e.sample([prompts[i]], params[i], version=versions[i], model=models[i], num_samples=counts[i],
+                           prompt_logprobs=i != 3, **KV)
+        assert _tokens([got[i]]) == _tokens([alone]) and len(got[i].samples) == counts[i]
+        np.testing.assert_allclose([x for s in got[i].samples for x in s.logprobs],
+                                   [x for s in alone.samples for x in s.logprobs], rtol=0, atol=1e-5)
+    with pytest.raises(ShardfitError, match="not held"):  # the default: a refusal raised (what is named, first)
+        e.sample(prompts, params, version=versions, model=models, **KV)
+
+
+def test_the_sampler_is_kept_between_calls_and_dropped_before_training(lora, monkeypatch):
+    from shardfit.sampling import runner
+    from shardfit.sampling.params import SamplingParams
+
+    built = []
+    init = runner.Sampler.__init__
+    monkeypatch.setattr(runner.Sampler, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
+    e = lora
+    p = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+    e.release_sampler()
+    first = e.sample(PROMPTS, p, model="default", num_samples=2, **KV)
+    assert e.sample(PROMPTS, p, model="default", num_samples=2, **KV) == first and len(built) == 1  # one Sampler
+    e.forward_backward(_data(7), "cross_entropy", model="default")  # no optim_step: the same weights
+    assert e._sampling_sampler is None  # dropped: the pass's memory
+    assert e.sample(PROMPTS, p, model="default", num_samples=2, **KV) == first and len(built) == 2
+    monkeypatch.setattr(e.cfg.sampling, "keep_kv", True)
+    e.forward_backward(_data(8), "cross_entropy", model="default")
+    assert e._sampling_sampler is not None  # kept across training
+    assert e.sample(PROMPTS, p, model="default", num_samples=2, **KV) == first and len(built) == 2
+    e.sample(PROMPTS, p, model="default", kv_blocks=32, block_size=8)  # other options: another Sampler
+    assert len(built) == 3
+    e.optim_step(model="default")  # the gradients applied: the fixture's engine steps on as the other tests do
+
+
 def _ranks(rank, world):
     from shardfit.config import load_config
     from shardfit.rl import DatumEngine
@@ -205,7 +259,10 @@ def _ranks(rank, world):
         refused = ""
     except Exception as err:  # noqa: BLE001  the message is the assertion
         refused = str(err)
-    return [{"refused": refused}] + [
+    each = e.sample([[1, 2], [3] * 60, [4, 5]], SamplingParams(max_tokens=10, temperature=1.0, seed=1),
+                    refused="return", **KV)  # the long one alone refused on every rank, the others decoded
+    refused_alone = [str(r) if isinstance(r, Exception) else [s.tokens for s in r.samples] for r in each]
+    return [{"refused": refused, "refused_alone": refused_alone}] + [
         {"tokens": [s.tokens for s in r.samples], "logprobs": [s.logprobs for s in r.samples],
          "stop": [s.stop_reason for s in r.samples], "topk": [s.topk for s in r.samples],
          "prompt": r.prompt_logprobs, "topk_prompt": r.topk_prompt_logprobs} for r in res]
@@ -216,6 +273,8 @@ def test_two_ranks_return_what_one_returns():
     two = run_ranks(_ranks, 2)
     assert two[0] == two[1]  # every rank has every prompt's results, and the same refusal
     assert "sampling_params.max_tokens" in one[0]["refused"] and two[0][0]["refused"] == one[0]["refused"]
+    assert two[0][0]["refused_alone"] == one[0]["refused_alone"]
+    assert "sampling_params.max_tokens" in one[0]["refused_alone"][1] and len(one[0]["refused_alone"][0][0]) == 10
     for a, b in zip(one[1:], two[0][1:]):
         assert a["tokens"] == b["tokens"] and a["stop"] == b["stop"]
         np.testing.assert_allclose(np.concatenate(a["logprobs"]), np.concatenate(b["logprobs"]), atol=2e-5)

@@ -80,15 +80,21 @@ class FakeEngine:
         return t.micro_batch_tokens or self.cfg.data.seq_len * max(t.micro_batch, 1)
 
     def sample(self, prompts, params, *, model=None, version=None, num_samples=1, prompt_logprobs=False,
-               topk_prompt_logprobs=0, topk_sample_logprobs=0, tokenizer=None):
-        """The Engine's: the real Sampler over this one-process model (no versions: one set of weights)."""
-        from shardfit.sampling import Sampler, SampleRequest
+               topk_prompt_logprobs=0, topk_sample_logprobs=0, tokenizer=None, refused="raise"):
+        """Engine.sample's call as serve makes it (options one per prompt), through the real Sampler over this model's
+        live weights (the fake holds no versions: model and version are ignored)."""
+        from shardfit.sampling.params import SampleRequest
+        from shardfit.sampling.runner import Sampler
 
         self.calls.append("sample")
-        reqs = [SampleRequest(list(p), params, num_samples, -1, prompt_logprobs, topk_prompt_logprobs,
-                              topk_sample_logprobs) for p in prompts]
-        with torch.no_grad():
-            return Sampler(self.model, tokenizer=tokenizer).run(reqs)
+        reqs = [SampleRequest(list(p), *opts) for p, *opts in zip(prompts, params, num_samples, [-1] * len(prompts),
+                                                                      prompt_logprobs, topk_prompt_logprobs,
+                                                                      topk_sample_logprobs)]
+        self.model.eval()
+        try:
+            return Sampler(self.model, kv_blocks=64, block_size=16, tokenizer=tokenizer, cuda_graphs=False).run(reqs)
+        finally:
+            self.model.train()
 
     def forward(self, datums, loss_fn="cross_entropy", loss_fn_config=None):
         self.calls.append("forward")

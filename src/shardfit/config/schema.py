@@ -374,6 +374,18 @@ class ServeConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """Engine.sample's Sampler (engine/sampling.py): its paged KV pool and what keeps it between calls."""
+
+    kv_fraction: float = opt(0.9, "share of the device memory free after the weights that the sampler's paged KV cache "
+                                  "takes (sampling/kv.py); the rest stays free", gt=0, le=1)
+    keep_kv: bool = opt(False, "keep the sampler (its KV pool and CUDA graphs) across training commands too, not only "
+                               "between consecutive sample calls: no pool allocation or graph capture per sampling "
+                               "phase, but the pool's memory is then not the training step's: lower "
+                               "sampling.kv_fraction so that both fit")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -386,6 +398,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 # Architecture presets: the sizes of real model families, used by `model.name`. "tiny" is the embedded default

@@ -12,18 +12,25 @@ read from the registry's slot: a swap, and on N ranks one all-gather per adapter
 calls while nothing changes it (a version never; a live model until the next optim_step). Rows of every model and
 version of the call decode in one continuous batch (sampling/'s Sampler).
 
-The Sampler and its paged KV pool are built per call and dropped at its end: the pool is sized from the memory free
-after the weights (kv_fraction of it, the allocator's cache emptied first), and that memory is the next training
-step's activations. Its CUDA graphs are captured per call, once per batch-size bucket the call reaches.
+The Sampler (its paged KV pool and CUDA graphs) is kept between calls while no training command needs the memory:
+the next call with the same decode model, bank and options reuses it (no pool allocation, no graph capture: on CUDA
+a graph per batch-size bucket is captured once, not once per call), and the RL API (rl/step.py) drops it before
+every forward, forward_backward and optim_step (release_sampler), so that the pass has its activations' memory
+again. What that costs: the first sample call after a training command allocates the pool again (sized from the
+memory free after the weights: sampling.kv_fraction of it, the allocator's cache emptied first) and captures its
+graphs again (a few decode steps' time per bucket). With sampling.keep_kv the Sampler is kept across training
+commands too: nothing is rebuilt, but the pool's memory is not the training step's (lower sampling.kv_fraction so
+that both fit). A call with other options (kv_blocks, max_rows, ...) or a grown bank builds a new Sampler.
 
-Several ranks: every rank is given the same prompts (as every Engine call); request i decodes on rank i % world
-(data-parallel, no collective per token), and the results travel once at the end: each rank's results packed into
-a float64 vector whose length every rank computes from the requests alone (tokens and fp32 log-probs are exact in
-float64), padded to the longest rank's, one all-gather (all_gather_rows). No pickling.
+Several ranks: every rank is given the same prompts (as every Engine call); the i-th request not refused decodes on
+rank i % world (data-parallel, no collective per token), and the results travel once at the end: each rank's
+results packed into a float64 vector whose length every rank computes from the requests alone (tokens and fp32
+log-probs are exact in float64), padded to the longest rank's, one all-gather (all_gather_rows). No pickling.
 Collectives of a call on N ranks, the same on every rank in this order: building the decode model (the first call;
 a full-parameter model's refresh after a step) one all-reduce of the room on CUDA and one all-gather per parameter;
-per adapter loaded into a slot, one all-gather per adapter tensor; one all-reduce of the requests' verdict; one
-all-gather of the results. On one rank, none.
+per adapter loaded into a slot, one all-gather per adapter tensor; one all-reduce of the requests' verdicts ([n]:
+a request refused on any rank is refused on all, raised or, with refused="return", left out alone); one all-gather
+of the results of the requests not refused. On one rank, none.
 """
 
 from __future__ import annotations
@@ -60,92 +67,120 @@ class EngineSampling:
 
     _sampling: SamplingState | None = None
 
-    def sample(self, prompts: list[list[int]], params, *, model=None, version=None, num_samples: int = 1,
-               prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
-               tokenizer=None, **sampler_options) -> list:
-        """num_samples continuations of each prompt (list of token ids) under `params` (a SamplingParams, or one
-        per prompt), from `model` (a LoRA model's name: its live adapters; None: the one in the slot now) or
-        `version` (a frozen version's id, or registry.BASE: the base alone); each may be a list, one per prompt.
-        Returns a SampleResult per prompt, in order. Every rank calls it with the same arguments.
+    def sample(self, prompts: list[list[int]], params, *, model=None, version=None, num_samples=1,
+               prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0, tokenizer=None,
+               refused: str = "raise", **sampler_options) -> list:
+        """num_samples continuations of each prompt (list of token ids) under `params` (a SamplingParams), from
+        `model` (a LoRA model's name: its live adapters; None: the one in the slot now) or `version` (a frozen
+        version's id, or registry.BASE: the base alone); each of these (and num_samples, prompt_logprobs, the top-k
+        widths) may be a list, one per prompt. Returns a SampleResult per prompt, in order. Every rank calls it with
+        the same arguments. refused="raise": a prompt the Engine or the Sampler refuses raises its one line before
+        anything decodes; "return": its entry is that ShardfitError instead and the other prompts decode as if it
+        had not been given (serve's batches of requests: each fails alone).
         sampler_options: the Sampler's (kv_fraction, kv_blocks, block_size, max_rows, prefill_chunk, attention,
-        cuda_graphs)."""
+        cuda_graphs); the Sampler is kept for the next call with the same options (_sampler)."""
         from shardfit.sampling.params import SampleRequest
+
+        if refused not in ("raise", "return"):
+            raise ValueError(f"refused={refused!r}")  # a caller's bug, not input
+        n = len(prompts)
+        each = {name: _per_prompt(value, n, name) for name, value in (
+            ("params", params), ("num_samples", num_samples), ("prompt_logprobs", prompt_logprobs),
+            ("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs))}
+        errors: dict[int, ShardfitError] | None = {} if refused == "return" else None
+        keys = self._sample_keys(_per_prompt(model, n, "model"), _per_prompt(version, n, "version"), errors)
+        errors = errors or {}
+        self.finish()  # the weights after the last optim_step, every parameter its shard (no gathered copy)
+        if self.device.type == "cuda" and self._sampling_sampler is None:
+            torch.cuda.empty_cache()  # the training step's cached blocks: free memory for the gathered model, the pool
+        state = self._sampling_state(len(set(k for i, k in enumerate(keys) if k is not None and i not in errors)))
+        slot_of = self._load_slots(state, [k for i, k in enumerate(keys) if i not in errors])
+        reqs = [SampleRequest([t.item() if hasattr(t, "item") else t for t in p], each["params"][i],
+                              each["num_samples"][i], slot_of.get(keys[i], -1), each["prompt_logprobs"][i],
+                              each["topk_prompt_logprobs"][i], each["topk_sample_logprobs"][i])
+                for i, p in enumerate(prompts)]
+        sampler = self._sampler(state, tokenizer, sampler_options)
+        self._check_requests(sampler, reqs, errors)
+        if refused == "raise" and errors:
+            raise errors[min(errors)]
+        good = [i for i in range(n) if i not in errors]
+        rank, world = self.dist.rank, self.dist.world_size
+        mine = [i for j, i in enumerate(good) if j % world == rank]
+        try:
+            done = sampler.run([reqs[i] for i in mine]) if mine else []
+        except BaseException:
+            self.release_sampler(training=False)  # what it held half-decoded must not meet the next call's requests
+            raise
+        if world > 1:
+            done = _gather_results([reqs[i] for i in good], dict(zip(range(rank, len(good), world), done)), rank,
+                                   world, self.device)
+            mine = good
+        out: list = [errors.get(i) for i in range(n)]
+        for i, res in zip(mine, done):
+            out[i] = res
+        return out
+
+    # ------------------------------------------------------------------ the Sampler kept between calls
+    _sampling_sampler = None  # (the Sampler, what it was built for) while kept
+
+    def _sampler(self, state: SamplingState, tokenizer, options: dict):
+        """The Sampler of the last call when it was built for the same decode model, bank and options (its KV pool
+        and CUDA graphs reused: no allocation or capture), else a new one (the old one dropped first)."""
         from shardfit.sampling.runner import Sampler
 
-        n = len(prompts)
-        params = _per_prompt(params, n, "params")
-        keys = self._sample_keys(_per_prompt(model, n, "model"), _per_prompt(version, n, "version"))
-        self.finish()  # the weights after the last optim_step, every parameter its shard (no gathered copy)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the training step's cached blocks: free memory for the gathered model, the pool
-        state = self._sampling_state(len(set(k for k in keys if k is not None)))
-        slot_of = self._load_slots(state, keys)
-        reqs = [SampleRequest([t.item() if hasattr(t, "item") else t for t in p], params[i], num_samples,
-                              slot_of.get(keys[i], -1), prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs)
-                for i, p in enumerate(prompts)]
-        rank, world = self.dist.rank, self.dist.world_size
-        mine = [i for i in range(n) if i % world == rank]
-        sampler = Sampler(state.model, bank=state.bank, tokenizer=tokenizer, **sampler_options)
-        try:
-            self._check_requests(sampler, reqs)
-            done = sampler.run([reqs[i] for i in mine]) if mine else []
-        finally:
-            del sampler  # the KV pool: the next training step's memory
-        if world == 1:
-            return done
-        return _gather_results(reqs, dict(zip(mine, done)), rank, world, self.device)
+        options = {"kv_fraction": self.cfg.sampling.kv_fraction, **options}
+        key = (id(state.model), id(state.bank), tuple(sorted(options.items())))
+        kept = self._sampling_sampler
+        if kept is not None and kept[1] == key:
+            kept[0].tokenizer = tokenizer  # stop strings are decoded with this call's
+            return kept[0]
+        self.release_sampler(training=False)  # its pool first: the new one is sized from the memory then free
+        sampler = Sampler(state.model, bank=state.bank, tokenizer=tokenizer, **options)
+        self._sampling_sampler = (sampler, key)
+        return sampler
 
-    def _check_requests(self, sampler, reqs: list) -> None:
-        """Every request checked on every rank (one line naming the field), and on N ranks the verdict agreed in one
-        all-reduce before any rank decodes: a rank never waits in the results' gather for one that refused (their
-        KV pools, sized from each GPU's free memory, may differ)."""
-        err = None
-        for r in reqs:
-            try:
-                sampler.check(r)
-            except ShardfitError as e:
-                err = e
-                break
+    def release_sampler(self, training: bool = True) -> None:
+        """Drop the kept Sampler: its KV pool and its CUDA graphs' pool go back to the allocator (and on CUDA to the
+        device: the training step's activations need them). training=True (the RL API calls it before every forward,
+        forward_backward and optim_step): kept instead when sampling.keep_kv says so."""
+        if self._sampling_sampler is None or (training and self.cfg.sampling.keep_kv):
+            return
+        self._sampling_sampler = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_requests(self, sampler, reqs: list, errors: dict) -> None:
+        """Every request not refused yet checked on every rank (one line naming the field, into `errors`), and on N
+        ranks the verdicts agreed in one all-reduce of a [n] vector before any rank decodes: a rank never waits in
+        the results' gather for one that refused (their KV pools, sized from each GPU's free memory, may differ)."""
+        for i, r in enumerate(reqs):
+            if i not in errors:
+                try:
+                    sampler.check(r)
+                except ShardfitError as e:
+                    errors[i] = e
         if self.dist.world_size > 1:
-            bad = torch.tensor([float(err is not None)], device=self.device)
+            bad = torch.tensor([float(i in errors) for i in range(len(reqs))], device=self.device)
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-            if bad.item() and err is None:
-                raise ShardfitError("another rank refused one of the requests (its KV cache holds fewer tokens)",
-                                    where="Engine.sample", fix="ask for fewer new tokens, or give kv_blocks")
-        if err is not None:
-            raise err
+            for i in bad.nonzero().flatten().tolist():
+                errors.setdefault(i, ShardfitError(
+                    "another rank refused this request (its KV cache holds fewer tokens)", where="Engine.sample",
+                    fix="ask for fewer new tokens, or give kv_blocks"))
 
     # ------------------------------------------------------------------ the decode model and its slots
-    def _sample_keys(self, models: list, versions: list) -> list[tuple | None]:
-        """Per prompt: what its rows decode with, as a cache key; None: the base alone (slot -1)."""
-        from shardfit.engine.registry import BASE
-
-        reg, out, full = self.models, [], set()
-        for m, v in zip(models, versions):
-            if v == BASE:
-                v, m = None, BASE
-            if v is not None and m is not None:
-                raise ShardfitError("a prompt names both a model and a version", where="version",
-                                    fix="give model= (its live weights) or version= (frozen), not both")
-            name = v if v is not None else m
-            if not reg.lora:  # full-parameter: the live weights or one frozen version, swapped into the model
-                full.add(name if name is not None else reg.current)
+    def _sample_keys(self, models: list, versions: list, errors: dict | None = None) -> list[tuple | None]:
+        """Per prompt: what its rows decode with, as a cache key; None: the base alone (slot -1). A prompt that names
+        what is not held raises its one line, or with `errors` (prompt index -> error) is recorded there."""
+        out: list[tuple | None] = []
+        full: set = set()
+        for i, (m, v) in enumerate(zip(models, versions)):
+            try:
+                out.append(self._sample_key(m, v, full))
+            except ShardfitError as e:
+                if errors is None:
+                    raise
+                errors[i] = e
                 out.append(None)
-            elif v is not None:
-                if v not in reg.versions:
-                    reg.release(v)  # its one line: not held (freed, or never saved)
-                out.append(("version", v, 0))
-            else:
-                name = name if name is not None else reg.current
-                if name == BASE:
-                    out.append(None)
-                    continue
-                if name not in reg.models:
-                    if name in reg.versions:
-                        out.append(("version", name, 0))
-                        continue
-                    raise reg._unknown(name)
-                out.append(("model", name, self.weights_epoch))
         if len(full) > 1:
             raise ShardfitError(f"one call samples {sorted(map(str, full))}: a full-parameter model's weights and "
                                 "versions are swapped into the model one at a time", where="Engine.sample",
@@ -153,6 +188,33 @@ class EngineSampling:
         if full:
             self.using(full.pop())  # its one-line refusal for what is not held; a version's weights swapped in
         return out
+
+    def _sample_key(self, m, v, full: set) -> tuple | None:
+        """One prompt's key (_sample_keys); a full-parameter model's name goes into `full` (key None)."""
+        from shardfit.engine.registry import BASE
+
+        reg = self.models
+        if v == BASE:
+            v, m = None, BASE
+        if v is not None and m is not None:
+            raise ShardfitError("a prompt names both a model and a version", where="version",
+                                fix="give model= (its live weights) or version= (frozen), not both")
+        name = v if v is not None else m
+        if not reg.lora:  # full-parameter: the live weights or one frozen version, swapped into the model
+            full.add(name if name is not None else reg.current)
+            return None
+        if v is not None:
+            if v not in reg.versions:
+                reg.release(v)  # its one line: not held (freed, or never saved)
+            return ("version", v, 0)
+        name = name if name is not None else reg.current
+        if name == BASE:
+            return None
+        if name not in reg.models:
+            if name in reg.versions:
+                return ("version", name, 0)
+            raise reg._unknown(name)
+        return ("model", name, self.weights_epoch)
 
     def _sampling_state(self, needed: int) -> SamplingState:
         """The decode model (built once; a full-parameter model's copy refreshed after optim_step) with a bank of
@@ -169,6 +231,7 @@ class EngineSampling:
             held = (self.weights_epoch, self.models.current)
             st = self._sampling = SamplingState(plain, bank, held, max(4, needed))
         elif st.bank is not None and st.capacity < needed:  # a bigger bank on the same decode model, empty
+            self.release_sampler(training=False)  # its KV pool (built for the old bank) before the bank's memory
             old = st.bank
             st.capacity = max(2 * st.capacity, needed)
             st.bank = LoRABank(st.model, list(old.targets), st.capacity, old.rank, old.dtype, old.device)

@@ -71,6 +71,7 @@ class DatumEngine:
         """One AdamW step on the gradients accumulated since the last one, Tinker's metrics back."""
         adam = adam or AdamParams()
         self.engine.using(model)
+        self.engine.release_sampler()  # the kept Sampler's KV pool: the step's memory (engine/sampling.py)
         rec = self.engine.optim_step(adam)
         return {"grad_norm:mean": rec.grad_norm, "skipped:max": float(rec.skipped),
                 "learning_rate:mean": adam.learning_rate}
@@ -115,6 +116,7 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
          backward: bool) -> ForwardBackwardResult:
     spec = resolve_loss(loss_fn, loss_fn_config)
     check_datums(datums, engine.cfg.model.vocab_size, spec.required)
+    engine.release_sampler()  # the kept Sampler's KV pool and graphs: the pass's activations (engine/sampling.py)
     given = fingerprint(datums)  # every rank must have been given these datums: checked in the pass's collective
     if spec.name in PAIR_LOSSES and not callable(loss_fn):  # datums in pairs, chosen then rejected
         stats, logprobs, metrics = pair_pass(engine, datums, objective_of(spec.name, spec.config), backward, given,

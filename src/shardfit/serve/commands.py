@@ -14,6 +14,12 @@ loop goes on in step:
 - anything else, BaseException subclasses included (DCP's CheckpointException is not an Exception): a server bug,
   its traceback printed once on rank 0, category server.
 KeyboardInterrupt and SystemExit are not caught: they end the process.
+Sample requests run in batches: when the next ready command is a `sample`, rank 0 takes every `sample` ready right
+behind it too (any sampling client, model or version; ordering.take_following: never past another command) up to
+BATCH_ROWS rows (num_samples summed), and broadcasts them as one `sample_batch` command, which the executor runs as
+one Engine.sample call per Engine (the trained one, each served extra model; without LoRA one per weights, which are
+swapped in one at a time); each request's Result is filed under its own request id, and one the Engine refuses
+fails alone with its line (Engine.sample's refused="return").
 Once the scheduler is closed (SIGINT / SIGTERM), rank 0 broadcasts `stop` after the command in hand, carrying the stop
 line every rank raises (server.py): every rank leaves at the same command.
 """
@@ -37,13 +43,16 @@ from shardfit.serve.futures import FutureStore, Result
 from shardfit.serve.ordering import Scheduler
 from shardfit.serve.protocol import WireDatum
 
-NOOP, STOP = "noop", "stop"
+NOOP, STOP, SAMPLE, SAMPLE_BATCH = "noop", "stop", "sample", "sample_batch"
+# Rows (num_samples summed) of one batch of sample requests: the Sampler's max_rows (256, the rows that decode at once)
+# x 4, so that rows finishing make room for waiting ones within one call; a request alone may reach it.
+BATCH_ROWS = 1024
 SPACE_FIX = "free space there: the server and its models keep running, and the same request works once it is freed"
 
 
 @dataclass
 class Command:
-    kind: str  # forward_backward | optim_step | save_state | load_state | sampler_snapshot | sample | noop | stop
+    kind: str  # forward_backward | optim_step | save_state | load_state | sampler_snapshot | sample_batch | noop | stop
     request_id: str = ""
     args: dict = field(default_factory=dict)
     model_id: str = ""  # the training model whose seq_id orders it ("" for sampling)
@@ -53,9 +62,33 @@ class Command:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Command:
-        d = json.loads(raw.decode())
+        return cls.from_dict(json.loads(raw.decode()))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Command:
         return cls(kind=str(d["kind"]), request_id=str(d["request_id"]), args=dict(d["args"]),
                    model_id=str(d.get("model_id", "")))
+
+    def members(self) -> list[Command]:
+        """The commands this one answers: a sample_batch's requests, else itself."""
+        if self.kind != SAMPLE_BATCH:
+            return [self]
+        return [Command.from_dict(d) for d in self.args["commands"]]
+
+
+def batch_samples(first: Command, scheduler: Scheduler) -> Command:
+    """`first` (a sample) and the samples ready right behind it, up to BATCH_ROWS rows, as one sample_batch."""
+    rows = [int(first.args["num_samples"])]
+
+    def fits(p) -> bool:
+        c = p.command
+        if c.kind != SAMPLE or rows[0] + int(c.args["num_samples"]) > BATCH_ROWS:
+            return False
+        rows[0] += int(c.args["num_samples"])
+        return True
+
+    cmds = [first] + [p.command for p in scheduler.take_following(fits)]
+    return Command(SAMPLE_BATCH, first.request_id, {"commands": [asdict(c) for c in cmds]})
 
 
 def array_to_json(a: np.ndarray) -> dict:
@@ -139,6 +172,8 @@ class Loop:
         """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
         pending = self.scheduler.next(self.idle_s)
         if pending is not None:
+            if pending.command.kind == SAMPLE:
+                return batch_samples(pending.command, self.scheduler)
             return pending.command
         if self.scheduler.closed:
             return Command(STOP, args=self.stop_args() if self.stop_args is not None else {})
@@ -156,26 +191,36 @@ class Loop:
             self.step(cmd)
 
     def step(self, cmd: Command) -> None:
+        """Run `cmd` (execute returns a Result, or a sample_batch's {request id: Result}) and file each answer."""
+        members = cmd.members()
         if self.futures is not None:
-            self.futures.started(cmd.request_id)
+            for c in members:
+                self.futures.started(c.request_id)
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         try:
-            result, phases = self.execute(cmd)
+            out, phases = self.execute(cmd)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception
-            result = failure_result(e, cmd, self.rank, self.needed(cmd) if self.needed is not None else None)
+            out = failure_result(e, cmd, self.rank, self.needed(cmd) if self.needed is not None else None)
         phases.setdefault("run", time.perf_counter() - t0)
-        if self.done is not None:
-            self.done(cmd, result)
-        if self.futures is not None:
-            self.futures.complete(cmd.request_id, result, phases)
-            t = self.futures.timing(cmd.request_id)
-            if t is not None:
-                d = t.as_dict()
-                extra = "".join(f", {k[:-2]} {v:.3f} s" for k, v in d.items()
-                                if k.endswith("_s") and k not in ("queue_s", "run_s") and v is not None)
-                status = f"error ({result.category})" if result.error else "ok"
-                self.log(f"shardfit serve: {cmd.kind} {cmd.request_id}: {status}, queue {d['queue_s']:.3f} s, "
-                         f"run {d['run_s']:.3f} s{extra}")
+        for c in members:
+            result = out[c.request_id] if isinstance(out, dict) else out
+            if self.done is not None:
+                self.done(c, result)
+            if self.futures is not None:
+                self.futures.complete(c.request_id, result, dict(phases))
+                self._log(c, result, len(members))
+
+    def _log(self, cmd: Command, result: Result, batch: int) -> None:
+        t = self.futures.timing(cmd.request_id)
+        if t is None:
+            return
+        d = t.as_dict()
+        extra = "".join(f", {k[:-2]} {v:.3f} s" for k, v in d.items()
+                        if k.endswith("_s") and k not in ("queue_s", "run_s") and v is not None)
+        status = f"error ({result.category})" if result.error else "ok"
+        together = f", in a batch of {batch}" if batch > 1 else ""
+        self.log(f"shardfit serve: {cmd.kind} {cmd.request_id}: {status}, queue {d['queue_s']:.3f} s, "
+                 f"run {d['run_s']:.3f} s{extra}{together}")

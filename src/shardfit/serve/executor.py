@@ -1,4 +1,5 @@
-"""One command on the Engine, the same call on every rank; rank 0 encodes the answer.
+"""One command on the Engine, the same call on every rank; rank 0 encodes the answer (a sample_batch's: one per
+request, commands.py).
 
 The RL API (rl/step.py DatumEngine): forward / forward_backward(datums, loss_fn, loss_fn_config) -> outputs +
 metrics, optim_step(AdamParams) -> metrics; the Engine's save_state / load_state(path, optimizer) and model (the
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from shardfit.errors import ShardfitError
-from shardfit.serve.commands import Command, datums_from_json
+from shardfit.serve.commands import Command, datums_from_json, failure_result
 from shardfit.serve.futures import Result
 from shardfit.serve.protocol import encode_forward_backward, encode_sample
 
@@ -48,7 +49,8 @@ def _datum_engine(engine):
 
 
 class Executor:
-    """execute(cmd) -> (Result, phases). Rank 0's Result is the one filed; the other ranks' are dropped."""
+    """execute(cmd) -> (Result, phases), a sample_batch's ({request id: Result}, phases). Rank 0's Results are the
+    ones filed; the other ranks' are dropped."""
 
     def __init__(self, engine, *, tokenizer=None, queue_wait: Callable[[str], float] | None = None,
                  rl_types: tuple | None = None, served: dict[str, tuple] | None = None):
@@ -67,7 +69,7 @@ class Executor:
         self.handlers = {"create_model": self.create_model, "forward_backward": self.forward_backward,
                          "optim_step": self.optim_step, "save_state": self.save_state, "load_state": self.load_state,
                          "sampler_snapshot": self.sampler_snapshot, "sampler_load": self.sampler_load,
-                         "release_samplers": self.release_samplers, "sample": self.sample}
+                         "release_samplers": self.release_samplers, "sample_batch": self.sample_batch}
 
     @property
     def rank(self) -> int:
@@ -225,28 +227,73 @@ class Executor:
             return BASE if self.lora else "default"
         return self.slot_name(weights.removeprefix("live:"))
 
-    def sample(self, cmd: Command) -> tuple[Result, dict[str, float]]:
-        """One /asample request through Engine.sample (sampling/: the decode model over the Engine's weights, the
-        model's or version's adapter in the LoRA bank, a paged KV cache; on N ranks each its share of the rows)."""
+    def sample_batch(self, cmd: Command) -> tuple[dict[str, Result], dict[str, float]]:
+        """A batch of /asample requests (commands.py) through Engine.sample (sampling/: the decode model over the
+        Engine's weights, each model's or version's adapter in the LoRA bank, a paged KV cache; on N ranks each its
+        share of the rows). Each request's weights are resolved first (a freed session's, or one whose load failed,
+        fails alone here); then one Engine.sample call per group that decodes together -- per Engine (the trained
+        one, each served extra model) and without LoRA per weights (swapped into the model one at a time) -- with
+        refused="return": a request the Engine refuses fails alone with its line, the others decode as if it were
+        not there. Every rank groups alike (the same command, the same sessions). One Sampler is kept per server,
+        the trained Engine's (engine/sampling.py): a served extra model's is dropped after its call, and the trained
+        Engine's before it, so that neither KV pool holds the memory the other's (or a training step) needs."""
         from shardfit.engine.registry import BASE
+
+        results: dict[str, Result] = {}
+        groups: dict[tuple, list] = {}  # (served model or "", full-parameter weights or None) -> its requests
+        for c in cmd.members():
+            a = dict(c.args)
+            served = a.pop("served", None)
+            try:
+                weights = self.sampler_weights(a)
+            except ShardfitError as e:
+                results[c.request_id] = failure_result(e, c, self.rank)
+                continue
+            model = version = None
+            if not served and self.registry is not None:  # an extra served model samples its own (frozen) weights
+                if weights == BASE or weights in self.registry.versions:
+                    version = weights
+                else:
+                    model = weights
+            key = (served or "", None if served or self.lora else weights)
+            groups.setdefault(key, []).append((c, a, model, version))
+        t0 = time.perf_counter()
+        for (served, _), members in groups.items():
+            try:
+                out = self._sample_group(served, members)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - the group's requests fail, the batch's others go on
+                out = [e] * len(members)
+            for (c, *_), res in zip(members, out):
+                if isinstance(res, BaseException):
+                    results[c.request_id] = failure_result(res, c, self.rank)
+                else:
+                    results[c.request_id] = Result(proto=encode_sample(res) if self.rank == 0 else None)
+        return results, {"sample": time.perf_counter() - t0}
+
+    def _sample_group(self, served: str, members: list) -> list:
+        """One Engine.sample call for the group's requests [(command, args, model, version)]: per request its
+        SampleResult, or the ShardfitError that refused it."""
+        e, tokenizer = self.served[served] if served else (self.engine, self.tokenizer)
+        if served:  # one Sampler kept per server, the trained Engine's: its KV pool would be the served model's memory
+            self.engine.release_sampler(training=False)
+        try:
+            return self._sample_call(e, tokenizer, members)
+        finally:
+            if served:  # a frozen extra model keeps none: its pool would hold the training step's memory for good
+                e.release_sampler(training=False)
+
+    def _sample_call(self, e, tokenizer, members: list) -> list:
         from shardfit.sampling.params import SamplingParams
 
-        a = dict(cmd.args)
-        served = a.pop("served", None)
-        weights = self.sampler_weights(a)
-        e, tokenizer = self.served[served] if served else (self.engine, self.tokenizer)
-        model = version = None
-        if not served:  # an extra served model samples its own (frozen) weights
-            if weights == BASE or (self.registry is not None and weights in self.registry.versions):
-                version = weights
-            else:
-                model = weights
-        p = a["params"]
-        params = SamplingParams(p["max_tokens"], p["temperature"], p["top_k"], p["top_p"], p["seed"],
-                                tuple(p["stop_tokens"]), tuple(p["stop_strings"]))
-        t0 = time.perf_counter()
-        [res] = e.sample([a["prompt"]], params, model=model, version=version, num_samples=a["num_samples"],
-                         prompt_logprobs=a["prompt_logprobs"], topk_prompt_logprobs=a["topk_prompt_logprobs"],
-                         topk_sample_logprobs=a["topk_sample_logprobs"], tokenizer=tokenizer)
-        took = time.perf_counter() - t0
-        return Result(proto=encode_sample(res) if self.rank == 0 else None), {"sample": took}
+        args = [a for _, a, _, _ in members]
+        params = [SamplingParams(p["max_tokens"], p["temperature"], p["top_k"], p["top_p"], p["seed"],
+                                 tuple(p["stop_tokens"]), tuple(p["stop_strings"]))
+                  for p in (a["params"] for a in args)]
+        return e.sample([a["prompt"] for a in args], params, model=[m for _, _, m, _ in members],
+                        version=[v for _, _, _, v in members], num_samples=[a["num_samples"] for a in args],
+                        prompt_logprobs=[a["prompt_logprobs"] for a in args],
+                        topk_prompt_logprobs=[a["topk_prompt_logprobs"] for a in args],
+                        topk_sample_logprobs=[a["topk_sample_logprobs"] for a in args], tokenizer=tokenizer,
+                        refused="return")

@@ -5,12 +5,16 @@ one call arrive concurrently, the first one last, and step k+1 is sent before st
 So a model's command with seq_id n waits here until n-1 has been released; commands without a model (sampling)
 are ready at once. Ready commands run in the order they became ready. A seq_id refused before it became a command
 (`skip`) is counted as released, so a bad request never blocks the ones after it.
+`take_following` hands the loop the ready commands right behind the one it took, while they are of a kind that runs
+together (sample requests, batched into one Engine.sample call): never past another command, so nothing overtakes
+what became ready before it (a sample never runs before the optim_step, snapshot or sampler_load ahead of it).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardfit.errors import ShardfitError
@@ -96,6 +100,15 @@ class Scheduler:
             if self._closed and not self._ready:
                 return None
             return self._ready.pop(0)  # in release order: a model's commands by seq_id, never by arrival
+
+    def take_following(self, fits: Callable[[Pending], bool]) -> list[Pending]:
+        """The ready commands at the head of the queue, in order, while `fits` takes each (it may count what it took:
+        a batch's rows); stops at the first it refuses, which stays first."""
+        out = []
+        with self._cond:
+            while self._ready and fits(self._ready[0]):
+                out.append(self._ready.pop(0))
+        return out
 
     def close(self) -> None:
         with self._cond:
