@@ -1,0 +1,152 @@
+"""Many LoRA models in ONE forward/backward over the shared base (engine/multi_model.py), through the RL API's
+forward_backward_many:
+
+- 3 models with different datums in one pass get the loss, the adapter gradients and (after each one's optim_step)
+  the weights each gets trained alone (fp32 on the CPU: tight tolerance), over two steps (the second with B != 0,
+  so that A's gradients are not zero either);
+- a model whose datums carry zero loss keeps exactly zero gradients beside the others: nothing leaks;
+- 2 gloo ranks equal 1;
+- a bad mix is one line each: a model twice, an unknown model, a frozen version;
+- the per-layer math: kernels/multi_lora's stacked form equals each token's own adapter, exact zero for none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests.helpers import SMALL
+
+ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=48", "--logging.run_dir=", "--lora.rank=4",
+        "--lora.targets=all-linear"]
+MODELS = (("A", 1), ("B", 2), ("Z", 3))
+
+
+def _data(seed, n=3, weight=1.0):
+    from shardfit.rl import make_datum
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for L in rng.integers(6, 16, n):
+        s = rng.integers(0, 256, L + 1)
+        out.append(make_datum(s[:-1], target_tokens=s[1:], weights=np.full(L, weight)))
+    return out
+
+
+def _groups(step):
+    """A and B learn; Z's datums have weight 0 (zero loss, zero gradient)."""
+    return {"A": _data(10 + step), "B": _data(20 + step, 2), "Z": _data(30 + step, 2, weight=0.0)}
+
+
+def _grads(e, name):
+    return torch.cat([g.detach().flatten() for g in e.models.grads(name)]).tolist()
+
+
+def _train(rank, world, together):
+    from shardfit.config import load_config
+    from shardfit.rl import AdamParams, DatumEngine
+
+    e = DatumEngine.start(load_config(None, ARGS))
+    for name, seed in MODELS:
+        e.add_model(name, seed=seed)
+    out = {"loss": {n: [] for n, _ in MODELS}, "logprobs": {n: [] for n, _ in MODELS}}
+    for step in range(2):
+        groups = _groups(step)
+        if together:
+            res = e.forward_backward_many(groups, "cross_entropy")
+        else:
+            res = {n: e.forward_backward(d, "cross_entropy", model=n) for n, d in groups.items()}
+        for n, r in res.items():
+            out["loss"][n].append(r.metrics["loss:sum"])
+            out["logprobs"][n].append(np.concatenate([o["logprobs"] for o in r.outputs]).tolist())
+        if step == 1 and world == 1:
+            out["grads"] = {n: _grads(e, n) for n, _ in MODELS}
+        for n, _ in MODELS:
+            e.optim_step(AdamParams(learning_rate=2e-2), model=n)
+    out["weights"] = {}
+    for n, _ in MODELS:
+        e.using(n)
+        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for _, p in sorted(e.model.named_parameters())
+                 if p.requires_grad]  # the adapters, whole on every rank
+        out["weights"][n] = torch.cat([w.detach().flatten() for w in whole]).tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def together():
+    return run_ranks(_train, 1, True)[0]
+
+
+def test_models_in_one_pass_equal_each_trained_alone(together):
+    alone = run_ranks(_train, 1, False)[0]
+    for n, _ in MODELS:
+        np.testing.assert_allclose(together["loss"][n], alone["loss"][n], rtol=1e-5, atol=1e-6)
+        for a, b in zip(together["logprobs"][n], alone["logprobs"][n]):
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(together["grads"][n], alone["grads"][n], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(together["weights"][n], alone["weights"][n], rtol=0, atol=1e-5)
+    assert np.abs(together["grads"]["A"]).max() > 0 and together["weights"]["A"] != together["weights"]["B"]
+
+
+def test_a_model_with_zero_loss_gets_exactly_zero_gradients(together):
+    assert together["loss"]["Z"] == [0.0, 0.0]
+    assert not any(together["grads"]["Z"])  # exact zeros beside A's and B's tokens
+
+
+def test_two_ranks_equal_one(together):
+    two = run_ranks(_train, 2, True)
+    for n, _ in MODELS:
+        assert two[0]["weights"][n] == two[1]["weights"][n]
+        np.testing.assert_allclose(two[0]["loss"][n], together["loss"][n], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(two[0]["weights"][n], together["weights"][n], rtol=0, atol=2e-5)
+
+
+def _refusals(rank, world):
+    from shardfit.config import load_config
+    from shardfit.rl import DatumEngine
+
+    e = DatumEngine.start(load_config(None, ARGS))
+    e.add_model("A", seed=1)
+    e.add_model("B", seed=2)
+    ref = e.freeze("A")
+    d = _data(1)
+    errors = {}
+    for what, groups in {"twice": [("A", d), ("B", d), ("A", d)], "unknown": {"A": d, "nope": d},
+                         "version": {"A": d, ref: d}}.items():
+        try:
+            e.forward_backward_many(groups, "cross_entropy")
+        except Exception as err:  # noqa: BLE001  the message is the assertion
+            errors[what] = f"{type(err).__name__}: {err}"
+    errors["pending"] = [e.pending for _ in (0,)]
+    return errors
+
+
+def test_a_bad_mix_is_one_line_each():
+    r = run_ranks(_refusals, 1)[0]
+    assert "model 'A' appears twice in one pass" in r["twice"]
+    assert "no model or version 'nope'" in r["unknown"]
+    assert "frozen version" in r["version"] and "A@1" in r["version"]
+    assert all("ShardfitError" in r[k] and "\n" not in r[k] for k in ("twice", "unknown", "version"))
+    assert r["pending"] == [False]  # refused before any pass: nothing accumulated
+
+
+def test_stacked_adapters_are_each_tokens_own():
+    from shardfit.adapters.lora_stack import AdapterStack
+
+    torch.manual_seed(0)
+    k, r, n, d_in, d_out = 3, 4, 10, 8, 6
+    mod = torch.nn.Linear(d_in, d_out, bias=False)
+    mod.lora_dropout, mod.lora_scale = 0.0, 0.5
+    a = [torch.randn(r, d_in) for _ in range(k)]
+    b = [torch.randn(d_out, r) for _ in range(k)]
+    stack = AdapterStack([mod], [torch.cat(a)], [torch.cat([x.t() for x in b])], k, r, torch.float32)
+    slots = torch.tensor([0, 1, 2, -1, 2, 2, 0, 1, -1, 1])
+    stack.set_rows(slots)
+    x = torch.randn(n, d_in)
+    got = stack.delta(mod, x)
+    for i, s in enumerate(slots.tolist()):
+        want = torch.zeros(d_out) if s < 0 else (x[i] @ a[s].t() @ b[s].t()) * 0.5
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6)
+    assert bool((got[slots < 0] == 0).all())  # no model: exactly nothing added
