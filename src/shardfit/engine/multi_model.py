@@ -74,12 +74,8 @@ def check_models(engine, models) -> list[str]:
     return list(models)
 
 
-def _check_engine(engine, batches: list[PackedBatch], loss: Loss, k: int) -> list[LoRALinear]:
-    """The layers the pass stacks, in the registry's parameter order; refusals (module docstring) in one line."""
-    if loss.mean_over_tokens:
-        raise ShardfitError("a pass of several models takes a coefficient loss (each model normalised over its own "
-                            "datums), not a mean over the whole pass's tokens", where="loss",
-                            fix="use TokenLoss with per-model coefficients (the RL API makes them)")
+def check_engine(engine) -> list[LoRALinear]:
+    """The layers a pass of several models stacks; what this Engine cannot do so (module docstring): one line."""
     if not engine.models.lora or not has_adapters(engine.model):
         raise ShardfitError("a pass of several models needs LoRA models", where="lora.rank",
                             fix="start the engine with --lora.rank=R")
@@ -96,6 +92,17 @@ def _check_engine(engine, batches: list[PackedBatch], loss: Loss, k: int) -> lis
                             f"{', '.join(sorted(set(other))) or 'MoE experts'}", where="lora.targets",
                             fix="leave embed_tokens, lm_head and experts out of lora.targets, or run the models one "
                             "after another (model=name)")
+    shard_group(engine.models.params)  # plain FSDP, or one process
+    return layers
+
+
+def _check_pass(engine, batches: list[PackedBatch], loss: Loss, k: int) -> list[LoRALinear]:
+    """The layers the pass stacks; refusals of the engine, the loss and the batches in one line."""
+    if loss.mean_over_tokens:
+        raise ShardfitError("a pass of several models takes a coefficient loss (each model normalised over its own "
+                            "datums), not a mean over the whole pass's tokens", where="loss",
+                            fix="use TokenLoss with per-model coefficients (the RL API makes them)")
+    layers = check_engine(engine)
     for i, b in enumerate(batches):
         if b.slots is None:
             raise ShardfitError(f"micro-batch {i} has no slots (each token's model)", where="PackedBatch.slots",
@@ -115,7 +122,7 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
         return [engine.forward_backward(batches, loss, fingerprint)]
     batches = list(batches)
     k, reg = len(models), engine.models
-    layers = _check_engine(engine, batches, loss, k)
+    layers = _check_pass(engine, batches, loss, k)
     engine.finish()  # a launched overlapped step writes the slot's adapters and owns its gradients
     for m in models:  # a first pass of a mean over tokens: its factor folded now (Engine._fold_pending)
         if reg.pending(m) and reg.pending(m)[0].mean_over_tokens:

@@ -38,6 +38,7 @@ from shardfit.serve.ordering import Scheduler
 from shardfit.serve.protocol import WireDatum
 
 NOOP, STOP = "noop", "stop"
+MANY = "forward_backward_many"  # forward_backward requests of several models in one pass: args {"parts": [Command]}
 SPACE_FIX = "free space there: the server and its models keep running, and the same request works once it is freed"
 
 
@@ -134,12 +135,13 @@ class Loop:
     needed: Callable[[Command], int | None] | None = None
     done: Callable[[Command, Result], None] | None = None
     stop_args: Callable[[], dict] | None = None
+    combine: Callable[[object], Command] | None = None  # rank 0: a ready Pending -> its command, or a MANY of several
 
     def next_command(self) -> Command:
         """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
         pending = self.scheduler.next(self.idle_s)
         if pending is not None:
-            return pending.command
+            return self.combine(pending) if self.combine is not None else pending.command
         if self.scheduler.closed:
             return Command(STOP, args=self.stop_args() if self.stop_args is not None else {})
         return Command(NOOP)
@@ -156,8 +158,11 @@ class Loop:
             self.step(cmd)
 
     def step(self, cmd: Command) -> None:
+        # a MANY command is several requests: each is started, filed and logged as its own, with its own Result
+        parts = [Command(**p) for p in cmd.args["parts"]] if cmd.kind == MANY else [cmd]
         if self.futures is not None:
-            self.futures.started(cmd.request_id)
+            for part in parts:
+                self.futures.started(part.request_id)
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         try:
@@ -167,6 +172,11 @@ class Loop:
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception
             result = failure_result(e, cmd, self.rank, self.needed(cmd) if self.needed is not None else None)
         phases.setdefault("run", time.perf_counter() - t0)
+        for part, res in zip(parts, result.parts or [result] * len(parts)):
+            self.file(part, res, phases)
+
+    def file(self, cmd: Command, result: Result, phases: dict[str, float]) -> None:
+        """Rank 0: the request's result filed (its future completed) and its log line."""
         if self.done is not None:
             self.done(cmd, result)
         if self.futures is not None:
