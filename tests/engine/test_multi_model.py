@@ -120,6 +120,21 @@ def _refusals(rank, world):
         except Exception as err:  # noqa: BLE001  the message is the assertion
             errors[what] = f"{type(err).__name__}: {err}"
     errors["pending"] = [e.pending for _ in (0,)]
+    from shardfit.engine import CrossEntropy
+
+    for what, call in {"mean": lambda: e.engine.forward_backward([], CrossEntropy(), model=["A", "B"]),
+                       "dpo": lambda: e.forward_backward_many({"A": d[:2], "B": d[:2]}, "dpo")}.items():
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001  the message is the assertion
+            errors[what] = f"{type(err).__name__}: {err}"
+    head = DatumEngine.start(load_config(None, [*ARGS[:-1], "--lora.targets=all-linear,lm_head"]))
+    head.add_model("A", seed=1)
+    head.add_model("B", seed=2)
+    try:
+        head.forward_backward_many({"A": d, "B": d}, "cross_entropy")
+    except Exception as err:  # noqa: BLE001  the message is the assertion
+        errors["head"] = f"{type(err).__name__}: {err}"
     return errors
 
 
@@ -130,6 +145,10 @@ def test_a_bad_mix_is_one_line_each():
     assert "frozen version" in r["version"] and "A@1" in r["version"]
     assert all("ShardfitError" in r[k] and "\n" not in r[k] for k in ("twice", "unknown", "version"))
     assert r["pending"] == [False]  # refused before any pass: nothing accumulated
+    assert "coefficient loss" in r["mean"]
+    assert "dpo (datums in pairs) runs one model at a time" in r["dpo"]
+    assert "linear layers only" in r["head"] and "LoRAOutputHead" in r["head"] and "lora.targets" in r["head"]
+    assert all("ShardfitError" in r[k] and "\n" not in r[k] for k in ("mean", "dpo", "head"))
 
 
 def test_stacked_adapters_are_each_tokens_own():

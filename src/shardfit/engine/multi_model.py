@@ -40,8 +40,9 @@ per model), host offload, and sharding other than plain FSDP.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from shardfit.adapters.lora import LoRALinear, LoRAModule, has_adapters
+from shardfit.adapters.lora import LoRAModule, has_adapters
 from shardfit.adapters.lora_stack import AdapterStack
 from shardfit.engine.batch import PackedBatch
 from shardfit.engine.losses import Loss
@@ -74,7 +75,7 @@ def check_models(engine, models) -> list[str]:
     return list(models)
 
 
-def check_engine(engine) -> list[LoRALinear]:
+def check_engine(engine) -> list[nn.Module]:
     """The layers a pass of several models stacks; what this Engine cannot do so (module docstring): one line."""
     if not engine.models.lora or not has_adapters(engine.model):
         raise ShardfitError("a pass of several models needs LoRA models", where="lora.rank",
@@ -86,7 +87,9 @@ def check_engine(engine) -> list[LoRALinear]:
         raise ShardfitError("a pass of several models on an MoE model: the load-balancing term is not per model",
                             where="model", fix="run the models one after another (model=name)")
     layers = [m for m in engine.model.modules() if isinstance(m, LoRAModule)]
-    other = [type(m).__name__ for m in layers if not isinstance(m, LoRALinear)]
+    # the linear layers' adapters (LoRALinear, and over an FP8 or NF4 base) take a stack; the embedding's and the
+    # output head's do not
+    other = [type(m).__name__ for m in layers if not hasattr(type(m), "lora_stack")]
     if other or len(engine.models.params) != 2 * len(layers):
         raise ShardfitError(f"a pass of several models adapts linear layers only; this engine also adapts "
                             f"{', '.join(sorted(set(other))) or 'MoE experts'}", where="lora.targets",
@@ -96,7 +99,7 @@ def check_engine(engine) -> list[LoRALinear]:
     return layers
 
 
-def _check_pass(engine, batches: list[PackedBatch], loss: Loss, k: int) -> list[LoRALinear]:
+def _check_pass(engine, batches: list[PackedBatch], loss: Loss, k: int) -> list[nn.Module]:
     """The layers the pass stacks; refusals of the engine, the loss and the batches in one line."""
     if loss.mean_over_tokens:
         raise ShardfitError("a pass of several models takes a coefficient loss (each model normalised over its own "
