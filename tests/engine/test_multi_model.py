@@ -1,9 +1,10 @@
 """Many LoRA models in ONE forward/backward over the shared base (engine/multi_model.py), through the RL API's
 forward_backward_many:
 
-- 3 models with different datums in one pass get the loss, the adapter gradients and (after each one's optim_step)
-  the weights each gets trained alone (fp32 on the CPU: tight tolerance), over two steps (the second with B != 0,
-  so that A's gradients are not zero either);
+- 3 models with different datums in one pass, each loss a mean over its own datums' tokens, get the loss, the
+  adapter gradients and (after each one's optim_step) the weights each gets trained alone (fp32 on the CPU: tight
+  tolerance), over two steps (the second with B != 0, so that A's gradients are not zero either); a model's pending
+  mean-over-tokens pass is folded before the pass of several;
 - a model whose datums carry zero loss keeps exactly zero gradients beside the others: nothing leaks;
 - 2 gloo ranks equal 1;
 - a bad mix is one line each: a model twice, an unknown model, a frozen version;
@@ -22,6 +23,7 @@ from tests.helpers import SMALL
 ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=48", "--logging.run_dir=", "--lora.rank=4",
         "--lora.targets=all-linear"]
 MODELS = (("A", 1), ("B", 2), ("Z", 3))
+MEAN = {"normalize": "token_mean"}  # each model's loss a mean over its own datums' tokens
 
 
 def _data(seed, n=3, weight=1.0):
@@ -44,6 +46,13 @@ def _grads(e, name):
     return torch.cat([g.detach().flatten() for g in e.models.grads(name)]).tolist()
 
 
+def _adapters(e) -> list[float]:
+    """The adapters of the model in the slot, whole on every rank, flat."""
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for _, p in sorted(e.model.named_parameters())
+             if p.requires_grad]
+    return torch.cat([w.detach().flatten() for w in whole]).tolist()
+
+
 def _train(rank, world, together):
     from shardfit.config import load_config
     from shardfit.rl import AdamParams, DatumEngine
@@ -55,22 +64,20 @@ def _train(rank, world, together):
     for step in range(2):
         groups = _groups(step)
         if together:
-            res = e.forward_backward_many(groups, "cross_entropy")
+            res = e.forward_backward_many(groups, "cross_entropy", MEAN)
         else:
-            res = {n: e.forward_backward(d, "cross_entropy", model=n) for n, d in groups.items()}
+            res = {n: e.forward_backward(d, "cross_entropy", MEAN, model=n) for n, d in groups.items()}
         for n, r in res.items():
             out["loss"][n].append(r.metrics["loss:sum"])
             out["logprobs"][n].append(np.concatenate([o["logprobs"] for o in r.outputs]).tolist())
         if step == 1 and world == 1:
             out["grads"] = {n: _grads(e, n) for n, _ in MODELS}
-        for n, _ in MODELS:
-            e.optim_step(AdamParams(learning_rate=2e-2), model=n)
+        out.setdefault("norms", []).append([e.optim_step(AdamParams(learning_rate=2e-2), model=n)["grad_norm:mean"]
+                                            for n, _ in MODELS])
     out["weights"] = {}
     for n, _ in MODELS:
         e.using(n)
-        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for _, p in sorted(e.model.named_parameters())
-                 if p.requires_grad]  # the adapters, whole on every rank
-        out["weights"][n] = torch.cat([w.detach().flatten() for w in whole]).tolist()
+        out["weights"][n] = _adapters(e)
     return out
 
 
@@ -85,8 +92,15 @@ def test_models_in_one_pass_equal_each_trained_alone(together):
         np.testing.assert_allclose(together["loss"][n], alone["loss"][n], rtol=1e-5, atol=1e-6)
         for a, b in zip(together["logprobs"][n], alone["logprobs"][n]):
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
-        np.testing.assert_allclose(together["grads"][n], alone["grads"][n], rtol=1e-4, atol=1e-6)
+        # the pending gradients' direction (alone, a mean's pending gradient is scaled by C / N until optim_step),
+        # and the norm optim_step applies
+        if n != "Z":  # Z's are zeros (below)
+            direction = [np.asarray(r["grads"][n]) / np.linalg.norm(r["grads"][n]) for r in (together, alone)]
+            np.testing.assert_allclose(*direction, rtol=0, atol=1e-5)
         np.testing.assert_allclose(together["weights"][n], alone["weights"][n], rtol=0, atol=1e-5)
+    # A's and B's; Z's is 0 (alone its mean over no tokens skips the step: nan)
+    np.testing.assert_allclose(np.asarray(together["norms"])[:, :2], np.asarray(alone["norms"])[:, :2], rtol=1e-5)
+    assert [n[2] for n in together["norms"]] == [0.0, 0.0]
     assert np.abs(together["grads"]["A"]).max() > 0 and together["weights"]["A"] != together["weights"]["B"]
 
 
@@ -101,6 +115,36 @@ def test_two_ranks_equal_one(together):
         assert two[0]["weights"][n] == two[1]["weights"][n]
         np.testing.assert_allclose(two[0]["loss"][n], together["loss"][n], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(two[0]["weights"][n], together["weights"][n], rtol=0, atol=2e-5)
+
+
+def _after_a_mean_pass(rank, world, together):
+    """A's first pass alone (the mean cross-entropy: its factor known only after it), then A and B in one pass, then
+    each one's optim_step; or the same passes one model at a time. The weights after."""
+    from shardfit.config import load_config
+    from shardfit.rl import AdamParams, DatumEngine
+
+    e = DatumEngine.start(load_config(None, ARGS))
+    e.add_model("A", seed=1)
+    e.add_model("B", seed=2)
+    e.forward_backward(_data(1), "cross_entropy", MEAN, model="A")  # the Engine's mean over tokens
+    if together:
+        e.forward_backward_many({"B": _data(3), "A": _data(2)}, "cross_entropy", MEAN)
+    else:
+        e.forward_backward(_data(2), "cross_entropy", MEAN, model="A")
+        e.forward_backward(_data(3), "cross_entropy", MEAN, model="B")
+    norms = [e.optim_step(AdamParams(learning_rate=2e-2), model=m)["grad_norm:mean"] for m in "AB"]
+    out = {"norms": norms}
+    for m in "AB":
+        e.using(m)
+        out[m] = _adapters(e)
+    return out
+
+
+def test_a_pending_mean_pass_is_folded_before_the_pass_of_several():
+    got, want = run_ranks(_after_a_mean_pass, 1, True)[0], run_ranks(_after_a_mean_pass, 1, False)[0]
+    np.testing.assert_allclose(got["norms"], want["norms"], rtol=1e-5)
+    for m in "AB":
+        np.testing.assert_allclose(got[m], want[m], rtol=0, atol=1e-5)
 
 
 def _refusals(rank, world):
