@@ -87,3 +87,46 @@ def test_each_models_oldest_ready_request_of_the_same_loss_joins():
     assert first.command.request_id == "a1" and [p.command.request_id for p in taken] == ["b1"]
     left = [s.next(0.1).command.request_id for _ in range(5)]
     assert left == ["s1", "a2", "c1", "c2", "d1"]  # in their order, nothing lost
+
+
+class _Refusing:
+    """A datum engine whose pass of several models is refused (one request's bad input) and whose single passes
+    refuse only the datums starting with token 999."""
+
+    class dist:
+        rank = 0
+
+    def forward_backward_many(self, groups, loss_fn, loss_fn_config):
+        from shardfit.errors import ShardfitError
+
+        raise ShardfitError("token 999 is bad", where="data[0]", fix="send another")
+
+    def forward_backward(self, datums, loss_fn, loss_fn_config):
+        from shardfit.errors import ShardfitError
+        from shardfit.rl.datum import ForwardBackwardResult
+
+        if int(datums[0].tokens[0]) == 999:
+            raise ShardfitError("token 999 is bad", where="data[0]", fix="send another")
+        return ForwardBackwardResult([{"logprobs": np.zeros(len(d.tokens), np.float32)} for d in datums],
+                                     {"loss:sum": 1.5})
+
+
+def test_a_pass_refused_for_one_request_answers_each_request_on_its_own():
+    from dataclasses import asdict
+
+    from shardfit.rl import AdamParams, Datum
+    from shardfit.serve.commands import MANY, Command, datums_to_json
+    from shardfit.serve.executor import Executor
+    from shardfit.serve.protocol import WireDatum
+
+    def fb(model, first_token):
+        d = WireDatum(np.asarray([first_token, 2, 3]), {"target_tokens": np.asarray([2, 3, 4])})
+        return Command("forward_backward", f"req-{model}", {"datums": datums_to_json([d]), "loss_fn": "cross_entropy",
+                                                            "forward_only": False}, model)
+
+    ex = Executor(_Refusing(), rl_types=(Datum, AdamParams))
+    result, _ = ex(Command(MANY, "req-a", {"parts": [asdict(fb("a", 1)), asdict(fb("b", 999)),
+                                                     asdict(fb("c", 5))]}))
+    ok, bad, also_ok = result.parts
+    assert ok.error is None and also_ok.error is None and ok.proto and also_ok.proto
+    assert "token 999 is bad" in bad.error and bad.category == "user"

@@ -15,6 +15,8 @@ sequence parallelism the attention all-to-alls, with expert parallelism the MoE 
 all-gather per pass, after all micro-batches, of each rank's stats (squared gradient norm, loss, tokens, non-finite
 flag, stop request, memory, expert load) and the loss's per-token outputs: the pass's only host-device sync. optim_step
 issues none (with tensorwise FP8 all-gather, after an applied update, one all-reduce of the weights' amaxes).
+A pass of several LoRA models (model=[...], engine/multi_model.py) adds one all-gather of their adapters before its
+micro-batches and one reduce-scatter of their gradients after the last backward, before the stats collective.
 
 Gradient scale (engine/losses.py): a mean_over_tokens loss backpropagates loss / C (C: this rank's capacity of the
 pass) and optim_step multiplies by world x C / N (N: the global batch's loss tokens from the stats); a coefficient

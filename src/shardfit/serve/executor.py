@@ -186,12 +186,13 @@ class Executor:
         a = parts[0].args
         t0 = time.perf_counter()
         try:
-            res = self.rl.forward_backward_many([(self.slot_name(c.model_id), self._datums(c)) for c in parts],
+            # only a LoRA registry combines (`together`): a model id is its registry name
+            res = self.rl.forward_backward_many([(c.model_id, self._datums(c)) for c in parts],
                                                 loss_fn=a["loss_fn"], loss_fn_config=a.get("loss_fn_config") or None)
         except ShardfitError:  # refused before the pass (on every rank alike): each request on its own
             return Result(parts=[self._alone(c) for c in parts]), {}
         compute = time.perf_counter() - t0
-        return (Result(parts=[self._answer(c, res[self.slot_name(c.model_id)], compute, len(parts)) for c in parts]),
+        return (Result(parts=[self._answer(c, res[c.model_id], compute, len(parts)) for c in parts]),
                 {"forward_backward": compute})
 
     def _alone(self, cmd: Command) -> Result:
