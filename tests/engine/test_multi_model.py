@@ -7,8 +7,9 @@ forward_backward_many:
   mean-over-tokens pass is folded before the pass of several;
 - a model whose datums carry zero loss keeps exactly zero gradients beside the others: nothing leaks;
 - 2 gloo ranks equal 1;
-- a bad mix is one line each: a model twice, an unknown model, a frozen version;
-- the per-layer math: kernels/multi_lora's stacked form equals each token's own adapter, exact zero for none.
+- a bad mix is one line each: a model twice, an unknown model, a frozen version; and so are a mean-over-tokens
+  loss, a pair loss and an adapter on lm_head.
+The per-layer math: tests/adapters/test_lora_stack.py; the collectives: tests/parallel/test_adapter_exchange.py.
 """
 
 from __future__ import annotations
@@ -193,23 +194,3 @@ def test_a_bad_mix_is_one_line_each():
     assert "dpo (datums in pairs) runs one model at a time" in r["dpo"]
     assert "linear layers only" in r["head"] and "LoRAOutputHead" in r["head"] and "lora.targets" in r["head"]
     assert all("ShardfitError" in r[k] and "\n" not in r[k] for k in ("mean", "dpo", "head"))
-
-
-def test_stacked_adapters_are_each_tokens_own():
-    from shardfit.adapters.lora_stack import AdapterStack
-
-    torch.manual_seed(0)
-    k, r, n, d_in, d_out = 3, 4, 10, 8, 6
-    mod = torch.nn.Linear(d_in, d_out, bias=False)
-    mod.lora_dropout, mod.lora_scale = 0.0, 0.5
-    a = [torch.randn(r, d_in) for _ in range(k)]
-    b = [torch.randn(d_out, r) for _ in range(k)]
-    stack = AdapterStack([mod], [torch.cat(a)], [torch.cat([x.t() for x in b])], k, r, torch.float32)
-    slots = torch.tensor([0, 1, 2, -1, 2, 2, 0, 1, -1, 1])
-    stack.set_rows(slots)
-    x = torch.randn(n, d_in)
-    got = stack.delta(mod, x)
-    for i, s in enumerate(slots.tolist()):
-        want = torch.zeros(d_out) if s < 0 else (x[i] @ a[s].t() @ b[s].t()) * 0.5
-        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6)
-    assert bool((got[slots < 0] == 0).all())  # no model: exactly nothing added

@@ -25,7 +25,7 @@ def _step(clients: list[tuple], step: int, busy: bool) -> list:
     long forward of the first client, so that the forward_backward requests are ready together."""
     from tinker import types
 
-    first = clients[0][0].forward(datums(50, n=48), "cross_entropy") if busy else None
+    first = clients[0][0].forward(datums(50, n=200), "cross_entropy") if busy else None
     fbs = [c.forward_backward(datums(10 * step + s), "cross_entropy") for c, s in clients]
     opts = [c.optim_step(types.AdamParams(learning_rate=2e-2)) for c, _ in clients]
     if first is not None:
