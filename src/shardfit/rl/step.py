@@ -186,7 +186,8 @@ def _run_many(engine: Engine, pairs: list[tuple[str, list[Datum]]], loss_fn,
         datums += group
         models += [j] * len(group)
         coefs += coefficients(group, spec)  # each model normalised over its own datums
-    given = fingerprint(datums)
+    grouping = hashlib.blake2b(repr([(m, len(g)) for m, g in pairs]).encode(), digest_size=8).digest()
+    given = fingerprint(datums) ^ (int.from_bytes(grouping, "little") >> 12)  # the datums and whose they are
     layout = engine.layout
     plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence)
     scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None
