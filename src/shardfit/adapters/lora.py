@@ -62,8 +62,12 @@ class LoRAModule:
 
 
 class _LinearAdapter(LoRAModule):
+    lora_stack = None  # a pass of several models: adapters/lora_stack.py's AdapterStack, used instead of A and B
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
+        if self.lora_stack is not None:
+            return out + self.lora_stack.delta(self, x).to(out.dtype)
         a, b = self.lora_A, self.lora_B
         h = x.to(a.dtype)
         if self.lora_dropout:

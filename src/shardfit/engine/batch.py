@@ -33,6 +33,9 @@ class PackedBatch:
     coef: torch.Tensor | None = None  # [b, S/sp] float32: each token's loss coefficient (per-token losses)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # [b, S/sp] each: per-token loss inputs
     scored: torch.Tensor | None = None  # [b, S/sp] bool: the positions the output head scores; None: all
+    # [b, S/sp] long: each token's model, an index into a pass of several models' list (engine/multi_model.py),
+    # -1 for padding; None: the one model in the slot
+    slots: torch.Tensor | None = None
 
     @property
     def local_tokens(self) -> int:
@@ -41,7 +44,8 @@ class PackedBatch:
 
 def pack_local(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None, real_tokens: float,
                kernel: str, device: torch.device, sp_rank: int = 0, sp: int = 1, coef: torch.Tensor | None = None,
-               inputs: dict[str, torch.Tensor] | None = None, scored: torch.Tensor | None = None) -> PackedBatch:
+               inputs: dict[str, torch.Tensor] | None = None, scored: torch.Tensor | None = None,
+               slots: torch.Tensor | None = None) -> PackedBatch:
     """A whole micro-batch [b, S] (host tensors) -> this rank's PackedBatch. position_ids None: every row is one
     document (no mask). real_tokens: the whole micro-batch's, shared evenly over the sequence-parallel group so
     that the sum over ranks counts each token once."""
@@ -54,10 +58,11 @@ def pack_local(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torc
         if position_ids is None:
             position_ids = torch.arange(S).expand_as(input_ids)  # [b, S], made here, cut like the tokens
         cut = lambda x: local_slice(x, sp_rank, sp) if x is not None else None  # noqa: E731
-        input_ids, labels, position_ids, coef, scored = map(cut, (input_ids, labels, position_ids, coef, scored))
+        input_ids, labels, position_ids, coef, scored, slots = map(cut, (input_ids, labels, position_ids, coef,
+                                                                         scored, slots))
         inputs = {k: cut(v) for k, v in inputs.items()}
     return PackedBatch(input_ids, labels, position_ids, mask, b * S // sp, real_tokens / sp,
-                       int((labels != -100).sum()), coef, inputs, scored)
+                       int((labels != -100).sum()), coef, inputs, scored, slots)
 
 
 @dataclass
@@ -72,6 +77,7 @@ class DeviceBatch:
     coef: torch.Tensor | None  # [n]
     inputs: dict[str, torch.Tensor]  # [n] each
     rows: torch.Tensor | None  # the flat positions the head scores (models/logprobs.scored_rows), made on the host
+    slots: torch.Tensor | None = None  # [n] long: each token's model in a pass of several (PackedBatch.slots)
 
 
 def to_device_batch(b: PackedBatch, device: torch.device, loss_chunk: int) -> DeviceBatch:
@@ -80,4 +86,5 @@ def to_device_batch(b: PackedBatch, device: torch.device, loss_chunk: int) -> De
     rows = to_device(scored_rows(b.scored, loss_chunk), device) if b.scored is not None else None
     return DeviceBatch(to_device(b.input_ids, device), to_device(b.labels, device),
                        to_device(b.position_ids, device) if b.position_ids is not None else None, b.mask,
-                       flat(b.coef) if b.coef is not None else None, {k: flat(v) for k, v in b.inputs.items()}, rows)
+                       flat(b.coef) if b.coef is not None else None, {k: flat(v) for k, v in b.inputs.items()}, rows,
+                       flat(b.slots) if b.slots is not None else None)

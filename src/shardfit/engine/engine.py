@@ -15,6 +15,8 @@ sequence parallelism the attention all-to-alls, with expert parallelism the MoE 
 all-gather per pass, after all micro-batches, of each rank's stats (squared gradient norm, loss, tokens, non-finite
 flag, stop request, memory, expert load) and the loss's per-token outputs: the pass's only host-device sync. optim_step
 issues none (with tensorwise FP8 all-gather, after an applied update, one all-reduce of the weights' amaxes).
+A pass of several LoRA models (model=[...], engine/multi_model.py) adds one all-gather of their adapters before its
+micro-batches and one reduce-scatter of their gradients after the last backward, before the stats collective.
 
 Gradient scale (engine/losses.py): a mean_over_tokens loss backpropagates loss / C (C: this rank's capacity of the
 pass) and optim_step multiplies by world x C / N (N: the global batch's loss tokens from the stats); a coefficient
@@ -50,6 +52,7 @@ from shardfit.engine.records import (
     OutOfMemory,
     StepRecord,
     StepStats,
+    fold_first_mean,
 )
 from shardfit.engine.registry import ModelRegistry
 from shardfit.engine.sampling import EngineSampling
@@ -219,12 +222,20 @@ class Engine(EngineState, EngineSampling):
         """Gradients of forward_backward passes wait for an optim_step."""
         return bool(self._pending)
 
-    def forward_backward(self, batches: list[PackedBatch], loss: Loss, fingerprint: int | None = None) -> StepStats:
+    def forward_backward(self, batches: list[PackedBatch], loss: Loss, fingerprint: int | None = None,
+                         model: list[str] | None = None) -> StepStats | list[StepStats]:
         """Accumulate the gradients of these micro-batches (this rank's part of the step) under `loss`, then the
         pass's one collective. Every rank passes the same number of micro-batches of the same shapes. fingerprint
         (< 2**52): what the caller was given, which must be the same on every rank (the RL API's datums): compared
-        in the pass's collective; a difference drops the gradients since the last optim_step and is one error."""
+        in the pass's collective; a difference drops the gradients since the last optim_step and is one error.
+        model: a list of K LoRA models trained in this ONE pass (engine/multi_model.py: each token's model is its
+        batch's `slots` entry, an index into the list); returns one StepStats per model, in the list's order, each
+        pending for that model's own optim_step. One model is today's pass with that model in the slot."""
         _check_call("forward_backward", loss)
+        if model is not None:
+            from shardfit.engine.multi_model import forward_backward_models
+
+            return forward_backward_models(self, batches, loss, model, fingerprint)
         self._check_trainable("forward_backward")
         if self._pending and (loss.mean_over_tokens or self._pending[0].mean_over_tokens):
             self._fold_pending(loss)
@@ -242,15 +253,19 @@ class Engine(EngineState, EngineSampling):
         self._check_fingerprint(stats, fingerprint)
         return stats
 
-    def _check_fingerprint(self, stats: StepStats, fingerprint: int | None) -> None:
-        """Every rank reads the same rows: all raise or none does (no rank left in a collective)."""
+    def _check_fingerprint(self, stats: StepStats, fingerprint: int | None,
+                           drop: Callable[[], None] | None = None) -> None:
+        """Every rank reads the same rows: all raise or none does (no rank left in a collective). drop: what drops
+        the gradients of a pass of several models (None: the slot's, when `stats` is its last pending pass)."""
         if fingerprint is None:
             return
         seen = stats.rows[:, _INPUT]
         if bool((seen == seen[0]).all()):
             return
         odd = [r for r in range(len(seen)) if seen[r] != seen[0]]
-        if self._pending and stats is self._pending[-1]:  # gradients of data that differ between ranks: dropped
+        if drop is not None:
+            drop()
+        elif self._pending and stats is self._pending[-1]:  # gradients of data that differ between ranks: dropped
             self._pending = []
             self.runner.zero(False)
         raise ShardfitError(f"ranks were given different data: rank(s) {', '.join(map(str, odd))} differ from rank 0 "
@@ -266,8 +281,11 @@ class Engine(EngineState, EngineSampling):
         return {"val_loss": stats.loss_sum / n if n else float("nan"), "val_tokens": int(n),
                 "val_s": time.perf_counter() - t0}
 
-    def _pass(self, batches: Iterable[PackedBatch], loss: Loss, backward: bool,
-              fingerprint: int | None = None) -> StepStats:
+    def _pass(self, batches: Iterable[PackedBatch], loss: Loss, backward: bool, fingerprint: int | None = None,
+              after_backward: Callable[[], torch.Tensor] | None = None) -> StepStats:
+        """after_backward: a pass of several models (engine/multi_model.py): called after the last backward, before
+        the collective; what it returns (float64 [e]) rides at the end of each rank's stats row, and the slot's own
+        gradient norm is not taken (its figures are per model, in those columns)."""
         batches = list(batches) if backward else batches  # validation's may be a generator (one mask at a time)
         count = len(batches) if backward else 0
         # the backward's divisor (engine/losses.py): C, this rank's capacity of the pass, for a mean over tokens
@@ -305,16 +323,18 @@ class Engine(EngineState, EngineSampling):
                 outputs.append(torch.stack([out[k].detach().float() for k in loss.outputs]))
         if backward and self.on_micro_batch is not None:
             self.on_micro_batch(step, count, count)  # all done: the collective next
-        rows, gathered = self._collect(loss_sum, tokens, real, outputs, grads=backward,
-                                       fingerprint=-1 if fingerprint is None else fingerprint)
+        extra = after_backward() if after_backward is not None else None
+        rows, gathered = self._collect(loss_sum, tokens, real, outputs, grads=backward and extra is None,
+                                       fingerprint=-1 if fingerprint is None else fingerprint, extra=extra)
         # Everything recorded so far (this pass, the previous step's optimizer) finished before that sync.
         return StepStats(rows, capacity, loss.mean_over_tokens, gathered, self.timer.collect())
 
     def _collect(self, loss_sum: torch.Tensor, tokens: int, real: float, outputs: list[torch.Tensor],
-                 grads: bool, fingerprint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 grads: bool, fingerprint: int,
+                 extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pass's single collective: every rank's stats [world, k] (float64) and outputs [world, n_out, M x
         local] (fp32), on the host. The stats ride as fp32 pairs (a float64 viewed as two fp32 words): one buffer,
-        exact counts and sums, the outputs not widened."""
+        exact counts and sums, the outputs not widened. extra (float64 [e]): appended to the stats (_pass)."""
         # offload=all: host gradients, and with offload_gpu_blocks device ones too: a norm per device, where they are
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         sq = grad_sq_norm([local_tensor(p.grad) for p in self.params if p.grad is not None],
@@ -325,7 +345,7 @@ class Engine(EngineState, EngineSampling):
                             torch.tensor(float(self.stop_requested), **f64), torch.tensor(float(fingerprint), **f64)])
         mem = torch.tensor(memory_vector(self.device), **f64)
         moe = self.expert_load.take()  # [L*E] rows per expert (MoE models; empty otherwise)
-        stats = torch.cat([head, mem, moe])
+        stats = torch.cat([head, mem, moe] + ([extra] if extra is not None else []))
         flat = [stats.view(torch.float32)]
         if outputs:
             out = torch.stack(outputs, 1)  # [n_out, M, local]
@@ -361,15 +381,9 @@ class Engine(EngineState, EngineSampling):
             raise ShardfitError("a loss averaged over the global batch's tokens must be the first forward_backward "
                                 "since the last optim_step (its token count is known only after its pass)",
                                 where="forward_backward", fix="call optim_step first, or use a coefficient loss")
-        first = self._pending[0]
-        if first.mean_over_tokens:
-            n = first.loss_tokens
-            factor = first.capacity / n if n > 0 else 0.0
+        if self._pending[0].mean_over_tokens:
             self.runner.wait()
-            grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, factor)
-            first.mean_over_tokens, first.capacity = False, 1
+            fold_first_mean(self._pending, [local_tensor(p.grad) for p in self.params if p.grad is not None])
 
     def optim_step(self, adam: AdamParams) -> StepRecord:
         """One AdamW step on the gradients of the forward_backward passes since the last one: scaled (exact

@@ -64,8 +64,11 @@ class TokenLoss(Loss):
 
     def __call__(self, model, b):
         logp, ent = scored_logprobs(model, b, self.entropy)
-        total = with_router_aux(model, b, (b.coef * self.fn(logp, ent, b.inputs)).sum())
-        return total, ({"logprobs": logp, "entropy": ent} if ent is not None else {"logprobs": logp})
+        terms = b.coef * self.fn(logp, ent, b.inputs)  # c_t l_t [n]
+        total = with_router_aux(model, b, terms.sum())
+        out = {"logprobs": logp, "entropy": ent} if ent is not None else {"logprobs": logp}
+        out["terms"] = terms  # not gathered: a pass of several models sums them per model (engine/multi_model.py)
+        return total, out
 
 
 def scored_logprobs(model: torch.nn.Module, b: DeviceBatch,

@@ -44,6 +44,18 @@ class StepStats:
         return [r for r in range(self.rows.shape[0]) if self.rows[r, _NONFINITE] > 0]
 
 
+def fold_first_mean(pending: list[StepStats], grads: list[torch.Tensor]) -> None:
+    """The first pending pass a mean over tokens (its N known now): its factor C / N multiplied into `grads` (the
+    local gradients it left), so that every pending gradient is a coefficient loss's (engine/engine.py)."""
+    first = pending[0]
+    if first.mean_over_tokens:
+        n = first.loss_tokens
+        factor = first.capacity / n if n > 0 else 0.0
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        first.mean_over_tokens, first.capacity = False, 1
+
+
 @dataclass
 class StepRecord:
     """What one optimizer step did (optim_step's result): the figures a log line or a caller needs."""

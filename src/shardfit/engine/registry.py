@@ -145,6 +145,37 @@ class ModelRegistry:
         """The slot holds a model (not a version or the base): forward_backward and optim_step may run."""
         return self.current in self.models
 
+    # ------------------------------------------------------------------ a pass of several models (multi_model.py)
+    def shards(self, name: str) -> list[torch.Tensor]:
+        """Model `name`'s adapter values, this rank's shards, wherever they are (the slot, or its own copies)."""
+        slot = self.models[name]
+        return [local_tensor(p.data) for p in self.params] if slot.values is None else slot.values
+
+    def grads(self, name: str) -> list[torch.Tensor]:
+        """Model `name`'s gradients since its last optim_step, this rank's shards, made (zeros) where it has none."""
+        slot = self.models[name]
+        if slot.values is None:  # in the slot
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return [local_tensor(p.grad) for p in self.params]
+        if not slot.grads:
+            slot.grads = [None] * len(self.params)
+        slot.grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(self.params, slot.grads)]
+        return [local_tensor(g) for g in slot.grads]
+
+    def pending(self, name: str) -> list:
+        """Model `name`'s pending passes (the Engine's StepStats since its last optim_step), the list itself."""
+        slot = self.models[name]
+        return self.engine._pending if slot.values is None else slot.pending
+
+    def drop_gradients(self, name: str) -> None:
+        """Model `name`'s gradients and pending passes since its last optim_step, dropped (data that differ between
+        ranks)."""
+        for g in self.grads(name):
+            g.zero_()
+        self.pending(name).clear()
+
     # ------------------------------------------------------------------ versions
     def freeze(self, name: str) -> str:
         """A frozen version of model `name` now; returns its id."""

@@ -1,5 +1,6 @@
 """Multi-LoRA: the rows of one batch each through their own LoRA adapter (a decode batch holding several weight
-versions: sampling/lora_bank.py wraps this math around the decode model's linear layers).
+versions: sampling/lora_bank.py wraps this math around the decode model's linear layers; a training pass of several
+LoRA models: adapters/lora_stack.py, with a 0/1 mask as cols and the scale applied after).
 
 For token n of slot s = slot[n] (-1: no adapter), with A_s [r, in], B_s [out, r] and scale_s (alpha / r):
     y[n] = x[n] W^T (the base linear, not here) + scale_s (x[n] A_s^T) B_s^T

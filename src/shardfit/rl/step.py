@@ -20,6 +20,8 @@ import hashlib
 import numpy as np
 
 from shardfit.engine import AdamParams, CrossEntropy, Engine, TokenLoss
+from shardfit.engine.multi_model import check_models
+from shardfit.errors import ShardfitError
 from shardfit.rl.datum import Datum, ForwardBackwardResult, check_datums
 from shardfit.rl.losses import (
     BUILT_IN,
@@ -66,6 +68,20 @@ class DatumEngine:
         """Accumulate the gradient of sum_t c_t x loss_t (rl/losses.py) over every datum; optim_step applies it."""
         self.engine.using(model)
         return _run(self.engine, datums, loss_fn, loss_fn_config, backward=True)
+
+    def forward_backward_many(self, groups: dict[str, list[Datum]] | list[tuple[str, list[Datum]]],
+                              loss_fn="cross_entropy", loss_fn_config: dict | None = None
+                              ) -> dict[str, ForwardBackwardResult]:
+        """Several LoRA models' datums ({model: datums}, or a list of (model, datums)) in ONE forward and backward
+        over the shared base (engine/multi_model.py), under one loss: each model gets the result it gets alone (its
+        loss normalised over its own datums, its log-probs, its gradients only), pending for its own
+        optim_step(model=...). One model is forward_backward(datums, model=name), bit for bit."""
+        pairs = list(groups.items()) if isinstance(groups, dict) else [tuple(g) for g in groups]
+        check_models(self.engine, [m for m, _ in pairs])
+        if len(pairs) == 1:
+            (name, datums), = pairs
+            return {name: self.forward_backward(datums, loss_fn, loss_fn_config, model=name)}
+        return dict(zip((m for m, _ in pairs), _run_many(self.engine, pairs, loss_fn, loss_fn_config)))
 
     def optim_step(self, adam: AdamParams | None = None, model: str | None = None) -> dict[str, float]:
         """One AdamW step on the gradients accumulated since the last one, Tinker's metrics back."""
@@ -130,18 +146,60 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
     scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None  # None: every token
     batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank,
                             engine.doc_kernel(plan.budget, grad=backward), engine.device)
-    if mean_ce:
-        loss = CrossEntropy(logprobs=True)
-    else:
-        loss = TokenLoss(lambda logp, ent, x: token_loss(spec, logp, ent, x), entropy=spec.entropy_coef != 0)
+    loss = CrossEntropy(logprobs=True) if mean_ce else _token_loss(spec)
     call = engine.forward_backward if backward else engine.forward
     stats = call(batches, loss, fingerprint=given)
-    logprobs = unpack(plan, datums, stats.outputs[:, 0])
-    outputs = [{"logprobs": lp} for lp in logprobs]
-    if "entropy" in loss.outputs:
-        for o, e in zip(outputs, unpack(plan, datums, stats.outputs[:, 1])):
-            o["entropy"] = e
+    outputs = _outputs(plan, datums, stats.outputs, loss)
     # Tinker's loss:sum is sum_t c_t l_t; the mean's is the summed cross-entropy over its N tokens
     loss_sum = stats.loss_sum / max(stats.loss_tokens, 1.0) if mean_ce else stats.loss_sum
+    return _result(datums, outputs, loss_sum, spec)
+
+
+def _token_loss(spec: LossSpec) -> TokenLoss:
+    return TokenLoss(lambda logp, ent, x: token_loss(spec, logp, ent, x), entropy=spec.entropy_coef != 0)
+
+
+def _outputs(plan, datums: list[Datum], gathered, loss) -> list[dict[str, np.ndarray]]:
+    """Per datum {"logprobs": [L]} (and "entropy") from the pass's gathered outputs [world, n_out, M x local]."""
+    outputs = [{"logprobs": lp} for lp in unpack(plan, datums, gathered[:, 0])]
+    if "entropy" in loss.outputs:
+        for o, e in zip(outputs, unpack(plan, datums, gathered[:, 1])):
+            o["entropy"] = e
+    return outputs
+
+
+def _result(datums: list[Datum], outputs: list[dict], loss_sum: float, spec: LossSpec) -> ForwardBackwardResult:
+    logprobs = [o["logprobs"] for o in outputs]
     metrics = {"loss:sum": loss_sum, **sampler_gap(datums, logprobs), **ppo_clip_fraction(datums, logprobs, spec)}
     return ForwardBackwardResult(outputs, metrics)
+
+
+def _run_many(engine: Engine, pairs: list[tuple[str, list[Datum]]], loss_fn,
+              loss_fn_config: dict | None) -> list[ForwardBackwardResult]:
+    """K >= 2 models' datums packed together (each token's model in the batch's slots), each model's coefficients
+    made from its own datums alone (normalised as if it ran alone), one pass (Engine.forward_backward(model=[...]))."""
+    spec = resolve_loss(loss_fn, loss_fn_config)
+    if spec.name in PAIR_LOSSES and not callable(loss_fn):
+        raise ShardfitError(f"{spec.name} (datums in pairs) runs one model at a time", where="loss_fn",
+                            fix="call forward_backward(datums, loss_fn, model=name) for each model")
+    datums, models, coefs = [], [], []
+    for j, (_, group) in enumerate(pairs):
+        check_datums(group, engine.cfg.model.vocab_size, spec.required)
+        datums += group
+        models += [j] * len(group)
+        coefs += coefficients(group, spec)  # each model normalised over its own datums
+    grouping = hashlib.blake2b(repr([(m, len(g)) for m, g in pairs]).encode(), digest_size=8).digest()
+    given = fingerprint(datums) ^ (int.from_bytes(grouping, "little") >> 12)  # the datums and whose they are
+    layout = engine.layout
+    plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence)
+    scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None
+    batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank,
+                            engine.doc_kernel(plan.budget, grad=True), engine.device, models=models)
+    loss = _token_loss(spec)
+    stats = engine.forward_backward(batches, loss, fingerprint=given, model=[m for m, _ in pairs])
+    outputs = _outputs(plan, datums, stats[0].outputs, loss)
+    results, start = [], 0
+    for (_, group), own in zip(pairs, stats):
+        results.append(_result(group, outputs[start:start + len(group)], own.loss_sum, spec))
+        start += len(group)
+    return results

@@ -44,6 +44,7 @@ from shardfit.serve.ordering import Scheduler
 from shardfit.serve.protocol import WireDatum
 
 NOOP, STOP, SAMPLE, SAMPLE_BATCH = "noop", "stop", "sample", "sample_batch"
+MANY = "forward_backward_many"  # forward_backward requests of several models in one pass: args {"parts": [Command]}
 # Rows (num_samples summed) of one batch of sample requests: the Sampler's max_rows (256, the rows that decode at once)
 # x 4, so that rows finishing make room for waiting ones within one call; a request alone may reach it.
 BATCH_ROWS = 1024
@@ -70,10 +71,12 @@ class Command:
                    model_id=str(d.get("model_id", "")))
 
     def members(self) -> list[Command]:
-        """The commands this one answers: a sample_batch's requests, else itself."""
-        if self.kind != SAMPLE_BATCH:
-            return [self]
-        return [Command.from_dict(d) for d in self.args["commands"]]
+        """The commands this one answers: a sample_batch's or a forward_backward_many's requests, else itself."""
+        if self.kind == SAMPLE_BATCH:
+            return [Command.from_dict(d) for d in self.args["commands"]]
+        if self.kind == MANY:
+            return [Command.from_dict(d) for d in self.args["parts"]]
+        return [self]
 
 
 def batch_samples(first: Command, scheduler: Scheduler) -> Command:
@@ -167,6 +170,7 @@ class Loop:
     needed: Callable[[Command], int | None] | None = None
     done: Callable[[Command, Result], None] | None = None
     stop_args: Callable[[], dict] | None = None
+    combine: Callable[[object], Command] | None = None  # rank 0: a ready Pending -> its command, or a MANY of several
 
     def next_command(self) -> Command:
         """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
@@ -174,7 +178,7 @@ class Loop:
         if pending is not None:
             if pending.command.kind == SAMPLE:
                 return batch_samples(pending.command, self.scheduler)
-            return pending.command
+            return self.combine(pending) if self.combine is not None else pending.command
         if self.scheduler.closed:
             return Command(STOP, args=self.stop_args() if self.stop_args is not None else {})
         return Command(NOOP)
@@ -191,7 +195,8 @@ class Loop:
             self.step(cmd)
 
     def step(self, cmd: Command) -> None:
-        """Run `cmd` (execute returns a Result, or a sample_batch's {request id: Result}) and file each answer."""
+        """Run `cmd` (execute returns a Result, a sample_batch's {request id: Result}, or a forward_backward_many's
+        Result with one part per request) and file each answer."""
         members = cmd.members()
         if self.futures is not None:
             for c in members:
@@ -205,8 +210,8 @@ class Loop:
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception
             out = failure_result(e, cmd, self.rank, self.needed(cmd) if self.needed is not None else None)
         phases.setdefault("run", time.perf_counter() - t0)
-        for c in members:
-            result = out[c.request_id] if isinstance(out, dict) else out
+        for i, c in enumerate(members):
+            result = out[c.request_id] if isinstance(out, dict) else out.parts[i] if out.parts else out
             if self.done is not None:
                 self.done(c, result)
             if self.futures is not None:

@@ -9,6 +9,10 @@ was in the slot); without LoRA every training command runs on its one model ("de
 id is kept here, on every rank alike (`versions`: the same commands make the same ids), and a sample runs under
 `using(version)`: without LoRA the version's copy of every weight is swapped in, the model's own waiting on the host
 until its next command.
+forward_backward requests of several LoRA models that are ready together (serve/ordering.py's take_together: each
+model's oldest ready request, the same loss) run as ONE pass (`combine` on rank 0 makes a forward_backward_many
+command; engine/multi_model.py), each request answered with its own model's result; a pass refused as a whole (bad
+input of one request) is run again request by request, so that each gets its own answer.
 Paths in a command were resolved inside the run directory by rank 0
 (serve.security) before the broadcast. Timings go back with the answer: fwd/bwd metrics carry the server's queue wait
 and compute time as "server_queue_s:max" and "server_compute_s:sum" (the SDK sums or maxes them over chunks).
@@ -16,14 +20,16 @@ and compute time as "server_queue_s:max" and "server_compute_s:sum" (the SDK sum
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from shardfit.errors import ShardfitError
-from shardfit.serve.commands import Command, datums_from_json, failure_result
+from shardfit.serve.commands import MANY, Command, datums_from_json, failure_result
 from shardfit.serve.futures import Result
 from shardfit.serve.protocol import encode_forward_backward, encode_sample
 
@@ -40,6 +46,17 @@ def _rl_types():
     from shardfit.rl import AdamParams, Datum
 
     return Datum, AdamParams
+
+
+def _passes_of_several(engine) -> bool:
+    """Whether this Engine can train several LoRA models in one pass (engine/multi_model.py's refusals)."""
+    from shardfit.engine.multi_model import check_engine
+
+    try:
+        check_engine(engine)
+    except ShardfitError:
+        return False
+    return True
 
 
 def _datum_engine(engine):
@@ -66,7 +83,9 @@ class Executor:
         self.versions: dict[str, str] = {}  # sampling session id -> its version id (LoRA)
         self.failed: dict[str, str] = {}  # sampling session id -> why its model_path did not load
         self.summary: dict = {}  # the registry's summary after the last command (GET /api/v1/shardfit/status)
+        self.together = self.lora and _passes_of_several(engine)  # forward_backward of several models in one pass
         self.handlers = {"create_model": self.create_model, "forward_backward": self.forward_backward,
+                         MANY: self.forward_backward_many,
                          "optim_step": self.optim_step, "save_state": self.save_state, "load_state": self.load_state,
                          "sampler_snapshot": self.sampler_snapshot, "sampler_load": self.sampler_load,
                          "release_samplers": self.release_samplers, "sample_batch": self.sample_batch}
@@ -118,20 +137,71 @@ class Executor:
 
     def forward_backward(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         a = cmd.args
-        datums = [self.Datum(tokens=d.tokens, inputs=d.inputs) for d in datums_from_json(a["datums"])]
+        datums = self._datums(cmd)
         self.use(cmd.model_id)
         t0 = time.perf_counter()
         call = self.rl.forward if a["forward_only"] else self.rl.forward_backward
         res = call(datums, loss_fn=a["loss_fn"], loss_fn_config=a.get("loss_fn_config") or None)
         compute = time.perf_counter() - t0
         phase = "forward" if a["forward_only"] else "forward_backward"
+        return self._answer(cmd, res, compute, 1), {phase: compute}
+
+    def _datums(self, cmd: Command) -> list:
+        return [self.Datum(tokens=d.tokens, inputs=d.inputs) for d in datums_from_json(cmd.args["datums"])]
+
+    def _answer(self, cmd: Command, res, compute: float, models: int) -> Result:
+        """Rank 0: a forward(_backward) request's answer (the outputs and metrics, the server's timings and the
+        number of models its pass ran: "server_pass_models:max"); the other ranks' is dropped."""
         if self.rank != 0:
-            return Result(), {phase: compute}
+            return Result()
         metrics = {metric_key(k): float(v) for k, v in res.metrics.items()}
         metrics["server_queue_s:max"] = self.queue_wait(cmd.request_id)
         metrics["server_compute_s:sum"] = compute
+        if models > 1:
+            metrics["server_pass_models:max"] = float(models)
         outputs = [{k: np.asarray(v) for k, v in out.items()} for out in res.outputs]
-        return Result(proto=encode_forward_backward(outputs, metrics)), {phase: compute}
+        return Result(proto=encode_forward_backward(outputs, metrics))
+
+    @staticmethod
+    def _loss_key(cmd: Command) -> tuple | None:
+        """What must be equal for requests to share a pass: a forward_backward (not forward-only), its loss."""
+        a = cmd.args
+        if cmd.kind != "forward_backward" or a.get("forward_only"):
+            return None
+        return a["loss_fn"], json.dumps(a.get("loss_fn_config") or {}, sort_keys=True)
+
+    def combine(self, first, scheduler) -> Command:
+        """Rank 0: the command of the ready Pending `first`, or with other models' ready forward_backward requests
+        of the same loss a forward_backward_many of them all (serve/ordering.py's take_together)."""
+        key = self._loss_key(first.command)
+        if not self.together or key is None:
+            return first.command
+        more = scheduler.take_together(first, lambda p: self._loss_key(p.command) == key)
+        if not more:
+            return first.command
+        return Command(MANY, request_id=first.command.request_id,
+                       args={"parts": [asdict(p.command) for p in [first, *more]]})
+
+    def forward_backward_many(self, cmd: Command) -> tuple[Result, dict[str, float]]:
+        """forward_backward requests of several models (one each) in one pass; each request its own answer."""
+        parts = cmd.members()
+        a = parts[0].args
+        t0 = time.perf_counter()
+        try:
+            # only a LoRA registry combines (`together`): a model id is its registry name
+            res = self.rl.forward_backward_many([(c.model_id, self._datums(c)) for c in parts],
+                                                loss_fn=a["loss_fn"], loss_fn_config=a.get("loss_fn_config") or None)
+        except ShardfitError:  # refused before the pass (on every rank alike): each request on its own
+            return Result(parts=[self._alone(c) for c in parts]), {}
+        compute = time.perf_counter() - t0
+        return (Result(parts=[self._answer(c, res[c.model_id], compute, len(parts)) for c in parts]),
+                {"forward_backward": compute})
+
+    def _alone(self, cmd: Command) -> Result:
+        try:
+            return self.forward_backward(cmd)[0]
+        except ShardfitError as e:
+            return failure_result(e, cmd, self.rank)
 
     def optim_step(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         self.use(cmd.model_id)

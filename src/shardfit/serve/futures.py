@@ -32,6 +32,7 @@ class Result:
     proto: bytes | None = None
     error: str | None = None
     category: str = "user"  # "user" | "server" (Tinker's RequestErrorCategory)
+    parts: list[Result] | None = None  # a command of several requests (forward_backward_many): each one's Result
 
     def body(self) -> dict | bytes:
         if self.error is not None:

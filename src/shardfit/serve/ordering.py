@@ -110,6 +110,22 @@ class Scheduler:
                 out.append(self._ready.pop(0))
         return out
 
+    def take_together(self, first: Pending, joins) -> list[Pending]:
+        """The ready commands that run in one pass with `first` (just taken: serve/executor.py's `combine`): of
+        every other model, its oldest ready command when joins(it) says so. A model's later commands stay, so its
+        seq_id order holds; a model whose oldest ready command does not join keeps all of its own; commands without
+        a model (sampling) stay where they are. Nothing waits for a model that is not ready."""
+        with self._cond:
+            seen, taken = {first.model_id}, []
+            for p in list(self._ready):
+                if p.model_id is None or p.model_id in seen:
+                    continue
+                seen.add(p.model_id)
+                if joins(p):
+                    taken.append(p)
+                    self._ready.remove(p)
+            return taken
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

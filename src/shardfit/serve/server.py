@@ -152,7 +152,8 @@ def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_k
                         served={name: (served[name], tok) for name, (_, tok) in extra.items()})
     state.held = executor.held
     loop = Loop(executor, 0, engine.dist.world_size, comm_device(engine), state.scheduler, state.futures,
-                needed=executor.space_needed, done=state.note_done)
+                needed=executor.space_needed, done=state.note_done,
+                combine=lambda pending: executor.combine(pending, state.scheduler))
     server, thread, bound = start_http(state, host, port)
     return Serving(state, loop, server, thread, f"http://{'[' + host + ']' if ':' in host else host}:{bound}",
                    lock)

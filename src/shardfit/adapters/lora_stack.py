@@ -1,0 +1,68 @@
+"""AdapterStack: K LoRA models' adapters on every adapted linear layer at once, for one training pass whose rows
+belong to different models (engine/multi_model.py); the math is kernels/multi_lora.py's.
+
+For each adapted linear layer (adapters/lora.py's LoRALinear: A [r, in], B [out, r], scale alpha / r) the stack holds
+    A_all [K*r, in]   model k's A in rows k*r .. (k+1)*r
+    B_all [K*r, out]  model k's B^T, stacked the same way
+as fp32 leaf tensors with requires_grad (the K models' whole adapters, not FSDP parameters), and for the current
+micro-batch the mask [N, K*r] of its N tokens (`set_rows`): 1 on the r columns of the token's own model, 0 elsewhere
+(every column for a padding token, slot -1). The layer then adds
+    delta = scale x ((drop(x) A_all^T) * mask) B_all       [N, out]
+which for a token of model k is exactly scale x B_k A_k drop(x) (the other models' columns add exact zeros), so
+model k's gradients (A_all.grad / B_all.grad rows k*r .. (k+1)*r) come from its own tokens only, and a model with
+no token or a zero loss gets exact zeros. The mask is made once per micro-batch and read by every layer (and again
+by the recomputation under activation checkpointing: the same micro-batch's). A_all and B_all are cast to the
+compute dtype in each layer's forward, as FSDP casts the live adapters (fp32 on the CPU: no cast).
+
+Cost per layer and micro-batch: the K-fold shrink and expand, 2 N K r (in + out) FLOPs where one model's adapter does
+2 N r (in + out); for the 8B shape's q_proj (in = out = 4096) at r = 16 and K = 16 that is K r / in = 6% of the base
+matmul each way (12.5% more FLOPs on adapted layers), K = 4: 3%. A grouped matmul over each model's token spans
+(punica's SGMV) would do 2 N r (in + out) whatever K; it needs a custom kernel, and the spans are on the host (the
+packer knows them), so it is the next step where K grows past ~8.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardfit.kernels.multi_lora import multi_lora, slot_columns
+
+
+class AdapterStack:
+    """`modules`: the adapted linear layers; a[j] [K*r, in] and b[j] [K*r, out] (fp32 leaves) their stacked
+    adapters; `dtype`: the compute dtype. `install` puts the stack on the modules, `remove` takes it off."""
+
+    def __init__(self, modules: list[nn.Module], a: list[torch.Tensor], b: list[torch.Tensor], n_models: int,
+                 rank: int, dtype: torch.dtype):
+        self.modules, self.a, self.b = modules, a, b
+        self.index = {id(m): j for j, m in enumerate(modules)}
+        self.n_models, self.rank, self.dtype = n_models, rank, dtype
+        self.mask: torch.Tensor | None = None  # [N, K*r] of the current micro-batch
+
+    def set_rows(self, slots: torch.Tensor) -> None:
+        """slots [N] (long): each token's model, -1 for none, in the order of the layers' flattened inputs."""
+        ones = torch.ones(self.n_models, dtype=self.dtype, device=slots.device)
+        self.mask = slot_columns(slots, ones, self.rank)
+
+    def delta(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """[..., out]: each token's own model's adapter on x [..., in] (module docstring)."""
+        j = self.index[id(mod)]
+        flat = x.reshape(-1, x.shape[-1])
+        if mod.lora_dropout:
+            flat = F.dropout(flat, mod.lora_dropout, mod.training)
+        if self.mask is None or self.mask.shape[0] != flat.shape[0]:
+            raise RuntimeError(f"AdapterStack: {flat.shape[0]} tokens, the rows set are "
+                               f"{None if self.mask is None else self.mask.shape[0]}")
+        d = multi_lora(flat, self.a[j].to(self.dtype), self.b[j].to(self.dtype), self.mask) * mod.lora_scale
+        return d.view(*x.shape[:-1], d.shape[-1])
+
+    def install(self) -> None:
+        for m in self.modules:
+            m.lora_stack = self
+
+    def remove(self) -> None:
+        for m in self.modules:
+            m.__dict__.pop("lora_stack", None)
+        self.mask = None
