@@ -231,6 +231,7 @@ class Engine(EngineState, EngineSampling):
         model: a list of K LoRA models trained in this ONE pass (engine/multi_model.py: each token's model is its
         batch's `slots` entry, an index into the list); returns one StepStats per model, in the list's order, each
         pending for that model's own optim_step. One model is today's pass with that model in the slot."""
+        self.release_sampler()  # a kept Sampler's KV pool and graphs: this call's memory (engine/sampling.py)
         _check_call("forward_backward", loss)
         if model is not None:
             from shardfit.engine.multi_model import forward_backward_models
@@ -247,6 +248,7 @@ class Engine(EngineState, EngineSampling):
     def forward(self, batches: Iterable[PackedBatch], loss: Loss, fingerprint: int | None = None) -> StepStats:
         """The same pass without gradients (log-probs, validation). On one rank the weights are gathered once for the
         whole call where they fit (gather_once, parallel/gathered.py)."""
+        self.release_sampler()  # a kept Sampler's KV pool and graphs: this call's memory (engine/sampling.py)
         _check_call("forward", loss)
         with torch.no_grad(), self.gathered_pass():
             stats = self._pass(batches, loss, backward=False, fingerprint=fingerprint)
@@ -390,6 +392,7 @@ class Engine(EngineState, EngineSampling):
         normalisation, FSDP's average over ranks undone), clipped to adam.grad_clip_norm, stepped and zeroed; or
         skipped on every rank alike when a rank saw a non-finite loss, the gradient norm is not finite, or a mean
         over tokens has no tokens. No collective: the last pass's stats carry the norm of every pending gradient."""
+        self.release_sampler()  # a kept Sampler's KV pool and graphs: this call's memory (engine/sampling.py)
         check_adam(adam)
         self._check_trainable("optim_step")
         pending, self._pending = self._pending, []
