@@ -114,7 +114,8 @@ def sampling_lines(cfg: Config, world: int, e: Estimate, gpu_gib: float) -> list
              f"prompt+max_tokens = data.seq_len {cfg.data.seq_len}), {c.kv_bytes / GiB:.2f} GiB ({c.dtype}; "
              f"sampling.kv_fraction={cfg.sampling.kv_fraction:g} of the {c.free / GiB:.1f} GiB free after the "
              f"{c.resident / GiB:.1f} GiB of states kept between steps"
-             + (" and the decode model" if c.decode_total else "") + ")"]
+             + (" and the decode model" if c.decode_total else "") + ")"
+             + ("" if c.kv_blocks else ": no room left for a KV cache")]
     if cfg.sampling.keep_kv and together + c.kv_bytes > budget:
         fraction = kv_fraction_that_fits(c, cfg, e.peak, budget)
         lines.append(f"WARNING: sampling.keep_kv keeps the KV cache through training: step peak "
