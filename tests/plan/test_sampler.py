@@ -5,6 +5,7 @@ model's copy and its LoRA bank, the adapters a pass of several models stacks."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 
@@ -76,6 +77,20 @@ def test_keep_kv_warns_when_the_cache_and_the_step_do_not_fit_together():
     assert not [ln for ln in sampling_lines(ok, 8, e, 79.0) if ln.startswith("WARNING")]
     off = _cfg(*B8)  # without keep_kv the cache is released before the step: no warning
     assert not [ln for ln in sampling_lines(off, 8, e, 79.0) if ln.startswith("WARNING")]
+
+
+def test_plan_json_carries_the_sampling_figures(capsys):
+    import json
+
+    from shardfit.cli.main import main
+
+    assert main(["plan", *B8, *LORA, "--nproc", "2", "--gpu-memory", "79", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["sampling"]
+    cfg = _cfg(*B8, *LORA)
+    e, _ = configured(cfg, 2, 79.0)
+    assert out == dataclasses.asdict(sampling_cost(cfg, 2, e, 79 * GiB)) and out["decode_kind"] == "gathered"
+    assert main(["plan", *B8, "--parallel.offload=all", "--nproc", "8", "--gpu-memory", "79", "--json"]) == 0
+    assert "parallel.offload=all" in json.loads(capsys.readouterr().out)["sampling"]["refused"]
 
 
 def test_no_room_left_is_said():
