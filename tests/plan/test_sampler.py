@@ -74,6 +74,8 @@ def test_keep_kv_warns_when_the_cache_and_the_step_do_not_fit_together():
         c = sampling_cost(_cfg(*B8, "--sampling.keep_kv=true", f"--sampling.kv_fraction={f}"), 8, e, 79 * GiB)
         assert (e.peak + c.decode_total + c.kv_bytes <= allocation_budget(79 * GiB)) == fit, (f, fit)
     ok = _cfg(*B8, "--sampling.keep_kv=true", f"--sampling.kv_fraction={fraction}")
+    tokens = sampling_cost(ok, 8, e, 79 * GiB).kv_blocks * BLOCK_SIZE
+    assert f"--sampling.kv_fraction={fraction:g} or lower ({tokens} tokens)" in warning[0], warning
     assert not [ln for ln in sampling_lines(ok, 8, e, 79.0) if ln.startswith("WARNING")]
     off = _cfg(*B8)  # without keep_kv the cache is released before the step: no warning
     assert not [ln for ln in sampling_lines(off, 8, e, 79.0) if ln.startswith("WARNING")]

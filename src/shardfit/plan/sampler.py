@@ -91,6 +91,11 @@ def kv_fraction_that_fits(cost: SamplingCost, cfg: Config, peak: int, budget: fl
     return min(1.0, int(100 * room / cost.free) / 100)
 
 
+def _tokens_at(cost: SamplingCost, cfg: Config, fraction: float) -> int:
+    """Tokens of the KV cache at another kv_fraction of the same free memory."""
+    return blocks_for_memory(cost.free, fraction, cfg.model, compute_dtype(cfg.compute), BLOCK_SIZE) * BLOCK_SIZE
+
+
 def sampling_lines(cfg: Config, world: int, e: Estimate, gpu_gib: float) -> list[str]:
     """The plan's lines about Engine.sample for the configured step `e` on `world` GPUs of gpu_gib."""
     why = refused(cfg)
@@ -122,6 +127,7 @@ def sampling_lines(cfg: Config, world: int, e: Estimate, gpu_gib: float) -> list
                      f"{e.peak / GiB:.1f} + decode model {c.decode_total / GiB:.1f} + KV cache "
                      f"{c.kv_bytes / GiB:.1f} = {(together + c.kv_bytes) / GiB:.1f} GiB, over the "
                      f"{budget / GiB:.1f} GiB budget: "
-                     + (f"set --sampling.kv_fraction={fraction:g} or lower" if fraction else
+                     + (f"set --sampling.kv_fraction={fraction:g} or lower ({_tokens_at(c, cfg, fraction)} tokens)"
+                        if fraction else
                         "no KV cache fits beside the step: set --sampling.keep_kv=false"))
     return lines
