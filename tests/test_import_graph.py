@@ -25,8 +25,9 @@ LAYERS: list[set[str]] = [
     {"models", "data"},  # the decoder (no distributed code); records, tokenizers, packing
     {"adapters"},  # module transforms on the model: LoRA, expert LoRA, NF4
     {"parallel"},  # the layout, parallelize, the step runners
-    {"weights", "plan"},  # every weight format; prediction (builds models on meta)
+    {"weights"},  # every weight format
     {"sampling"},  # continuous batching over a paged KV cache, from a plain CausalLM; an Engine's decode model
+    {"plan"},  # prediction (builds models on meta), the sampler's KV cache counted by sampling/kv.py's arithmetic
     {"engine"},  # the step
     {"rl"},  # Tinker's datums into the Engine's batches; preference pairs
     {"train"},  # the loop (preference training packs its pairs as rl/ does)

@@ -19,7 +19,12 @@ With --parallel.offload=all the host memory each node needs is printed; --host-m
 With --compute.activation_checkpoint=auto the plan is of what a run would choose on a GPU of --gpu-memory, and says
 which blocks that is (in --json: auto_checkpointing). With LoRA, --models N and --versions K count a server's LoRA
 models on one base and their frozen versions (plan/models.py): what each adds to a rank, and how many models fit;
-without LoRA, --versions K counts frozen copies of every weight (shardfit serve's serve.versions).
+without LoRA, --versions K counts frozen copies of every weight (shardfit serve's serve.versions); --models N also
+counts a pass of the N models in one forward/backward (their whole adapters and gradients on every rank).
+In-process sampling (Engine.sample, shardfit serve) is counted too (plan/sampler.py): the decode model's memory (none
+on one GPU where the weights are viewed in the compute dtype, a cast copy where their dtype differs, the whole model
+on each of N GPUs) and the KV cache the sampler would get at sampling.kv_fraction of the memory left after the states
+kept between steps; with sampling.keep_kv=true a warning when that cache and the step's peak do not fit together.
 
 Proposals, printed when the configuration does not fit or always with --propose, cheapest first: fewer checkpointed
 blocks (--compute.ac_blocks; also printed when a configuration with full checkpointing fits with room), expert
@@ -84,6 +89,10 @@ def plan(argv: list[str]) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(plan_table(cfg, world, gpu_gib, host_gib, per_node))
+    from shardfit.plan.sampler import sampling_lines
+
+    print("\n".join(["", *sampling_lines(cfg, world, configured(cfg, world, gpu_gib, host_gib, per_node)[0],
+                                         gpu_gib)]))
     if "--versions" in opts or (cfg.lora.rank and "--models" in opts):  # a server's clients (engine/registry.py)
         if not cfg.lora.rank and models > 1:
             raise ShardfitError("several models share one base only with LoRA", where="--models",

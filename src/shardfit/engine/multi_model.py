@@ -28,8 +28,8 @@ whatever the number of micro-batches M. Inside FSDP the adapters would be re-gat
 micro-batch's forward and backward (2 M gathers of K x 87 MB in bf16 and M reduce-scatters in fp32), the sharded
 parameters would change shape with K from pass to pass (FSDP2 fixes them at fully_shard), and the optimizer's
 per-parameter state would no longer be one model's. For RL-sized passes (M of a few, K up to tens) on one node the
-per-pass exchange is the smaller; its price is the whole-adapter memory above, which `shardfit plan` does not
-count yet.
+per-pass exchange is the smaller; its price is the whole-adapter memory above, which `shardfit plan --models K`
+counts (plan/models.py multi_model_pass_bytes: this arithmetic, in one place).
 
 Refused in one line: a model twice, a name that is not a model (unknown, a frozen version, the base), a mean-over-
 tokens loss (its normalisation is the whole pass's: use a coefficient loss, which the RL API makes per model),

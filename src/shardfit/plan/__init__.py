@@ -11,6 +11,8 @@ those below it:
   micro_batch       the largest micro-batch that fits (`train.micro_batch=0` at start-up)
   table             the report of `shardfit plan`
   proposals         configurations that fit, and the JSON report
+  models            LoRA models and frozen versions on one base, and a pass of several models
+  sampler           in-process sampling: the decode model and the KV cache (sampling/kv.py's arithmetic)
 The snapshot doctor (shardfit.doctor) explains measured memory; this package predicts it. Design and the
 measurements that check it: docs/memory-plan.md.
 """

@@ -32,6 +32,7 @@ from shardfit.plan import adapters, moe
 from shardfit.plan.activation_trace import block_activation_bytes, compute_dtype, model_key
 
 GiB = 1 << 30
+CUDA_CONTEXT = GiB // 2  # what the CUDA context takes of a GPU's memory, outside the allocator's counts
 LOSS_CHUNK_BYTES = 10  # the fused loss's buffers for each logit of one chunk, eager or compiled (see estimate)
 
 
@@ -305,7 +306,7 @@ def host_fits(e: Estimate, world: int, gpus_per_node: int, host_gib: float | Non
 def allocation_budget(device_bytes: float) -> float:
     """Bytes a rank may allocate on a GPU of device_bytes: reserved memory runs a few percent above allocated with
     expandable segments, and the CUDA context takes about half a GiB."""
-    return 0.95 * device_bytes - 0.5 * GiB
+    return 0.95 * device_bytes - CUDA_CONTEXT
 
 
 def fits(e: Estimate, budget_bytes: float, device_bytes: float | None = None) -> bool:

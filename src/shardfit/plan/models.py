@@ -7,6 +7,10 @@ optim_step (counted always: a client may leave them pending) and its two moments
 sharded like the adapters (over world / replicate ranks). A version keeps its adapter values (4 bytes a parameter,
 sharded alike) on the device while the versions' bytes fit memory.versions_gib, in host memory beyond it.
   models that fit = 1 + floor((budget - peak) / model_bytes)   (budget: plan/estimate.py allocation_budget)
+A pass of several models (engine/multi_model.py) gathers, for the pass only, the K models' whole adapters onto every
+rank as fp32 leaves outside FSDP, and their whole fp32 gradients: PASS_BYTES = 4 + 4 bytes an adapter parameter, K
+times, not sharded, held from the gather to the reduce-scatter after the last backward, so on top of the step's peak
+(multi_model_pass_bytes, which that module's docstring points to).
 Without LoRA there is one model, and a version is a copy of every weight in the compute dtype (2 bytes a parameter
 in bf16, sharded alike; engine/registry.py), placed the same way; `shardfit serve` holds serve.versions of them.
 """
@@ -21,6 +25,7 @@ from shardfit.plan.estimate import adapter_params
 
 MODEL_BYTES = 16  # fp32 values, gradients, exp_avg, exp_avg_sq: a model out of the slot, per adapter parameter
 VERSION_BYTES = 4  # fp32 values: a frozen version, per adapter parameter (without LoRA: the compute dtype's)
+PASS_BYTES = 8  # fp32 whole values and gradients of one model in a pass of several, per adapter parameter
 
 
 @dataclass
@@ -46,6 +51,24 @@ def models_cost(cfg: Config, world: int, models: int, versions: int) -> ModelsCo
     on_device = min(versions, int(cfg.memory.versions_gib * 2**30 // per_version) if per_version else versions)
     return ModelsCost(per_model, per_version, models, versions, per_version * on_device,
                       per_version * (versions - on_device))
+
+
+def multi_model_pass_bytes(cfg: Config, k: int) -> int:
+    """What a pass of k models (engine/multi_model.py, k >= 2) holds on every rank beside the step's peak: each
+    model's whole adapter values and gradients in fp32 (module docstring); 0 for one model (the slot's own pass)."""
+    return PASS_BYTES * k * adapter_params(cfg)[0] if k > 1 else 0
+
+
+def multi_model_refusal(cfg: Config) -> str | None:
+    """What of this config a pass of several models refuses (engine/multi_model.py check_engine), or None; the
+    adapters' targets are checked by the engine alone (embedding, head or experts: one line there)."""
+    if cfg.parallel.offload != "none":
+        return "parallel.offload=all (the pass keeps the adapters on the device)"
+    if cfg.model.n_experts:
+        return "an MoE model (the load-balancing term is not per model)"
+    if cfg.parallel.replicate > 1 or cfg.parallel.expert_parallel > 1:
+        return "sharding other than plain FSDP (parallel.replicate, parallel.expert_parallel)"
+    return None
 
 
 def models_that_fit(cost: ModelsCost, peak: int, budget: float) -> int:
@@ -75,4 +98,20 @@ def models_lines(cfg: Config, world: int, models: int, versions: int, peak: int,
                 else "")]
     lines.append(f"models that fit this GPU with {versions} version(s): {fit}" if fit else
                  "models that fit this GPU: none (the run itself does not fit)")
+    if models > 1:
+        lines.append(pass_line(cfg, cost, models, peak, budget))
     return lines
+
+
+def pass_line(cfg: Config, cost: ModelsCost, k: int, peak: int, budget: float) -> str:
+    """The line about a pass of the k models asked for (multi_model_pass_bytes): its bytes and whether it fits
+    beside the step's peak, the other models and the versions on the device."""
+    why = multi_model_refusal(cfg)
+    if why is not None:
+        return f"a pass of {k} models in one forward/backward: refused with {why}; run them one after another"
+    extra = multi_model_pass_bytes(cfg, k)
+    total = peak + cost.device_bytes + extra
+    gib = 2**30
+    return (f"a pass of {k} models in one forward/backward holds {extra / gib:.2f} GiB more on every rank (their "
+            f"whole fp32 adapters and gradients): peak {total / gib:.1f} GiB with the models and versions, "
+            + ("within" if total <= budget else "OVER") + f" the {budget / gib:.1f} GiB budget")

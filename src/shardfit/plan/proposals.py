@@ -348,8 +348,12 @@ def plan_json(cfg: Config, world: int, gpu_gib: float, host_gib: float | None, g
     proposals, left_out (host memory short): kind, flags (arguments to add), changes (config key -> value), world,
     micro_batch, terms, host_per_node, note; refused: train's line when it refuses the configured layout, else null
     auto_checkpointing (added by cli/plan.py, only with compute.activation_checkpoint=auto): changes (config key ->
-    value: what auto chose on this GPU, which configured's terms are of) and line (what the run prints)"""
+    value: what auto chose on this GPU, which configured's terms are of) and line (what the run prints)
+    sampling: in-process sampling beside the configured step (plan/sampler.py SamplingCost: decode_kind,
+    decode_bytes, bank_bytes, resident, free, kv_blocks, kv_bytes, dtype), or {"refused": why}"""
     from shardfit.parallel.layout import refusal
+    from shardfit.plan.sampler import refused as sampling_refused
+    from shardfit.plan.sampler import sampling_cost
 
     mine, ok = configured(cfg, world, gpu_gib, host_gib, gpus_per_node)
     refused = refusal(cfg, world)
@@ -365,4 +369,6 @@ def plan_json(cfg: Config, world: int, gpu_gib: float, host_gib: float | None, g
             "configured": {"terms": _terms(mine), "fits": ok, "refused": None if refused is None else str(refused),
                            "host_per_node": host_per_node(mine, world, gpus_per_node)},
             "largest": {m: _terms(e) for m, e in largest_per_mode(cfg, world, gpu_gib).items()},
-            "proposals": [proposal(p) for p in props], "left_out": [proposal(p) for p in short]}
+            "proposals": [proposal(p) for p in props], "left_out": [proposal(p) for p in short],
+            "sampling": ({"refused": sampling_refused(cfg)} if sampling_refused(cfg) else
+                         dataclasses.asdict(sampling_cost(cfg, world, mine, gpu_gib * GiB)))}
