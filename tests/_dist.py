@@ -24,9 +24,11 @@ PRELOAD = ["torch", "torch.distributed.checkpoint", "tests.helpers"]
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 
-def _entry(rank: int, world: int, store: str, out_dir: str, fn, args, backend: str, environ: dict[str, str]):
-    os.environ.clear()
-    os.environ.update(environ)
+def _entry(rank: int, world: int, store: str, out_dir: str, fn, args, backend: str,
+           environ: dict[str, str] | None = None):
+    if environ is not None:  # a forked rank: the environment of its run, not the fork server's of its start
+        os.environ.clear()
+        os.environ.update(environ)
     # "gloo-one-gpu": every rank on cuda:0 over gloo (NCCL refuses two ranks on one GPU): the multi-rank CUDA code
     # paths (streams, async collectives, compile) on a machine with one GPU; no figure from it means anything.
     one_gpu = backend == "gloo-one-gpu"
