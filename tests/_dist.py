@@ -1,4 +1,5 @@
-"""Run a function on N local gloo ranks (spawned processes) and collect what each returns."""
+"""Run a function on N local ranks (gloo: processes forked from a fork server; CUDA backends: spawned) and collect
+what each returns."""
 
 from __future__ import annotations
 
