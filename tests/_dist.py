@@ -1,8 +1,10 @@
-"""Run a function on N local gloo ranks (spawned processes) and collect what each returns."""
+"""Run a function on N local ranks (gloo: processes forked from a fork server; CUDA backends: spawned) and collect
+what each returns."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -14,8 +16,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# gloo ranks are forked from a server process that imported torch, torch.distributed.checkpoint (before any group
+# exists, as shardfit.parallel.dist needs) and the tests' helpers once: a spawned rank spent seconds importing them
+# again, for every rank of every run. The server starts at the first run (with this session's sys.path) and holds no
+# thread pool to fork (OMP_NUM_THREADS=1, conftest.py, before it starts); each rank takes the parent's environment
+# of the moment of its run (_entry), as a spawned one does.
+PRELOAD = ["torch", "torch.distributed.checkpoint", "tests.helpers"]
+multiprocessing.set_forkserver_preload(PRELOAD)
 
-def _entry(rank: int, world: int, store: str, out_dir: str, fn, args, backend: str):
+
+def _entry(rank: int, world: int, store: str, out_dir: str, fn, args, backend: str,
+           environ: dict[str, str] | None = None):
+    if environ is not None:  # a forked rank: the environment of its run, not the fork server's of its start
+        os.environ.clear()
+        os.environ.update(environ)
     # "gloo-one-gpu": every rank on cuda:0 over gloo (NCCL refuses two ranks on one GPU): the multi-rank CUDA code
     # paths (streams, async collectives, compile) on a machine with one GPU; no figure from it means anything.
     one_gpu = backend == "gloo-one-gpu"
@@ -54,8 +68,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "glo
     rank on cuda:0 over gloo); results by rank."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_entry, args=(world, store, tmp, fn, args, backend), nprocs=world, join=False,
-                                 start_method="spawn")
+        # CUDA backends keep spawn: a fresh process per rank, nothing of the server's state near the driver
+        ctx = mp.start_processes(_entry, args=(world, store, tmp, fn, args, backend, dict(os.environ)), nprocs=world,
+                                 join=False, start_method="forkserver" if backend == "gloo" else "spawn")
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=2):

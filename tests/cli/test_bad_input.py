@@ -88,19 +88,44 @@ CASES = ["malformed toml", "unknown key", "wrong type", "out of range", "missing
          "sequence above model limit", "world size does not divide batch", "replicas that do not divide the world",
          "not a snapshot", "zero processes", "recipe without weights", "unknown recipe",
          "generate without a checkpoint", "not a trace", "trace without kernels"]
+# Each its own `python -m shardfit` (the process's exit code, and stderr at the file descriptor: a C++ log or a
+# warning would be a second line): one case past the process group and the data, one through the launcher's checks,
+# one of another command. The others run in one subprocess through the CLI's entry point (tests/cli/session.py):
+# their messages are the same lines, the interpreter and torch started once.
+OWN_PROCESS = {"empty dataset", "world size does not divide batch", "generate without a checkpoint"}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_bad_input_table(tmp_path, case):
+def _command(case, tmp_path):
+    """(argv after `shardfit`, needle, run directory, export directory) of a case set up under tmp_path."""
     args, needle = _setup(case, tmp_path)
     run_dir = tmp_path / "run"
     extra = [*TINY, f"--logging.run_dir={run_dir}", f"--checkpoint.export_hf={tmp_path}/export"] \
         if args[0] == "train" and "--model.path" not in " ".join(args) else (
             ["--train.device=cpu", "--data.seq_len=32", f"--logging.run_dir={run_dir}"] if args[0] == "train" else [])
-    cmd = [sys.executable, "-m", "shardfit", args[0], *extra, *args[1:]]  # the case's own arguments win
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return [args[0], *extra, *args[1:]], needle, run_dir, tmp_path / "export"  # the case's own arguments win
+
+
+@pytest.fixture(scope="module")
+def in_one_session(tmp_path_factory):
+    """case -> (its subprocess.CompletedProcess, needle, run directory, export directory), for the cases that share a
+    driver process."""
+    from tests.cli.session import run_commands
+
+    names = [c for c in CASES if isinstance(c, str) and c not in OWN_PROCESS]
+    made = {c: _command(c, tmp_path_factory.mktemp("case")) for c in names}
+    done = run_commands([made[c][0] for c in names], cwd=tmp_path_factory.getbasetemp())
+    return {c: (p, *made[c][1:]) for c, p in zip(names, done)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_table(tmp_path, case, request):
+    if case in OWN_PROCESS or request.node.get_closest_marker("slow"):
+        argv, needle, run_dir, export = _command(case, tmp_path)
+        p = subprocess.run([sys.executable, "-m", "shardfit", *argv], capture_output=True, text=True, timeout=120)
+    else:
+        p, needle, run_dir, export = request.getfixturevalue("in_one_session")[case]
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2, p.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("shardfit: error: ") and needle in lines[0], lines
     assert "fix:" in lines[0] or case in ("unreadable model dir",)
-    assert not run_dir.exists() and not (tmp_path / "export").exists()  # nothing half-written
+    assert not run_dir.exists() and not export.exists()  # nothing half-written

@@ -47,27 +47,30 @@ def test_train_smoke_then_auto_resume(tmp_path):
     assert (run_dir / "config.toml").read_bytes() == before
 
 
+@pytest.mark.slow  # the launch and its start line are also test_trackers_get_rank_0_records_only's
 def test_nproc_launches_torchrun(tmp_path):
     p = _run("train", *TINY, "--train.steps=2", "--nproc=2", f"--logging.run_dir={tmp_path}")
     assert p.returncode == 0, p.stderr
     assert "2 x cpu" in p.stdout
 
 
-def test_help_lists_keys():
-    p = _run("train", "--help")
-    assert p.returncode == 0 and "--compute.activation_checkpoint=" in p.stdout and "--train.lr=0.003 " in p.stdout
-    assert _run("--help").returncode == 0
-    p = _run("train", "--model.name=llama3-8b", "--data.seq_len=4096", "--help")  # that model's defaults
-    assert p.returncode == 0 and "--train.lr=0.0003 " in p.stdout and "Training defaults by model size" in p.stdout
+def test_help_lists_keys_and_recipes_are_listed_and_planned(tmp_path):
+    from tests.cli.session import run_commands
 
-
-def test_recipes_are_listed_and_planned():
-    p = _run("recipes")
-    assert p.returncode == 0 and "llama3-8b-sft-8gpu" in p.stdout and "qwen3-30b-a3b-sft" in p.stdout
-    p = _run("plan", "--config", "recipe:llama3-8b-sft-8gpu", "--nproc", "8", "--gpu-memory", "79")
-    assert p.returncode == 0 and "as configured: fits" in p.stdout, p.stderr
-    p = _run("plan", "--config", "recipe:llama3-70b-sft", "--nproc", "8", "--gpu-memory", "139")
-    assert p.returncode == 0 and "as configured: DOES NOT FIT" in p.stdout  # as the recipe's comment says
+    assert _run("--help").returncode == 0  # argparse's help leaves main through SystemExit: a process of its own
+    helped, default_8b, recipes, fits, too_big = run_commands([
+        ["train", "--help"],
+        ["train", "--model.name=llama3-8b", "--data.seq_len=4096", "--help"],  # that model's defaults
+        ["recipes"],
+        ["plan", "--config", "recipe:llama3-8b-sft-8gpu", "--nproc", "8", "--gpu-memory", "79"],
+        ["plan", "--config", "recipe:llama3-70b-sft", "--nproc", "8", "--gpu-memory", "139"]], cwd=tmp_path)
+    assert helped.returncode == 0 and "--compute.activation_checkpoint=" in helped.stdout
+    assert "--train.lr=0.003 " in helped.stdout
+    assert default_8b.returncode == 0 and "--train.lr=0.0003 " in default_8b.stdout
+    assert "Training defaults by model size" in default_8b.stdout
+    assert recipes.returncode == 0 and "llama3-8b-sft-8gpu" in recipes.stdout and "qwen3-30b-a3b-sft" in recipes.stdout
+    assert fits.returncode == 0 and "as configured: fits" in fits.stdout, fits.stderr
+    assert too_big.returncode == 0 and "as configured: DOES NOT FIT" in too_big.stdout  # as the recipe's comment says
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -116,6 +119,7 @@ def test_trackers_get_rank_0_records_only(tmp_path, monkeypatch):
     p = _run("train", *TINY, "--train.steps=3", "--nproc=2", "--logging.tensorboard=true",
              "--checkpoint.final=false", f"--logging.run_dir={run}", *extra)
     assert p.returncode == 0, p.stderr
+    assert "2 x cpu" in p.stdout  # torchrun started the two ranks
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3  # one record a step, not one a rank
     assert len(list((run / "tensorboard").iterdir())) == 1  # one event file
     want = _jsonl_numbers(run)

@@ -39,32 +39,52 @@ def _record(layout, ex):
     return {"prompt": msgs[:-1], "completion": msgs[-1:]}  # TRL's conversational prompt/completion
 
 
-def _train(tmp_path, name, rows, *extra, steps=3):
+def _train_argv(tmp_path, name, rows, *extra, steps=3):
+    """(argv after `shardfit`, run directory) of a run on `rows` written as tmp_path/name.jsonl."""
     data = tmp_path / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / f"run_{name}"
-    p = _run("train", *TINY, f"--data.path={data}", *([f"--train.steps={steps}"] if steps else []),
-             f"--logging.run_dir={run}", "--checkpoint.final=false", "--logging.progress=lines", "--data.seq_len=64",
-             *extra)
+    return ["train", *TINY, f"--data.path={data}", *([f"--train.steps={steps}"] if steps else []),
+            f"--logging.run_dir={run}", "--checkpoint.final=false", "--logging.progress=lines", "--data.seq_len=64",
+            *extra], run
+
+
+def _finished(p, run):
     assert p.returncode == 0, p.stderr
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     return p.stdout, losses, run
 
 
+def _train(tmp_path, name, rows, *extra, steps=3):
+    argv, run = _train_argv(tmp_path, name, rows, *extra, steps=steps)
+    return _finished(_run(*argv), run)
+
+
+LAYOUTS = ["sharegpt", "alpaca", "prompt_completion"]
+
+
 @pytest.fixture(scope="module")
-def messages_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("messages"), "messages", [_record("messages", e) for e in EXAMPLES])
+def layout_runs(tmp_path_factory):
+    """layout -> (stdout, losses, run directory) of the examples written as `messages` and as each of LAYOUTS, the
+    four runs in one driver process (tests/cli/session.py; the interpreter and torch started once); their data files
+    lie in one directory, the fixture's."""
+    from tests.cli.session import run_commands
+
+    root = tmp_path_factory.mktemp("layouts")
+    made = {name: _train_argv(root, name, [_record(name, e) for e in EXAMPLES]) for name in ["messages", *LAYOUTS]}
+    done = run_commands([argv for argv, _ in made.values()], cwd=root)
+    return {name: _finished(p, run) for (name, (_, run)), p in zip(made.items(), done)}
 
 
-@pytest.mark.parametrize("layout", ["sharegpt", "alpaca", "prompt_completion"])
-def test_every_layout_trains_as_its_messages(tmp_path, messages_run, layout):
-    out, losses, run = _train(tmp_path, layout, [_record(layout, e) for e in EXAMPLES])
-    want_out, want, _ = messages_run
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_trains_as_its_messages(layout_runs, layout):
+    out, losses, run = layout_runs[layout]
+    want_out, want, _ = layout_runs["messages"]
     assert losses == want and len(losses) == 3  # the same tokens and masks: bit-identical losses
     lines = out.splitlines()
     head = next(line for line in lines if line.startswith("data: "))
-    assert head.startswith(f"data: {layout} (detected from {tmp_path / layout}.jsonl:1), chat template: shardfit's "
-                           "plain template (<|role|>\\n...); 8 training examples"), head
+    assert head.startswith(f"data: {layout} (detected from {run.parent / layout}.jsonl:1), chat template: "
+                           "shardfit's plain template (<|role|>\\n...); 8 training examples"), head
     assert head.endswith("at data.seq_len=64 (cut: 2 of 8 examples, 36 of 421 tokens)"), head
     assert ("warning: truncation cuts 2 of 8 training examples (25%) at data.seq_len=64, losing 36 tokens; fix: "
             "--data.seq_len=88 keeps 95% of them whole") in lines

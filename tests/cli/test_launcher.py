@@ -133,14 +133,23 @@ TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "old-job", "RANK": "1", "WORLD_SIZE": "2"
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
+# Every variable's message is launch_env's, checked in-process case by case (tests/parallel/test_dist.py:
+# test_launch_env_table, test_unreachable_store_is_one_line_within_a_bound): here the plain run's wiring, one process
+# each (exit 2, one line, nothing written); the variables beyond the first run with the slow tests.
+STALE_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("env, needle", [
     ({"RANK": "1", "WORLD_SIZE": "2"}, "environment variable WORLD_SIZE: WORLD_SIZE=2 is set, but torchrun did not"),
-    ({"WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "WORLD_SIZE=8 is set"),
-    ({"LOCAL_RANK": "3"}, "environment variable LOCAL_RANK: LOCAL_RANK=3 is set"),
-    ({"RANK": "one"}, "environment variable RANK: 'one' is not a whole number"),
-    ({"TORCHELASTIC_RUN_ID": "old-job"}, "environment variable RANK: is not set, though TORCHELASTIC_RUN_ID"),
-    ({**TORCHRUN_ENV, "RANK": "5"}, "RANK=5 is out of range (must be from 0 to WORLD_SIZE-1=1)"),
-    ({**TORCHRUN_ENV, "MASTER_PORT": "99999"}, "MASTER_PORT=99999 is out of range"),
+    pytest.param({"WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "WORLD_SIZE=8 is set",
+                 marks=STALE_SLOW),
+    pytest.param({"LOCAL_RANK": "3"}, "environment variable LOCAL_RANK: LOCAL_RANK=3 is set", marks=STALE_SLOW),
+    pytest.param({"RANK": "one"}, "environment variable RANK: 'one' is not a whole number", marks=STALE_SLOW),
+    pytest.param({"TORCHELASTIC_RUN_ID": "old-job"},
+                 "environment variable RANK: is not set, though TORCHELASTIC_RUN_ID", marks=STALE_SLOW),
+    pytest.param({**TORCHRUN_ENV, "RANK": "5"}, "RANK=5 is out of range (must be from 0 to WORLD_SIZE-1=1)",
+                 marks=STALE_SLOW),
+    pytest.param({**TORCHRUN_ENV, "MASTER_PORT": "99999"}, "MASTER_PORT=99999 is out of range", marks=STALE_SLOW),
     # A torchrun environment whose agent is gone: said at once, not after the store's timeout.
     ({**TORCHRUN_ENV, "MASTER_PORT": "PORT"}, "the process group's store does not answer"),
 ])

@@ -170,26 +170,38 @@ def test_one_document_per_row_needs_no_mask():
     assert m.cu_seqlens.tolist() == [0, 16, 25, 32, 37, 48] and m.max_seqlen == 16
 
 
-def _ulysses_logits(rank, world, extra):
+ULYSSES_FAMILIES = ["llama", "qwen3_moe"]
+
+
+def _ulysses_logits(rank, world, families):
+    """family -> the packed rows' logits [2, 36, V] under sequence_parallel=2, gathered from the ranks' halves."""
     from shardfit.parallel.ulysses import local_slice
     from tests.helpers import parallelize_config as parallelize
 
-    with torch.device("meta"):
-        model = build_model(load_config(None, BASE + extra).model)
-    cfg = Config(parallel=ParallelConfig(sequence_parallel=2), compute=ComputeConfig(activation_checkpoint="full"))
-    parallelize(model, cfg, torch.device("cpu"), world, seed=3)
-    ids, positions, _ = _packed(model.cfg.vocab_size)
-    mask = DocumentMask.build(positions, "sdpa", torch.device("cpu"))  # from the full position ids, on every rank
-    with torch.no_grad():
-        local = model(local_slice(ids, rank, 2), position_ids=local_slice(positions, rank, 2), mask=mask)
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local.contiguous())
-    return torch.cat(parts, dim=1).tolist()
+    out = {}
+    for family in families:  # one group of ranks for every family: a spawn each would cost more than the model
+        with torch.device("meta"):
+            model = build_model(load_config(None, BASE + FAMILIES[family]).model)
+        cfg = Config(parallel=ParallelConfig(sequence_parallel=2), compute=ComputeConfig(activation_checkpoint="full"))
+        parallelize(model, cfg, torch.device("cpu"), world, seed=3)
+        ids, positions, _ = _packed(model.cfg.vocab_size)
+        mask = DocumentMask.build(positions, "sdpa", torch.device("cpu"))  # from the full position ids, on every rank
+        with torch.no_grad():
+            local = model(local_slice(ids, rank, 2), position_ids=local_slice(positions, rank, 2), mask=mask)
+            parts = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(parts, local.contiguous())
+        out[family] = torch.cat(parts, dim=1).tolist()
+    return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_document_mask_under_ulysses(family):
-    logits = torch.tensor(run_ranks(_ulysses_logits, 2, FAMILIES[family], timeout=180)[0])
+@pytest.fixture(scope="module")
+def ulysses_logits():
+    return run_ranks(_ulysses_logits, 2, ULYSSES_FAMILIES, timeout=180)[0]
+
+
+@pytest.mark.parametrize("family", ULYSSES_FAMILIES)
+def test_document_mask_under_ulysses(family, ulysses_logits):
+    logits = torch.tensor(ulysses_logits[family])
     model = build_model(load_config(None, BASE + FAMILIES[family]).model)
     model.init_weights(seed=3)
     _, _, docs = _packed(model.cfg.vocab_size)

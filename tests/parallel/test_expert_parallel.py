@@ -35,7 +35,9 @@ def _train_ep(rank, world, overrides, run_dir):
 
 
 @pytest.mark.parametrize("world,ep,ac,extra", [
-    (2, 2, "none", []), (2, 2, "full", []), (4, 2, "selective", []), (4, 4, "full", []),
+    (2, 2, "none", []),
+    pytest.param(2, 2, "full", [], marks=pytest.mark.slow),  # the layout and exchange of 2x2-full-sparse below
+    (4, 2, "selective", []), (4, 4, "full", []),
     # 8 tokens a micro-batch, 16 routed rows over 8 experts: experts with no rows on a rank, every step
     (2, 2, "full", ["--data.seq_len=8", "--train.micro_batch=1"]),
     # the exchanges overlapped with the own rows (parallel/expert_overlap.py), with recomputation, and with ranks

@@ -5,9 +5,6 @@ every weight in the compute dtype."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import torch
 
 from tests._dist import run_ranks
@@ -61,16 +58,15 @@ def test_a_full_parameter_version_costs_what_the_plan_counts():
     assert r["version"] == r["plan_version"] and r["dtype"] == "torch.bfloat16", r
 
 
-def test_plan_says_what_models_cost_and_how_many_fit():
-    base = [sys.executable, "-m", "shardfit", "plan", "--model.name=llama3-8b", "--data.seq_len=4096",
-            "--gpu-memory", "79"]
-    p = subprocess.run([*base, "--lora.rank=16", "--lora.targets=all-linear", "--models", "16", "--versions", "4"],
-                       capture_output=True, text=True, timeout=300)
+def test_plan_says_what_models_cost_and_how_many_fit(tmp_path):
+    from tests.cli.session import run_commands
+
+    base = ["plan", "--model.name=llama3-8b", "--data.seq_len=4096", "--gpu-memory", "79"]
+    p, q, f = run_commands([[*base, "--lora.rank=16", "--lora.targets=all-linear", "--models", "16", "--versions",
+                             "4"], [*base, "--models", "3"], [*base, "--versions", "2"]], cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "0.625 GiB a model beyond the first" in p.stdout
     assert "models that fit this GPU with 4 version(s):" in p.stdout
-    q = subprocess.run([*base, "--models", "3"], capture_output=True, text=True, timeout=300)
     assert q.returncode == 2 and "--models: several models share one base only with LoRA" in q.stderr
-    f = subprocess.run([*base, "--versions", "2"], capture_output=True, text=True, timeout=300)
     assert f.returncode == 0, f.stderr
     assert "frozen versions (without LoRA a copy of every weight): 14.958 GiB each" in f.stdout, f.stdout

@@ -73,27 +73,6 @@ def server(tmp_path, request):
     assert len(said) == 1 and said[0].startswith("shardfit: serve interrupted (SIGINT): "), said
 
 
-def test_sigterm_stops_every_rank_and_says_what_was_not_saved(tmp_path, sdk_client):
-    """issue 38 item 6: SIGTERM to `shardfit serve --nproc 2` used to end rank 1 at once, leaving rank 0 a gloo
-    traceback from its next broadcast and the launcher blaming start-up. Now every rank leaves at the same command,
-    and the one line says which training was never saved."""
-    proc, url, lines = _start(tmp_path, "--lora.rank=8")  # two models: LoRA (without it a second is refused)
-    sc = sdk_client(url, "tml-local")
-    tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
-    data = [_datum(b"hello world, hello shardfit!")]
-    for _ in range(2):
-        tc.forward_backward(data, "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-    saved = sc.create_lora_training_client(base_model="tiny", rank=8).result()  # a model of its own
-    saved.forward_backward(data, "cross_entropy").result()
-    saved.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-    saved.save_state("kept").result()
-    sc.close("success").result(timeout=30)
-    said = _stop(proc, lines, signal.SIGTERM)
-    assert said == [f"shardfit: serve stopped by SIGTERM: 1 model had unsaved steps since its last save, 2 optimizer "
-                    f"steps now lost: {tc.model_id} (2); save_state before stopping keeps them"], "".join(lines)
-
-
 def test_sdk_round_trip_on_two_ranks(server, sdk_client):
     url, _ = server
     sc = sdk_client(url, "tml-local")
@@ -144,32 +123,57 @@ def test_sdk_round_trip_on_two_ranks(server, sdk_client):
         tc.forward(data, "cross_entropy").result()
 
 
-@pytest.mark.parametrize("server", [["--lora.rank=8", "--lora.alpha=16"]], indirect=True)
-def test_sdk_trains_lora_adapters_and_samples_with_them(server, sdk_client):
+def test_sdk_trains_lora_adapters_and_samples_with_them_then_sigterm_says_what_was_not_saved(tmp_path, sdk_client):
     """A server started with --lora.rank trains adapters (get_info says so), refuses another rank in one line, and
-    its sampler decodes with the trained adapters: the trainer's forward gives the sampled tokens' log-probs back."""
-    url, lines = server
-    sc = sdk_client(url, "tml-local")
-    with pytest.raises(Exception, match="rank 8, not 16"):
-        sc.create_lora_training_client(base_model="tiny", rank=16).result()
-    tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
-    info = tc.get_info()
-    assert info.is_lora and info.lora_rank == 8
-    data = [_datum(b"hello world, hello shardfit!"), _datum(b"two ranks serve one model")]
-    losses = []
-    for _ in range(4):
-        fb = tc.forward_backward(data, "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-        losses.append(fb.result().metrics["loss:sum"])
-    assert losses[-1] < losses[0] - 0.05, losses
-    sampler = tc.save_weights_and_get_sampling_client().result()
-    seq = sampler.sample(types.ModelInput.from_ints(list(b"hello")), num_samples=1,
-                         sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)).result(
-                         ).sequences[0]
-    full = list(b"hello") + list(seq.tokens)
-    check = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                                    loss_fn_inputs={"target_tokens": np.asarray(full[1:], np.int64)})],
-                       "cross_entropy").result()
-    assert np.allclose(check.loss_fn_outputs[0]["logprobs"].to_numpy()[len(b"hello") - 1:], seq.logprobs,
-                       atol=1e-3)
-    assert any("LoRA rank 8" in x for x in lines)
+    its sampler decodes with the trained adapters: the trainer's forward gives the sampled tokens' log-probs back.
+
+    Then issue 38 item 6, on the same server (one start of 2 ranks instead of two): SIGTERM to `shardfit serve
+    --nproc 2` used to end rank 1 at once, leaving rank 0 a gloo traceback from its next broadcast and the launcher
+    blaming start-up. Now every rank leaves at the same command, and the one line says which training was never
+    saved."""
+    proc, url, lines = _start(tmp_path, "--lora.rank=8", "--lora.alpha=16")  # LoRA: several models
+    try:
+        sc = sdk_client(url, "tml-local")
+        with pytest.raises(Exception, match="rank 8, not 16"):
+            sc.create_lora_training_client(base_model="tiny", rank=16).result()
+        tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+        info = tc.get_info()
+        assert info.is_lora and info.lora_rank == 8
+        data = [_datum(b"hello world, hello shardfit!"), _datum(b"two ranks serve one model")]
+        losses = []
+        for _ in range(4):
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+        assert losses[-1] < losses[0] - 0.05, losses
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        seq = sampler.sample(types.ModelInput.from_ints(list(b"hello")), num_samples=1,
+                             sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)).result(
+                             ).sequences[0]
+        full = list(b"hello") + list(seq.tokens)
+        check = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                                        loss_fn_inputs={"target_tokens": np.asarray(full[1:], np.int64)})],
+                           "cross_entropy").result()
+        assert np.allclose(check.loss_fn_outputs[0]["logprobs"].to_numpy()[len(b"hello") - 1:], seq.logprobs,
+                           atol=1e-3)
+        assert any("LoRA rank 8" in x for x in lines)
+        tc.save_state("adapters").result()  # saved: the line below leaves it out
+
+        unsaved = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+        data = [_datum(b"hello world, hello shardfit!")]
+        for _ in range(2):
+            unsaved.forward_backward(data, "cross_entropy").result()
+            unsaved.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        saved = sc.create_lora_training_client(base_model="tiny", rank=8).result()  # a model of its own
+        saved.forward_backward(data, "cross_entropy").result()
+        saved.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        saved.save_state("kept").result()
+        sc.close("success").result(timeout=30)
+        said = _stop(proc, lines, signal.SIGTERM)
+        assert said == [f"shardfit: serve stopped by SIGTERM: 1 model had unsaved steps since its last save, 2 "
+                        f"optimizer steps now lost: {unsaved.model_id} (2); save_state before stopping keeps them"], \
+            "".join(lines)
+    finally:
+        if proc.poll() is None:  # a failed check above: the launcher and its ranks end with the test
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
