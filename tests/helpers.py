@@ -95,3 +95,18 @@ def parallelize_config(model, cfg, device, world: int, seed: int = 0, init: bool
     return parallelize(model, ParallelLayout.of(cfg.parallel, world, rank, moe=cfg.model.n_experts > 0),
                        parallel=cfg.parallel, compute=cfg.compute, lora=cfg.lora, quantize=cfg.model.quantize,
                        device=device, seed=seed, init=init)
+
+
+def random_datums(seed: int, n: int = 3, lengths: tuple[int, int] = (8, 20), weight: float = 1.0) -> list:
+    """n next-token datums (shardfit.rl.make_datum) of random tokens < 256, lengths drawn in [lo, hi), every
+    target weighted `weight`: the RL API's input in the registry, sampling and multi-model tests."""
+    import numpy as np
+
+    from shardfit.rl import make_datum
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for L in rng.integers(*lengths, n):
+        s = rng.integers(0, 256, L + 1)
+        out.append(make_datum(s[:-1], target_tokens=s[1:], weights=np.full(L, weight)))
+    return out

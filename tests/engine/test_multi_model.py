@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests.helpers import SMALL
+from tests.helpers import SMALL, random_datums
 
 ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=48", "--logging.run_dir=", "--lora.rank=4",
         "--lora.targets=all-linear"]
@@ -28,14 +28,7 @@ MEAN = {"normalize": "token_mean"}  # each model's loss a mean over its own datu
 
 
 def _data(seed, n=3, weight=1.0):
-    from shardfit.rl import make_datum
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for L in rng.integers(6, 16, n):
-        s = rng.integers(0, 256, L + 1)
-        out.append(make_datum(s[:-1], target_tokens=s[1:], weights=np.full(L, weight)))
-    return out
+    return random_datums(seed, n, (6, 16), weight)
 
 
 def _groups(step):

@@ -13,21 +13,14 @@ import numpy as np
 import pytest
 
 from tests._dist import run_ranks
-from tests.helpers import SMALL
+from tests.helpers import SMALL, random_datums
 
 ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=32", "--logging.run_dir=", "--lora.rank=4",
         "--lora.targets=all-linear"]
 
 
 def _data(seed, n=3):
-    from shardfit.rl import make_datum
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for L in rng.integers(8, 20, n):
-        s = rng.integers(0, 256, L + 1)
-        out.append(make_datum(s[:-1], target_tokens=s[1:], weights=np.ones(L)))
-    return out
+    return random_datums(seed, n)
 
 
 def _lp(res):

@@ -27,7 +27,7 @@ def test_plan_prediction_is_what_shardfit_plan_prints(tmp_path):
     p = subprocess.run([sys.executable, "-m", "shardfit", "plan", *overrides, "--gpu-memory", "80", "--models", "16",
                         "--versions", "3"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert plan["gpu_gib"] == 80.0 and len(plan["lines"]) == 2
+    assert plan["gpu_gib"] == 80.0 and len(plan["lines"]) == 3  # models and versions, what fits, the one-pass cost
     for line in plan["lines"]:
         assert line in p.stdout, (line, p.stdout)
     assert f"models that fit this GPU with 3 version(s): {plan['models_fit']}" in p.stdout

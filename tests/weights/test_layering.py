@@ -25,4 +25,4 @@ def test_weights_sits_above_adapters_and_parallel_and_below_its_callers():
     assert [p for p in BELOW if "weights" in edges.get(p, set())] == []
     assert edges["adapters"] & {"parallel", "weights"} == set()  # module transforms: no sharding, no files
     assert edges["config"] & {"adapters", "weights"} == set()  # lora.adapter is read by the caller's reader
-    assert {"train", "cli", "generate"} <= {p for p, targets in edges.items() if "weights" in targets}
+    assert {"train", "cli", "sampling"} <= {p for p, targets in edges.items() if "weights" in targets}
