@@ -150,6 +150,13 @@ def test_a_full_parameter_engine_samples_its_weights_after_each_step():
     assert _tokens(e.sample(PROMPTS, _greedy(), **KV)) == after
     with pytest.raises(Exception, match="--lora.rank"):
         e.sample(PROMPTS, _greedy(), model="other", **KV)
+    # a frozen version samples its own weights, and the live ones are back in the model for the next step
+    v = e.freeze()
+    _train(e, [3], lr=2e-2)
+    live = _serve_greedy(e, None)
+    assert _tokens(e.sample(PROMPTS, _greedy(), version=v, **KV)) == after != live
+    assert e.models.current == "default" and _tokens(e.sample(PROMPTS, _greedy(), **KV)) == live
+    _train(e, [4], lr=2e-2)  # trains the live weights (a version in the slot would be refused)
 
 
 def test_an_moe_model_with_lora_on_its_experts_samples_the_serve_samplers_tokens():

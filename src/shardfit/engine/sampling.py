@@ -67,9 +67,20 @@ class EngineSampling:
 
     _sampling: SamplingState | None = None
 
-    def sample(self, prompts: list[list[int]], params, *, model=None, version=None, num_samples=1,
-               prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0, tokenizer=None,
-               refused: str = "raise", **sampler_options) -> list:
+    def sample(self, prompts: list[list[int]], params, **kwargs) -> list:
+        """_sample's (below). A full-parameter version is swapped into the model for the call and the weights that
+        were there are swapped back after it (a copy of the shards: the host's fp32 values), so that the next
+        training call trains what it trained before."""
+        back = self.models.current
+        try:
+            return self._sample(prompts, params, **kwargs)
+        finally:
+            if not self.models.lora and self.models.current != back:
+                self.using(back)
+
+    def _sample(self, prompts: list[list[int]], params, *, model=None, version=None, num_samples=1,
+                prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0, tokenizer=None,
+                refused: str = "raise", **sampler_options) -> list:
         """num_samples continuations of each prompt (list of token ids) under `params` (a SamplingParams), from
         `model` (a LoRA model's name: its live adapters; None: the one in the slot now) or `version` (a frozen
         version's id, or registry.BASE: the base alone); each of these (and num_samples, prompt_logprobs, the top-k
