@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from bench_sampling import roofline_fractions  # noqa: E402
 from rl_worker_setup import SHAPES  # noqa: E402
 
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
@@ -115,8 +116,7 @@ def main() -> int:
             print(json.dumps(row), flush=True)
     summary = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "shape": a.shape,
                "prompt": a.prompt, "new": a.new,
-               "decode_roofline_fraction": {f"{r['system']}@{r['rows']}": round(r["fraction"], 4)
-                                            for r in out if "fraction" in r}}
+               "decode_roofline_fraction": roofline_fractions(out)}
     if a.out:
         Path(a.out).write_text(json.dumps({"summary": summary, "rows": out}, indent=1))
     print(f"\n{'system':24} {'rows':>5} {'tok/s':>9} {'fraction':>8}")

@@ -69,6 +69,11 @@ def start_engine(a):
     return Engine.start(overrides=ov)
 
 
+def roofline_fractions(rows: list[dict]) -> dict[str, float]:
+    """The JSON summary's decode_roofline_fraction: {"system@rows": fraction} of every measured row."""
+    return {f"{r['system']}@{r['rows']}": round(r["fraction"], 4) for r in rows if "fraction" in r}
+
+
 def new_rows(a, engine, rows_list: list[int], bandwidth: float, variant: str) -> list[dict]:
     """The new sampler (Engine.sample: the decode model over the Engine's weights, the live LoRA adapter in its bank,
     paged KV, continuous batching, CUDA graphs): `rows` distinct prompts, one sample each, `--new` tokens forced.
@@ -188,8 +193,7 @@ def main() -> int:
     torch.cuda.empty_cache()
     rows += hf_rows(a, [int(r) for r in a.hf_rows.split(",")], bw)
     summary = {"gpu": gpu, "copy_bandwidth_TBps": bw / 1e12, "prompt": a.prompt, "new": a.new,
-               "decode_roofline_fraction": {f"{r['system']}@{r['rows']}": round(r["fraction"], 4)
-                                            for r in rows if "fraction" in r}}
+               "decode_roofline_fraction": roofline_fractions(rows)}
     if a.out:
         Path(a.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     print(f"\n{'system':24} {'rows':>5} {'tok/s':>9} {'roofline':>9} {'fraction':>8} {'peak GiB':>8}")

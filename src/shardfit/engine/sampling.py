@@ -40,6 +40,7 @@ import math
 import torch
 
 from shardfit.errors import ShardfitError
+from shardfit.sampling.lora_bank import BANK_SLOTS
 
 _STOP = ("stop", "length")  # a sample's stop_reason, coded as its index
 
@@ -237,10 +238,11 @@ class EngineSampling:
         st = self._sampling
         dtype = mixed_precision(self.cfg.compute, self.device).param_dtype  # the training forward's compute dtype
         if st is None:
-            plain, bank, _ = decode_model(self.model, dtype, capacity=max(4, needed), live_adapters=False)
+            plain, bank, _ = decode_model(self.model, dtype, capacity=max(BANK_SLOTS, needed),
+                                          live_adapters=False)
             # the weights it holds: (epoch, what is in the slot): a full-parameter version is swapped in by copy
             held = (self.weights_epoch, self.models.current)
-            st = self._sampling = SamplingState(plain, bank, held, max(4, needed))
+            st = self._sampling = SamplingState(plain, bank, held, max(BANK_SLOTS, needed))
         elif st.bank is not None and st.capacity < needed:  # a bigger bank on the same decode model, empty
             self.release_sampler(training=False)  # its KV pool (built for the old bank) before the bank's memory
             old = st.bank

@@ -27,10 +27,8 @@ from shardfit.config.schema import Config
 from shardfit.plan.activation_trace import compute_dtype
 from shardfit.plan.adapters import quantize
 from shardfit.plan.estimate import CUDA_CONTEXT, Estimate, GiB, adapter_params, allocation_budget
-from shardfit.sampling.kv import block_bytes, blocks_for_memory
-
-BLOCK_SIZE = 16  # tokens a KV block holds: the Sampler's default block_size (sampling/runner.py)
-BANK_SLOTS = 4  # adapter slots of the decode model's first LoRA bank (engine/sampling.py: max(4, needed))
+from shardfit.sampling.kv import BLOCK_SIZE, block_bytes, blocks_for_memory
+from shardfit.sampling.lora_bank import BANK_SLOTS
 
 
 @dataclass

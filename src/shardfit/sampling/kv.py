@@ -26,6 +26,7 @@ import torch
 from shardfit.config.schema import ModelConfig
 from shardfit.sampling.attention import flex_attention_paged, flex_block_mask, gather_attention
 
+BLOCK_SIZE = 16  # tokens a KV block holds, by default (the Sampler's, the planner's)
 
 def block_bytes(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
     """Bytes of one block over all layers: keys and values of block_size tokens."""
@@ -34,7 +35,7 @@ def block_bytes(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
 
 
 def blocks_for_memory(free_bytes: int, fraction: float, cfg: ModelConfig, dtype: torch.dtype,
-                      block_size: int = 16) -> int:
+                      block_size: int = BLOCK_SIZE) -> int:
     """How many blocks `fraction` of `free_bytes` (the memory left after the weights) holds."""
     return int(free_bytes * fraction) // block_bytes(cfg, dtype, block_size)
 

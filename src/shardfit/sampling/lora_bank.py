@@ -42,6 +42,7 @@ from shardfit.kernels.multi_lora import multi_lora, multi_lora_embedding, multi_
 from shardfit.models.decoder import OutputHead
 from shardfit.models.moe import Experts, MoE
 
+BANK_SLOTS = 4  # adapter slots of a decode model's first bank (Engine.sample doubles it when a call needs more)
 
 class _Banked:
     """What every banked linear, head or embedding has: its bank (the owner of the column mask) and two buffers."""

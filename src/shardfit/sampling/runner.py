@@ -32,7 +32,7 @@ import torch
 
 from shardfit.errors import ShardfitError
 from shardfit.sampling.graphs import DecodeGraphs, bucket, capturable
-from shardfit.sampling.kv import PagedKV, blocks_for_memory
+from shardfit.sampling.kv import BLOCK_SIZE, PagedKV, blocks_for_memory
 from shardfit.sampling.params import Sampled, SampleRequest, SampleResult, check_request
 from shardfit.sampling.sample import draw_kind, token_logprobs
 from shardfit.sampling.scheduler import Prefill, Request, Row, Scheduler
@@ -58,7 +58,7 @@ class SampleHandle:
 
 
 class Sampler:
-    def __init__(self, model, *, kv_blocks: int | None = None, kv_fraction: float = 0.9, block_size: int = 16,
+    def __init__(self, model, *, kv_blocks: int | None = None, kv_fraction: float = 0.9, block_size: int = BLOCK_SIZE,
                  max_rows: int = 256, prefill_chunk: int = 512, attention: str = "gather", cuda_graphs: bool = True,
                  bank=None, tokenizer=None, check_every: int = 8):
         for name, value, low in (("kv_blocks", kv_blocks, 1), ("block_size", block_size, 1), ("max_rows", max_rows, 1),
