@@ -88,3 +88,19 @@ def test_cuda_kernel_equals_sdpa_at_the_8b_heads(splits):
     q, kp, vp, tables, lengths = _case(5, 32, 8, 128, 16, [1, 17, 300, 511, 1024], 64, seed=2)
     got = paged_decode_attention(*(t.cuda() for t in (q, kp, vp, tables, lengths)), splits=splits)
     torch.testing.assert_close(got.float().cpu(), _reference(q, kp, vp, tables, lengths), atol=2e-2, rtol=2e-2)
+
+
+def test_a_row_never_reads_past_its_tables_width(interpreted):
+    """A padded batch entry's length can run past its table (its position runs on): the kernel reads the table's M
+    columns only, never the next columns (here a poisoned block) nor past the tensor."""
+    from shardfit.kernels.paged_attention import paged_decode_attention
+
+    bs, M = 16, 3
+    q, kp, vp, wide, _ = _case(2, 8, 2, 32, bs, [1, 1], M + 2, seed=2)
+    poison = wide[:, M:].flatten()
+    kp[poison], vp[poison] = float("nan"), float("nan")
+    tables = wide[:, :M]  # a view: the poisoned columns lie right after each row's M
+    full = torch.tensor([M * bs, M * bs])
+    got = paged_decode_attention(q, kp, vp, tables, full + torch.tensor([40, 5 * bs]), splits=2)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), paged_decode_attention(q, kp, vp, tables, full, splits=2).float())

@@ -144,7 +144,8 @@ class PagedKV:
         if self._kernel:
             from shardfit.kernels.paged_attention import paged_decode_attention
 
-            lengths = self._positions[:, 0] + 1  # [B]: keys 0 .. position are visible
+            # [B]: keys 0 .. position are visible, never past the table (a padding entry's position runs on)
+            lengths = (self._positions[:, 0] + 1).clamp(max=self._tables.shape[1] * self.block_size)
             return paged_decode_attention(q[:, 0], kp, vp, self._tables, lengths, splits=self._splits)[:, None]
         return gather_attention(q, kp, vp, self._tables, self._positions)
 

@@ -85,6 +85,7 @@ class RowState:
         done = ~valid | stop | (n_gen >= self.max_tokens[slots])
         self.last_token[slots] = tokens
         self.position[slots] = pos  # the next input is this token, at this position
+        self.position[self.pad] = 0  # the padding slot's would run on with every padded step: kept at 0
         self.n_gen[slots] = n_gen
         self.done[slots] = done
         return tokens, logp, valid, done, top
@@ -95,7 +96,7 @@ def slot_mapping(tables: torch.Tensor, positions: torch.Tensor, block_size: int,
     """Where each new token's key and value go in the flat pool, on the device: tables [B, M], positions [B, S] ->
     [B x S] (the block of the row's table that holds the position, and the offset in it). real [B, S] bool: the
     padding's slots (False) go to the trash block, where nothing reads them."""
-    col = (positions // block_size).clamp(0, tables.shape[1] - 1)  # the padding slot's position runs on: bounded
+    col = (positions // block_size).clamp(0, tables.shape[1] - 1)  # bounded, whatever a position says
     slots = tables.gather(1, col) * block_size + positions % block_size
     if real is not None:
         slots = torch.where(real, slots, trash * block_size)
