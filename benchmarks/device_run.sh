@@ -75,6 +75,13 @@
 # Issue 36, sampling in an RL loop: rl-iter (bench_rl_iter.py: an SDK-driven RL iteration against `shardfit serve`,
 #   8B shape LoRA r=16, 64 x 16 x 512 sampled then trained; rl_iter_sample_over_train) and rl-iter-old (the same
 #   against .old/src's server); carry benchmarks/wheels_rl as the rl stages do (~8-9 min each, cap RLITER_CAP)
+# Issue 36 item 6, the train/sample log-prob gap: gap  benchmarks/bench_logprob_gap.py, one GPU, Qwen3-8B shape, bf16,
+#   random weights, LoRA r=16 (one step taken), 64 prompts of 512 tokens x 1 sample x 256 new tokens: Engine.sample
+#   with sampling.logprobs=decode against Engine.forward and forward_backward on the loop's datums
+#   (sampler_logprob_gap:mean/:max, the importance ratio's error), then =trainer against the same datums, reversed
+#   and halved, and each sample call's time (the switch's cost); GAP_ARGS: more flags (--reps 3, --fwdbwd 0, ...).
+#   Cap GAP_CAP, 300 s (~2-3 min expected). JSON $OUT/gap.json (summary: sampler_logprob_gap:mean, ...,
+#   trainer_cost_fraction), log $OUT/gap.log
 # Issue 23, QLoRA: nf4  benchmarks/bench_nf4.py, NF4 dequantisation and the frozen linear's forward at the 70B
 #   shapes: shardfit eager, compiled and its Triton kernel (kernels/nf4_dequant.py, with a sweep of its launch
 #   shapes), bitsandbytes 0.50.2 (carry benchmarks/wheels_bnb), torchao if present (~50 s)
@@ -330,6 +337,8 @@ for stage in "$@"; do
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       src=src; [ $stage = rl-iter-old ] && src=.old/src
       env CUDA_VISIBLE_DEVICES=0 timeout ${RLITER_CAP:-570} python3 benchmarks/bench_rl_iter.py --src $src --budget $((${RLITER_CAP:-570} - 40)) ${RLITER_ARGS:-} --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v FutureWarning | tail -12 ;;
+    gap)  # issue 36 item 6: the train/sample log-prob gap and sampling.logprobs=trainer's cost (header above)
+      env CUDA_VISIBLE_DEVICES=0 timeout ${GAP_CAP:-300} python3 benchmarks/bench_logprob_gap.py ${GAP_ARGS:-} --out "$OUT/gap.json" 2>&1 | tee "$OUT/gap.log" | grep -v '^{' | tail -12 ;;
     tests-sampling)  # the sampler's CUDA tests: graphs, flex, the paged-attention and multi-LoRA kernels (1 GPU)
       env CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_CAP:-200} python3 -m pytest -m cuda -q -rf --tb=short -p no:cacheprovider tests/cuda/test_cuda_sampling.py tests/kernels/test_paged_attention.py tests/kernels/test_multi_lora.py 2>&1 | tee "$OUT/pytest_sampling.log" | tail -8 ;;
     rl-auto)  # the 8B LoRA PPO step with compute.activation_checkpoint=auto against anchor D with and without its

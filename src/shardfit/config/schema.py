@@ -383,6 +383,11 @@ class SamplingConfig:
                                "between consecutive sample calls: no pool allocation or graph capture per sampling "
                                "phase, but the pool's memory is then not the training step's: lower "
                                "sampling.kv_fraction so that both fit")
+    logprobs: str = opt("decode", "the sampled tokens' log-probs Engine.sample (and serve's /asample) returns: decode "
+                                  "(the decode model's, as it samples) or trainer (one Engine.forward over the "
+                                  "samples as datums after the call: equal to the trainer's, bit for bit, on those "
+                                  "datums; top-k stays decode's; rl/trainer_logprobs.py)",
+                        choices=("decode", "trainer"))
 
 
 @dataclass

@@ -10,7 +10,9 @@ full-parameter model's after each optim_step (the Engine's weights epoch). Its L
 slots (sampling/lora_bank.py): each distinct model or version a call asks for is loaded into a slot (its adapters
 read from the registry's slot: a swap, and on N ranks one all-gather per adapter tensor), and kept there for later
 calls while nothing changes it (a version never; a live model until the next optim_step). Rows of every model and
-version of the call decode in one continuous batch (sampling/'s Sampler).
+version of the call decode in one continuous batch (sampling/'s Sampler). The log-probs returned are the decode
+model's; `shardfit.Engine`'s sample (the RL API, rl/step.py) replaces them with the trainer's forward over the
+samples under sampling.logprobs=trainer (rl/trainer_logprobs.py), serve's calls included.
 
 The Sampler (its paged KV pool and CUDA graphs) is kept between calls while no training command needs the memory:
 the next call with the same decode model, bank and options reuses it (no pool allocation, no graph capture: on CUDA

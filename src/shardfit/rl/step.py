@@ -36,6 +36,7 @@ from shardfit.rl.losses import (
 )
 from shardfit.rl.pack import datum_batches, plan_datums, unpack
 from shardfit.rl.preference import objective_of, pair_pass
+from shardfit.rl.trainer_logprobs import logprobs_mode, sample_scored_by_trainer
 
 
 class DatumEngine:
@@ -82,6 +83,15 @@ class DatumEngine:
             (name, datums), = pairs
             return {name: self.forward_backward(datums, loss_fn, loss_fn_config, model=name)}
         return dict(zip((m for m, _ in pairs), _run_many(self.engine, pairs, loss_fn, loss_fn_config)))
+
+    def sample(self, prompts: list[list[int]], params, *, logprobs: str | None = None, **kwargs) -> list:
+        """Engine.sample's (engine/sampling.py: the same arguments and results), with logprobs = "decode" (the
+        decode model's log-probs) or "trainer" (the samples scored by this forward afterwards: rl/trainer_logprobs.py);
+        None: the config's sampling.logprobs."""
+        if logprobs_mode(self.engine, logprobs) == "decode":
+            return self.engine.sample(prompts, params, **kwargs)
+        scored = lambda datums, name: [o["logprobs"] for o in self.forward(datums, model=name).outputs]  # noqa: E731
+        return sample_scored_by_trainer(self.engine, scored, prompts, params, **kwargs)
 
     def optim_step(self, adam: AdamParams | None = None, model: str | None = None) -> dict[str, float]:
         """One AdamW step on the gradients accumulated since the last one, Tinker's metrics back."""

@@ -306,7 +306,9 @@ class Executor:
         refused="return": a request the Engine refuses fails alone with its line, the others decode as if it were
         not there. Every rank groups alike (the same command, the same sessions). One Sampler is kept per server,
         the trained Engine's (engine/sampling.py): a served extra model's is dropped after its call, and the trained
-        Engine's before it, so that neither KV pool holds the memory the other's (or a training step) needs."""
+        Engine's before it, so that neither KV pool holds the memory the other's (or a training step) needs. The call
+        goes through the RL API's sample (rl/step.py): with sampling.logprobs=trainer (the server's config; the SDK's
+        request has no such field) the returned log-probs are the trainer's forward over the samples."""
         from shardfit.engine.registry import BASE
 
         results: dict[str, Result] = {}
@@ -361,7 +363,8 @@ class Executor:
         params = [SamplingParams(p["max_tokens"], p["temperature"], p["top_k"], p["top_p"], p["seed"],
                                  tuple(p["stop_tokens"]), tuple(p["stop_strings"]))
                   for p in (a["params"] for a in args)]
-        return e.sample([a["prompt"] for a in args], params, model=[m for _, _, m, _ in members],
+        rl = self.rl if e is self.engine else _datum_engine(e)  # sampling.logprobs=trainer: its forward scores them
+        return rl.sample([a["prompt"] for a in args], params, model=[m for _, _, m, _ in members],
                         version=[v for _, _, _, v in members], num_samples=[a["num_samples"] for a in args],
                         prompt_logprobs=[a["prompt_logprobs"] for a in args],
                         topk_prompt_logprobs=[a["topk_prompt_logprobs"] for a in args],
