@@ -116,6 +116,74 @@ def _check_pass(engine, batches: list[PackedBatch], loss: Loss, k: int) -> list[
     return layers
 
 
+def _stack(engine, layers: list[nn.Module], models: list[str], grad: bool) -> AdapterStack:
+    """Steps 1 and 2: the K models' adapters gathered whole (one all-gather) and stacked per layer; grad: leaves
+    that take the pass's gradients (forward_backward), else plain tensors (forward)."""
+    reg, k = engine.models, len(models)
+    params = reg.params
+    at = {id(p): i for i, p in enumerate(params)}
+    whole = gather_whole(params, [reg.shards(m) for m in models], shard_group(params))  # [K][P] whole tensors
+    a = [torch.cat([whole[j][at[id(mod.lora_A)]] for j in range(k)]).requires_grad_(grad) for mod in layers]
+    b = [torch.cat([whole[j][at[id(mod.lora_B)]].t() for j in range(k)]).requires_grad_(grad) for mod in layers]
+    return AdapterStack(layers, a, b, k, layers[0].lora_rank,
+                        mixed_precision(engine.cfg.compute, engine.device).param_dtype or torch.float32)
+
+
+def _counts(batches: list[PackedBatch], k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per model, this rank's loss tokens and real tokens [K] each (float64), counted on the host (no sync)."""
+    tokens = [sum(int(((bt.labels != -100) & (bt.slots == j)).sum()) for bt in batches) for j in range(k)]
+    real = [sum(int((bt.slots == j).sum()) for bt in batches) for j in range(k)]
+    f64 = {"dtype": torch.float64, "device": device}
+    return torch.tensor(tokens, **f64), torch.tensor(real, **f64)
+
+
+def _per_model_stats(stats: StepStats, k: int) -> list[StepStats]:
+    """The pass's StepStats -> one per model: its columns (squared gradient norm, loss sum, loss tokens, real
+    tokens: the 4 x K appended to every rank's row, model after model per column) in the usual places."""
+    base = stats.rows.shape[1] - 4 * k
+    out = []
+    for j in range(k):
+        rows = stats.rows[:, :base].clone()
+        for col, at_col in ((_SQNORM, 0), (_LOSS, 1), (_TOKENS, 2), (_REAL, 3)):
+            rows[:, col] = stats.rows[:, base + at_col * k + j]
+        rows[:, _NONFINITE] = (~torch.isfinite(rows[:, _LOSS])).double()
+        out.append(StepStats(rows, stats.capacity, False, stats.outputs, stats.phases))
+    return out
+
+
+def forward_models(engine, batches: list[PackedBatch], loss: Loss, models, fingerprint: int | None
+                   ) -> list[StepStats]:
+    """Engine.forward(..., model=[...]): the pass of forward_backward_models without its backward (no gradient, no
+    reduce-scatter): each model's per-token outputs and loss sum, one StepStats per model, none pending. The
+    adapters are gathered again for each pass (one all-gather, as forward_backward's): a cache of the stack would
+    hold K whole adapters between calls (module docstring: 174 MB a model at the 8B shape, r = 16) and would have
+    to follow every optim_step, load_state and add_model of each model; the gather is one collective of the
+    adapters, small beside the pass's forward. One model is Engine.forward with that model in the slot, bit for
+    bit."""
+    models = check_models(engine, models)
+    if len(models) == 1:
+        engine.using(models[0])
+        return [engine.forward(batches, loss, fingerprint)]
+    batches, k = list(batches), len(models)
+    layers = _check_pass(engine, batches, loss, k)
+    engine.finish()  # a launched overlapped step writes the slot's adapters
+    stack = _stack(engine, layers, models, grad=False)
+    tokens, real = _counts(batches, k, engine.device)
+    per_model = _PerModelLoss(loss, stack, k, engine.device)
+
+    def count() -> torch.Tensor:  # [sq norms K (none: 0), loss sums K, tokens K, real K]
+        return torch.cat([torch.zeros_like(tokens), per_model.sums.double(), tokens, real])
+
+    stack.install()
+    try:
+        with torch.no_grad(), engine.gathered_pass():
+            stats = engine._pass(batches, per_model, backward=False, fingerprint=fingerprint, after_backward=count)
+    finally:
+        stack.remove()
+    engine._check_fingerprint(stats, fingerprint)  # nothing pending to drop
+    return _per_model_stats(stats, k)
+
+
 def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, models, fingerprint: int | None
                             ) -> list[StepStats]:
     """Engine.forward_backward(..., model=[...]): one StepStats per model (module docstring)."""
@@ -132,17 +200,9 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
             fold_first_mean(reg.pending(m), reg.grads(m))
     params = reg.params
     at = {id(p): i for i, p in enumerate(params)}
-    group = shard_group(params)
-    whole = gather_whole(params, [reg.shards(m) for m in models], group)  # [K][P] whole tensors
-    a = [torch.cat([whole[j][at[id(mod.lora_A)]] for j in range(k)]).requires_grad_() for mod in layers]
-    b = [torch.cat([whole[j][at[id(mod.lora_B)]].t() for j in range(k)]).requires_grad_() for mod in layers]
-    del whole
-    rank = layers[0].lora_rank
-    stack = AdapterStack(layers, a, b, k, rank, mixed_precision(engine.cfg.compute, engine.device).param_dtype
-                         or torch.float32)
-    # per model, this rank's loss tokens and real tokens, counted on the host (no sync)
-    tokens = [sum(int(((bt.labels != -100) & (bt.slots == j)).sum()) for bt in batches) for j in range(k)]
-    real = [sum(int((bt.slots == j).sum()) for bt in batches) for j in range(k)]
+    stack = _stack(engine, layers, models, grad=True)
+    a, b, rank = stack.a, stack.b, stack.rank
+    tokens, real = _counts(batches, k, engine.device)
     per_model = _PerModelLoss(loss, stack, k, engine.device)
 
     def reduce_and_count() -> torch.Tensor:
@@ -156,15 +216,13 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
                 gb = tb.grad[rows] if tb.grad is not None else torch.zeros_like(tb[rows])
                 g[at[id(mod.lora_A)]], g[at[id(mod.lora_B)]] = ga, gb.t().contiguous()
             grads.append([g[i] for i in range(len(params))])
-        shards = reduce_to_shards(params, grads, group)
+        shards = reduce_to_shards(params, grads, shard_group(params))
         sq = []
         for m, shard in zip(models, shards):
             own = reg.grads(m)
             torch._foreach_add_(own, shard)
             sq.append(grad_sq_norm(own, engine.device))
-        f64 = {"dtype": torch.float64, "device": engine.device}
-        return torch.cat([torch.stack(sq), per_model.sums.double(), torch.tensor(tokens, **f64),
-                          torch.tensor(real, **f64)])
+        return torch.cat([torch.stack(sq), per_model.sums.double(), tokens, real])
 
     stack.install()
     try:
@@ -172,16 +230,9 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
                              after_backward=reduce_and_count)
     finally:
         stack.remove()
-    base = stats.rows.shape[1] - 4 * k
-    out = []
-    for j, m in enumerate(models):
-        rows = stats.rows[:, :base].clone()
-        for col, at_col in ((_SQNORM, 0), (_LOSS, 1), (_TOKENS, 2), (_REAL, 3)):
-            rows[:, col] = stats.rows[:, base + at_col * k + j]
-        rows[:, _NONFINITE] = (~torch.isfinite(rows[:, _LOSS])).double()
-        own = StepStats(rows, stats.capacity, False, stats.outputs, stats.phases)
+    out = _per_model_stats(stats, k)
+    for m, own in zip(models, out):
         reg.pending(m).append(own)
-        out.append(own)
     engine._check_fingerprint(stats, fingerprint, drop=lambda: [reg.drop_gradients(m) for m in models])
     return out
 
