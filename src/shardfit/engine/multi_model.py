@@ -1,5 +1,6 @@
 """Many LoRA models trained in ONE pass over the shared frozen base: `Engine.forward_backward(batches, loss,
-model=["a", "b", "c"])` (the RL API: rl/step.py's DatumEngine.forward_backward_many).
+model=["a", "b", "c"])` (the RL API: rl/step.py's DatumEngine.forward_backward_many), or scored in one: `Engine.forward
+(batches, loss, model=[...])` (DatumEngine.forward_many: reference or old-policy log-probs).
 
 Each token of the pass belongs to one model (PackedBatch.slots: an index into the list, -1 for padding). The rows of
 model k go through model k's adapter, each model's gradients reach only its own adapter, and each model keeps what
@@ -19,6 +20,15 @@ How, per pass (registry: engine/registry.py; the layer math: adapters/lora_stack
      tokens and real tokens ride in the pass's one stats collective, which then becomes one StepStats per model.
 So a pass of K models issues the same collectives on every rank, in this order: the all-gather, FSDP's own, the
 reduce-scatter, the stats all-gather. One model (K = 1) is not this: it is today's pass, the model in the slot.
+A forward (forward_models) is steps 1 to 3 without the backward: the stack takes no gradient, step 4 is only the
+per-model sums riding in the stats collective (no reduce-scatter), nothing is left pending. It gathers the adapters
+again rather than keep a previous pass's stack (forward_models says why).
+
+The loss is the caller's, per micro-batch, with each token's model known to the stack; each model's loss sum is its
+tokens' share of the loss's per-token terms ("terms": TokenLoss's c_t l_t; PairLoss's c_t x its unit's loss, which
+sum over a unit's tokens to w_k loss_k). So a pair loss (DPO and kin, engine/preference.py) runs as it is: its units
+never straddle models, its datum indices and 1/U coefficients come from rl/preference.py pair_pass_many, each model's
+over its own pairs, and its batch constants are per unit (join_terms), each its own model's.
 
 Why outside FSDP (the alternative: K-slot adapter parameters gathered by FSDP with the base's groups). Per model, r
 = 16 on all linear layers of the 8B shape is 43.6 M parameters (r x sum over layers of (in + out)): 174 MB in fp32.
@@ -32,9 +42,9 @@ per-pass exchange is the smaller; its price is the whole-adapter memory above, w
 counts (plan/models.py multi_model_pass_bytes: this arithmetic, in one place).
 
 Refused in one line: a model twice, a name that is not a model (unknown, a frozen version, the base), a mean-over-
-tokens loss (its normalisation is the whole pass's: use a coefficient loss, which the RL API makes per model),
-adapters other than linear layers' (embedding, output head, MoE experts), MoE models (the load-balancing term is not
-per model), host offload, and sharding other than plain FSDP.
+tokens loss (its normalisation is the whole pass's, and it gives no per-token terms: use a coefficient loss, which
+the RL API makes per model), adapters other than linear layers' (embedding, output head, MoE experts), MoE models
+(the load-balancing term is not per model), host offload, and sharding other than plain FSDP.
 """
 
 from __future__ import annotations
@@ -252,7 +262,7 @@ class _PerModelLoss(Loss):
         total, out = self.loss(model, b)
         if "terms" not in out:
             raise ShardfitError(f"{type(self.loss).__name__} gives no per-token terms to sum per model", where="loss",
-                                fix="use TokenLoss (engine/losses.py)")
+                                fix="use TokenLoss (engine/losses.py) or PairLoss (engine/preference.py)")
         terms = out["terms"].detach().float()
         own = b.slots >= 0
         self.sums.index_add_(0, torch.where(own, b.slots, 0), torch.where(own, terms, 0.0))
