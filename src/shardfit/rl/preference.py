@@ -3,13 +3,15 @@ example, labelled) -> rows that hold a unit's sequences together -> engine/prefe
 log-probs and TRL's metrics.
 
 The RL API's loss_fn="dpo" | "ipo" | "simpo" | "orpo" | "kto" (rl/step.py) and `shardfit train` with
-preference.objective (train/preference.py) both run `pair_pass`. A datum's counted tokens are the completion's (its
-`mask` input, else `weights`, else every token: rl/losses.py counted); DPO, IPO and KTO read its `ref_logprobs`
-input, the reference model's log-prob of each target token. KTO's loss_fn_config carries `desirable` (one bool per
-datum, or a string of 0s and 1s: what `shardfit serve` can carry) and `kl`, the batch's reference point (the caller
-measures it: train/preference.py does as TRL does). The coefficients and the batch's constants (engine/preference.py
-BatchTerms) are made here from the whole list, the same on every rank; the metrics are computed on the host from the
-per-token log-probs that came back in the pass's one collective: no collective of their own.
+preference.objective (train/preference.py) both run `pair_pass`; several LoRA models' pairs in one pass
+(DatumEngine.forward_backward_many / forward_many) run `pair_pass_many`, each model's over its own pairs. A
+datum's counted tokens are the completion's (its `mask` input, else `weights`, else every token: rl/losses.py
+counted); DPO, IPO and KTO read its `ref_logprobs` input, the reference model's log-prob of each target token.
+KTO's loss_fn_config carries `desirable` (one bool per datum, or a string of 0s and 1s: what `shardfit serve` can
+carry) and `kl`, the batch's reference point (the caller measures it: train/preference.py does as TRL does). The
+coefficients and the batch's constants (engine/preference.py BatchTerms) are made here from the whole list, the same
+on every rank; the metrics are computed on the host from the per-token log-probs that came back in the pass's one
+collective: no collective of their own.
 """
 
 from __future__ import annotations
