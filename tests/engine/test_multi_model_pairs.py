@@ -1,13 +1,15 @@
 """Pair losses in a pass of several LoRA models (rl/preference.py pair_pass_many, engine/preference.py join_terms):
 3 models, each with its own DPO pairs (2, 1 and 3 pairs: each normalised over its own), trained in one
 forward_backward_many equal each trained alone: the loss, TRL's metrics, the gradient norm and the weights after each
-model's optim_step (fp32 on the CPU: 1e-5), over two steps (the second with B != 0); so does ORPO, whose batch
-constant (the chosen answers' tokens) is each model's own; 2 gloo ranks equal 1.
+model's optim_step (fp32 on the CPU: 1e-5), over two steps (the second with B != 0); so do ORPO, whose batch
+constant (the chosen answers' tokens) is each model's own, and KTO (its labels each model's datums'); 2 gloo ranks
+equal 1.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests._dist import run_ranks
 from tests.engine.test_multi_model import ARGS, MODELS, _adapters
@@ -30,6 +32,9 @@ def pairs(seed: int, n: int) -> list:
     return out
 
 
+KTO = {"beta": 0.5, "desirable": [True, False, False, True], "kl": 0.2}  # 4 datums a model (2 "pairs")
+
+
 def _train(rank, world, together, loss="dpo"):
     from shardfit.config import load_config
     from shardfit.rl import AdamParams, DatumEngine
@@ -37,10 +42,10 @@ def _train(rank, world, together, loss="dpo"):
     e = DatumEngine.start(load_config(None, ARGS))
     for name, seed in MODELS:
         e.add_model(name, seed=seed)
-    cfg = {"beta": 0.5}
+    cfg = KTO if loss == "kto" else {"beta": 0.5}
     out = {"metrics": {n: [] for n, _ in MODELS}, "norms": []}
     for step in range(2):
-        groups = {n: pairs(10 * step + i, N_PAIRS[n]) for i, (n, _) in enumerate(MODELS)}
+        groups = {n: pairs(10 * step + i, 2 if loss == "kto" else N_PAIRS[n]) for i, (n, _) in enumerate(MODELS)}
         if together:
             res = e.forward_backward_many(groups, loss, cfg)
         else:
@@ -73,8 +78,9 @@ def test_dpo_pairs_of_three_models_in_one_pass_equal_each_alone():
     assert got["weights"]["A"] != got["weights"]["B"] and min(min(n) for n in got["norms"]) > 0
 
 
-def test_orpo_each_models_batch_constant_is_its_own():
-    _same(run_ranks(_train, 1, True, "orpo")[0], run_ranks(_train, 1, False, "orpo")[0])
+@pytest.mark.parametrize("loss", ["orpo", "kto"])
+def test_each_models_batch_constants_are_its_own(loss):
+    _same(run_ranks(_train, 1, True, loss)[0], run_ranks(_train, 1, False, loss)[0])
 
 
 def test_two_ranks_equal_one():
