@@ -17,8 +17,7 @@ import numpy as np
 
 from tests._dist import run_ranks
 from tests.engine.test_multi_model import ARGS, MODELS, _grads
-from tests.engine.test_multi_model_pairs import pairs
-from tests.helpers import random_datums
+from tests.helpers import random_datums, random_pairs
 
 SEQUENCE_MEAN = {"normalize": "sequence_mean"}
 
@@ -44,7 +43,7 @@ def _flat(res) -> list[float]:
 def _score(rank, world):
     e = _trained()
     data = {n: random_datums(50 + i, 2 + i, (6, 16)) for i, (n, _) in enumerate(MODELS)}
-    prefs = {n: pairs(60 + i, 1 + i) for i, (n, _) in enumerate(MODELS)}
+    prefs = {n: random_pairs(60 + i, 1 + i) for i, (n, _) in enumerate(MODELS)}
     out = {"many": {}, "alone": {}}
     for what, loss, cfg, groups in (("ce", "cross_entropy", SEQUENCE_MEAN, data), ("dpo", "dpo", {"beta": 0.2}, prefs)):
         many = e.forward_many(groups, loss, cfg)

@@ -13,25 +13,9 @@ import pytest
 
 from tests._dist import run_ranks
 from tests.engine.test_multi_model import ARGS, MODELS, _adapters
+from tests.helpers import random_pairs
 
 N_PAIRS = {"A": 2, "B": 1, "Z": 3}
-
-
-def pairs(seed: int, n: int) -> list:
-    """n preference pairs (chosen, then rejected) of random tokens < 256: the completion (mask 1) after a prompt
-    of a third of the datum, and made-up reference log-probs."""
-    from shardfit.rl import make_datum
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(2 * n):
-        L = int(rng.integers(6, 12))
-        s = rng.integers(0, 256, L + 1)
-        mask = (np.arange(L) >= L // 3).astype(np.float32)
-        out.append(make_datum(s[:-1], target_tokens=s[1:], mask=mask, ref_logprobs=rng.normal(-5.0, 1.0, L)))
-    return out
-
-
 KTO = {"beta": 0.5, "desirable": [True, False, False, True], "kl": 0.2}  # 4 datums a model (2 "pairs")
 
 
@@ -45,7 +29,7 @@ def _train(rank, world, together, loss="dpo"):
     cfg = KTO if loss == "kto" else {"beta": 0.5}
     out = {"metrics": {n: [] for n, _ in MODELS}, "norms": []}
     for step in range(2):
-        groups = {n: pairs(10 * step + i, 2 if loss == "kto" else N_PAIRS[n]) for i, (n, _) in enumerate(MODELS)}
+        groups = {n: random_pairs(10 * step + i, 2 if loss == "kto" else N_PAIRS[n]) for i, (n, _) in enumerate(MODELS)}
         if together:
             res = e.forward_backward_many(groups, loss, cfg)
         else:
