@@ -9,9 +9,11 @@ models run one after another (one pass each, the registry's swap between them), 
 Everything after `--` is the Engine's config (key=value as `shardfit train` takes them; without any: a tiny model on
 the CPU). Each model gets --datums random datums of --length tokens a step (cross_entropy, token_mean: each model a
 mean over its own tokens); a step is, per K: every model's forward_backward then every model's optim_step, either one
-after another ("sequential") or as one forward_backward_many ("one_pass"). Figures: the median step time over --steps
-timed steps after --warmup, aggregate tokens/s (all models' tokens), one_pass / sequential, and the largest loss
-difference between the two ways (the same models, the same data: it should be fp32 / bf16 rounding).
+after another ("sequential") or as one forward_backward_many ("one_pass"); with --call=forward, every model's forward
+(log-probs: an RL loop's reference or old policy, no optimizer step) one after another or as one forward_many.
+Figures: the median step time over --steps timed steps after --warmup, aggregate tokens/s (all models' tokens),
+one_pass / sequential, and the largest loss difference between the two ways (the same models, the same data: it
+should be fp32 / bf16 rounding).
 """
 
 from __future__ import annotations
@@ -53,11 +55,13 @@ def _run(engine, k: int, a, together: bool) -> tuple[list[float], list[float]]:
         data = {n: _datums(vocab, a.datums, a.length, 1000 * step + i) for i, n in enumerate(names)}
         engine.finish()
         t0 = time.perf_counter()
+        many, one = ((engine.forward_many, engine.forward) if a.call == "forward" else
+                     (engine.forward_backward_many, engine.forward_backward))
         if together:
-            res = engine.forward_backward_many(data, "cross_entropy", mean)
+            res = many(data, "cross_entropy", mean)
         else:
-            res = {n: engine.forward_backward(d, "cross_entropy", mean, model=n) for n, d in data.items()}
-        for n in names:
+            res = {n: one(d, "cross_entropy", mean, model=n) for n, d in data.items()}
+        for n in names if a.call == "forward_backward" else ():
             engine.optim_step(AdamParams(learning_rate=1e-4), model=n)
         engine.finish()
         if engine.device.type == "cuda":
@@ -81,12 +85,14 @@ def main() -> int:
     ap.add_argument("--length", type=int, default=48, help="tokens per datum")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--call", choices=("forward_backward", "forward"), default="forward_backward",
+                    help="forward_backward + optim_step a step, or forward alone (module docstring)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     from shardfit.rl import DatumEngine
 
     engine = DatumEngine.start(overrides=overrides)
-    out = {"overrides": overrides, "datums": a.datums, "length": a.length, "cases": {}}
+    out = {"overrides": overrides, "call": a.call, "datums": a.datums, "length": a.length, "cases": {}}
     for k in (int(x) for x in a.models.split(",")):
         tokens = k * a.datums * a.length
         row = {}

@@ -110,3 +110,21 @@ def random_datums(seed: int, n: int = 3, lengths: tuple[int, int] = (8, 20), wei
         s = rng.integers(0, 256, L + 1)
         out.append(make_datum(s[:-1], target_tokens=s[1:], weights=np.full(L, weight)))
     return out
+
+
+def random_pairs(seed: int, n: int) -> list:
+    """n preference pairs (chosen, then rejected: 2n datums, or KTO's 2n examples) of random tokens < 256, lengths
+    in [6, 12): the completion (mask 1) after a prompt of a third of the datum, and made-up reference log-probs (the
+    multi-model pair tests)."""
+    import numpy as np
+
+    from shardfit.rl import make_datum
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(2 * n):
+        L = int(rng.integers(6, 12))
+        s = rng.integers(0, 256, L + 1)
+        mask = (np.arange(L) >= L // 3).astype(np.float32)
+        out.append(make_datum(s[:-1], target_tokens=s[1:], mask=mask, ref_logprobs=rng.normal(-5.0, 1.0, L)))
+    return out

@@ -8,8 +8,9 @@ forward_backward_many:
 - a model whose datums carry zero loss keeps exactly zero gradients beside the others: nothing leaks;
 - 2 gloo ranks equal 1;
 - a bad mix is one line each: a model twice, an unknown model, a frozen version; and so are a mean-over-tokens
-  loss, a pair loss and an adapter on lm_head.
-The per-layer math: tests/adapters/test_lora_stack.py; the collectives: tests/parallel/test_adapter_exchange.py.
+  loss and an adapter on lm_head.
+The per-layer math: tests/adapters/test_lora_stack.py; the collectives: tests/parallel/test_adapter_exchange.py; pair
+losses: test_multi_model_pairs.py; forward-only passes: test_multi_model_forward.py.
 """
 
 from __future__ import annotations
@@ -160,12 +161,10 @@ def _refusals(rank, world):
     errors["pending"] = [e.pending for _ in (0,)]
     from shardfit.engine import CrossEntropy
 
-    for what, call in {"mean": lambda: e.engine.forward_backward([], CrossEntropy(), model=["A", "B"]),
-                       "dpo": lambda: e.forward_backward_many({"A": d[:2], "B": d[:2]}, "dpo")}.items():
-        try:
-            call()
-        except Exception as err:  # noqa: BLE001  the message is the assertion
-            errors[what] = f"{type(err).__name__}: {err}"
+    try:
+        e.engine.forward_backward([], CrossEntropy(), model=["A", "B"])
+    except Exception as err:  # noqa: BLE001  the message is the assertion
+        errors["mean"] = f"{type(err).__name__}: {err}"
     head = DatumEngine.start(load_config(None, [*ARGS[:-1], "--lora.targets=all-linear,lm_head"]))
     head.add_model("A", seed=1)
     head.add_model("B", seed=2)
@@ -184,6 +183,5 @@ def test_a_bad_mix_is_one_line_each():
     assert all("ShardfitError" in r[k] and "\n" not in r[k] for k in ("twice", "unknown", "version"))
     assert r["pending"] == [False]  # refused before any pass: nothing accumulated
     assert "coefficient loss" in r["mean"]
-    assert "dpo (datums in pairs) runs one model at a time" in r["dpo"]
     assert "linear layers only" in r["head"] and "LoRAOutputHead" in r["head"] and "lora.targets" in r["head"]
-    assert all("ShardfitError" in r[k] and "\n" not in r[k] for k in ("mean", "dpo", "head"))
+    assert all("ShardfitError" in r[k] and "\n" not in r[k] for k in ("mean", "head"))

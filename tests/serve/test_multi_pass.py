@@ -1,8 +1,10 @@
 """forward_backward requests of several models ready together run as ONE pass (serve/executor.py's combine,
 serve/ordering.py's take_together, engine/multi_model.py), through the official tinker SDK: 3 training clients whose
 requests queue behind a long forward are answered from one pass of 3 models ("server_pass_models:max"), each
-client's losses and log-probs those of its seed trained alone on the same server; and the grouping itself: each
-model's oldest ready request only, the same loss only, samples and other kinds left in place.
+client's losses and log-probs those of its seed trained alone on the same server; 4 clients sending forward
+concurrently get the log-probs and losses each gets alone, from one pass of 4 (1 and 2 ranks); and the grouping
+itself: each model's oldest ready request only, of the same kind (forward-only or forward_backward) and loss only,
+samples and other kinds left in place, a model's forward and forward_backward in their order.
 """
 
 from __future__ import annotations
@@ -63,6 +65,71 @@ def test_three_clients_ready_together_run_in_one_pass_and_equal_each_alone(tmp_p
             np.testing.assert_allclose(t["loss"][step][i], a["loss"][step][0], rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(t["lp"][step][i], a["lp"][step][0], rtol=0, atol=2e-5)
     assert len({round(x, 6) for x in t["loss"][1]}) == 3  # three models apart
+
+
+def _forwards(sc, url: str, base_model: str) -> dict:
+    """4 clients, each trained one step alone (its own weights, B != 0), then 3 rounds of a forward from each, all
+    sent before any is read, behind a long forward of a fifth client (another loss config: it joins none); then each
+    client's forwards of the same datums one at a time."""
+    from tinker import types
+
+    new = lambda s: sc.create_lora_training_client(base_model=base_model, rank=8, seed=s).result()  # noqa: E731
+    clients = [new(s) for s in (1, 2, 3, 4)]
+    for i, c in enumerate(clients):
+        c.forward_backward(datums(70 + i), "cross_entropy").result()
+        c.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    blocker = new(5)
+
+    def read(r) -> dict:
+        return {"lp": [np.asarray(o["logprobs"].to_numpy()).tolist() for o in r.loss_fn_outputs],
+                "loss": r.metrics["loss:sum"], "models": r.metrics.get("server_pass_models:max", 1.0)}
+
+    together = []
+    for rnd in range(3):
+        busy = blocker.forward(datums(50, n=200), "cross_entropy", {"normalize": "sum"})
+        futures = [c.forward(datums(80 + 10 * rnd + i), "cross_entropy") for i, c in enumerate(clients)]
+        busy.result()
+        together.append([read(f.result()) for f in futures])
+    alone = [[read(c.forward(datums(80 + 10 * rnd + i), "cross_entropy").result()) for i, c in enumerate(clients)]
+             for rnd in range(3)]
+    return {"together": together, "alone": alone}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_four_clients_sending_forward_concurrently_equal_each_alone(tmp_path, world):
+    r = run_ranks(serve, world, str(tmp_path / "run"), _forwards, ARGS, timeout=600)[0]
+    assert any([x["models"] for x in rnd] == [4.0] * 4 for rnd in r["together"]), r["together"]
+    for t_rnd, a_rnd in zip(r["together"], r["alone"]):
+        for t, a in zip(t_rnd, a_rnd):
+            assert a["models"] == 1.0
+            np.testing.assert_allclose(t["loss"], a["loss"], rtol=1e-5, atol=1e-6)
+            for x, y in zip(t["lp"], a["lp"]):
+                np.testing.assert_allclose(x, y, rtol=0, atol=2e-5)
+    assert len({round(sum(map(sum, t["lp"])), 4) for t in r["together"][0]}) == 4  # four models apart
+
+
+def test_a_pass_is_of_one_kind_and_keeps_each_models_order():
+    from shardfit.serve.commands import Command
+    from shardfit.serve.executor import Executor
+    from shardfit.serve.ordering import Scheduler
+
+    s = Scheduler()
+    for m in "abcd":
+        s.add_model(m)
+    req = lambda m, seq, fwd, cfg=None: Command("forward_backward", f"{m}{seq}", {  # noqa: E731
+        "loss_fn": "cross_entropy", "loss_fn_config": cfg, "forward_only": fwd}, m)
+    s.submit(req("a", 1, True), "a", 1)
+    s.submit(req("a", 2, False), "a", 2)  # a's forward_backward after its forward
+    s.submit(req("b", 1, False), "b", 1)
+    s.submit(req("c", 1, True), "c", 1)
+    s.submit(req("d", 1, True, {"normalize": "sum"}), "d", 1)  # another config: its own pass
+    key = Executor._loss_key
+    passes = []
+    while (first := s.next(0.1)) is not None:
+        kind = key(first.command)
+        more = s.take_together(first, lambda p, kind=kind: key(p.command) == kind)
+        passes.append([p.command.request_id for p in [first, *more]])
+    assert passes == [["a1", "c1"], ["a2", "b1"], ["d1"]]
 
 
 def test_each_models_oldest_ready_request_of_the_same_loss_joins():

@@ -16,7 +16,8 @@ all-gather per pass, after all micro-batches, of each rank's stats (squared grad
 flag, stop request, memory, expert load) and the loss's per-token outputs: the pass's only host-device sync. optim_step
 issues none (with tensorwise FP8 all-gather, after an applied update, one all-reduce of the weights' amaxes).
 A pass of several LoRA models (model=[...], engine/multi_model.py) adds one all-gather of their adapters before its
-micro-batches and one reduce-scatter of their gradients after the last backward, before the stats collective.
+micro-batches and, in forward_backward, one reduce-scatter of their gradients after the last backward, before the
+stats collective.
 
 Gradient scale (engine/losses.py): a mean_over_tokens loss backpropagates loss / C (C: this rank's capacity of the
 pass) and optim_step multiplies by world x C / N (N: the global batch's loss tokens from the stats); a coefficient
@@ -245,11 +246,17 @@ class Engine(EngineState, EngineSampling):
         self._check_fingerprint(stats, fingerprint)
         return stats
 
-    def forward(self, batches: Iterable[PackedBatch], loss: Loss, fingerprint: int | None = None) -> StepStats:
+    def forward(self, batches: Iterable[PackedBatch], loss: Loss, fingerprint: int | None = None,
+                model: list[str] | None = None) -> StepStats | list[StepStats]:
         """The same pass without gradients (log-probs, validation). On one rank the weights are gathered once for the
-        whole call where they fit (gather_once, parallel/gathered.py)."""
+        whole call where they fit (gather_once, parallel/gathered.py). model: a list of K LoRA models scored in
+        this ONE pass, as forward_backward's (engine/multi_model.py forward_models); one StepStats per model."""
         self.release_sampler()  # a kept Sampler's KV pool and graphs: this call's memory (engine/sampling.py)
         _check_call("forward", loss)
+        if model is not None:
+            from shardfit.engine.multi_model import forward_models
+
+            return forward_models(self, batches, loss, model, fingerprint)
         with torch.no_grad(), self.gathered_pass():
             stats = self._pass(batches, loss, backward=False, fingerprint=fingerprint)
         self._check_fingerprint(stats, fingerprint)
@@ -285,9 +292,9 @@ class Engine(EngineState, EngineSampling):
 
     def _pass(self, batches: Iterable[PackedBatch], loss: Loss, backward: bool, fingerprint: int | None = None,
               after_backward: Callable[[], torch.Tensor] | None = None) -> StepStats:
-        """after_backward: a pass of several models (engine/multi_model.py): called after the last backward, before
-        the collective; what it returns (float64 [e]) rides at the end of each rank's stats row, and the slot's own
-        gradient norm is not taken (its figures are per model, in those columns)."""
+        """after_backward: a pass of several models (engine/multi_model.py): called after the last micro-batch (its
+        backward, if any), before the collective; what it returns (float64 [e]) rides at the end of each rank's
+        stats row, and the slot's own gradient norm is not taken (its figures are per model, in those columns)."""
         batches = list(batches) if backward else batches  # validation's may be a generator (one mask at a time)
         count = len(batches) if backward else 0
         # the backward's divisor (engine/losses.py): C, this rank's capacity of the pass, for a mean over tokens

@@ -1,5 +1,6 @@
 """Many LoRA models trained in ONE pass over the shared frozen base: `Engine.forward_backward(batches, loss,
-model=["a", "b", "c"])` (the RL API: rl/step.py's DatumEngine.forward_backward_many).
+model=["a", "b", "c"])` (the RL API: rl/step.py's DatumEngine.forward_backward_many), or scored in one: `Engine.forward
+(batches, loss, model=[...])` (DatumEngine.forward_many: reference or old-policy log-probs).
 
 Each token of the pass belongs to one model (PackedBatch.slots: an index into the list, -1 for padding). The rows of
 model k go through model k's adapter, each model's gradients reach only its own adapter, and each model keeps what
@@ -19,6 +20,15 @@ How, per pass (registry: engine/registry.py; the layer math: adapters/lora_stack
      tokens and real tokens ride in the pass's one stats collective, which then becomes one StepStats per model.
 So a pass of K models issues the same collectives on every rank, in this order: the all-gather, FSDP's own, the
 reduce-scatter, the stats all-gather. One model (K = 1) is not this: it is today's pass, the model in the slot.
+A forward (forward_models) is steps 1 to 3 without the backward: the stack takes no gradient, step 4 is only the
+per-model sums riding in the stats collective (no reduce-scatter), nothing is left pending. It gathers the adapters
+again rather than keep a previous pass's stack (forward_models says why).
+
+The loss is the caller's, per micro-batch, with each token's model known to the stack; each model's loss sum is its
+tokens' share of the loss's per-token terms ("terms": TokenLoss's c_t l_t; PairLoss's c_t x its unit's loss, which
+sum over a unit's tokens to w_k loss_k). So a pair loss (DPO and kin, engine/preference.py) runs as it is: its units
+never straddle models, its datum indices and 1/U coefficients come from rl/preference.py pair_pass_many, each model's
+over its own pairs, and its batch constants are per unit (join_terms), each its own model's.
 
 Why outside FSDP (the alternative: K-slot adapter parameters gathered by FSDP with the base's groups). Per model, r
 = 16 on all linear layers of the 8B shape is 43.6 M parameters (r x sum over layers of (in + out)): 174 MB in fp32.
@@ -32,9 +42,9 @@ per-pass exchange is the smaller; its price is the whole-adapter memory above, w
 counts (plan/models.py multi_model_pass_bytes: this arithmetic, in one place).
 
 Refused in one line: a model twice, a name that is not a model (unknown, a frozen version, the base), a mean-over-
-tokens loss (its normalisation is the whole pass's: use a coefficient loss, which the RL API makes per model),
-adapters other than linear layers' (embedding, output head, MoE experts), MoE models (the load-balancing term is not
-per model), host offload, and sharding other than plain FSDP.
+tokens loss (its normalisation is the whole pass's, and it gives no per-token terms: use a coefficient loss, which
+the RL API makes per model), adapters other than linear layers' (embedding, output head, MoE experts), MoE models
+(the load-balancing term is not per model), host offload, and sharding other than plain FSDP.
 """
 
 from __future__ import annotations
@@ -116,6 +126,74 @@ def _check_pass(engine, batches: list[PackedBatch], loss: Loss, k: int) -> list[
     return layers
 
 
+def _stack(engine, layers: list[nn.Module], models: list[str], grad: bool) -> AdapterStack:
+    """Steps 1 and 2: the K models' adapters gathered whole (one all-gather) and stacked per layer; grad: leaves
+    that take the pass's gradients (forward_backward), else plain tensors (forward)."""
+    reg, k = engine.models, len(models)
+    params = reg.params
+    at = {id(p): i for i, p in enumerate(params)}
+    whole = gather_whole(params, [reg.shards(m) for m in models], shard_group(params))  # [K][P] whole tensors
+    a = [torch.cat([whole[j][at[id(mod.lora_A)]] for j in range(k)]).requires_grad_(grad) for mod in layers]
+    b = [torch.cat([whole[j][at[id(mod.lora_B)]].t() for j in range(k)]).requires_grad_(grad) for mod in layers]
+    return AdapterStack(layers, a, b, k, layers[0].lora_rank,
+                        mixed_precision(engine.cfg.compute, engine.device).param_dtype or torch.float32)
+
+
+def _counts(batches: list[PackedBatch], k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per model, this rank's loss tokens and real tokens [K] each (float64), counted on the host (no sync)."""
+    tokens = [sum(int(((bt.labels != -100) & (bt.slots == j)).sum()) for bt in batches) for j in range(k)]
+    real = [sum(int((bt.slots == j).sum()) for bt in batches) for j in range(k)]
+    f64 = {"dtype": torch.float64, "device": device}
+    return torch.tensor(tokens, **f64), torch.tensor(real, **f64)
+
+
+def _per_model_stats(stats: StepStats, k: int) -> list[StepStats]:
+    """The pass's StepStats -> one per model: its columns (squared gradient norm, loss sum, loss tokens, real
+    tokens: the 4 x K appended to every rank's row, model after model per column) in the usual places."""
+    base = stats.rows.shape[1] - 4 * k
+    out = []
+    for j in range(k):
+        rows = stats.rows[:, :base].clone()
+        for col, at_col in ((_SQNORM, 0), (_LOSS, 1), (_TOKENS, 2), (_REAL, 3)):
+            rows[:, col] = stats.rows[:, base + at_col * k + j]
+        rows[:, _NONFINITE] = (~torch.isfinite(rows[:, _LOSS])).double()
+        out.append(StepStats(rows, stats.capacity, False, stats.outputs, stats.phases))
+    return out
+
+
+def forward_models(engine, batches: list[PackedBatch], loss: Loss, models, fingerprint: int | None
+                   ) -> list[StepStats]:
+    """Engine.forward(..., model=[...]): the pass of forward_backward_models without its backward (no gradient, no
+    reduce-scatter): each model's per-token outputs and loss sum, one StepStats per model, none pending. The
+    adapters are gathered again for each pass (one all-gather, as forward_backward's): a cache of the stack would
+    hold K whole adapters between calls (module docstring: 174 MB a model at the 8B shape, r = 16) and would have
+    to follow every optim_step, load_state and add_model of each model; the gather is one collective of the
+    adapters, small beside the pass's forward. One model is Engine.forward with that model in the slot, bit for
+    bit."""
+    models = check_models(engine, models)
+    if len(models) == 1:
+        engine.using(models[0])
+        return [engine.forward(batches, loss, fingerprint)]
+    batches, k = list(batches), len(models)
+    layers = _check_pass(engine, batches, loss, k)
+    engine.finish()  # a launched overlapped step writes the slot's adapters
+    stack = _stack(engine, layers, models, grad=False)
+    tokens, real = _counts(batches, k, engine.device)
+    per_model = _PerModelLoss(loss, stack, k, engine.device)
+
+    def count() -> torch.Tensor:  # [sq norms K (none: 0), loss sums K, tokens K, real K]
+        return torch.cat([torch.zeros_like(tokens), per_model.sums.double(), tokens, real])
+
+    stack.install()
+    try:
+        with torch.no_grad(), engine.gathered_pass():
+            stats = engine._pass(batches, per_model, backward=False, fingerprint=fingerprint, after_backward=count)
+    finally:
+        stack.remove()
+    engine._check_fingerprint(stats, fingerprint)  # nothing pending to drop
+    return _per_model_stats(stats, k)
+
+
 def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, models, fingerprint: int | None
                             ) -> list[StepStats]:
     """Engine.forward_backward(..., model=[...]): one StepStats per model (module docstring)."""
@@ -132,17 +210,9 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
             fold_first_mean(reg.pending(m), reg.grads(m))
     params = reg.params
     at = {id(p): i for i, p in enumerate(params)}
-    group = shard_group(params)
-    whole = gather_whole(params, [reg.shards(m) for m in models], group)  # [K][P] whole tensors
-    a = [torch.cat([whole[j][at[id(mod.lora_A)]] for j in range(k)]).requires_grad_() for mod in layers]
-    b = [torch.cat([whole[j][at[id(mod.lora_B)]].t() for j in range(k)]).requires_grad_() for mod in layers]
-    del whole
-    rank = layers[0].lora_rank
-    stack = AdapterStack(layers, a, b, k, rank, mixed_precision(engine.cfg.compute, engine.device).param_dtype
-                         or torch.float32)
-    # per model, this rank's loss tokens and real tokens, counted on the host (no sync)
-    tokens = [sum(int(((bt.labels != -100) & (bt.slots == j)).sum()) for bt in batches) for j in range(k)]
-    real = [sum(int((bt.slots == j).sum()) for bt in batches) for j in range(k)]
+    stack = _stack(engine, layers, models, grad=True)
+    a, b, rank = stack.a, stack.b, stack.rank
+    tokens, real = _counts(batches, k, engine.device)
     per_model = _PerModelLoss(loss, stack, k, engine.device)
 
     def reduce_and_count() -> torch.Tensor:
@@ -156,15 +226,13 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
                 gb = tb.grad[rows] if tb.grad is not None else torch.zeros_like(tb[rows])
                 g[at[id(mod.lora_A)]], g[at[id(mod.lora_B)]] = ga, gb.t().contiguous()
             grads.append([g[i] for i in range(len(params))])
-        shards = reduce_to_shards(params, grads, group)
+        shards = reduce_to_shards(params, grads, shard_group(params))
         sq = []
         for m, shard in zip(models, shards):
             own = reg.grads(m)
             torch._foreach_add_(own, shard)
             sq.append(grad_sq_norm(own, engine.device))
-        f64 = {"dtype": torch.float64, "device": engine.device}
-        return torch.cat([torch.stack(sq), per_model.sums.double(), torch.tensor(tokens, **f64),
-                          torch.tensor(real, **f64)])
+        return torch.cat([torch.stack(sq), per_model.sums.double(), tokens, real])
 
     stack.install()
     try:
@@ -172,16 +240,9 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
                              after_backward=reduce_and_count)
     finally:
         stack.remove()
-    base = stats.rows.shape[1] - 4 * k
-    out = []
-    for j, m in enumerate(models):
-        rows = stats.rows[:, :base].clone()
-        for col, at_col in ((_SQNORM, 0), (_LOSS, 1), (_TOKENS, 2), (_REAL, 3)):
-            rows[:, col] = stats.rows[:, base + at_col * k + j]
-        rows[:, _NONFINITE] = (~torch.isfinite(rows[:, _LOSS])).double()
-        own = StepStats(rows, stats.capacity, False, stats.outputs, stats.phases)
+    out = _per_model_stats(stats, k)
+    for m, own in zip(models, out):
         reg.pending(m).append(own)
-        out.append(own)
     engine._check_fingerprint(stats, fingerprint, drop=lambda: [reg.drop_gradients(m) for m in models])
     return out
 
@@ -201,7 +262,7 @@ class _PerModelLoss(Loss):
         total, out = self.loss(model, b)
         if "terms" not in out:
             raise ShardfitError(f"{type(self.loss).__name__} gives no per-token terms to sum per model", where="loss",
-                                fix="use TokenLoss (engine/losses.py)")
+                                fix="use TokenLoss (engine/losses.py) or PairLoss (engine/preference.py)")
         terms = out["terms"].detach().float()
         own = b.slots >= 0
         self.sums.index_add_(0, torch.where(own, b.slots, 0), torch.where(own, terms, 0.0))

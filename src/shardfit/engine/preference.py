@@ -71,14 +71,32 @@ class PairObjective:
 class BatchTerms:
     """The global batch's constants of a loss, made on the host from the whole datum list (the same on every rank,
     no collective): nll_share, ORPO's U / N_c (pairs over the chosen answers' tokens); kl, KTO's reference point z;
-    desirable [U] bool, KTO's labels."""
+    desirable [U] bool, KTO's labels. In a pass of several models (join_terms) nll_share and kl are per unit [U],
+    each its own model's."""
 
-    nll_share: float = 0.0
-    kl: float = 0.0
+    nll_share: float | torch.Tensor = 0.0
+    kl: float | torch.Tensor = 0.0
     desirable: torch.Tensor | None = None
 
 
 NO_TERMS = BatchTerms()  # DPO, IPO and SimPO read none
+
+
+def join_terms(parts: list[BatchTerms], units: list[int]) -> BatchTerms:
+    """Several models' batch constants in one pass (rl/preference.py pair_pass over groups): each unit keeps its own
+    model's, as per-unit tensors [U] (ORPO's nll_share, KTO's kl; KTO's labels end to end)."""
+
+    def per_unit(values: list[float]) -> torch.Tensor:
+        return torch.cat([torch.full((u,), v, dtype=torch.float64) for v, u in zip(values, units)])
+
+    desirable = [t.desirable for t in parts]
+    return BatchTerms(per_unit([t.nll_share for t in parts]), per_unit([t.kl for t in parts]),
+                      torch.cat(desirable) if all(d is not None for d in desirable) else None)
+
+
+def _on(x, like: torch.Tensor):
+    """A batch constant where it meets `like`: a float as it is, a per-unit tensor on like's device and dtype."""
+    return x.to(like.device, like.dtype) if isinstance(x, torch.Tensor) else x
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -99,12 +117,13 @@ def pair_loss(obj: PairObjective, s: torch.Tensor, r: torch.Tensor | None, n: to
         return -(1 - eps) * F.logsigmoid(g) - eps * F.logsigmoid(-g), beta * mean
     if obj.name == "orpo":
         log_odds = (mean[:, 0] - mean[:, 1]) - (log1mexp(mean[:, 0]) - log1mexp(mean[:, 1]))
-        return -s[:, 0] * terms.nll_share - beta * F.logsigmoid(log_odds), beta * mean
+        return -s[:, 0] * _on(terms.nll_share, s) - beta * F.logsigmoid(log_odds), beta * mean
     if obj.name == "kto":
         ratio = (s - r)[:, 0]
         good = terms.desirable.to(ratio.device)
-        loss = torch.where(good, obj.desirable_weight * (1 - torch.sigmoid(beta * (ratio - terms.kl))),
-                           obj.undesirable_weight * (1 - torch.sigmoid(beta * (terms.kl - ratio))))
+        kl = _on(terms.kl, ratio)
+        loss = torch.where(good, obj.desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                           obj.undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
         return loss, beta * (s - r)
     ratio = s - r if obj.name == "dpo" else (s - r) / n.clamp(min=1)  # [P, 2]: the policy over the reference
     h = ratio[:, 0] - ratio[:, 1]
@@ -144,4 +163,7 @@ class PairLoss(Loss):
         w = segment_sum(b.coef).sum(1)  # [U]: 1/U for this row's units, 0 for the others
         r = segment_sum(b.inputs["ref_logprobs"].float()) if self.objective.needs_reference else None
         loss, _ = pair_loss(self.objective, s, r, n, self.terms)
-        return with_router_aux(model, b, (w * loss).sum()), {"logprobs": logp}
+        # per token c_t x (its unit's loss): each unit's coefficients sum to its w, so the terms sum to the total; a
+        # pass of several models sums them per model (engine/multi_model.py)
+        terms = b.coef * torch.cat([loss.detach(), loss.new_zeros(1)])[seg // g]  # [n]; seg = D -> unit U: 0
+        return with_router_aux(model, b, (w * loss).sum()), {"logprobs": logp, "terms": terms}

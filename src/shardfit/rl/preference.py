@@ -3,13 +3,15 @@ example, labelled) -> rows that hold a unit's sequences together -> engine/prefe
 log-probs and TRL's metrics.
 
 The RL API's loss_fn="dpo" | "ipo" | "simpo" | "orpo" | "kto" (rl/step.py) and `shardfit train` with
-preference.objective (train/preference.py) both run `pair_pass`. A datum's counted tokens are the completion's (its
-`mask` input, else `weights`, else every token: rl/losses.py counted); DPO, IPO and KTO read its `ref_logprobs`
-input, the reference model's log-prob of each target token. KTO's loss_fn_config carries `desirable` (one bool per
-datum, or a string of 0s and 1s: what `shardfit serve` can carry) and `kl`, the batch's reference point (the caller
-measures it: train/preference.py does as TRL does). The coefficients and the batch's constants (engine/preference.py
-BatchTerms) are made here from the whole list, the same on every rank; the metrics are computed on the host from the
-per-token log-probs that came back in the pass's one collective: no collective of their own.
+preference.objective (train/preference.py) both run `pair_pass`; several LoRA models' pairs in one pass
+(DatumEngine.forward_backward_many / forward_many) run `pair_pass_many`, each model's over its own pairs. A
+datum's counted tokens are the completion's (its `mask` input, else `weights`, else every token: rl/losses.py
+counted); DPO, IPO and KTO read its `ref_logprobs` input, the reference model's log-prob of each target token.
+KTO's loss_fn_config carries `desirable` (one bool per datum, or a string of 0s and 1s: what `shardfit serve` can
+carry) and `kl`, the batch's reference point (the caller measures it: train/preference.py does as TRL does). The
+coefficients and the batch's constants (engine/preference.py BatchTerms) are made here from the whole list, the same
+on every rank; the metrics are computed on the host from the per-token log-probs that came back in the pass's one
+collective: no collective of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from shardfit.engine.preference import (
     BatchTerms,
     PairLoss,
     PairObjective,
+    join_terms,
     orpo_log_odds,
     pair_loss,
 )
@@ -149,22 +152,49 @@ def pair_pass(engine: Engine, datums: list[Datum], obj: PairObjective, backward:
     """One forward (or forward_backward) over the units: (the pass's stats, per-datum log-probs, 0 outside the
     counted tokens, TRL's metrics). fingerprint: of the datums, checked the same on every rank (rl/step.py); cfg:
     KTO's desirable and kl (terms_of); with_loss: the metrics hold "loss", the mean over units (validation)."""
+    return pair_pass_many(engine, [datums], obj, backward, fingerprint, cfg, where, with_loss)[0]
+
+
+def pair_pass_many(engine: Engine, groups: list[list[Datum]], obj: PairObjective, backward: bool,
+                   fingerprint: int | None = None, cfg: dict | None = None, where: str = "loss_fn_config",
+                   with_loss: bool = False, models: list[str] | None = None
+                   ) -> list[tuple[StepStats, list[np.ndarray], dict[str, float]]]:
+    """pair_pass per group of datums; models: the groups' LoRA models, all in ONE pass (Engine.forward(_backward)
+    model=[...], engine/multi_model.py), each group normalised over its own units (its coefficients 1/U and its
+    batch constants its own: join_terms), its datum indices after the previous groups' so that every unit's
+    segment sums stay its own. None: one group, the model in the slot."""
     layout = engine.layout
     if layout.sequence > 1:
         raise ShardfitError("a preference loss sums each sequence's log-probs within one rank's row; sequence "
                             "parallelism splits the row", where="parallel.sequence_parallel",
                             fix="set parallel.sequence_parallel=1 for preference training")
-    coefs, masks = pair_coefficients(datums, group=obj.group)
-    terms = terms_of(obj, datums, masks, cfg, where)
+    datums, coefs, masks, terms, owner = [], [], [], [], []
+    for j, group in enumerate(groups):
+        c, m = pair_coefficients(group, group=obj.group)
+        terms.append(terms_of(obj, group, m, cfg, where))
+        datums += group
+        coefs += c
+        masks += m
+        owner += [j] * len(group)
     plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence, pairs=obj.group == 2)
     # the head scores the counted tokens alone (a prompt's log-probs are never read): logprobs_at="counted"
     batches = datum_batches(plan, datums, coefs, masks, layout.data_rank, layout.sequence_rank,
-                            engine.doc_kernel(plan.budget, grad=backward), engine.device)
-    loss = PairLoss(obj, len(datums), terms)
+                            engine.doc_kernel(plan.budget, grad=backward), engine.device,
+                            models=owner if models is not None else None)
+    joined = terms[0] if len(groups) == 1 else join_terms(terms, [len(g) // obj.group for g in groups])
+    loss = PairLoss(obj, len(datums), joined)
     call = engine.forward_backward if backward else engine.forward
-    stats = call(batches, loss, fingerprint=fingerprint)
-    logprobs = unpack(plan, datums, stats.outputs[:, 0])
-    return stats, logprobs, pair_metrics(obj, datums, logprobs, masks, terms, with_loss)
+    if models is None:
+        stats = [call(batches, loss, fingerprint=fingerprint)]
+    else:
+        stats = call(batches, loss, fingerprint=fingerprint, model=models)
+    logprobs = unpack(plan, datums, stats[0].outputs[:, 0])
+    out, start = [], 0
+    for group, own, t in zip(groups, stats, terms):
+        lp, m = logprobs[start:start + len(group)], masks[start:start + len(group)]
+        out.append((own, lp, pair_metrics(obj, group, lp, m, t, with_loss)))
+        start += len(group)
+    return out
 
 
 def pair_metrics(obj: PairObjective, datums: list[Datum], logprobs: list[np.ndarray], masks: list[np.ndarray],

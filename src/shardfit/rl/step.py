@@ -21,7 +21,6 @@ import numpy as np
 
 from shardfit.engine import AdamParams, CrossEntropy, Engine, TokenLoss
 from shardfit.engine.multi_model import check_models
-from shardfit.errors import ShardfitError
 from shardfit.rl.datum import Datum, ForwardBackwardResult, check_datums
 from shardfit.rl.losses import (
     BUILT_IN,
@@ -35,7 +34,7 @@ from shardfit.rl.losses import (
     token_loss,
 )
 from shardfit.rl.pack import datum_batches, plan_datums, unpack
-from shardfit.rl.preference import objective_of, pair_pass
+from shardfit.rl.preference import objective_of, pair_pass, pair_pass_many
 from shardfit.rl.trainer_logprobs import logprobs_mode, sample_scored_by_trainer
 
 
@@ -70,19 +69,29 @@ class DatumEngine:
         self.engine.using(model)
         return _run(self.engine, datums, loss_fn, loss_fn_config, backward=True)
 
+    def forward_many(self, groups: dict[str, list[Datum]] | list[tuple[str, list[Datum]]],
+                     loss_fn="cross_entropy", loss_fn_config: dict | None = None) -> dict[str, ForwardBackwardResult]:
+        """Several LoRA models' datums scored in ONE forward over the shared base (forward_backward_many's pass
+        without its backward): each model gets the result forward(datums, model=name) gives it alone."""
+        return self._many(groups, loss_fn, loss_fn_config, backward=False)
+
     def forward_backward_many(self, groups: dict[str, list[Datum]] | list[tuple[str, list[Datum]]],
                               loss_fn="cross_entropy", loss_fn_config: dict | None = None
                               ) -> dict[str, ForwardBackwardResult]:
         """Several LoRA models' datums ({model: datums}, or a list of (model, datums)) in ONE forward and backward
         over the shared base (engine/multi_model.py), under one loss: each model gets the result it gets alone (its
-        loss normalised over its own datums, its log-probs, its gradients only), pending for its own
-        optim_step(model=...). One model is forward_backward(datums, model=name), bit for bit."""
+        loss normalised over its own datums, a pair loss over its own pairs, its log-probs, its gradients only),
+        pending for its own optim_step(model=...). One model is forward_backward(datums, model=name), bit for bit."""
+        return self._many(groups, loss_fn, loss_fn_config, backward=True)
+
+    def _many(self, groups, loss_fn, loss_fn_config: dict | None, backward: bool) -> dict[str, ForwardBackwardResult]:
         pairs = list(groups.items()) if isinstance(groups, dict) else [tuple(g) for g in groups]
         check_models(self.engine, [m for m, _ in pairs])
         if len(pairs) == 1:
             (name, datums), = pairs
-            return {name: self.forward_backward(datums, loss_fn, loss_fn_config, model=name)}
-        return dict(zip((m for m, _ in pairs), _run_many(self.engine, pairs, loss_fn, loss_fn_config)))
+            call = self.forward_backward if backward else self.forward
+            return {name: call(datums, loss_fn, loss_fn_config, model=name)}
+        return dict(zip((m for m, _ in pairs), _run_many(self.engine, pairs, loss_fn, loss_fn_config, backward)))
 
     def sample(self, prompts: list[list[int]], params, *, logprobs: str | None = None, **kwargs) -> list:
         """Engine.sample's (engine/sampling.py: the same arguments and results), with logprobs = "decode" (the
@@ -145,10 +154,8 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
     engine.release_sampler()  # the kept Sampler's KV pool and graphs: the pass's activations (engine/sampling.py)
     given = fingerprint(datums)  # every rank must have been given these datums: checked in the pass's collective
     if spec.name in PAIR_LOSSES and not callable(loss_fn):  # datums in pairs, chosen then rejected
-        stats, logprobs, metrics = pair_pass(engine, datums, objective_of(spec.name, spec.config), backward, given,
-                                              spec.config)
-        return ForwardBackwardResult([{"logprobs": lp} for lp in logprobs],
-                                     {"loss:sum": stats.loss_sum, **{f"{k}:mean": v for k, v in metrics.items()}})
+        return _pair_result(*pair_pass(engine, datums, objective_of(spec.name, spec.config), backward, given,
+                                       spec.config))
     layout = engine.layout
     plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence)
     mean_ce = backward and not engine.pending and is_token_mean_cross_entropy(spec, datums)
@@ -184,29 +191,39 @@ def _result(datums: list[Datum], outputs: list[dict], loss_sum: float, spec: Los
     return ForwardBackwardResult(outputs, metrics)
 
 
-def _run_many(engine: Engine, pairs: list[tuple[str, list[Datum]]], loss_fn,
-              loss_fn_config: dict | None) -> list[ForwardBackwardResult]:
+def _pair_result(stats, logprobs: list[np.ndarray], metrics: dict[str, float]) -> ForwardBackwardResult:
+    return ForwardBackwardResult([{"logprobs": lp} for lp in logprobs],
+                                 {"loss:sum": stats.loss_sum, **{f"{k}:mean": v for k, v in metrics.items()}})
+
+
+def _run_many(engine: Engine, pairs: list[tuple[str, list[Datum]]], loss_fn, loss_fn_config: dict | None,
+              backward: bool) -> list[ForwardBackwardResult]:
     """K >= 2 models' datums packed together (each token's model in the batch's slots), each model's coefficients
-    made from its own datums alone (normalised as if it ran alone), one pass (Engine.forward_backward(model=[...]))."""
+    made from its own datums alone (normalised as if it ran alone; a pair loss's over its own pairs:
+    rl/preference.py pair_pass_many), one pass (Engine.forward(_backward)(model=[...]))."""
     spec = resolve_loss(loss_fn, loss_fn_config)
-    if spec.name in PAIR_LOSSES and not callable(loss_fn):
-        raise ShardfitError(f"{spec.name} (datums in pairs) runs one model at a time", where="loss_fn",
-                            fix="call forward_backward(datums, loss_fn, model=name) for each model")
-    datums, models, coefs = [], [], []
-    for j, (_, group) in enumerate(pairs):
+    for _, group in pairs:
         check_datums(group, engine.cfg.model.vocab_size, spec.required)
-        datums += group
-        models += [j] * len(group)
-        coefs += coefficients(group, spec)  # each model normalised over its own datums
+    datums = [d for _, group in pairs for d in group]
     grouping = hashlib.blake2b(repr([(m, len(g)) for m, g in pairs]).encode(), digest_size=8).digest()
     given = fingerprint(datums) ^ (int.from_bytes(grouping, "little") >> 12)  # the datums and whose they are
+    names = [m for m, _ in pairs]
+    if spec.name in PAIR_LOSSES and not callable(loss_fn):  # each model's pairs, chosen then rejected
+        return [_pair_result(*out) for out in pair_pass_many(engine, [g for _, g in pairs],
+                                                             objective_of(spec.name, spec.config), backward, given,
+                                                             spec.config, models=names)]
+    models, coefs = [], []
+    for j, (_, group) in enumerate(pairs):
+        models += [j] * len(group)
+        coefs += coefficients(group, spec)  # each model normalised over its own datums
     layout = engine.layout
     plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence)
     scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None
     batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank,
-                            engine.doc_kernel(plan.budget, grad=True), engine.device, models=models)
+                            engine.doc_kernel(plan.budget, grad=backward), engine.device, models=models)
     loss = _token_loss(spec)
-    stats = engine.forward_backward(batches, loss, fingerprint=given, model=[m for m, _ in pairs])
+    call = engine.forward_backward if backward else engine.forward
+    stats = call(batches, loss, fingerprint=given, model=names)
     outputs = _outputs(plan, datums, stats[0].outputs, loss)
     results, start = [], 0
     for (_, group), own in zip(pairs, stats):

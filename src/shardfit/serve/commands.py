@@ -44,7 +44,8 @@ from shardfit.serve.ordering import Scheduler
 from shardfit.serve.protocol import WireDatum
 
 NOOP, STOP, SAMPLE, SAMPLE_BATCH = "noop", "stop", "sample", "sample_batch"
-MANY = "forward_backward_many"  # forward_backward requests of several models in one pass: args {"parts": [Command]}
+# several models' requests of one kind (forward, or forward_backward) in one pass: args {"parts": [Command]}
+MANY = "forward_backward_many"
 # Rows (num_samples summed) of one batch of sample requests: the Sampler's max_rows (256, the rows that decode at once)
 # x 4, so that rows finishing make room for waiting ones within one call; a request alone may reach it.
 BATCH_ROWS = 1024

@@ -11,8 +11,11 @@ id is kept here, on every rank alike (`versions`: the same commands make the sam
 until its next command.
 forward_backward requests of several LoRA models that are ready together (serve/ordering.py's take_together: each
 model's oldest ready request, the same loss) run as ONE pass (`combine` on rank 0 makes a forward_backward_many
-command; engine/multi_model.py), each request answered with its own model's result; a pass refused as a whole (bad
-input of one request) is run again request by request, so that each gets its own answer.
+command; engine/multi_model.py), each request answered with its own model's result; so do forward requests (the
+SDK's `forward`: reference or old-policy log-probs), in passes of their own: one pass is of one kind, forward-only or
+forward_backward, never both (a forward's pass has no backward to share, and a model's oldest ready request is the
+only one that may join, so neither kind overtakes the other within a model). A pass refused as a whole (bad input of
+one request) is run again request by request, so that each gets its own answer.
 Paths in a command were resolved inside the run directory by rank 0
 (serve.security) before the broadcast. Timings go back with the answer: fwd/bwd metrics carry the server's queue wait
 and compute time as "server_queue_s:max" and "server_compute_s:sum" (the SDK sums or maxes them over chunks).
@@ -164,15 +167,16 @@ class Executor:
 
     @staticmethod
     def _loss_key(cmd: Command) -> tuple | None:
-        """What must be equal for requests to share a pass: a forward_backward (not forward-only), its loss."""
+        """What must be equal for requests to share a pass: the kind (forward-only or forward_backward), the loss
+        and its config; None: a command that shares none."""
         a = cmd.args
-        if cmd.kind != "forward_backward" or a.get("forward_only"):
+        if cmd.kind != "forward_backward":
             return None
-        return a["loss_fn"], json.dumps(a.get("loss_fn_config") or {}, sort_keys=True)
+        return bool(a.get("forward_only")), a["loss_fn"], json.dumps(a.get("loss_fn_config") or {}, sort_keys=True)
 
     def combine(self, first, scheduler) -> Command:
-        """Rank 0: the command of the ready Pending `first`, or with other models' ready forward_backward requests
-        of the same loss a forward_backward_many of them all (serve/ordering.py's take_together)."""
+        """Rank 0: the command of the ready Pending `first`, or with other models' ready requests of the same kind
+        and loss a forward_backward_many of them all (serve/ordering.py's take_together)."""
         key = self._loss_key(first.command)
         if not self.together or key is None:
             return first.command
@@ -183,19 +187,21 @@ class Executor:
                        args={"parts": [asdict(p.command) for p in [first, *more]]})
 
     def forward_backward_many(self, cmd: Command) -> tuple[Result, dict[str, float]]:
-        """forward_backward requests of several models (one each) in one pass; each request its own answer."""
+        """forward_backward requests of several models (one each) in one pass, or forward requests (all of one
+        kind: `combine`); each request its own answer."""
         parts = cmd.members()
         a = parts[0].args
+        call = self.rl.forward_many if a["forward_only"] else self.rl.forward_backward_many
         t0 = time.perf_counter()
         try:
             # only a LoRA registry combines (`together`): a model id is its registry name
-            res = self.rl.forward_backward_many([(c.model_id, self._datums(c)) for c in parts],
-                                                loss_fn=a["loss_fn"], loss_fn_config=a.get("loss_fn_config") or None)
+            res = call([(c.model_id, self._datums(c)) for c in parts], loss_fn=a["loss_fn"],
+                       loss_fn_config=a.get("loss_fn_config") or None)
         except ShardfitError:  # refused before the pass (on every rank alike): each request on its own
             return Result(parts=[self._alone(c) for c in parts]), {}
         compute = time.perf_counter() - t0
         return (Result(parts=[self._answer(c, res[c.model_id], compute, len(parts)) for c in parts]),
-                {"forward_backward": compute})
+                {"forward" if a["forward_only"] else "forward_backward": compute})
 
     def _alone(self, cmd: Command) -> Result:
         try:
