@@ -66,8 +66,9 @@ def _triton_kernel(interpret: bool):
                             BF16_DOT: tl.constexpr):
         # q [B, H, DH]; pools [n_blocks, BS, K, DH] (stride_pb, stride_pt, stride_pk; DH contiguous); tables [B, M];
         # lengths [B]; width: M, the table's columns (a row never reads past them, whatever its length says: a
-        # padded batch entry's position runs on); out [B, H, SPLITS, DH] fp32, lse [B, H, SPLITS] fp32 (contiguous). BF16_DOT: the dot products'
-        # operands in bf16 (the GPU); fp32 under the interpreter, whose numpy has no bf16 arithmetic
+        # padded batch entry's position runs on); out [B, H, SPLITS, DH] fp32, lse [B, H, SPLITS] fp32
+        # (contiguous). BF16_DOT: the dot products' operands in bf16 (the GPU); fp32 under the interpreter, whose
+        # numpy has no bf16 arithmetic
         DOT = tl.bfloat16 if BF16_DOT else tl.float32
         b = tl.program_id(0).to(tl.int64)
         kh = tl.program_id(1)
@@ -140,7 +141,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            lengths: torch.Tensor, *, scale: float | None = None, splits: int | None = None,
                            tile: int = BLOCKS_PER_TILE) -> torch.Tensor:
     """q [B, H, Dh] (one query a row), pools [n_blocks, bs, K, Dh], tables [B, M], lengths [B] (keys visible to the
-    row, >= 1; at most M x bs are read) -> [B, H, Dh] in q's dtype. Launches on the current stream, no host synchronisation."""
+    row, >= 1; at most M x bs are read) -> [B, H, Dh] in q's dtype. Launches on the current stream, no host
+    synchronisation."""
     kernel = _triton_kernel(_interpreting())
     if kernel is None:
         raise RuntimeError("paged_decode_attention needs Triton (sampling/attention.py's gather path is the same "
@@ -159,7 +161,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if B:
         kernel[(B, K, S)](q, k_pool, v_pool, tables, lengths, part, lse, scale or 1.0 / math.sqrt(Dh),
                           q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-                          tables.stride(0), tables.shape[1], K_HEADS=K, G=G, GP=max(16, 1 << (G - 1).bit_length()), DH=Dh, BS=bs,
-                          TILE=tile, SPLITS=S, BF16_DOT=not _interpreting())
+                          tables.stride(0), tables.shape[1], K_HEADS=K, G=G, GP=max(16, 1 << (G - 1).bit_length()),
+                          DH=Dh, BS=bs, TILE=tile, SPLITS=S, BF16_DOT=not _interpreting())
     out = part[:, :, 0] if S == 1 else combine(part, lse)
     return out.to(q.dtype)
