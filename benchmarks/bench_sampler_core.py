@@ -72,6 +72,43 @@ def timed(model, path: dict, rows: int, prompt: list[int], new: int, device: str
     return dt, sum(len(s.tokens) for s in res.samples), line
 
 
+def profile(model, path: dict, rows: int, prompt: list[int], new: int, out_dir: str) -> dict:
+    """One request of `rows` samples x `new` tokens under torch.profiler after a warm-up: the kernels' share of the
+    wall time (where the rest goes: the host between replays) and the top kernels by GPU time, as a table in
+    OUT_DIR/profile_<path>_<rows>.txt."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from shardfit.sampling import Sampler, SampleRequest, SamplingParams
+
+    kv = None if torch.cuda.is_available() else -(-(len(prompt) + new) // 16) * rows
+    sampler = Sampler(model, kv_blocks=kv, max_rows=rows, **path)
+    req = SampleRequest(prompt, SamplingParams(new, temperature=1.0, seed=0), num_samples=rows)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sampler.run([req])
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        t = time.perf_counter()
+        sampler.run([req])
+        sync()
+        wall = time.perf_counter() - t
+    del sampler
+    events = prof.key_averages()
+
+    def gpu(e):  # torch >= 2.4 names it device time; older cuda time
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    kernels = sorted((e for e in events if gpu(e) > 0), key=gpu, reverse=True)
+    busy = sum(gpu(e) for e in kernels) / 1e6
+    name = f"{out_dir}/profile_{'_'.join(f'{k}-{v}' for k, v in path.items())}_{rows}.txt"
+    Path(name).write_text(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    return {"rows": rows, "new": new, "wall_s": wall, "kernel_s": busy, "gpu_busy": busy / wall,
+            "ms_per_step": 1e3 * wall / new,
+            "top": [(e.key[:60], round(gpu(e) / 1e3, 2), e.count) for e in kernels[:8]]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
@@ -81,6 +118,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", default="", help="ROWS[,ROWS]: after the timings, one run of each path per ROWS "
+                    "profiled (--profile-new tokens): GPU-busy share and top kernels (tables beside --out)")
+    ap.add_argument("--profile-new", type=int, default=48)
     a = ap.parse_args()
     import torch
 
@@ -117,6 +157,17 @@ def main() -> int:
     summary = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "shape": a.shape,
                "prompt": a.prompt, "new": a.new,
                "decode_roofline_fraction": roofline_fractions(out)}
+    profiles = []
+    for rows in [int(r) for r in a.profile.split(",") if r]:
+        for name in [p for p in a.paths.split(",") if p]:
+            try:
+                profiles.append({"path": name, **profile(model, PATHS[name], rows, prompt, a.profile_new,
+                                                         str(Path(a.out or "x").resolve().parent))})
+            except Exception as e:
+                profiles.append({"path": name, "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(json.dumps(profiles[-1]), flush=True)
+    if profiles:
+        summary["profile"] = profiles
     if a.out:
         Path(a.out).write_text(json.dumps({"summary": summary, "rows": out}, indent=1))
     print(f"\n{'system':24} {'rows':>5} {'tok/s':>9} {'fraction':>8}")
