@@ -20,7 +20,7 @@ tinker = pytest.importorskip("tinker")
 
 from tests._dist import run_ranks  # noqa: E402
 from tests.helpers import SMALL  # noqa: E402
-from tests.serve.engine_server import SEQ, datums, error, logprobs, scored, serve, steps  # noqa: E402
+from tests.serve.engine_server import SEQ, datums, error, logprobs, restarted, scored, serve, steps  # noqa: E402
 
 ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=64", "--lora.rank=8"]
 
@@ -78,17 +78,6 @@ def _table(sc, url: str, base_model: str) -> dict:
     return out
 
 
-def _restarted(sc, url: str, base_model: str, path: str) -> tuple[list[float], list[str]]:
-    listed = tinker.RestClient(base_url=url, api_key="tml-local").list_user_checkpoints().result().checkpoints
-    return scored(sc.create_sampling_client(model_path=path).result()), [c.tinker_path for c in listed]
-
-
-def _restarted_with(path: str):
-    import functools
-
-    return functools.partial(_restarted, path=path)
-
-
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("models") / "run")
@@ -116,9 +105,11 @@ def test_the_issue_table_reversed_on_one_rank(table):
 
 
 def test_a_saved_path_samples_the_same_weights_after_a_restart(table):
-    again, listed = run_ranks(_serve, 1, table["run_dir"], _restarted_with(table["saved_path"]), timeout=600)[0]
-    np.testing.assert_allclose(again, table["two"], rtol=0, atol=1e-6)
-    assert listed == [table["saved_path"]]  # the one named save, listed from disk after the restart
+    r = run_ranks(_serve, 1, table["run_dir"], functools.partial(restarted, sampler_path=table["saved_path"]),
+                  timeout=600)[0]
+    np.testing.assert_allclose(r["from_path"], table["two"], rtol=0, atol=1e-6)
+    assert r["from_path"] == table["from_path"]  # the same load before and after the restart: bit for bit
+    assert r["listed"] == [table["saved_path"]]  # the one named save, listed from disk after the restart
 
 
 def test_the_listings_name_each_lora_model_and_its_checkpoint(table):
