@@ -7,9 +7,10 @@ line naming --lora.rank. A sampler of save_weights_and_get_sampling_client sampl
 line naming the option (a saved path's load too). A sampler of a path save_weights_for_sampler returned scores the
 saved weights (loaded from disk into a version, the model untouched), before and after a restart on the same run
 directory, and the state save_state wrote resumes exactly after it (issue 35 item 6; the LoRA twin is in
-test_models.py, both through engine_server.restarted); a path that does not exist is one line. Two tiny Hugging Face checkpoints written here (Llama and Qwen2) are served frozen: a sampler
-naming one as base_model scores what transformers computes; get_server_capabilities lists all three; an unknown base
-and a training client of a frozen one are one line each; `shardfit serve` with a path that is no model exits 2.
+test_models.py, both through engine_server.restarted); a path that does not exist is one line. Two tiny Hugging Face
+checkpoints written here (Llama and Qwen2) are served frozen: a sampler naming one as base_model scores what
+transformers computes; get_server_capabilities lists all three; an unknown base and a training client of a frozen one
+are one line each; `shardfit serve` with a path that is no model exits 2.
 """
 
 from __future__ import annotations
