@@ -12,7 +12,9 @@ one model's calls costs no swap at all.
 A version is a frozen copy of a model's adapter shards at one moment (save_weights_for_sampler): it samples and scores
 exactly those weights, whatever trains afterwards. Activating it puts its values in the slot read-only; the base
 alone (a sampler of the base model) is the zero adapter. Versions are kept on the device while their bytes fit
-`device_budget`, on the host beyond it (copied in when activated).
+`device_budget`, on the host beyond it (copied in when activated). A version is also made from a saved checkpoint
+(`load_version`, a sampler of a tinker:// path): the model in the slot leaves it, the checkpoint's weights are read
+into the slot and kept as a version, and the slot then belongs to no one ("") until the next activate writes it whole.
 
 Memory, per rank: a model costs its adapter shards (fp32) x 2 (values, gradients) + the optimizer's 2 moments when
 inactive; a version its adapter shards. The slot's own copies are the model's parameters themselves.
