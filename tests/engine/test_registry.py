@@ -138,7 +138,11 @@ def test_two_ranks_equal_one(one):
 
 def _full_param(rank, world):
     """Without LoRA: a second model and the base alone refused; a version (a copy of every weight) keeps the weights
-    it was made from through training, and the model's own come back exactly after it is sampled."""
+    it was made from through training, and the model's own come back exactly after it is sampled; a version loaded
+    from a saved checkpoint (load_version) scores the saved weights and leaves the model's own as they were."""
+    import tempfile
+    from pathlib import Path
+
     from shardfit.config import load_config
     from shardfit.engine.registry import BASE
     from shardfit.rl import DatumEngine
@@ -156,8 +160,15 @@ def _full_param(rank, world):
     out["trained"] = _lp(e.forward(probe))
     out["ref"] = _lp(e.forward(probe, model=ref))
     out["back"] = _lp(e.forward(probe, model="default"))  # the model's own weights, copied back from the host
-    out["more"] = _steps(e, None, [3])
-    out["ref_again"] = _lp(e.forward(probe, model=ref))
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = e.save_state(Path(tmp) / "two", optimizer=False)  # the weights after 2 steps, on disk
+        out["more"] = _steps(e, None, [3])
+        out["ref_again"] = _lp(e.forward(probe, model=ref))
+        out["three"] = _lp(e.forward(probe, model="default"))
+        loaded = e.load_version(saved)  # a sampler of a saved path: every weight, into a version
+        out["loaded"] = _lp(e.forward(probe, model=loaded))
+        out["three_again"] = _lp(e.forward(probe, model="default"))  # the model's own, back after the load
+        out["after_load"] = _steps(e, None, [4])
     out["summary"] = e.models.summary()
     return out
 
@@ -168,7 +179,9 @@ def test_without_lora_one_model_and_its_versions():
     assert "the base alone is LoRA's" in r["errors"]["base"]
     assert r["ref"] == r["ref_again"] == r["start"] != r["trained"]
     assert r["back"] == r["trained"]
-    assert r["summary"]["models"] == 1 and r["summary"]["versions"] == 1
+    assert r["loaded"] == r["trained"] != r["three"] == r["three_again"]  # the saved weights; the model's untouched
+    assert len(r["after_load"]) == 1  # the model trains on after the load
+    assert r["summary"]["models"] == 1 and r["summary"]["versions"] == 2
 
 
 def _step_without_gradients(rank, world):

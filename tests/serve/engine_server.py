@@ -90,3 +90,20 @@ def error(call) -> str:
     except Exception as e:  # noqa: BLE001 - the message is the assertion
         return str(e)
     return "no error"
+
+
+def restarted(sc, url: str, base_model: str, sampler_path: str, state_path: str | None = None, seed: int = 0,
+              lr: float = 2e-2) -> dict:
+    """A scenario for a server restarted on the run directory of one that saved: the log-probs of a sampler of
+    `sampler_path` (`from_path`), the checkpoints listed (`listed`), and with `state_path` one step of
+    create_training_client_from_state_with_optimizer(state_path) on datums(seed) (`resumed`: its loss) and its
+    log-probs after it (`resumed_lp`)."""
+    import tinker
+
+    listed = tinker.RestClient(base_url=url, api_key="tml-local").list_user_checkpoints().result().checkpoints
+    out = {"from_path": scored(sc.create_sampling_client(model_path=sampler_path).result()),
+           "listed": [c.tinker_path for c in listed]}
+    if state_path is not None:
+        tc = sc.create_training_client_from_state_with_optimizer(state_path).result()
+        out["resumed"], out["resumed_lp"] = steps(tc, [seed], lr), logprobs(tc)
+    return out

@@ -136,3 +136,10 @@ class FakeEngine:
         self.model.load_state_dict(state["model"])
         if optimizer and "opt" in state:
             self.opt.load_state_dict(state["opt"])
+
+    def load_version(self, path: Path, name: str = "") -> str:
+        """Engine.load_version's call: the fake holds no versions, so a sampler of a saved path is refused as the
+        Engine refuses what it cannot load (a user error), never a silent sample of the live weights."""
+        self.calls.append("load_version")
+        raise ShardfitError("the fake Engine holds no versions", where=name or str(path),
+                            fix="sample a saved path on the real Engine")

@@ -59,8 +59,9 @@ def _cases(c: Client):
             "session_id": c.session, "model_seq_id": 3, "base_model": "tiny", "lora_config": {"rank": 4}}),
         "a seed that is not an integer": lambda: c.http.post("/create_model", headers=KEY, json={
             "session_id": c.session, "model_seq_id": 2, "base_model": "tiny", "lora_config": {"seed": "x"}}),
-        "a sampler of a saved path without LoRA": lambda: c.http.post("/create_sampling_session", headers=KEY, json={
-            "session_id": c.session, "model_path": f"tinker://{m}/sampler_weights/s"}),
+        "a sampler of a saved path that does not exist": lambda: c.http.post(
+            "/create_sampling_session", headers=KEY, json={"session_id": c.session,
+                                                           "model_path": f"tinker://{m}/sampler_weights/s"}),
         "a sampler kind that is not served": lambda: c.http.post("/save_weights_for_sampler", headers=KEY, json={
             "model_id": m, "seq_id": c.next_seq(), "kind": "eventual"}),
         "a sample of a path without its session": lambda: c.http.post("/asample", headers=KEY, json={
@@ -81,7 +82,7 @@ def test_each_bad_request_is_refused_and_the_next_works(client):
         detail = r.json()["detail"]
         assert "fix" in detail and "\n" not in detail, (name, detail)
         assert name != "a second model without --lora.rank" or "--lora.rank=R" in detail, detail
-        assert name != "a sampler of a saved path without LoRA" or "--lora.rank=R" in detail, detail
+        assert name != "a sampler of a saved path that does not exist" or "no checkpoint at" in detail, detail
         assert name != "a LoRA client without --lora.rank" or (
             "lora_config.rank" in detail and "pass rank=0" in detail and "--lora.rank=4" in detail), detail
         assert client.good_forward() == pytest.approx(loss), name  # nothing ran in between: same weights
@@ -159,3 +160,68 @@ def test_checkpoint_paths_stay_inside_the_run_directory(tmp_path):
     with pytest.raises(ShardfitError, match="leaves the run directory"):
         checkpoint_dir(tmp_path, "r", "weights", "link")
     assert json.dumps(str(checkpoint_dir(tmp_path, "r", "weights", "ok")))
+
+
+def _saved_by(run_dir, name: str, base_model: str = "tiny", lora_rank: int = 0) -> str:
+    """A checkpoint's listing entry (serve's META) as another server would have written it: its tinker path."""
+    from shardfit.serve.state import META
+
+    path = f"tinker://other:train:0/weights/{name}"
+    d = run_dir / "checkpoints" / "other:train:0" / "weights" / name
+    d.mkdir(parents=True)
+    (d / META).write_text(json.dumps({
+        "tinker_path": path, "checkpoint_type": "training", "time": "2026-12-07T00:00:00+00:00",
+        "model_id": "other:train:0", "base_model": base_model, "is_lora": bool(lora_rank),
+        "lora_rank": lora_rank or None, "train_attn": bool(lora_rank) or None, "train_mlp": bool(lora_rank) or None,
+        "train_unembed": False if lora_rank else None}))
+    return path
+
+
+def _loads(c: Client, path: str) -> list[str]:
+    """A sampler of `path`, load_state of it into c's model, a training client from it: the three refusals."""
+    out = []
+    for url, body in (("/create_sampling_session", {"session_id": c.session, "model_path": path}),
+                      ("/load_weights", {"model_id": c.model_id, "seq_id": c.next_seq(), "path": path,
+                                         "optimizer": True}),
+                      ("/load_weights", {"session_id": c.session, "model_seq_id": 9, "path": path,
+                                         "optimizer": True})):
+        r = c.http.post(url, headers=KEY, json=body)
+        assert r.status_code == 400, (url, r.status_code, r.text)
+        out.append(r.json()["detail"])
+        assert "\n" not in out[-1] and "fix:" in out[-1]
+    return out
+
+
+def test_a_checkpoint_this_server_cannot_load_is_one_line_each(tmp_path):
+    """A tinker path of another model, of LoRA adapters on a server that trains every parameter, of every weight on
+    a LoRA server, of adapters of another rank: one 400 line each (sampler, load_state, a client from the state)
+    naming what it holds and the server that loads it; the model trains on as before."""
+    from tests.serve.conftest import start_fake, stop_fake
+    from tests.serve.fake_engine import tiny_config
+
+    full = start_fake(tiny_config(tmp_path / "full"))
+    lora = start_fake(tiny_config(tmp_path / "lora", "--lora.rank=8"))
+    try:
+        c = Client(full.url)
+        loss = c.good_forward()
+        for line in _loads(c, _saved_by(full.state.run_dir, "of-8b", base_model="llama3-8b")):
+            assert "holds weights of 'llama3-8b', this server serves 'tiny'" in line and "--model.name" in line
+        for line in _loads(c, _saved_by(full.state.run_dir, "adapters", lora_rank=8)):
+            assert "holds LoRA adapters of rank 8; this server trains every parameter (no --lora.rank)" in line
+            assert "started with --lora.rank=8" in line
+        assert c.good_forward() == pytest.approx(loss)  # nothing ran in between: same weights
+
+        c = Client(lora.url, model=False)
+        c.model_id = c.http.post("/create_model", headers=KEY, json={
+            "session_id": c.session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 8}}
+            ).json()["model_id"]
+        for line in _loads(c, _saved_by(lora.state.run_dir, "every-weight")):
+            assert "holds every weight (saved without --lora.rank); this server trains LoRA adapters of rank 8" in line
+            assert "started without --lora.rank" in line
+        for line in _loads(c, _saved_by(lora.state.run_dir, "rank-4", lora_rank=4)):
+            assert "holds LoRA adapters of rank 4; this server trains LoRA adapters of rank 8" in line
+            assert "--lora.rank=4" in line
+        c.good_forward()
+    finally:
+        stop_fake(full)
+        stop_fake(lora)

@@ -4,9 +4,13 @@ the real Engine (gloo ranks, CPU, the server in the rank process on loopback); i
 Without LoRA the server holds one model: a second client, and a client asking for LoRA (rank > 0), are refused in one
 line naming --lora.rank. A sampler of save_weights_and_get_sampling_client samples and scores the weights frozen then
 (a copy of every weight) however the model trains afterwards, on 1 and 2 ranks, up to --serve.versions; past it one
-line naming the option. Two tiny Hugging Face checkpoints written here (Llama and Qwen2) are served frozen: a sampler
-naming one as base_model scores what transformers computes; get_server_capabilities lists all three; an unknown base
-and a training client of a frozen one are one line each; `shardfit serve` with a path that is no model exits 2.
+line naming the option (a saved path's load too). A sampler of a path save_weights_for_sampler returned scores the
+saved weights (loaded from disk into a version, the model untouched), before and after a restart on the same run
+directory, and the state save_state wrote resumes exactly after it (issue 35 item 6; the LoRA twin is in
+test_models.py, both through engine_server.restarted); a path that does not exist is one line. Two tiny Hugging Face
+checkpoints written here (Llama and Qwen2) are served frozen: a sampler naming one as base_model scores what
+transformers computes; get_server_capabilities lists all three; an unknown base and a training client of a frozen one
+are one line each; `shardfit serve` with a path that is no model exits 2.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ transformers = pytest.importorskip("transformers")
 
 from tests._dist import run_ranks  # noqa: E402
 from tests.helpers import SMALL  # noqa: E402
-from tests.serve.engine_server import SEQ, error, logprobs, scored, serve, steps  # noqa: E402
+from tests.serve.engine_server import SEQ, error, logprobs, restarted, scored, serve, steps  # noqa: E402
 
-ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=64", "--serve.versions=2"]
+ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=64", "--serve.versions=3"]
 SIZES = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 
@@ -77,11 +81,16 @@ def _scenario(sc, url: str, base_model: str, extra: list[str]) -> dict:
     out["live2"] = logprobs(a)
     mid = a.save_weights_and_get_sampling_client().result()
     out["mid_before"] = scored(mid)
-    steps(a, [3], lr=1e-2)
+    out["saved_path"] = a.save_weights_for_sampler("two").result().path  # the weights of mid, on disk
+    out["state_path"] = a.save_state("two").result().path  # and with the optimizer: a restart resumes from it
+    out["step3"] = steps(a, [3], lr=1e-2)
     out["ref_after"], out["ref_greedy_after"], out["mid_after"] = scored(ref), _greedy(ref), scored(mid)
     out["live3"] = logprobs(a)  # the model's own weights back after the versions' samples
+    out["from_path"] = scored(sc.create_sampling_client(model_path=out["saved_path"]).result())  # the third version
+    out["no_path"] = error(lambda: sc.create_sampling_client(model_path=out["saved_path"] + "x").result())
     out["inflight"] = scored(a.save_weights_and_get_sampling_client(kind="inflight").result())
     out["too_many"] = error(lambda: a.save_weights_and_get_sampling_client().result())
+    out["too_many_paths"] = error(lambda: sc.create_sampling_client(model_path=out["saved_path"]).result())
     out["live3_again"] = logprobs(a)  # the refusal disturbed nothing
     out["held"] = httpx.get(f"{url}/api/v1/shardfit/status", headers=key).json()["held"]
     out["served"] = [scored(sc.create_sampling_client(base_model=p).result()) for p in extra]
@@ -102,8 +111,9 @@ def extra(tmp_path_factory) -> list[str]:
 
 def _run(tmp_path_factory, extra: list[str], world: int) -> dict:
     run_dir = str(tmp_path_factory.mktemp(f"full{world}") / "run")
-    return run_ranks(serve, world, run_dir, functools.partial(_scenario, extra=extra),
-                     [*ARGS, f"--serve.models={','.join(extra)}"], timeout=600)[0]
+    out = run_ranks(serve, world, run_dir, functools.partial(_scenario, extra=extra),
+                    [*ARGS, f"--serve.models={','.join(extra)}"], timeout=600)[0]
+    return {**out, "run_dir": run_dir}
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +126,7 @@ def _check_versions(r: dict) -> None:
     assert r["mid_after"] == r["mid_before"] and r["mid_before"] != r["ref_before"]
     assert r["live2"] != r["live0"] and r["live3"] != r["live2"]
     assert r["inflight"] != r["mid_after"]  # the live weights, one step past mid
+    assert r["from_path"] == r["mid_before"]  # a sampler of the saved path: the saved weights, loaded from disk
     assert r["live3_again"] == r["live3"] == r["live3_last"]
 
 
@@ -139,10 +150,28 @@ def test_one_model_only_and_no_lora_on_a_full_parameter_server(one):
 
 
 def test_versions_past_the_limit_are_one_line_naming_the_option(one):
-    line = one["too_many"]
-    assert "2 frozen versions (copies of every weight)" in line and "--serve.versions=2" in line
+    for line in (one["too_many"], one["too_many_paths"]):  # a snapshot, and a saved path's load
+        assert "3 frozen versions (copies of every weight)" in line and "--serve.versions=3" in line
+        assert "\n" not in line
+    assert one["held"]["models"] == 1 and one["held"]["versions"] == 3
+
+
+def test_a_path_that_does_not_exist_is_one_line(one):
+    line = one["no_path"]
+    assert f"no checkpoint at '{one['saved_path']}x'" in line and "list_user_checkpoints" in line
     assert "\n" not in line
-    assert one["held"]["models"] == 1 and one["held"]["versions"] == 2
+
+
+def test_a_saved_path_samples_and_resumes_the_same_after_a_restart(one):
+    """Without LoRA: stopped, then started again on the same run directory, a sampler of the sampler path saved
+    at mid scores what it scored before (bitwise on the CPU), and the state saved with its optimizer resumes
+    exactly: one step after the restart is the step the first server took (its loss, and the log-probs after)."""
+    r = run_ranks(serve, 1, one["run_dir"], functools.partial(
+        restarted, sampler_path=one["saved_path"], state_path=one["state_path"], seed=3, lr=1e-2), ARGS,
+        timeout=600)[0]
+    assert r["from_path"] == one["from_path"] == one["mid_before"]
+    assert r["resumed"] == one["step3"] and r["resumed_lp"] == one["live3"]
+    assert sorted(r["listed"]) == sorted([one["saved_path"], one["state_path"]])
 
 
 def test_frozen_extra_models_score_what_transformers_computes(one, extra):

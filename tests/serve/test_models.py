@@ -2,11 +2,12 @@
 frozen versions for its samplers (the real Engine on gloo ranks, CPU, the server in the rank process on loopback).
 
 Each row of the issue's table, reversed: a reference sampler keeps its log-probs after 5 of its model's steps; a
-sampler made from a saved path (before and after a restart) returns the saved weights' log-probs; a second training
-client starts at the base; B's training leaves A untouched; the REST listings name each LoRA model and, after the
-restart, its checkpoint. 4 clients trained at once by SDK threads equal each trained alone (16: slow);
-tinker-cookbook's DPO loop keeps its reference frozen. Bad input: an unknown model, a freed version, a rank or a
-lora_config field the server cannot hold, too many models or versions for the limits: one 4xx line each.
+sampler made from a saved path (before and after a restart) returns the saved weights' log-probs, and a state saved
+with its optimizer resumes exactly after the restart; a second training client starts at the base; B's training
+leaves A untouched; the REST listings name each LoRA model and, after the restart, its checkpoints. 4 clients
+trained at once by SDK threads equal each trained alone (16: slow); tinker-cookbook's DPO loop keeps its reference
+frozen. Bad input: an unknown model, a freed version, a rank or a lora_config field the server cannot hold, too many
+models or versions for the limits: one 4xx line each.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ tinker = pytest.importorskip("tinker")
 
 from tests._dist import run_ranks  # noqa: E402
 from tests.helpers import SMALL  # noqa: E402
-from tests.serve.engine_server import SEQ, datums, error, logprobs, scored, serve, steps  # noqa: E402
+from tests.serve.engine_server import SEQ, datums, error, logprobs, restarted, scored, serve, steps  # noqa: E402
 
 ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=64", "--lora.rank=8"]
 
@@ -39,8 +40,11 @@ def _table(sc, url: str, base_model: str) -> dict:
     out["ref_before"] = scored(ref)
     steps(a, [1, 2])
     saved = a.save_weights_for_sampler("two").result().path
+    out["state_path"] = a.save_state("two").result().path  # with the optimizer: a restart resumes from it
     out["two"] = scored(a.save_weights_and_get_sampling_client().result())
-    steps(a, [3, 4, 5])
+    out["step3"] = steps(a, [3])
+    out["lp3"] = logprobs(a)
+    steps(a, [4, 5])
     out["ref_after"] = scored(ref)  # 5 optimizer steps later
     out["saved_path"] = saved
     out["from_path"] = scored(sc.create_sampling_client(model_path=saved).result())
@@ -78,17 +82,6 @@ def _table(sc, url: str, base_model: str) -> dict:
     return out
 
 
-def _restarted(sc, url: str, base_model: str, path: str) -> tuple[list[float], list[str]]:
-    listed = tinker.RestClient(base_url=url, api_key="tml-local").list_user_checkpoints().result().checkpoints
-    return scored(sc.create_sampling_client(model_path=path).result()), [c.tinker_path for c in listed]
-
-
-def _restarted_with(path: str):
-    import functools
-
-    return functools.partial(_restarted, path=path)
-
-
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("models") / "run")
@@ -116,9 +109,15 @@ def test_the_issue_table_reversed_on_one_rank(table):
 
 
 def test_a_saved_path_samples_the_same_weights_after_a_restart(table):
-    again, listed = run_ranks(_serve, 1, table["run_dir"], _restarted_with(table["saved_path"]), timeout=600)[0]
-    np.testing.assert_allclose(again, table["two"], rtol=0, atol=1e-6)
-    assert listed == [table["saved_path"]]  # the one named save, listed from disk after the restart
+    """A sampler of the saved path scores the saved weights after a restart, and the state saved with its optimizer
+    resumes exactly: one step after the restart is the step A took (its loss, and the log-probs after it), bit for
+    bit on the CPU."""
+    r = run_ranks(_serve, 1, table["run_dir"], functools.partial(
+        restarted, sampler_path=table["saved_path"], state_path=table["state_path"], seed=3), timeout=600)[0]
+    np.testing.assert_allclose(r["from_path"], table["two"], rtol=0, atol=1e-6)
+    assert r["from_path"] == table["from_path"]  # the same load before and after the restart: bit for bit
+    assert r["resumed"] == table["step3"] and r["resumed_lp"] == table["lp3"]
+    assert sorted(r["listed"]) == sorted([table["saved_path"], table["state_path"]])  # listed from disk
 
 
 def test_the_listings_name_each_lora_model_and_its_checkpoint(table):

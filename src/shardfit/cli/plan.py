@@ -25,6 +25,9 @@ In-process sampling (Engine.sample, shardfit serve) is counted too (plan/sampler
 on one GPU where the weights are viewed in the compute dtype, a cast copy where their dtype differs, the whole model
 on each of N GPUs) and the KV cache the sampler would get at sampling.kv_fraction of the memory left after the states
 kept between steps; with sampling.keep_kv=true a warning when that cache and the step's peak do not fit together.
+With --serve.models=PATH[,PATH...] (shardfit serve's frozen extra models) each one's bytes a rank (its weights in the
+compute dtype, sharded like the trained model; on N GPUs also its whole model gathered for sampling), their total,
+and the KV cache counted in what is free after them (plan/served.py).
 
 Proposals, printed when the configuration does not fit or always with --propose, cheapest first: fewer checkpointed
 blocks (--compute.ac_blocks; also printed when a configuration with full checkpointing fits with room), expert
@@ -80,27 +83,32 @@ def plan(argv: list[str]) -> int:
     else:  # it fits: still say when fewer checkpointed blocks would (less recompute, the same micro-batch)
         partial = partial_checkpointing(cfg, world, gpu_gib, per_node)
         props, short = [partial] if partial else [], []
+    from shardfit.plan.served import served_costs
+    from shardfit.serve.served import served_configs
+
+    served = served_costs(served_configs(cfg), world)  # each --serve.models path read as serve reads it
     if "--json" in switches:
         import json
 
-        out = plan_json(cfg, world, gpu_gib, host_gib, per_node, props, short)
+        out = plan_json(cfg, world, gpu_gib, host_gib, per_node, props, short, served)
         if auto:  # the configured terms are those of the choice: say which it is
             out["auto_checkpointing"] = auto
         print(json.dumps(out, indent=1))
         return 0
     print(plan_table(cfg, world, gpu_gib, host_gib, per_node))
+    from shardfit.plan.estimate import allocation_budget
     from shardfit.plan.sampler import sampling_lines
+    from shardfit.plan.served import served_lines
 
-    print("\n".join(["", *sampling_lines(cfg, world, configured(cfg, world, gpu_gib, host_gib, per_node)[0],
-                                         gpu_gib)]))
+    e, _ = configured(cfg, world, gpu_gib, host_gib, per_node)
+    print("\n".join(["", *served_lines(served, world, e.peak, allocation_budget(gpu_gib * 2**30)),
+                     *sampling_lines(cfg, world, e, gpu_gib, sum(c.bytes for c in served))]))
     if "--versions" in opts or (cfg.lora.rank and "--models" in opts):  # a server's clients (engine/registry.py)
         if not cfg.lora.rank and models > 1:
             raise ShardfitError("several models share one base only with LoRA", where="--models",
                                 fix="add --lora.rank=R (e.g. 16), as shardfit serve would run")
-        from shardfit.plan.estimate import allocation_budget
         from shardfit.plan.models import models_lines
 
-        e, _ = configured(cfg, world, gpu_gib, host_gib, per_node)
         print("\n".join(models_lines(cfg, world, models, versions, e.peak, allocation_budget(gpu_gib * 2**30))))
     elif "--models" in opts and models > 1:
         raise ShardfitError("several models share one base only with LoRA", where="--models",

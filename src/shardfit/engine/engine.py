@@ -88,10 +88,11 @@ class Engine(EngineState, EngineSampling):
 
     @classmethod
     def start(cls, cfg: Config | None = None, overrides: list[str] | None = None,
-              resume: Path | None = None) -> Engine:
+              resume: Path | None = None, frozen: bool = False) -> Engine:
         """An Engine on this process: torch.distributed from the launcher's environment (torchrun, or RANK /
         WORLD_SIZE / MASTER_ADDR / MASTER_PORT as Ray or SLURM set them; one process without), the config from
-        `cfg` or from key=value overrides as `shardfit train` takes them. Every rank calls it."""
+        `cfg` or from key=value overrides as `shardfit train` takes them. Every rank calls it. frozen: an Engine
+        that samples and scores only (__init__)."""
         from shardfit.config import load_config
         from shardfit.parallel import init_distributed
         from shardfit.weights.peft_config import adapter_lora_fields
@@ -99,11 +100,17 @@ class Engine(EngineState, EngineSampling):
         cfg = cfg if cfg is not None else load_config(None, list(overrides or []), adapter_lora_fields)
         apply_alloc_conf(cfg.memory.alloc_conf)
         dist = init_distributed(cfg.train.device)
-        return cls(cfg, dist, resume, layout=ParallelLayout.from_config(cfg, dist.world_size, dist.rank))
+        return cls(cfg, dist, resume, layout=ParallelLayout.from_config(cfg, dist.world_size, dist.rank),
+                   frozen=frozen)
 
     def __init__(self, cfg: Config, dist: DistInfo, resume: Path | None = None, notices: list[str] | None = None,
-                 layout: ParallelLayout | None = None):
-        """layout: this rank's, built once by the caller (ParallelLayout.from_config: checked); None: built here."""
+                 layout: ParallelLayout | None = None, frozen: bool = False):
+        """layout: this rank's, built once by the caller (ParallelLayout.from_config: checked); None: built here.
+        frozen: every parameter frozen and stored in the compute dtype, as a LoRA run's base (parallelize): an Engine
+        that samples and scores (shardfit serve's --serve.models), with nothing to train and no optimizer state."""
+        if frozen and cfg.lora.rank:
+            raise ShardfitError("a frozen Engine has no adapters to train", where="lora.rank",
+                                fix="leave lora.rank at 0 for a model that is sampled and scored only")
         self.cfg, self.dist, self.device = cfg, dist, dist.device
         self.layout = layout or ParallelLayout.from_config(cfg, dist.world_size, dist.rank)
         self.notices = notices if notices is not None else []
@@ -138,7 +145,7 @@ class Engine(EngineState, EngineSampling):
         from_hf = bool(cfg.model.path) and (resume is None or lora)
         self.parallel = parallelize(model, self.layout, parallel=cfg.parallel, compute=cfg.compute, lora=cfg.lora,
                                     quantize=cfg.model.quantize, device=self.device, seed=cfg.train.seed,
-                                    init=not from_hf and self.init_from is None)
+                                    init=not from_hf and self.init_from is None, frozen=frozen)
         self.model, self.layout = model, self.parallel.layout
         self.lora_targets = self.parallel.lora_targets
         if cfg.compute.fp8 != "none":

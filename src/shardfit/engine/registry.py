@@ -12,7 +12,9 @@ one model's calls costs no swap at all.
 A version is a frozen copy of a model's adapter shards at one moment (save_weights_for_sampler): it samples and scores
 exactly those weights, whatever trains afterwards. Activating it puts its values in the slot read-only; the base
 alone (a sampler of the base model) is the zero adapter. Versions are kept on the device while their bytes fit
-`device_budget`, on the host beyond it (copied in when activated).
+`device_budget`, on the host beyond it (copied in when activated). A version is also made from a saved checkpoint
+(`load_version`, a sampler of a tinker:// path): the model in the slot leaves it, the checkpoint's weights are read
+into the slot and kept as a version, and the slot then belongs to no one ("") until the next activate writes it whole.
 
 Memory, per rank: a model costs its adapter shards (fp32) x 2 (values, gradients) + the optimizer's 2 moments when
 inactive; a version its adapter shards. The slot's own copies are the model's parameters themselves.
@@ -28,6 +30,7 @@ on every rank alike).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +62,7 @@ class ModelSlot:
 
 @dataclass
 class Version:
-    model: str
+    model: str  # the model it was frozen from, or the path it was loaded from (load_version)
     step: int
     values: list[torch.Tensor]  # this rank's adapter shards (every parameter's without LoRA), device or host
     on_device: bool
@@ -70,8 +73,8 @@ class Version:
 
 
 class ModelRegistry:
-    """The models and versions of one Engine. `current` names what is in the slot (a model, a version id, or
-    BASE). lora=False: the slot is every parameter, one model (module docstring); versions are kept in
+    """The models and versions of one Engine. `current` names what is in the slot (a model, a version id,
+    BASE, or "" for no one). lora=False: the slot is every parameter, one model (module docstring); versions are kept in
     `version_dtype` (None: the parameters' own)."""
 
     def __init__(self, engine, device_budget: int = 1 << 30, *, lora: bool = True,
@@ -112,8 +115,13 @@ class ModelRegistry:
         del self.models[name]
 
     def activate(self, name: str) -> None:
-        """Put model `name` (or a version id, or BASE) in the slot."""
+        """Put model `name` (or a version id, or BASE) in the slot; "" leaves it to no one (what a caller saw there
+        after a version was released or loaded: the next activate writes the slot whole)."""
         if name == self.current:
+            return
+        if name == "":
+            self._leave()
+            self.current = ""
             return
         if name != BASE and name not in self.models and name not in self.versions:
             raise self._unknown(name)
@@ -184,6 +192,21 @@ class ModelRegistry:
         self.engine.finish()  # a launched overlapped step writes the adapters
         slot = self.models[name]
         src = [local_tensor(p.data) for p in self.params] if slot.values is None else slot.values
+        return self._keep(name, self.engine.step if slot.values is None else slot.step, src)
+
+    def load_version(self, load: Callable[[], None], name: str) -> str:
+        """A frozen version of the weights `load()` writes into the slot (a saved checkpoint's: a sampler of a
+        tinker:// path), named `name` (its path) in Version.model; its id. The model in the slot leaves it first
+        (_leave: without LoRA its fp32 shards wait on the host) and the slot is left to no one: the model's next call
+        copies its own values back, so a load that fails half-way disturbs nothing."""
+        self._leave()
+        self.current = ""
+        load()
+        return self._keep(name, 0, [local_tensor(p.data) for p in self.params])
+
+    def _keep(self, name: str, step: int, src: list[torch.Tensor]) -> str:
+        """Version of `src` (this rank's shards of the slot's parameters, in their order): on the device while the
+        versions' bytes fit device_budget, else on the host; in version_dtype where one is set."""
         dtype = self.version_dtype
         need = sum(t.numel() * (dtype.itemsize if dtype is not None else t.element_size()) for t in src)
         on_device = self.device_bytes() + need <= self.device_budget
@@ -191,7 +214,6 @@ class ModelRegistry:
             values = [t.detach().to(local_tensor(p.data).device if on_device else "cpu", dtype or t.dtype, copy=True)
                       for p, t in zip(self.params, src)]
         vid = f"{name}@{next(self._ids)}"
-        step = self.engine.step if slot.values is None else slot.step
         self.versions[vid] = Version(name, step, values, on_device)
         return vid
 

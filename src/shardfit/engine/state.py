@@ -31,18 +31,7 @@ class EngineState:
         """Weights (and the optimizer's state and step) from a checkpoint: a step directory save_state or train
         wrote, or a directory holding them (the newest whole one is taken). Checked whole before it is read.
         model: the LoRA model it fills (engine/registry.py)."""
-        from shardfit.weights.checkpoint import complete_checkpoints
-        from shardfit.weights.checkpoint_verify import COMPLETE, check_files
-
-        path = Path(path)
-        if not (path / COMPLETE).is_file():
-            found = complete_checkpoints(path) if path.is_dir() else []
-            if not found:
-                raise ShardfitError("no checkpoint here", where=str(path), fix="name a directory save_state wrote")
-            path = found[-1]
-        problem = check_files(path)
-        if problem:
-            raise ShardfitError(f"corrupt checkpoint: {problem}", where=str(path), fix="load an earlier checkpoint")
+        path = _checked_step(path)
         self.using(model)
         self.finish()
         state = load_checkpoint(path, self.model, self.optimizer if optimizer else None, self.device)
@@ -50,6 +39,21 @@ class EngineState:
             self.step, self.skipped = state["step"], state.get("skipped", 0)
         self.weights_epoch += 1  # Engine.sample's decode weights and cached adapter slots are stale
         refresh_fp8_scales(self.model, self.cfg.compute)
+
+    def load_version(self, path: Path, name: str = "") -> str:
+        """A frozen version of the weights a checkpoint holds (as load_state finds and checks it), which `using`
+        accepts: with LoRA its adapters, without every weight in the compute dtype (engine/registry.py). No model
+        is changed: the one in the slot is put back by its next call. name: what the version was loaded from (a
+        tinker:// path), kept in the registry's record."""
+        path = _checked_step(path)
+
+        def load() -> None:
+            load_checkpoint(path, self.model, None, self.device, rng=False)  # the trainer's RNG is not the version's
+            refresh_fp8_scales(self.model, self.cfg.compute)
+
+        vid = self.models.load_version(load, name or str(path))
+        self.weights_epoch += 1  # the slot was written: Engine.sample's cached copies of it are stale
+        return vid
 
     def weights(self, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 1 << 28, model: str | None = None):
         """Full tensors under Hugging Face names, bucket after bucket (lists of (name, tensor) of about
@@ -96,3 +100,21 @@ class EngineState:
         from shardfit.weights.peft import merged_parameters
 
         return merged_parameters(self.model)
+
+
+def _checked_step(path: Path) -> Path:
+    """The step directory to load: `path` itself when complete, else the newest whole one under it; checked whole
+    before it is read (one line: none there, or what is corrupt)."""
+    from shardfit.weights.checkpoint import complete_checkpoints
+    from shardfit.weights.checkpoint_verify import COMPLETE, check_files
+
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        found = complete_checkpoints(path) if path.is_dir() else []
+        if not found:
+            raise ShardfitError("no checkpoint here", where=str(path), fix="name a directory save_state wrote")
+        path = found[-1]
+    problem = check_files(path)
+    if problem:
+        raise ShardfitError(f"corrupt checkpoint: {problem}", where=str(path), fix="load an earlier checkpoint")
+    return path

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from shardfit.adapters.lora import apply_lora, init_adapters
+from shardfit.adapters.lora import apply_lora, freeze_base, init_adapters
 from shardfit.adapters.qlora import apply_nf4, init_quantized
 from shardfit.config.schema import ComputeConfig, LoraConfig, ParallelConfig
 from shardfit.models.moe import MoE
@@ -211,12 +211,14 @@ class ParallelizeReport:
 
 def parallelize(model: nn.Module, layout: ParallelLayout, *, parallel: ParallelConfig, compute: ComputeConfig,
                 lora: LoraConfig, quantize: str, device: torch.device, seed: int,
-                init: bool = True) -> ParallelizeReport:
+                init: bool = True, frozen: bool = False) -> ParallelizeReport:
     """Meta model in, sharded and initialised in place over `layout` (built once per rank:
     ParallelLayout.from_config), as `parallel` places it and `compute` asks; `lora` and `quantize` (model.quantize)
     for the adapters and an NF4 base. See the module docstring for the order.
 
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
+    frozen=True (no LoRA): every parameter frozen and stored in the compute dtype, as a LoRA run's base (a model that
+    is sampled and scored, never trained: serve/served.py).
     """
     cfg, world_size = parallel, layout.world
     check_replicate(cfg.replicate, world_size)
@@ -246,6 +248,8 @@ def parallelize(model: nn.Module, layout: ParallelLayout, *, parallel: ParallelC
             # QLoRA: the adapted linear layers' base becomes NF4 storage carried bit for bit in the base's dtype
             # (param_dtype, so FSDP shards it along dim 0 and gathers it uncast); adapters/qlora.py.
             report.nf4_layers = apply_nf4(model, report.lora_targets, fused=compute.compile)
+    elif frozen:  # weights that never change need no fp32 master: stored as FSDP casts them for the forward
+        freeze_base(model, mp.param_dtype)
     if meshes.sequence is not None:
         apply_sequence_parallel(model, meshes.sequence)  # 0
     if meshes.expert is not None:  # EP, or one rank's experts out of FSDP (LocalExperts)

@@ -13,6 +13,7 @@ those below it:
   proposals         configurations that fit, and the JSON report
   models            LoRA models and frozen versions on one base, and a pass of several models
   sampler           in-process sampling: the decode model and the KV cache (sampling/kv.py's arithmetic)
+  served            shardfit serve's frozen extra models (--serve.models): their weights, and the KV cache after them
 The snapshot doctor (shardfit.doctor) explains measured memory; this package predicts it. Design and the
 measurements that check it: docs/memory-plan.md.
 """

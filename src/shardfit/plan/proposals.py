@@ -340,7 +340,7 @@ def _terms(e: Estimate | None) -> dict[str, int] | None:
 
 
 def plan_json(cfg: Config, world: int, gpu_gib: float, host_gib: float | None, gpus_per_node: int,
-              props: list[Proposal], short: list[Proposal]) -> dict[str, Any]:
+              props: list[Proposal], short: list[Proposal], served: list | None = None) -> dict[str, Any]:
     """`shardfit plan --json` (schema shardfit.plan/1): every figure in bytes.
 
     configured: the config as given (its micro-batch, 1 when chosen at launch): terms, fits, host_per_node
@@ -350,13 +350,18 @@ def plan_json(cfg: Config, world: int, gpu_gib: float, host_gib: float | None, g
     auto_checkpointing (added by cli/plan.py, only with compute.activation_checkpoint=auto): changes (config key ->
     value: what auto chose on this GPU, which configured's terms are of) and line (what the run prints)
     sampling: in-process sampling beside the configured step (plan/sampler.py SamplingCost: decode_kind,
-    decode_bytes, bank_bytes, resident, free, kv_blocks, kv_bytes, dtype), or {"refused": why}"""
+    decode_bytes, bank_bytes, resident, free, kv_blocks, kv_bytes, dtype, served_bytes: free is what is left after
+    the frozen extra models too), or {"refused": why}
+    served: shardfit serve's frozen extra models (--serve.models; `served`: plan/served.py ServedCost list):
+    models (name, params, dtype, shard_bytes, decode_bytes, bytes: one rank's) and total (bytes, one rank)"""
     from shardfit.parallel.layout import refusal
     from shardfit.plan.sampler import refused as sampling_refused
     from shardfit.plan.sampler import sampling_cost
 
     mine, ok = configured(cfg, world, gpu_gib, host_gib, gpus_per_node)
     refused = refusal(cfg, world)
+    served = served or []
+    served_total = sum(c.bytes for c in served)
 
     def proposal(p: Proposal) -> dict[str, Any]:
         return {"kind": p.kind, "flags": p.flags, "changes": p.changes, "world": p.world,
@@ -371,4 +376,6 @@ def plan_json(cfg: Config, world: int, gpu_gib: float, host_gib: float | None, g
             "largest": {m: _terms(e) for m, e in largest_per_mode(cfg, world, gpu_gib).items()},
             "proposals": [proposal(p) for p in props], "left_out": [proposal(p) for p in short],
             "sampling": ({"refused": sampling_refused(cfg)} if sampling_refused(cfg) else
-                         dataclasses.asdict(sampling_cost(cfg, world, mine, gpu_gib * GiB)))}
+                         dataclasses.asdict(sampling_cost(cfg, world, mine, gpu_gib * GiB, served_total))),
+            "served": {"models": [{**dataclasses.asdict(c), "bytes": c.bytes} for c in served],
+                       "total": served_total}}

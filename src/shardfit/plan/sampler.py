@@ -12,6 +12,7 @@ in the compute dtype). The Engine keeps the decode model and its bank between ca
 The KV cache: when the Sampler is built the allocator's cache has been emptied and the training step's memory
 released (sampling/runner.py), so the device's free memory is what is left after the CUDA context, the states a
 rank keeps between steps (weights, Adam's moments, the gradients when memory.keep_grads) and the decode model;
+(and a server's frozen extra models, plan/served.py: `served_bytes`);
 sampling.kv_fraction of it goes to blocks of BLOCK_SIZE tokens (sampling/kv.py's blocks_for_memory: called here,
 the same arithmetic), plus the one trash block PagedKV adds. With sampling.keep_kv the Sampler is kept through the
 training commands too: its pool then counts against the step's peak, and the plan warns in one line (with the
@@ -43,6 +44,7 @@ class SamplingCost:
     kv_blocks: int  # blocks the sampler gets (sampling/kv.py's blocks_for_memory)
     kv_bytes: int  # their pools, the trash block included (PagedKV.nbytes)
     dtype: str  # the compute dtype, that of the decode model and of the KV pools
+    served_bytes: int = 0  # a server's frozen extra models (plan/served.py), held beside the trained model
 
     @property
     def decode_total(self) -> int:
@@ -59,9 +61,10 @@ def refused(cfg: Config) -> str | None:
     return None
 
 
-def sampling_cost(cfg: Config, world: int, e: Estimate, device_bytes: float) -> SamplingCost:
+def sampling_cost(cfg: Config, world: int, e: Estimate, device_bytes: float, served_bytes: int = 0) -> SamplingCost:
     """The decode model and the KV cache of one rank of `world` on a GPU of device_bytes; e: the configured step's
-    estimate (plan/estimate.py), whose states the rank keeps between steps."""
+    estimate (plan/estimate.py), whose states the rank keeps between steps; served_bytes: what a server's frozen
+    extra models hold on the rank (plan/served.py), not free for the KV cache either."""
     dtype = compute_dtype(cfg.compute)
     trained, n_params = adapter_params(cfg)  # the adapters' (whole model) and the base's parameters
     if world > 1:
@@ -73,10 +76,11 @@ def sampling_cost(cfg: Config, world: int, e: Estimate, device_bytes: float) -> 
     shard = world // cfg.parallel.replicate
     kept_grads = 4 * trained // shard if cfg.memory.keep_grads else 0  # sharded fp32 gradients (estimate.py)
     resident = e.weights + e.moments + kept_grads
-    free = max(0, int(device_bytes - CUDA_CONTEXT - resident - decode - bank))
+    free = max(0, int(device_bytes - CUDA_CONTEXT - resident - decode - bank - served_bytes))
     blocks = blocks_for_memory(free, cfg.sampling.kv_fraction, cfg.model, dtype, BLOCK_SIZE)
     one = block_bytes(cfg.model, dtype, BLOCK_SIZE)
-    return SamplingCost(kind, decode, bank, resident, free, blocks, (blocks + 1) * one, str(dtype).split(".")[-1])
+    return SamplingCost(kind, decode, bank, resident, free, blocks, (blocks + 1) * one, str(dtype).split(".")[-1],
+                        served_bytes)
 
 
 def kv_fraction_that_fits(cost: SamplingCost, cfg: Config, peak: int, budget: float) -> float:
@@ -94,14 +98,15 @@ def _tokens_at(cost: SamplingCost, cfg: Config, fraction: float) -> int:
     return blocks_for_memory(cost.free, fraction, cfg.model, compute_dtype(cfg.compute), BLOCK_SIZE) * BLOCK_SIZE
 
 
-def sampling_lines(cfg: Config, world: int, e: Estimate, gpu_gib: float) -> list[str]:
-    """The plan's lines about Engine.sample for the configured step `e` on `world` GPUs of gpu_gib."""
+def sampling_lines(cfg: Config, world: int, e: Estimate, gpu_gib: float, served_bytes: int = 0) -> list[str]:
+    """The plan's lines about Engine.sample for the configured step `e` on `world` GPUs of gpu_gib (beside a
+    server's frozen extra models of served_bytes a rank)."""
     why = refused(cfg)
     if why is not None:
         return [f"in-process sampling (Engine.sample): refused with {why}; sample through Engine.weights() in an "
                 "inference engine"]
     budget = allocation_budget(gpu_gib * GiB)
-    c = sampling_cost(cfg, world, e, gpu_gib * GiB)
+    c = sampling_cost(cfg, world, e, gpu_gib * GiB, served_bytes)
     what = {"views": f"views of the weights in {c.dtype}, no copy",
             "cast": f"a copy of the weights cast to {c.dtype}",
             "gathered": f"the whole model gathered in {c.dtype} on each of {world} ranks"}[c.decode_kind]
@@ -117,7 +122,8 @@ def sampling_lines(cfg: Config, world: int, e: Estimate, gpu_gib: float) -> list
              f"prompt+max_tokens = data.seq_len {cfg.data.seq_len}), {c.kv_bytes / GiB:.2f} GiB ({c.dtype}; "
              f"sampling.kv_fraction={cfg.sampling.kv_fraction:g} of the {c.free / GiB:.1f} GiB free after the "
              f"{c.resident / GiB:.1f} GiB of states kept between steps"
-             + (" and the decode model" if c.decode_total else "") + ")"
+             + (" and the decode model" if c.decode_total else "")
+             + (f" and the {c.served_bytes / GiB:.1f} GiB of frozen extra models" if c.served_bytes else "") + ")"
              + ("" if c.kv_blocks else ": no room left for a KV cache")]
     if cfg.sampling.keep_kv and together + c.kv_bytes > budget:
         fraction = kv_fraction_that_fits(c, cfg, e.peak, budget)

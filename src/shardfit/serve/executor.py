@@ -256,22 +256,16 @@ class Executor:
         return Result(json={"sampling_session_id": sid, "type": "save_weights_for_sampler"}), {}
 
     def sampler_load(self, cmd: Command) -> tuple[Result, dict[str, float]]:
-        """create_sampling_client(model_path): the saved adapters loaded into a temporary model, frozen into a
-        version, the model removed (its optimizer state was never read). A failure is kept for the session's
-        samples to say."""
+        """create_sampling_client(model_path): the saved weights loaded into a version (Engine.load_version: LoRA
+        adapters, or without LoRA every weight in the compute dtype), no model changed. A failure is kept for the
+        session's samples to say."""
         a, sid = cmd.args, cmd.args["sampling_session_id"]
-        temp = f"load:{sid}"
         t0 = time.perf_counter()
         try:
-            self.engine.add_model(temp)
-            self.engine.load_state(Path(a["dir"]), optimizer=False, model=temp)
-            self.versions[sid] = self.engine.freeze(temp)
+            self.versions[sid] = self.engine.load_version(Path(a["dir"]), a["tinker_path"])
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception; re-raised
             self.failed[sid] = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise
-        finally:
-            if temp in self.registry.models:
-                self.registry.remove(temp)
         return Result(json={"sampling_session_id": sid, "path": a["tinker_path"]}), {"load": time.perf_counter() - t0}
 
     def release_samplers(self, cmd: Command) -> tuple[Result, dict[str, float]]:

@@ -11,17 +11,13 @@ from its newest META (base model, LoRA rank and layers, as saved). The paginated
 
 from __future__ import annotations
 
-import contextlib
-import json
-from pathlib import Path
-
 from fastapi import FastAPI, Request
 
 from shardfit.errors import ShardfitError
 from shardfit.serve import schemas as s
 from shardfit.serve.routes import json_body
 from shardfit.serve.security import KINDS, SEGMENT, checkpoint_dir, parse_tinker_path
-from shardfit.serve.state import META, ServerState
+from shardfit.serve.state import ServerState, read_meta
 
 V1 = "/api/v1"
 MAX_LIMIT = 1000  # one page: the SDK asks for 20 runs or 100 checkpoints by default
@@ -91,17 +87,6 @@ def _int_param(request: Request, key: str, default: int, low: int, high: int | N
         raise ShardfitError(f"{key}={raw[:40]!r} is not an integer {span}", where=f"{where} ?{key}",
                             fix=f"pass {key} in {span}")
     return int(raw)
-
-
-def read_meta(directory: Path) -> dict | None:
-    """A checkpoint's META, or None where there is none (being written, deleted, not ours) or it lacks the fields
-    every listing shows."""
-    with contextlib.suppress(OSError, ValueError):
-        meta = json.loads((directory / META).read_text(encoding="utf-8"))
-        if (isinstance(meta, dict) and isinstance(meta.get("tinker_path"), str) and isinstance(meta.get("time"), str)
-                and meta.get("checkpoint_type") in ("training", "sampler")):
-            return meta  # else not one serve wrote: a listing the SDK could not read is never answered
-    return None
 
 
 def scan_checkpoints(st: ServerState, run: str | None = None) -> list[dict]:

@@ -250,8 +250,7 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
 
     @queued(app, st, "/load_weights", json_body(s.LoadWeightsBody))
     def load_weights(body) -> Queued:
-        run, kind, name = parse_tinker_path(body.path, "/load_weights path")
-        directory, tinker_path = st.checkpoint_target(run, kind, name)
+        directory, tinker_path = st.saved_checkpoint(body.path, "/load_weights path")
         args = {"dir": str(directory), "tinker_path": tinker_path, "optimizer": body.optimizer}
         if body.model_id is not None:  # load_state on an existing TrainingClient: in its order
             return Queued("load_state", {**args, "model_id": body.model_id})
@@ -271,22 +270,15 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
     @app.post(V1 + "/create_sampling_session")
     async def create_sampling_session(request: Request):
         """base_model: the base alone (LoRA; without LoRA the one model's live weights), or a frozen extra model
-        (--serve.models). model_path: the saved weights, loaded into a version by a `sampler_load` command queued
-        before any of the session's samples."""
+        (--serve.models). model_path: the saved weights (a checkpoint this server can load: st.saved_checkpoint),
+        loaded into a version (LoRA adapters, or without LoRA every weight) by a `sampler_load` command queued before
+        any of the session's samples, counted against --serve.versions as any version."""
         body = await _json(request, s.SamplingSessionBody)
         st.session(body.session_id, "/create_sampling_session session_id")
         release_expired(st)
         if body.model_path is not None:
             where = "/create_sampling_session model_path"
-            run, kind, name = parse_tinker_path(body.model_path, where)
-            if not facts.lora_rank:
-                raise ShardfitError("a sampler of saved weights needs LoRA: without it the one model's weights are "
-                                    "the only ones held", where=where,
-                                    fix="start shardfit serve with --lora.rank=R, or load_state into the model")
-            directory, tinker_path = st.checkpoint_target(run, kind, name)
-            if not (directory / META).is_file():
-                raise ShardfitError("no such checkpoint", where=where,
-                                    fix="give a path save_weights_for_sampler or save_state returned")
+            directory, tinker_path = st.saved_checkpoint(body.model_path, where)
             sid = st.new_sampler(body.session_id, VERSION, body.model_path, where=where)
             submit(st, "sampler_load", {"sampling_session_id": sid, "dir": str(directory),
                                         "tinker_path": tinker_path}, request.state.principal)

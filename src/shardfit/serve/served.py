@@ -4,9 +4,12 @@ name as base_model (a distillation teacher, a reference of another family), samp
 Each is an Engine of its own, built on every rank in the same order after the trained one (its own collectives), from
 a config that is the server's but for [model] and the tokenizer, which come from the directory's config.json as
 --model.path would bring them: sharded like the trained model (the same parallel, compute and memory keys), its
-weights loaded at start. It costs its weights as the trained model's are held (fp32 shards, world-sharded), no
-optimizer state (none is made until a step, and it takes none). Every path is checked before any rank starts (the CLI
-calls `served_configs`): a path that is no model directory is one line naming serve.models, exit 2.
+weights loaded at start. It is held as a LoRA run holds its frozen base (Engine(frozen=True)): every parameter frozen
+and stored in the compute dtype (bf16 on CUDA; on the CPU fp32 unless compute.param_dtype says otherwise), so it
+costs its parameters' shards in that dtype and nothing else (no gradients, no optimizer state); on one rank the
+decode model samples views of them, no copy. `shardfit plan` counts each (plan/served.py). Every path is checked
+before any rank starts (the CLI calls `served_configs`): a path that is no model directory is one line naming
+serve.models, exit 2.
 """
 
 from __future__ import annotations
@@ -52,5 +55,5 @@ def served_configs(cfg: Config) -> dict[str, Config]:
 
 
 def start_served(cfg: Config, factory: Callable[[Config], object]) -> dict[str, object]:
-    """name -> its Engine, built by `factory` on every rank (the same order everywhere)."""
-    return {name: factory(extra) for name, extra in served_configs(cfg).items()}
+    """name -> its Engine, built by `factory(config, frozen=True)` on every rank (the same order everywhere)."""
+    return {name: factory(extra, frozen=True) for name, extra in served_configs(cfg).items()}

@@ -19,6 +19,7 @@ line a stopped server prints: training nobody saved is said to be lost, never si
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import signal
@@ -32,7 +33,7 @@ from pathlib import Path
 from shardfit.errors import ShardfitError
 from shardfit.serve.futures import FutureStore
 from shardfit.serve.ordering import Scheduler
-from shardfit.serve.security import check_segment, checkpoint_dir
+from shardfit.serve.security import check_segment, checkpoint_dir, parse_tinker_path
 
 META = ".tinker.json"  # beside a saved checkpoint's files: what the listings show (serve/listings.py)
 VERSION, BASE, LIVE = "version", "base", "live:"  # what a sampling session reads (new_sampler)
@@ -302,6 +303,40 @@ class ServerState:
         """(directory, tinker path) of a checkpoint named by a request, inside the run directory."""
         return checkpoint_dir(self.run_dir, run, kind, name), f"tinker://{run}/{kind}/{name}"
 
+    def saved_checkpoint(self, path: str, where: str) -> tuple[Path, str]:
+        """(directory, tinker path) of a checkpoint a request names to load (create_sampling_client(model_path),
+        load_state, create_training_client_from_state), or one line: no such checkpoint, one of another model, or
+        one this server cannot load (LoRA adapters on a server that trains every parameter, every weight on a LoRA
+        server, adapters of another rank or other layers), as its META says."""
+        directory, tinker_path = self.checkpoint_target(*parse_tinker_path(path, where))
+        meta = read_meta(directory)
+        if meta is None:
+            raise ShardfitError(f"no checkpoint at '{tinker_path}'", where=where,
+                                fix="give a path save_state or save_weights_for_sampler returned "
+                                "(list_user_checkpoints lists them)")
+        f, base = self.facts, meta.get("base_model", self.facts.base_model)
+        if not f.accepts(str(base)):
+            raise ShardfitError(f"'{tinker_path}' holds weights of '{str(base)[:200]}', this server serves "
+                                f"'{f.base_model}'", where=where, fix="load it on a server of that model (shardfit "
+                                "serve --model.name or --model.path as it was saved), or give a checkpoint of this one")
+        if "is_lora" not in meta:
+            return directory, tinker_path
+        rank = meta.get("lora_rank") if meta["is_lora"] else 0
+        if (rank or 0) != f.lora_rank:
+            held = f"LoRA adapters of rank {rank}" if rank else "every weight (saved without --lora.rank)"
+            here = f"LoRA adapters of rank {f.lora_rank}" if f.lora_rank else "every parameter (no --lora.rank)"
+            raise ShardfitError(f"'{tinker_path}' holds {held}; this server trains {here}", where=where,
+                                fix="load it on a server started " + (f"with --lora.rank={rank}" if rank else
+                                                                        "without --lora.rank"))
+        adapts = f.lora_fields()
+        other = [k for k in ("train_attn", "train_mlp", "train_unembed") if k in meta and meta[k] != adapts[k]]
+        if rank and other:
+            saved = ", ".join(f"{k}={meta[k]}" for k in other)
+            raise ShardfitError(f"'{tinker_path}' holds adapters of other layers ({saved}) than this server's "
+                                f"(--lora.targets={f.lora_targets})", where=where,
+                                fix="load it on a server started with the --lora.targets it was saved with")
+        return directory, tinker_path
+
     def checkpoint_meta(self, tinker_path: str, kind: str, model_id: str) -> str:
         """The listings' entry of a checkpoint (serve/listings.py), written beside its files once they are complete:
         what get_weights_info_by_tinker_path and a training run listed after a restart report."""
@@ -310,3 +345,14 @@ class ServerState:
         return json.dumps({"tinker_path": tinker_path, "checkpoint_type": "training" if kind == "weights"
                            else "sampler", "time": now_iso(), "model_id": model_id, "base_model": base_model,
                            **self.facts.lora_fields()})
+
+
+def read_meta(directory: Path) -> dict | None:
+    """A checkpoint's META, or None where there is none (being written, deleted, not ours) or it lacks the fields
+    every listing shows."""
+    with contextlib.suppress(OSError, ValueError):
+        meta = json.loads((directory / META).read_text(encoding="utf-8"))
+        if (isinstance(meta, dict) and isinstance(meta.get("tinker_path"), str) and isinstance(meta.get("time"), str)
+                and meta.get("checkpoint_type") in ("training", "sampler")):
+            return meta  # else not one serve wrote: a listing the SDK could not read is never answered
+    return None
