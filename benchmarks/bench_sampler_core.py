@@ -6,7 +6,8 @@
 The model is a plain CausalLM of the shape (benchmarks/rl_worker_setup.py SHAPES: the Qwen3-8B one by default),
 random weights, bf16 (fp32 on the CPU), as the Sampler takes it (no FSDP, no LoRA). Per row count, one request of
 `rows` samples of one random prompt, each forced to --new tokens (no stop token: random weights), temperature 1,
-through each path of --paths: gather+graphs (the default Sampler), gather+eager, flex+eager. Each path runs the
+through each path of --paths: gather+graphs (the default Sampler), triton+graphs (the paged decode kernel),
+triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), gather+eager, flex+eager. Each path runs the
 request twice and times the second (the first captures its graphs and compiles FlexAttention). tokens/s counts the
 new tokens over the whole call (the prompt's one prefill included). Roofline as bench_sampling.py's: the weights
 read once a step plus the KV cache held (mean context prompt + new / 2), at the measured copy bandwidth.
@@ -30,6 +31,7 @@ from rl_worker_setup import SHAPES  # noqa: E402
 
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
          "triton+graphs": dict(attention="triton", cuda_graphs=True),
+         "triton+graphs+torchdraw": dict(attention="triton", cuda_graphs=True, fused_draw=False),
          "gather+eager": dict(attention="gather", cuda_graphs=False),
          "flex+eager": dict(attention="flex", cuda_graphs=False)}
 

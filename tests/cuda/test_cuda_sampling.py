@@ -55,3 +55,17 @@ def test_greedy_tokens_on_cuda_match_transformers(tmp_path):
         theirs = hf.generate(torch.tensor([p], device=cuda), max_new_tokens=30, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(p):].tolist()
         assert r.samples[0].tokens == theirs
+
+
+def test_the_fused_draw_gives_the_torch_draws_tokens_and_logprobs():
+    """kernels/gumbel_draw.py in the captured step against sample.py's torch ops (fused_draw=False), on the GPU."""
+    pytest.importorskip("triton")
+    model = tiny_model().cuda()
+    fused = Sampler(model, kv_blocks=256, block_size=16)
+    assert fused.st.fused_draw
+    got = fused.run(_requests())
+    want = Sampler(model, kv_blocks=256, block_size=16, fused_draw=False).run(_requests())
+    for g, w in zip(got, want):
+        assert [s.tokens for s in g.samples] == [s.tokens for s in w.samples]
+        for gs, ws in zip(g.samples, w.samples):
+            torch.testing.assert_close(torch.tensor(gs.logprobs), torch.tensor(ws.logprobs), atol=1e-4, rtol=0)

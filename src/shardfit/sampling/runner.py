@@ -19,6 +19,10 @@ tail holds a stop string ends at the token that completes its first occurrence (
 stop token is; the tokens drawn after it are dropped). A stopped row keeps its batch place until the flush (at most
 check_every wasted tokens) so that the device never waits for the host.
 
+The draw (sample.py) on CUDA with Triton: rows without top-k/top-p and without top-k log-probs asked take the
+fused kernel (kernels/gumbel_draw.py: one read of the logits for the token and its log-prob; `fused_draw=False`
+keeps the torch ops, the same tokens but for ties within a rounding of the device's log).
+
 LoRA rows: with a `bank`, every forward is preceded by bank.set_rows(slots [B, S]): each token's adapter slot
 (the request's `adapter`, -1 for the base model); the head applied to a prefill's positions alone is called as a
 forward of [1, n] after its own set_rows.
@@ -60,7 +64,7 @@ class SampleHandle:
 class Sampler:
     def __init__(self, model, *, kv_blocks: int | None = None, kv_fraction: float = 0.9, block_size: int = BLOCK_SIZE,
                  max_rows: int = 256, prefill_chunk: int = 512, attention: str = "gather", cuda_graphs: bool = True,
-                 bank=None, tokenizer=None, check_every: int = 8):
+                 bank=None, tokenizer=None, check_every: int = 8, fused_draw: bool = True):
         for name, value, low in (("kv_blocks", kv_blocks, 1), ("block_size", block_size, 1), ("max_rows", max_rows, 1),
                                  ("prefill_chunk", prefill_chunk, 1), ("check_every", check_every, 1)):
             if value is not None and (not isinstance(value, int) or value < low):
@@ -91,7 +95,10 @@ class Sampler:
                 kv_blocks = CPU_KV_TOKENS // block_size
         self.kv = PagedKV(self.cfg, kv_blocks, block_size, dtype, self.device, attention)
         self.max_rows, self.prefill_chunk, self.check_every = max_rows, prefill_chunk, check_every
-        self.st = RowState(max_rows, self.kv.blocks_for(self.cfg.max_seq_len), self.kv.trash, self.device)
+        from shardfit.kernels.gumbel_draw import available as draw_kernel
+
+        self.st = RowState(max_rows, self.kv.blocks_for(self.cfg.max_seq_len), self.kv.trash, self.device,
+                           fused_draw=fused_draw and self.device.type == "cuda" and draw_kernel(weight))
         self.sched = Scheduler(self.kv.allocator, block_size, max_rows)
         graphs = cuda_graphs and self.device.type == "cuda" and attention in ("gather", "triton") and capturable(model)
         self.graphs = DecodeGraphs(self._decode_fn, self.st.pad, graphs)

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import torch
 
+from shardfit.kernels.gumbel_draw import gumbel_draw
 from shardfit.sampling.kv import PagedKV
 from shardfit.sampling.sample import choose, row_keys, token_logprobs
 
 
 class RowState:
-    def __init__(self, max_rows: int, max_blocks: int, trash: int, device: torch.device):
+    def __init__(self, max_rows: int, max_blocks: int, trash: int, device: torch.device, fused_draw: bool = False):
         R = max_rows + 1
+        self.fused_draw = fused_draw  # the plain and greedy draws through kernels/gumbel_draw.py (CUDA + Triton)
         self.pad = max_rows  # the padding slot
         self.max_blocks, self.trash, self.device = max_blocks, trash, device
 
@@ -78,8 +80,12 @@ class RowState:
     def _advance(self, logits, slots, pos, topk, draw, valid):
         """Draw the token at position `pos` [B] for each row, check stops, advance the state (no sync)."""
         keys = row_keys(self.seed[slots], self.sample[slots], pos)
-        tokens = choose(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], keys, draw)
-        logp, top = token_logprobs(logits, tokens, topk)
+        if self.fused_draw and draw != "filtered" and topk == 0:  # one pass over the logits (kernels/gumbel_draw.py)
+            tokens, logp = gumbel_draw(logits, self.temperature[slots], keys)
+            top = None
+        else:
+            tokens = choose(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], keys, draw)
+            logp, top = token_logprobs(logits, tokens, topk)
         n_gen = self.n_gen[slots] + valid.long()
         stop = (tokens[:, None] == self.stop_tokens[slots]).any(-1)
         done = ~valid | stop | (n_gen >= self.max_tokens[slots])
