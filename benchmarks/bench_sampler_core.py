@@ -8,9 +8,9 @@ random weights, bf16 (fp32 on the CPU), as the Sampler takes it (no FSDP, no LoR
 `rows` samples of one random prompt, each forced to --new tokens (no stop token: random weights), temperature 1,
 through each path of --paths: gather+graphs (the default Sampler), triton+graphs (the paged decode kernel),
 triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), gather+eager, flex+eager. Each
-path runs the request twice and times the second (the first captures its graphs and compiles FlexAttention). tokens/s counts the
-new tokens over the whole call (the prompt's one prefill included). Roofline as bench_sampling.py's: the weights
-read once a step plus the KV cache held (mean context prompt + new / 2), at the measured copy bandwidth.
+path runs the request twice and times the second (the first captures its graphs and compiles FlexAttention).
+tokens/s counts the new tokens over the whole call (the prompt's one prefill included). Roofline as
+bench_sampling.py's: the weights read once a step plus the KV cache held (mean context prompt + new / 2), at the measured copy bandwidth.
 Prints one JSON line a run and a table; --out: one JSON with `decode_roofline_fraction` per path and row count.
 """
 
