@@ -10,7 +10,8 @@ through each path of --paths: gather+graphs (the default Sampler), triton+graphs
 triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), gather+eager, flex+eager. Each
 path runs the request twice and times the second (the first captures its graphs and compiles FlexAttention).
 tokens/s counts the new tokens over the whole call (the prompt's one prefill included). Roofline as
-bench_sampling.py's: the weights read once a step plus the KV cache held (mean context prompt + new / 2), at the measured copy bandwidth.
+bench_sampling.py's: the weights read once a step plus the KV cache held (mean context prompt + new / 2), at the
+measured copy bandwidth.
 Prints one JSON line a run and a table; --out: one JSON with `decode_roofline_fraction` per path and row count.
 """
 
