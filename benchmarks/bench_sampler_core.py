@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from bench_sampling import roofline_fractions  # noqa: E402
-from rl_worker_setup import SHAPES  # noqa: E402
+from rl_worker_setup import SHAPES, moe_overrides  # noqa: E402
 
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
          "triton+graphs": dict(attention="triton", cuda_graphs=True),
@@ -43,7 +43,8 @@ def build(shape: str, device: str, max_len: int):
     from shardfit.config import load_config
     from shardfit.models import build_model
 
-    cfg = load_config(None, [*SHAPES[shape], f"--model.max_seq_len={max_len}", f"--data.seq_len={max_len}"]).model
+    over = moe_overrides(6, False) if shape == "moe6" else SHAPES[shape]  # moe6: Qwen3-30B-A3B, 6 of 48 layers
+    cfg = load_config(None, [*over, f"--model.max_seq_len={max_len}", f"--data.seq_len={max_len}"]).model
     with torch.device(device):
         model = build_model(cfg)
     model.init_weights(0)
@@ -114,7 +115,7 @@ def profile(model, path: dict, rows: int, prompt: list[int], new: int, out_dir: 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES) + ["moe6"])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--rows", default="16,64,256")
     ap.add_argument("--prompt", type=int, default=512)
@@ -130,6 +131,9 @@ def main() -> int:
     model = build(a.shape, a.device, a.prompt + a.new + 16)
     m = model.cfg
     params = sum(p.numel() for p in model.parameters())
+    from shardfit.models.moe import Experts
+
+    experts = sum(p.numel() for mod in model.modules() if isinstance(mod, Experts) for p in mod.parameters())
     bw = None
     if a.device == "cuda":
         from bench_sampling import copy_bandwidth
@@ -151,7 +155,12 @@ def main() -> int:
             if bw is not None:
                 from bench_sampling import roofline
 
-                roof = roofline(rows, a.prompt + a.new / 2, bw, params, m.n_layers, m.n_kv_heads,
+                # an MoE step reads the experts its rows route to: E (1 - (1 - k/E)^rows) of E a layer if the
+                # router spreads uniformly (random weights: near enough), not every expert
+                read = params - experts
+                if experts:
+                    read += experts * (1 - (1 - m.experts_per_token / m.n_experts) ** rows)
+                roof = roofline(rows, a.prompt + a.new / 2, bw, read, m.n_layers, m.n_kv_heads,
                                 m.head_dim or m.dim // m.n_heads)
                 row.update(roofline_tok_s=roof, fraction=n / dt / roof,
                            peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30)
