@@ -25,9 +25,10 @@ Without Triton (CPU wheels) `available` is False and the caller keeps sample.py'
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from shardfit.kernels.triton_common import combine_fns, interpreting
 
 BLOCK_V = 4096  # tokens a program: 16 KiB of fp32 logits; V = 151,936 is 38 programs a row
 
@@ -49,22 +50,9 @@ def _triton_kernel(interpret: bool):
         h = h * 0xC2B2AE35
         return h ^ (h >> 16)
 
-    # reductions through tl.reduce with combine functions made here: the interpreter cannot call triton's library
-    # reductions (tl.max, tl.sum) jit-wrapped before TRITON_INTERPRET was set (as kernels/paged_attention.py)
-    @triton.jit
-    def _maximum(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _add(a, b):
-        return a + b
-
-    @triton.jit
-    def _first_best(a, ia, b, ib):  # argmax's combine: the larger score, a tie to the smaller token id
-        left = (a > b) | ((a == b) & (ia < ib))
-        return tl.where(left, a, b), tl.where(left, ia, ib)
-
-    globals().update(_gumbel_fmix=_fmix, _gumbel_max=_maximum, _gumbel_add=_add, _gumbel_first_best=_first_best)
+    fns = combine_fns(interpreting())  # kernels/triton_common.py: why not tl.max / tl.sum
+    globals().update(_gumbel_fmix=_fmix, _gumbel_max=fns["maximum"], _gumbel_add=fns["add"],
+                     _gumbel_first_best=fns["first_best"])
 
     @triton.jit
     def gumbel_draw_kernel(logits_ptr, temp_ptr, keys_ptr, best_ptr, arg_ptr, lmax_ptr, lsum_ptr, V, stride_b,
@@ -95,20 +83,16 @@ def _triton_kernel(interpret: bool):
     return gumbel_draw_kernel
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def available(t: torch.Tensor) -> bool:
     """Whether gumbel_draw runs on t's device here: CUDA with Triton importable (or the interpreter)."""
-    return (t.is_cuda or _interpreting()) and _triton_kernel(_interpreting()) is not None
+    return (t.is_cuda or interpreting()) and _triton_kernel(interpreting()) is not None
 
 
 def gumbel_draw(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
                 block: int = BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] fp32, temperature [B] fp32 (0: greedy), keys [B] int64 (sample.row_keys) -> (tokens [B] int64,
     their log-probs [B] fp32 under log_softmax of the logits). No host synchronisation; capturable."""
-    kernel = _triton_kernel(_interpreting())
+    kernel = _triton_kernel(interpreting())
     if kernel is None:
         raise RuntimeError("gumbel_draw needs Triton (sampling/sample.py's choose and token_logprobs are the same "
                            "function in PyTorch)")

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
+
+from shardfit.kernels.triton_common import interpreting
 
 TILE_BLOCKS = 64  # blocks a program: 4,096 weights, 2 KiB of codes in, 8 KiB of bf16 out
 NUM_WARPS = 4  # 128 threads: 4 rows of 8 weights each
@@ -73,13 +74,9 @@ def _triton_kernel(interpret: bool):
     return nf4_dequant_kernel
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def available(t: torch.Tensor) -> bool:
     """Whether nf4_dequant runs on t's device here: CUDA with Triton importable."""
-    return t.is_cuda and _triton_kernel(_interpreting()) is not None
+    return t.is_cuda and _triton_kernel(interpreting()) is not None
 
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -95,7 +92,7 @@ def nf4_dequant(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, 
     shapes; numel <= g * GROUP_BLOCKS * BLOCK. A slice of groups (a shard's rows) is a packed tensor of its own.
     Launches on the current stream, no host synchronisation. tile_blocks, num_warps: the launch (benchmarks).
     """
-    kernel = _triton_kernel(_interpreting())
+    kernel = _triton_kernel(interpreting())
     if kernel is None:
         raise RuntimeError("nf4_dequant needs Triton (adapters/nf4.py's dequantize is the same function in PyTorch)")
     if (codes.dtype, absmax.dtype, stats.dtype, levels.dtype) != (torch.uint8, torch.int8, torch.float32,

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
+
+from shardfit.kernels.triton_common import combine_fns, interpreting
 
 BLOCKS_PER_TILE = 4  # 64 keys a tile at bs 16: [64, 128] bf16 keys + values = 32 KiB in flight a program
 
@@ -45,18 +46,10 @@ def _triton_kernel(interpret: bool):
     except ImportError:
         return None
 
-    # The reductions spelled with tl.reduce and combine functions made here: the interpreter cannot call triton's
-    # library functions (tl.max, tl.sum, tl.cdiv) that were jit-wrapped before TRITON_INTERPRET was set.
-    @triton.jit
-    def _maximum(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _add(a, b):
-        return a + b
-
-    # as module globals: triton (compiled and interpreted) resolves a kernel's callees among its globals
-    globals().update(_paged_maximum=_maximum, _paged_add=_add)
+    # the reductions' combine functions (kernels/triton_common.py says why not tl.max / tl.sum), as module globals:
+    # triton resolves a kernel's callees among them
+    fns = combine_fns(interpreting())
+    globals().update(_paged_maximum=fns["maximum"], _paged_add=fns["add"])
 
     @triton.jit
     def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, out_ptr, lse_ptr, sm_scale,
@@ -114,13 +107,9 @@ def _triton_kernel(interpret: bool):
     return paged_decode_kernel
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def available(t: torch.Tensor) -> bool:
     """Whether paged_decode_attention runs on t's device here: CUDA with Triton importable (or the interpreter)."""
-    return (t.is_cuda or _interpreting()) and _triton_kernel(_interpreting()) is not None
+    return (t.is_cuda or interpreting()) and _triton_kernel(interpreting()) is not None
 
 
 def default_splits(rows: int, kv_heads: int, width: int, device: torch.device) -> int:
@@ -143,7 +132,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """q [B, H, Dh] (one query a row), pools [n_blocks, bs, K, Dh], tables [B, M], lengths [B] (keys visible to the
     row, >= 1; at most M x bs are read) -> [B, H, Dh] in q's dtype. Launches on the current stream, no host
     synchronisation."""
-    kernel = _triton_kernel(_interpreting())
+    kernel = _triton_kernel(interpreting())
     if kernel is None:
         raise RuntimeError("paged_decode_attention needs Triton (sampling/attention.py's gather path is the same "
                            "function in PyTorch)")
@@ -162,6 +151,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         kernel[(B, K, S)](q, k_pool, v_pool, tables, lengths, part, lse, scale or 1.0 / math.sqrt(Dh),
                           q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
                           tables.stride(0), tables.shape[1], K_HEADS=K, G=G, GP=max(16, 1 << (G - 1).bit_length()),
-                          DH=Dh, BS=bs, TILE=tile, SPLITS=S, BF16_DOT=not _interpreting())
+                          DH=Dh, BS=bs, TILE=tile, SPLITS=S, BF16_DOT=not interpreting())
     out = part[:, :, 0] if S == 1 else combine(part, lse)
     return out.to(q.dtype)
