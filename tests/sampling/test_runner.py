@@ -229,3 +229,20 @@ def test_flex_attention_samples_what_the_gather_path_samples(model):
     assert _tokens([flex]) == _tokens([gather])
     for a, b in zip(flex.samples, gather.samples):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_dropping_a_sampler_frees_its_kv_pool_at_once(model):
+    """No reference cycle holds a Sampler: Engine.release_sampler's `= None` gives its pool (and on CUDA its graphs'
+    memory) back at once, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        sampler = Sampler(model, kv_blocks=32)
+        sampler.run([SampleRequest([1, 2, 3], SamplingParams(4, temperature=1.0, seed=0), num_samples=2)])
+        pool, whole = weakref.ref(sampler.kv.k[0]), weakref.ref(sampler)
+        del sampler
+        assert whole() is None and pool() is None
+    finally:
+        gc.enable()

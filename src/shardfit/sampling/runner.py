@@ -30,6 +30,7 @@ forward of [1, n] after its own set_rows.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
@@ -101,7 +102,10 @@ class Sampler:
                            fused_draw=fused_draw and self.device.type == "cuda" and draw_kernel(weight))
         self.sched = Scheduler(self.kv.allocator, block_size, max_rows)
         graphs = cuda_graphs and self.device.type == "cuda" and attention in ("gather", "triton") and capturable(model)
-        self.graphs = DecodeGraphs(self._decode_fn, self.st.pad, graphs)
+        # the step holds the model, pool and state, not the Sampler: no reference cycle, so that dropping the
+        # Sampler frees its KV pool and graphs at once (Engine.release_sampler), not at the next gc
+        step = functools.partial(decode_step, self.model, self.kv, self.st, bank=self.bank)
+        self.graphs = DecodeGraphs(step, self.st.pad, graphs)
         self.pending: list[tuple] = []  # (rows, packed outputs on the host, top-k width, event) per forward
         self._requests = 0
         self._batch = None  # (rows, active slots tensor, width, top-k, draw) while the decode batch is unchanged
@@ -116,9 +120,6 @@ class Sampler:
     def _upload(self, values: list[int]) -> torch.Tensor:
         """Host ints as an int64 device tensor, without waiting for the device's queue (a blocking copy would)."""
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-
-    def _decode_fn(self, active, width, topk, draw):
-        return decode_step(self.model, self.kv, self.st, active, width, topk, draw, self.bank)
 
     # Requests.
     def check(self, req: SampleRequest) -> None:
