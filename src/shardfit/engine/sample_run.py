@@ -37,6 +37,16 @@ import torch
 from shardfit.errors import ShardfitError
 
 
+def per_prompt(value, n: int, name: str) -> list:
+    """`value` as one entry per prompt: a list of n as is (one line if it has another length), else n copies."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ShardfitError(f"{name} has {len(value)} entries for {n} prompts", where=name,
+                                fix="give one per prompt, or one for all")
+        return list(value)
+    return [value] * n
+
+
 class SampleRun:
     """A run of the Engine's Sampler that requests join between steps (module docstring). Engine.sample_run makes
     one; Engine._sample uses prepare / add / wait."""
@@ -54,14 +64,14 @@ class SampleRun:
         self._tickets = 0
 
     # ------------------------------------------------------------------ the streaming form
-    def submit(self, prompts: list[list[int]], params, **per_prompt) -> list:
+    def submit(self, prompts: list[list[int]], params, **options) -> list:
         """Requests into the running batch (Engine.sample's arguments but tokenizer and refused); per prompt a
         ticket (collect returns its result under it), the ShardfitError that refuses it alone, or None: it cannot
         join this run (its weights need a bank slot that the run's requests hold, or other full-parameter weights;
         submit it to the next run). One rank only (module docstring)."""
         if self.engine.dist.world_size > 1:
             raise ValueError("SampleRun.submit is one rank only: on N ranks call Engine.sample")  # a caller's bug
-        reqs, errors, later = self.prepare(prompts, params, **per_prompt)
+        reqs, errors, later = self.prepare(prompts, params, **options)
         return [errors[i] if i in errors else None if i in later else self.add(r) for i, r in enumerate(reqs)]
 
     def step(self, steps: int | None = None) -> None:
@@ -95,11 +105,11 @@ class SampleRun:
         """The samples of the requests not collected yet (the rows in flight, or waiting for their prefill)."""
         return sum(n for _, n in self._handles.values())
 
-    def close(self) -> list:
-        """End the run: the Sampler is kept for the next call unless requests are left in it (dropped with them, so
-        that they never meet the next call's), and without LoRA the slot's model put back. Returns the results it
-        still holds: none here (collect gave them), ScoredRun's all."""
-        if self._handles:
+    def close(self, failed: bool = False) -> list:
+        """End the run: the Sampler is kept for the next call unless requests are left in it or the run `failed`
+        (dropped, so that what it held never meets the next call's requests), and without LoRA the slot's model put
+        back. Returns the results it still holds: none here (collect gave them), ScoredRun's all."""
+        if self._handles or failed:
             self._handles = {}
             self.engine.release_sampler(training=False)
         reg = self.engine.models
@@ -114,15 +124,14 @@ class SampleRun:
         weights resolved, the run's decode model and Sampler made on the first call, adapters loaded into free bank
         slots, every request checked (on N ranks the verdicts agreed in one all-reduce: _check_requests).
         refused="raise": an unknown model or version raises its line here (Engine.sample's refused)."""
-        from shardfit.engine.sampling import _per_prompt
         from shardfit.sampling.params import SampleRequest
 
         e, n = self.engine, len(prompts)
-        each = {name: _per_prompt(value, n, name) for name, value in (
+        each = {name: per_prompt(value, n, name) for name, value in (
             ("params", params), ("num_samples", num_samples), ("prompt_logprobs", prompt_logprobs),
             ("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs))}
         errors: dict[int, ShardfitError] | None = {} if refused == "return" else None
-        keys, full = e._sample_keys(_per_prompt(model, n, "model"), _per_prompt(version, n, "version"), errors)
+        keys, full = e._sample_keys(per_prompt(model, n, "model"), per_prompt(version, n, "version"), errors)
         errors = errors or {}
         later: set[int] = set()
         if full is not None and self.sampler is not None and full != self.full:

@@ -44,19 +44,11 @@ import math
 
 import torch
 
+from shardfit.engine.sample_run import SampleRun
 from shardfit.errors import ShardfitError
 from shardfit.sampling.lora_bank import BANK_SLOTS
 
 _STOP = ("stop", "length")  # a sample's stop_reason, coded as its index
-
-
-def _per_prompt(value, n: int, name: str) -> list:
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ShardfitError(f"{name} has {len(value)} entries for {n} prompts", where=name,
-                                fix="give one per prompt, or one for all")
-        return list(value)
-    return [value] * n
 
 
 class SamplingState:
@@ -96,8 +88,6 @@ class EngineSampling:
         had not been given (serve's batches of requests: each fails alone).
         sampler_options: the Sampler's (kv_fraction, kv_blocks, block_size, max_rows, prefill_chunk, attention,
         cuda_graphs); the Sampler is kept for the next call with the same options (_sampler)."""
-        from shardfit.engine.sample_run import SampleRun
-
         if refused not in ("raise", "return"):
             raise ValueError(f"refused={refused!r}")  # a caller's bug, not input
         run = SampleRun(self, tokenizer, sampler_options)
@@ -127,9 +117,7 @@ class EngineSampling:
     def sample_run(self, tokenizer=None, **sampler_options):
         """The streaming form of sample, one rank only: a SampleRun (engine/sample_run.py) that requests are
         submitted into between decode steps and collected from as their rows end. tokenizer and sampler_options as
-        sample's. Close it (or use it in a with block) before the next training call."""
-        from shardfit.engine.sample_run import SampleRun
-
+        sample's. Close it before the next training call."""
         return SampleRun(self, tokenizer, sampler_options)
 
     # ------------------------------------------------------------------ the Sampler kept between calls

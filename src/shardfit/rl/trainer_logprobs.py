@@ -41,7 +41,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shardfit.engine.registry import BASE
-from shardfit.engine.sampling import _per_prompt
+from shardfit.engine.sample_run import per_prompt
 from shardfit.errors import ShardfitError
 from shardfit.rl.datum import Datum, make_datum
 
@@ -103,8 +103,8 @@ def _prepared(engine, prompts: list, params, options: dict) -> tuple:
     long to score {index: error}, each prompt's scored name)."""
     prompts = [[int(t) for t in p] for p in prompts]
     n = len(prompts)
-    each = {k: _per_prompt(options.pop(k, default), n, k) for k, default in _PER_PROMPT.items()}
-    each_params = _per_prompt(params, n, "params")
+    each = {k: per_prompt(options.pop(k, default), n, k) for k, default in _PER_PROMPT.items()}
+    each_params = per_prompt(params, n, "params")
     errors = _too_long(prompts, each_params, engine.datum_budget())
     names = [_scored_name(engine, each["model"][i], each["version"][i]) for i in range(n)]
     return prompts, each, each_params, errors, names
@@ -153,11 +153,12 @@ class ScoredRun:
     def rows(self) -> int:
         return self.run.rows
 
-    def close(self) -> list[tuple[int, object]]:
-        """End the run, then score what it sampled; (ticket, SampleResult) of every request collected."""
+    def close(self, failed: bool = False) -> list[tuple[int, object]]:
+        """End the run, then score what it sampled; (ticket, SampleResult) of every request collected (none when
+        the run `failed`)."""
         self._done += self.run.collect()
-        self.run.close()
-        done, self._done = self._done, []
+        self.run.close(failed)
+        done, self._done = ([], []) if failed else (self._done, [])
         try:
             _rescore([r for _, r in done], [self._asked[t][0] for t, _ in done], [self._asked[t][1] for t, _ in done],
                      self.forward)
