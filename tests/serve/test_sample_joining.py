@@ -65,7 +65,7 @@ def _send(client, prompt: list[int], max_tokens: int, seed: int, n: int = 1):
     from tinker import types
 
     return client.sample(types.ModelInput.from_ints(prompt), num_samples=n, sampling_params=types.SamplingParams(
-        max_tokens=max_tokens, temperature=1.0, seed=seed))
+        max_tokens=max_tokens, temperature=1.0, seed=seed, stop=[]))  # stop=[]: no EOS, every row max_tokens long
 
 
 def _seqs(res) -> list:
