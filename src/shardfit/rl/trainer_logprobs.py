@@ -158,7 +158,8 @@ class ScoredRun:
         the run `failed`)."""
         self._done += self.run.collect()
         self.run.close(failed)
-        done, self._done = ([], []) if failed else (self._done, [])
+        # in submission order: the one forward over the same datums as Engine.sample's in the same order would score
+        done, self._done = ([], []) if failed else (sorted(self._done, key=lambda d: d[0]), [])
         try:
             _rescore([r for _, r in done], [self._asked[t][0] for t, _ in done], [self._asked[t][1] for t, _ in done],
                      self.forward)
