@@ -49,8 +49,9 @@ from shardfit.serve.protocol import WireDatum
 NOOP, STOP, SAMPLE, SAMPLE_BATCH = "noop", "stop", "sample", "sample_batch"
 # several models' requests of one kind (forward, or forward_backward) in one pass: args {"parts": [Command]}
 MANY = "forward_backward_many"
-# Rows (num_samples summed) of one batch of sample requests: the Sampler's max_rows (256, the rows that decode at once)
-# x 4, so that rows finishing make room for waiting ones within one call; a request alone may reach it.
+# Rows (num_samples summed) of one batch of sample requests (on one rank: of a sample run's requests in flight): the
+# Sampler's max_rows (256, the rows that decode at once) x 4, so that rows finishing make room for waiting ones within
+# one call; a request alone may reach it.
 BATCH_ROWS = 1024
 SPACE_FIX = "free space there: the server and its models keep running, and the same request works once it is freed"
 
@@ -235,6 +236,8 @@ class Loop:
     def take_samples(self, decide: Callable[[Command], str]) -> tuple[list[Command], bool]:
         """Rank 0, one rank: the ready samples a running sample run takes (Scheduler.take_ready: `decide` says
         take, pass or stop of each ready command from the head), marked started; and whether one was passed."""
+        if self.scheduler.closed:  # stopping: the run finishes what it holds, then `stop` goes out
+            return [], False
         taken, passed = self.scheduler.take_ready(lambda p: decide(p.command))
         for p in taken:
             self.futures.started(p.command.request_id)

@@ -16,6 +16,8 @@ SDK's `forward`: reference or old-policy log-probs), in passes of their own: one
 forward_backward, never both (a forward's pass has no backward to share, and a model's oldest ready request is the
 only one that may join, so neither kind overtakes the other within a model). A pass refused as a whole (bad input of
 one request) is run again request by request, so that each gets its own answer.
+On one rank sample requests do not come as sample_batch commands: the loop runs them as sample runs that later
+requests join (serve/sample_joining.py, with sample_member, sampling_engine and sample_arguments from here).
 Paths in a command were resolved inside the run directory by rank 0
 (serve.security) before the broadcast. Timings go back with the answer: fwd/bwd metrics carry the server's queue wait
 and compute time as "server_queue_s:max" and "server_compute_s:sum" (the SDK sums or maxes them over chunks).

@@ -84,21 +84,23 @@ class _Run:
         if not members:
             return self.deferred
         self.key = members[0][0]
-        e, tokenizer, rl = self.ex.sampling_engine(self.key[0])
-        if self.key[0]:  # one Sampler at a time: the trained Engine's KV pool is not the served model's memory
-            self.ex.engine.release_sampler(training=False)
-        self.sampling = rl.sample_run(tokenizer=tokenizer)
-        self.joining._count(runs=1)
+        self.deferred += [m[1][0] for m in members if m[0] != self.key]
+        self.asking = [m[1][0] for m in members if m[0] == self.key]  # failed with the run if it cannot start
+        e = None
         try:
+            e, tokenizer, rl = self.ex.sampling_engine(self.key[0])
+            if self.key[0]:  # one Sampler at a time: the trained Engine's KV pool is not the served model's memory
+                self.ex.engine.release_sampler(training=False)
+            self.sampling = rl.sample_run(tokenizer=tokenizer)
+            self.joining._count(runs=1)
             self._submit([m for m in members if m[0] == self.key])
-            self.deferred += [m[1][0] for m in members if m[0] != self.key]
             self._intake()
             while self.sampling.busy:
                 self.sampling.step()
                 self.decoded = True
                 self._answer(self.sampling.collect())
-                if self.sampling.answers_at_end and self.sampling.rows < sum(c.args["num_samples"] for c, _ in
-                                                                   self.tickets.values()):
+                if self.sampling.answers_at_end and self.sampling.rows < sum(
+                        int(c.args["num_samples"]) for c, _ in self.tickets.values()):
                     self.open = False  # a request ended: it waits for no later one (scored at the run's end)
                 self._intake()
             self._answer(self.sampling.close())
@@ -108,7 +110,7 @@ class _Run:
             self._fail(err)
         finally:
             self._rows()
-            if self.key[0]:  # a frozen extra model keeps none: its pool would hold the training step's memory
+            if self.key[0] and e is not None:  # a frozen extra model keeps none: it would hold the step's memory
                 e.release_sampler(training=False)
         return self.deferred
 
@@ -132,7 +134,9 @@ class _Run:
             if c.kind != SAMPLE:
                 self.open = False
             return "stop"
-        got = self.resolved.setdefault(c.request_id, self._resolve(c))
+        if c.request_id not in self.resolved:
+            self.resolved[c.request_id] = self._resolve(c)
+        got = self.resolved[c.request_id]
         if not isinstance(got, ShardfitError) and got[0] != self.key:
             return "pass"
         rows[0] += int(c.args["num_samples"])
@@ -143,9 +147,8 @@ class _Run:
             return
         rows = [self.sampling.rows]
         taken, passed = self.take(lambda c: self._decide(c, rows))
-        for c in list(self.resolved):
-            if c not in {t.request_id for t in taken}:
-                self.resolved.pop(c)  # passed: resolved again when its own run takes it
+        ids = {c.request_id for c in taken}
+        self.resolved = {r: v for r, v in self.resolved.items() if r in ids}  # a passed one: resolved by its own run
         if passed:
             self.open = False
         members = [m for m in (self._resolved(c) for c in taken) if m is not None]
@@ -184,7 +187,8 @@ class _Run:
             self.file(c, failure_result(err, c, 0), {})
         self.tickets, self.asking = {}, []
         try:
-            self.sampling.close(failed=True)
+            if self.sampling is not None:
+                self.sampling.close(failed=True)
         except Exception:  # noqa: BLE001 - its requests are answered; the next run starts from a fresh Sampler
             self.ex.engine.release_sampler(training=False)
 
