@@ -37,10 +37,10 @@ def _recording(filed: list) -> None:
 
     inner = Loop.file
 
-    def file(self, cmd, result, phases, batch=1):
+    def file(self, cmd, result, phases, batch=1, run=None):
         p = cmd.args.get("params") or {}
         filed.append((cmd.kind, p.get("max_tokens"), p.get("seed"), result.error))
-        return inner(self, cmd, result, phases, batch)
+        return inner(self, cmd, result, phases, batch, run)
 
     Loop.file = file
 

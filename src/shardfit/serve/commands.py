@@ -225,13 +225,15 @@ class Loop:
             self.file(c, out[c.request_id] if isinstance(out, dict) else out.parts[i] if out.parts else out, phases,
                       len(members))
 
-    def file(self, cmd: Command, result: Result, phases: dict[str, float], batch: int = 1) -> None:
-        """Rank 0: one request's answer filed (the `done` hook, its future, the log line)."""
+    def file(self, cmd: Command, result: Result, phases: dict[str, float], batch: int = 1,
+             run: int | None = None) -> None:
+        """Rank 0: one request's answer filed (the `done` hook, its future, the log line); `run`: the number of the
+        sample run it decoded in (one rank)."""
         if self.done is not None:
             self.done(cmd, result)
         if self.futures is not None:
             self.futures.complete(cmd.request_id, result, dict(phases))
-            self._log(cmd, result, batch)
+            self._log(cmd, result, batch, run)
 
     def take_samples(self, decide: Callable[[Command], str]) -> tuple[list[Command], bool]:
         """Rank 0, one rank: the ready samples a running sample run takes (Scheduler.take_ready: `decide` says
@@ -243,7 +245,7 @@ class Loop:
             self.futures.started(p.command.request_id)
         return [p.command for p in taken], passed
 
-    def _log(self, cmd: Command, result: Result, batch: int) -> None:
+    def _log(self, cmd: Command, result: Result, batch: int, run: int | None = None) -> None:
         t = self.futures.timing(cmd.request_id)
         if t is None:
             return
@@ -251,6 +253,6 @@ class Loop:
         extra = "".join(f", {k[:-2]} {v:.3f} s" for k, v in d.items()
                         if k.endswith("_s") and k not in ("queue_s", "run_s") and v is not None)
         status = f"error ({result.category})" if result.error else "ok"
-        together = f", in a batch of {batch}" if batch > 1 else ""
+        together = f", in a batch of {batch}" if batch > 1 else f", in sample run {run}" if run is not None else ""
         self.log(f"shardfit serve: {cmd.kind} {cmd.request_id}: {status}, queue {d['queue_s']:.3f} s, "
                  f"run {d['run_s']:.3f} s{extra}{together}")

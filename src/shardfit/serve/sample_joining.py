@@ -70,6 +70,7 @@ class _Run:
     def __init__(self, joining: SampleJoining, take: Callable, file: Callable):
         self.joining, self.ex, self.take, self.file = joining, joining.executor, take, file
         self.key = None  # the group the run decodes: sample_member's
+        self.number = 0  # which run of the server (from 1)
         self.sampling = None  # the SampleRun (or ScoredRun)
         self.asking: list[Command] = []  # being submitted: failed with the run if its submit raises
         self.open = True  # the intake goes on
@@ -93,6 +94,7 @@ class _Run:
                 self.ex.engine.release_sampler(training=False)
             self.sampling = rl.sample_run(tokenizer=tokenizer)
             self.joining._count(runs=1)
+            self.number = self.joining.counts()["runs"]  # the log line of each of its requests names it
             self._submit([m for m in members if m[0] == self.key])
             self._intake()
             while self.sampling.busy:
@@ -178,7 +180,7 @@ class _Run:
         now = time.perf_counter()
         for t, res in done:
             c, t0 = self.tickets.pop(t)
-            self.file(c, Result(proto=encode_sample(res)), {"sample": now - t0})
+            self.file(c, Result(proto=encode_sample(res)), {"sample": now - t0}, run=self.number)
         if done:
             self._rows()
 
