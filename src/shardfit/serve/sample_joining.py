@@ -57,6 +57,10 @@ class SampleJoining:
             for k, v in delta.items():
                 self._counts[k] += v
 
+    def _set_rows(self, rows: int) -> None:
+        with self._lock:
+            self._counts["rows_in_flight"] = rows
+
     def __call__(self, first: Command, take: Callable, file: Callable) -> None:
         """Runs until the run started by `first` (and any run of requests it deferred) has answered everything."""
         waiting = [first]
@@ -77,7 +81,7 @@ class _Run:
         self.decoded = False  # a step ran: later requests join a running batch
         self.tickets: dict[int, tuple[Command, float]] = {}  # ticket -> (its request, when it was submitted)
         self.deferred: list[Command] = []  # taken but not joinable: the next run's, first
-        self.resolved: dict[str, tuple] = {}  # request id -> sample_member's (key, member), or the error
+        self.resolved: dict[str, tuple | Exception] = {}  # request id -> sample_member's (key, member), or its error
 
     def run(self, first: list[Command]) -> list[Command]:
         """Decode `first` and what joins it; the requests to start the next run with."""
@@ -119,7 +123,7 @@ class _Run:
     def _resolved(self, c: Command) -> tuple | None:
         """(group key, member) of a request, or None after filing its failure (weights not held)."""
         got = self.resolved.pop(c.request_id, None) or self._resolve(c)
-        if isinstance(got, ShardfitError):
+        if isinstance(got, Exception):
             self.file(c, failure_result(got, c, 0), {})
             return None
         return got
@@ -127,7 +131,7 @@ class _Run:
     def _resolve(self, c: Command):
         try:
             return self.ex.sample_member(c)
-        except ShardfitError as err:
+        except Exception as err:  # noqa: BLE001 - a ShardfitError (its line), else a bug: the request fails alone
             return err
 
     def _decide(self, c: Command, rows: list[int]) -> str:
@@ -139,7 +143,7 @@ class _Run:
         if c.request_id not in self.resolved:
             self.resolved[c.request_id] = self._resolve(c)
         got = self.resolved[c.request_id]
-        if not isinstance(got, ShardfitError) and got[0] != self.key:
+        if not isinstance(got, Exception) and got[0] != self.key:
             return "pass"
         rows[0] += int(c.args["num_samples"])
         return "take"
@@ -195,6 +199,4 @@ class _Run:
             self.ex.engine.release_sampler(training=False)
 
     def _rows(self) -> None:
-        rows = sum(int(c.args["num_samples"]) for c, _ in self.tickets.values())
-        with self.joining._lock:
-            self.joining._counts["rows_in_flight"] = rows
+        self.joining._set_rows(sum(int(c.args["num_samples"]) for c, _ in self.tickets.values()))
