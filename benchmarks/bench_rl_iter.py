@@ -56,7 +56,14 @@ def server_cmd(a, run_dir: Path) -> list[str]:
 
 def batches(lines: list[str]) -> list[int]:
     """The sizes of the server's sample batches in these log lines (each request of a batch of n logs 'in a batch of
-    n'; a request alone logs none)."""
+    n'; a request alone logs none; on one rank each request of a sample run, serve/sample_joining.py, logs 'in
+    sample run R': the requests of each run)."""
+    runs: dict[str, int] = {}
+    for x in lines:
+        if x.startswith("shardfit serve: sample ") and (m := re.search(r"in sample run (\d+)", x)):
+            runs[m.group(1)] = runs.get(m.group(1), 0) + 1
+    if runs:
+        return list(runs.values())
     sizes = [int(m.group(1)) if (m := re.search(r"in a batch of (\d+)", x)) else 1
              for x in lines if x.startswith("shardfit serve: sample ")]
     out, i = [], 0

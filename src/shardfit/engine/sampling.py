@@ -24,6 +24,9 @@ graphs again (a few decode steps' time per bucket). With sampling.keep_kv the Sa
 commands too: nothing is rebuilt, but the pool's memory is not the training step's (lower sampling.kv_fraction so
 that both fit). A call with other options (kv_blocks, max_rows, ...) or a grown bank builds a new Sampler.
 
+Requests joining a running batch: Engine.sample_run (engine/sample_run.py's SampleRun, one rank only) is the
+streaming form, and sample is its one-shot form (prepare, add, wait: one implementation).
+
 Several ranks: every rank is given the same prompts (as every Engine call); the i-th request not refused decodes on
 rank i % world (data-parallel, no collective per token), and the results travel once at the end: each rank's
 results packed into a float64 vector whose length every rank computes from the requests alone (tokens and fp32
@@ -41,19 +44,11 @@ import math
 
 import torch
 
+from shardfit.engine.sample_run import SampleRun
 from shardfit.errors import ShardfitError
 from shardfit.sampling.lora_bank import BANK_SLOTS
 
 _STOP = ("stop", "length")  # a sample's stop_reason, coded as its index
-
-
-def _per_prompt(value, n: int, name: str) -> list:
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ShardfitError(f"{name} has {len(value)} entries for {n} prompts", where=name,
-                                fix="give one per prompt, or one for all")
-        return list(value)
-    return [value] * n
 
 
 class SamplingState:
@@ -93,35 +88,20 @@ class EngineSampling:
         had not been given (serve's batches of requests: each fails alone).
         sampler_options: the Sampler's (kv_fraction, kv_blocks, block_size, max_rows, prefill_chunk, attention,
         cuda_graphs); the Sampler is kept for the next call with the same options (_sampler)."""
-        from shardfit.sampling.params import SampleRequest
-
         if refused not in ("raise", "return"):
             raise ValueError(f"refused={refused!r}")  # a caller's bug, not input
-        n = len(prompts)
-        each = {name: _per_prompt(value, n, name) for name, value in (
-            ("params", params), ("num_samples", num_samples), ("prompt_logprobs", prompt_logprobs),
-            ("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs))}
-        errors: dict[int, ShardfitError] | None = {} if refused == "return" else None
-        keys = self._sample_keys(_per_prompt(model, n, "model"), _per_prompt(version, n, "version"), errors)
-        errors = errors or {}
-        self.finish()  # the weights after the last optim_step, every parameter its shard (no gathered copy)
-        if self.device.type == "cuda" and self._sampling_sampler is None:
-            torch.cuda.empty_cache()  # the training step's cached blocks: free memory for the gathered model, the pool
-        state = self._sampling_state(len(set(k for i, k in enumerate(keys) if k is not None and i not in errors)))
-        slot_of = self._load_slots(state, [k for i, k in enumerate(keys) if i not in errors])
-        reqs = [SampleRequest([t.item() if hasattr(t, "item") else t for t in p], each["params"][i],
-                              each["num_samples"][i], slot_of.get(keys[i], -1), each["prompt_logprobs"][i],
-                              each["topk_prompt_logprobs"][i], each["topk_sample_logprobs"][i])
-                for i, p in enumerate(prompts)]
-        sampler = self._sampler(state, tokenizer, sampler_options)
-        self._check_requests(sampler, reqs, errors)
+        run = SampleRun(self, tokenizer, sampler_options)
+        reqs, errors, _ = run.prepare(prompts, params, model=model, version=version, num_samples=num_samples,
+                                      prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+                                      topk_sample_logprobs=topk_sample_logprobs, refused=refused)
         if refused == "raise" and errors:
             raise errors[min(errors)]
+        n = len(prompts)
         good = [i for i in range(n) if i not in errors]
         rank, world = self.dist.rank, self.dist.world_size
         mine = [i for j, i in enumerate(good) if j % world == rank]
         try:
-            done = sampler.run([reqs[i] for i in mine]) if mine else []
+            done = run.wait([run.add(reqs[i]) for i in mine])
         except BaseException:
             self.release_sampler(training=False)  # what it held half-decoded must not meet the next call's requests
             raise
@@ -133,6 +113,12 @@ class EngineSampling:
         for i, res in zip(mine, done):
             out[i] = res
         return out
+
+    def sample_run(self, tokenizer=None, **sampler_options):
+        """The streaming form of sample, one rank only: a SampleRun (engine/sample_run.py) that requests are
+        submitted into between decode steps and collected from as their rows end. tokenizer and sampler_options as
+        sample's. Close it before the next training call."""
+        return SampleRun(self, tokenizer, sampler_options)
 
     # ------------------------------------------------------------------ the Sampler kept between calls
     _sampling_sampler = None  # (the Sampler, what it was built for) while kept
@@ -168,7 +154,7 @@ class EngineSampling:
         ranks the verdicts agreed in one all-reduce of a [n] vector before any rank decodes: a rank never waits in
         the results' gather for one that refused (their KV pools, sized from each GPU's free memory, may differ)."""
         for i, r in enumerate(reqs):
-            if i not in errors:
+            if i not in errors and r is not None:  # None: a request that waits for the next run (sample_run)
                 try:
                     sampler.check(r)
                 except ShardfitError as e:
@@ -182,9 +168,10 @@ class EngineSampling:
                     fix="ask for fewer new tokens, or give kv_blocks"))
 
     # ------------------------------------------------------------------ the decode model and its slots
-    def _sample_keys(self, models: list, versions: list, errors: dict | None = None) -> list[tuple | None]:
-        """Per prompt: what its rows decode with, as a cache key; None: the base alone (slot -1). A prompt that names
-        what is not held raises its one line, or with `errors` (prompt index -> error) is recorded there."""
+    def _sample_keys(self, models: list, versions: list, errors: dict | None = None) -> tuple[list, str | None]:
+        """(Per prompt: what its rows decode with, as a cache key, None: the base alone (slot -1); without LoRA the
+        one weights the call samples, for `using`, else None). A prompt that names what is not held raises its one
+        line, or with `errors` (prompt index -> error) is recorded there."""
         out: list[tuple | None] = []
         full: set = set()
         for i, (m, v) in enumerate(zip(models, versions)):
@@ -199,9 +186,7 @@ class EngineSampling:
             raise ShardfitError(f"one call samples {sorted(map(str, full))}: a full-parameter model's weights and "
                                 "versions are swapped into the model one at a time", where="Engine.sample",
                                 fix="sample each version (and the live weights) in a call of its own")
-        if full:
-            self.using(full.pop())  # its one-line refusal for what is not held; a version's weights swapped in
-        return out
+        return out, (full.pop() if full else None)
 
     def _sample_key(self, m, v, full: set) -> tuple | None:
         """One prompt's key (_sample_keys); a full-parameter model's name goes into `full` (key None)."""
@@ -257,9 +242,10 @@ class EngineSampling:
             st.epoch = (self.weights_epoch, self.models.current)
         return st
 
-    def _load_slots(self, st: SamplingState, keys: list[tuple | None]) -> dict[tuple, int]:
+    def _load_slots(self, st: SamplingState, keys: list[tuple | None], pinned: set = frozenset()) -> dict[tuple, int]:
         """Each distinct key of the call in a bank slot: kept ones where they are, the others loaded (the
-        registry's slot swapped to them and back; every rank the same loads in the same order)."""
+        registry's slot swapped to them and back; every rank the same loads in the same order). pinned: keys whose
+        slots are not to be taken (a SampleRun's requests decode with them)."""
         from shardfit.sampling.source import adapter_scale, adapter_tensors
 
         wanted = list(dict.fromkeys(k for k in keys if k is not None))  # first-seen order: the same on every rank
@@ -267,9 +253,9 @@ class EngineSampling:
         if missing:
             # slots to fill: empty ones, then those of adapters that can never be asked for again (a live model's
             # before its last step, a freed version), then the least recently loaded of the others
-            dead = [k for k in st.slots if (k[0] == "model" and k[2] != self.weights_epoch)
-                    or (k[0] == "version" and k[1] not in self.models.versions)]
-            others = [k for k in st.slots if k not in wanted and k not in dead]
+            dead = [k for k in st.slots if k not in pinned and ((k[0] == "model" and k[2] != self.weights_epoch)
+                    or (k[0] == "version" and k[1] not in self.models.versions))]
+            others = [k for k in st.slots if k not in wanted and k not in dead and k not in pinned]
             empty = [s for s in range(st.capacity) if s not in st.slots.values()]
             free = empty + [st.slots[k] for k in dead + others]
             back = self.models.current

@@ -35,7 +35,7 @@ from shardfit.rl.losses import (
 )
 from shardfit.rl.pack import datum_batches, plan_datums, unpack
 from shardfit.rl.preference import objective_of, pair_pass, pair_pass_many
-from shardfit.rl.trainer_logprobs import logprobs_mode, sample_scored_by_trainer
+from shardfit.rl.trainer_logprobs import ScoredRun, logprobs_mode, sample_scored_by_trainer
 
 
 class DatumEngine:
@@ -99,8 +99,19 @@ class DatumEngine:
         None: the config's sampling.logprobs."""
         if logprobs_mode(self.engine, logprobs) == "decode":
             return self.engine.sample(prompts, params, **kwargs)
-        scored = lambda datums, name: [o["logprobs"] for o in self.forward(datums, model=name).outputs]  # noqa: E731
-        return sample_scored_by_trainer(self.engine, scored, prompts, params, **kwargs)
+        return sample_scored_by_trainer(self.engine, self._scored, prompts, params, **kwargs)
+
+    def sample_run(self, *, logprobs: str | None = None, tokenizer=None, **sampler_options):
+        """Engine.sample_run's streaming form (engine/sample_run.py, one rank), with `logprobs` as sample's: under
+        "trainer" a ScoredRun (rl/trainer_logprobs.py: every request scored by this forward when the run closes)."""
+        run = self.engine.sample_run(tokenizer, **sampler_options)
+        if logprobs_mode(self.engine, logprobs) == "decode":
+            return run
+        return ScoredRun(self.engine, self._scored, run)
+
+    def _scored(self, datums: list[Datum], name: str | None) -> list[np.ndarray]:
+        """The trainer's log-probs [L] of each datum with `name` in the slot (sampling.logprobs=trainer)."""
+        return [o["logprobs"] for o in self.forward(datums, model=name).outputs]
 
     def optim_step(self, adam: AdamParams | None = None, model: str | None = None) -> dict[str, float]:
         """One AdamW step on the gradients accumulated since the last one, Tinker's metrics back."""

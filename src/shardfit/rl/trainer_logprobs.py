@@ -41,7 +41,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shardfit.engine.registry import BASE
-from shardfit.engine.sampling import _per_prompt
+from shardfit.engine.sample_run import per_prompt
 from shardfit.errors import ShardfitError
 from shardfit.rl.datum import Datum, make_datum
 
@@ -76,15 +76,11 @@ def sample_scored_by_trainer(engine, forward: Callable[[list[Datum], str | None]
     """Engine.sample(prompts, params, refused=refused, **options), then each result's log-probs replaced by
     `forward(datums, name)`'s (the per-datum [L] log-probs of DatumEngine.forward with `name` in the slot); see the
     module docstring. Refused prompts come back (or raise) as Engine.sample's do."""
-    prompts = [[int(t) for t in p] for p in prompts]
-    n = len(prompts)
-    each = {k: _per_prompt(options.pop(k, default), n, k) for k, default in _PER_PROMPT.items()}
-    each_params = _per_prompt(params, n, "params")
-    errors = _too_long(prompts, each_params, engine.datum_budget())
+    prompts, each, each_params, errors, names = _prepared(engine, prompts, params, options)
     if errors and refused == "raise":
         raise errors[min(errors)]
+    n = len(prompts)
     keep = [i for i in range(n) if i not in errors]
-    names = [_scored_name(engine, each["model"][i], each["version"][i]) for i in range(n)]
     back = engine.models.current
     try:
         full = {names[i] for i in keep}
@@ -101,6 +97,75 @@ def sample_scored_by_trainer(engine, forward: Callable[[list[Datum], str | None]
         _restore(engine, back)
     return out
 
+
+def _prepared(engine, prompts: list, params, options: dict) -> tuple:
+    """(prompts as ints, the per-prompt options popped from `options` as lists, params per prompt, the prompts too
+    long to score {index: error}, each prompt's scored name)."""
+    prompts = [[int(t) for t in p] for p in prompts]
+    n = len(prompts)
+    each = {k: per_prompt(options.pop(k, default), n, k) for k, default in _PER_PROMPT.items()}
+    each_params = per_prompt(params, n, "params")
+    errors = _too_long(prompts, each_params, engine.datum_budget())
+    names = [_scored_name(engine, each["model"][i], each["version"][i]) for i in range(n)]
+    return prompts, each, each_params, errors, names
+
+
+class ScoredRun:
+    """Engine.sample_run (engine/sample_run.py) under sampling.logprobs=trainer, the same calls: requests join and
+    decode as in `run`, and their log-probs are the trainer's, computed at the run's END: `collect` returns nothing
+    and `close` ends the run (its Sampler dropped or kept first: the forward's activations need the memory) and then
+    scores every request of the run, one forward per model or version as sample_scored_by_trainer does, and returns
+    them all. (Scored as each ends instead, every forward would meet the Sampler's KV pool in memory.)"""
+
+    answers_at_end = True
+
+    def __init__(self, engine, forward: Callable[[list[Datum], str | None], list[np.ndarray]], run):
+        self.engine, self.forward, self.run = engine, forward, run
+        self.back = engine.models.current
+        self._asked: dict[int, tuple[list[int], str]] = {}  # ticket -> (prompt, its scored name)
+        self._done: list[tuple[int, object]] = []
+
+    def submit(self, prompts: list, params, **options) -> list:
+        """SampleRun.submit's, a prompt too long to score refused alone first (_too_long)."""
+        prompts, each, each_params, errors, names = _prepared(self.engine, prompts, params, options)
+        keep = [i for i in range(len(prompts)) if i not in errors]
+        got = self.run.submit([prompts[i] for i in keep], [each_params[i] for i in keep],
+                              **{k: [v[i] for i in keep] for k, v in each.items()}) if keep else []
+        out: list = [errors.get(i) for i in range(len(prompts))]
+        for i, t in zip(keep, got):
+            out[i] = t
+            if isinstance(t, int):
+                self._asked[t] = (prompts[i], names[i])
+        return out
+
+    def step(self, steps: int | None = None) -> None:
+        self.run.step(steps)
+
+    def collect(self) -> list:
+        self._done += self.run.collect()
+        return []
+
+    @property
+    def busy(self) -> bool:
+        return self.run.busy
+
+    @property
+    def rows(self) -> int:
+        return self.run.rows
+
+    def close(self, failed: bool = False) -> list[tuple[int, object]]:
+        """End the run, then score what it sampled; (ticket, SampleResult) of every request collected (none when
+        the run `failed`)."""
+        self._done += self.run.collect()
+        self.run.close(failed)
+        # in submission order: the one forward over the same datums as Engine.sample's in the same order would score
+        done, self._done = ([], []) if failed else (sorted(self._done, key=lambda d: d[0]), [])
+        try:
+            _rescore([r for _, r in done], [self._asked[t][0] for t, _ in done], [self._asked[t][1] for t, _ in done],
+                     self.forward)
+        finally:
+            _restore(self.engine, self.back)
+        return done
 
 
 def _scored_name(engine, model, version) -> str:

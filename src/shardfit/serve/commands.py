@@ -20,6 +20,9 @@ BATCH_ROWS rows (num_samples summed), and broadcasts them as one `sample_batch` 
 one Engine.sample call per Engine (the trained one, each served extra model; without LoRA one per weights, which are
 swapped in one at a time); each request's Result is filed under its own request id, and one the Engine refuses
 fails alone with its line (Engine.sample's refused="return").
+On one rank (`join`, set by server.py) a sample instead starts a sample run (serve/sample_joining.py): the samples
+ready behind it and those that become ready while it decodes join its decode batch between chunks of steps, each
+answered when its own rows end; the run's intake ends at the first ready command that is not a sample.
 Once the scheduler is closed (SIGINT / SIGTERM), rank 0 broadcasts `stop` after the command in hand, carrying the stop
 line every rank raises (server.py): every rank leaves at the same command.
 """
@@ -46,8 +49,9 @@ from shardfit.serve.protocol import WireDatum
 NOOP, STOP, SAMPLE, SAMPLE_BATCH = "noop", "stop", "sample", "sample_batch"
 # several models' requests of one kind (forward, or forward_backward) in one pass: args {"parts": [Command]}
 MANY = "forward_backward_many"
-# Rows (num_samples summed) of one batch of sample requests: the Sampler's max_rows (256, the rows that decode at once)
-# x 4, so that rows finishing make room for waiting ones within one call; a request alone may reach it.
+# Rows (num_samples summed) of one batch of sample requests (on one rank: of a sample run's requests in flight): the
+# Sampler's max_rows (256, the rows that decode at once) x 4, so that rows finishing make room for waiting ones within
+# one call; a request alone may reach it.
 BATCH_ROWS = 1024
 SPACE_FIX = "free space there: the server and its models keep running, and the same request works once it is freed"
 
@@ -172,13 +176,15 @@ class Loop:
     done: Callable[[Command, Result], None] | None = None
     stop_args: Callable[[], dict] | None = None
     combine: Callable[[object], Command] | None = None  # rank 0: a ready Pending -> its command, or a MANY of several
+    # one rank: join(first sample, take_samples, file) runs a sample run that later samples join (sample_joining.py)
+    join: Callable | None = None
 
     def next_command(self) -> Command:
         """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
         pending = self.scheduler.next(self.idle_s)
         if pending is not None:
             if pending.command.kind == SAMPLE:
-                return batch_samples(pending.command, self.scheduler)
+                return pending.command if self.join is not None else batch_samples(pending.command, self.scheduler)
             return self.combine(pending) if self.combine is not None else pending.command
         if self.scheduler.closed:
             return Command(STOP, args=self.stop_args() if self.stop_args is not None else {})
@@ -192,6 +198,10 @@ class Loop:
             if cmd.kind == STOP:
                 return cmd
             if cmd.kind == NOOP:
+                continue
+            if cmd.kind == SAMPLE and self.join is not None:  # one rank: no broadcast to keep in step
+                self.futures.started(cmd.request_id)
+                self.join(cmd, self.take_samples, self.file)
                 continue
             self.step(cmd)
 
@@ -212,14 +222,30 @@ class Loop:
             out = failure_result(e, cmd, self.rank, self.needed(cmd) if self.needed is not None else None)
         phases.setdefault("run", time.perf_counter() - t0)
         for i, c in enumerate(members):
-            result = out[c.request_id] if isinstance(out, dict) else out.parts[i] if out.parts else out
-            if self.done is not None:
-                self.done(c, result)
-            if self.futures is not None:
-                self.futures.complete(c.request_id, result, dict(phases))
-                self._log(c, result, len(members))
+            self.file(c, out[c.request_id] if isinstance(out, dict) else out.parts[i] if out.parts else out, phases,
+                      len(members))
 
-    def _log(self, cmd: Command, result: Result, batch: int) -> None:
+    def file(self, cmd: Command, result: Result, phases: dict[str, float], batch: int = 1,
+             run: int | None = None) -> None:
+        """Rank 0: one request's answer filed (the `done` hook, its future, the log line); `run`: the number of the
+        sample run it decoded in (one rank)."""
+        if self.done is not None:
+            self.done(cmd, result)
+        if self.futures is not None:
+            self.futures.complete(cmd.request_id, result, dict(phases))
+            self._log(cmd, result, batch, run)
+
+    def take_samples(self, decide: Callable[[Command], str]) -> tuple[list[Command], bool]:
+        """Rank 0, one rank: the ready samples a running sample run takes (Scheduler.take_ready: `decide` says
+        take, pass or stop of each ready command from the head), marked started; and whether one was passed."""
+        if self.scheduler.closed:  # stopping: the run finishes what it holds, then `stop` goes out
+            return [], False
+        taken, passed = self.scheduler.take_ready(lambda p: decide(p.command))
+        for p in taken:
+            self.futures.started(p.command.request_id)
+        return [p.command for p in taken], passed
+
+    def _log(self, cmd: Command, result: Result, batch: int, run: int | None = None) -> None:
         t = self.futures.timing(cmd.request_id)
         if t is None:
             return
@@ -227,6 +253,6 @@ class Loop:
         extra = "".join(f", {k[:-2]} {v:.3f} s" for k, v in d.items()
                         if k.endswith("_s") and k not in ("queue_s", "run_s") and v is not None)
         status = f"error ({result.category})" if result.error else "ok"
-        together = f", in a batch of {batch}" if batch > 1 else ""
+        together = f", in a batch of {batch}" if batch > 1 else f", in sample run {run}" if run is not None else ""
         self.log(f"shardfit serve: {cmd.kind} {cmd.request_id}: {status}, queue {d['queue_s']:.3f} s, "
                  f"run {d['run_s']:.3f} s{extra}{together}")

@@ -16,6 +16,8 @@ SDK's `forward`: reference or old-policy log-probs), in passes of their own: one
 forward_backward, never both (a forward's pass has no backward to share, and a model's oldest ready request is the
 only one that may join, so neither kind overtakes the other within a model). A pass refused as a whole (bad input of
 one request) is run again request by request, so that each gets its own answer.
+On one rank sample requests do not come as sample_batch commands: the loop runs them as sample runs that later
+requests join (serve/sample_joining.py, with sample_member, sampling_engine and sample_arguments from here).
 Paths in a command were resolved inside the run directory by rank 0
 (serve.security) before the broadcast. Timings go back with the answer: fwd/bwd metrics carry the server's queue wait
 and compute time as "server_queue_s:max" and "server_compute_s:sum" (the SDK sums or maxes them over chunks).
@@ -309,26 +311,15 @@ class Executor:
         Engine's before it, so that neither KV pool holds the memory the other's (or a training step) needs. The call
         goes through the RL API's sample (rl/step.py): with sampling.logprobs=trainer (the server's config; the SDK's
         request has no such field) the returned log-probs are the trainer's forward over the samples."""
-        from shardfit.engine.registry import BASE
-
         results: dict[str, Result] = {}
         groups: dict[tuple, list] = {}  # (served model or "", full-parameter weights or None) -> its requests
         for c in cmd.members():
-            a = dict(c.args)
-            served = a.pop("served", None)
             try:
-                weights = self.sampler_weights(a)
+                key, member = self.sample_member(c)
             except ShardfitError as e:
                 results[c.request_id] = failure_result(e, c, self.rank)
                 continue
-            model = version = None
-            if not served and self.registry is not None:  # an extra served model samples its own (frozen) weights
-                if weights == BASE or weights in self.registry.versions:
-                    version = weights
-                else:
-                    model = weights
-            key = (served or "", None if served or self.lora else weights)
-            groups.setdefault(key, []).append((c, a, model, version))
+            groups.setdefault(key, []).append(member)
         t0 = time.perf_counter()
         for (served, _), members in groups.items():
             try:
@@ -344,29 +335,52 @@ class Executor:
                     results[c.request_id] = Result(proto=encode_sample(res) if self.rank == 0 else None)
         return results, {"sample": time.perf_counter() - t0}
 
+    def sample_member(self, c: Command) -> tuple[tuple, tuple]:
+        """(the group it decodes in: (served model or "", full-parameter weights or None), (command, its args, model,
+        version) for Engine.sample) of one sample request; a ShardfitError when its weights are not held."""
+        from shardfit.engine.registry import BASE
+
+        a = dict(c.args)
+        served = a.pop("served", None)
+        weights = self.sampler_weights(a)
+        model = version = None
+        if not served and self.registry is not None:  # an extra served model samples its own (frozen) weights
+            if weights == BASE or weights in self.registry.versions:
+                version = weights
+            else:
+                model = weights
+        return (served or "", None if served or self.lora else weights), (c, a, model, version)
+
+    def sampling_engine(self, served: str):
+        """(the Engine a group samples, rank 0's tokenizer, its RL API: sampling.logprobs=trainer scores with it)."""
+        e, tokenizer = self.served[served] if served else (self.engine, self.tokenizer)
+        return e, tokenizer, self.rl if e is self.engine else _datum_engine(e)
+
     def _sample_group(self, served: str, members: list) -> list:
         """One Engine.sample call for the group's requests [(command, args, model, version)]: per request its
         SampleResult, or the ShardfitError that refused it."""
-        e, tokenizer = self.served[served] if served else (self.engine, self.tokenizer)
+        e, tokenizer, rl = self.sampling_engine(served)
         if served:  # one Sampler kept per server, the trained Engine's: its KV pool would be the served model's memory
             self.engine.release_sampler(training=False)
         try:
-            return self._sample_call(e, tokenizer, members)
+            prompts, params, options = sample_arguments(members)
+            return rl.sample(prompts, params, **options, tokenizer=tokenizer, refused="return")
         finally:
             if served:  # a frozen extra model keeps none: its pool would hold the training step's memory for good
                 e.release_sampler(training=False)
 
-    def _sample_call(self, e, tokenizer, members: list) -> list:
-        from shardfit.sampling.params import SamplingParams
 
-        args = [a for _, a, _, _ in members]
-        params = [SamplingParams(p["max_tokens"], p["temperature"], p["top_k"], p["top_p"], p["seed"],
-                                 tuple(p["stop_tokens"]), tuple(p["stop_strings"]))
-                  for p in (a["params"] for a in args)]
-        rl = self.rl if e is self.engine else _datum_engine(e)  # sampling.logprobs=trainer: its forward scores them
-        return rl.sample([a["prompt"] for a in args], params, model=[m for _, _, m, _ in members],
-                        version=[v for _, _, _, v in members], num_samples=[a["num_samples"] for a in args],
-                        prompt_logprobs=[a["prompt_logprobs"] for a in args],
-                        topk_prompt_logprobs=[a["topk_prompt_logprobs"] for a in args],
-                        topk_sample_logprobs=[a["topk_sample_logprobs"] for a in args], tokenizer=tokenizer,
-                        refused="return")
+def sample_arguments(members: list) -> tuple[list, list, dict]:
+    """(prompts, SamplingParams, the per-prompt options) of Engine.sample (or SampleRun.submit) for requests
+    [(command, args, model, version)]."""
+    from shardfit.sampling.params import SamplingParams
+
+    args = [a for _, a, _, _ in members]
+    params = [SamplingParams(p["max_tokens"], p["temperature"], p["top_k"], p["top_p"], p["seed"],
+                             tuple(p["stop_tokens"]), tuple(p["stop_strings"]))
+              for p in (a["params"] for a in args)]
+    return [a["prompt"] for a in args], params, {
+        "model": [m for _, _, m, _ in members], "version": [v for _, _, _, v in members],
+        "num_samples": [a["num_samples"] for a in args], "prompt_logprobs": [a["prompt_logprobs"] for a in args],
+        "topk_prompt_logprobs": [a["topk_prompt_logprobs"] for a in args],
+        "topk_sample_logprobs": [a["topk_sample_logprobs"] for a in args]}

@@ -8,6 +8,8 @@ are ready at once. Ready commands run in the order they became ready. A seq_id r
 `take_following` hands the loop the ready commands right behind the one it took, while they are of a kind that runs
 together (sample requests, batched into one Engine.sample call): never past another command, so nothing overtakes
 what became ready before it (a sample never runs before the optim_step, snapshot or sampler_load ahead of it).
+On one rank a sample run takes more samples while it decodes (`take_ready`, serve/sample_joining.py), by the same
+rule: never past another command.
 """
 
 from __future__ import annotations
@@ -109,6 +111,24 @@ class Scheduler:
             while self._ready and fits(self._ready[0]):
                 out.append(self._ready.pop(0))
         return out
+
+    def take_ready(self, decide: Callable[[Pending], str]) -> tuple[list[Pending], bool]:
+        """The ready commands `decide` takes, walking from the head in order: "take" (removed and returned), "pass"
+        (left where it is; the walk goes on) or "stop" (the walk ends there, that one first still). (taken, whether
+        one was passed). A running sample run's intake (serve/sample_joining.py): it stops at any command that is
+        not a sample, so nothing overtakes a command, and passes samples only (of other weights: the next run's)."""
+        taken, passed = [], False
+        with self._cond:
+            for p in list(self._ready):
+                verdict = decide(p)
+                if verdict == "stop":
+                    break
+                if verdict == "take":
+                    taken.append(p)
+                    self._ready.remove(p)
+                else:
+                    passed = True
+        return taken, passed
 
     def take_together(self, first: Pending, joins) -> list[Pending]:
         """The ready commands that run in one pass with `first` (just taken: serve/executor.py's `combine`): of

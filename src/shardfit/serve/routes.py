@@ -362,4 +362,5 @@ def _future_and_checkpoint_routes(app: FastAPI, st: ServerState) -> None:
     @app.get(V1 + "/shardfit/status")
     async def status(request: Request):
         release_expired(st)
-        return {"queue": st.scheduler.depth(), "held": st.held(), **st.futures.snapshot(request.state.principal)}
+        return {"queue": st.scheduler.depth(), "held": st.held(), "sampling": st.sampling(),
+                **st.futures.snapshot(request.state.principal)}

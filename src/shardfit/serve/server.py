@@ -29,6 +29,7 @@ from shardfit.errors import ShardfitError, Stopped
 from shardfit.serve.app import build_app
 from shardfit.serve.commands import Loop
 from shardfit.serve.executor import Executor
+from shardfit.serve.sample_joining import SampleJoining
 from shardfit.serve.security import setup_api_key
 from shardfit.serve.served import served_configs, start_served
 from shardfit.serve.state import ModelFacts, ServerState
@@ -154,6 +155,9 @@ def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_k
     loop = Loop(executor, 0, engine.dist.world_size, comm_device(engine), state.scheduler, state.futures,
                 needed=executor.space_needed, done=state.note_done,
                 combine=lambda pending: executor.combine(pending, state.scheduler))
+    if engine.dist.world_size == 1 and hasattr(executor.rl, "sample_run"):  # samples join a running batch
+        loop.join = SampleJoining(executor)
+        state.sampling = loop.join.counts
     server, thread, bound = start_http(state, host, port)
     return Serving(state, loop, server, thread, f"http://{'[' + host + ']' if ':' in host else host}:{bound}",
                    lock)

@@ -130,6 +130,7 @@ class ServerState:
         self.samplers: dict[str, dict] = {}
         self._idem: OrderedDict[str, dict] = OrderedDict()
         self.held = dict  # () -> the Engine's models and versions held (the executor's registry summary)
+        self.sampling = dict  # () -> one rank's sample-run counters (serve/sample_joining.py); {} on N ranks
         self.bugs = 0  # requests that raised what no check foresaw (app.py answers them 400, never 5xx)
 
     # ------------------------------------------------------------------ sessions and models

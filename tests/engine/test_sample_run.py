@@ -1,0 +1,108 @@
+"""Engine.sample_run (engine/sample_run.py), the streaming form of Engine.sample, on one CPU rank:
+- a short request submitted while a long one decodes is collected first, and each gets what it gets alone from
+  Engine.sample (seeded: the same tokens, log-probs within fp32 rounding); a request refused in the middle (too
+  long) comes back as its one line and disturbs nothing;
+- the run's adapters keep their bank slots: once every slot is the run's, a request of another version cannot join
+  (None) and the next run samples it as Engine.sample does;
+- under sampling.logprobs=trainer (the RL API's sample_run: rl/trainer_logprobs.py's ScoredRun) nothing is
+  collected before the run closes, and close returns the trainer-scored results DatumEngine.sample returns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.helpers import SMALL, random_datums
+
+ARGS = [*SMALL, "--model.max_seq_len=128", "--train.device=cpu", "--train.micro_batch_tokens=128",
+        "--logging.run_dir=", "--lora.rank=4"]
+KV = {"kv_blocks": 64, "block_size": 8}  # CPU: no free-memory query, the pool given
+
+
+def _params(max_tokens: int, seed: int):
+    from shardfit.sampling.params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
+
+
+def _flat(results) -> tuple[list, list]:
+    return ([s.tokens for r in results for s in r.samples],
+            [x for r in results for s in r.samples for x in s.logprobs])
+
+
+def _same(a, b) -> None:
+    assert _flat(a)[0] == _flat(b)[0]
+    np.testing.assert_allclose(_flat(a)[1], _flat(b)[1], rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from shardfit.config import load_config
+    from shardfit.rl import AdamParams, DatumEngine
+
+    e = DatumEngine.start(load_config(None, ARGS))
+    e.forward_backward(random_datums(1, 3), "cross_entropy", model="default")
+    e.optim_step(AdamParams(learning_rate=5e-2), model="default")
+    return e
+
+
+def test_a_request_joins_a_running_one_is_collected_first_and_gets_what_it_gets_alone(engine):
+    from shardfit.errors import ShardfitError
+
+    long, short, bad = ([5, 6, 7], _params(60, 1)), ([8, 9], _params(3, 2)), ([1] * 127, _params(5, 3))
+    run = engine.sample_run(**KV)
+    [t_long] = run.submit([long[0]], long[1], num_samples=2)
+    order = []
+    for _ in range(3):
+        run.step()
+    assert run.busy and run.rows == 2 and not run.collect()  # the long one decodes, nothing has ended
+    t_short, refused = run.submit([short[0], bad[0]], [short[1], bad[1]])
+    assert isinstance(refused, ShardfitError) and refused.where == "sampling_params.max_tokens"
+    got = {}
+    while run.busy:
+        run.step()
+        for t, res in run.collect():
+            order.append(t)
+            got[t] = res
+    run.close()
+    assert order == [t_short, t_long]
+    assert [len(s.tokens) for s in got[t_long].samples] == [60, 60]
+    _same([got[t_long]], engine.sample([long[0]], long[1], num_samples=2, **KV))
+    _same([got[t_short]], engine.sample([short[0]], short[1], **KV))
+
+
+def test_a_version_finds_no_slot_beside_the_runs_and_waits_for_the_next_run(engine):
+    versions = [engine.freeze("default") for _ in range(engine._sampling.capacity + 1)]
+    prompt = [3, 1, 4]
+    run = engine.sample_run(**KV)
+    tickets = run.submit([prompt] * (len(versions) - 1), _params(4, 7), version=versions[:-1])
+    assert all(isinstance(t, int) for t in tickets)
+    assert run.submit([prompt], _params(4, 7), version=versions[-1]) == [None]  # every slot is the run's
+    while run.busy:
+        run.step()
+        run.collect()
+    run.close()
+    nxt = engine.sample_run(**KV)
+    [t] = nxt.submit([prompt], _params(4, 7), version=versions[-1])
+    done = []
+    while nxt.busy:
+        nxt.step()
+        done += nxt.collect()
+    nxt.close()
+    assert [d[0] for d in done] == [t]
+    _same([done[0][1]], engine.sample([prompt], _params(4, 7), version=versions[-1], **KV))
+
+
+def test_under_trainer_logprobs_the_run_is_scored_when_it_closes(engine):
+    prompts, params = [[5, 6, 7], [8, 9]], [_params(6, 11), _params(3, 12)]
+    run = engine.sample_run(logprobs="trainer", **KV)
+    tickets = run.submit(prompts[:1], params[:1], num_samples=2)
+    run.step()
+    tickets += run.submit(prompts[1:], params[1:])
+    while run.busy:
+        run.step()
+        assert run.collect() == []  # answered at the run's end
+    got = dict(run.close())
+    expected = engine.sample(prompts, params, num_samples=[2, 1], logprobs="trainer", **KV)
+    assert _flat([got[t] for t in tickets]) == _flat(expected)  # bit for bit: the same forward over the same datums
