@@ -10,8 +10,9 @@ T = M x bs keys per row.
   padding and the unwritten tail of the last block (they lie past p).
 - "flex" (CUDA): the same gathered keys through FlexAttention with the rule as its mask_mod, compiled once; it skips
   the work of masked key blocks (a long table with short rows) that SDPA's dense mask pays for. The gather itself is
-  the same, so both paths read the same bytes; which is faster at which shape is measured on the device
-  (benchmarks/README.md), the default stays gather.
+  the same, so both paths read the same bytes (measured against each other in benchmarks/README.md).
+- "triton" (CUDA with Triton; the Sampler's default there, "auto"): decoding reads each row's keys in place through
+  its table (kernels/paged_attention.py), once instead of three times; a prefill chunk takes the gather path.
 """
 
 from __future__ import annotations

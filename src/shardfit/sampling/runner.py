@@ -36,6 +36,8 @@ import random
 import torch
 
 from shardfit.errors import ShardfitError
+from shardfit.kernels.gumbel_draw import available as draw_kernel_runs
+from shardfit.kernels.paged_attention import available as paged_kernel_runs
 from shardfit.sampling.graphs import DecodeGraphs, bucket, capturable
 from shardfit.sampling.kv import BLOCK_SIZE, PagedKV, blocks_for_memory
 from shardfit.sampling.params import Sampled, SampleRequest, SampleResult, check_request
@@ -64,29 +66,28 @@ class SampleHandle:
 
 class Sampler:
     def __init__(self, model, *, kv_blocks: int | None = None, kv_fraction: float = 0.9, block_size: int = BLOCK_SIZE,
-                 max_rows: int = 256, prefill_chunk: int = 512, attention: str = "gather", cuda_graphs: bool = True,
+                 max_rows: int = 256, prefill_chunk: int = 512, attention: str = "auto", cuda_graphs: bool = True,
                  bank=None, tokenizer=None, check_every: int = 8, fused_draw: bool = True):
         for name, value, low in (("kv_blocks", kv_blocks, 1), ("block_size", block_size, 1), ("max_rows", max_rows, 1),
                                  ("prefill_chunk", prefill_chunk, 1), ("check_every", check_every, 1)):
             if value is not None and (not isinstance(value, int) or value < low):
                 raise ShardfitError(f"{name}={value!r} is out of range", where=f"Sampler({name}=...)",
                                     fix=f"give an integer >= {low}")
-        if attention not in ("gather", "flex", "triton"):
+        if attention not in ("auto", "gather", "flex", "triton"):
             raise ShardfitError(f"attention={attention!r} is not a paged attention path",
-                                where="Sampler(attention=...)", fix="give gather (any device), flex (CUDA) or "
-                                "triton (CUDA: kernels/paged_attention.py for decoding)")
+                                where="Sampler(attention=...)", fix="give auto (triton where it runs, else gather), "
+                                "gather (any device), flex (CUDA) or triton (CUDA: kernels/paged_attention.py)")
         if not 0 < kv_fraction <= 1:
             raise ShardfitError(f"kv_fraction={kv_fraction} is outside (0, 1]", where="Sampler(kv_fraction=...)",
                                 fix="give the share of the free memory the KV cache may take, e.g. 0.9")
-        if attention == "triton":
-            from shardfit.kernels.paged_attention import available
-
-            if not available(model.lm_head.weight):
-                raise ShardfitError("attention=triton needs CUDA and Triton", where="Sampler(attention=...)",
-                                    fix="give gather (any device)")
+        weight = model.lm_head.weight
+        if attention == "auto":  # the kernel reads each cached key once; the gather path three times
+            attention = "triton" if weight.is_cuda and paged_kernel_runs(weight) else "gather"
+        if attention == "triton" and not paged_kernel_runs(weight):
+            raise ShardfitError("attention=triton needs CUDA and Triton", where="Sampler(attention=...)",
+                                fix="give gather (any device)")
         self.model, self.bank, self.tokenizer = model, bank, tokenizer
         self.cfg = model.cfg
-        weight = model.lm_head.weight
         self.device, dtype = weight.device, weight.dtype
         if kv_blocks is None:
             if self.device.type == "cuda":
@@ -96,10 +97,8 @@ class Sampler:
                 kv_blocks = CPU_KV_TOKENS // block_size
         self.kv = PagedKV(self.cfg, kv_blocks, block_size, dtype, self.device, attention)
         self.max_rows, self.prefill_chunk, self.check_every = max_rows, prefill_chunk, check_every
-        from shardfit.kernels.gumbel_draw import available as draw_kernel
-
         self.st = RowState(max_rows, self.kv.blocks_for(self.cfg.max_seq_len), self.kv.trash, self.device,
-                           fused_draw=fused_draw and self.device.type == "cuda" and draw_kernel(weight))
+                           fused_draw=fused_draw and self.device.type == "cuda" and draw_kernel_runs(weight))
         self.sched = Scheduler(self.kv.allocator, block_size, max_rows)
         graphs = cuda_graphs and self.device.type == "cuda" and attention in ("gather", "triton") and capturable(model)
         # the step holds the model, pool and state, not the Sampler: no reference cycle, so that dropping the
