@@ -91,7 +91,7 @@ class RowState:
         done = ~valid | stop | (n_gen >= self.max_tokens[slots])
         self.last_token[slots] = tokens
         self.position[slots] = pos  # the next input is this token, at this position
-        self.position[self.pad] = 0  # the padding slot's would run on with every padded step: kept at 0
+        self.position[self.pad:].zero_()  # the padding slot (the last) would run on: kept at 0 (no host value: capturable)
         self.n_gen[slots] = n_gen
         self.done[slots] = done
         return tokens, logp, valid, done, top
