@@ -246,3 +246,22 @@ def test_dropping_a_sampler_frees_its_kv_pool_at_once(model):
         assert whole() is None and pool() is None
     finally:
         gc.enable()
+
+
+def test_fused_norms_are_set_on_the_instances_and_undone(model):
+    """step.set_fused_norms patches the model's RMSNorm instances (not the class) and takes the patch back; where the
+    kernel does not run (the CPU, or grad enabled) a patched norm is the torch ops, bit for bit."""
+    from shardfit.models.decoder import RMSNorm
+    from shardfit.sampling.step import set_fused_norms
+
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    x = torch.randn(2, 3, norms[-1].weight.shape[0])
+    want = norms[-1](x)
+    set_fused_norms(model, True)
+    try:
+        assert all("forward" in m.__dict__ for m in norms) and "forward" not in RMSNorm(4, 1e-6).__dict__
+        with torch.no_grad():
+            assert torch.equal(norms[-1](x), want)
+    finally:
+        set_fused_norms(model, False)
+    assert not any("forward" in m.__dict__ for m in norms)

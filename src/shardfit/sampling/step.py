@@ -17,9 +17,13 @@ after it, and the top-k (log-probs, ids) [B, k] when asked.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from shardfit.kernels.gumbel_draw import gumbel_draw
+from shardfit.kernels.rms_norm import rms_norm
+from shardfit.models.decoder import RMSNorm
 from shardfit.sampling.kv import PagedKV
 from shardfit.sampling.sample import choose, row_keys, token_logprobs
 
@@ -91,7 +95,7 @@ class RowState:
         done = ~valid | stop | (n_gen >= self.max_tokens[slots])
         self.last_token[slots] = tokens
         self.position[slots] = pos  # the next input is this token, at this position
-        self.position[self.pad:].zero_()  # the padding slot (the last) would run on: kept at 0 (no host value: capturable)
+        self.position[self.pad:].zero_()  # the padding slot (the last) would run on: kept at 0, capturably
         self.n_gen[slots] = n_gen
         self.done[slots] = done
         return tokens, logp, valid, done, top
@@ -132,3 +136,20 @@ def prefill_forward(model, kv: PagedKV, ids: torch.Tensor, positions: torch.Tens
     if bank is not None:
         bank.set_rows(adapters)
     return model.model(ids, cache=kv)
+
+
+def _decode_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() or not x.is_cuda:  # training through the same module keeps autograd's ops
+        return RMSNorm.forward(norm, x)
+    return rms_norm(x, norm.weight, norm.eps)
+
+
+def set_fused_norms(model, on: bool) -> None:
+    """The model's RMSNorm layers run kernels/rms_norm.py when decoding (CUDA, no grad: one kernel instead of seven a
+    norm), or (on=False) their torch ops again. Per module instance: the decode model only, never the class."""
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            if on:
+                m.forward = functools.partial(_decode_norm, m)
+            else:
+                m.__dict__.pop("forward", None)
