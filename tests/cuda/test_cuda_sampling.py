@@ -72,17 +72,17 @@ def test_the_fused_draw_gives_the_torch_draws_tokens_and_logprobs():
 
 
 def test_the_fused_norms_give_the_torch_norms_tokens_and_leave_training_alone():
-    """kernels/rms_norm.py in the decode model's RMSNorm layers (fused_norm, the default) against their torch ops;
+    """kernels/rms_norm.py in the decode model's RMSNorm layers (fused_norm=True) against their torch ops;
     with grad enabled the same module runs autograd's ops (a backward through it works)."""
     pytest.importorskip("triton")
     model = tiny_model().cuda()
-    got = Sampler(model, kv_blocks=256, block_size=16).run(_requests())
+    got = Sampler(model, kv_blocks=256, block_size=16, fused_norm=True).run(_requests())
     assert "forward" in model.model.norm.__dict__  # patched on the instance
-    want = Sampler(model, kv_blocks=256, block_size=16, fused_norm=False).run(_requests())
+    want = Sampler(model, kv_blocks=256, block_size=16).run(_requests())
     assert "forward" not in model.model.norm.__dict__
     for g, w in zip(got, want):
         assert [s.tokens for s in g.samples] == [s.tokens for s in w.samples]
-    Sampler(model, kv_blocks=16, block_size=16)
+    Sampler(model, kv_blocks=16, block_size=16, fused_norm=True)
     x = torch.randn(2, 3, model.cfg.dim, device="cuda", requires_grad=True)
     model.model.norm(x).sum().backward()
     assert x.grad is not None

@@ -21,8 +21,9 @@ check_every wasted tokens) so that the device never waits for the host.
 
 The draw (sample.py) on CUDA with Triton: rows without top-k/top-p and without top-k log-probs asked take the
 fused kernel (kernels/gumbel_draw.py: one read of the logits for the token and its log-prob; `fused_draw=False`
-keeps the torch ops, the same tokens but for ties within a rounding of the device's log); the model's RMSNorm layers
-run kernels/rms_norm.py under no_grad (`fused_norm=False`: their torch ops; step.set_fused_norms).
+keeps the torch ops, the same tokens but for ties within a rounding of the device's log). `fused_norm=True`: the
+model's RMSNorm layers run kernels/rms_norm.py under no_grad (step.set_fused_norms); off by default until its CUDA
+test and its A/B have run on a GPU (benchmarks/README.md).
 
 LoRA rows: with a `bank`, every forward is preceded by bank.set_rows(slots [B, S]): each token's adapter slot
 (the request's `adapter`, -1 for the base model); the head applied to a prefill's positions alone is called as a
@@ -69,7 +70,7 @@ class SampleHandle:
 class Sampler:
     def __init__(self, model, *, kv_blocks: int | None = None, kv_fraction: float = 0.9, block_size: int = BLOCK_SIZE,
                  max_rows: int = 256, prefill_chunk: int = 512, attention: str = "auto", cuda_graphs: bool = True,
-                 bank=None, tokenizer=None, check_every: int = 8, fused_draw: bool = True, fused_norm: bool = True):
+                 bank=None, tokenizer=None, check_every: int = 8, fused_draw: bool = True, fused_norm: bool = False):
         for name, value, low in (("kv_blocks", kv_blocks, 1), ("block_size", block_size, 1), ("max_rows", max_rows, 1),
                                  ("prefill_chunk", prefill_chunk, 1), ("check_every", check_every, 1)):
             if value is not None and (not isinstance(value, int) or value < low):
