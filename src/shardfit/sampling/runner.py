@@ -46,7 +46,7 @@ from shardfit.sampling.kv import BLOCK_SIZE, PagedKV, blocks_for_memory
 from shardfit.sampling.params import Sampled, SampleRequest, SampleResult, check_request
 from shardfit.sampling.sample import draw_kind, token_logprobs
 from shardfit.sampling.scheduler import Prefill, Request, Row, Scheduler
-from shardfit.sampling.step import RowState, decode_step, prefill_forward, set_fused_norms
+from shardfit.sampling.step import RowState, pack_outputs, packed_decode_step, prefill_forward, set_fused_norms
 
 # The KV cache on the CPU, where free memory says little: this many tokens (a stated count, not a fraction).
 CPU_KV_TOKENS = 65536
@@ -107,7 +107,7 @@ class Sampler:
         graphs = cuda_graphs and self.device.type == "cuda" and attention in ("gather", "triton") and capturable(model)
         # the step holds the model, pool and state, not the Sampler: no reference cycle, so that dropping the
         # Sampler frees its KV pool and graphs at once (Engine.release_sampler), not at the next gc
-        step = functools.partial(decode_step, self.model, self.kv, self.st, bank=self.bank)
+        step = functools.partial(packed_decode_step, self.model, self.kv, self.st, bank=self.bank)
         self.graphs = DecodeGraphs(step, self.st.pad, graphs)
         self.pending: list[tuple] = []  # (rows, packed outputs on the host, top-k width, event) per forward
         self._requests = 0
@@ -220,7 +220,7 @@ class Sampler:
                 logits = self._head(last_h[None], req.adapter)[0]  # [V]
                 draw = draw_kind([req.params])
                 out = st.first_tokens(logits, slots, len(req.prompt), req.topk_sample_logprobs, draw)
-                self._record(list(job.rows), out, req.topk_sample_logprobs)
+                self._record(list(job.rows), pack_outputs(out), req.topk_sample_logprobs)
         for row in job.rows:
             row.n_gen = len(row.out.tokens) if not job.new else 1
         rows = self.sched.start_rows(job)
@@ -307,14 +307,9 @@ class Sampler:
                 return None
 
     # Outputs.
-    def _record(self, rows: list[Row], out, topk: int) -> None:
-        """Queue a forward's outputs for the flush: packed [B, 4 + 2k] float64 (tokens and ids are exact in it),
-        copied non-blocking into pinned memory on CUDA."""
-        tokens, logp, valid, done, top = out
-        cols = [tokens.double(), logp.double(), valid.double(), done.double()]
-        packed = torch.stack(cols, 1)
-        if top is not None:
-            packed = torch.cat([packed, top[0].double(), top[1].double()], 1)
+    def _record(self, rows: list[Row], packed: torch.Tensor, topk: int) -> None:
+        """Queue a forward's outputs for the flush: packed [B, 4 + 2k] float64 (step.pack_outputs), copied
+        non-blocking into pinned memory on CUDA (before the next replay: a graph's outputs may be another's scratch)."""
         event = None
         if self.device.type == "cuda":
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -323,7 +318,7 @@ class Sampler:
             event.record()
         else:
             host = packed.clone()
-        self.pending.append((rows, host, topk if top is not None else 0, event))
+        self.pending.append((rows, host, topk if packed.shape[1] > 4 else 0, event))
 
     def flush(self) -> None:
         """Read the queued outputs: tokens into their samples, stop strings checked, ended rows out, answers."""

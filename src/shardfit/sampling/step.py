@@ -127,6 +127,23 @@ def decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: i
     return st._advance(logits, active, pos + 1, topk, draw, ~st.done[active])
 
 
+def pack_outputs(out) -> torch.Tensor:
+    """A step's outputs (tokens, log-probs, valid, done, top-k or None), [B] each, as one [B, 4 + 2k] float64 tensor
+    (tokens and ids are exact in it): the one tensor the host copies back a step. Inside the captured step on CUDA,
+    so that a replay leaves nothing to launch but that copy."""
+    tokens, logp, valid, done, top = out
+    cols = [tokens.double(), logp.double(), valid.double(), done.double()]
+    if top is not None:
+        return torch.cat([torch.stack(cols, 1), top[0].double(), top[1].double()], 1)
+    return torch.stack(cols, 1)
+
+
+def packed_decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, width: int, topk: int, draw: str,
+                       bank=None) -> torch.Tensor:
+    """decode_step's outputs packed (pack_outputs): what graphs.py captures."""
+    return pack_outputs(decode_step(model, kv, st, active, width, topk, draw, bank))
+
+
 def prefill_forward(model, kv: PagedKV, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor,
                     tables: torch.Tensor, adapters: torch.Tensor | None, bank=None) -> torch.Tensor:
     """Prompt chunks ids [J, S] at positions [J, S] (real [J, S]: False for the padding, whose keys go to the trash
