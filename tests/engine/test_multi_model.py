@@ -48,6 +48,15 @@ def _adapters(e) -> list[float]:
     return torch.cat([w.detach().flatten() for w in whole]).tolist()
 
 
+def every_models_adapters(e) -> dict[str, list[float]]:
+    """{model: _adapters} for each of MODELS (each swapped into the slot in turn)."""
+    out = {}
+    for n, _ in MODELS:
+        e.using(n)
+        out[n] = _adapters(e)
+    return out
+
+
 def _train(rank, world, together):
     from shardfit.config import load_config
     from shardfit.rl import AdamParams, DatumEngine
@@ -69,10 +78,7 @@ def _train(rank, world, together):
             out["grads"] = {n: _grads(e, n) for n, _ in MODELS}
         out.setdefault("norms", []).append([e.optim_step(AdamParams(learning_rate=2e-2), model=n)["grad_norm:mean"]
                                             for n, _ in MODELS])
-    out["weights"] = {}
-    for n, _ in MODELS:
-        e.using(n)
-        out["weights"][n] = _adapters(e)
+    out["weights"] = every_models_adapters(e)
     return out
 
 

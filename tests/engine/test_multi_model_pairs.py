@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests._dist import run_ranks
-from tests.engine.test_multi_model import ARGS, MODELS, _adapters
+from tests.engine.test_multi_model import ARGS, MODELS, every_models_adapters
 from tests.helpers import random_pairs
 
 N_PAIRS = {"A": 2, "B": 1, "Z": 3}
@@ -38,10 +38,7 @@ def _train(rank, world, together, loss="dpo"):
             out["metrics"][n].append(r.metrics)
         out["norms"].append([e.optim_step(AdamParams(learning_rate=5e-2), model=n)["grad_norm:mean"]
                              for n, _ in MODELS])
-    out["weights"] = {}
-    for n, _ in MODELS:
-        e.using(n)
-        out["weights"][n] = _adapters(e)
+    out["weights"] = every_models_adapters(e)
     return out
 
 
