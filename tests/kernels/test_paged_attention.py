@@ -62,10 +62,11 @@ def test_splits_agree_and_a_split_without_keys_weighs_nothing(interpreted):
     one = paged_decode_attention(q, kp, vp, tables, lengths, splits=1).float()
     four = paged_decode_attention(q, kp, vp, tables, lengths, splits=4, tile=1).float()  # row 0: 3 empty splits
     torch.testing.assert_close(four, one, atol=1e-2, rtol=1e-2)
-    part = torch.randn(1, 1, 3, 4)
+    part = torch.randn(1, 1, 3, 16)
     lse = torch.tensor([[[0.5, float("-inf"), -1.0]]])
     w = torch.tensor([math.exp(0.5), 0.0, math.exp(-1.0)])
-    torch.testing.assert_close(combine(part, lse)[0, 0], (w[:, None] * part[0, 0]).sum(0) / w.sum())
+    got = combine(part, lse, torch.float32)
+    torch.testing.assert_close(got[0, 0], (w[:, None] * part[0, 0]).sum(0) / w.sum())
 
 
 def test_refuses_shapes_it_does_not_read(interpreted):

@@ -16,8 +16,9 @@ to 16, tl.dot's least), the row's blocks of split s in tiles of BLOCKS_PER_TILE 
 inside the kernel), an online softmax in fp32 (scores and the running max, sum and output), bf16 operands into the
 tensor cores as SDPA's kernels use them. Splitting a row's blocks over S programs (flash-decoding) keeps enough
 programs in flight when B x K is small against the SMs: each split writes its partial output [Dh] and log-sum-exp,
-and `combine` weighs them by exp(lse - max) (a split with no keys has lse -inf: weight 0). One split skips the
-combine. No host synchronisation, fixed shapes: capturable in a CUDA graph at fixed (B, M, splits).
+and `combine` (a second kernel, one program a row and head) weighs them by exp(lse - max) (a split with no keys has
+lse -inf: weight 0) and writes q's dtype. One split skips the combine: the kernel writes q's dtype itself. No host
+synchronisation, fixed shapes: capturable in a CUDA graph at fixed (B, M, splits).
 
 Without Triton (the CPU wheels) `available` is False and the caller keeps its gather path; the tests run the kernel
 under Triton's interpreter (TRITON_INTERPRET=1).
@@ -36,9 +37,9 @@ BLOCKS_PER_TILE = 4  # 64 keys a tile at bs 16: [64, 128] bf16 keys + values = 3
 
 
 @functools.cache
-def _triton_kernel(interpret: bool):
-    """The kernel, made on first use (None without Triton). `interpret`: made under TRITON_INTERPRET=1 (triton.jit
-    reads it when it wraps), a separate cache entry."""
+def _triton_kernels(interpret: bool):
+    """The decode kernel and the splits' combine, made on first use (None without Triton). `interpret`: made under
+    TRITON_INTERPRET=1 (triton.jit reads it when it wraps), a separate cache entry."""
     del interpret
     try:
         import triton
@@ -59,7 +60,8 @@ def _triton_kernel(interpret: bool):
                             BF16_DOT: tl.constexpr):
         # q [B, H, DH]; pools [n_blocks, BS, K, DH] (stride_pb, stride_pt, stride_pk; DH contiguous); tables [B, M];
         # lengths [B]; width: M, the table's columns (a row never reads past them, whatever its length says: a
-        # padded batch entry's position runs on); out [B, H, SPLITS, DH] fp32, lse [B, H, SPLITS] fp32
+        # padded batch entry's position runs on); out [B, H, SPLITS, DH] fp32 (q's dtype with one split), lse
+        # [B, H, SPLITS] fp32
         # (contiguous). BF16_DOT: the dot products' operands in bf16 (the GPU); fp32 under the interpreter, whose
         # numpy has no bf16 arithmetic
         DOT = tl.bfloat16 if BF16_DOT else tl.float32
@@ -101,15 +103,28 @@ def _triton_kernel(interpret: bool):
         out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
         row = (b * (K_HEADS * G) + head) * SPLITS + s  # [GP]
-        tl.store(out_ptr + row[:, None] * DH + d[None, :], out, mask=g[:, None] < G)
+        tl.store(out_ptr + row[:, None] * DH + d[None, :], out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
         tl.store(lse_ptr + row, lse, mask=g < G)
 
-    return paged_decode_kernel
+    @triton.jit
+    def combine_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, SP: tl.constexpr, DH: tl.constexpr):
+        # one program a (row, head) r: part [r, SPLITS, DH] fp32, lse [r, SPLITS] fp32 -> out [r, DH] in its dtype,
+        # the splits weighed by exp(lse - max) (an empty split's lse is -inf: weight 0; split 0 holds a key)
+        r = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, SP)
+        d = tl.arange(0, DH)
+        lse = tl.load(lse_ptr + r * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+        w = tl.exp(lse - tl.reduce(lse, 0, _paged_maximum))  # noqa: F821
+        part = tl.load(part_ptr + (r * SPLITS + s)[:, None] * DH + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+        out = tl.reduce(w[:, None] * part, 0, _paged_add) / tl.reduce(w, 0, _paged_add)  # noqa: F821
+        tl.store(out_ptr + r * DH + d, out.to(out_ptr.dtype.element_ty))
+
+    return paged_decode_kernel, combine_kernel
 
 
 def available(t: torch.Tensor) -> bool:
     """Whether paged_decode_attention runs on t's device here: CUDA with Triton importable (or the interpreter)."""
-    return (t.is_cuda or interpreting()) and _triton_kernel(interpreting()) is not None
+    return (t.is_cuda or interpreting()) and _triton_kernels(interpreting()) is not None
 
 
 def default_splits(rows: int, kv_heads: int, width: int, device: torch.device) -> int:
@@ -119,11 +134,15 @@ def default_splits(rows: int, kv_heads: int, width: int, device: torch.device) -
     return max(1, min(-(-4 * sms // max(rows * kv_heads, 1)), -(-width // BLOCKS_PER_TILE)))
 
 
-def combine(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Splits' partial outputs part [B, H, S, Dh] and log-sum-exps lse [B, H, S] (fp32) -> [B, H, Dh] fp32."""
-    top = lse.amax(-1, keepdim=True)  # finite: split 0 holds the row's first key
-    w = torch.exp(lse - top)  # [B, H, S]; exp(-inf) = 0 for an empty split
-    return (w[..., None] * part).sum(-2) / w.sum(-1)[..., None]
+def combine(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Splits' partial outputs part [B, H, S, Dh] and log-sum-exps lse [B, H, S] (fp32, contiguous) -> [B, H, Dh] in
+    `dtype`: one launch (torch's ops for the same weighing were eight a layer, the cast included)."""
+    kernels = _triton_kernels(interpreting())
+    B, H, S, Dh = part.shape
+    out = torch.empty(B, H, Dh, dtype=dtype, device=part.device)
+    if B:
+        kernels[1][(B * H,)](part, lse, out, SPLITS=S, SP=max(2, 1 << (S - 1).bit_length()), DH=Dh)
+    return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -132,8 +151,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """q [B, H, Dh] (one query a row), pools [n_blocks, bs, K, Dh], tables [B, M], lengths [B] (keys visible to the
     row, >= 1; at most M x bs are read) -> [B, H, Dh] in q's dtype. Launches on the current stream, no host
     synchronisation."""
-    kernel = _triton_kernel(interpreting())
-    if kernel is None:
+    kernels = _triton_kernels(interpreting())
+    if kernels is None:
         raise RuntimeError("paged_decode_attention needs Triton (sampling/attention.py's gather path is the same "
                            "function in PyTorch)")
     B, H, Dh = q.shape
@@ -145,12 +164,12 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                          f"{tuple(tables.shape)}, lengths {tuple(lengths.shape)} do not fit (module docstring)")
     G = H // K
     S = splits or default_splits(B, K, tables.shape[1], q.device)
-    part = torch.empty(B, H, S, Dh, dtype=torch.float32, device=q.device)
+    # one split: the kernel writes the output in q's dtype; several: fp32 partials, then the combine kernel
+    part = torch.empty(B, H, S, Dh, dtype=torch.float32 if S > 1 else q.dtype, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     if B:
-        kernel[(B, K, S)](q, k_pool, v_pool, tables, lengths, part, lse, scale or 1.0 / math.sqrt(Dh),
+        kernels[0][(B, K, S)](q, k_pool, v_pool, tables, lengths, part, lse, scale or 1.0 / math.sqrt(Dh),
                           q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
                           tables.stride(0), tables.shape[1], K_HEADS=K, G=G, GP=max(16, 1 << (G - 1).bit_length()),
                           DH=Dh, BS=bs, TILE=tile, SPLITS=S, BF16_DOT=not interpreting())
-    out = part[:, :, 0] if S == 1 else combine(part, lse)
-    return out.to(q.dtype)
+    return part[:, :, 0] if S == 1 else combine(part, lse, q.dtype)
