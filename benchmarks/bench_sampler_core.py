@@ -7,11 +7,11 @@ The model is a plain CausalLM of the shape (benchmarks/rl_worker_setup.py SHAPES
 random weights, bf16 (fp32 on the CPU), as the Sampler takes it (no FSDP, no LoRA). Per row count, one request of
 `rows` samples of one random prompt, each forced to --new tokens (no stop token: random weights), temperature 1,
 through each path of --paths: gather+graphs, triton+graphs (the paged decode kernel: the Sampler's default on CUDA),
-triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), triton+graphs+fusednorm (RMSNorm
-through kernels/rms_norm.py), gather+eager, flex+eager. Each path runs the request twice and times the second (the
-first captures its graphs and compiles FlexAttention). tokens/s counts the new tokens over the whole call (the
-prompt's one prefill included). Roofline as bench_sampling.py's: the weights read once a step plus the KV cache held
-(mean context prompt + new / 2), at the measured copy bandwidth.
+triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), triton+graphs+fusedops (RMSNorm
+and RoPE through kernels/rms_norm.py and kernels/rope.py), gather+eager, flex+eager. Each path runs the request
+twice and times the second (the first captures its graphs and compiles FlexAttention). tokens/s counts the new
+tokens over the whole call (the prompt's one prefill included). Roofline as bench_sampling.py's: the weights read
+once a step plus the KV cache held (mean context prompt + new / 2), at the measured copy bandwidth.
 Prints one JSON line a run and a table; --out: one JSON with `decode_roofline_fraction` per path and row count.
 """
 
@@ -33,7 +33,7 @@ from rl_worker_setup import SHAPES, moe_overrides  # noqa: E402
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
          "triton+graphs": dict(attention="triton", cuda_graphs=True),
          "triton+graphs+torchdraw": dict(attention="triton", cuda_graphs=True, fused_draw=False),
-         "triton+graphs+fusednorm": dict(attention="triton", cuda_graphs=True, fused_norm=True),
+         "triton+graphs+fusedops": dict(attention="triton", cuda_graphs=True, fused_ops=True),
          "gather+eager": dict(attention="gather", cuda_graphs=False),
          "flex+eager": dict(attention="flex", cuda_graphs=False)}
 

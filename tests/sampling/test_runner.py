@@ -248,20 +248,27 @@ def test_dropping_a_sampler_frees_its_kv_pool_at_once(model):
         gc.enable()
 
 
-def test_fused_norms_are_set_on_the_instances_and_undone(model):
-    """step.set_fused_norms patches the model's RMSNorm instances (not the class) and takes the patch back; where the
+def test_decode_kernels_are_set_on_the_instances_and_undone(model):
+    """step.set_decode_kernels patches the model's RMSNorm and attention instances (not the classes) and takes the
+    patch back; where the
     kernel does not run (the CPU, or grad enabled) a patched norm is the torch ops, bit for bit."""
-    from shardfit.models.decoder import RMSNorm
-    from shardfit.sampling.step import set_fused_norms
+    from shardfit.models.decoder import Attention, RMSNorm, apply_rope
+    from shardfit.sampling.step import set_decode_kernels
 
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
     x = torch.randn(2, 3, norms[-1].weight.shape[0])
     want = norms[-1](x)
-    set_fused_norms(model, True)
+    set_decode_kernels(model, True)
     try:
         assert all("forward" in m.__dict__ for m in norms) and "forward" not in RMSNorm(4, 1e-6).__dict__
+        assert all(a.apply_rope is not apply_rope for a in attns)
         with torch.no_grad():
             assert torch.equal(norms[-1](x), want)
+            ids = torch.tensor([[1, 2, 3]])
+            patched = model(ids)
     finally:
-        set_fused_norms(model, False)
-    assert not any("forward" in m.__dict__ for m in norms)
+        set_decode_kernels(model, False)
+    assert not any("forward" in m.__dict__ for m in norms) and all(a.apply_rope is apply_rope for a in attns)
+    with torch.no_grad():
+        assert torch.equal(patched, model(ids))  # the CPU: the patched modules ran the torch ops

@@ -138,6 +138,8 @@ class Attention(nn.Module):
         # function here; parallelize() may put a sequence-parallel wrapper in its place (Ulysses), which sees the same
         # local q, k, v and the micro-batch's document mask, and returns local rows.
         self.core = sdpa_attention
+        # RoPE on [B, S, heads, Dh]: apply_rope, or for decoding a one-kernel form in its place (sampling/step.py)
+        self.apply_rope = apply_rope
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: DocumentMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
@@ -148,7 +150,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         if cache is not None:
             out = cache[0].attend(cache[1], q, k, v)  # [B, S, H, Dh]
         else:

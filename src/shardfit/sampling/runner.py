@@ -21,9 +21,9 @@ check_every wasted tokens) so that the device never waits for the host.
 
 The draw (sample.py) on CUDA with Triton: rows without top-k/top-p and without top-k log-probs asked take the
 fused kernel (kernels/gumbel_draw.py: one read of the logits for the token and its log-prob; `fused_draw=False`
-keeps the torch ops, the same tokens but for ties within a rounding of the device's log). `fused_norm=True`: the
-model's RMSNorm layers run kernels/rms_norm.py under no_grad (step.set_fused_norms); off by default until its CUDA
-test and its A/B have run on a GPU (benchmarks/README.md).
+keeps the torch ops, the same tokens but for ties within a rounding of the device's log). `fused_ops=True`: the
+model's RMSNorm layers and RoPE run kernels/rms_norm.py and kernels/rope.py under no_grad (step.set_decode_kernels);
+off by default until their CUDA test and their A/B have run on a GPU (benchmarks/README.md).
 
 LoRA rows: with a `bank`, every forward is preceded by bank.set_rows(slots [B, S]): each token's adapter slot
 (the request's `adapter`, -1 for the base model); the head applied to a prefill's positions alone is called as a
@@ -46,7 +46,7 @@ from shardfit.sampling.kv import BLOCK_SIZE, PagedKV, blocks_for_memory
 from shardfit.sampling.params import Sampled, SampleRequest, SampleResult, check_request
 from shardfit.sampling.sample import draw_kind, token_logprobs
 from shardfit.sampling.scheduler import Prefill, Request, Row, Scheduler
-from shardfit.sampling.step import RowState, pack_outputs, packed_decode_step, prefill_forward, set_fused_norms
+from shardfit.sampling.step import RowState, pack_outputs, packed_decode_step, prefill_forward, set_decode_kernels
 
 # The KV cache on the CPU, where free memory says little: this many tokens (a stated count, not a fraction).
 CPU_KV_TOKENS = 65536
@@ -70,7 +70,7 @@ class SampleHandle:
 class Sampler:
     def __init__(self, model, *, kv_blocks: int | None = None, kv_fraction: float = 0.9, block_size: int = BLOCK_SIZE,
                  max_rows: int = 256, prefill_chunk: int = 512, attention: str = "auto", cuda_graphs: bool = True,
-                 bank=None, tokenizer=None, check_every: int = 8, fused_draw: bool = True, fused_norm: bool = False):
+                 bank=None, tokenizer=None, check_every: int = 8, fused_draw: bool = True, fused_ops: bool = False):
         for name, value, low in (("kv_blocks", kv_blocks, 1), ("block_size", block_size, 1), ("max_rows", max_rows, 1),
                                  ("prefill_chunk", prefill_chunk, 1), ("check_every", check_every, 1)):
             if value is not None and (not isinstance(value, int) or value < low):
@@ -102,7 +102,7 @@ class Sampler:
         self.max_rows, self.prefill_chunk, self.check_every = max_rows, prefill_chunk, check_every
         self.st = RowState(max_rows, self.kv.blocks_for(self.cfg.max_seq_len), self.kv.trash, self.device,
                            fused_draw=fused_draw and self.device.type == "cuda" and draw_kernel_runs(weight))
-        set_fused_norms(model, fused_norm and self.device.type == "cuda" and norm_kernel_runs(weight))
+        set_decode_kernels(model, fused_ops and self.device.type == "cuda" and norm_kernel_runs(weight))
         self.sched = Scheduler(self.kv.allocator, block_size, max_rows)
         graphs = cuda_graphs and self.device.type == "cuda" and attention in ("gather", "triton") and capturable(model)
         # the step holds the model, pool and state, not the Sampler: no reference cycle, so that dropping the

@@ -23,7 +23,9 @@ import torch
 
 from shardfit.kernels.gumbel_draw import gumbel_draw
 from shardfit.kernels.rms_norm import rms_norm
-from shardfit.models.decoder import RMSNorm
+from shardfit.kernels.rope import fits as rope_fits
+from shardfit.kernels.rope import rope
+from shardfit.models.decoder import Attention, RMSNorm, apply_rope
 from shardfit.sampling.kv import PagedKV
 from shardfit.sampling.sample import choose, row_keys, token_logprobs
 
@@ -161,12 +163,21 @@ def _decode_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, norm.weight, norm.eps)
 
 
-def set_fused_norms(model, on: bool) -> None:
-    """The model's RMSNorm layers run kernels/rms_norm.py when decoding (CUDA, no grad: one kernel instead of seven a
-    norm), or (on=False) their torch ops again. Per module instance: the decode model only, never the class."""
+def _decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() or not x.is_cuda or not rope_fits(x.shape[-1]):
+        return apply_rope(x, cos, sin)
+    return rope(x, cos, sin)
+
+
+def set_decode_kernels(model, on: bool) -> None:
+    """The model's RMSNorm layers and its attention's RoPE run kernels/rms_norm.py and kernels/rope.py when decoding
+    (CUDA, no grad: one launch each instead of seven and five), or (on=False) their torch ops again. Per module
+    instance: the decode model only, never the class; with grad enabled the patched modules run the torch ops."""
     for m in model.modules():
         if isinstance(m, RMSNorm):
             if on:
                 m.forward = functools.partial(_decode_norm, m)
             else:
                 m.__dict__.pop("forward", None)
+        elif isinstance(m, Attention):
+            m.apply_rope = _decode_rope if on else apply_rope
