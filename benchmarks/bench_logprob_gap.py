@@ -44,7 +44,7 @@ def start_engine(a):
 
     ov = [*SHAPES[a.shape], f"--train.device={a.device}", "--logging.run_dir=", "--logging.progress=none",
           f"--model.max_seq_len={a.prompt + a.new + 64}", f"--data.seq_len={a.prompt + a.new}",
-          f"--train.micro_batch_tokens={a.row}", *lora_overrides(a.lora)]
+          f"--train.micro_batch_tokens={a.row}", *lora_overrides(a.lora), *a.extra.split()]
     return Engine.start(overrides=ov)
 
 
@@ -139,6 +139,8 @@ def main() -> int:
     ap.add_argument("--row", type=int, default=0, help="train.micro_batch_tokens; 0: 4 datums a row")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--fwdbwd", type=int, default=1, help="1: the forward_backward comparisons too")
+    ap.add_argument("--extra", default="", help="more Engine overrides, e.g. --compute.doc_attention=varlen (forward "
+                    "then takes forward_backward's attention kernel instead of cudnn_docs)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     import torch
