@@ -24,24 +24,15 @@ Without Triton (CPU wheels) `available` is False and the caller keeps sample.py'
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from shardfit.kernels.triton_common import combine_fns, interpreting
+from shardfit.kernels.triton_common import combine_fns, runs_on, triton_kernels
 
 BLOCK_V = 4096  # tokens a program: 16 KiB of fp32 logits; V = 151,936 is 38 programs a row
 
 
-@functools.cache
-def _triton_kernel(interpret: bool):
-    del interpret  # a separate cache entry under TRITON_INTERPRET=1 (triton.jit reads it when it wraps)
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@triton_kernels
+def _triton_kernel(triton, tl):
     @triton.jit
     def _fmix(h):
         h = h ^ (h >> 16)
@@ -50,7 +41,7 @@ def _triton_kernel(interpret: bool):
         h = h * 0xC2B2AE35
         return h ^ (h >> 16)
 
-    fns = combine_fns(interpreting())  # kernels/triton_common.py: why not tl.max / tl.sum
+    fns = combine_fns()  # kernels/triton_common.py: why not tl.max / tl.sum
     globals().update(_gumbel_fmix=_fmix, _gumbel_max=fns["maximum"], _gumbel_add=fns["add"],
                      _gumbel_first_best=fns["first_best"])
 
@@ -85,14 +76,14 @@ def _triton_kernel(interpret: bool):
 
 def available(t: torch.Tensor) -> bool:
     """Whether gumbel_draw runs on t's device here: CUDA with Triton importable (or the interpreter)."""
-    return (t.is_cuda or interpreting()) and _triton_kernel(interpreting()) is not None
+    return runs_on(t, _triton_kernel)
 
 
 def gumbel_draw(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
                 block: int = BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] fp32, temperature [B] fp32 (0: greedy), keys [B] int64 (sample.row_keys) -> (tokens [B] int64,
     their log-probs [B] fp32 under log_softmax of the logits). No host synchronisation; capturable."""
-    kernel = _triton_kernel(interpreting())
+    kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError("gumbel_draw needs Triton (sampling/sample.py's choose and token_logprobs are the same "
                            "function in PyTorch)")

@@ -26,26 +26,18 @@ caller keeps its PyTorch path (adapters/nf4.py's dequantize, chosen in adapters/
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
-from shardfit.kernels.triton_common import interpreting
+from shardfit.kernels.triton_common import triton_kernels
 
 TILE_BLOCKS = 64  # blocks a program: 4,096 weights, 2 KiB of codes in, 8 KiB of bf16 out
 NUM_WARPS = 4  # 128 threads: 4 rows of 8 weights each
 
 
-@functools.cache
-def _triton_kernel(interpret: bool):
-    """The kernel, made on first use (None without Triton: the CPU wheels do not ship it). `interpret`: made under
-    TRITON_INTERPRET=1 (triton.jit reads it when it wraps), a separate cache entry."""
-    del interpret  # the cache key: the environment triton.jit sees now
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@triton_kernels
+def _triton_kernel(triton, tl):
+    """The kernel (kernels/triton_common.py's triton_kernels: made once per mode, None without Triton)."""
 
     @triton.jit
     def nf4_dequant_kernel(codes_ptr, absmax_ptr, stats_ptr, levels_ptr, out_ptr, numel,
@@ -76,7 +68,7 @@ def _triton_kernel(interpret: bool):
 
 def available(t: torch.Tensor) -> bool:
     """Whether nf4_dequant runs on t's device here: CUDA with Triton importable."""
-    return t.is_cuda and _triton_kernel(interpreting()) is not None
+    return t.is_cuda and _triton_kernel() is not None
 
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -92,7 +84,7 @@ def nf4_dequant(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, 
     shapes; numel <= g * GROUP_BLOCKS * BLOCK. A slice of groups (a shard's rows) is a packed tensor of its own.
     Launches on the current stream, no host synchronisation. tile_blocks, num_warps: the launch (benchmarks).
     """
-    kernel = _triton_kernel(interpreting())
+    kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError("nf4_dequant needs Triton (adapters/nf4.py's dequantize is the same function in PyTorch)")
     if (codes.dtype, absmax.dtype, stats.dtype, levels.dtype) != (torch.uint8, torch.int8, torch.float32,

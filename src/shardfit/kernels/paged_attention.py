@@ -26,30 +26,23 @@ under Triton's interpreter (TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from shardfit.kernels.triton_common import combine_fns, interpreting
+from shardfit.kernels.triton_common import combine_fns, interpreting, runs_on, triton_kernels
 
 BLOCKS_PER_TILE = 4  # 64 keys a tile at bs 16: [64, 128] bf16 keys + values = 32 KiB in flight a program
 
 
-@functools.cache
-def _triton_kernels(interpret: bool):
-    """The decode kernel and the splits' combine, made on first use (None without Triton). `interpret`: made under
-    TRITON_INTERPRET=1 (triton.jit reads it when it wraps), a separate cache entry."""
-    del interpret
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@triton_kernels
+def _triton_kernels(triton, tl):
+    """The decode kernel and the splits' combine (kernels/triton_common.py's triton_kernels: made once per mode,
+    None without Triton)."""
 
     # the reductions' combine functions (kernels/triton_common.py says why not tl.max / tl.sum), as module globals:
     # triton resolves a kernel's callees among them
-    fns = combine_fns(interpreting())
+    fns = combine_fns()
     globals().update(_paged_maximum=fns["maximum"], _paged_add=fns["add"])
 
     @triton.jit
@@ -124,7 +117,7 @@ def _triton_kernels(interpret: bool):
 
 def available(t: torch.Tensor) -> bool:
     """Whether paged_decode_attention runs on t's device here: CUDA with Triton importable (or the interpreter)."""
-    return (t.is_cuda or interpreting()) and _triton_kernels(interpreting()) is not None
+    return runs_on(t, _triton_kernels)
 
 
 def default_splits(rows: int, kv_heads: int, width: int, device: torch.device) -> int:
@@ -137,7 +130,7 @@ def default_splits(rows: int, kv_heads: int, width: int, device: torch.device) -
 def combine(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Splits' partial outputs part [B, H, S, Dh] and log-sum-exps lse [B, H, S] (fp32, contiguous) -> [B, H, Dh] in
     `dtype`: one launch (torch's ops for the same weighing were eight a layer, the cast included)."""
-    kernels = _triton_kernels(interpreting())
+    kernels = _triton_kernels()
     B, H, S, Dh = part.shape
     out = torch.empty(B, H, Dh, dtype=dtype, device=part.device)
     if B:
@@ -151,7 +144,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """q [B, H, Dh] (one query a row), pools [n_blocks, bs, K, Dh], tables [B, M], lengths [B] (keys visible to the
     row, >= 1; at most M x bs are read) -> [B, H, Dh] in q's dtype. Launches on the current stream, no host
     synchronisation."""
-    kernels = _triton_kernels(interpreting())
+    kernels = _triton_kernels()
     if kernels is None:
         raise RuntimeError("paged_decode_attention needs Triton (sampling/attention.py's gather path is the same "
                            "function in PyTorch)")

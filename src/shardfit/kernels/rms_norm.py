@@ -14,22 +14,14 @@ False and the caller keeps the torch ops.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from shardfit.kernels.triton_common import combine_fns, interpreting
+from shardfit.kernels.triton_common import combine_fns, runs_on, triton_kernels
 
 
-@functools.cache
-def _triton_kernel(interpret: bool):
-    del interpret  # a cache entry per mode (triton.jit reads TRITON_INTERPRET when it wraps)
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    fns = combine_fns(interpreting())  # kernels/triton_common.py: why not tl.sum
+@triton_kernels
+def _triton_kernel(triton, tl):
+    fns = combine_fns()  # kernels/triton_common.py: why not tl.sum
     globals().update(_rms_add=fns["add"])
 
     @triton.jit
@@ -50,13 +42,13 @@ def _triton_kernel(interpret: bool):
 
 def available(t: torch.Tensor) -> bool:
     """Whether rms_norm runs on t's device here: CUDA with Triton importable (or the interpreter)."""
-    return (t.is_cuda or interpreting()) and _triton_kernel(interpreting()) is not None
+    return runs_on(t, _triton_kernel)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)), in fp32 and cast to x's dtype before the weight's product (as
     models/decoder.py's RMSNorm with a weight of x's dtype). No autograd: for decoding under no_grad."""
-    kernel = _triton_kernel(interpreting())
+    kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError("rms_norm needs Triton (models/decoder.py's RMSNorm is the same function in PyTorch)")
     D = x.shape[-1]

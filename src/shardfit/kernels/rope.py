@@ -16,22 +16,13 @@ torch ops.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from shardfit.kernels.triton_common import interpreting
+from shardfit.kernels.triton_common import runs_on, triton_kernels
 
 
-@functools.cache
-def _triton_kernel(interpret: bool):
-    del interpret  # a cache entry per mode (triton.jit reads TRITON_INTERPRET when it wraps)
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@triton_kernels
+def _triton_kernel(triton, tl):
     @triton.jit
     def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
                     HP: tl.constexpr, HALF: tl.constexpr):
@@ -62,7 +53,7 @@ def _triton_kernel(interpret: bool):
 
 def available(t: torch.Tensor) -> bool:
     """Whether rope runs on t's device here: CUDA with Triton importable (or the interpreter)."""
-    return (t.is_cuda or interpreting()) and _triton_kernel(interpreting()) is not None
+    return runs_on(t, _triton_kernel)
 
 
 def fits(head_dim: int) -> bool:
@@ -74,7 +65,7 @@ def fits(head_dim: int) -> bool:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope(x, cos, sin) (models/decoder.py) in one launch: x [B, S, H, Dh], cos/sin [B, S, Dh] of x's dtype ->
     [B, S, H, Dh] in x's dtype. No autograd: for decoding under no_grad."""
-    kernel = _triton_kernel(interpreting())
+    kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError("rope needs Triton (models/decoder.py's apply_rope is the same function in PyTorch)")
     B, S, H, Dh = x.shape

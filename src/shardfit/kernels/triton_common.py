@@ -4,7 +4,8 @@ The kernels spell their reductions with tl.reduce and the combine functions made
 reductions (tl.max, tl.sum): those are jit-wrapped when triton is imported, and under Triton's interpreter
 (TRITON_INTERPRET=1, set by the tests after triton may have been imported) they cannot be called. Functions made
 after the switch can: `combine_fns(interpret)` makes them once per mode, and each kernel's factory puts them among
-its module's globals, where triton (compiled and interpreted) resolves a kernel's callees.
+its module's globals, where triton (compiled and interpreted) resolves a kernel's callees. `triton_kernels` is the
+factory every kernel here is made by (once per mode, None without Triton), `runs_on` the check its `available` is.
 """
 
 from __future__ import annotations
@@ -17,16 +18,37 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache
-def combine_fns(interpret: bool) -> dict | None:
-    """{"maximum", "add", "first_best"} as triton.jit functions (None without Triton); `interpret`: a cache entry
-    per mode (triton.jit reads TRITON_INTERPRET when it wraps)."""
-    del interpret
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+def triton_kernels(make):
+    """Decorator: make(triton, tl) -> a kernel (or a tuple of them), made on first use and kept, one entry per mode
+    (compiled, or under TRITON_INTERPRET=1: triton.jit reads the switch when it wraps); the decorated name is then a
+    function of no argument returning it, or None without Triton (the CPU wheels do not ship it)."""
+
+    @functools.cache
+    def per_mode(interpret: bool):
+        del interpret  # the cache key: the environment triton.jit sees now
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            return None
+        return make(triton, tl)
+
+    @functools.wraps(make)
+    def get():
+        return per_mode(interpreting())
+
+    return get
+
+
+def runs_on(t, kernels) -> bool:
+    """Whether the kernels of a `triton_kernels` factory run on t's device here: CUDA with Triton importable, or
+    Triton's interpreter (the tests)."""
+    return (t.is_cuda or interpreting()) and kernels() is not None
+
+
+@triton_kernels
+def combine_fns(triton, tl) -> dict:
+    """{"maximum", "add", "first_best"} as triton.jit functions."""
 
     @triton.jit
     def maximum(a, b):
