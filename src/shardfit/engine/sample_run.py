@@ -82,9 +82,7 @@ class SampleRun:
             return
         for _ in range(steps or s.check_every):
             if s.sched.idle:  # every row ended: what is left to answer is in the outputs not read yet
-                s.flush()
-                if any(not h.done for h, _ in self._handles.values()):
-                    raise RuntimeError("the sampler is idle with requests unanswered")  # a bug, not bad input
+                s.drain([h for h, _ in self._handles.values()])
                 return
             s.step()
             if not s.pending:  # it has just read its outputs back
@@ -179,6 +177,5 @@ class SampleRun:
 
     def wait(self, tickets: list[int]) -> list:
         """Step until every one of `tickets` is answered; their SampleResults in that order (collected)."""
-        while any(not self._handles[t][0].done for t in tickets):
-            self.step()
+        self.sampler.wait([self._handles[t][0] for t in tickets])
         return [self._handles.pop(t)[0].result for t in tickets]

@@ -146,13 +146,23 @@ class Sampler:
     def run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
         """Submit all, step until every one is answered; results in request order."""
         handles = [self.submit(r) for r in reqs]
-        while not all(h.done for h in handles):
-            if self.sched.idle:  # every row ended: what is left to answer is in the outputs not read yet
-                self.flush()
-                if not all(h.done for h in handles):
-                    raise RuntimeError("the sampler is idle with requests unanswered")  # a bug, not bad input
-            self.step()
+        self.wait(handles)
         return [h.result for h in handles]
+
+    def wait(self, handles: list[SampleHandle]) -> None:
+        """Step until every one of `handles` is answered."""
+        while not all(h.done for h in handles):
+            if self.sched.idle:
+                self.drain(handles)
+            else:
+                self.step()
+
+    def drain(self, handles) -> None:
+        """Every row has ended: read the outputs not read yet, which answers what is left; one of `handles` still
+        unanswered then is a bug (never bad input), raised rather than stepped forever."""
+        self.flush()
+        if not all(h.done for h in handles):
+            raise RuntimeError("the sampler is idle with requests unanswered")
 
     @torch.no_grad()
     def step(self) -> None:
