@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -60,13 +61,39 @@ def running_server(cmd: list[str], cap_start: float, cwd, env: dict) -> Iterator
                 reader.join(5)
             srv.error = "no 'listening on' line: " + "".join(srv.log[-8:])[-600:]
         yield srv
-    finally:  # the server and its CUDA context go before the next part (or on SIGTERM): its whole session
+    finally:  # the server and its CUDA context go before the next part (or on SIGTERM): its whole session, its
+        # children too (a compile worker holds GPU memory): waited for, not only the leader, SIGKILL after 30 s
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
+        if not _group_ended(p, 30):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            _group_ended(p, 30)
         reader.join(5)
+
+
+def _group_ended(p: subprocess.Popen, timeout: float) -> bool:
+    """Whether the leader p and every other live process of its group (pgid p.pid) end within `timeout` seconds.
+    A member is live while /proc shows it in the group and not a zombie (an orphan's zombie may never be reaped
+    where PID 1 does not reap: it holds nothing)."""
+    t_end = time.time() + timeout
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    while _group_members(p.pid):
+        if time.time() > t_end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of group `pgid`, from /proc (Linux; elsewhere none are seen)."""
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, pgrp
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
