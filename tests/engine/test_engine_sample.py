@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -221,9 +223,15 @@ def test_the_sampler_is_kept_between_calls_and_dropped_before_training(lora, mon
     from shardfit.sampling import runner
     from shardfit.sampling.params import SamplingParams
 
-    built = []
+    built, refs = [], []  # built: per new Sampler, how many earlier ones were still alive as it sized its pool
     init = runner.Sampler.__init__
-    monkeypatch.setattr(runner.Sampler, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
+
+    def spy(self, *a, **k):
+        built.append(sum(r() is not None for r in refs))
+        refs.append(weakref.ref(self))
+        init(self, *a, **k)
+
+    monkeypatch.setattr(runner.Sampler, "__init__", spy)
     e = lora
     p = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
     e.release_sampler()
@@ -237,7 +245,7 @@ def test_the_sampler_is_kept_between_calls_and_dropped_before_training(lora, mon
     assert e._sampling_sampler is not None  # kept across training
     assert e.sample(PROMPTS, p, model="default", num_samples=2, **KV) == first and len(built) == 2
     e.sample(PROMPTS, p, model="default", kv_blocks=32, block_size=8)  # other options: another Sampler
-    assert len(built) == 3
+    assert built == [0, 0, 0]  # the old one freed before the new one sized its pool from the free memory
     e.optim_step(model="default")  # the gradients applied: the fixture's engine steps on as the other tests do
 
 
