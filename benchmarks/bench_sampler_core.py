@@ -4,14 +4,20 @@
   python benchmarks/bench_sampler_core.py --shape tiny --device cpu --rows 2,4 --prompt 16 --new 8   # a CPU check
 
 The model is a plain CausalLM of the shape (benchmarks/rl_worker_setup.py SHAPES: the Qwen3-8B one by default),
-random weights, bf16 (fp32 on the CPU), as the Sampler takes it (no FSDP, no LoRA). Per row count, one request of
-`rows` samples of one random prompt, each forced to --new tokens (no stop token: random weights), temperature 1,
-through each path of --paths: gather+graphs, triton+graphs (the paged decode kernel: the Sampler's default on CUDA),
-triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), triton+graphs+fusedops (RMSNorm
-and RoPE through kernels/rms_norm.py and kernels/rope.py), gather+eager, flex+eager. Each path runs the request
-twice and times the second (the first captures its graphs and compiles FlexAttention). tokens/s counts the new
-tokens over the whole call (the prompt's one prefill included). Roofline as bench_sampling.py's: the weights read
-once a step plus the KV cache held (mean context prompt + new / 2), at the measured copy bandwidth.
+random weights, bf16 (fp32 on the CPU), as the Sampler takes it (no FSDP); --lora R: a LoRA bank (sampling/lora_bank.py,
+4 slots of rank R on the 7 linear layers of every block, as Engine.sample builds it) with one random adapter in slot
+0 that every row decodes with. Per row count, `rows` rows: rows / --samples random prompts, --samples continuations
+each (1, the default: every row its own prompt, as bench_sampling.py's Engine rows; 16: an RL group, the prompt's
+blocks shared by its rows), each forced to --new tokens (no stop token: random weights), temperature 1, through each
+path of --paths: gather+graphs, triton+graphs (the paged decode kernel and, the Sampler's default on CUDA, RMSNorm
+and RoPE through kernels/rms_norm.py and kernels/rope.py), triton+graphs+torchops (those two as torch ops),
+triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), gather+eager, flex+eager. Each
+path runs once untimed (graphs captured, FlexAttention compiled), then the same requests with max_tokens=new // 2 and
+new, timed (bench_sampling.decode_halves): the decode rate is rows x (new - new // 2) over their difference, the
+whole call's rate beside it. Roofline as bench_sampling.py's, over the bytes a step must read: the weights once plus
+the KV cache held, each prompt's blocks once (shared by its samples) and each row's own new part (3/4 of new on
+average over the timed steps), at the measured copy bandwidth; an MoE step reads only the experts its rows route to
+(below).
 Prints one JSON line a run and a table; --out: one JSON with `decode_roofline_fraction` per path and row count.
 """
 
@@ -27,13 +33,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from bench_sampling import roofline_fractions  # noqa: E402
+from bench_sampling import decode_halves, roofline_fractions  # noqa: E402
 from rl_worker_setup import SHAPES, moe_overrides  # noqa: E402
 
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
          "triton+graphs": dict(attention="triton", cuda_graphs=True),
+         "triton+graphs+torchops": dict(attention="triton", cuda_graphs=True, fused_ops=False),
          "triton+graphs+torchdraw": dict(attention="triton", cuda_graphs=True, fused_draw=False),
-         "triton+graphs+fusedops": dict(attention="triton", cuda_graphs=True, fused_ops=True),
          "gather+eager": dict(attention="gather", cuda_graphs=False),
          "flex+eager": dict(attention="flex", cuda_graphs=False)}
 
@@ -54,49 +60,91 @@ def build(shape: str, device: str, max_len: int):
     return model
 
 
-def timed(model, path: dict, rows: int, prompt: list[int], new: int, device: str) -> tuple[float, int, str]:
+def lora_bank(model, rank: int):
+    """A bank of 4 slots of rank `rank` on the 7 linear layers of every block (Engine.sample's first bank), one random
+    adapter (alpha 2 x rank) in slot 0."""
     import torch
 
-    from shardfit.sampling import Sampler, SampleRequest, SamplingParams
+    from shardfit.sampling.lora_bank import BANK_SLOTS, LoRABank
 
-    kv = None if device == "cuda" else -(-(len(prompt) + new) // 16) * rows
-    sampler = Sampler(model, kv_blocks=kv, max_rows=rows, **path)
-    req = SampleRequest(prompt, SamplingParams(new, temperature=1.0, seed=0), num_samples=rows)
-    sampler.run([req])  # warm-up: graphs captured, FlexAttention compiled
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    [res] = sampler.run([req])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(names)]
+    w = next(model.parameters())
+    bank = LoRABank(model, targets, BANK_SLOTS, rank, w.dtype, w.device)
+    g = torch.Generator(device=w.device).manual_seed(2)
+    mods = dict(model.named_modules())
+    adapters = {n: (torch.randn(rank, mods[n].in_features, generator=g, device=w.device) * 0.01,
+                    torch.randn(mods[n].out_features, rank, generator=g, device=w.device) * 0.01) for n in targets}
+    bank.load(0, adapters, 2.0)
+    return bank
+
+
+def requests(rows: int, samples: int, prompt_len: int, new: int, vocab: int, adapter: int) -> list:
+    """rows / samples random prompts (seeded: every path decodes the same), `samples` continuations of each."""
+    import torch
+
+    from shardfit.sampling import SampleRequest, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, vocab - 1, (max(1, rows // samples), prompt_len), generator=g).tolist()
+    return [SampleRequest(p, SamplingParams(new, temperature=1.0, seed=i), num_samples=samples, adapter=adapter)
+            for i, p in enumerate(prompts)]
+
+
+def sampler_for(model, bank, path: dict, rows: int, reqs: list, device: str):
+    from shardfit.sampling import Sampler
+
+    need = sum(-(-(len(r.prompt) + r.params.max_tokens) // 16) * r.num_samples for r in reqs)
+    return Sampler(model, bank=bank, kv_blocks=None if device == "cuda" else need, max_rows=rows, **path)
+
+
+def timed(model, bank, path: dict, rows: int, reqs: list, device: str) -> dict:
+    """(Decode-only tokens/s, whole-call tokens/s, seconds, KV line) of `reqs` through one path (module docstring)."""
+    import dataclasses
+
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sampler = sampler_for(model, bank, path, rows, reqs, device)
+    sampler.run(reqs)  # warm-up: graphs captured, FlexAttention compiled
+    got = {}
+
+    def call(new: int) -> float:
+        batch = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=new)) for r in reqs]
+        sync()
+        t = time.perf_counter()
+        got[new] = sampler.run(batch)
+        sync()
+        return time.perf_counter() - t
+
+    new = reqs[0].params.max_tokens
+    decode, seconds = decode_halves(rows, new, call)
+    n = sum(len(s.tokens) for res in got[new] for s in res.samples)
     line = sampler.describe()
     del sampler
     if device == "cuda":
         torch.cuda.empty_cache()
-    return dt, sum(len(s.tokens) for s in res.samples), line
+    return {"tokens": n, "seconds": seconds[new], "half_s": seconds[new // 2], "tok_s": decode,
+            "call_tok_s": n / seconds[new], "kv_cache": line}
 
 
-def profile(model, path: dict, rows: int, prompt: list[int], new: int, out_dir: str) -> dict:
-    """One request of `rows` samples x `new` tokens under torch.profiler after a warm-up: the kernels' share of the
-    wall time (where the rest goes: the host between replays) and the top kernels by GPU time, as a table in
-    OUT_DIR/profile_<path>_<rows>.txt."""
+def profile(model, bank, path: dict, rows: int, reqs: list, out_dir: str, tag: str) -> dict:
+    """`reqs` (one prompt's `rows` samples x --profile-new tokens: its one prefill a small share of the time) under
+    torch.profiler after a warm-up: the kernels' share of the wall time (where the rest goes: the host between
+    replays) and the top kernels by GPU time, as a table in OUT_DIR/profile_<path><tag>_<rows>.txt."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from shardfit.sampling import Sampler, SampleRequest, SamplingParams
-
-    kv = None if torch.cuda.is_available() else -(-(len(prompt) + new) // 16) * rows
-    sampler = Sampler(model, kv_blocks=kv, max_rows=rows, **path)
-    req = SampleRequest(prompt, SamplingParams(new, temperature=1.0, seed=0), num_samples=rows)
     cuda = torch.cuda.is_available()
+    sampler = sampler_for(model, bank, path, rows, reqs, "cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sampler.run([req])
+    new = reqs[0].params.max_tokens
+    sampler.run(reqs)
     sync()
     with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         t = time.perf_counter()
-        sampler.run([req])
+        sampler.run(reqs)
         sync()
         wall = time.perf_counter() - t
     del sampler
@@ -107,7 +155,7 @@ def profile(model, path: dict, rows: int, prompt: list[int], new: int, out_dir: 
 
     kernels = sorted((e for e in events if gpu(e) > 0), key=gpu, reverse=True)
     busy = sum(gpu(e) for e in kernels) / 1e6
-    name = f"{out_dir}/profile_{'_'.join(f'{k}-{v}' for k, v in path.items())}_{rows}.txt"
+    name = f"{out_dir}/profile_{'_'.join(f'{k}-{v}' for k, v in path.items())}{tag.replace(' ', '_')}_{rows}.txt"
     Path(name).write_text(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     return {"rows": rows, "new": new, "wall_s": wall, "kernel_s": busy, "gpu_busy": busy / wall,
             "ms_per_step": 1e3 * wall / new,
@@ -121,6 +169,8 @@ def main() -> int:
     ap.add_argument("--rows", default="16,64,256")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=1, help="continuations of each prompt (rows / samples prompts)")
+    ap.add_argument("--lora", type=int, default=0, help="R: every row through a LoRA bank's adapter of rank R")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="", help="ROWS[,ROWS]: after the timings, one run of each path per ROWS "
@@ -132,6 +182,7 @@ def main() -> int:
     model = build(a.shape, a.device, a.prompt + a.new + 16)
     m = model.cfg
     params = sum(p.numel() for p in model.parameters())
+    bank = lora_bank(model, a.lora) if a.lora else None
     from shardfit.models.moe import Experts
 
     experts = sum(p.numel() for mod in model.modules() if isinstance(mod, Experts) for p in mod.parameters())
@@ -141,18 +192,18 @@ def main() -> int:
 
         bw = copy_bandwidth()
         print(json.dumps({"copy_bandwidth_TBps": bw / 1e12}), flush=True)
-    prompt = torch.randint(10, m.vocab_size - 1, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    tag = (f" x{a.samples}" if a.samples > 1 else "") + (f" lora{a.lora}" if a.lora else "")
     out = []
     for rows in [int(r) for r in a.rows.split(",")]:
+        reqs = requests(rows, a.samples, a.prompt, a.new, m.vocab_size, 0 if bank is not None else -1)
         for name in [p for p in a.paths.split(",") if p]:
             try:
-                dt, n, line = timed(model, PATHS[name], rows, prompt, a.new, a.device)
+                row = {"system": f"sampler/{name}{tag}", "rows": rows,
+                       **timed(model, bank, PATHS[name], rows, reqs, a.device)}
             except Exception as e:  # one path failing (e.g. flex on an old torch) leaves the others measured
-                out.append({"system": f"sampler/{name}", "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]})
+                out.append({"system": f"sampler/{name}{tag}", "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]})
                 print(json.dumps(out[-1]), flush=True)
                 continue
-            row = {"system": f"sampler/{name}", "rows": rows, "tokens": n, "seconds": dt, "tok_s": n / dt,
-                   "kv_cache": line}
             if bw is not None:
                 from bench_sampling import roofline
 
@@ -161,21 +212,24 @@ def main() -> int:
                 read = params - experts
                 if experts:
                     read += experts * (1 - (1 - m.experts_per_token / m.n_experts) ** rows)
-                roof = roofline(rows, a.prompt + a.new / 2, bw, read, m.n_layers, m.n_kv_heads,
-                                m.head_dim or m.dim // m.n_heads)
-                row.update(roofline_tok_s=roof, fraction=n / dt / roof,
+                # the KV a step of the timed half reads: each prompt's blocks once, each row's own new part (3/4 of
+                # new on average over the second half's steps)
+                context = (len(reqs) * a.prompt + rows * 0.75 * a.new) / rows
+                roof = roofline(rows, context, bw, read, m.n_layers, m.n_kv_heads, m.head_dim or m.dim // m.n_heads)
+                row.update(roofline_tok_s=roof, fraction=row["tok_s"] / roof,
                            peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30)
             out.append(row)
             print(json.dumps(row), flush=True)
     summary = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "shape": a.shape,
-               "prompt": a.prompt, "new": a.new,
+               "prompt": a.prompt, "new": a.new, "samples": a.samples, "lora": a.lora,
                "decode_roofline_fraction": roofline_fractions(out)}
     profiles = []
     for rows in [int(r) for r in a.profile.split(",") if r]:
+        reqs = requests(rows, rows, a.prompt, a.profile_new, m.vocab_size, 0 if bank is not None else -1)
         for name in [p for p in a.paths.split(",") if p]:
             try:
-                profiles.append({"path": name, **profile(model, PATHS[name], rows, prompt, a.profile_new,
-                                                         str(Path(a.out or "x").resolve().parent))})
+                profiles.append({"path": name, **profile(model, bank, PATHS[name], rows, reqs,
+                                                         str(Path(a.out or "x").resolve().parent), tag)})
             except Exception as e:
                 profiles.append({"path": name, "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]})
             print(json.dumps(profiles[-1]), flush=True)
@@ -183,10 +237,11 @@ def main() -> int:
         summary["profile"] = profiles
     if a.out:
         Path(a.out).write_text(json.dumps({"summary": summary, "rows": out}, indent=1))
-    print(f"\n{'system':24} {'rows':>5} {'tok/s':>9} {'fraction':>8}")
+    print(f"\n{'system':34} {'rows':>5} {'tok/s':>9} {'fraction':>8} {'call tok/s':>10}")
     for r in out:
-        print(f"{r['system']:24} {r['rows']:5d} " + (f"{r['tok_s']:9,.0f} {r.get('fraction', float('nan')):8.3f}"
-                                                      if "tok_s" in r else r["error"]))
+        print(f"{r['system']:34} {r['rows']:5d} " + (
+            f"{r['tok_s']:9,.0f} {r.get('fraction', float('nan')):8.3f} {r['call_tok_s']:10,.0f}"
+            if "tok_s" in r else r["error"]))
     return 0
 
 
