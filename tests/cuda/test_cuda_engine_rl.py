@@ -48,7 +48,7 @@ def _run(rank, world, extra):
 
 
 @pytest.mark.parametrize("extra", [[], ["--compute.compile=true", "--compute.doc_attention=flex"],
-                                   ["--compute.compile=true"],  # auto: forward takes cudnn_docs, training flex
+                                   ["--compute.compile=true"],  # auto: flex for forward and training
                                    ["--compute.doc_attention=cudnn_docs"]])
 def test_packed_logprobs_equal_each_datum_alone_and_ppo_trains(extra):
     r = run_ranks(_run, 1, extra, backend="nccl")[0]

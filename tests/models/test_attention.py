@@ -284,16 +284,16 @@ def test_cudnn_docs_compiles_once_for_every_layout():
 
 
 def test_cudnn_docs_is_for_passes_without_gradients():
-    """auto takes cudnn_docs for a bf16 pass without gradients on CUDA and the training kernel otherwise; an explicit
-    cudnn_docs applies to passes without gradients (any dtype) and training takes auto's choice; the CPU keeps the
-    dense reference."""
+    """auto takes the training kernel for passes with and without gradients (Engine.forward's log-probs are then
+    forward_backward's); an explicit cudnn_docs applies to passes without gradients (any dtype) and training takes
+    auto's choice; the CPU keeps the dense reference."""
     from shardfit.models.attention import choose_doc_kernel
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     train = choose_doc_kernel("auto", cuda, 4096)
     assert train != "cudnn_docs"
-    assert choose_doc_kernel("auto", cuda, 4096, grad=False) == "cudnn_docs"
-    assert choose_doc_kernel("auto", cuda, 64, grad=False) == "cudnn_docs"
+    assert choose_doc_kernel("auto", cuda, 4096, grad=False) == train
+    assert choose_doc_kernel("auto", cuda, 64, grad=False) == choose_doc_kernel("auto", cuda, 64)
     assert choose_doc_kernel("auto", cuda, 4096, torch.float32, grad=False) == choose_doc_kernel(
         "auto", cuda, 4096, torch.float32)
     assert choose_doc_kernel("cudnn_docs", cuda, 4096, grad=False) == "cudnn_docs"

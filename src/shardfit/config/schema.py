@@ -259,7 +259,8 @@ class ComputeConfig:
                                      "sdpa (SDPA with a dense boolean mask: the CPU reference), cudnn_docs (SDPA, "
                                      "cuDNN backend, once per document; passes without gradients only, training "
                                      "takes auto's choice); auto: flex (varlen for rows under 128 tokens or without "
-                                     "FlexAttention), cudnn_docs for bf16 passes without gradients (Engine.forward)",
+                                     "FlexAttention), for passes with and without gradients alike (Engine.forward's "
+                                     "log-probs are forward_backward's)",
                              choices=("auto", "varlen", "flex", "sdpa", "cudnn_docs"))
     kernels: str = opt("torch", "fused linear cross-entropy kernel: torch (chunked pure PyTorch, any device; the "
                                 "default), liger (Liger-Kernel's "

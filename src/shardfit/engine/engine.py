@@ -466,8 +466,9 @@ class Engine(EngineState, EngineSampling):
         return StepShape.of(self.cfg).datum_budget
 
     def doc_kernel(self, budget: int, grad: bool) -> str:
-        """The document-masked attention kernel for rows of `budget` tokens: a no-grad pass (grad False) may take
-        cudnn_docs, which has no backward; forward_backward takes the training kernel (choose_doc_kernel)."""
+        """The document-masked attention kernel for rows of `budget` tokens: a no-grad pass (grad False) takes
+        cudnn_docs when asked for (it has no backward), else the training kernel as forward_backward does
+        (choose_doc_kernel)."""
         fp32 = self.cfg.compute.param_dtype == "float32"
         return choose_doc_kernel(self.cfg.compute.doc_attention, self.device, budget,
                                  torch.float32 if fp32 else torch.bfloat16, grad=grad)

@@ -15,10 +15,12 @@ Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
           take the call) once per document, each output written into its slice of the row. One custom operator
           (shardfit::doc_sdpa) runs the whole loop, so a compiled block sees one opaque node and never recompiles
           for another layout; the documents reach it as a host tensor (no device sync). It has no backward.
-compute.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing); for a
-pass without gradients (Engine.forward) in bf16/fp16 it takes cudnn_docs (faster than flex over real RL rollouts:
-benchmarks/README.md#rl-2x). compute.doc_attention=cudnn_docs applies to
-passes without gradients alone; a training pass then takes what auto would (choose_doc_kernel).
+compute.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing), for
+passes with and without gradients alike: Engine.forward's log-probs are then those forward_backward computes (with
+cudnn_docs for the no-grad pass they differed by 0.048 nats a token on the H100, an importance ratio off by ~5% at
+a PPO step's start: benchmarks/README.md#logprob-gap). compute.doc_attention=cudnn_docs (a few percent faster over
+real RL rollouts: benchmarks/README.md#rl-2x) applies to passes without gradients alone; a training pass then takes
+what auto would (choose_doc_kernel).
 """
 
 from __future__ import annotations
@@ -294,15 +296,13 @@ def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MI
     kernel is CUDA-only; FlexAttention would compile a CPU kernel per shape). FlashAttention has no fp32 kernel:
     auto never picks varlen for fp32 compute, and asking for it is refused before the first step (a rank whose
     micro-batch holds no document boundary would not call it, and its peers would wait for it in their next
-    collective). cudnn_docs has no backward: it is taken for passes without gradients alone (auto: in bf16/fp16,
-    cuDNN's dtypes; set explicitly: in any dtype), and a training pass takes auto's choice instead."""
+    collective). cudnn_docs has no backward: taken for passes without gradients alone, when asked for (any dtype),
+    and a training pass takes auto's choice instead; auto takes the training kernel for both (module docstring)."""
     if device.type != "cuda":
         return "sdpa"
     half = dtype in (torch.bfloat16, torch.float16)
     if kind == "cudnn_docs" and not grad:
         return kind
-    if kind == "auto" and not grad and half:
-        return "cudnn_docs"
     if kind == "cudnn_docs":
         kind = "auto"
     if kind == "varlen" and not half:
