@@ -87,6 +87,34 @@ def test_rows_of_three_versions_and_the_base_each_get_their_own_logits(trained):
     e.using("default")
 
 
+def test_the_decode_kernel_gives_the_torch_paths_logits(trained, monkeypatch):
+    """Every banked linear and the head through kernels/multi_lora_decode.py (Triton's interpreter, no autograd, as
+    a decode step runs them) against multi_lora's torch ops: rows of two versions and the base in one batch."""
+    pytest.importorskip("triton")
+    import shardfit.sampling.lora_bank as lb
+    from shardfit.sampling.source import adapter_scale, adapter_tensors, decode_model
+
+    e, (v1, _) = trained
+    e.finish()
+    plain, bank, live = decode_model(e.model, torch.float32, capacity=2)
+    bank.load(1, live, adapter_scale(e.model))
+    e.using(v1)
+    bank.load(0, adapter_tensors(e.model), adapter_scale(e.model))
+    e.using("default")
+    ids = torch.randint(0, 256, (3, 4), generator=torch.Generator().manual_seed(5))
+    bank.set_rows(torch.tensor([[1], [-1], [0]]).expand(-1, 4))
+    calls = []
+    kernel = lb.multi_lora_decode_
+    monkeypatch.setattr(lb, "multi_lora_decode_", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    with torch.no_grad():
+        want = plain(ids)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        got = plain(ids)
+    n_linear = sum(isinstance(m, (lb.BankedLinear, lb.BankedOutputHead)) for m in plain.modules())
+    assert len(calls) == n_linear > 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_one_rank_decode_model_views_the_engines_storage_and_a_freed_slot_adds_nothing(trained):
     from shardfit.parallel.dtensor import local_tensor
     from shardfit.sampling.source import adapter_scale, decode_model, gathers

@@ -39,6 +39,8 @@ from torch import nn
 from shardfit.adapters.expert_lora import DOWN, GATE_UP, is_expert_target
 from shardfit.errors import ShardfitError
 from shardfit.kernels.multi_lora import multi_lora, multi_lora_embedding, multi_lora_grouped, slot_columns
+from shardfit.kernels.multi_lora_decode import MAX_TOKENS, multi_lora_decode_
+from shardfit.kernels.multi_lora_decode import available as decode_kernel_available
 from shardfit.models.decoder import OutputHead
 from shardfit.models.moe import Experts, MoE
 
@@ -52,10 +54,23 @@ class _Banked:
     bank_B: torch.Tensor
 
     def _delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out [..., out] + every token's own slot's adapter on x [..., in]."""
-        flat = x.reshape(-1, x.shape[-1])
-        d = multi_lora(flat, self.bank_A, self.bank_B, self.lora_bank.columns(flat.shape[0]))
+        """out [..., out] + every token's own slot's adapter on x [..., in]: at decode (few tokens, no autograd, the
+        kernel runs here) added in place by kernels/multi_lora_decode.py's two launches, else multi_lora's torch ops
+        (prefill chunks, the CPU)."""
+        flat = x.reshape(-1, x.shape[-1])  # [N, in]
+        cols = self.lora_bank.columns(flat.shape[0])  # [N, S*R]
+        if _decode_kernel_fits(flat, out):
+            multi_lora_decode_(out.view(-1, out.shape[-1]), flat, self.bank_A, self.bank_B, cols)
+            return out
+        d = multi_lora(flat, self.bank_A, self.bank_B, cols)
         return out + d.view(out.shape).to(out.dtype)
+
+
+def _decode_kernel_fits(flat: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether _delta adds in place through the decode kernel: N <= MAX_TOKENS tokens, no autograd (it writes the
+    base output in place), layouts it reads (out contiguous: the base layer's fresh output), Triton on the device."""
+    return (flat.shape[0] <= MAX_TOKENS and not torch.is_grad_enabled() and out.is_contiguous()
+            and flat.stride(-1) == 1 and decode_kernel_available(flat))
 
 
 class BankedLinear(_Banked, nn.Linear):
