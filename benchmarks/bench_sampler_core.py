@@ -11,7 +11,8 @@ each (1, the default: every row its own prompt, as bench_sampling.py's Engine ro
 blocks shared by its rows), each forced to --new tokens (no stop token: random weights), temperature 1, through each
 path of --paths: gather+graphs, triton+graphs (the paged decode kernel and, the Sampler's default on CUDA, RMSNorm
 and RoPE through kernels/rms_norm.py and kernels/rope.py), triton+graphs+torchops (those two as torch ops),
-triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), gather+eager, flex+eager. Each
+triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), triton+graphs+torchlora (--lora's
+adapters through kernels/multi_lora.py's torch ops, not kernels/multi_lora_decode.py), gather+eager, flex+eager. Each
 path runs once untimed (graphs captured, FlexAttention compiled), then the same requests with max_tokens=new // 2 and
 new, timed (bench_sampling.decode_halves): the decode rate is rows x (new - new // 2) over their difference, the
 whole call's rate beside it. Roofline as bench_sampling.py's, over the bytes a step must read: the weights once plus
@@ -40,6 +41,8 @@ PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
          "triton+graphs": dict(attention="triton", cuda_graphs=True),
          "triton+graphs+torchops": dict(attention="triton", cuda_graphs=True, fused_ops=False),
          "triton+graphs+torchdraw": dict(attention="triton", cuda_graphs=True, fused_draw=False),
+         # --lora's rows through multi_lora's torch ops instead of kernels/multi_lora_decode.py
+         "triton+graphs+torchlora": dict(attention="triton", cuda_graphs=True, lora_kernel=False),
          "gather+eager": dict(attention="gather", cuda_graphs=False),
          "flex+eager": dict(attention="flex", cuda_graphs=False)}
 
@@ -92,8 +95,13 @@ def requests(rows: int, samples: int, prompt_len: int, new: int, vocab: int, ada
 
 
 def sampler_for(model, bank, path: dict, rows: int, reqs: list, device: str):
-    from shardfit.sampling import Sampler
+    """The Sampler of one path; lora_kernel=False (a benchmark switch, not a Sampler option): the bank's layers take
+    the torch ops at every token count (lora_bank's kernel threshold set to 0 until the next path)."""
+    from shardfit.sampling import Sampler, lora_bank
+    from shardfit.kernels.multi_lora_decode import MAX_TOKENS
 
+    path = dict(path)
+    lora_bank.MAX_TOKENS = MAX_TOKENS if path.pop("lora_kernel", True) else 0
     need = sum(-(-(len(r.prompt) + r.params.max_tokens) // 16) * r.num_samples for r in reqs)
     return Sampler(model, bank=bank, kv_blocks=None if device == "cuda" else need, max_rows=rows, **path)
 
