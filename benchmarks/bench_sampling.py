@@ -69,13 +69,15 @@ def start_engine(a):
     return Engine.start(overrides=ov)
 
 
-def decode_halves(rows: int, new: int, call) -> tuple[float, dict[int, float]]:
+def decode_halves(rows: int, new: int, call, reps: int = 2) -> tuple[float, dict[int, float]]:
     """(Decode tokens/s, {max_tokens: seconds}) from call(max_tokens) -> seconds, run with new // 2 and new: the
     difference is new - new // 2 steps of all `rows` rows decoding. Not new minus 1: a batch of distinct prompts
     prefills in chunks between decode steps (continuous batching), so the long call overlaps its prefill with
     decoding that the one-token call does not have, and the difference overstated the rate (1.35 of the roofline at
-    256 rows). Its steps' mean context: the prompt plus 3/4 of new (the roofline's)."""
-    times = {n: call(n) for n in (new // 2, new)}
+    256 rows). Each call the fastest of `reps`: a difference of two single calls carries both calls' noise (one
+    slow prefill phase in the short call made the LoRA rows faster than the plain ones). Its steps' mean context:
+    the prompt plus 3/4 of new (the roofline's)."""
+    times = {n: min(call(n) for _ in range(reps)) for n in (new // 2, new)}
     return rows * (new - new // 2) / (times[new] - times[new // 2]), times
 
 
