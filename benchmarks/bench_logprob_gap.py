@@ -5,7 +5,9 @@
 
 The Engine (shardfit.Engine: the RL API) of the shape (benchmarks/rl_worker_setup.py SHAPES), random weights, LoRA
 r=16 on every linear layer after one optimizer step (so that the adapters add something: B = 0 at the start),
-train.micro_batch_tokens = --row (rows of several datums, as an RL step packs them). --prompts random prompts of
+train.micro_batch_tokens = --row (rows of several datums, as an RL step packs them), sampling.logprobs=trainer
+(the setting a loop that wants the trainer's numbers gives: under compute.doc_attention=auto the Engine then takes
+a packing-invariant attention kernel, Engine.doc_kernel; each call below names its mode). --prompts random prompts of
 --prompt tokens, one sample each of --new tokens (no stop token: random weights), temperature 1, seeded.
 
 1. logprobs="decode": the sample call timed (the kept Sampler dropped first, as a training command between two
@@ -44,7 +46,8 @@ def start_engine(a):
 
     ov = [*SHAPES[a.shape], f"--train.device={a.device}", "--logging.run_dir=", "--logging.progress=none",
           f"--model.max_seq_len={a.prompt + a.new + 64}", f"--data.seq_len={a.prompt + a.new}",
-          f"--train.micro_batch_tokens={a.row}", *lora_overrides(a.lora), *a.extra.split()]
+          f"--train.micro_batch_tokens={a.row}", "--sampling.logprobs=trainer", *lora_overrides(a.lora),
+          *a.extra.split()]
     return Engine.start(overrides=ov)
 
 

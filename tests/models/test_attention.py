@@ -301,3 +301,36 @@ def test_cudnn_docs_is_for_passes_without_gradients():
     assert choose_doc_kernel("cudnn_docs", cuda, 4096) == train
     assert choose_doc_kernel("flex", cuda, 4096, grad=False) == "flex"  # another explicit choice is kept
     assert choose_doc_kernel("cudnn_docs", cpu, 4096, grad=False) == "sdpa"
+
+
+def test_an_invariant_pass_takes_varlen_where_auto_chooses(monkeypatch):
+    """invariant (the Engine under sampling.logprobs=trainer): auto takes varlen for passes with and without
+    gradients in bf16/fp16 where FlashAttention's varlen runs; fp32, an explicit kernel, a missing varlen and the CPU
+    keep their choice; Engine.doc_kernel asks for it exactly under sampling.logprobs=trainer."""
+    from types import SimpleNamespace
+
+    from shardfit.engine import engine as engine_mod
+    from shardfit.models import attention
+    from shardfit.models.attention import choose_doc_kernel
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(attention, "varlen_available", lambda: True)
+    monkeypatch.setattr(attention, "flex_available", lambda: True)
+    assert choose_doc_kernel("auto", cuda, 4096) == "flex"
+    assert choose_doc_kernel("auto", cuda, 4096, invariant=True) == "varlen"
+    assert choose_doc_kernel("auto", cuda, 4096, grad=False, invariant=True) == "varlen"
+    assert choose_doc_kernel("auto", cuda, 4096, torch.float32, invariant=True) == choose_doc_kernel(
+        "auto", cuda, 4096, torch.float32)
+    assert choose_doc_kernel("flex", cuda, 4096, invariant=True) == "flex"
+    assert choose_doc_kernel("cudnn_docs", cuda, 4096, grad=False, invariant=True) == "cudnn_docs"
+    assert choose_doc_kernel("auto", cpu, 4096, invariant=True) == "sdpa"
+    monkeypatch.setattr(attention, "varlen_available", lambda: False)
+    assert choose_doc_kernel("auto", cuda, 4096, invariant=True) == "flex"
+
+    asked = []
+    monkeypatch.setattr(engine_mod, "choose_doc_kernel", lambda *a, **k: asked.append(k["invariant"]) or "x")
+    for logprobs in ("decode", "trainer"):
+        cfg = SimpleNamespace(compute=SimpleNamespace(param_dtype="bfloat16", doc_attention="auto"),
+                              sampling=SimpleNamespace(logprobs=logprobs))
+        engine_mod.Engine.doc_kernel(SimpleNamespace(cfg=cfg, device=cuda), 4096, grad=True)
+    assert asked == [False, True]

@@ -387,7 +387,8 @@ class SamplingConfig:
     logprobs: str = opt("decode", "the sampled tokens' log-probs Engine.sample (and serve's /asample) returns: decode "
                                   "(the decode model's, as it samples) or trainer (one Engine.forward over the "
                                   "samples as datums after the call: equal to the trainer's, bit for bit, on those "
-                                  "datums; top-k stays decode's; rl/trainer_logprobs.py)",
+                                  "datums, in any order under compute.doc_attention=auto, which then takes varlen; "
+                                  "top-k stays decode's; rl/trainer_logprobs.py)",
                         choices=("decode", "trainer"))
 
 

@@ -468,10 +468,12 @@ class Engine(EngineState, EngineSampling):
     def doc_kernel(self, budget: int, grad: bool) -> str:
         """The document-masked attention kernel for rows of `budget` tokens: a no-grad pass (grad False) takes
         cudnn_docs when asked for (it has no backward), else the training kernel as forward_backward does
-        (choose_doc_kernel)."""
+        (choose_doc_kernel); under sampling.logprobs=trainer a packing-invariant one (varlen) where auto chooses:
+        the log-probs the sampler returns then hold for the datums in any order or grouping."""
         fp32 = self.cfg.compute.param_dtype == "float32"
         return choose_doc_kernel(self.cfg.compute.doc_attention, self.device, budget,
-                                 torch.float32 if fp32 else torch.bfloat16, grad=grad)
+                                 torch.float32 if fp32 else torch.bfloat16, grad=grad,
+                                 invariant=self.cfg.sampling.logprobs == "trainer")
 
     def _update(self, scale: float, grad_norm: float, clip: float) -> None:
         """Launch the optimizer on gradients x scale x (clip coefficient)."""

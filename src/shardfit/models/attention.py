@@ -290,14 +290,19 @@ FLEX_MIN_TOKENS = 128
 
 
 def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MIN_TOKENS,
-                      dtype: torch.dtype = torch.bfloat16, grad: bool = True) -> str:
+                      dtype: torch.dtype = torch.bfloat16, grad: bool = True, invariant: bool = False) -> str:
     """compute.doc_attention resolved for this device, row length (tokens per row of a micro-batch), compute dtype
     and whether the pass runs a backward (grad). The CPU always uses the dense reference (FlashAttention's varlen
     kernel is CUDA-only; FlexAttention would compile a CPU kernel per shape). FlashAttention has no fp32 kernel:
     auto never picks varlen for fp32 compute, and asking for it is refused before the first step (a rank whose
     micro-batch holds no document boundary would not call it, and its peers would wait for it in their next
     collective). cudnn_docs has no backward: taken for passes without gradients alone, when asked for (any dtype),
-    and a training pass takes auto's choice instead; auto takes the training kernel for both (module docstring)."""
+    and a training pass takes auto's choice instead; auto takes the training kernel for both (module docstring).
+    invariant (the Engine under sampling.logprobs=trainer): auto takes varlen where it runs (bf16/fp16 on CUDA), whose
+    result for a document does not depend on where it lies in the packed rows: FlashAttention starts every sequence
+    at its own first key, where FlexAttention's key tiles start at the row's and a document's keys fall into other
+    tiles at another offset (measured on an H100: the trainer's log-probs of reversed datums off by 0.045 nats a
+    token under flex, 0 under varlen: benchmarks/README.md#logprob-gap)."""
     if device.type != "cuda":
         return "sdpa"
     half = dtype in (torch.bfloat16, torch.float16)
@@ -305,6 +310,8 @@ def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MI
         return kind
     if kind == "cudnn_docs":
         kind = "auto"
+    if kind == "auto" and invariant and half and varlen_available():
+        return "varlen"
     if kind == "varlen" and not half:
         raise ShardfitError(f"compute.doc_attention=varlen needs bf16 or fp16 compute, not {dtype} (FlashAttention "
                             "has no fp32 kernel)", where="compute.doc_attention",

@@ -17,12 +17,14 @@ and, where asked, the prompt's (read from the prompt's first sample's datum). To
 (topk_prompt_logprobs, topk_sample_logprobs) stay the decode model's: the fused head does not materialise the
 logits whose top-k they are.
 
-Where "bit for bit" holds: the returned log-probs equal Engine.forward over the same datums in the same order
-(the same plan, rows, kernels: rl/pack.py), on every rank count. Another grouping (a loop that drops or reorders
-datums before its forward_backward, or a forward_backward whose attention kernel differs from a no-grad pass's:
-Engine.doc_kernel) places a datum at another column of another row; attention's reduction over key blocks, and
-GEMMs over rows of another count, may then round differently on a GPU (measured beside the gap in
-benchmarks/README.md). On the CPU in fp32 the gap is rounding of fp32 (~1e-6) either way.
+Where "bit for bit" holds: the returned log-probs equal Engine.forward and forward_backward over the same datums
+in the same order (the same plan, rows, kernels: rl/pack.py), on every rank count. Another grouping (a loop that
+drops or reorders datums before its forward_backward) places a datum at another column of another row: under
+sampling.logprobs=trainer the Engine's document-masked attention is then varlen where compute.doc_attention=auto
+(Engine.doc_kernel), whose result for a document does not depend on its place in the row; measured on an H100: 0
+against the same datums reversed or halved, where flex (auto's choice otherwise) gave 0.045 nats a token
+(benchmarks/README.md#logprob-gap). An explicit compute.doc_attention is kept. On the CPU in fp32 the gap is
+rounding of fp32 (~1e-6) either way.
 
 What it costs: one no-grad forward over the samples (prompt + completion tokens), and the kept Sampler is dropped
 before it (the pass's activations need its memory; the next sample call builds its pool and graphs again) unless
