@@ -159,12 +159,9 @@
 #             useful: the step's matmul and attention work by the model's sizes), traces under 15 MB (else the GPU
 #             events alone, else none); JSON $OUT/rl-prof-ppo.json (summary.ppo_profile, rl_lora_fwdbwd_vs_hf)
 # Issue 38, preference training: benchmarks/bench_dpo.py, one GPU (H100 or H200; say which). Carry benchmarks/wheels_dpo
-# (TRL and what it imports that the device may lack, ~62 MiB for CPython 3.12; made here by `pip download --no-deps
-# --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform
-# manylinux2014_x86_64 -d benchmarks/wheels_dpo trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 dill==0.4.1
-# multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0 pyarrow==24.0.0 pandas==3.1.1 python-dateutil==4.0.0
-# pytz==2026.6 tzdata==2026.6 six==1.17.0`); the stage installs into /tmp/site those whose distribution the device
-# does not have, or has older (transformers, peft, torch are the device's).
+# (TRL and what it imports that the device may lack, ~55 MiB for CPython 3.12, alone in a call: made by
+# `bash benchmarks/fetch_wheels.sh`, which lists and checks them); the stage installs into /tmp/site those whose
+# distribution the device does not have, or has older (transformers, peft, torch, accelerate are the device's).
 #   dpo       DPO, shardfit train against TRL's DPOTrainer (+ PEFT) on the same random-token pairs (prompt 512, answers
 #             511 + EOS: 2 x 1,023 tokens a pair, 16 pairs a step, 3 warm-up + 4 timed steps): Llama-3-8B shape LoRA
 #             r=16 all linears (shardfit compiled, full AC, 8 pairs a 16,384-token row; TRL bf16, gradient
