@@ -97,13 +97,17 @@ def requests(rows: int, samples: int, prompt_len: int, new: int, vocab: int, ada
 def sampler_for(model, bank, path: dict, rows: int, reqs: list, device: str):
     """The Sampler of one path; lora_kernel=False (a benchmark switch, not a Sampler option): the bank's layers take
     the torch ops at every token count (lora_bank's kernel threshold set to 0 until the next path)."""
-    from shardfit.sampling import Sampler, lora_bank
     from shardfit.kernels.multi_lora_decode import MAX_TOKENS
+    from shardfit.sampling import Sampler, lora_bank
 
     path = dict(path)
     lora_bank.MAX_TOKENS = MAX_TOKENS if path.pop("lora_kernel", True) else 0
     need = sum(-(-(len(r.prompt) + r.params.max_tokens) // 16) * r.num_samples for r in reqs)
     return Sampler(model, bank=bank, kv_blocks=None if device == "cuda" else need, max_rows=rows, **path)
+
+
+def chunked(path: dict, prefill_chunk: int) -> dict:
+    return {**path, "prefill_chunk": prefill_chunk} if prefill_chunk else path
 
 
 def timed(model, bank, path: dict, rows: int, reqs: list, device: str) -> dict:
@@ -129,7 +133,7 @@ def timed(model, bank, path: dict, rows: int, reqs: list, device: str) -> dict:
     decode, seconds = decode_halves(rows, new, call)
     n = sum(len(s.tokens) for res in got[new] for s in res.samples)
     line = sampler.describe()
-    del sampler
+    sampler = None  # its pool and graphs freed before the next path's
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"tokens": n, "seconds": seconds[new], "half_s": seconds[new // 2], "tok_s": decode,
@@ -179,6 +183,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--samples", type=int, default=1, help="continuations of each prompt (rows / samples prompts)")
     ap.add_argument("--lora", type=int, default=0, help="R: every row through a LoRA bank's adapter of rank R")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="the Sampler's prefill_chunk (0: its default)")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="", help="ROWS[,ROWS]: after the timings, one run of each path per ROWS "
@@ -200,14 +205,15 @@ def main() -> int:
 
         bw = copy_bandwidth()
         print(json.dumps({"copy_bandwidth_TBps": bw / 1e12}), flush=True)
-    tag = (f" x{a.samples}" if a.samples > 1 else "") + (f" lora{a.lora}" if a.lora else "")
+    tag = ((f" x{a.samples}" if a.samples > 1 else "") + (f" lora{a.lora}" if a.lora else "")
+           + (f" chunk{a.prefill_chunk}" if a.prefill_chunk else ""))
     out = []
     for rows in [int(r) for r in a.rows.split(",")]:
         reqs = requests(rows, a.samples, a.prompt, a.new, m.vocab_size, 0 if bank is not None else -1)
         for name in [p for p in a.paths.split(",") if p]:
             try:
                 row = {"system": f"sampler/{name}{tag}", "rows": rows,
-                       **timed(model, bank, PATHS[name], rows, reqs, a.device)}
+                       **timed(model, bank, chunked(PATHS[name], a.prefill_chunk), rows, reqs, a.device)}
             except Exception as e:  # one path failing (e.g. flex on an old torch) leaves the others measured
                 out.append({"system": f"sampler/{name}{tag}", "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]})
                 print(json.dumps(out[-1]), flush=True)
@@ -236,7 +242,7 @@ def main() -> int:
         reqs = requests(rows, rows, a.prompt, a.profile_new, m.vocab_size, 0 if bank is not None else -1)
         for name in [p for p in a.paths.split(",") if p]:
             try:
-                profiles.append({"path": name, **profile(model, bank, PATHS[name], rows, reqs,
+                profiles.append({"path": name, **profile(model, bank, chunked(PATHS[name], a.prefill_chunk), rows, reqs,
                                                          str(Path(a.out or "x").resolve().parent), tag)})
             except Exception as e:
                 profiles.append({"path": name, "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]})

@@ -96,7 +96,7 @@ def new_rows(a, engine, rows_list: list[int], bandwidth: float, variant: str) ->
     from shardfit.sampling.params import SamplingParams
 
     opts = dict(x.split("=", 1) for x in variant.split("+") if "=" in x)
-    opts = {k: (v == "1" if k == "cuda_graphs" else v) for k, v in opts.items()}
+    opts = {k: (v == "1" if k == "cuda_graphs" else int(v) if v.isdigit() else v) for k, v in opts.items()}
     m = engine.cfg.model
     params = sum(p.numel() for n, p in engine.model.named_parameters() if "lora_" not in n)
     g = torch.Generator().manual_seed(1)
@@ -106,7 +106,7 @@ def new_rows(a, engine, rows_list: list[int], bandwidth: float, variant: str) ->
         engine.sample([p[:64] for p in prompts], SamplingParams(max_tokens=4, temperature=1.0, seed=0), **opts)
         got = {}
 
-        def call(new: int) -> float:
+        def call(new: int, prompts=prompts, got=got) -> float:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
