@@ -309,3 +309,22 @@ def test_results_packed_for_the_ranks_exchange_come_back_whole():
     vec = _pack(req, res)
     assert len(vec) == _size(req)  # every rank knows each rank's length without asking
     assert _unpack(req, vec) == res
+
+
+def test_sampling_prefill_chunk_reaches_the_sampler_and_changes_no_token(lora, monkeypatch):
+    """sampling.prefill_chunk is the kept Sampler's: prompts prefilled 3 tokens a forward sample what one forward
+    each samples (the log-probs within fp32 rounding of the chunking)."""
+    from shardfit.sampling.params import SamplingParams
+
+    e = lora
+    p = SamplingParams(max_tokens=5, temperature=1.0, seed=9)
+    e.release_sampler()
+    whole = e.sample(PROMPTS, p, model="default", num_samples=2, **KV)
+    assert e._sampling_sampler[0].prefill_chunk == e.cfg.sampling.prefill_chunk == 512
+    monkeypatch.setattr(e.cfg.sampling, "prefill_chunk", 3)
+    e.release_sampler()
+    chunked = e.sample(PROMPTS, p, model="default", num_samples=2, **KV)
+    assert e._sampling_sampler[0].prefill_chunk == 3
+    assert _tokens(chunked) == _tokens(whole)
+    np.testing.assert_allclose([x for r in chunked for s in r.samples for x in s.logprobs],
+                               [x for r in whole for s in r.samples for x in s.logprobs], rtol=0, atol=1e-5)

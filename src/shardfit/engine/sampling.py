@@ -128,7 +128,8 @@ class EngineSampling:
         and CUDA graphs reused: no allocation or capture), else a new one (the old one dropped first)."""
         from shardfit.sampling.runner import Sampler
 
-        options = {"kv_fraction": self.cfg.sampling.kv_fraction, **options}
+        options = {"kv_fraction": self.cfg.sampling.kv_fraction, "prefill_chunk": self.cfg.sampling.prefill_chunk,
+                   **options}
         key = (id(state.model), id(state.bank), tuple(sorted(options.items())))
         kept = self._sampling_sampler
         if kept is not None and kept[1] == key:
