@@ -4,8 +4,9 @@ decoding (N <= MAX_TOKENS tokens), where sampling/lora_bank.py's banked linears 
 Why: at decode the torch form is five small kernels per banked linear (the shrink GEMM, which cuBLAS splits over K
 into a GEMM and a splitKreduce; the column mask's product; the expand GEMM; the add onto the base output), each a
 launch of 1.5-5 us where its bytes need well under one: the bank of a linear is S R (in + out) bf16 = 0.5 MB at the
-Qwen3-8B shape (S R = 4 x 16, in = out = 4096). At 7 banked linears and 36 layers that was 1,260 launches and ~3.5 ms
-of a 12 ms step (measured on an H100, the step in a CUDA graph). Here it is two launches a linear (504 a step):
+Qwen3-8B shape (S R = 4 x 16, in = out = 4096). At 7 banked linears and 36 layers that was 1,260 launches a step,
+most of what LoRA rows added to it (measured: benchmarks/README.md#sampler-s21). Here it is two launches a linear
+(504 a step):
 
   shrink   grid (N/BN, SR/BSR, SPLITS)   program (row tile, column tile of the bank, split of `in`):
            part[split, rows, cols] = x[rows, split's K] A_all[cols, split's K]^T   fp32, [SPLITS, N, SR]
