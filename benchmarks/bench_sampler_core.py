@@ -141,7 +141,8 @@ def timed(model, bank, path: dict, rows: int, reqs: list, device: str) -> dict:
 
 
 def profile(model, bank, path: dict, rows: int, reqs: list, out_dir: str, tag: str) -> dict:
-    """`reqs` (one prompt's `rows` samples x --profile-new tokens: its one prefill a small share of the time) under
+    """`reqs` (one prompt's `rows` samples x --profile-new tokens: its one prefill a small share of the time; with
+    --profile-distinct the timed rows' prompts, whose prefill is then in the table) under
     torch.profiler after a warm-up: the kernels' share of the wall time (where the rest goes: the host between
     replays) and the top kernels by GPU time, as a table in OUT_DIR/profile_<path><tag>_<rows>.txt."""
     import torch
@@ -189,6 +190,8 @@ def main() -> int:
     ap.add_argument("--profile", default="", help="ROWS[,ROWS]: after the timings, one run of each path per ROWS "
                     "profiled (--profile-new tokens): GPU-busy share and top kernels (tables beside --out)")
     ap.add_argument("--profile-new", type=int, default=48)
+    ap.add_argument("--profile-distinct", action="store_true", help="profile rows of distinct prompts (as timed: "
+                    "the prefill phase in the table) instead of one prompt's samples (the decode steps alone)")
     a = ap.parse_args()
     import torch
 
@@ -239,7 +242,8 @@ def main() -> int:
                "decode_roofline_fraction": roofline_fractions(out)}
     profiles = []
     for rows in [int(r) for r in a.profile.split(",") if r]:
-        reqs = requests(rows, rows, a.prompt, a.profile_new, m.vocab_size, 0 if bank is not None else -1)
+        reqs = requests(rows, a.samples if a.profile_distinct else rows, a.prompt, a.profile_new, m.vocab_size,
+                        0 if bank is not None else -1)
         for name in [p for p in a.paths.split(",") if p]:
             try:
                 profiles.append({"path": name, **profile(model, bank, chunked(PATHS[name], a.prefill_chunk), rows, reqs,
