@@ -136,7 +136,7 @@ class EngineSampling:
             kept[0].tokenizer = tokenizer  # stop strings are decoded with this call's
             return kept[0]
         # this frame's reference too: while `kept` held the old Sampler, its pool stayed allocated and the new
-        # pool was sized from what was left (measured: 21 GiB at peak instead of 72, a third of the rows' rate)
+        # pool was sized from what was left (a third of it on the H100: benchmarks/README.md#sampler-s21, item 4)
         del kept
         self.release_sampler(training=False)  # its pool first: the new one is sized from the memory then free
         sampler = Sampler(state.model, bank=state.bank, tokenizer=tokenizer, **options)
