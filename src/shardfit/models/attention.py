@@ -17,10 +17,10 @@ Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
           for another layout; the documents reach it as a host tensor (no device sync). It has no backward.
 compute.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing), for
 passes with and without gradients alike: Engine.forward's log-probs are then those forward_backward computes (with
-cudnn_docs for the no-grad pass they differed by 0.048 nats a token on the H100, an importance ratio off by ~5% at
-a PPO step's start: benchmarks/README.md#logprob-gap). compute.doc_attention=cudnn_docs (a few percent faster over
-real RL rollouts: benchmarks/README.md#rl-2x) applies to passes without gradients alone; a training pass then takes
-what auto would (choose_doc_kernel).
+cudnn_docs for the no-grad pass they differed by bf16 rounding through every layer, enough to move a PPO step's
+importance ratios at its start: benchmarks/README.md#logprob-gap). compute.doc_attention=cudnn_docs (a few percent
+faster over real RL rollouts: benchmarks/README.md#rl-2x) applies to passes without gradients alone; a training
+pass then takes what auto would (choose_doc_kernel).
 """
 
 from __future__ import annotations
@@ -301,8 +301,8 @@ def choose_doc_kernel(kind: str, device: torch.device, row_tokens: int = FLEX_MI
     invariant (the Engine under sampling.logprobs=trainer): auto takes varlen where it runs (bf16/fp16 on CUDA), whose
     result for a document does not depend on where it lies in the packed rows: FlashAttention starts every sequence
     at its own first key, where FlexAttention's key tiles start at the row's and a document's keys fall into other
-    tiles at another offset (measured on an H100: the trainer's log-probs of reversed datums off by 0.045 nats a
-    token under flex, 0 under varlen: benchmarks/README.md#logprob-gap)."""
+    tiles at another offset (the trainer's log-probs of reversed datums measured under both:
+    benchmarks/README.md#logprob-gap)."""
     if device.type != "cuda":
         return "sdpa"
     half = dtype in (torch.bfloat16, torch.float16)

@@ -21,9 +21,9 @@ Where "bit for bit" holds: the returned log-probs equal Engine.forward and forwa
 in the same order (the same plan, rows, kernels: rl/pack.py), on every rank count. Another grouping (a loop that
 drops or reorders datums before its forward_backward) places a datum at another column of another row: under
 sampling.logprobs=trainer the Engine's document-masked attention is then varlen where compute.doc_attention=auto
-(Engine.doc_kernel), whose result for a document does not depend on its place in the row; measured on an H100: 0
-against the same datums reversed or halved, where flex (auto's choice otherwise) gave 0.045 nats a token
-(benchmarks/README.md#logprob-gap). An explicit compute.doc_attention is kept. On the CPU in fp32 the gap is
+(Engine.doc_kernel), whose result for a document does not depend on its place in the row, where flex (auto's
+choice otherwise) does (both measured against the same datums reversed and halved: benchmarks/README.md#logprob-gap).
+An explicit compute.doc_attention is kept. On the CPU in fp32 the gap is
 rounding of fp32 (~1e-6) either way.
 
 What it costs: one no-grad forward over the samples (prompt + completion tokens), and the kept Sampler is dropped
