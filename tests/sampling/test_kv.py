@@ -60,6 +60,31 @@ def test_attention_over_scattered_blocks_is_the_dense_caches():
         torch.testing.assert_close(out[b:b + 1], cached_attention(q[b:b + 1], k, v), rtol=1e-5, atol=1e-6)
 
 
+def test_a_fresh_chunk_attends_as_the_gather_path_and_fills_the_pool():
+    """Prompts' first chunks (PagedKV.bind fresh: rows at positions 0 .., padding after the real tokens) through
+    causal attention over their own keys: the gather path's output for every real query, and the same pool
+    contents (the keys written for the next chunk and the decode steps)."""
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    bs, real_len = 4, [7, 3]  # row 1: 3 real tokens, 4 of padding (keys to the trash block)
+    positions = torch.tensor([list(range(7)), [0, 1, 2, 0, 0, 0, 0]])
+    real = positions.new_tensor([[True] * 7, [True] * 3 + [False] * 4]).bool()
+    tables = torch.tensor([[2, 0], [4, 6]])  # [J, M]: row 1's second block the padding's place
+    q, k, v = torch.randn(2, 7, 4, 8), torch.randn(2, 7, 2, 8), torch.randn(2, 7, 2, 8)
+    from shardfit.sampling.step import slot_mapping
+
+    outs, pools = [], []
+    for fresh in (False, True):
+        kv = PagedKV(cfg, 7, bs, torch.float32, "cpu")
+        slots = slot_mapping(tables, positions, bs, kv.trash, real)
+        kv.bind(positions, slots, torch.where(tables == 6, kv.trash, tables), fresh=fresh)
+        outs.append(kv.attend(0, q, k, v))
+        pools.append((kv.k[0][:kv.trash].clone(), kv.v[0][:kv.trash].clone()))
+    for b, n in enumerate(real_len):
+        torch.testing.assert_close(outs[1][b, :n], outs[0][b, :n], rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(pools[0], pools[1]))
+
+
 @pytest.mark.slow  # FlexAttention compiles (~15 s on 2 idle cores)
 def test_flex_attention_is_the_gather_paths():
     from shardfit.sampling.attention import flex_attention_paged, flex_block_mask

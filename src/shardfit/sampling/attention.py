@@ -13,6 +13,8 @@ T = M x bs keys per row.
   the same, so both paths read the same bytes (measured against each other in benchmarks/README.md).
 - "triton" (CUDA with Triton; the Sampler's default there, "auto"): decoding reads each row's keys in place through
   its table (kernels/paged_attention.py), once instead of three times; a prefill chunk takes the gather path.
+Whatever the path, a forward of prompts' first chunks (PagedKV.bind's fresh: every row starts at position 0) takes
+`causal_attention` over its own keys: nothing cached before it, so nothing to gather and no mask to build.
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ def gather_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     mask = visible(positions, k.shape[2]).repeat_interleave(G, dim=1)[:, None]  # [B, 1, S x G, T]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [B, K, S x G, Dh]
     return out.view(B, K, S, G, Dh).permute(0, 2, 1, 3, 4).reshape(B, S, H, Dh)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, S, H, Dh], k/v [B, S, K, Dh] of rows that start at position 0 -> [B, S, H, Dh]: query s sees keys
+    0 .. s of its row (a row's padding lies after its real tokens, so no real query sees it). SDPA's causal form
+    with grouped heads: FlashAttention on CUDA in bf16/fp16, no [S, T] mask."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         enable_gqa=k.shape[2] != q.shape[2])  # [B, H, S, Dh]
+    return out.transpose(1, 2)
 
 
 _FLEX = {}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from shardfit.config.schema import ModelConfig
-from shardfit.sampling.attention import flex_attention_paged, flex_block_mask, gather_attention
+from shardfit.sampling.attention import causal_attention, flex_attention_paged, flex_block_mask, gather_attention
 
 BLOCK_SIZE = 16  # tokens a KV block holds, by default (the Sampler's, the planner's)
 
@@ -92,6 +92,7 @@ class PagedKV:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.allocator = BlockAllocator(n_blocks)
         self._positions = self._slots = self._tables = self._mask = None
+        self._fresh = False
 
     @property
     def tokens(self) -> int:
@@ -114,11 +115,15 @@ class PagedKV:
             pool[dst] = pool[src]
 
     # The decoder's cache protocol (models/decoder.py).
-    def bind(self, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor) -> None:
+    def bind(self, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, fresh: bool = False) -> None:
         """The forward about to run: positions [B, S] (int64: each new token's position in its row, which is also the
         last key it may attend to), slots [B x S] (int64: where its key and value go in the flat pool
-        [(n_blocks + 1) x block_size]), tables [B, M] (int64: the row's blocks in order, padded with `trash`)."""
-        self._positions, self._slots, self._tables = positions, slots, tables
+        [(n_blocks + 1) x block_size]), tables [B, M] (int64: the row's blocks in order, padded with `trash`).
+        fresh: every row's tokens are its first (positions 0 .. S-1, padding after the real ones): a prompt's first
+        chunk. Its keys are then exactly this forward's, and attend takes causal attention over them (SDPA's
+        FlashAttention on CUDA) instead of gathering them back from the pool under an explicit mask: the same keys
+        and the same rule (a query at position p sees keys 0 .. p of its row; padding lies past every real query)."""
+        self._positions, self._slots, self._tables, self._fresh = positions, slots, tables, fresh
         self._mask = None  # flex: the block mask, made by the forward's first layer
         # triton: decoding (one token a row) reads the pool in place (kernels/paged_attention.py); a prefill chunk
         # takes the gather path. The split count is chosen here, on the host, once per forward's shape.
@@ -137,6 +142,8 @@ class PagedKV:
         flat = (-1, *kp.shape[2:])  # [(n_blocks + 1) x block_size, K, Dh]: a view of the pool
         kp.view(flat).index_copy_(0, self._slots, k.reshape(-1, *k.shape[2:]).to(kp.dtype))
         vp.view(flat).index_copy_(0, self._slots, v.reshape(-1, *v.shape[2:]).to(vp.dtype))
+        if self._fresh:
+            return causal_attention(q, k.to(kp.dtype), v.to(vp.dtype))
         if self.attention == "flex":
             if self._mask is None:
                 self._mask = flex_block_mask(self._positions, self._tables.shape[1] * self.block_size)

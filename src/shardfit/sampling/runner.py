@@ -191,7 +191,8 @@ class Sampler:
             tables[j, :len(job.blocks)] = torch.tensor(job.blocks, dtype=torch.int64)
             adapters[j, :b - a] = job.request.req.adapter
         dev = [t.to(self.device, non_blocking=True) for t in (ids, pos, real, tables, adapters)]
-        h = prefill_forward(self.model, self.kv, *dev[:4], dev[4] if self.bank is not None else None, self.bank)
+        h = prefill_forward(self.model, self.kv, *dev[:4], dev[4] if self.bank is not None else None, self.bank,
+                            fresh=all(a == 0 for _, a, _ in chunks))
         for j, (job, a, b) in enumerate(chunks):
             job.done = b
             if job.new:

@@ -147,11 +147,12 @@ def packed_decode_step(model, kv: PagedKV, st: RowState, active: torch.Tensor, w
 
 
 def prefill_forward(model, kv: PagedKV, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor,
-                    tables: torch.Tensor, adapters: torch.Tensor | None, bank=None) -> torch.Tensor:
+                    tables: torch.Tensor, adapters: torch.Tensor | None, bank=None,
+                    fresh: bool = False) -> torch.Tensor:
     """Prompt chunks ids [J, S] at positions [J, S] (real [J, S]: False for the padding, whose keys go to the trash
     block) over the jobs' tables [J, M] -> the final hidden states [J, S, D] (the head is applied where logits are
-    needed)."""
-    kv.bind(positions, slot_mapping(tables, positions, kv.block_size, kv.trash, real), tables)
+    needed). fresh: every chunk is its prompt's first (PagedKV.bind)."""
+    kv.bind(positions, slot_mapping(tables, positions, kv.block_size, kv.trash, real), tables, fresh=fresh)
     if bank is not None:
         bank.set_rows(adapters)
     return model.model(ids, cache=kv)
