@@ -31,9 +31,9 @@ each; a case that has too little left is recorded as skipped):
 Figures: the median step time after --warmup steps (shardfit: metrics.jsonl, one record a step; TRL: a callback
 with CUDA synchronised at each step's ends), pairs/s, tokens/s, peak allocated / reserved GiB over the timed steps.
 JSON summary: dpo_vs_trl {case: {"throughput": shardfit/TRL tokens/s, "memory": shardfit/TRL peak allocated}}.
-The device lacks TRL and datasets: benchmarks/wheels_dpo (git-ignored, carried alone in a call: ~55 MiB; made by
+The device lacks TRL and datasets: benchmarks/wheels_dpo (git-ignored, carried; ~2 MiB, made by
 benchmarks/fetch_wheels.sh, which pins and checks them; device_run.sh's dpo stage installs what is missing into
-/tmp/site) holds trl 1.16.0, datasets and their needs.
+/tmp/site) holds trl 1.16.0, datasets and their needs beyond the device's image (pyarrow and pandas are its).
 """
 
 from __future__ import annotations

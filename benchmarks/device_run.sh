@@ -159,8 +159,9 @@
 #             useful: the step's matmul and attention work by the model's sizes), traces under 15 MB (else the GPU
 #             events alone, else none); JSON $OUT/rl-prof-ppo.json (summary.ppo_profile, rl_lora_fwdbwd_vs_hf)
 # Issue 38, preference training: benchmarks/bench_dpo.py, one GPU (H100 or H200; say which). Carry benchmarks/wheels_dpo
-# (TRL and what it imports that the device may lack, ~55 MiB for CPython 3.12, alone in a call: made by
-# `bash benchmarks/fetch_wheels.sh`, which lists and checks them); the stage installs into /tmp/site those whose
+# (TRL, datasets and what they import that the device lacks, ~2 MiB: made by `bash benchmarks/fetch_wheels.sh`, which
+# lists and checks them; FULL=1 adds pyarrow and pandas, 55 MiB, for a device without them); the stage prints the
+# device's pyarrow and pandas versions (TRL needs pyarrow>=21), then installs into /tmp/site the wheels whose
 # distribution the device does not have, or has older (transformers, peft, torch, accelerate are the device's).
 #   dpo       DPO, shardfit train against TRL's DPOTrainer (+ PEFT) on the same random-token pairs (prompt 512, answers
 #             511 + EOS: 2 x 1,023 tokens a pair, 16 pairs a step, 3 warm-up + 4 timed steps): Llama-3-8B shape LoRA
@@ -361,6 +362,7 @@ for stage in "$@"; do
       name=$stage${RL_TAG:+-$RL_TAG}
       env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_rl.py --parts "${RL_PARTS:-$parts}" --reps $reps --budget $((cap - 20)) --logprobs-at "${RL_LOGPROBS_AT:-all}" "${more[@]}" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -90 ;;
     dpo)
+      python3 -c "import pyarrow, pandas; print('device pyarrow', pyarrow.__version__, 'pandas', pandas.__version__)" || echo "device: no pyarrow/pandas: FULL=1 bash benchmarks/fetch_wheels.sh"
       for w in benchmarks/wheels_dpo/*.whl; do  # each wheel whose distribution the device lacks, or has older
         python3 -c "import importlib.metadata as m, sys; from packaging.version import Version as V; n, v = sys.argv[1].split('-')[:2]; sys.exit(V(m.version(n)) < V(v))" "$(basename "$w")" 2>/dev/null || echo "$w"
       done > /tmp/dpo_wheels.txt

@@ -4,13 +4,14 @@
 # pyproject's `serve` extra) and benchmarks/wheels_dpo (dpo: TRL for bench_dpo.py's anchor and what it needs that the
 # device may lack). Pinned versions, from PyPI, with --no-deps (every dependency is named here), then a check that
 # every wheel's non-extra Requires-Dist is met by the set or by the device's packages (the list below).
-#   bash benchmarks/fetch_wheels.sh            # both folders (~15 MB + ~55 MB), then the check
+#   bash benchmarks/fetch_wheels.sh            # both folders (~15 MB + ~2 MB), then the check
+#   FULL=1 bash benchmarks/fetch_wheels.sh     # wheels_dpo with pyarrow, pandas and their needs (~55 MB)
 #   bash benchmarks/fetch_wheels.sh check      # the check alone, on the folders as they are
 # PY (default: .venv/bin/python where there is one, else python3) needs pip and packaging; any Python will do (the
 # flags pick cp312 wheels).
-# Size: a call carries at most 64 MiB with the working tree (~5 MiB of tracked files): carry one folder a call.
-# wheels_dpo takes pyarrow 21.0.0 (40.8 MiB) with datasets 5.0.1 on purpose: datasets 5.1+ needs pyarrow>=24 (46.6
-# MiB, 52.5 for 26.x), which with pandas put the folder at 62 MiB, over the limit with the tree. datasets 5.0.1 pins
+# Size: a call carries at most 64 MiB with the working tree (~5 MiB of tracked files): both folders fit one call;
+# with FULL=1 wheels_dpo goes alone. FULL takes pyarrow 21.0.0 (40.8 MiB) with datasets 5.0.1 on purpose: datasets
+# 5.1+ needs pyarrow>=24 (46.6 MiB, 52.5 for 26.x), which with pandas put the folder at 62 MiB. datasets 5.0.1 pins
 # fsspec<=2026.6.0 and the device's fsspec is likely newer (it wins: the check's one warning); checked here on the CPU
 # (Python 3.11, the same versions, fsspec 2026.9.0, transformers 5.17.0, huggingface_hub 1.33.0, accelerate 1.15.0):
 # `bench_dpo.py --tiny --cases trl-lora8b,trl-full1b` trained both TRL cases (2026-12-07).
@@ -24,9 +25,13 @@ RL=(tinker==0.38.0 fastapi==0.165.0 uvicorn==0.54.0 starlette==1.10.0 pydantic==
     pyqwest==0.12.0 orjson==3.13.0 zstandard==0.25.0 distro==1.9.0 sniffio==1.3.1 h2==4.4.1 hpack==4.2.0
     hyperframe==6.1.0 annotated-doc==0.0.7 anyio==4.16.0)
 # the dpo stage installs each of these only where the device lacks the distribution or has an older one;
-# accelerate (1.15.0 there, TRL needs >=1.10.1) and huggingface_hub (1.33.0, datasets 5.0.1 needs <2) are the device's
-DPO=(trl==1.16.0 datasets==5.0.1 pyarrow==21.0.0 pandas==3.1.1 python-dateutil==2.9.0.post0 six==1.17.0
-     dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.6.0 requests==2.32.5)
+# accelerate (1.15.0 there, TRL needs >=1.10.1) and huggingface_hub (1.33.0, datasets 5.0.1 needs <2) are the device's.
+# The device's image lists pyarrow, pandas, python-dateutil, six, requests, fsspec and xxhash (KINDS.md's package
+# list, no versions): they are left to it (~2 MiB carried, so wheels_dpo and wheels_rl fit one call together);
+# FULL=1 carries them too (55 MiB: a call of its own), for a device whose pyarrow is older than TRL's >=21.
+DPO=(trl==1.16.0 datasets==5.0.1 dill==0.4.1 multiprocess==0.70.19)
+[ "${FULL:-0}" = 1 ] && DPO+=(pyarrow==21.0.0 pandas==3.1.1 python-dateutil==2.9.0.post0 six==1.17.0 xxhash==4.1.0
+                              fsspec==2026.6.0 requests==2.32.5)
 
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
@@ -67,6 +72,9 @@ DEVICE = {  # name: version, ">=version" (a lower bound inferred from a dependan
     "requests": None, "regex": None, "charset-normalizer": None, "urllib3": None,  # tiktoken 0.14 -> requests
     "xxhash": None, "aiohttp": None, "jinja2": None,  # torch-geometric 2.8 (jinja2 torch too)
     "rich": None, "pydantic": None, "shellingham": None,  # typer (transformers 5 needs typer; typer 0.2x needs these)
+    # KINDS.md's package list of the image (no versions read): TRL needs pyarrow>=21, pandas>=2.1.1; the dpo stage
+    # prints the device's versions first
+    "pyarrow": None, "pandas": None, "python-dateutil": None, "six": None,
 }
 # Python 3.12.3 on x86_64 Linux, for the markers
 ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
