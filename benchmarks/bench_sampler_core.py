@@ -13,12 +13,17 @@ path of --paths: gather+graphs, triton+graphs (the paged decode kernel and, the 
 and RoPE through kernels/rms_norm.py and kernels/rope.py), triton+graphs+torchops (those two as torch ops),
 triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), triton+graphs+torchlora (--lora's
 adapters through kernels/multi_lora.py's torch ops, not kernels/multi_lora_decode.py), gather+eager, flex+eager. Each
-path runs once untimed (graphs captured, FlexAttention compiled), then the same requests with max_tokens=new // 2 and
-new, timed (bench_sampling.decode_halves): the decode rate is rows x (new - new // 2) over their difference, the
-whole call's rate beside it. Roofline as bench_sampling.py's, over the bytes a step must read: the weights once plus
-the KV cache held, each prompt's blocks once (shared by its samples) and each row's own new part (3/4 of new on
-average over the timed steps), at the measured copy bandwidth; an MoE step reads only the experts its rows route to
-(below).
+path runs once untimed (graphs captured, FlexAttention compiled), then once timed as a whole (the call's tokens/s:
+prefill and all), then once more with the decode rate timed over the steps that run all `rows` rows (`steady`: after
+the last prompt's prefill, until the first row ends; rows x steps over their seconds). Prompts prefill one chunk a
+step, each followed by a decode step, so rows join one prompt (--prefill-chunk tokens) at a time: --new must exceed
+the prefill phase's steps for such a window (256 distinct 512-token prompts: 256 steps at the default chunk; use
+--new 512, or a larger chunk). Session 21's first figures took the difference of two calls instead (max_tokens 256
+minus 1, then 256 minus 128): the rows' staggered starts and ends put fewer rows than `rows` into the steps timed,
+and one call per half erred by up to 45%. Roofline as bench_sampling.py's, over the bytes a step of the window must
+read: the weights once plus the KV cache held, each prompt's blocks once (shared by its samples) and each row's own
+new part (at the window's mean position), at the measured copy bandwidth; an MoE step reads only the experts its
+rows route to (below).
 Prints one JSON line a run and a table; --out: one JSON with `decode_roofline_fraction` per path and row count.
 """
 
@@ -34,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from bench_sampling import decode_halves, roofline_fractions  # noqa: E402
+from bench_sampling import roofline_fractions  # noqa: E402
 from rl_worker_setup import SHAPES, moe_overrides  # noqa: E402
 
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
@@ -110,34 +115,55 @@ def chunked(path: dict, prefill_chunk: int) -> dict:
     return {**path, "prefill_chunk": prefill_chunk} if prefill_chunk else path
 
 
-def timed(model, bank, path: dict, rows: int, reqs: list, device: str) -> dict:
-    """(Decode-only tokens/s, whole-call tokens/s, seconds, KV line) of `reqs` through one path (module docstring)."""
-    import dataclasses
+def steady(sampler, reqs: list, rows: int, sync) -> dict:
+    """The decode rate at `rows` rows: `reqs` submitted and stepped until every row decodes (every prompt prefilled,
+    none waiting), then timed over the decode steps that run all `rows` rows (until the first row ends): rows x steps
+    over their seconds, with their mean context (each row's position at the window's first and last step). The
+    steps are the Sampler's own (flushes included); the prefill phase and the tail where rows leave are outside
+    the window. A window needs --new larger than the prefill phase's steps (rows / prompts per chunk)."""
+    handles = [sampler.submit(r) for r in reqs]
+    sched = sampler.sched
+    while len(sched.active) < rows or sched.waiting or sched.prefilling:
+        if any(h.done for h in handles) or sched.idle:
+            sampler.wait(handles)
+            return {"error": f"no step ran all {rows} rows: a row ended during the prefill phase (raise --new or "
+                             "--prefill-chunk)"}
+        sampler.step()
+    sync()
+    t0, s0 = time.perf_counter(), sched.step
 
+    def context(s: int) -> float:  # the rows' mean position at decode step s
+        return sum(len(r.request.req.prompt) + r.n_gen - 1 + (s - r.join_step) for r in sched.active) / rows
+
+    c0 = context(s0)
+    while len(sched.active) == rows:
+        sampler.step()
+    sync()
+    dt, steps = time.perf_counter() - t0, sched.step - s0
+    sampler.wait(handles)
+    return {"tok_s": rows * steps / dt, "window_steps": steps, "window_s": dt, "context": c0 + (steps - 1) / 2}
+
+
+def timed(model, bank, path: dict, rows: int, reqs: list, device: str) -> dict:
+    """(Decode tokens/s at `rows` rows (steady), the whole call's tokens/s, its seconds, the KV line) of `reqs`
+    through one path (module docstring)."""
     import torch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sampler = sampler_for(model, bank, path, rows, reqs, device)
     sampler.run(reqs)  # warm-up: graphs captured, FlexAttention compiled
-    got = {}
-
-    def call(new: int) -> float:
-        batch = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=new)) for r in reqs]
-        sync()
-        t = time.perf_counter()
-        got[new] = sampler.run(batch)
-        sync()
-        return time.perf_counter() - t
-
-    new = reqs[0].params.max_tokens
-    decode, seconds = decode_halves(rows, new, call)
-    n = sum(len(s.tokens) for res in got[new] for s in res.samples)
-    line = sampler.describe()
+    sync()
+    t = time.perf_counter()
+    got = sampler.run(reqs)
+    sync()
+    seconds = time.perf_counter() - t
+    n = sum(len(s.tokens) for res in got for s in res.samples)
+    out = {"tokens": n, "seconds": seconds, "call_tok_s": n / seconds, **steady(sampler, reqs, rows, sync),
+           "kv_cache": sampler.describe()}
     sampler = None  # its pool and graphs freed before the next path's
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"tokens": n, "seconds": seconds[new], "half_s": seconds[new // 2], "tok_s": decode,
-            "call_tok_s": n / seconds[new], "kv_cache": line}
+    return out
 
 
 def profile(model, bank, path: dict, rows: int, reqs: list, out_dir: str, tag: str) -> dict:
@@ -221,7 +247,7 @@ def main() -> int:
                 out.append({"system": f"sampler/{name}{tag}", "rows": rows, "error": f"{type(e).__name__}: {e}"[:300]})
                 print(json.dumps(out[-1]), flush=True)
                 continue
-            if bw is not None:
+            if bw is not None and "tok_s" in row:
                 from bench_sampling import roofline
 
                 # an MoE step reads the experts its rows route to: E (1 - (1 - k/E)^rows) of E a layer if the
@@ -229,9 +255,8 @@ def main() -> int:
                 read = params - experts
                 if experts:
                     read += experts * (1 - (1 - m.experts_per_token / m.n_experts) ** rows)
-                # the KV a step of the timed half reads: each prompt's blocks once, each row's own new part (3/4 of
-                # new on average over the second half's steps)
-                context = (len(reqs) * a.prompt + rows * 0.75 * a.new) / rows
+                # the KV a step of the window reads: each prompt's blocks once, each row's own new part
+                context = (len(reqs) * a.prompt + rows * (row["context"] - a.prompt)) / rows
                 roof = roofline(rows, context, bw, read, m.n_layers, m.n_kv_heads, m.head_dim or m.dim // m.n_heads)
                 row.update(roofline_tok_s=roof, fraction=row["tok_s"] / roof,
                            peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30)
@@ -255,10 +280,10 @@ def main() -> int:
         summary["profile"] = profiles
     if a.out:
         Path(a.out).write_text(json.dumps({"summary": summary, "rows": out}, indent=1))
-    print(f"\n{'system':34} {'rows':>5} {'tok/s':>9} {'fraction':>8} {'call tok/s':>10}")
+    print(f"\n{'system':34} {'rows':>5} {'tok/s':>9} {'fraction':>8} {'steps':>5} {'call tok/s':>10}")
     for r in out:
         print(f"{r['system']:34} {r['rows']:5d} " + (
-            f"{r['tok_s']:9,.0f} {r.get('fraction', float('nan')):8.3f} {r['call_tok_s']:10,.0f}"
+            f"{r['tok_s']:9,.0f} {r.get('fraction', float('nan')):8.3f} {r['window_steps']:5d} {r['call_tok_s']:10,.0f}"
             if "tok_s" in r else r["error"]))
     return 0
 
