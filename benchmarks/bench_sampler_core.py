@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from bench_sampling import roofline_fractions  # noqa: E402
+from bench_sampling import roofline_fractions, steady_window  # noqa: E402
 from rl_worker_setup import SHAPES, moe_overrides  # noqa: E402
 
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
@@ -116,32 +116,12 @@ def chunked(path: dict, prefill_chunk: int) -> dict:
 
 
 def steady(sampler, reqs: list, rows: int, sync) -> dict:
-    """The decode rate at `rows` rows: `reqs` submitted and stepped until every row decodes (every prompt prefilled,
-    none waiting), then timed over the decode steps that run all `rows` rows (until the first row ends): rows x steps
-    over their seconds, with their mean context (each row's position at the window's first and last step). The
-    steps are the Sampler's own (flushes included); the prefill phase and the tail where rows leave are outside
-    the window. A window needs --new larger than the prefill phase's steps (rows / prompts per chunk)."""
+    """`reqs` submitted, the decode rate at `rows` rows over its steady window (bench_sampling.steady_window), the
+    requests then run to their end."""
     handles = [sampler.submit(r) for r in reqs]
-    sched = sampler.sched
-    while len(sched.active) < rows or sched.waiting or sched.prefilling:
-        if any(h.done for h in handles) or sched.idle:
-            sampler.wait(handles)
-            return {"error": f"no step ran all {rows} rows: a row ended during the prefill phase (raise --new or "
-                             "--prefill-chunk)"}
-        sampler.step()
-    sync()
-    t0, s0 = time.perf_counter(), sched.step
-
-    def context(s: int) -> float:  # the rows' mean position at decode step s
-        return sum(len(r.request.req.prompt) + r.n_gen - 1 + (s - r.join_step) for r in sched.active) / rows
-
-    c0 = context(s0)
-    while len(sched.active) == rows:
-        sampler.step()
-    sync()
-    dt, steps = time.perf_counter() - t0, sched.step - s0
+    out = steady_window(sampler, rows, lambda: any(h.done for h in handles), sync)
     sampler.wait(handles)
-    return {"tok_s": rows * steps / dt, "window_steps": steps, "window_s": dt, "context": c0 + (steps - 1) / 2}
+    return out
 
 
 def timed(model, bank, path: dict, rows: int, reqs: list, device: str) -> dict:

@@ -69,16 +69,27 @@ def start_engine(a):
     return Engine.start(overrides=ov)
 
 
-def decode_halves(rows: int, new: int, call, reps: int = 2) -> tuple[float, dict[int, float]]:
-    """(Decode tokens/s, {max_tokens: seconds}) from call(max_tokens) -> seconds, run with new // 2 and new: the
-    difference is new - new // 2 steps of all `rows` rows decoding. Not new minus 1: a batch of distinct prompts
-    prefills in chunks between decode steps (continuous batching), so the long call overlaps its prefill with
-    decoding that the one-token call does not have, and the difference overstated the rate (1.35 of the roofline at
-    256 rows). Each call the fastest of `reps`: a difference of two single calls carries both calls' noise (one
-    slow prefill phase in the short call made the LoRA rows faster than the plain ones). Its steps' mean context:
-    the prompt plus 3/4 of new (the roofline's)."""
-    times = {n: min(call(n) for _ in range(reps)) for n in (new // 2, new)}
-    return rows * (new - new // 2) / (times[new] - times[new // 2]), times
+def steady_window(sampler, rows: int, answered, sync) -> dict:
+    """The decode rate at `rows` rows of a Sampler whose requests are submitted: stepped until every row decodes
+    (every prompt prefilled, none waiting), then timed over the decode steps that run all `rows` rows (until the
+    first row ends): rows x steps over their seconds, with their mean context (the rows' mean position over the
+    window). The Sampler's own steps (its flushes included); the prefill phase, where rows join a prompt a step, and
+    the tail, where they leave, are outside the window. A window needs more new tokens than the prefill phase has
+    steps; `answered()` (any request answered already) or an idle sampler before it: {"error": ...}."""
+    sched = sampler.sched
+    while len(sched.active) < rows or sched.waiting or sched.prefilling:
+        if answered() or sched.idle:
+            return {"error": f"no step ran all {rows} rows: a row ended during the prefill phase (more new tokens, "
+                             "or a larger prefill_chunk)"}
+        sampler.step()
+    sync()
+    t0, s0 = time.perf_counter(), sched.step
+    c0 = sum(len(r.request.req.prompt) + r.n_gen - 1 + (s0 - r.join_step) for r in sched.active) / rows
+    while len(sched.active) == rows:
+        sampler.step()
+    sync()
+    dt, steps = time.perf_counter() - t0, sched.step - s0
+    return {"tok_s": rows * steps / dt, "window_steps": steps, "window_s": dt, "context": c0 + (steps - 1) / 2}
 
 
 def roofline_fractions(rows: list[dict]) -> dict[str, float]:
@@ -89,8 +100,9 @@ def roofline_fractions(rows: list[dict]) -> dict[str, float]:
 def new_rows(a, engine, rows_list: list[int], bandwidth: float, variant: str) -> list[dict]:
     """The new sampler (Engine.sample: the decode model over the Engine's weights, the live LoRA adapter in its bank,
     paged KV, continuous batching, CUDA graphs): `rows` distinct prompts, one sample each, `--new` tokens forced.
-    Decode tokens/s from two timed calls (decode_halves): the rate is the decode loop's alone, over the steps where
-    every row decodes; the whole call's rate beside it."""
+    The whole call timed (prefill and all: the rate a caller sees), then the same prompts through Engine.sample_run
+    (the same Sampler, kept) with the decode rate over its steady window (steady_window: the steps that run all
+    `rows` rows)."""
     import torch
 
     from shardfit.sampling.params import SamplingParams
@@ -103,25 +115,29 @@ def new_rows(a, engine, rows_list: list[int], bandwidth: float, variant: str) ->
     out = []
     for rows in rows_list:
         prompts = torch.randint(10, m.vocab_size - 1, (rows, a.prompt), generator=g).tolist()
+        sp = SamplingParams(max_tokens=a.new, temperature=1.0, seed=0)
         engine.sample([p[:64] for p in prompts], SamplingParams(max_tokens=4, temperature=1.0, seed=0), **opts)
-        got = {}
-
-        def call(new: int, prompts=prompts, got=got) -> float:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter()
-            got[new] = engine.sample(prompts, SamplingParams(max_tokens=new, temperature=1.0, seed=0), **opts)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t
-
-        decode, times = decode_halves(rows, a.new, call)
-        n = sum(len(s.tokens) for r in got[a.new] for s in r.samples)
-        roof = roofline(rows, a.prompt + 0.75 * a.new, bandwidth, params, m.n_layers, m.n_kv_heads, m.head_dim or
-                        m.dim // m.n_heads)
-        out.append({"system": f"shardfit-new {variant}", "rows": rows, "tokens": n, "seconds": times[a.new],
-                    "half_s": times[a.new // 2], "tok_s": decode, "call_tok_s": n / times[a.new],
-                    "roofline_tok_s": roof, "fraction": decode / roof,
-                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        got = engine.sample(prompts, sp, **opts)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        n = sum(len(s.tokens) for r in got for s in r.samples)
+        run = engine.sample_run(**opts)
+        run.submit(prompts, sp)
+        window = steady_window(run.sampler, rows, lambda run=run: bool(run.collect()), torch.cuda.synchronize)
+        while run.busy:
+            run.step()
+            run.collect()
+        run.close()
+        row = {"system": f"shardfit-new {variant}", "rows": rows, "tokens": n, "seconds": seconds,
+               "call_tok_s": n / seconds, **window, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        if "tok_s" in window:
+            roof = roofline(rows, window["context"], bandwidth, params, m.n_layers, m.n_kv_heads, m.head_dim or
+                            m.dim // m.n_heads)
+            row.update(roofline_tok_s=roof, fraction=window["tok_s"] / roof)
+        out.append(row)
         print(json.dumps(out[-1]), flush=True)
     return out
 
