@@ -7,6 +7,8 @@
   place after a step; a freed slot adds exactly nothing;
 - an MoE model's decode model (its experts and balancing biases as they are) gives the Engine's logits, with LoRA on
   its attention, on its experts (both projections, or down_proj alone) banked;
+- at decode (the Triton kernel, interpreted) the logits are the torch ops'; q|k|v and gate|up share one shrink a
+  layer (counted) and give the ungrouped path's bits, in a bank made anew at a rank above the adapters';
 - refusals are one line: a load of the wrong rank or shape, an unknown target, a target of another kind.
 """
 
