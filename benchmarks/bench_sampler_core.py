@@ -12,7 +12,8 @@ blocks shared by its rows), each forced to --new tokens (no stop token: random w
 path of --paths: gather+graphs, triton+graphs (the paged decode kernel and, the Sampler's default on CUDA, RMSNorm
 and RoPE through kernels/rms_norm.py and kernels/rope.py), triton+graphs+torchops (those two as torch ops),
 triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), triton+graphs+torchlora (--lora's
-adapters through kernels/multi_lora.py's torch ops, not kernels/multi_lora_decode.py), gather+eager, flex+eager. Each
+adapters through kernels/multi_lora.py's torch ops, not kernels/multi_lora_decode.py), triton+graphs+ungrouped (the
+decode kernel without q|k|v and gate|up sharing one shrink: 14 launches a layer, not 10), gather+eager, flex+eager. Each
 path runs once untimed (graphs captured, FlexAttention compiled), then once timed as a whole (the call's tokens/s:
 prefill and all), then once more with the decode rate timed over the steps that run all `rows` rows (`steady`: after
 the last prompt's prefill, until the first row ends; rows x steps over their seconds). Prompts prefill one chunk a
@@ -48,6 +49,8 @@ PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
          "triton+graphs+torchdraw": dict(attention="triton", cuda_graphs=True, fused_draw=False),
          # --lora's rows through multi_lora's torch ops instead of kernels/multi_lora_decode.py
          "triton+graphs+torchlora": dict(attention="triton", cuda_graphs=True, lora_kernel=False),
+         # --lora's rows through the decode kernel, each banked linear its own shrink (no q|k|v, gate|up sharing)
+         "triton+graphs+ungrouped": dict(attention="triton", cuda_graphs=True, lora_group=False),
          "gather+eager": dict(attention="gather", cuda_graphs=False),
          "flex+eager": dict(attention="flex", cuda_graphs=False)}
 
@@ -101,12 +104,14 @@ def requests(rows: int, samples: int, prompt_len: int, new: int, vocab: int, ada
 
 def sampler_for(model, bank, path: dict, rows: int, reqs: list, device: str):
     """The Sampler of one path; lora_kernel=False (a benchmark switch, not a Sampler option): the bank's layers take
-    the torch ops at every token count (lora_bank's kernel threshold set to 0 until the next path)."""
+    the torch ops at every token count (lora_bank's kernel threshold set to 0 until the next path); lora_group=False:
+    sibling layers (q|k|v, gate|up) each take their own shrink (lora_bank.GROUP_SIBLINGS off until the next path)."""
     from shardfit.kernels.multi_lora_decode import MAX_TOKENS
     from shardfit.sampling import Sampler, lora_bank
 
     path = dict(path)
     lora_bank.MAX_TOKENS = MAX_TOKENS if path.pop("lora_kernel", True) else 0
+    lora_bank.GROUP_SIBLINGS = path.pop("lora_group", True)
     need = sum(-(-(len(r.prompt) + r.params.max_tokens) // 16) * r.num_samples for r in reqs)
     return Sampler(model, bank=bank, kv_blocks=None if device == "cuda" else need, max_rows=rows, **path)
 

@@ -2,8 +2,10 @@
 N of 1, 3 and 64 tokens, in / out that are not multiples of the tiles, adapters of lower rank zero-padded in the
 bank, slots of different scales and -1 (those rows bit for bit the base's, -0.0 included), one split or several
 (uneven, one past `in`); a row's bits whatever shares the batch; sampling/lora_bank.py's BankedLinear through it at
-decode and through the torch ops otherwise. On a GPU (cuda mark): bf16 against multi_lora's and a BankedLinear
-captured in a CUDA graph."""
+decode and through the torch ops otherwise; one shrink over stacked banks (lora_shrink's members) and an expand at a
+column offset give each member's own bits; a sibling group's reuse, and its recomputation for another or rewritten
+input or bank. On a GPU (cuda mark): bf16 against multi_lora's, a BankedLinear and a sibling group captured in a CUDA
+graph."""
 
 import pytest
 import torch
@@ -96,6 +98,86 @@ def test_refuses_shapes_it_does_not_read(interpreted):
         multi_lora_decode_(torch.zeros(4, OUT + 1), x, a_all, b_all, cols)
     with pytest.raises(ValueError, match="do not fit"):
         multi_lora_decode_(torch.zeros(OUT, 4).t(), x, a_all, b_all, cols)  # out's columns strided
+
+
+def test_a_shared_shrink_and_offset_expands_give_each_members_own_bits(interpreted):
+    """Three banks stacked [3*S*R, in] (S*R = 24: a member's column tiles of 16 kept apart), one lora_shrink, each
+    member's lora_expand_ at its offset: multi_lora_decode_'s bits for that member alone."""
+    from shardfit.kernels.multi_lora_decode import lora_expand_, lora_shrink, multi_lora_decode_
+
+    x, _, _, slot = _case(7, seed=10)
+    cols = slot_columns(slot, SCALES, R)
+    banks = [_case(1, seed=11 + m, out_f=o)[1:3] for m, o in enumerate((70, 30, 130))]  # (A_all, B_all) each
+    part = lora_shrink(x, torch.cat([a for a, _ in banks]), members=3)
+    assert part.shape == (1, 7, 3 * S * R)  # plan_splits of one member's S*R: in = 100 is one split
+    base = torch.randn(7, 130, generator=torch.Generator().manual_seed(12))
+    for m, (a_all, b_all) in enumerate(banks):
+        o = b_all.shape[1]
+        alone = multi_lora_decode_(base[:, :o].clone(), x, a_all, b_all, cols)
+        shared = lora_expand_(base[:, :o].clone(), part, b_all, cols, offset=m * S * R)
+        assert torch.equal(_bits(shared), _bits(alone)) and not torch.equal(shared, base[:, :o])
+    with pytest.raises(ValueError, match="do not fit"):
+        lora_expand_(base[:, :70].clone(), part, banks[0][1], cols, offset=2 * S * R + 1)  # past part's width
+
+
+def _logged(fn, name: str, log: list):
+    return lambda *a, **k: log.append(name) or fn(*a, **k)
+
+
+class _Siblings(nn.Module):
+    """q|k|v of different widths reading one x (lora_bank's SIBLINGS, at the root)."""
+
+    def __init__(self, in_f=IN, outs=(OUT, 30, 30)):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(in_f, o) for o in outs)
+
+
+def _banked_siblings(g, dtype=torch.float32, device="cpu", in_f=IN, outs=(OUT, 30, 30)):
+    from shardfit.sampling.lora_bank import LoRABank
+
+    model = _Siblings(in_f, outs).to(device=device, dtype=dtype)
+    names = ["q_proj", "k_proj", "v_proj"]
+    bank = LoRABank(model, names, S, R, dtype, torch.device(device))
+    per = [_adapters(g, in_f, o) for o in outs]
+    for s in range(S):
+        bank.load(s, {n: per[i][s] for i, n in enumerate(names)}, float(SCALES[s]))
+    return model, bank
+
+
+def test_siblings_share_the_first_ones_shrink_only_for_the_same_unwritten_input(interpreted, monkeypatch):
+    import shardfit.sampling.lora_bank as lb
+
+    model, bank = _banked_siblings(torch.Generator().manual_seed(13))
+    shrinks = []
+    for name in ("lora_shrink", "multi_lora_decode_"):
+        monkeypatch.setattr(lb, name, _logged(getattr(lb, name), name, shrinks))
+    g = torch.Generator().manual_seed(14)
+    x, y = torch.randn(2, 3, IN, generator=g), torch.randn(2, 3, IN, generator=g)
+    bank.set_rows(torch.tensor([[0, -1, 1], [2, 1, -1]]))
+    mods = (model.q_proj, model.k_proj, model.v_proj)
+
+    def alone(mod, t):  # the ungrouped path's output
+        monkeypatch.setattr(lb, "GROUP_SIBLINGS", False)
+        try:
+            return mod(t)
+        finally:
+            monkeypatch.setattr(lb, "GROUP_SIBLINGS", True)
+
+    with torch.no_grad():
+        got = [m(x) for m in mods]
+        assert shrinks == ["lora_shrink"] and model.q_proj.lora_group._x is None  # one shrink; v dropped it
+        want = [alone(m, x) for m in mods]
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want))
+        shrinks.clear()
+        model.q_proj(x)
+        assert torch.equal(model.k_proj(y), alone(model.k_proj, y))  # another x: its own shrink
+        x.add_(1.0)  # the same object, rewritten: recomputed, not the stale partials
+        assert torch.equal(model.v_proj(x), alone(model.v_proj, x))
+        model.q_proj(x)
+        bank.free(1)  # the bank rewritten between two siblings: recomputed
+        assert torch.equal(model.k_proj(x), alone(model.k_proj, x))
+    own = ["multi_lora_decode_"] * 2  # the sibling's own shrink, then alone's
+    assert shrinks == ["lora_shrink", *own, *own, "lora_shrink", *own]
 
 
 class _Tiny(nn.Module):
@@ -210,3 +292,46 @@ def test_cuda_banked_linear_captured_in_a_graph_replays_new_rows():
             tol = 2e-2 * want.abs().max().item()
             torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=tol)
             assert (out - nn.functional.linear(x, model.proj.weight, model.proj.bias)).abs().max() > tol  # adapted
+
+
+@pytest.mark.cuda
+def test_cuda_sibling_group_captured_in_a_graph_replays_the_ungrouped_bits():
+    """q|k|v banked (bf16, the kernel path) with set_rows inside a CUDA graph: one shrink captured for the three;
+    replays with new inputs and slots give the ungrouped eager kernel path's bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import shardfit.sampling.lora_bank as lb
+
+    outs = (4096, 1024, 1024)
+    model, bank = _banked_siblings(torch.Generator().manual_seed(15), torch.bfloat16, "cuda", 4096, outs)
+    x = torch.zeros(64, 4096, dtype=torch.bfloat16, device="cuda")
+    slots = torch.zeros(64, 1, dtype=torch.long, device="cuda")
+    mods = (model.q_proj, model.k_proj, model.v_proj)
+
+    def step():
+        bank.set_rows(slots)
+        return [m(x) for m in mods]
+
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm up: the kernels compiled outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs_g = step()
+        assert model.q_proj.lora_group._x is None  # nothing of the capture kept
+        for seed in (1, 2):
+            gg = torch.Generator().manual_seed(seed)
+            x.copy_(torch.randn(64, 4096, generator=gg))
+            slots.copy_(torch.randint(-1, S, (64, 1), generator=gg))
+            graph.replay()
+            lb.GROUP_SIBLINGS = False
+            try:
+                want = step()
+            finally:
+                lb.GROUP_SIBLINGS = True
+            for got, w, m in zip(outs_g, want, mods):
+                assert torch.equal(got, w)
+                assert (got - nn.functional.linear(x, m.weight, m.bias)).abs().max() > 0  # adapted

@@ -7,6 +7,8 @@
   place after a step; a freed slot adds exactly nothing;
 - an MoE model's decode model (its experts and balancing biases as they are) gives the Engine's logits, with LoRA on
   its attention, on its experts (both projections, or down_proj alone) banked;
+- at decode (the Triton kernel, interpreted) the logits are the torch ops'; q|k|v and gate|up share one shrink a
+  layer (counted) and give the ungrouped path's bits, in a bank made anew at a rank above the adapters';
 - refusals are one line: a load of the wrong rank or shape, an unknown target, a target of another kind.
 """
 
@@ -87,6 +89,23 @@ def test_rows_of_three_versions_and_the_base_each_get_their_own_logits(trained):
     e.using("default")
 
 
+def _count_launches(monkeypatch, lb) -> dict:
+    """Wraps lora_bank's kernel entry points: {"shrink": launches, "expand": launches} as they run."""
+    n = {"shrink": 0, "expand": 0}
+
+    def counted(fn, kinds):
+        def call(*a, **k):
+            for kind in kinds:
+                n[kind] += 1
+            return fn(*a, **k)
+        return call
+
+    for name, kinds in (("multi_lora_decode_", ("shrink", "expand")), ("lora_shrink", ("shrink",)),
+                        ("lora_expand_", ("expand",))):
+        monkeypatch.setattr(lb, name, counted(getattr(lb, name), kinds))
+    return n
+
+
 def test_the_decode_kernel_gives_the_torch_paths_logits(trained, monkeypatch):
     """Every banked linear and the head through kernels/multi_lora_decode.py (Triton's interpreter, no autograd, as
     a decode step runs them) against multi_lora's torch ops: rows of two versions and the base in one batch."""
@@ -103,16 +122,54 @@ def test_the_decode_kernel_gives_the_torch_paths_logits(trained, monkeypatch):
     e.using("default")
     ids = torch.randint(0, 256, (3, 4), generator=torch.Generator().manual_seed(5))
     bank.set_rows(torch.tensor([[1], [-1], [0]]).expand(-1, 4))
-    calls = []
-    kernel = lb.multi_lora_decode_
-    monkeypatch.setattr(lb, "multi_lora_decode_", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    n = _count_launches(monkeypatch, lb)
     with torch.no_grad():
         want = plain(ids)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         got = plain(ids)
     n_linear = sum(isinstance(m, (lb.BankedLinear, lb.BankedOutputHead)) for m in plain.modules())
-    assert len(calls) == n_linear > 1
+    assert n["expand"] == n_linear > 1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sibling_groups_share_one_shrink_and_give_the_ungrouped_bits(trained, monkeypatch):
+    """q|k|v and gate|up of every layer share one shrink launch (4 shrinks a layer for 7 banked linears, 7 expands),
+    and the logits are the ungrouped path's bit for bit (fp32, the interpreter): a bank of rank 8 holding rank-4
+    adapters in 3 slots (S*R = 24: column tiles of 16 would straddle two members), rows of 3 versions and the base."""
+    pytest.importorskip("triton")
+    import shardfit.sampling.lora_bank as lb
+    from shardfit.sampling.source import adapter_scale, adapter_tensors, decode_model
+
+    e, (v1, v2) = trained
+    e.finish()
+    plain, _, live = decode_model(e.model, torch.float32, capacity=2)
+    bank = lb.LoRABank(plain, list(live), 3, 8, torch.float32, torch.device("cpu"))  # anew, as Engine.sample grows
+    scale = adapter_scale(e.model)
+    bank.load(2, live, scale)
+    for slot, vid in ((0, v1), (1, v2)):
+        e.using(vid)
+        bank.load(slot, adapter_tensors(e.model), scale)
+    e.using("default")
+    layers = len(plain.model.layers)
+    assert len(bank.groups) == 2 * layers and all(g.a.shape[0] == len(g.members) * 24 for g in bank.groups)
+    q = plain.model.layers[0].self_attn.q_proj
+    assert q.bank_A.data_ptr() == q.lora_group.a.data_ptr()  # a view of the stacked rows: load wrote through it
+    ids = torch.randint(0, 256, (4, 3), generator=torch.Generator().manual_seed(6))
+    bank.set_rows(torch.tensor([[2], [-1], [0], [1]]).expand(-1, 3))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    n = _count_launches(monkeypatch, lb)
+    with torch.no_grad():
+        got = plain(ids)
+        assert n == {"shrink": 4 * layers + 1, "expand": 7 * layers + 1}  # + the head
+        assert all(g._x is None for g in bank.groups)  # the last member dropped what the first kept
+        monkeypatch.setattr(lb, "GROUP_SIBLINGS", False)
+        want = plain(ids)
+        assert n == {"shrink": 4 * layers + 1 + 7 * layers + 1, "expand": 2 * (7 * layers + 1)}
+        monkeypatch.delenv("TRITON_INTERPRET")
+        torch_ops = plain(ids)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, torch_ops, rtol=1e-5, atol=1e-5)
+    assert min((got[r] - got[1]).abs().max() for r in (0, 2, 3)) > 1e-3  # every version moved its row
 
 
 def test_one_rank_decode_model_views_the_engines_storage_and_a_freed_slot_adds_nothing(trained):

@@ -10,6 +10,9 @@ non-persistent buffers beside its weight:
   embedding       bank_A [V, S*R]   (PEFT's lora_embedding_A [r, V], transposed into slot s's columns)
                   bank_B [S*R, D]   (lora_embedding_B [D, r], transposed)
 S = capacity, R = rank (the largest adapter rank served; smaller ones zero-padded: exact), in the decode dtype.
+Linears of one parent that read one input (SIBLINGS: q|k|v, gate|up) get their bank_A as row blocks of one stacked
+tensor [members*S*R, in] (views: no more memory), and at decode share one shrink launch (_SiblingGroup; exact:
+each member's partials the bits of its own shrink). GROUP_SIBLINGS = False turns the sharing off.
 `load(slot, adapters, scale)` copies one adapter version in (name -> (A, B) as adapters/lora.py names and shapes
 them: the module's full name, lora_A [r, in] and lora_B [out, r], or the embedding's pair); a target the version does
 not adapt gets zeros (what "not adapted" means). `free(slot)` zeroes it. Before every forward the sampler's runner
@@ -39,12 +42,16 @@ from torch import nn
 from shardfit.adapters.expert_lora import DOWN, GATE_UP, is_expert_target
 from shardfit.errors import ShardfitError
 from shardfit.kernels.multi_lora import multi_lora, multi_lora_embedding, multi_lora_grouped, slot_columns
-from shardfit.kernels.multi_lora_decode import MAX_TOKENS, multi_lora_decode_
+from shardfit.kernels.multi_lora_decode import MAX_TOKENS, lora_expand_, lora_shrink, multi_lora_decode_
 from shardfit.kernels.multi_lora_decode import available as decode_kernel_available
 from shardfit.models.decoder import OutputHead
 from shardfit.models.moe import Experts, MoE
 
 BANK_SLOTS = 4  # adapter slots of a decode model's first bank (Engine.sample doubles it when a call needs more)
+# banked linears of one parent that read one input, in the order models/decoder.py calls them (the first computes
+# the group's shrink); GROUP_SIBLINGS: whether they share it at decode (read per call: a benchmark's A/B switch)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+GROUP_SIBLINGS = True
 
 class _Banked:
     """What every banked linear, head or embedding has: its bank (the owner of the column mask) and two buffers."""
@@ -53,13 +60,18 @@ class _Banked:
     bank_A: torch.Tensor
     bank_B: torch.Tensor
 
-    def _delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _delta(self, x: torch.Tensor, out: torch.Tensor, group: _SiblingGroup | None = None) -> torch.Tensor:
         """out [..., out] + every token's own slot's adapter on x [..., in]: at decode (few tokens, no autograd, the
-        kernel runs here) added in place by kernels/multi_lora_decode.py's two launches, else multi_lora's torch ops
-        (prefill chunks, the CPU)."""
+        kernel runs here) added in place by kernels/multi_lora_decode.py's launches (a sibling group's shrink shared:
+        _SiblingGroup), else multi_lora's torch ops (prefill chunks, the CPU)."""
         flat = x.reshape(-1, x.shape[-1])  # [N, in]
         cols = self.lora_bank.columns(flat.shape[0])  # [N, S*R]
-        if _decode_kernel_fits(flat, out):
+        fits = _decode_kernel_fits(flat, out)
+        part = group.partials(self, x, flat, fits) if group is not None else None  # [SPLITS, N, members*S*R]
+        if part is not None:
+            lora_expand_(out.view(-1, out.shape[-1]), part, self.bank_B, cols, offset=group.offset(self))
+            return out
+        if fits:
             multi_lora_decode_(out.view(-1, out.shape[-1]), flat, self.bank_A, self.bank_B, cols)
             return out
         d = multi_lora(flat, self.bank_A, self.bank_B, cols)
@@ -74,8 +86,61 @@ def _decode_kernel_fits(flat: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 class BankedLinear(_Banked, nn.Linear):
+    lora_group: _SiblingGroup | None = None  # set by the bank where the layer has siblings (SIBLINGS)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._delta(x, super().forward(x))
+        return self._delta(x, super().forward(x), self.lora_group if GROUP_SIBLINGS else None)
+
+
+def _version(t: torch.Tensor) -> int:
+    """t's in-place write counter (shared with its views); inference tensors keep none."""
+    return -1 if t.is_inference() else t._version
+
+
+class _SiblingGroup:
+    """Banked linears of one parent that read one input (SIBLINGS: q|k|v, gate|up), whose A banks are row blocks
+    of one tensor a [members*S*R, in] (each member's bank_A a view of it: no copy, load and free write through),
+    so that at decode one shrink launch serves them all (kernels/multi_lora_decode.py: 10 launches a layer of 7
+    banked linears instead of 14).
+
+    The first member's call computes the group's partials on its x and keeps (x, part): x held (its id is not
+    reused while kept) with its and the bank's write counters. A later member handed that same x, unwritten since,
+    reads its columns of part; any other call takes its own shrink (always correct). The last member drops what is
+    kept (nothing of one forward is held past it: a CUDA graph's pool included). Host-side checks only: capturable,
+    and the captured launches are the shared ones."""
+
+    def __init__(self, members: list[BankedLinear], a: torch.Tensor):
+        self.members, self.a = tuple(members), a  # a [members*S*R, in]
+        self.width = a.shape[0] // len(members)  # S*R
+        self._drop()
+
+    def _drop(self) -> None:
+        self._x: torch.Tensor | None = None
+        self._key: tuple[int, int] | None = None
+        self._part: torch.Tensor | None = None
+
+    def offset(self, mod: BankedLinear) -> int:
+        return self.members.index(mod) * self.width
+
+    def _stacked(self) -> bool:
+        """Whether every member's bank_A is still its rows of a (a model moved since would break the views)."""
+        row = self.a.stride(0) * self.a.element_size()
+        return all(m.bank_A.data_ptr() == self.a.data_ptr() + i * self.width * row and m.bank_A.shape[0] == self.width
+                   for i, m in enumerate(self.members))
+
+    def partials(self, mod: BankedLinear, x: torch.Tensor, flat: torch.Tensor, fits: bool) -> torch.Tensor | None:
+        """part [SPLITS, N, members*S*R] for mod's expand on x (flat: x [N, in]), or None: mod takes its own path.
+        fits: whether mod's call runs the decode kernel at all."""
+        key = (_version(x), _version(self.a))
+        if mod is self.members[0]:
+            self._drop()
+            if fits and self._stacked():
+                self._x, self._key, self._part = x, key, lora_shrink(flat, self.a, members=len(self.members))
+            return self._part
+        part = self._part if fits and self._x is x and self._key == key else None
+        if mod is self.members[-1]:
+            self._drop()
+        return part
 
 
 class BankedOutputHead(_Banked, OutputHead):
@@ -202,6 +267,35 @@ def _target(model: nn.Module, fqn: str, width: int, kw: dict) -> _Target:
                    _bank(mod, "bank_B", (width, out_f), kw), 0, _transposed)  # B [out, r]: B^T [S*R, out]
 
 
+def _sibling_names(model: nn.Module, targets: list[str]) -> list[list[str]]:
+    """The targets that form SIBLINGS groups: two or more of one tuple under one parent, each a banked plain linear,
+    all of one in_features (in the tuple's order)."""
+    fqns, groups = set(targets), []
+    for parent in dict.fromkeys(t.rpartition(".")[0] for t in targets):
+        for names in SIBLINGS:
+            group = [f for f in (f"{parent}.{n}" if parent else n for n in names)
+                     if f in fqns and type(model.get_submodule(f)) is BankedLinear]
+            if len(group) > 1 and len({model.get_submodule(f).in_features for f in group}) == 1:
+                groups.append(group)
+    return groups
+
+
+def _stack_group(model: nn.Module, names: list[str], targets: dict[str, _Target], kw: dict) -> _SiblingGroup:
+    """The members' A banks made row blocks of one zeroed tensor [members*S*R, in] (each member's bank_A and its
+    _Target's A the view of its rows), and the group that shares their shrink."""
+    mods = [model.get_submodule(f) for f in names]
+    width, in_f = mods[0].bank_A.shape  # [S*R, in]
+    a = torch.zeros(len(mods) * width, in_f, **kw)
+    for i, (f, mod) in enumerate(zip(names, mods)):
+        view = a.narrow(0, i * width, width)
+        mod.register_buffer("bank_A", view, persistent=False)
+        targets[f].a = view
+    group = _SiblingGroup(mods, a)
+    for mod in mods:
+        mod.lora_group = group
+    return group
+
+
 class LoRABank:
     """S adapter slots on the target modules of a plain (unsharded) decode CausalLM (module docstring)."""
 
@@ -216,6 +310,9 @@ class LoRABank:
         for mod in model.modules():
             if isinstance(mod, (_Banked, BankedExperts)):
                 mod.lora_bank = self
+            if isinstance(mod, BankedLinear):
+                mod.lora_group = None  # a bank made anew on the same model: the old one's groups go
+        self.groups = [_stack_group(model, names, self.targets, kw) for names in _sibling_names(model, targets)]
         self.scale = torch.zeros(capacity, **kw)  # [S]: alpha / r per slot
         self._cols: torch.Tensor | None = None  # [B*S, S*R] of the last set_rows
 
