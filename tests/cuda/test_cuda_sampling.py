@@ -71,18 +71,20 @@ def test_the_fused_draw_gives_the_torch_draws_tokens_and_logprobs():
             torch.testing.assert_close(torch.tensor(gs.logprobs), torch.tensor(ws.logprobs), atol=1e-4, rtol=0)
 
 
-def test_the_fused_ops_give_the_torch_ops_tokens_and_leave_training_alone():
-    """kernels/rms_norm.py and kernels/rope.py in the decode model (fused_ops=True) against their torch ops;
-    with grad enabled the same module runs autograd's ops (a backward through it works)."""
+@pytest.mark.parametrize("fused", [True, "all"])
+def test_the_fused_ops_give_the_torch_ops_tokens_and_leave_training_alone(fused):
+    """kernels/rms_norm.py and kernels/rope.py in the decode model (fused_ops=True; "all": the q/k norms and RoPE
+    in one launch, qk_rope) against their torch ops; with grad enabled the same module runs autograd's ops (a
+    backward through it works)."""
     pytest.importorskip("triton")
     model = tiny_model().cuda()
-    got = Sampler(model, kv_blocks=256, block_size=16, fused_ops=True).run(_requests())
+    got = Sampler(model, kv_blocks=256, block_size=16, fused_ops=fused).run(_requests())
     assert "forward" in model.model.norm.__dict__  # patched on the instance
     want = Sampler(model, kv_blocks=256, block_size=16, fused_ops=False).run(_requests())
     assert "forward" not in model.model.norm.__dict__
     for g, w in zip(got, want):
         assert [s.tokens for s in g.samples] == [s.tokens for s in w.samples]
-    Sampler(model, kv_blocks=16, block_size=16, fused_ops=True)
+    Sampler(model, kv_blocks=16, block_size=16, fused_ops=fused)
     x = torch.randn(2, 3, model.cfg.dim, device="cuda", requires_grad=True)
     model.model.norm(x).sum().backward()
     assert x.grad is not None

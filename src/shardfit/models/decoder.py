@@ -59,6 +59,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: nn.Module | None,
+              k_norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention's positional step: q [B, S, H, Dh] and k [B, S, K, Dh] normed per head where the model has
+    q_norm / k_norm (Qwen3; None: Llama), then rotated (apply_rope)."""
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, S, H, Dh]; cos/sin [B, S, Dh] (the two halves share frequencies, Hugging Face layout)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -138,8 +147,9 @@ class Attention(nn.Module):
         # function here; parallelize() may put a sequence-parallel wrapper in its place (Ulysses), which sees the same
         # local q, k, v and the micro-batch's document mask, and returns local rows.
         self.core = sdpa_attention
-        # RoPE on [B, S, heads, Dh]: apply_rope, or for decoding a one-kernel form in its place (sampling/step.py)
-        self.apply_rope = apply_rope
+        # the per-head norms and RoPE of q and k: norm_rope, or for decoding a one-kernel form in its place
+        # (sampling/step.py's set_decode_kernels)
+        self.norm_rope = norm_rope
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: DocumentMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
@@ -148,9 +158,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, Dh]
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)  # [B, S, K, Dh]
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
-        if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
+        q, k = self.norm_rope(q, k, cos, sin, self.q_norm, self.k_norm)  # Qwen3 normalises each head before RoPE
         if cache is not None:
             out = cache[0].attend(cache[1], q, k, v)  # [B, S, H, Dh]
         else:

@@ -24,7 +24,9 @@ fused kernel (kernels/gumbel_draw.py: one read of the logits for the token and i
 keeps the torch ops, the same tokens but for ties within a rounding of the device's log). `fused_ops` (on by
 default, CUDA with Triton only): the model's RMSNorm layers and RoPE run kernels/rms_norm.py and kernels/rope.py
 under no_grad (step.set_decode_kernels): one kernel a norm instead of seven ops, the step's largest group of small
-kernels (benchmarks/README.md#sampler-fused-ops); fused_ops=False keeps the torch ops.
+kernels (benchmarks/README.md#sampler-fused-ops); fused_ops=False keeps the torch ops; fused_ops="all" also puts the
+attention's q and k norms and RoPE in one launch (kernels/rope.py's qk_rope: not yet measured on a GPU, so not the
+default).
 
 LoRA rows: with a `bank`, every forward is preceded by bank.set_rows(slots [B, S]): each token's adapter slot
 (the request's `adapter`, -1 for the base model); the head applied to a prefill's positions alone is called as a
@@ -71,7 +73,8 @@ class SampleHandle:
 class Sampler:
     def __init__(self, model, *, kv_blocks: int | None = None, kv_fraction: float = 0.9, block_size: int = BLOCK_SIZE,
                  max_rows: int = 256, prefill_chunk: int = 512, attention: str = "auto", cuda_graphs: bool = True,
-                 bank=None, tokenizer=None, check_every: int = 8, fused_draw: bool = True, fused_ops: bool = True):
+                 bank=None, tokenizer=None, check_every: int = 8, fused_draw: bool = True,
+                 fused_ops: bool | str = True):
         for name, value, low in (("kv_blocks", kv_blocks, 1), ("block_size", block_size, 1), ("max_rows", max_rows, 1),
                                  ("prefill_chunk", prefill_chunk, 1), ("check_every", check_every, 1)):
             if value is not None and (not isinstance(value, int) or value < low):
@@ -84,6 +87,10 @@ class Sampler:
         if not 0 < kv_fraction <= 1:
             raise ShardfitError(f"kv_fraction={kv_fraction} is outside (0, 1]", where="Sampler(kv_fraction=...)",
                                 fix="give the share of the free memory the KV cache may take, e.g. 0.9")
+        if fused_ops not in (True, False, "all"):
+            raise ShardfitError(f"fused_ops={fused_ops!r} is not a set of decode kernels",
+                                where="Sampler(fused_ops=...)",
+                                fix='give True (norms and RoPE), "all" (q/k norms and RoPE in one launch) or False')
         weight = model.lm_head.weight
         if attention == "auto":  # the kernel reads each cached key once; the gather path three times
             attention = "triton" if weight.is_cuda and paged_kernel_runs(weight) else "gather"
@@ -103,7 +110,7 @@ class Sampler:
         self.max_rows, self.prefill_chunk, self.check_every = max_rows, prefill_chunk, check_every
         self.st = RowState(max_rows, self.kv.blocks_for(self.cfg.max_seq_len), self.kv.trash, self.device,
                            fused_draw=fused_draw and self.device.type == "cuda" and draw_kernel_runs(weight))
-        set_decode_kernels(model, fused_ops and self.device.type == "cuda" and norm_kernel_runs(weight))
+        set_decode_kernels(model, fused_ops if self.device.type == "cuda" and norm_kernel_runs(weight) else False)
         self.sched = Scheduler(self.kv.allocator, block_size, max_rows)
         graphs = cuda_graphs and self.device.type == "cuda" and attention in ("gather", "triton") and capturable(model)
         # the step holds the model, pool and state, not the Sampler: no reference cycle, so that dropping the

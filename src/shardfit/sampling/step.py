@@ -24,8 +24,8 @@ import torch
 from shardfit.kernels.gumbel_draw import gumbel_draw
 from shardfit.kernels.rms_norm import rms_norm
 from shardfit.kernels.rope import fits as rope_fits
-from shardfit.kernels.rope import rope
-from shardfit.models.decoder import Attention, RMSNorm, apply_rope
+from shardfit.kernels.rope import qk_rope, rope
+from shardfit.models.decoder import Attention, RMSNorm, apply_rope, norm_rope
 from shardfit.sampling.kv import PagedKV
 from shardfit.sampling.sample import choose, row_keys, token_logprobs
 
@@ -170,9 +170,29 @@ def _decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rope(x, cos, sin)
 
 
-def set_decode_kernels(model, on: bool) -> None:
+def _decode_norm_rope(q, k, cos, sin, q_norm, k_norm):
+    """fused_ops=True: the per-head norms (their patched forward: a kernel each) and a RoPE kernel for q and k."""
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return _decode_rope(q, cos, sin), _decode_rope(k, cos, sin)
+
+
+def _decode_qk_rope(q, k, cos, sin, q_norm, k_norm):
+    """fused_ops="all": norms and RoPE of q and k in one launch (kernels/rope.py's qk_rope) where it takes them."""
+    dt = q.dtype
+    takes = (not torch.is_grad_enabled() and q.is_cuda and rope_fits(q.shape[-1]) and k.dtype == dt
+             and (q_norm is None or (q_norm.weight.dtype == k_norm.weight.dtype == dt and q_norm.eps == k_norm.eps)))
+    if not takes:
+        return _decode_norm_rope(q, k, cos, sin, q_norm, k_norm)
+    if q_norm is None:
+        return qk_rope(q, k, cos, sin)
+    return qk_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
+
+
+def set_decode_kernels(model, on: bool | str) -> None:
     """The model's RMSNorm layers and its attention's RoPE run kernels/rms_norm.py and kernels/rope.py when decoding
-    (CUDA, no grad: one launch each instead of seven and five), or (on=False) their torch ops again. Per module
+    (CUDA, no grad: one launch each instead of seven and five), or (on=False) their torch ops again; on="all": the
+    attention's q and k norms and RoPE in one launch (qk_rope: four launches a layer become one). Per module
     instance: the decode model only, never the class; with grad enabled the patched modules run the torch ops."""
     for m in model.modules():
         if isinstance(m, RMSNorm):
@@ -181,4 +201,4 @@ def set_decode_kernels(model, on: bool) -> None:
             else:
                 m.__dict__.pop("forward", None)
         elif isinstance(m, Attention):
-            m.apply_rope = _decode_rope if on else apply_rope
+            m.norm_rope = _decode_qk_rope if on == "all" else _decode_norm_rope if on else norm_rope
