@@ -251,29 +251,33 @@ def test_dropping_a_sampler_frees_its_kv_pool_at_once(model):
 @pytest.mark.parametrize("on", [True, "all"])
 def test_decode_kernels_are_set_on_the_instances_and_undone(model, on):
     """step.set_decode_kernels patches the model's RMSNorm and attention instances (not the classes) and takes the
-    patch back; "all" puts the q/k norms and RoPE in one kernel (qk_rope) in the attention's norm_rope; where the
+    patch back; "all" puts the q/k norms and RoPE in one kernel (qk_rope) in the attention's norm_rope and the
+    MLP's SwiGLU in one (kernels/swiglu.py); where the
     kernels do not run (the CPU, or grad enabled) a patched module is the torch ops, bit for bit. A fused_ops the
     Sampler does not know is refused in one line."""
     from shardfit.errors import ShardfitError
-    from shardfit.models.decoder import Attention, RMSNorm, norm_rope
+    from shardfit.models.decoder import MLP, Attention, RMSNorm, norm_rope
     from shardfit.sampling import Sampler
     from shardfit.sampling.step import _decode_norm_rope, _decode_qk_rope, set_decode_kernels
 
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     attns = [m for m in model.modules() if isinstance(m, Attention)]
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    assert mlps
     x = torch.randn(2, 3, norms[-1].weight.shape[0])
     want = norms[-1](x)
     set_decode_kernels(model, on)
     try:
         assert all("forward" in m.__dict__ for m in norms) and "forward" not in RMSNorm(4, 1e-6).__dict__
         assert all(a.norm_rope is (_decode_qk_rope if on == "all" else _decode_norm_rope) for a in attns)
+        assert all(("forward" in m.__dict__) == (on == "all") for m in mlps)  # SwiGLU's kernel: "all" only
         with torch.no_grad():
             assert torch.equal(norms[-1](x), want)
             ids = torch.tensor([[1, 2, 3]])
             patched = model(ids)
     finally:
         set_decode_kernels(model, False)
-    assert not any("forward" in m.__dict__ for m in norms) and all(a.norm_rope is norm_rope for a in attns)
+    assert not any("forward" in m.__dict__ for m in norms + mlps) and all(a.norm_rope is norm_rope for a in attns)
     with torch.no_grad():
         assert torch.equal(patched, model(ids))  # the CPU: the patched modules ran the torch ops
     with pytest.raises(ShardfitError, match="fused_ops='some'"):

@@ -25,8 +25,8 @@ keeps the torch ops, the same tokens but for ties within a rounding of the devic
 default, CUDA with Triton only): the model's RMSNorm layers and RoPE run kernels/rms_norm.py and kernels/rope.py
 under no_grad (step.set_decode_kernels): one kernel a norm instead of seven ops, the step's largest group of small
 kernels (benchmarks/README.md#sampler-fused-ops); fused_ops=False keeps the torch ops; fused_ops="all" also puts the
-attention's q and k norms and RoPE in one launch (kernels/rope.py's qk_rope: not yet measured on a GPU, so not the
-default).
+attention's q and k norms and RoPE in one launch (kernels/rope.py's qk_rope) and the MLP's silu(gate) * up in one
+(kernels/swiglu.py): not yet measured on a GPU, so not the default.
 
 LoRA rows: with a `bank`, every forward is preceded by bank.set_rows(slots [B, S]): each token's adapter slot
 (the request's `adapter`, -1 for the base model); the head applied to a prefill's positions alone is called as a

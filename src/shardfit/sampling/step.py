@@ -25,7 +25,8 @@ from shardfit.kernels.gumbel_draw import gumbel_draw
 from shardfit.kernels.rms_norm import rms_norm
 from shardfit.kernels.rope import fits as rope_fits
 from shardfit.kernels.rope import qk_rope, rope
-from shardfit.models.decoder import Attention, RMSNorm, apply_rope, norm_rope
+from shardfit.kernels.swiglu import silu_mul
+from shardfit.models.decoder import MLP, Attention, RMSNorm, apply_rope, norm_rope
 from shardfit.sampling.kv import PagedKV
 from shardfit.sampling.sample import choose, row_keys, token_logprobs
 
@@ -189,13 +190,26 @@ def _decode_qk_rope(q, k, cos, sin, q_norm, k_norm):
     return qk_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
+def _decode_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    """fused_ops="all": SwiGLU's silu(gate) * up in one launch (kernels/swiglu.py) where it runs."""
+    if torch.is_grad_enabled() or not x.is_cuda:
+        return MLP.forward(mlp, x)
+    return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+
+
 def set_decode_kernels(model, on: bool | str) -> None:
     """The model's RMSNorm layers and its attention's RoPE run kernels/rms_norm.py and kernels/rope.py when decoding
     (CUDA, no grad: one launch each instead of seven and five), or (on=False) their torch ops again; on="all": the
-    attention's q and k norms and RoPE in one launch (qk_rope: four launches a layer become one). Per module
-    instance: the decode model only, never the class; with grad enabled the patched modules run the torch ops."""
+    attention's q and k norms and RoPE in one launch (qk_rope: four launches a layer become one) and the MLP's
+    silu(gate) * up in one (kernels/swiglu.py: two become one). Per module instance: the decode model only, never
+    the class; with grad enabled the patched modules run the torch ops."""
     for m in model.modules():
-        if isinstance(m, RMSNorm):
+        if isinstance(m, MLP):
+            if on == "all":
+                m.forward = functools.partial(_decode_mlp, m)
+            else:
+                m.__dict__.pop("forward", None)
+        elif isinstance(m, RMSNorm):
             if on:
                 m.forward = functools.partial(_decode_norm, m)
             else:
