@@ -47,6 +47,7 @@ from shardfit.engine.sample_run import SampleRun
 from shardfit.errors import ShardfitError
 from shardfit.sampling.lora_bank import BANK_SLOTS
 
+
 class SamplingState:
     """What Engine.sample keeps between calls: the decode model, its bank and which adapter is in which slot."""
 

@@ -1,12 +1,28 @@
-"""Serve's worker on one rank: sample requests join the running decode batch, each answered when its rows end.
+"""Serve's worker: sample requests join the running decode batch, each answered when its rows end.
 
-On N ranks a batch of sample requests is one command, broadcast, and one Engine.sample call per group on every rank
-(commands.py's sample_batch: every request of the batch answered at its end). On one rank there is nothing to
-broadcast, so the loop (commands.Loop, `join`) hands the first ready sample to `SampleJoining`, which runs it as a
-SampleRun (engine/sample_run.py, through the RL API's sample_run: rl/step.py) and, between chunks of decode steps
-(the Sampler's check_every), takes the samples that became ready since (`take`: Scheduler.take_ready) and submits
-them into the run, and files the answer of every request whose rows ended (its future completed: the client's poll
+The loop (commands.Loop, `join`) hands the first ready sample to `SampleJoining`, which runs it as a SampleRun
+(engine/sample_run.py, through the RL API's sample_run: rl/step.py) and, between chunks of decode steps (the
+Sampler's check_every), takes the samples that became ready since (`take`: Scheduler.take_ready) and submits them
+into the run, and files the answer of every request whose rows ended (its future completed: the client's poll
 returns it at once, whatever still decodes beside it).
+
+On N ranks every rank runs the same run (the loop broadcast the first `sample`); rank 0 alone takes from the queue
+and files answers. Collectives per chunk, the same on every rank in this order:
+1. rank 0's word (`_agree`, commands.broadcast_command: the length int64 [1], then the JSON bytes uint8 [n]): the
+   requests taken since the last chunk, whether the run ends (nothing taken and no request in flight on any rank:
+   the exchange told rank 0), and whether rank 0's own part failed (`broken`: its intake or filing);
+2. when requests were taken, SampleRun.submit's: every rank prepares ALL of them (the verdicts' all-reduce, an
+   all-gather per adapter tensor loaded into a bank slot) and adds its share (ticket t, a run-wide counter of good
+   requests, on rank t % world);
+3. no collective: each rank steps its own Sampler one chunk (an empty share: a no-op);
+4. SampleRun.collect's exchange (engine/sample_results.py): one all-gather of each rank's (ended, floats, failed),
+   then, when one ended, one all-gather of the packed results; every rank learns which requests ended.
+Decisions that must agree come from 1 and 4, never from one rank's own state. A rank whose step raised still takes
+part in 4 with failed=1: every rank then fails the run (its requests answered with the error) and the loop goes on
+in step. What is left: an exception on one rank only inside 2's collectives (out of memory building the Sampler)
+leaves the others waiting there, as Engine.sample (sample_batch) does.
+With serve.join=false, and on N ranks under sampling.logprobs=trainer, samples run as batches instead (commands.py's
+sample_batch, server.py's `joins`).
 
 The intake's order rules (take_together's, and stricter): it walks the ready queue from its head and
 - stops at the first command that is not a sample (a forward_backward, optim_step, snapshot, load or release: of the
@@ -21,9 +37,9 @@ The intake's order rules (take_together's, and stricter): it walks the ready que
   right after this one with it first.
 A request refused (its session's weights not held, or bad input only the Sampler can tell) fails alone with its
 line; a failure of the run itself (a bug, out of memory) fails the requests it holds, and the loop goes on.
-sampling.logprobs=trainer (rl/trainer_logprobs.py's ScoredRun): the run's requests are scored by the trainer's
-forward at the run's END, and answered then; so that none waits on requests that came after it, the intake ends as
-soon as one request of the run has ended.
+sampling.logprobs=trainer on one rank (rl/trainer_logprobs.py's ScoredRun): the run's requests are scored by the
+trainer's forward at the run's END, and answered then; so that none waits on requests that came after it, the intake
+ends as soon as one request of the run has ended.
 Counters (GET /api/v1/shardfit/status, "sampling"): runs, requests, joined (submitted into a run that had already
 decoded), rows in flight now.
 """
@@ -39,7 +55,6 @@ from shardfit.errors import ShardfitError
 from shardfit.serve.commands import BATCH_ROWS, SAMPLE, Command, broadcast_command, failure_result
 from shardfit.serve.futures import Result
 from shardfit.serve.protocol import encode_sample
-
 
 JOIN = "sample_join"  # rank 0's word between chunks (never queued): {"commands", "end", "broken"}
 
