@@ -295,9 +295,9 @@ def test_two_ranks_return_what_one_returns():
 
 
 def test_results_packed_for_the_ranks_exchange_come_back_whole():
-    """What rank w sends (engine/sampling.py's fixed-length float64 vector, sized from the request alone) unpacks to
-    the very results: a sample stopped early, top-k per token, the prompt's None first position."""
-    from shardfit.engine.sampling import _pack, _size, _unpack
+    """What rank w sends (engine/sample_results.py: a fixed-length float64 vector, sized from the request alone)
+    unpacks to the very results: a sample stopped early, top-k per token, the prompt's None first position."""
+    from shardfit.engine.sample_results import pack, size, unpack
     from shardfit.sampling.params import Sampled, SampleRequest, SampleResult, SamplingParams
 
     req = SampleRequest([4, 5, 6], SamplingParams(max_tokens=4, stop_tokens=(9,)), num_samples=2,
@@ -306,9 +306,9 @@ def test_results_packed_for_the_ranks_exchange_come_back_whole():
                         Sampled([7, 7, 8, 2], [-1.0, -2.0, -3.0, -4.0], "length",
                                 [[(7, -1.0), (0, -5.0)]] * 4)],
                        [None, -2.5, -0.75], [None, [(5, -2.5)], [(6, -0.75)]])
-    vec = _pack(req, res)
-    assert len(vec) == _size(req)  # every rank knows each rank's length without asking
-    assert _unpack(req, vec) == res
+    vec = pack(req, res)
+    assert len(vec) == size(req)  # every rank knows each rank's length without asking
+    assert unpack(req, vec) == res
 
 
 def test_sampling_prefill_chunk_reaches_the_sampler_and_changes_no_token(lora, monkeypatch):

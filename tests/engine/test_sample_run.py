@@ -1,11 +1,15 @@
-"""Engine.sample_run (engine/sample_run.py), the streaming form of Engine.sample, on one CPU rank:
+"""Engine.sample_run (engine/sample_run.py), the streaming form of Engine.sample, on one CPU rank (and two gloo ranks
+where it says so):
 - a short request submitted while a long one decodes is collected first, and each gets what it gets alone from
   Engine.sample (seeded: the same tokens, log-probs within fp32 rounding); a request refused in the middle (too
   long) comes back as its one line and disturbs nothing;
 - the run's adapters keep their bank slots: once every slot is the run's, a request of another version cannot join
   (None) and the next run samples it as Engine.sample does;
 - under sampling.logprobs=trainer (the RL API's sample_run: rl/trainer_logprobs.py's ScoredRun) nothing is
-  collected before the run closes, and close returns the trainer-scored results DatumEngine.sample returns.
+  collected before the run closes, and close returns the trainer-scored results DatumEngine.sample returns;
+- on two ranks every rank makes the same calls: requests submitted between steps decode on their ticket's rank, each
+  collected on every rank as it ends, equal to one rank's; a rank whose step fails makes the other raise RankFailed
+  from the same exchange (none waits in a collective), and both go on in step.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests._dist import run_ranks
 from tests.helpers import SMALL, random_datums
 
 ARGS = [*SMALL, "--model.max_seq_len=128", "--train.device=cpu", "--train.micro_batch_tokens=128",
@@ -106,3 +111,62 @@ def test_under_trainer_logprobs_the_run_is_scored_when_it_closes(engine):
     got = dict(run.close())
     expected = engine.sample(prompts, params, num_samples=[2, 1], logprobs="trainer", **KV)
     assert _flat([got[t] for t in tickets]) == _flat(expected)  # bit for bit: the same forward over the same datums
+
+
+def _streaming(rank, world):
+    """A run on every rank: a long request, a short and a refused one joining after 3 chunks; then a run whose step
+    fails on the last rank; then one Engine.sample (the ranks still in step)."""
+    from shardfit.config import load_config
+    from shardfit.engine.sample_results import RankFailed
+    from shardfit.rl import DatumEngine
+
+    e = DatumEngine.start(load_config(None, ARGS))
+    run = e.sample_run(**KV)
+    order, got = [], {}
+
+    def chunk():
+        run.step()
+        for t, res in run.collect():
+            order.append(t)
+            got[t] = [s.tokens for s in res.samples], [s.logprobs for s in res.samples]
+
+    tickets = run.submit([[5, 6, 7]], _params(40, 1), num_samples=2)
+    for _ in range(3):
+        chunk()
+    tickets += run.submit([[8, 9], [1] * 127], [_params(3, 2), _params(5, 3)])
+    while run.busy:
+        chunk()
+    run.close()
+    broken = e.sample_run(**KV)
+    broken.submit([[4, 4], [2, 3]], _params(20, 4))
+    if rank == world - 1:
+        broken.sampler.step = lambda: (_ for _ in ()).throw(RuntimeError("out of memory (a test)"))
+    try:
+        broken.step()
+        failed = False
+    except RuntimeError:
+        failed = True
+    try:
+        broken.collect(failed=failed)
+        said = "own error" if failed else "nothing"
+    except RankFailed as err:
+        said = str(err)
+    broken.close(failed=True)
+    after = e.sample([[8, 9]], _params(3, 2), **KV)[0].samples[0].tokens
+    return {"tickets": [t if isinstance(t, int) else str(t) for t in tickets], "order": order,
+            "got": {str(t): v for t, v in got.items()}, "said": said, "after": after}
+
+
+def test_two_ranks_stream_as_one_and_a_failed_step_ends_the_run_on_both():
+    one = run_ranks(_streaming, 1)[0]
+    two = run_ranks(_streaming, 2)
+    assert two[0]["tickets"][:2] == [0, 1] and "sampling_params.max_tokens" in two[0]["tickets"][2]
+    for r in two:
+        assert r["order"] == [1, 0]  # the short one (decoded on rank 1) collected on both ranks before the long one
+        assert r["got"].keys() == one["got"].keys()
+        for t, (tokens, logprobs) in one["got"].items():
+            assert r["got"][t][0] == tokens
+            np.testing.assert_allclose(np.concatenate(r["got"][t][1]), np.concatenate(logprobs), rtol=0, atol=1e-5)
+        assert r["after"] == one["after"]
+    assert one["said"] == "own error"  # one rank: its step failed, nothing to exchange
+    assert "rank(s) [1] failed" in two[0]["said"] and two[1]["said"] == "own error"

@@ -21,17 +21,14 @@ def serve(rank: int, world: int, run_dir: str, scenario, args: list[str]):
 
     from shardfit.config import load_config
     from shardfit.engine import Engine
-    from shardfit.serve.commands import Loop
-    from shardfit.serve.executor import Executor
     from shardfit.serve.served import start_served
-    from shardfit.serve.server import comm_device, start_rank0
+    from shardfit.serve.server import follower, start_rank0
 
     cfg = load_config(None, [*args, f"--logging.run_dir={run_dir}"])
     engine = Engine.start(cfg)
     served = start_served(cfg, Engine.start)
     if rank != 0:
-        Loop(Executor(engine, served={n: (e, None) for n, e in served.items()}), rank, world,
-             comm_device(engine)).run()
+        follower(engine, served).run()
         return None
     serving = start_rank0(cfg, engine, port=0, poll_s=2.0, served=served)
     loop = threading.Thread(target=serving.loop.run, daemon=True)

@@ -1,8 +1,8 @@
 """Sample requests batched across clients (serve/commands.py's sample_batch), through the official tinker SDK on the
-real Engine (`--lora.rank=8`, two gloo ranks, CPU, loopback): 12 seeded requests from 3 sampling clients (two frozen
-versions and the model's live weights) sent at once run as 1-2 Engine.sample calls (the batch broadcast as one
-command, its requests shared out between the ranks), and each equals what it gets alone (decoded by rank 0); a
-request of a sampler whose saved weights did not load, sent among them, fails alone with its one line.
+real Engine (`--lora.rank=8 --serve.join=false`, two gloo ranks, CPU, loopback): 12 seeded requests from 3 sampling
+clients (two frozen versions and the model's live weights) sent at once run as 1-2 Engine.sample calls (the batch
+broadcast as one command, its requests shared out between the ranks), and each equals what it gets alone (decoded by
+rank 0); a request of a sampler whose saved weights did not load, sent among them, fails alone with its one line.
 The order of the queue (serve/ordering.py's take_following) is tested without a server.
 """
 
@@ -22,7 +22,8 @@ from tests._dist import run_ranks  # noqa: E402
 from tests.helpers import SMALL  # noqa: E402
 from tests.serve.engine_server import serve, steps  # noqa: E402
 
-ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=64", "--lora.rank=8"]
+# serve.join=false: the batch path (on N ranks requests would join a sample run instead: test_sample_joining.py)
+ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=64", "--lora.rank=8", "--serve.join=false"]
 N = 12  # the good requests of the burst
 
 

@@ -1,18 +1,22 @@
 """Sample requests joining the running decode batch (serve/sample_joining.py), through the official tinker SDK on the
-real Engine (`--lora.rank=8`, one gloo rank, CPU, loopback):
+real Engine (`--lora.rank=8`, one and two gloo ranks, CPU, loopback):
 - a short request sent while a long one decodes joins its run (the status counters: one run, one request joined)
   and is answered before the long one ends (the order the loop files answers in); each gets what it gets alone
-  (seeded: the same tokens, log-probs within fp32 rounding); a request of a sampler whose weights did not load, sent
-  among them, fails alone with its one line;
+  (seeded: the same tokens, log-probs within fp32 rounding), and two ranks answer what one does (the short one
+  decodes on rank 1, its result travels to rank 0 between chunks); a request of a sampler whose weights did not
+  load, sent among them, fails alone with its one line;
 - a forward_backward and optim_step of the sampled model sent while a long sample decodes end the run's intake:
   they run after the run, the sample sent before them is of the weights before them and a sample sent after them
-  (of the model's live weights) of the weights after them, as Tinker orders them.
+  (of the model's live weights) of the weights after them, as Tinker orders them;
+- SIGTERM to `shardfit serve --nproc 2` while a run decodes: the run answers what it holds, then every rank leaves
+  at the same command (one line, exit 143; slow: a server of its own).
 The intake's walk of the queue (Scheduler.take_ready) is tested without a server.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from pathlib import Path
 
@@ -126,8 +130,18 @@ def _serve(rank: int, world: int, run_dir: str):
 
 
 @pytest.fixture(scope="module")
-def joined(tmp_path_factory):
+def one_rank(tmp_path_factory):
     return run_ranks(_serve, 1, str(tmp_path_factory.mktemp("join")), timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_ranks(_serve, 2, str(tmp_path_factory.mktemp("join2")), timeout=600)[0]
+
+
+@pytest.fixture(params=["one_rank", "two_ranks"])
+def joined(request):
+    return request.getfixturevalue(request.param)
 
 
 def _same(a: list, b: list) -> None:
@@ -143,6 +157,12 @@ def test_a_short_request_joins_the_running_long_one_and_is_answered_first(joined
     assert [len(t) for t, _ in joined["together"][1]] == [LONG, LONG]
     for together, alone in zip(joined["together"], joined["alone"]):
         _same(together, alone)
+
+
+def test_two_ranks_answer_what_one_rank_answers(one_rank, two_ranks):
+    for key in ("together", "alone", "during", "expected"):
+        for a, b in zip(one_rank[key], two_ranks[key]):
+            _same(a, b)
 
 
 def test_a_bad_request_sent_in_the_middle_fails_alone_with_its_line(joined):
@@ -182,3 +202,28 @@ def test_the_intake_takes_and_passes_samples_and_stops_at_any_other_command():
     assert [p.command for p in taken] == [cmds[0], cmds[2]] and passed
     assert seen == [c.request_id for c in cmds[:4]]  # never looked past the optim_step
     assert [q.next(0).command for _ in range(3)] == [cmds[1], cmds[3], cmds[4]]  # the passed one first, in place
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_run_decodes_on_two_ranks_answers_it_then_stops_every_rank(tmp_path, sdk_client):
+    import signal
+
+    from tests.serve.test_sdk_engine import _start, _stop
+
+    proc, url, lines = _start(tmp_path, "--lora.rank=8")
+    try:
+        sc = sdk_client(url, "tml-local")
+        tc = sc.create_lora_training_client(base_model="tiny", rank=8).result()
+        live = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+        long = _send(live, [5, 6, 7], 120, 1, n=2)
+        _until(url, lambda st: st["sampling"]["rows_in_flight"] > 0, "the long request decoding")
+        sc.close("success").result(timeout=30)  # the session ended (its sample still decoding): no heartbeat left
+        said = _stop(proc, lines, signal.SIGTERM)
+        assert said == ["shardfit: serve stopped by SIGTERM: no model had optimizer steps since its last save_state"], \
+            "".join(lines)
+        assert any(" sample " in ln and ": ok," in ln and "in sample run 1" in ln for ln in lines), "".join(lines)
+        del long
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,7 +1,8 @@
-"""`shardfit serve --sampling.logprobs=trainer` through the official tinker SDK (the real Engine, one gloo rank, CPU,
-loopback): a sampling client's sampled log-probs are, bit for bit, what the training client's forward returns for
-the datums a loop builds from those samples (the SDK's request has no such field: the server's config decides); a
-request whose sample would not fit the trainer's row fails alone with its one line.
+"""`shardfit serve --sampling.logprobs=trainer` through the official tinker SDK (the real Engine, one and two gloo
+ranks -- one rank: a sample run, scored at its end; two: the batch path, sample_batch --, CPU, loopback): a sampling
+client's sampled log-probs are, bit for bit, what the training client's forward returns for the datums a loop
+builds from those samples (the SDK's request has no such field: the server's config decides); a request whose
+sample would not fit the trainer's row fails alone with its one line.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def _scenario(sc, url: str, base_model: str) -> dict:
                                                      sampling_params=long).result())}
 
 
-def test_served_samples_carry_the_training_clients_forward_logprobs(tmp_path):
-    got = run_ranks(serve, 1, str(tmp_path / "run"), _scenario, ARGS, timeout=600)[0]
+@pytest.mark.parametrize("world", [1, 2])
+def test_served_samples_carry_the_training_clients_forward_logprobs(tmp_path, world):
+    got = run_ranks(serve, world, str(tmp_path / "run"), _scenario, ARGS, timeout=600)[0]
     assert len(got["sampled"]) == 3 and all(len(s) == 6 for s in got["sampled"])
     assert got["sampled"] == got["forward"]  # exact: one Engine.forward over the same datums in the same order
     assert "train.micro_batch_tokens to at least 42" in got["too_long"] and "\n" not in got["too_long"].strip()

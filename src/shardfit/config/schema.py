@@ -372,6 +372,9 @@ class ServeConfig:
                            "(a version is its adapters), 2 without (each a copy of every weight)", ge=0)
     max_models: int = opt(0, "LoRA training models held at most (create_model past it is refused, 400); 0: no "
                              "limit (shardfit plan --models says how many fit)", ge=0)
+    join: bool = opt(True, "sample requests join the running decode batch between chunks of steps, each answered "
+                           "when its rows end (serve/sample_joining.py; on N ranks with sampling.logprobs=decode); "
+                           "false: the samples ready together run as one batch, all answered at its end")
 
 
 @dataclass

@@ -23,17 +23,25 @@ No training call on the Engine while a run is open: on one rank the decode model
 (a full-parameter step would change them under the running rows) and the RL API drops the kept Sampler before a
 pass; serve's worker ends a run's intake before a training command (serve/sample_joining.py).
 
-One rank only for the joining: submit refuses a run on N ranks. There Engine.sample stays one call per batch (every
-rank given the same prompts, its share decoded, the results all-gathered once at the end), because a request
-joining between steps would need the ranks to agree on it at every chunk: a collective per few tokens, which issue
-36 rules out. Engine.sample is this class's one-shot form on every rank count: `prepare` (the decode model, the
-slots, the checks; on N ranks their verdicts agreed in one all-reduce), `add` each of this rank's requests, `wait`.
+On N ranks (issue 36 item 5) every rank makes the same calls in the same order (serve/sample_joining.py: rank 0
+broadcasts what joins): `submit` prepares every request on every rank (prepare's collectives: the verdicts'
+all-reduce, adapters loaded by all-gathers) and numbers the good ones with a run-wide counter, the same on every
+rank; request t decodes on rank t % world alone (data-parallel: no collective inside a decode step; a rank with no
+share steps as a no-op). `collect` is then the exchange (engine/sample_results.py `exchange`: one all-gather of
+each rank's counts, then, when one ended, one of the packed results), and returns every rank's ended requests on
+every rank; `busy` and `rows` count the requests of the whole run not collected yet, the same on every rank.
+A rank whose `step` failed calls collect(failed=True): every other rank raises RankFailed from the same exchange, so
+that none waits for it in a collective (a failure inside `submit`'s collectives on one rank only still leaves the
+others waiting there, as Engine.sample's would). Engine.sample is this class's one-shot form on every rank count:
+`prepare` (the decode model, the slots, the checks; on N ranks their verdicts agreed in one all-reduce), `add` each
+of this rank's requests, `wait`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from shardfit.engine.sample_results import exchange
 from shardfit.errors import ShardfitError
 
 
@@ -60,19 +68,30 @@ class SampleRun:
         self.full: str | None = None  # without LoRA: the weights (model or version) the run samples, swapped in
         self.keys: set[tuple] = set()  # the adapters the run's requests use: their bank slots are the run's
         self.back = engine.models.current  # the slot's model before the run (close puts it back)
-        self._handles: dict[int, tuple] = {}  # ticket -> (SampleHandle, rows) while not collected
-        self._tickets = 0
+        self._handles: dict[int, tuple] = {}  # ticket -> (SampleHandle, rows) of this rank's, while not collected
+        self._asked: dict[int, object] = {}  # ticket -> SampleRequest of every rank's, submitted and not collected
+        self._tickets = 0  # the run-wide counter: submit's tickets are the same on every rank
 
     # ------------------------------------------------------------------ the streaming form
     def submit(self, prompts: list[list[int]], params, **options) -> list:
         """Requests into the running batch (Engine.sample's arguments but tokenizer and refused); per prompt a
         ticket (collect returns its result under it), the ShardfitError that refuses it alone, or None: it cannot
         join this run (its weights need a bank slot that the run's requests hold, or other full-parameter weights;
-        submit it to the next run). One rank only (module docstring)."""
-        if self.engine.dist.world_size > 1:
-            raise ValueError("SampleRun.submit is one rank only: on N ranks call Engine.sample")  # a caller's bug
+        submit it to the next run). On N ranks every rank submits the same requests; ticket t decodes on rank
+        t % world (module docstring)."""
         reqs, errors, later = self.prepare(prompts, params, **options)
-        return [errors[i] if i in errors else None if i in later else self.add(r) for i, r in enumerate(reqs)]
+        rank, world = self.engine.dist.rank, self.engine.dist.world_size
+        out: list = []
+        for i, r in enumerate(reqs):
+            if i in errors or i in later:
+                out.append(errors.get(i))
+                continue
+            t, self._tickets = self._tickets, self._tickets + 1
+            self._asked[t] = r
+            if t % world == rank:
+                self.add(r, t)
+            out.append(t)
+        return out
 
     def step(self, steps: int | None = None) -> None:
         """Up to `steps` of the Sampler's steps (default its check_every), stopping once it has read its outputs
@@ -88,27 +107,35 @@ class SampleRun:
             if not s.pending:  # it has just read its outputs back
                 return
 
-    def collect(self) -> list[tuple[int, object]]:
-        """(ticket, SampleResult) of each request whose rows have ended since the last collect, in ticket order."""
-        done = [t for t, (h, _) in self._handles.items() if h.done]
-        return [(t, self._handles.pop(t)[0].result) for t in done]
+    def collect(self, failed: bool = False) -> list[tuple[int, object]]:
+        """(ticket, SampleResult) of each request whose rows have ended since the last collect, in ticket order; on
+        N ranks every rank's, on every rank (the exchange: a collective, every rank calls it after each step).
+        failed: this rank's step raised (N ranks: the others raise RankFailed from here; this one gets [])."""
+        done = [] if failed else [t for t, (h, _) in self._handles.items() if h.done]
+        out = [(t, self._handles.pop(t)[0].result) for t in done]
+        if self.engine.dist.world_size > 1:
+            out = exchange(self._asked, out, failed, self.engine.device)
+        for t, _ in out:
+            self._asked.pop(t, None)
+        return out
 
     @property
     def busy(self) -> bool:
-        """Whether a request submitted is not collected yet."""
-        return bool(self._handles)
+        """Whether a request submitted (on N ranks: on any rank) is not collected yet."""
+        return bool(self._asked)
 
     @property
     def rows(self) -> int:
-        """The samples of the requests not collected yet (the rows in flight, or waiting for their prefill)."""
-        return sum(n for _, n in self._handles.values())
+        """The samples of the requests not collected yet (the rows in flight, or waiting for their prefill; on N
+        ranks of every rank)."""
+        return sum(r.num_samples for r in self._asked.values())
 
     def close(self, failed: bool = False) -> list:
         """End the run: the Sampler is kept for the next call unless requests are left in it or the run `failed`
         (dropped, so that what it held never meets the next call's requests), and without LoRA the slot's model put
         back. Returns the results it still holds: none here (collect gave them), ScoredRun's all."""
         if self._handles or failed:
-            self._handles = {}
+            self._handles, self._asked = {}, {}
             self.engine.release_sampler(training=False)
         reg = self.engine.models
         if not reg.lora and reg.current != self.back:
@@ -168,10 +195,12 @@ class SampleRun:
                 out.add(i)
         return out
 
-    def add(self, req) -> int:
-        """A prepared request into the Sampler (it decodes from the next step); its ticket."""
+    def add(self, req, ticket: int | None = None) -> int:
+        """A prepared request into this rank's Sampler (it decodes from the next step); its ticket (submit's, or
+        the next of the counter)."""
         handle = self.sampler.submit(req)
-        ticket, self._tickets = self._tickets, self._tickets + 1
+        if ticket is None:
+            ticket, self._tickets = self._tickets, self._tickets + 1
         self._handles[ticket] = (handle, req.num_samples)
         return ticket
 

@@ -24,7 +24,7 @@ graphs again (a few decode steps' time per bucket). With sampling.keep_kv the Sa
 commands too: nothing is rebuilt, but the pool's memory is not the training step's (lower sampling.kv_fraction so
 that both fit). A call with other options (kv_blocks, max_rows, ...) or a grown bank builds a new Sampler.
 
-Requests joining a running batch: Engine.sample_run (engine/sample_run.py's SampleRun, one rank only) is the
+Requests joining a running batch: Engine.sample_run (engine/sample_run.py's SampleRun, on any rank count) is the
 streaming form, and sample is its one-shot form (prepare, add, wait: one implementation).
 
 Several ranks: every rank is given the same prompts (as every Engine call); the i-th request not refused decodes on
@@ -40,15 +40,12 @@ of the results of the requests not refused. On one rank, none.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from shardfit.engine.sample_results import gather_results
 from shardfit.engine.sample_run import SampleRun
 from shardfit.errors import ShardfitError
 from shardfit.sampling.lora_bank import BANK_SLOTS
-
-_STOP = ("stop", "length")  # a sample's stop_reason, coded as its index
 
 
 class SamplingState:
@@ -106,7 +103,7 @@ class EngineSampling:
             self.release_sampler(training=False)  # what it held half-decoded must not meet the next call's requests
             raise
         if world > 1:
-            done = _gather_results([reqs[i] for i in good], dict(zip(range(rank, len(good), world), done)), rank,
+            done = gather_results([reqs[i] for i in good], dict(zip(range(rank, len(good), world), done)), rank,
                                    world, self.device)
             mine = good
         out: list = [errors.get(i) for i in range(n)]
@@ -115,9 +112,9 @@ class EngineSampling:
         return out
 
     def sample_run(self, tokenizer=None, **sampler_options):
-        """The streaming form of sample, one rank only: a SampleRun (engine/sample_run.py) that requests are
-        submitted into between decode steps and collected from as their rows end. tokenizer and sampler_options as
-        sample's. Close it before the next training call."""
+        """The streaming form of sample: a SampleRun (engine/sample_run.py) that requests are submitted into
+        between decode steps and collected from as their rows end (on N ranks every rank makes the same calls).
+        tokenizer and sampler_options as sample's. Close it before the next training call."""
         return SampleRun(self, tokenizer, sampler_options)
 
     # ------------------------------------------------------------------ the Sampler kept between calls
@@ -273,82 +270,3 @@ class EngineSampling:
             if back:
                 self.using(back)
         return {k: st.slots[k] for k in wanted}
-
-
-def _layout(req) -> list[tuple[str, int]]:
-    """(field, length) of one request's packed result, a function of the request alone (every rank knows it)."""
-    T, k, P = req.params.max_tokens, req.topk_sample_logprobs, len(req.prompt)
-    out = []
-    for _ in range(req.num_samples):
-        out += [("count", 1), ("stop", 1), ("tokens", T), ("logprobs", T), ("topk", 2 * T * k)]
-    if req.prompt_logprobs:
-        out.append(("prompt_logprobs", P))
-    if req.topk_prompt_logprobs:
-        out.append(("topk_prompt", 2 * P * req.topk_prompt_logprobs))
-    return out
-
-
-def _size(req) -> int:
-    return sum(n for _, n in _layout(req))
-
-
-def _pack(req, res) -> list[float]:
-    out: list[float] = []
-    T = req.params.max_tokens
-    for s in res.samples:
-        pad = [0.0] * (T - len(s.tokens))
-        out += [float(len(s.tokens)), float(_STOP.index(s.stop_reason))]
-        out += [float(t) for t in s.tokens] + pad + list(s.logprobs) + pad
-        topk = [x for pos in (s.topk or []) for pair in pos for x in pair]
-        out += topk + [0.0] * (2 * T * req.topk_sample_logprobs - len(topk))
-    if req.prompt_logprobs:
-        out += [math.nan if x is None else x for x in res.prompt_logprobs]
-    if req.topk_prompt_logprobs:
-        k = req.topk_prompt_logprobs
-        for pos in res.topk_prompt_logprobs:
-            out += [math.nan] * (2 * k) if pos is None else [x for pair in pos for x in pair]
-    return out
-
-
-def _unpack(req, vec: list[float]):
-    from shardfit.sampling.params import Sampled, SampleResult
-
-    T, k = req.params.max_tokens, req.topk_sample_logprobs
-    at, samples = 0, []
-    for _ in range(req.num_samples):
-        n, stop = int(vec[at]), _STOP[int(vec[at + 1])]
-        tokens = [int(t) for t in vec[at + 2:at + 2 + n]]
-        logprobs = vec[at + 2 + T:at + 2 + T + n]
-        flat = vec[at + 2 + 2 * T:at + 2 + 2 * T + 2 * n * k]
-        topk = [[(int(flat[2 * (p * k + j)]), flat[2 * (p * k + j) + 1]) for j in range(k)] for p in range(n)]
-        samples.append(Sampled(tokens, logprobs, stop, topk if k else None))
-        at += 2 + 2 * T + 2 * T * k
-    res = SampleResult(samples)
-    P = len(req.prompt)
-    if req.prompt_logprobs:
-        res.prompt_logprobs = [None if math.isnan(x) else x for x in vec[at:at + P]]
-        at += P
-    if req.topk_prompt_logprobs:
-        kp = req.topk_prompt_logprobs
-        flat = vec[at:at + 2 * P * kp]
-        res.topk_prompt_logprobs = [None if math.isnan(flat[2 * p * kp]) else
-                                    [(int(flat[2 * (p * kp + j)]), flat[2 * (p * kp + j) + 1]) for j in range(kp)]
-                                    for p in range(P)]
-    return res
-
-
-def _gather_results(reqs: list, done: dict, rank: int, world: int, device: torch.device) -> list:
-    """Every rank's results on every rank in one all-gather of fixed-length float64 vectors (module docstring)."""
-    from shardfit.parallel import all_gather_rows
-
-    sizes = [sum(_size(r) for i, r in enumerate(reqs) if i % world == w) for w in range(world)]
-    mine = [x for i in sorted(done) for x in _pack(reqs[i], done[i])]
-    vec = torch.zeros(max(sizes), dtype=torch.float64)
-    vec[:len(mine)] = torch.tensor(mine, dtype=torch.float64)
-    rows = all_gather_rows(vec.to(device)).cpu().tolist()  # [world, max(sizes)]
-    out, at = [], [0] * world
-    for i, r in enumerate(reqs):
-        w = i % world
-        out.append(_unpack(r, rows[w][at[w]:at[w] + _size(r)]))
-        at[w] += _size(r)
-    return out

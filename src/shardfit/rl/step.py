@@ -102,7 +102,7 @@ class DatumEngine:
         return sample_scored_by_trainer(self.engine, self._scored, prompts, params, **kwargs)
 
     def sample_run(self, *, logprobs: str | None = None, tokenizer=None, **sampler_options):
-        """Engine.sample_run's streaming form (engine/sample_run.py, one rank), with `logprobs` as sample's: under
+        """Engine.sample_run's streaming form (engine/sample_run.py), with `logprobs` as sample's: under
         "trainer" a ScoredRun (rl/trainer_logprobs.py: every request scored by this forward when the run closes)."""
         run = self.engine.sample_run(tokenizer, **sampler_options)
         if logprobs_mode(self.engine, logprobs) == "decode":

@@ -143,8 +143,8 @@ class ScoredRun:
     def step(self, steps: int | None = None) -> None:
         self.run.step(steps)
 
-    def collect(self) -> list:
-        self._done += self.run.collect()
+    def collect(self, failed: bool = False) -> list:
+        self._done += self.run.collect(failed)
         return []
 
     @property

@@ -20,9 +20,12 @@ BATCH_ROWS rows (num_samples summed), and broadcasts them as one `sample_batch` 
 one Engine.sample call per Engine (the trained one, each served extra model; without LoRA one per weights, which are
 swapped in one at a time); each request's Result is filed under its own request id, and one the Engine refuses
 fails alone with its line (Engine.sample's refused="return").
-On one rank (`join`, set by server.py) a sample instead starts a sample run (serve/sample_joining.py): the samples
-ready behind it and those that become ready while it decodes join its decode batch between chunks of steps, each
-answered when its own rows end; the run's intake ends at the first ready command that is not a sample.
+With `join` (server.py sets it on every rank unless serve.join=false, or on N ranks sampling.logprobs=trainer) a
+sample instead starts a sample run (serve/sample_joining.py): the samples ready behind it and those that become
+ready while it decodes join its decode batch between chunks of steps, each answered when its own rows end; the
+run's intake ends at the first ready command that is not a sample. On N ranks the `sample` command is broadcast as
+any other, and the run then keeps the ranks in step itself: between chunks rank 0 broadcasts what joins and whether
+the run goes on (broadcast_command), and the results that ended travel to rank 0 (sample_joining.py's protocol).
 Once the scheduler is closed (SIGINT / SIGTERM), rank 0 broadcasts `stop` after the command in hand, carrying the stop
 line every rank raises (server.py): every rank leaves at the same command.
 """
@@ -49,7 +52,7 @@ from shardfit.serve.protocol import WireDatum
 NOOP, STOP, SAMPLE, SAMPLE_BATCH = "noop", "stop", "sample", "sample_batch"
 # several models' requests of one kind (forward, or forward_backward) in one pass: args {"parts": [Command]}
 MANY = "forward_backward_many"
-# Rows (num_samples summed) of one batch of sample requests (on one rank: of a sample run's requests in flight): the
+# Rows (num_samples summed) of one batch of sample requests (or of a sample run's requests in flight): the
 # Sampler's max_rows (256, the rows that decode at once) x 4, so that rows finishing make room for waiting ones within
 # one call; a request alone may reach it.
 BATCH_ROWS = 1024
@@ -176,15 +179,19 @@ class Loop:
     done: Callable[[Command, Result], None] | None = None
     stop_args: Callable[[], dict] | None = None
     combine: Callable[[object], Command] | None = None  # rank 0: a ready Pending -> its command, or a MANY of several
-    # one rank: join(first sample, take_samples, file) runs a sample run that later samples join (sample_joining.py)
+    # join(first sample, take_samples, file) runs a sample run that later samples join (sample_joining.py); on N
+    # ranks every rank's loop has one (rank 0's broadcast `sample` decides), rank 0's decides what it broadcasts
     join: Callable | None = None
+    joining: bool = True  # rank 0: a ready sample starts a run (with `join`), else a sample_batch
 
     def next_command(self) -> Command:
         """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
         pending = self.scheduler.next(self.idle_s)
         if pending is not None:
             if pending.command.kind == SAMPLE:
-                return pending.command if self.join is not None else batch_samples(pending.command, self.scheduler)
+                if self.join is not None and self.joining:
+                    return pending.command
+                return batch_samples(pending.command, self.scheduler)
             return self.combine(pending) if self.combine is not None else pending.command
         if self.scheduler.closed:
             return Command(STOP, args=self.stop_args() if self.stop_args is not None else {})
@@ -199,8 +206,9 @@ class Loop:
                 return cmd
             if cmd.kind == NOOP:
                 continue
-            if cmd.kind == SAMPLE and self.join is not None:  # one rank: no broadcast to keep in step
-                self.futures.started(cmd.request_id)
+            if cmd.kind == SAMPLE:  # a sample run: on N ranks it keeps the ranks in step itself
+                if self.futures is not None:
+                    self.futures.started(cmd.request_id)
                 self.join(cmd, self.take_samples, self.file)
                 continue
             self.step(cmd)
@@ -227,8 +235,8 @@ class Loop:
 
     def file(self, cmd: Command, result: Result, phases: dict[str, float], batch: int = 1,
              run: int | None = None) -> None:
-        """Rank 0: one request's answer filed (the `done` hook, its future, the log line); `run`: the number of the
-        sample run it decoded in (one rank)."""
+        """Rank 0: one request's answer filed (the `done` hook, its future, the log line; nothing on the other
+        ranks); `run`: the number of the sample run it decoded in."""
         if self.done is not None:
             self.done(cmd, result)
         if self.futures is not None:
@@ -236,7 +244,7 @@ class Loop:
             self._log(cmd, result, batch, run)
 
     def take_samples(self, decide: Callable[[Command], str]) -> tuple[list[Command], bool]:
-        """Rank 0, one rank: the ready samples a running sample run takes (Scheduler.take_ready: `decide` says
+        """Rank 0: the ready samples a running sample run takes (Scheduler.take_ready: `decide` says
         take, pass or stop of each ready command from the head), marked started; and whether one was passed."""
         if self.scheduler.closed:  # stopping: the run finishes what it holds, then `stop` goes out
             return [], False

@@ -155,12 +155,31 @@ def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_k
     loop = Loop(executor, 0, engine.dist.world_size, comm_device(engine), state.scheduler, state.futures,
                 needed=executor.space_needed, done=state.note_done,
                 combine=lambda pending: executor.combine(pending, state.scheduler))
-    if engine.dist.world_size == 1 and hasattr(executor.rl, "sample_run"):  # samples join a running batch
-        loop.join = SampleJoining(executor)
+    if hasattr(executor.rl, "sample_run"):  # samples join a running batch (a test's fake Engine may have none)
+        loop.join = SampleJoining(executor, comm_device(engine))
+        loop.joining = joins(cfg, engine)
         state.sampling = loop.join.counts
     server, thread, bound = start_http(state, host, port)
     return Serving(state, loop, server, thread, f"http://{'[' + host + ']' if ':' in host else host}:{bound}",
                    lock)
+
+
+def joins(cfg, engine) -> bool:
+    """Whether sample requests join a running decode batch (serve/sample_joining.py) rather than run as batches
+    (sample_batch): serve.join, and on N ranks only with sampling.logprobs=decode (a ScoredRun scores its requests
+    at the run's end on the rank that decoded them: N ranks keep the batch path for it)."""
+    from shardfit.rl.trainer_logprobs import logprobs_mode
+
+    return bool(cfg.serve.join) and (engine.dist.world_size == 1 or logprobs_mode(engine, None) == "decode")
+
+
+def follower(engine, served: dict) -> Loop:
+    """The command loop of a rank other than 0: rank 0's commands on its Engine (and the frozen extra models), a
+    broadcast `sample` run as rank 0 runs it (SampleJoining: the same calls, in step)."""
+    executor = Executor(engine, served={name: (e, None) for name, e in served.items()})
+    loop = Loop(executor, engine.dist.rank, engine.dist.world_size, comm_device(engine))
+    loop.join = SampleJoining(executor, comm_device(engine))
+    return loop
 
 
 def hold_signals(on_signal: Callable[[int], None]) -> dict:
@@ -184,8 +203,7 @@ def run(cfg, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None =
         got: list[int] = []
         if rank != 0:  # the signal is held: rank 0's `stop` ends this loop at the same command as its own
             previous = hold_signals(got.append)
-            loop = Loop(Executor(engine, served={name: (e, None) for name, e in served.items()}), rank, world,
-                        comm_device(engine))
+            loop = follower(engine, served)
         else:
             serving = start_rank0(cfg, engine, host=host, port=port, api_key=api_key, lock=lock, served=served)
             state, loop = serving.state, serving.loop
