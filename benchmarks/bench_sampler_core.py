@@ -13,8 +13,8 @@ path of --paths: gather+graphs, triton+graphs (the paged decode kernel and, the 
 and RoPE through kernels/rms_norm.py and kernels/rope.py), triton+graphs+torchops (those two as torch ops),
 triton+graphs+fusedall (the q/k norms and RoPE in one launch too: fused_ops="all"),
 triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), triton+graphs+torchlora (--lora's
-adapters through kernels/multi_lora.py's torch ops, not kernels/multi_lora_decode.py), triton+graphs+ungrouped (the
-decode kernel without q|k|v and gate|up sharing one shrink: 14 launches a layer, not 10), gather+eager, flex+eager. Each
+adapters through kernels/multi_lora.py's torch ops, not kernels/multi_lora_decode.py), triton+graphs+grouped (the
+decode kernel with q|k|v and gate|up sharing one shrink: 10 launches a layer, not 14), gather+eager, flex+eager. Each
 path runs once untimed (graphs captured, FlexAttention compiled), then once timed as a whole (the call's tokens/s:
 prefill and all), then once more with the decode rate timed over the steps that run all `rows` rows (`steady`: after
 the last prompt's prefill, until the first row ends; rows x steps over their seconds). Prompts prefill one chunk a
@@ -53,7 +53,7 @@ PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
          # --lora's rows through multi_lora's torch ops instead of kernels/multi_lora_decode.py
          "triton+graphs+torchlora": dict(attention="triton", cuda_graphs=True, lora_kernel=False),
          # --lora's rows through the decode kernel, each banked linear its own shrink (no q|k|v, gate|up sharing)
-         "triton+graphs+ungrouped": dict(attention="triton", cuda_graphs=True, lora_group=False),
+         "triton+graphs+grouped": dict(attention="triton", cuda_graphs=True, lora_group=True),
          "gather+eager": dict(attention="gather", cuda_graphs=False),
          "flex+eager": dict(attention="flex", cuda_graphs=False)}
 
@@ -105,16 +105,20 @@ def requests(rows: int, samples: int, prompt_len: int, new: int, vocab: int, ada
             for i, p in enumerate(prompts)]
 
 
+_DEFAULTS: dict = {}  # lora_bank's module defaults, read before a path changes them
+
+
 def sampler_for(model, bank, path: dict, rows: int, reqs: list, device: str):
     """The Sampler of one path; lora_kernel=False (a benchmark switch, not a Sampler option): the bank's layers take
-    the torch ops at every token count (lora_bank's kernel threshold set to 0 until the next path); lora_group=False:
-    sibling layers (q|k|v, gate|up) each take their own shrink (lora_bank.GROUP_SIBLINGS off until the next path)."""
+    the torch ops at every token count (lora_bank's kernel threshold set to 0 until the next path); lora_group:
+    sibling layers (q|k|v, gate|up) share one shrink or not (lora_bank.GROUP_SIBLINGS, its default where not given)."""
     from shardfit.kernels.multi_lora_decode import MAX_TOKENS
     from shardfit.sampling import Sampler, lora_bank
 
     path = dict(path)
     lora_bank.MAX_TOKENS = MAX_TOKENS if path.pop("lora_kernel", True) else 0
-    lora_bank.GROUP_SIBLINGS = path.pop("lora_group", True)
+    _DEFAULTS.setdefault("group", lora_bank.GROUP_SIBLINGS)
+    lora_bank.GROUP_SIBLINGS = path.pop("lora_group", _DEFAULTS["group"])
     need = sum(-(-(len(r.prompt) + r.params.max_tokens) // 16) * r.num_samples for r in reqs)
     return Sampler(model, bank=bank, kv_blocks=None if device == "cuda" else need, max_rows=rows, **path)
 

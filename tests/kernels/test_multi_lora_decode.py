@@ -147,6 +147,9 @@ def _banked_siblings(g, dtype=torch.float32, device="cpu", in_f=IN, outs=(OUT, 3
 def test_siblings_share_the_first_ones_shrink_only_for_the_same_unwritten_input(interpreted, monkeypatch):
     import shardfit.sampling.lora_bank as lb
 
+    monkeypatch.setattr(lb, "GROUP_SIBLINGS", True)
+    import shardfit.sampling.lora_bank as lb
+
     model, bank = _banked_siblings(torch.Generator().manual_seed(13))
     shrinks = []
     for name in ("lora_shrink", "multi_lora_decode_"):
@@ -295,13 +298,14 @@ def test_cuda_banked_linear_captured_in_a_graph_replays_new_rows():
 
 
 @pytest.mark.cuda
-def test_cuda_sibling_group_captured_in_a_graph_replays_the_ungrouped_bits():
+def test_cuda_sibling_group_captured_in_a_graph_replays_the_ungrouped_bits(monkeypatch):
     """q|k|v banked (bf16, the kernel path) with set_rows inside a CUDA graph: one shrink captured for the three;
     replays with new inputs and slots give the ungrouped eager kernel path's bits."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import shardfit.sampling.lora_bank as lb
 
+    monkeypatch.setattr(lb, "GROUP_SIBLINGS", True)
     outs = (4096, 1024, 1024)
     model, bank = _banked_siblings(torch.Generator().manual_seed(15), torch.bfloat16, "cuda", 4096, outs)
     x = torch.zeros(64, 4096, dtype=torch.bfloat16, device="cuda")

@@ -140,6 +140,7 @@ def test_sibling_groups_share_one_shrink_and_give_the_ungrouped_bits(trained, mo
     import shardfit.sampling.lora_bank as lb
     from shardfit.sampling.source import adapter_scale, adapter_tensors, decode_model
 
+    monkeypatch.setattr(lb, "GROUP_SIBLINGS", True)
     e, (v1, v2) = trained
     e.finish()
     plain, _, live = decode_model(e.model, torch.float32, capacity=2)
