@@ -257,6 +257,20 @@ def test_cuda_bf16_kernel_equals_multi_lora_at_the_8b_shape(n):
         assert torch.equal(alone[0], got[last])
 
 
+def _captured(step):
+    """step() run once on a side stream (its kernels compiled outside the capture), then captured: (graph, the
+    captured call's outputs). Under the caller's no_grad."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 @pytest.mark.cuda
 def test_cuda_banked_linear_captured_in_a_graph_replays_new_rows():
     """BankedLinear (bf16, the kernel path) with set_rows inside a CUDA graph, as the sampler's decode step: replays
@@ -275,14 +289,7 @@ def test_cuda_banked_linear_captured_in_a_graph_replays_new_rows():
         return model.proj(x)
 
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm up: the kernels compiled outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, out = _captured(step)
         for seed in (1, 2):
             gg = torch.Generator().manual_seed(seed)
             x.copy_(torch.randn(64, 4096, generator=gg))
@@ -317,14 +324,7 @@ def test_cuda_sibling_group_captured_in_a_graph_replays_the_ungrouped_bits(monke
         return [m(x) for m in mods]
 
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm up: the kernels compiled outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs_g = step()
+        graph, outs_g = _captured(step)
         assert model.q_proj.lora_group._x is None  # nothing of the capture kept
         for seed in (1, 2):
             gg = torch.Generator().manual_seed(seed)
