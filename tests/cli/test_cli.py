@@ -103,6 +103,7 @@ def test_launcher_values_out_of_range_are_one_line(args, needle, capsys):
     assert len(lines) == 1 and lines[0].startswith("shardfit: error: ") and needle in lines[0], lines
 
 
+@pytest.mark.slow  # ~9 s (two ranks, both trackers)
 def test_trackers_get_rank_0_records_only(tmp_path, monkeypatch):
     """--nproc 2 with TensorBoard (and W&B offline, when installed): one writer, rank 0's, holding the numbers of
     metrics.jsonl, which rank 0 alone writes."""

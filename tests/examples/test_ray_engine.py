@@ -115,6 +115,7 @@ def test_the_ray_step_equals_a_two_process_run(example, reference):
         group.shutdown()
 
 
+@pytest.mark.slow  # ~11 s: the Ray fault path; the step's equality with a 2-process run stays in the default run
 def test_a_killed_rank_is_one_line_and_a_new_group_resumes_exactly(example, reference, tmp_path):
     group = example.EngineGroup(2, OVERRIDES, start_timeout_s=300, call_timeout_s=300)
     example.grpo_step(group, example.given_rollouts(0), "ppo", LR, example.ReceivedWeights(), "float32", BUCKET)

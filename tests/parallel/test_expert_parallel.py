@@ -151,7 +151,8 @@ def test_regroup_destinations_are_the_stable_sort_by_local_expert():
 
 @pytest.mark.parametrize("world,ep,replicate", [
     (4, 2, 2),
-    (8, 2, 2),  # experts HSDP-sharded over (replicate 2, efsdp 2)
+    # experts HSDP-sharded over (replicate 2, efsdp 2); 8 processes, ~8 s
+    pytest.param(8, 2, 2, marks=pytest.mark.slow),
 ], ids=["hsdp2-ep2", "hsdp2-efsdp2-ep2"])
 def test_expert_parallel_inside_hsdp_replicas_matches_single_process(tmp_path, world, ep, replicate):
     """EP with HSDP (multi-node MoE): each replica of world/R ranks holds every expert, split over its EP groups;
