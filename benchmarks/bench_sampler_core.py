@@ -11,7 +11,7 @@ each (1, the default: every row its own prompt, as bench_sampling.py's Engine ro
 blocks shared by its rows), each forced to --new tokens (no stop token: random weights), temperature 1, through each
 path of --paths: gather+graphs, triton+graphs (the paged decode kernel and, the Sampler's default on CUDA, RMSNorm
 and RoPE through kernels/rms_norm.py and kernels/rope.py), triton+graphs+torchops (those two as torch ops),
-triton+graphs+fusedall (the q/k norms and RoPE in one launch too: fused_ops="all"),
+triton+graphs+fusedall (fused_ops="all": the q/k norms and RoPE in one launch, SwiGLU in one),
 triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), triton+graphs+torchlora (--lora's
 adapters through kernels/multi_lora.py's torch ops, not kernels/multi_lora_decode.py), triton+graphs+grouped (the
 decode kernel with q|k|v and gate|up sharing one shrink: 10 launches a layer, not 14), gather+eager, flex+eager. Each
@@ -47,12 +47,12 @@ from rl_worker_setup import SHAPES, moe_overrides  # noqa: E402
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
          "triton+graphs": dict(attention="triton", cuda_graphs=True),
          "triton+graphs+torchops": dict(attention="triton", cuda_graphs=True, fused_ops=False),
-         # the q/k norms and RoPE in one launch too (kernels/rope.py's qk_rope)
+         # the q/k norms and RoPE in one launch (kernels/rope.py's qk_rope), SwiGLU in one (kernels/swiglu.py)
          "triton+graphs+fusedall": dict(attention="triton", cuda_graphs=True, fused_ops="all"),
          "triton+graphs+torchdraw": dict(attention="triton", cuda_graphs=True, fused_draw=False),
          # --lora's rows through multi_lora's torch ops instead of kernels/multi_lora_decode.py
          "triton+graphs+torchlora": dict(attention="triton", cuda_graphs=True, lora_kernel=False),
-         # --lora's rows through the decode kernel, each banked linear its own shrink (no q|k|v, gate|up sharing)
+         # --lora's rows through the decode kernel with q|k|v and gate|up sharing one shrink (lora_bank's groups)
          "triton+graphs+grouped": dict(attention="triton", cuda_graphs=True, lora_group=True),
          "gather+eager": dict(attention="gather", cuda_graphs=False),
          "flex+eager": dict(attention="flex", cuda_graphs=False)}

@@ -68,7 +68,7 @@ class SampleRun:
         self.full: str | None = None  # without LoRA: the weights (model or version) the run samples, swapped in
         self.keys: set[tuple] = set()  # the adapters the run's requests use: their bank slots are the run's
         self.back = engine.models.current  # the slot's model before the run (close puts it back)
-        self._handles: dict[int, tuple] = {}  # ticket -> (SampleHandle, rows) of this rank's, while not collected
+        self._handles: dict[int, object] = {}  # ticket -> SampleHandle of this rank's, while not collected
         self._asked: dict[int, object] = {}  # ticket -> SampleRequest of every rank's, submitted and not collected
         self._tickets = 0  # the run-wide counter: submit's tickets are the same on every rank
 
@@ -101,7 +101,7 @@ class SampleRun:
             return
         for _ in range(steps or s.check_every):
             if s.sched.idle:  # every row ended: what is left to answer is in the outputs not read yet
-                s.drain([h for h, _ in self._handles.values()])
+                s.drain(list(self._handles.values()))
                 return
             s.step()
             if not s.pending:  # it has just read its outputs back
@@ -111,8 +111,8 @@ class SampleRun:
         """(ticket, SampleResult) of each request whose rows have ended since the last collect, in ticket order; on
         N ranks every rank's, on every rank (the exchange: a collective, every rank calls it after each step).
         failed: this rank's step raised (N ranks: the others raise RankFailed from here; this one gets [])."""
-        done = [] if failed else [t for t, (h, _) in self._handles.items() if h.done]
-        out = [(t, self._handles.pop(t)[0].result) for t in done]
+        done = [] if failed else [t for t, h in self._handles.items() if h.done]
+        out = [(t, self._handles.pop(t).result) for t in done]
         if self.engine.dist.world_size > 1:
             out = exchange(self._asked, out, failed, self.engine.device)
         for t, _ in out:
@@ -201,10 +201,10 @@ class SampleRun:
         handle = self.sampler.submit(req)
         if ticket is None:
             ticket, self._tickets = self._tickets, self._tickets + 1
-        self._handles[ticket] = (handle, req.num_samples)
+        self._handles[ticket] = handle
         return ticket
 
     def wait(self, tickets: list[int]) -> list:
         """Step until every one of `tickets` is answered; their SampleResults in that order (collected)."""
-        self.sampler.wait([self._handles[t][0] for t in tickets])
-        return [self._handles.pop(t)[0].result for t in tickets]
+        self.sampler.wait([self._handles[t] for t in tickets])
+        return [self._handles.pop(t).result for t in tickets]

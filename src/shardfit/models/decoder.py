@@ -59,19 +59,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: nn.Module | None,
-              k_norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention's positional step: q [B, S, H, Dh] and k [B, S, K, Dh] normed per head where the model has
-    q_norm / k_norm (Qwen3; None: Llama), then rotated (apply_rope)."""
-    if q_norm is not None:
-        q, k = q_norm(q), k_norm(k)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, S, H, Dh]; cos/sin [B, S, Dh] (the two halves share frequencies, Hugging Face layout)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + _rotate_half(x) * sin
+
+
+def norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: nn.Module | None,
+              k_norm: nn.Module | None, rope=apply_rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention's positional step: q [B, S, H, Dh] and k [B, S, K, Dh] normed per head where the model has
+    q_norm / k_norm (Qwen3; None: Llama), then rotated by `rope` (apply_rope; the decode model's one-kernel form:
+    sampling/step.py)."""
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return rope(q, cos, sin), rope(k, cos, sin)
 
 
 class KVCache:

@@ -140,10 +140,11 @@ class PagedKV:
         """q [B, S, H, Dh], k/v [B, S, K, Dh] -> [B, S, H, Dh]."""
         kp, vp = self.k[layer], self.v[layer]
         flat = (-1, *kp.shape[2:])  # [(n_blocks + 1) x block_size, K, Dh]: a view of the pool
-        kp.view(flat).index_copy_(0, self._slots, k.reshape(-1, *k.shape[2:]).to(kp.dtype))
-        vp.view(flat).index_copy_(0, self._slots, v.reshape(-1, *v.shape[2:]).to(vp.dtype))
+        k, v = k.to(kp.dtype), v.to(vp.dtype)
+        kp.view(flat).index_copy_(0, self._slots, k.reshape(-1, *k.shape[2:]))
+        vp.view(flat).index_copy_(0, self._slots, v.reshape(-1, *v.shape[2:]))
         if self._fresh:
-            return causal_attention(q, k.to(kp.dtype), v.to(vp.dtype))
+            return causal_attention(q, k, v)
         if self.attention == "flex":
             if self._mask is None:
                 self._mask = flex_block_mask(self._positions, self._tables.shape[1] * self.block_size)

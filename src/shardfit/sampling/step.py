@@ -159,29 +159,32 @@ def prefill_forward(model, kv: PagedKV, ids: torch.Tensor, positions: torch.Tens
     return model.model(ids, cache=kv)
 
 
+def _kernels_run(x: torch.Tensor) -> bool:
+    """Whether a patched module takes its decode kernel on x: CUDA, no autograd (training through the same module
+    keeps autograd's ops)."""
+    return x.is_cuda and not torch.is_grad_enabled()
+
+
 def _decode_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() or not x.is_cuda:  # training through the same module keeps autograd's ops
+    if not _kernels_run(x):
         return RMSNorm.forward(norm, x)
     return rms_norm(x, norm.weight, norm.eps)
 
 
 def _decode_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() or not x.is_cuda or not rope_fits(x.shape[-1]):
+    if not _kernels_run(x) or not rope_fits(x.shape[-1]):
         return apply_rope(x, cos, sin)
     return rope(x, cos, sin)
 
 
-def _decode_norm_rope(q, k, cos, sin, q_norm, k_norm):
-    """fused_ops=True: the per-head norms (their patched forward: a kernel each) and a RoPE kernel for q and k."""
-    if q_norm is not None:
-        q, k = q_norm(q), k_norm(k)
-    return _decode_rope(q, cos, sin), _decode_rope(k, cos, sin)
+# fused_ops=True: the per-head norms (their patched forward: a kernel each) and a RoPE kernel for q and k
+_decode_norm_rope = functools.partial(norm_rope, rope=_decode_rope)
 
 
 def _decode_qk_rope(q, k, cos, sin, q_norm, k_norm):
     """fused_ops="all": norms and RoPE of q and k in one launch (kernels/rope.py's qk_rope) where it takes them."""
     dt = q.dtype
-    takes = (not torch.is_grad_enabled() and q.is_cuda and rope_fits(q.shape[-1]) and k.dtype == dt
+    takes = (_kernels_run(q) and rope_fits(q.shape[-1]) and k.dtype == dt
              and (q_norm is None or (q_norm.weight.dtype == k_norm.weight.dtype == dt and q_norm.eps == k_norm.eps)))
     if not takes:
         return _decode_norm_rope(q, k, cos, sin, q_norm, k_norm)
@@ -192,7 +195,7 @@ def _decode_qk_rope(q, k, cos, sin, q_norm, k_norm):
 
 def _decode_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
     """fused_ops="all": SwiGLU's silu(gate) * up in one launch (kernels/swiglu.py) where it runs."""
-    if torch.is_grad_enabled() or not x.is_cuda:
+    if not _kernels_run(x):
         return MLP.forward(mlp, x)
     return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
 
