@@ -1,0 +1,97 @@
+"""issue 35's DPO row with tinker-cookbook 0.6.1's own code, not a copy of its calls: preference/train_dpo.py's
+create_dpo_clients (the training client, then its reference from save_weights_and_get_sampling_client) and do_update
+(the reference's log-probs of every chosen and rejected sequence through compute_logprobs' coroutine, the DPO loss
+through forward_backward_custom, optim_step, the cookbook's metrics log) against `shardfit serve --lora.rank=8`
+(one gloo rank, CPU).
+
+The cookbook is not in the test extra: 0.6.1 requires tml-renderers>=0.4.1, which the package index here lacks, so
+`pip install tinker-cookbook` fails; the module imports without it (`pip install --no-deps tinker-cookbook==0.6.1
+chz blobfile cloudpickle pyrage tiktoken termcolor datasets dill multiprocess xxhash pandas lxml` into a directory on
+PYTHONPATH). Skipped where it is absent; tests/serve/test_models.py's _dpo keeps the same calls covered in the
+default run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tinker")
+pytest.importorskip("tinker_cookbook.preference.train_dpo")
+
+from tests._dist import run_ranks  # noqa: E402
+from tests.serve.engine_server import serve  # noqa: E402
+from tests.serve.test_models import ARGS  # noqa: E402
+
+STEPS = 4
+
+
+class _Bytes:
+    """The tokenizer do_update prints its first batch with (tokens are bytes here)."""
+
+    def decode(self, ids, **_):
+        return bytes(int(i) % 256 for i in ids).decode("latin-1")
+
+
+def _pairs():
+    from tinker import types
+
+    prompt = list(b"Q: the capital of France? A:")
+    pairs = [(prompt + list(b" Paris"), prompt + list(b" Rome")), (prompt + list(b" Paris."), prompt + list(b" Lyon"))]
+    seqs = [s for pair in pairs for s in pair]  # chosen, rejected, ...: the cookbook's interleaved layout
+    answer = [np.asarray([0.0] * (len(prompt) - 1) + [1.0] * (len(s) - len(prompt)), np.float32) for s in seqs]
+    return [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                        loss_fn_inputs={"target_tokens": np.asarray(s[1:], np.int64), "weights": w})
+            for s, w in zip(seqs, answer)]
+
+
+def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
+    from tinker import types
+    from tinker_cookbook.preference import train_dpo
+    from tinker_cookbook.supervised.types import SupervisedDataset
+    from tinker_cookbook.utils import ml_log
+
+    data = _pairs()
+
+    class Pairs(SupervisedDataset):
+        def get_batch(self, index: int):
+            return data
+
+        def __len__(self) -> int:
+            return STEPS
+
+    # 1e-2: with the cookbook's Adam beta2 of 0.95, 5e-2 overshoots within 4 steps on these two pairs
+    cfg = train_dpo.Config(log_path=log_dir, model_name=base_model, recipe_name="shardfit-test",
+                           dataset_builder=None, lora_rank=8, learning_rate=1e-2, lr_schedule="constant",
+                           eval_every=0, infrequent_eval_every=0, save_every=0, base_url=url)
+    policy, reference = train_dpo.create_dpo_clients(cfg, sc)
+    log = ml_log.setup_logging(log_dir, config=None, do_configure_logging_module=False)
+    probe = types.ModelInput.from_ints(list(b"Q: the capital of France? A: Paris"))
+    out = {"ref": [], "policy": []}
+    for step in range(STEPS):
+        out["ref"].append(reference.compute_logprobs(probe).result())
+        out["policy"].append(policy.save_weights_and_get_sampling_client().result().compute_logprobs(probe).result())
+        train_dpo.do_update(0, step, STEPS, STEPS, cfg, policy, reference, [], [], Pairs(), log, log_dir, _Bytes())
+    log.close()
+    out["metrics"] = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+    return out
+
+
+def _serve_dpo(rank: int, world: int, run_dir: str, log_dir: str):
+    return serve(rank, world, run_dir, functools.partial(_cookbook_dpo, log_dir=log_dir), ARGS)
+
+
+def test_the_cookbook_s_own_dpo_loop_keeps_its_reference_frozen(tmp_path):
+    r = run_ranks(_serve_dpo, 1, str(tmp_path / "run"), str(tmp_path / "log"), timeout=300)[0]
+    assert all(ref == r["ref"][0] for ref in r["ref"])  # exactly: the frozen version, whatever trained since
+    assert r["policy"][0] == r["ref"][0]  # a new model starts at its reference
+    assert r["policy"][-1] != r["policy"][0]  # and moved
+    losses = [m["dpo_loss"] for m in r["metrics"] if "dpo_loss" in m]
+    assert len(losses) == STEPS
+    assert losses[0] == pytest.approx(np.log(2), abs=1e-6)  # policy == reference at step 0: -logsigmoid(0)
+    assert losses[-1] < losses[0]
+    assert r["metrics"][-1]["accuracy"] == 1.0 and r["metrics"][-1]["margin"] > 0
