@@ -51,6 +51,7 @@ def _pairs():
 
 def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
     from tinker import types
+    from tinker_cookbook import checkpoint_utils
     from tinker_cookbook.preference import train_dpo
     from tinker_cookbook.supervised.types import SupervisedDataset
     from tinker_cookbook.utils import ml_log
@@ -70,13 +71,23 @@ def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
                            eval_every=0, infrequent_eval_every=0, save_every=0, base_url=url)
     policy, reference = train_dpo.create_dpo_clients(cfg, sc)
     log = ml_log.setup_logging(log_dir, config=None, do_configure_logging_module=False)
+    # the cookbook's checkpoints: state (with the optimizer) and sampler weights every 2 steps, with its ttl
+    saves = checkpoint_utils.CheckpointManager(policy, sc, log_dir, save_every=2, ttl_seconds=3600)
     probe = types.ModelInput.from_ints(list(b"Q: the capital of France? A: Paris"))
     out = {"ref": [], "policy": []}
     for step in range(STEPS):
         out["ref"].append(reference.compute_logprobs(probe).result())
         out["policy"].append(policy.save_weights_and_get_sampling_client().result().compute_logprobs(probe).result())
-        train_dpo.do_update(0, step, STEPS, STEPS, cfg, policy, reference, [], [], Pairs(), log, log_dir, _Bytes())
+        train_dpo.do_update(0, step, STEPS, STEPS, cfg, policy, reference, [], [], Pairs(), log, log_dir, _Bytes(),
+                            checkpoint_mgr=saves)
     log.close()
+    # the cookbook's resume: its last record's state with the optimizer; its reference becomes the resumed weights
+    last = checkpoint_utils.get_last_checkpoint(log_dir)
+    out["resumed_batch"] = last.batch
+    _, resumed = train_dpo.create_dpo_clients(cfg, sc, last)
+    out["resumed"] = resumed.compute_logprobs(probe).result()
+    saved = sc.create_sampling_client(model_path=last.sampler_path).result()
+    out["sampler_path"] = saved.compute_logprobs(probe).result()
     out["metrics"] = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
     return out
 
@@ -95,3 +106,5 @@ def test_the_cookbook_s_own_dpo_loop_keeps_its_reference_frozen(tmp_path):
     assert losses[0] == pytest.approx(np.log(2), abs=1e-6)  # policy == reference at step 0: -logsigmoid(0)
     assert losses[-1] < losses[0]
     assert r["metrics"][-1]["accuracy"] == 1.0 and r["metrics"][-1]["margin"] > 0
+    # the checkpoint saved before step 2's update holds the weights after 2 updates: both of its paths give them
+    assert r["resumed_batch"] == 2 and r["resumed"] == r["policy"][2] and r["sampler_path"] == r["policy"][2]
