@@ -99,6 +99,10 @@ def test_a_compiled_checkpointed_block_saves_its_input_alone():
     assert counts[True, 24] - counts[True, 12] == per_12_tokens, counts  # a linear output would add 2 x 12 x out
 
 
+# slow: ~12 s alone, ~21 s in the suite (a CPU inductor compile, cold cache); that torch.compile of the dequantisation
+# gives the eager bits is test_cuda_qlora's test_cuda_quantisation_and_dequantisation_equal_the_cpu_ones (GPU), and a
+# CPU run through this path test_qlora_training's test_compiled_blocks_train_the_same_adapters (slow)
+@pytest.mark.slow
 def test_the_fused_dequantisation_equals_the_eager_one():
     """compute.compile's path (one compiled kernel inside the custom operator) gives the eager path's output and
     input gradient, bit for bit."""

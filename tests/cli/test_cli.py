@@ -73,15 +73,33 @@ def test_help_lists_keys_and_recipes_are_listed_and_planned(tmp_path):
     assert too_big.returncode == 0 and "as configured: DOES NOT FIT" in too_big.stdout  # as the recipe's comment says
 
 
+# The default cases share one subprocess through the CLI's entry point (tests/cli/session.py: the interpreter and torch
+# started once); `shardfit train`'s bad input as a process of its own is tests/cli/test_bad_input.py's (empty dataset).
+SHARED = [["--data.path=/nonexistent/data.jsonl"], ["--data.tokenizer=/nonexistent/tok.json"]]
+
+
+@pytest.fixture(scope="module")
+def in_one_session(tmp_path_factory):
+    from tests.cli.session import run_commands
+
+    dirs = [tmp_path_factory.mktemp("bad_input") for _ in SHARED]
+    done = run_commands([["train", "--train.device=cpu", *args, f"--logging.run_dir={d}/r"]
+                         for args, d in zip(SHARED, dirs)], cwd=tmp_path_factory.getbasetemp())
+    return {tuple(args): p for args, p in zip(SHARED, done)}
+
+
 @pytest.mark.parametrize("args, needle", [
     pytest.param(["--train.lrr=1"], "did you mean 'train.lr'", marks=pytest.mark.slow),  # also test_bad_input
-    (["--data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl: no such file"),
-    (["--data.tokenizer=/nonexistent/tok.json"], "tokenizer file not found"),
+    (SHARED[0], "/nonexistent/data.jsonl: no such file"),
+    (SHARED[1], "tokenizer file not found"),
     pytest.param(["--train.global_batch=6", "--train.micro_batch=4"], "train.global_batch",
                  marks=pytest.mark.slow),  # also test_bad_input
 ])
-def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
-    p = _run("train", "--train.device=cpu", *args, f"--logging.run_dir={tmp_path}/r")
+def test_bad_input_exits_2_with_one_line(tmp_path, args, needle, request):
+    if args in SHARED:
+        p = request.getfixturevalue("in_one_session")[tuple(args)]
+    else:
+        p = _run("train", "--train.device=cpu", *args, f"--logging.run_dir={tmp_path}/r")
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("shardfit: error:")

@@ -4,9 +4,6 @@ together, and a property test that any value for any key either loads or raises 
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,8 +14,6 @@ from hypothesis import strategies as st
 from shardfit.config import Config, load_config
 from shardfit.config.loader import range_text
 from shardfit.errors import ShardfitError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # (overrides, the key the line must name, what it must say). More than the issue names: every range kind (> 0,
 # >= 0, [0, 1), (0, 1], ceilings), non-finite floats in every float section, ints beyond 64 bits, and each rule.
@@ -156,14 +151,23 @@ def test_hf_config_json_with_a_wrong_type_is_one_line(tmp_path):
         load_config(None, [f"--model.path={tmp_path}"])
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--train.lr=nan", "--train.steps=1"], "train.lr: nan is not a finite number"),
-    (["--model.head_dim=33", "--train.steps=1"], "model.head_dim: the head dimension 33 is odd"),
-])
-def test_cli_prints_one_error_line_and_exits_2(args, needle):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run([sys.executable, "-m", "shardfit", "train", *args], capture_output=True, text=True,
-                       env=env, timeout=120)
+CLI_CASES = [(["--train.lr=nan", "--train.steps=1"], "train.lr: nan is not a finite number"),
+             (["--model.head_dim=33", "--train.steps=1"], "model.head_dim: the head dimension 33 is odd")]
+
+
+@pytest.fixture(scope="module")
+def in_one_session(tmp_path_factory):
+    """Both cases through the CLI's entry point in one subprocess (tests/cli/session.py: the interpreter and torch
+    started once; `shardfit train`'s bad input as a process of its own is tests/cli/test_bad_input.py's)."""
+    from tests.cli.session import run_commands
+
+    done = run_commands([["train", *args] for args, _ in CLI_CASES], cwd=tmp_path_factory.mktemp("bad_values"))
+    return {tuple(args): p for (args, _), p in zip(CLI_CASES, done)}
+
+
+@pytest.mark.parametrize("args, needle", CLI_CASES)
+def test_cli_prints_one_error_line_and_exits_2(args, needle, in_one_session):
+    r = in_one_session[tuple(args)]
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("shardfit: error: ") and needle in lines[0], lines

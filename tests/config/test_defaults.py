@@ -107,7 +107,11 @@ def test_a_process_that_loads_only_the_config_gets_the_model_and_data_answers(tm
 # (weights, data, family): from scratch on text, and fine-tuning Hugging Face checkpoints of each family on
 # prompt/completion examples and (continued pretraining) on text
 KINDS = [("scratch", "text", "llama"), ("scratch", "text", "qwen3_moe"), ("pretrained", "sft", "llama"),
-         ("pretrained", "text", "llama"), ("pretrained", "sft", "qwen3"), ("pretrained", "sft", "qwen3_moe")]
+         ("pretrained", "text", "llama"),
+         # slow: the fine-tuning defaults on examples of a dense model are pretrained-sft-llama's (the same rate and
+         # batch: config/defaults.py takes the size, the weights and the data, not the family); ~3 s
+         pytest.param("pretrained", "sft", "qwen3", marks=pytest.mark.slow),
+         ("pretrained", "sft", "qwen3_moe")]
 
 
 def _hf_model(family: str, path) -> None:
@@ -127,7 +131,8 @@ def _hf_model(family: str, path) -> None:
     hf.save_pretrained(path)
 
 
-@pytest.mark.parametrize("weights, data, family", KINDS, ids=["-".join(k) for k in KINDS])
+@pytest.mark.parametrize("weights, data, family", KINDS,
+                         ids=["-".join(k.values if hasattr(k, "values") else k) for k in KINDS])
 def test_defaults_only_the_loss_falls(tmp_path, weights, data, family):
     """A small model of each kind trained with the training defaults (rate, warm-up, batch) learns. Only the length
     of the run and of its sequences are set, for the test's time (and the shape of the model from scratch)."""

@@ -253,25 +253,42 @@ def test_new_manifests_record_the_largest_id(tmp_path):
     assert train.n_tokens == 8  # one text file is one document: its 7 bytes and EOS
 
 
-def _cli(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run([sys.executable, "-m", "shardfit", "train", *args, "--train.steps=1",
-                        f"--logging.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env,
-                       timeout=180, cwd=tmp_path)
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
-    return r, lines
-
-
-@pytest.mark.parametrize("files, path, needle", [
+CLI_CASES = [
     ({"d.jsonl": _jsonl([*SFT, b'{"prompt": "\\ud800", "completion": "x"}'])}, "d.jsonl",
      "d.jsonl:3: a lone UTF-16 surrogate escape"),
     ({"d.jsonl": _jsonl([{"prompt": "p" * 80, "completion": "c"}] * 2)}, "d.jsonl",
      "none of the 2 examples has a loss-bearing token within data.seq_len=32"),
     (lambda d: _edit_manifest(d, lambda m: {**m, "max_id": 999}), "", "token id 999 is beyond the model's vocabulary"),
-])
-def test_cli_refuses_bad_data_with_one_line(tmp_path, files, path, needle):
+]
+
+
+def _cli_args(tmp_path, files, path) -> list[str]:
     data = files(tmp_path) if callable(files) else (_files(tmp_path, files) or tmp_path / path)
-    r, lines = _cli(tmp_path, f"--data.path={data}", "--data.seq_len=32")
+    return [f"--data.path={data}", "--data.seq_len=32", "--train.steps=1", f"--logging.run_dir={tmp_path / 'run'}"]
+
+
+@pytest.fixture(scope="module")
+def in_one_session(tmp_path_factory):
+    """needle -> (its subprocess.CompletedProcess, its directory) of the cases after the first, through the CLI's
+    entry point in one subprocess (tests/cli/session.py: the interpreter and torch started once; the first case is
+    a process of its own: the exit code and stderr at the file descriptor)."""
+    from tests.cli.session import run_commands
+
+    dirs = [tmp_path_factory.mktemp("bad_data") for _ in CLI_CASES[1:]]
+    argvs = [["train", *_cli_args(d, files, path)] for d, (files, path, _) in zip(dirs, CLI_CASES[1:])]
+    done = run_commands(argvs, cwd=tmp_path_factory.getbasetemp(), cwds=dirs)
+    return {needle: (p, d) for (_, _, needle), p, d in zip(CLI_CASES[1:], done, dirs)}
+
+
+@pytest.mark.parametrize("files, path, needle", CLI_CASES)
+def test_cli_refuses_bad_data_with_one_line(tmp_path, files, path, needle, request):
+    if needle == CLI_CASES[0][2]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        r = subprocess.run([sys.executable, "-m", "shardfit", "train", *_cli_args(tmp_path, files, path)],
+                           capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    else:
+        r, tmp_path = request.getfixturevalue("in_one_session")[needle]
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert r.returncode == 2, r.stderr
     assert len(lines) == 1 and lines[0].startswith("shardfit: error: ") and needle in lines[0], lines
     assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()

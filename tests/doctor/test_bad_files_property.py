@@ -64,20 +64,44 @@ def _cli_case(case: str, tmp: Path) -> tuple[list[str], str, dict]:
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["segments a dict", "event addr a string", "gzip bomb", "memo bomb",
-                                  "trace events not a list", "trace ts NaN", "trace not UTF-8", "trace nested deep",
-                                  "plan of absurd sizes", "limit variable not a number"])
-def test_the_cli_says_one_line_and_exits_2(tmp_path, case):
-    args, needle, env = _cli_case(case, tmp_path)
-    r = _run(*args, env=env)
+CLI_CASES = ["segments a dict", "event addr a string", "gzip bomb", "memo bomb", "trace events not a list",
+             "trace ts NaN", "trace not UTF-8", "trace nested deep", "plan of absurd sizes",
+             "limit variable not a number"]
+# Each its own `python -m shardfit` (the exit code, stderr at the file descriptor): the cases with a limit variable
+# of their own, the deepest nesting (the interpreter's recursion as a fresh process has it), and the plan. The others
+# run in one subprocess through the CLI's entry point (tests/cli/session.py; ~2 s a process less each).
+OWN_PROCESS = {"gzip bomb", "limit variable not a number", "trace nested deep", "plan of absurd sizes"}
+REFUSED_PLAN = ["plan", "--nproc=3", "--gpu-memory=80", "--parallel.sequence_parallel=2"]
+
+
+@pytest.fixture(scope="module")
+def in_one_session(tmp_path_factory):
+    """case -> (its subprocess.CompletedProcess, needle), for the cases that share a driver process; "refused plan":
+    test_plan_prints_a_refused_layout_as_refused's command."""
+    from tests.cli.session import run_commands
+
+    names = [c for c in CLI_CASES if c not in OWN_PROCESS]
+    made = {c: _cli_case(c, tmp_path_factory.mktemp("case")) for c in names}
+    assert not any(env for _, _, env in made.values())  # the driver's environment is the test's
+    done = run_commands([made[c][0] for c in names] + [REFUSED_PLAN], cwd=tmp_path_factory.getbasetemp())
+    return {**{c: (p, made[c][1]) for c, p in zip(names, done)}, "refused plan": (done[-1], None)}
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_the_cli_says_one_line_and_exits_2(tmp_path, case, request):
+    if case in OWN_PROCESS:
+        args, needle, env = _cli_case(case, tmp_path)
+        r = _run(*args, env=env)
+    else:
+        r, needle = request.getfixturevalue("in_one_session")[case]
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr
     assert len(lines) == 1 and lines[0].startswith("shardfit: error: ") and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr + r.stdout
 
 
-def test_plan_prints_a_refused_layout_as_refused(tmp_path):
-    r = _run("plan", "--nproc=3", "--gpu-memory=80", "--parallel.sequence_parallel=2")
+def test_plan_prints_a_refused_layout_as_refused(in_one_session):
+    r, _ = in_one_session["refused plan"]
     assert r.returncode == 0 and "Traceback" not in r.stderr
     assert "REFUSED by shardfit train: parallel.sequence_parallel: parallel.sequence_parallel=2 does not divide the " \
            "world size 3" in r.stdout and "as configured: fits" not in r.stdout

@@ -4,7 +4,6 @@ and OOM verdicts with a per-process memory cap from each place the doctor learns
 import json
 import pickle
 import subprocess
-import sys
 
 import pytest
 
@@ -20,9 +19,24 @@ FWD = [{"name": "forward", "filename": "torch/nn/modules/linear.py", "line": 1}]
 ALLOC_AT_DUMP = {"varlen_default": 1324478464, "record_stream_pending": 116371456, "fsdp2_train_rank0": 1745027072}
 
 
+def _doctor(*args) -> subprocess.CompletedProcess:
+    """`shardfit doctor ARGS` through the CLI's entry point in this process (shardfit.cli.main.main, as the console
+    script calls it; tests/cli/session.py's way): its exit code, stdout and stderr, without a process of its own
+    (an interpreter and torch started for each took ~1.5 s a command). The command as its own process, exit code
+    and output at the file descriptors: tests/doctor/test_fixtures.py's test_cli_text_and_json."""
+    import contextlib
+    import io
+
+    from shardfit.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["doctor", *map(str, args)])
+    return subprocess.CompletedProcess(["shardfit", "doctor", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def _doctor_json(*paths):
-    p = subprocess.run([sys.executable, "-m", "shardfit", "doctor", "--json", *map(str, paths)], capture_output=True,
-                       text=True)
+    p = _doctor("--json", *paths)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 

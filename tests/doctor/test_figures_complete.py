@@ -2,15 +2,13 @@
 (fraction 1.0) is not blamed on an unrecorded one; the CLI's --memory-fraction and --gpu-memory reach the verdict."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 from shardfit.doctor import examine
 from shardfit.doctor.diagnose import gib
 from tests.doctor.conftest import MB, ev, seg, write_snapshot
-from tests.doctor.test_figures import _capped, _doctor_json, _figures
+from tests.doctor.test_figures import _capped, _doctor, _doctor_json, _figures
 
 GB = 1 << 30
 A, B = 0x7F0000000000, 0x7F8000000000
@@ -108,6 +106,5 @@ def test_cli_cap_flags_change_the_verdict(tmp_path):
         assert (f["device_total"], f["device_total_source"]) == (80 * GB, "given")
         assert doc["snapshots"][0]["memory_fraction"] == float(fraction)
     for flag, value in (("--memory-fraction", "1.5"), ("--gpu-memory", "0")):
-        p = subprocess.run([sys.executable, "-m", "shardfit", "doctor", flag, value, str(path)], capture_output=True,
-                           text=True)
+        p = _doctor(flag, value, path)
         assert p.returncode == 2 and f"{flag}:" in p.stderr and not p.stdout

@@ -1,5 +1,5 @@
 """Two nodes simulated on one machine: two torchrun launchers (--nnodes 2, one process each) meet at one c10d
-rendezvous and train as one job, with the losses of one launcher running both processes (docs/multinode.md).
+rendezvous and train as one job, with the losses of both processes on one node (docs/multinode.md).
 
 Every child runs under a timeout, and a failed or hung attempt is torn down (the launchers, then whatever workers
 they had started: torchrun starts each worker in a session of its own), so nothing outlives the test.
@@ -127,12 +127,20 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records if not r.get("eval")]
 
 
+def _one_node(rank: int, world: int, run_dir: str) -> list[float]:
+    """The job's training on `world` gloo ranks of one node (tests/_dist.run_ranks); its losses."""
+    from shardfit.config import load_config
+    from shardfit.train import Trainer
+
+    return [h["loss"] for h in Trainer(load_config(None, [*ARGS, f"--logging.run_dir={run_dir}"])).fit()]
+
+
 def test_two_launchers_one_rendezvous_train_as_one_node(tmp_path):
-    # The same job on one node: one launcher, two processes.
-    one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "shardfit", "train", *ARGS, f"--logging.run_dir={tmp_path / 'one'}"],
-                         capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(), cwd=ROOT)
-    assert one.returncode == 0, one.stderr[-3000:]
+    # The same job on one node, two processes: forked ranks (tests/_dist.py), not a torchrun of its own (~4 s less;
+    # the launchers are what the two nodes below run)
+    from tests._dist import run_ranks
+
+    ref = run_ranks(_one_node, 2, str(tmp_path / "one"))[0]
 
     run_dir = tmp_path / "two"
     res = _two_nodes(lambda rdzv: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", *rdzv,
@@ -147,7 +155,7 @@ def test_two_launchers_one_rendezvous_train_as_one_node(tmp_path):
     assert "steps = 3" in (run_dir / "config.toml").read_text()
 
     # Data order depends only on (seed, step) and the loss on the global batch: the same losses as one node.
-    two, ref = _losses(run_dir), _losses(tmp_path / "one")
+    two = _losses(run_dir)
     assert len(two) == 3 and two == pytest.approx(ref, rel=1e-5, abs=1e-6)
 
     # The final checkpoint is whole, written by both ranks (one DCP shard and one RNG file each), sealed by rank 0.

@@ -49,9 +49,12 @@ def _signalled(run: Path, sig: int, args: list[str], target: str = "process") ->
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 1) and p.poll() is None:
         assert time.monotonic() < deadline, "the run logged no step"
         time.sleep(0.02)
-    os.kill(_children(p.pid)[1] if target == "rank 1" else p.pid, sig)
+    ranks = _children(p.pid) if target != "process" else {}
+    os.kill(ranks[1] if target == "rank 1" else p.pid, sig)
     out, err = p.communicate(timeout=240)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    done = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    done.ranks = ranks  # rank -> pid under the launcher (none for one process)
+    return done
 
 
 def _stopped_at(p: subprocess.CompletedProcess, name: str, code: int) -> int:
@@ -81,6 +84,10 @@ def test_a_signal_saves_a_checkpoint_the_same_command_resumes(tmp_path, sig, npr
     assert f"step {step}: {name} received ({who}): saving a checkpoint and stopping" in p.stdout
     logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1] == step  # the step it stopped after is in the record
+    if target == "launcher":  # every rank gone with the launcher (as test_launcher.py's signal test asks)
+        assert sorted(p.ranks) == [0, 1], p.ranks
+        time.sleep(0.5)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in p.ranks.values())
     if target != "rank 1":  # the same command continues it (here on one process: DCP reshards the 2 ranks' one)
         again = _run("train", *ARGS, "--train.steps=40", f"--logging.run_dir={run}")
         assert again.returncode == 0, again.stderr

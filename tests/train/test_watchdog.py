@@ -27,10 +27,11 @@ def _stall_rank1_in_step2(rank, world, run_dir):
 
 
 def test_stalled_rank_every_rank_reports_and_exits(tmp_path):
-    ctx = mp.get_context("spawn")
+    # forked from tests/_dist.py's fork server (torch imported once), each with this environment, as run_ranks does
+    ctx = mp.get_context("forkserver")
     store = os.path.join(tempfile.mkdtemp(), "store")
     procs = [ctx.Process(target=_entry, args=(r, 2, store, str(tmp_path), _stall_rank1_in_step2, (str(tmp_path),),
-                                              "gloo")) for r in range(2)]
+                                              "gloo", dict(os.environ))) for r in range(2)]
     t0 = time.monotonic()
     for p in procs:
         p.start()
