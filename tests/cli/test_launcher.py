@@ -188,3 +188,13 @@ def test_unreachable_rendezvous_is_one_line_after_torchrun_s_wait(tmp_path):
                     "read_timeout")
     assert p.stderr.strip().count("\n") == 0, p.stderr[-3000:]  # nothing else on stderr
     assert time.monotonic() - start < 200
+
+
+def test_the_cli_imports_no_torch_before_the_launcher_does():
+    """`shardfit train --nproc` imports torch itself with the C++ log at FATAL (import_torch_quietly: the rendezvous
+    store's retries, a stack trace each, would bury the one line about the endpoint); c10 reads the level once, so
+    no command module may import torch when cli/main.py imports them all (generate did: the slow test above failed)."""
+    p = subprocess.run([sys.executable, "-c", "import sys, shardfit.cli.main; print(sorted(m for m in sys.modules "
+                        "if m == 'torch' or m.startswith('torch.')))"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]", p.stdout[:500]

@@ -23,23 +23,26 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardfit.errors import ShardfitError
-from shardfit.models.decoder import CausalLM
+
+if TYPE_CHECKING:  # torch is imported where it is used: cli/main.py imports every command, and `shardfit train
+    # --nproc` must import torch itself, quietly (cli/launch.py import_torch_quietly)
+    from shardfit.models.decoder import CausalLM
 
 # The errors of sampling_params the Sampler names, as this command's flags.
 FLAGS = {"prompt": "--prompt", "sampling_params.max_tokens": "--max-new-tokens", "sampling_params.seed": "--seed",
          "sampling_params.temperature": "--temperature", "sampling_params.top_p": "--top-p"}
 
 
-@torch.no_grad()
 def decode(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
            top_p: float = 1.0, eos_ids: set[int] = frozenset(), seed: int = 0, use_cache: bool = True
            ) -> list[list[int]]:
     """The new tokens after each prompt (an EOS id drawn ends them, included), in the order given: all submitted
     at once to one Sampler sized for them, or with use_cache=False each through the reference loop."""
+    import torch
+
     from shardfit.sampling import Sampler, SampleRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -55,12 +58,13 @@ def decode(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, *, te
             sampler.check(r)
         except ShardfitError as e:
             raise ShardfitError(e.what, where=FLAGS.get(e.where, e.where), fix=e.fix) from None
-    if not use_cache:
-        from shardfit.sampling.reference import reference_decode
+    with torch.no_grad():
+        if not use_cache:
+            from shardfit.sampling.reference import reference_decode
 
-        return [reference_decode(model, p, max_new_tokens, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
-                                 seed=seed, use_cache=False) for p in prompts]
-    return [r.samples[0].tokens for r in sampler.run(reqs)]
+            return [reference_decode(model, p, max_new_tokens, temperature=temperature, top_p=top_p,
+                                     eos_ids=eos_ids, seed=seed, use_cache=False) for p in prompts]
+        return [r.samples[0].tokens for r in sampler.run(reqs)]
 
 
 def one_line(answer: str) -> str:
@@ -208,6 +212,8 @@ def generate(argv: list[str]) -> int:
     if a.top_p < 1 and a.temperature == 0:  # greedy decoding would ignore it
         raise ShardfitError(f"{a.top_p} needs sampling, but --temperature is 0 (greedy)", where="--top-p",
                             fix="add --temperature (e.g. 0.7) to sample, or drop --top-p")
+    import torch
+
     if a.device == "cuda" and not torch.cuda.is_available():
         raise ShardfitError("no CUDA device is available", where="--device", fix="use --device cpu (or auto)")
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
