@@ -2,7 +2,10 @@
 create_dpo_clients (the training client, then its reference from save_weights_and_get_sampling_client) and do_update
 (the reference's log-probs of every chosen and rejected sequence through compute_logprobs' coroutine, the DPO loss
 through forward_backward_custom, optim_step, the cookbook's metrics log) against `shardfit serve --lora.rank=8`
-(one gloo rank, CPU).
+(one gloo rank, CPU); then its checkpoints as its loops keep them (CheckpointManager every 2 steps: state with the
+optimizer and sampler weights, with a ttl) read back three ways: its resume (get_last_checkpoint,
+create_training_client_from_state_with_optimizer), a new run from them (load_checkpoint_path:
+create_training_client_from_state), and a sampler of the saved sampler path.
 
 The cookbook is not in the test extra: 0.6.1 requires tml-renderers>=0.4.1, which the package index here lacks, so
 `pip install tinker-cookbook` fails; the module imports without it (`pip install --no-deps tinker-cookbook==0.6.1
@@ -86,6 +89,11 @@ def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
     out["resumed_batch"] = last.batch
     _, resumed = train_dpo.create_dpo_clients(cfg, sc, last)
     out["resumed"] = resumed.compute_logprobs(probe).result()
+    # a fresh DPO run from that checkpoint (load_checkpoint_path: the weights, a new optimizer)
+    import chz
+
+    _, started = train_dpo.create_dpo_clients(chz.replace(cfg, load_checkpoint_path=last.state_path), sc)
+    out["started_from"] = started.compute_logprobs(probe).result()
     saved = sc.create_sampling_client(model_path=last.sampler_path).result()
     out["sampler_path"] = saved.compute_logprobs(probe).result()
     out["metrics"] = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -108,3 +116,4 @@ def test_the_cookbook_s_own_dpo_loop_keeps_its_reference_frozen(tmp_path):
     assert r["metrics"][-1]["accuracy"] == 1.0 and r["metrics"][-1]["margin"] > 0
     # the checkpoint saved before step 2's update holds the weights after 2 updates: both of its paths give them
     assert r["resumed_batch"] == 2 and r["resumed"] == r["policy"][2] and r["sampler_path"] == r["policy"][2]
+    assert r["started_from"] == r["policy"][2]
