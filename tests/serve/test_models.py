@@ -197,7 +197,7 @@ def _together_then_alone(sc, url: str, base_model: str, n: int) -> dict:
 
 def _dpo(sc, base_model: str, beta: float = 0.1) -> dict:
     """tinker-cookbook 0.6.1's preference/train_dpo.py, its calls reproduced through the official SDK (the cookbook
-    cannot be pip-installed with its requirements here: test_cookbook_dpo.py runs its own code where it is importable):
+    cannot be pip-installed with its requirements here: test_cookbook.py runs its own code where it is importable):
     the reference from save_weights_and_get_sampling_client("reference") before any step; each
     step the reference's log-probs of every chosen and rejected sequence (compute_logprobs), then
     forward_backward_custom with the DPO loss -logsigmoid(beta * (chosen log-ratio - rejected log-ratio)) on the
@@ -264,7 +264,7 @@ def test_four_clients_trained_at_once_equal_each_trained_alone(four):
 def test_the_cookbook_dpo_reference_stays_frozen_while_the_policy_moves(four):
     """issue 35's DPO row: the reference is the policy before training, its log-probs the same at every step.
     The cookbook's train_dpo.py loop is written out with the same SDK calls in _dpo (its own code:
-    test_cookbook_dpo.py, where the cookbook is importable)."""
+    test_cookbook.py, where the cookbook is importable)."""
     d = four
     assert all(ref == d["ref"][0] for ref in d["ref"])  # exactly: a frozen version
     assert d["policy"][-1] != d["policy"][0]  # the policy moved (its chosen sequence's log-prob)

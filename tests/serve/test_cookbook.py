@@ -1,4 +1,6 @@
-"""issue 35's DPO row with tinker-cookbook 0.6.1's own code, not a copy of its calls: preference/train_dpo.py's
+"""tinker-cookbook 0.6.1's own loops against `shardfit serve`, not copies of their calls.
+
+issue 35's DPO row: preference/train_dpo.py's
 create_dpo_clients (the training client, then its reference from save_weights_and_get_sampling_client) and do_update
 (the reference's log-probs of every chosen and rejected sequence through compute_logprobs' coroutine, the DPO loss
 through forward_backward_custom, optim_step, the cookbook's metrics log) against `shardfit serve --lora.rank=8`
@@ -12,6 +14,10 @@ The cookbook is not in the test extra: 0.6.1 requires tml-renderers>=0.4.1, whic
 chz blobfile cloudpickle pyrage tiktoken termcolor datasets dill multiprocess xxhash pandas lxml` into a directory on
 PYTHONPATH). Skipped where it is absent; tests/serve/test_models.py's _dpo keeps the same calls covered in the
 default run.
+
+The RL step: rl/train.py's train_step, which pipelines its substeps (the next forward_backward and optim_step
+enqueued before the current results are read), trains a model exactly as the same calls made one after another,
+each awaited, train another of the same seed.
 """
 
 from __future__ import annotations
@@ -102,6 +108,48 @@ def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
 
 def _serve_dpo(rank: int, world: int, run_dir: str, log_dir: str):
     return serve(rank, world, run_dir, functools.partial(_cookbook_dpo, log_dir=log_dir), ARGS)
+
+
+def _rl_step(sc, url: str, base_model: str) -> dict:
+    import asyncio
+
+    from tinker import types
+    from tinker_cookbook.rl.train import train_step
+
+    from tests.serve.engine_server import datums, logprobs
+
+    rng = np.random.default_rng(3)
+    data = []
+    for d in datums(5, n=4):  # the cookbook's RL datum: the sampler's log-probs and the advantages beside the tokens
+        n = len(d.loss_fn_inputs["target_tokens"].to_numpy())
+        data.append(types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"].to_numpy(),
+            "logprobs": rng.normal(-5.0, 0.5, n).astype(np.float32),
+            "advantages": rng.normal(0.0, 1.0, n).astype(np.float32)}))
+    piped, plain, fresh = (sc.create_lora_training_client(base_model=base_model, rank=8, seed=11).result()
+                           for _ in "abc")
+    got = asyncio.run(train_step(data, piped, 1e-2, 2, "importance_sampling"))
+    want = []
+    adam = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)  # train_step's
+    for half in (data[:2], data[2:]):
+        want += [o["logprobs"].to_numpy().tolist()
+                 for o in plain.forward_backward(half, "importance_sampling").result().loss_fn_outputs]
+        plain.optim_step(adam).result()
+    untrained = [o["logprobs"].to_numpy().tolist()
+                 for o in fresh.forward(data[2:], "importance_sampling").result().loss_fn_outputs]
+    return {"piped": [t.tolist() for t in got], "plain": want, "after": [logprobs(piped), logprobs(plain)],
+            "untrained": untrained}
+
+
+def _serve_rl(rank: int, world: int, run_dir: str):
+    return serve(rank, world, run_dir, _rl_step, ARGS)
+
+
+def test_the_cookbook_s_pipelined_rl_step_trains_as_the_same_calls_one_by_one(tmp_path):
+    r = run_ranks(_serve_rl, 1, str(tmp_path / "run"), timeout=300)[0]
+    assert r["piped"] == r["plain"]  # the second substep's log-probs: after the first optim_step, in both
+    assert r["after"][0] == r["after"][1]
+    assert r["piped"][2:] != r["untrained"]  # the second substep ran after the first one's optim_step
 
 
 def test_the_cookbook_s_own_dpo_loop_keeps_its_reference_frozen(tmp_path):
