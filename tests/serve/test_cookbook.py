@@ -17,7 +17,8 @@ default run.
 
 The RL step: rl/train.py's train_step, which pipelines its substeps (the next forward_backward and optim_step
 enqueued before the current results are read), trains a model exactly as the same calls made one after another,
-each awaited, train another of the same seed.
+each awaited, train another of the same seed; then completers.py's TinkerTokenCompleter (the RL loops' policy)
+samples an action whose log-probs are those compute_logprobs gives the same tokens, with its sequence_id.
 """
 
 from __future__ import annotations
@@ -137,8 +138,16 @@ def _rl_step(sc, url: str, base_model: str) -> dict:
         plain.optim_step(adam).result()
     untrained = [o["logprobs"].to_numpy().tolist()
                  for o in fresh.forward(data[2:], "importance_sampling").result().loss_fn_outputs]
+    # the cookbook's RL policy: TinkerTokenCompleter samples one action with its log-probs and provenance
+    from tinker_cookbook.completers import TinkerTokenCompleter
+
+    sampler = piped.save_weights_and_get_sampling_client().result()
+    action = asyncio.run(TinkerTokenCompleter(sampler, max_tokens=6, temperature=1.0)(data[0].model_input, stop=[]))
+    prompt = data[0].model_input.to_ints()
+    scored_again = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + list(action.tokens))).result()
     return {"piped": [t.tolist() for t in got], "plain": want, "after": [logprobs(piped), logprobs(plain)],
-            "untrained": untrained}
+            "untrained": untrained, "action": [list(action.tokens), list(action.logprobs), action.stop_reason,
+                                               action.sequence_id], "scored": scored_again[len(prompt):]}
 
 
 def _serve_rl(rank: int, world: int, run_dir: str):
@@ -150,6 +159,9 @@ def test_the_cookbook_s_pipelined_rl_step_trains_as_the_same_calls_one_by_one(tm
     assert r["piped"] == r["plain"]  # the second substep's log-probs: after the first optim_step, in both
     assert r["after"][0] == r["after"][1]
     assert r["piped"][2:] != r["untrained"]  # the second substep ran after the first one's optim_step
+    tokens, lps, stop_reason, sequence_id = r["action"]
+    assert len(tokens) == len(lps) == 6 and stop_reason == "length" and sequence_id  # provenance for stable_reinforce
+    np.testing.assert_allclose(lps, r["scored"], rtol=0, atol=1e-4)  # the sampled tokens' log-probs, as scored
 
 
 def test_the_cookbook_s_own_dpo_loop_keeps_its_reference_frozen(tmp_path):
