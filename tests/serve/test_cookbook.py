@@ -79,7 +79,9 @@ def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
     cfg = train_dpo.Config(log_path=log_dir, model_name=base_model, recipe_name="shardfit-test",
                            dataset_builder=None, lora_rank=8, learning_rate=1e-2, lr_schedule="constant",
                            eval_every=0, infrequent_eval_every=0, save_every=0, base_url=url)
-    policy, reference = train_dpo.create_dpo_clients(cfg, sc)
+    meta: dict[str, str] = {}
+    checkpoint_utils.add_renderer_name_to_user_metadata(meta, "llama3")  # what the cookbook's main sends
+    policy, reference = train_dpo.create_dpo_clients(cfg, sc, user_metadata=meta)
     log = ml_log.setup_logging(log_dir, config=None, do_configure_logging_module=False)
     # the cookbook's checkpoints: state (with the optimizer) and sampler weights every 2 steps, with its ttl
     saves = checkpoint_utils.CheckpointManager(policy, sc, log_dir, save_every=2, ttl_seconds=3600)
@@ -94,6 +96,7 @@ def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
     # the cookbook's resume: its last record's state with the optimizer; its reference becomes the resumed weights
     last = checkpoint_utils.get_last_checkpoint(log_dir)
     out["resumed_batch"] = last.batch
+    out["renderer"] = checkpoint_utils.get_renderer_name_from_checkpoint(sc, last.state_path)  # its resume check
     _, resumed = train_dpo.create_dpo_clients(cfg, sc, last)
     out["resumed"] = resumed.compute_logprobs(probe).result()
     # a fresh DPO run from that checkpoint (load_checkpoint_path: the weights, a new optimizer)
@@ -177,3 +180,4 @@ def test_the_cookbook_s_own_dpo_loop_keeps_its_reference_frozen(tmp_path):
     # the checkpoint saved before step 2's update holds the weights after 2 updates: both of its paths give them
     assert r["resumed_batch"] == 2 and r["resumed"] == r["policy"][2] and r["sampler_path"] == r["policy"][2]
     assert r["started_from"] == r["policy"][2]
+    assert r["renderer"] == "llama3"  # the run's user_metadata, read back through the REST listing of its path
