@@ -19,6 +19,10 @@ The RL step: rl/train.py's train_step, which pipelines its substeps (the next fo
 enqueued before the current results are read), trains a model exactly as the same calls made one after another,
 each awaited, train another of the same seed; then completers.py's TinkerTokenCompleter (the RL loops' policy)
 samples an action whose log-probs are those compute_logprobs gives the same tokens, with its sequence_id.
+
+SFT: supervised/train.py's main, whole and unchanged (its own ServiceClient from base_url and TINKER_API_KEY, the
+tokenizer loaded by model_name, pipelined batches, checkpoints, metrics), against a server started with
+--model.path on a checkpoint with a tokenizer: its first step's mean NLL is transformers' on that checkpoint.
 """
 
 from __future__ import annotations
@@ -181,3 +185,88 @@ def test_the_cookbook_s_own_dpo_loop_keeps_its_reference_frozen(tmp_path):
     assert r["resumed_batch"] == 2 and r["resumed"] == r["policy"][2] and r["sampler_path"] == r["policy"][2]
     assert r["started_from"] == r["policy"][2]
     assert r["renderer"] == "llama3"  # the run's user_metadata, read back through the REST listing of its path
+
+
+def _hf_dir_with_tokenizer(root: Path) -> str:
+    """A tiny Llama checkpoint with a tokenizer transformers loads (one word a token id: "t17" is id 17): what the
+    cookbook's main needs to find under the model name it is given (get_tokenizer(model_name))."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(root)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", bos_token="t2",
+                                         unk_token="t0").save_pretrained(root)
+    return str(root)
+
+
+def _cookbook_sft(sc, url: str, base_model: str, log_dir: str) -> dict:
+    """supervised/train.py's main, whole: its own ServiceClient (base_url), LoRA client, tokenizer by model_name,
+    pipelined batches, checkpoints, metrics; 3 batches of datums(100 + i)."""
+    import asyncio
+    import os
+
+    import chz
+    from tinker_cookbook.supervised import train
+    from tinker_cookbook.supervised.types import SupervisedDataset, SupervisedDatasetBuilder
+
+    from tests.serve.engine_server import datums, scored
+
+    class Batches(SupervisedDataset):
+        def get_batch(self, index: int):
+            return datums(100 + index, n=4)
+
+        def __len__(self) -> int:
+            return 3
+
+    @chz.chz
+    class Builder(SupervisedDatasetBuilder):
+        def __call__(self):
+            return Batches(), None
+
+    os.environ["TINKER_API_KEY"] = "tml-local"  # its ServiceClient reads the key from the environment
+    cfg = train.Config(log_path=log_dir, model_name=base_model, recipe_name="shardfit-test", dataset_builder=Builder(),
+                       learning_rate=1e-2, lora_rank=8, base_url=url, save_every=2, eval_every=0,
+                       infrequent_eval_every=0)
+    asyncio.run(train.main(cfg))
+    records = [json.loads(line) for line in (Path(log_dir) / "checkpoints.jsonl").read_text().splitlines()]
+    final = sc.create_sampling_client(model_path=records[-1]["sampler_path"]).result()
+    return {"metrics": [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()],
+            "checkpoints": records, "final": scored(final),
+            "base": scored(sc.create_sampling_client(base_model=base_model).result())}
+
+
+def _serve_sft(rank: int, world: int, run_dir: str, log_dir: str, model_dir: str):
+    return serve(rank, world, run_dir, functools.partial(_cookbook_sft, log_dir=log_dir),
+                 ["--train.device=cpu", "--train.micro_batch_tokens=64", "--data.seq_len=64", "--lora.rank=8",
+                  f"--model.path={model_dir}"])
+
+
+def test_the_cookbook_s_supervised_main_runs_whole_and_starts_from_the_base(tmp_path):
+    import torch
+    import transformers
+
+    from tests.serve.engine_server import datums
+
+    model_dir = _hf_dir_with_tokenizer(tmp_path / "model")
+    r = run_ranks(_serve_sft, 1, str(tmp_path / "run"), str(tmp_path / "log"), model_dir, timeout=300)[0]
+    nll = [m["train_mean_nll"] for m in r["metrics"] if "train_mean_nll" in m]
+    assert len(nll) == 3
+    # step 0 trains from the base (LoRA B = 0): its mean NLL is transformers' on the checkpoint, the same datums
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for d in datums(100, n=4):
+            ids = torch.tensor([d.model_input.to_ints()])
+            lp = torch.log_softmax(hf(ids).logits[0].float(), -1)
+            total -= float(lp.gather(-1, torch.as_tensor(d.loss_fn_inputs["target_tokens"].to_numpy())[:, None]).sum())
+            count += ids.shape[1]
+    assert nll[0] == pytest.approx(total / count, rel=1e-5)
+    names = [c["name"] for c in r["checkpoints"]]
+    assert names == ["000002", "final"] and all(c["state_path"] and c["sampler_path"] for c in r["checkpoints"])
+    assert r["final"] != r["base"]  # the final sampler holds the trained adapters
