@@ -56,6 +56,20 @@ def datums(seed: int, n: int = 2):
     return out
 
 
+def dpo_pairs():
+    """Two preference pairs as tinker-cookbook's DPO lays them out: (seqs, datums), chosen then rejected of each pair
+    interleaved; each datum the sequence shifted by one, weighted on its answer tokens alone."""
+    from tinker import types
+
+    prompt = list(b"Q: the capital of France? A:")
+    pairs = [(prompt + list(b" Paris"), prompt + list(b" Rome")), (prompt + list(b" Paris."), prompt + list(b" Lyon"))]
+    seqs = [s for pair in pairs for s in pair]
+    answer = [np.asarray([0.0] * (len(prompt) - 1) + [1.0] * (len(s) - len(prompt)), np.float32) for s in seqs]
+    return seqs, [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                              loss_fn_inputs={"target_tokens": np.asarray(s[1:], np.int64), "weights": w})
+                  for s, w in zip(seqs, answer)]
+
+
 def steps(tc, seeds, lr: float = 2e-2) -> list[float]:
     """A forward_backward and an optim_step per seed; the losses."""
     from tinker import types

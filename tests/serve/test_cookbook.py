@@ -38,7 +38,7 @@ pytest.importorskip("tinker")
 pytest.importorskip("tinker_cookbook.preference.train_dpo")
 
 from tests._dist import run_ranks  # noqa: E402
-from tests.serve.engine_server import serve  # noqa: E402
+from tests.serve.engine_server import datums, dpo_pairs, logprobs, scored, serve  # noqa: E402
 from tests.serve.test_models import ARGS  # noqa: E402
 
 STEPS = 4
@@ -51,26 +51,15 @@ class _Bytes:
         return bytes(int(i) % 256 for i in ids).decode("latin-1")
 
 
-def _pairs():
-    from tinker import types
-
-    prompt = list(b"Q: the capital of France? A:")
-    pairs = [(prompt + list(b" Paris"), prompt + list(b" Rome")), (prompt + list(b" Paris."), prompt + list(b" Lyon"))]
-    seqs = [s for pair in pairs for s in pair]  # chosen, rejected, ...: the cookbook's interleaved layout
-    answer = [np.asarray([0.0] * (len(prompt) - 1) + [1.0] * (len(s) - len(prompt)), np.float32) for s in seqs]
-    return [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
-                        loss_fn_inputs={"target_tokens": np.asarray(s[1:], np.int64), "weights": w})
-            for s, w in zip(seqs, answer)]
-
-
 def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
+    import chz
     from tinker import types
     from tinker_cookbook import checkpoint_utils
     from tinker_cookbook.preference import train_dpo
     from tinker_cookbook.supervised.types import SupervisedDataset
     from tinker_cookbook.utils import ml_log
 
-    data = _pairs()
+    seqs, data = dpo_pairs()
 
     class Pairs(SupervisedDataset):
         def get_batch(self, index: int):
@@ -89,7 +78,7 @@ def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
     log = ml_log.setup_logging(log_dir, config=None, do_configure_logging_module=False)
     # the cookbook's checkpoints: state (with the optimizer) and sampler weights every 2 steps, with its ttl
     saves = checkpoint_utils.CheckpointManager(policy, sc, log_dir, save_every=2, ttl_seconds=3600)
-    probe = types.ModelInput.from_ints(list(b"Q: the capital of France? A: Paris"))
+    probe = types.ModelInput.from_ints(seqs[0])  # the first chosen sequence
     out = {"ref": [], "policy": []}
     for step in range(STEPS):
         out["ref"].append(reference.compute_logprobs(probe).result())
@@ -104,8 +93,6 @@ def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
     _, resumed = train_dpo.create_dpo_clients(cfg, sc, last)
     out["resumed"] = resumed.compute_logprobs(probe).result()
     # a fresh DPO run from that checkpoint (load_checkpoint_path: the weights, a new optimizer)
-    import chz
-
     _, started = train_dpo.create_dpo_clients(chz.replace(cfg, load_checkpoint_path=last.state_path), sc)
     out["started_from"] = started.compute_logprobs(probe).result()
     saved = sc.create_sampling_client(model_path=last.sampler_path).result()
@@ -114,17 +101,12 @@ def _cookbook_dpo(sc, url: str, base_model: str, log_dir: str) -> dict:
     return out
 
 
-def _serve_dpo(rank: int, world: int, run_dir: str, log_dir: str):
-    return serve(rank, world, run_dir, functools.partial(_cookbook_dpo, log_dir=log_dir), ARGS)
-
-
 def _rl_step(sc, url: str, base_model: str) -> dict:
     import asyncio
 
     from tinker import types
+    from tinker_cookbook.completers import TinkerTokenCompleter
     from tinker_cookbook.rl.train import train_step
-
-    from tests.serve.engine_server import datums, logprobs
 
     rng = np.random.default_rng(3)
     data = []
@@ -146,8 +128,6 @@ def _rl_step(sc, url: str, base_model: str) -> dict:
     untrained = [o["logprobs"].to_numpy().tolist()
                  for o in fresh.forward(data[2:], "importance_sampling").result().loss_fn_outputs]
     # the cookbook's RL policy: TinkerTokenCompleter samples one action with its log-probs and provenance
-    from tinker_cookbook.completers import TinkerTokenCompleter
-
     sampler = piped.save_weights_and_get_sampling_client().result()
     action = asyncio.run(TinkerTokenCompleter(sampler, max_tokens=6, temperature=1.0)(data[0].model_input, stop=[]))
     prompt = data[0].model_input.to_ints()
@@ -157,12 +137,8 @@ def _rl_step(sc, url: str, base_model: str) -> dict:
                                                action.sequence_id], "scored": scored_again[len(prompt):]}
 
 
-def _serve_rl(rank: int, world: int, run_dir: str):
-    return serve(rank, world, run_dir, _rl_step, ARGS)
-
-
 def test_the_cookbook_s_pipelined_rl_step_trains_as_the_same_calls_one_by_one(tmp_path):
-    r = run_ranks(_serve_rl, 1, str(tmp_path / "run"), timeout=300)[0]
+    r = run_ranks(functools.partial(serve, scenario=_rl_step, args=ARGS), 1, str(tmp_path / "run"), timeout=300)[0]
     assert r["piped"] == r["plain"]  # the second substep's log-probs: after the first optim_step, in both
     assert r["after"][0] == r["after"][1]
     assert r["piped"][2:] != r["untrained"]  # the second substep ran after the first one's optim_step
@@ -172,7 +148,8 @@ def test_the_cookbook_s_pipelined_rl_step_trains_as_the_same_calls_one_by_one(tm
 
 
 def test_the_cookbook_s_own_dpo_loop_keeps_its_reference_frozen(tmp_path):
-    r = run_ranks(_serve_dpo, 1, str(tmp_path / "run"), str(tmp_path / "log"), timeout=300)[0]
+    dpo = functools.partial(_cookbook_dpo, log_dir=str(tmp_path / "log"))
+    r = run_ranks(functools.partial(serve, scenario=dpo, args=ARGS), 1, str(tmp_path / "run"), timeout=300)[0]
     assert all(ref == r["ref"][0] for ref in r["ref"])  # exactly: the frozen version, whatever trained since
     assert r["policy"][0] == r["ref"][0]  # a new model starts at its reference
     assert r["policy"][-1] != r["policy"][0]  # and moved
@@ -215,8 +192,6 @@ def _cookbook_sft(sc, url: str, base_model: str, log_dir: str) -> dict:
     from tinker_cookbook.supervised import train
     from tinker_cookbook.supervised.types import SupervisedDataset, SupervisedDatasetBuilder
 
-    from tests.serve.engine_server import datums, scored
-
     class Batches(SupervisedDataset):
         def get_batch(self, index: int):
             return datums(100 + index, n=4)
@@ -241,20 +216,15 @@ def _cookbook_sft(sc, url: str, base_model: str, log_dir: str) -> dict:
             "base": scored(sc.create_sampling_client(base_model=base_model).result())}
 
 
-def _serve_sft(rank: int, world: int, run_dir: str, log_dir: str, model_dir: str):
-    return serve(rank, world, run_dir, functools.partial(_cookbook_sft, log_dir=log_dir),
-                 ["--train.device=cpu", "--train.micro_batch_tokens=64", "--data.seq_len=64", "--lora.rank=8",
-                  f"--model.path={model_dir}"])
-
-
 def test_the_cookbook_s_supervised_main_runs_whole_and_starts_from_the_base(tmp_path):
     import torch
     import transformers
 
-    from tests.serve.engine_server import datums
-
     model_dir = _hf_dir_with_tokenizer(tmp_path / "model")
-    r = run_ranks(_serve_sft, 1, str(tmp_path / "run"), str(tmp_path / "log"), model_dir, timeout=300)[0]
+    sft = functools.partial(_cookbook_sft, log_dir=str(tmp_path / "log"))
+    args = ["--train.device=cpu", "--train.micro_batch_tokens=64", "--data.seq_len=64", "--lora.rank=8",
+            f"--model.path={model_dir}"]
+    r = run_ranks(functools.partial(serve, scenario=sft, args=args), 1, str(tmp_path / "run"), timeout=300)[0]
     nll = [m["train_mean_nll"] for m in r["metrics"] if "train_mean_nll" in m]
     assert len(nll) == 3
     # step 0 trains from the base (LoRA B = 0): its mean NLL is transformers' on the checkpoint, the same datums

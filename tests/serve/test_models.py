@@ -21,7 +21,7 @@ tinker = pytest.importorskip("tinker")
 
 from tests._dist import run_ranks  # noqa: E402
 from tests.helpers import SMALL  # noqa: E402
-from tests.serve.engine_server import SEQ, datums, error, logprobs, restarted, scored, serve, steps  # noqa: E402
+from tests.serve.engine_server import SEQ, datums, dpo_pairs, error, logprobs, restarted, scored, serve, steps  # noqa: E402
 
 ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=64", "--lora.rank=8"]
 
@@ -212,13 +212,7 @@ def _dpo(sc, base_model: str, beta: float = 0.1) -> dict:
     with warnings.catch_warnings():  # the SDK deprecates the name (it has no effect); the cookbook passes it
         warnings.simplefilter("ignore", DeprecationWarning)
         reference = policy.save_weights_and_get_sampling_client("reference").result()
-    prompt = list(b"Q: the capital of France? A:")
-    pairs = [(prompt + list(b" Paris"), prompt + list(b" Rome")), (prompt + list(b" Paris."), prompt + list(b" Lyon"))]
-    seqs = [s for pair in pairs for s in pair]  # chosen, rejected, chosen, rejected
-    answer = [np.asarray([0.0] * (len(prompt) - 1) + [1.0] * (len(s) - len(prompt)), np.float32) for s in seqs]
-    data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
-                        loss_fn_inputs={"target_tokens": np.asarray(s[1:], np.int64), "weights": w})
-            for s, w in zip(seqs, answer)]
+    seqs, data = dpo_pairs()  # chosen, rejected, chosen, rejected
     out = {"ref": [], "policy": [], "loss": []}
     for _ in range(4):
         ref_lp = [torch.tensor(reference.compute_logprobs(types.ModelInput.from_ints(s)).result()[1:]) for s in seqs]
