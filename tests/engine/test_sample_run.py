@@ -9,7 +9,8 @@ where it says so):
   collected before the run closes, and close returns the trainer-scored results DatumEngine.sample returns;
 - on two ranks every rank makes the same calls: requests submitted between steps decode on their ticket's rank, each
   collected on every rank as it ends, equal to one rank's; a rank whose step fails makes the other raise RankFailed
-  from the same exchange (none waits in a collective), and both go on in step.
+  from the same exchange (none waits in a collective), and both go on in step; so does a rank that cannot build its
+  Sampler (from the requests' verdicts).
 """
 
 from __future__ import annotations
@@ -152,9 +153,25 @@ def _streaming(rank, world):
     except RankFailed as err:
         said = str(err)
     broken.close(failed=True)
+    if rank == world - 1:  # this rank alone cannot build its Sampler (out of memory sizing its KV pool), once
+        inner, real = e.engine, e.engine._sampler
+
+        def _no_pool(*args, **kwargs):
+            inner._sampler = real
+            raise RuntimeError("out of memory (a test)")
+        inner._sampler = _no_pool
+    unbuilt = e.sample_run(**KV)
+    try:
+        unbuilt.submit([[4, 4]], _params(5, 4))
+        built = "built"
+    except RankFailed as err:
+        built = str(err)
+    except RuntimeError:
+        built = "own error"
+    unbuilt.close(failed=True)
     after = e.sample([[8, 9]], _params(3, 2), **KV)[0].samples[0].tokens
     return {"tickets": [t if isinstance(t, int) else str(t) for t in tickets], "order": order,
-            "got": {str(t): v for t, v in got.items()}, "said": said, "after": after}
+            "got": {str(t): v for t, v in got.items()}, "said": said, "built": built, "after": after}
 
 
 def test_two_ranks_stream_as_one_and_a_failed_step_ends_the_run_on_both():
@@ -170,3 +187,6 @@ def test_two_ranks_stream_as_one_and_a_failed_step_ends_the_run_on_both():
         assert r["after"] == one["after"]
     assert one["said"] == "own error"  # one rank: its step failed, nothing to exchange
     assert "rank(s) [1] failed" in two[0]["said"] and two[1]["said"] == "own error"
+    # a Sampler one rank cannot build: both raise from the verdicts' all-reduce (none waits), then go on in step
+    assert one["built"] == "own error" and two[1]["built"] == "own error"
+    assert "could not build its sampler" in two[0]["built"]

@@ -178,9 +178,13 @@ class SampleRun:
                               each["num_samples"][i], slot_of.get(keys[i], -1), each["prompt_logprobs"][i],
                               each["topk_prompt_logprobs"][i], each["topk_sample_logprobs"][i])
                 for i, p in enumerate(prompts)]
+        broke = None
         if self.sampler is None:
-            self.sampler = e._sampler(self.state, self.tokenizer, self.options)
-        e._check_requests(self.sampler, reqs, errors)
+            try:  # the KV pool is sized from this GPU's free memory: it may fail (out of memory) on one rank only
+                self.sampler = e._sampler(self.state, self.tokenizer, self.options)
+            except Exception as err:  # noqa: BLE001 - raised on every rank alike from the verdicts' all-reduce
+                broke = err
+        e._check_requests(self.sampler, reqs, errors, broke)
         return reqs, errors, later
 
     def _no_slot(self, keys: list, errors: dict, later: set) -> set[int]:

@@ -150,23 +150,33 @@ class EngineSampling:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _check_requests(self, sampler, reqs: list, errors: dict) -> None:
+    def _check_requests(self, sampler, reqs: list, errors: dict, broke: Exception | None = None) -> None:
         """Every request not refused yet checked on every rank (one line naming the field, into `errors`), and on N
-        ranks the verdicts agreed in one all-reduce of a [n] vector before any rank decodes: a rank never waits in
-        the results' gather for one that refused (their KV pools, sized from each GPU's free memory, may differ)."""
+        ranks the verdicts agreed in one all-reduce of a [n + 1] vector before any rank decodes: a rank never waits
+        in the results' gather for one that refused (their KV pools, sized from each GPU's free memory, may
+        differ). `broke`: this rank could not build its Sampler (sample_run.prepare); the last element tells every
+        rank, and every rank raises (the one that broke its own error, the others RankFailed) from the same
+        collective instead of the others waiting in the next one."""
+        from shardfit.engine.sample_results import RankFailed
+
         for i, r in enumerate(reqs):
-            if i not in errors and r is not None:  # None: a request that waits for the next run (sample_run)
+            if broke is None and i not in errors and r is not None:  # None: waits for the next run (sample_run)
                 try:
                     sampler.check(r)
                 except ShardfitError as e:
                     errors[i] = e
         if self.dist.world_size > 1:
-            bad = torch.tensor([float(i in errors) for i in range(len(reqs))], device=self.device)
+            bad = torch.tensor([float(i in errors) for i in range(len(reqs))] + [float(broke is not None)],
+                               device=self.device)
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-            for i in bad.nonzero().flatten().tolist():
+            if bad[-1].item() and broke is None:
+                raise RankFailed("another rank could not build its sampler (see its log): the run ends on every rank")
+            for i in bad[:-1].nonzero().flatten().tolist():
                 errors.setdefault(i, ShardfitError(
                     "another rank refused this request (its KV cache holds fewer tokens)", where="Engine.sample",
                     fix="ask for fewer new tokens, or give kv_blocks"))
+        if broke is not None:
+            raise broke
 
     # ------------------------------------------------------------------ the decode model and its slots
     def _sample_keys(self, models: list, versions: list, errors: dict | None = None) -> tuple[list, str | None]:

@@ -19,8 +19,9 @@ and files answers. Collectives per chunk, the same on every rank in this order:
    then, when one ended, one all-gather of the packed results; every rank learns which requests ended.
 Decisions that must agree come from 1 and 4, never from one rank's own state. A rank whose step raised still takes
 part in 4 with failed=1: every rank then fails the run (its requests answered with the error) and the loop goes on
-in step. What is left: an exception on one rank only inside 2's collectives (out of memory building the Sampler)
-leaves the others waiting there, as Engine.sample (sample_batch) does.
+in step. A Sampler that one rank alone cannot build (out of memory sizing its KV pool) is said in 2's all-reduce:
+every rank raises there and fails the run. What is left: an exception on one rank only inside a collective itself
+(the adapters' all-gather) leaves the others waiting there, as Engine.sample (sample_batch) does.
 With serve.join=false, and on N ranks under sampling.logprobs=trainer, samples run as batches instead (commands.py's
 sample_batch, server.py's `joins`).
 
