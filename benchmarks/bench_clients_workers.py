@@ -2,7 +2,8 @@
 (rl_worker_setup.emit).
 
   clients  concurrent training clients through the official tinker SDK against a running `shardfit serve`: every
-           client its own LoRA model (create_lora_training_client), one step each as a warm-up, then 1, 4, 16, ...
+           client its own LoRA model (create_lora_training_client), one step each and one round of all of them
+           at once as a warm-up (the pass of several models compiles once), then 1, 4, 16, ...
            clients in threads (the same total of steps: --total-steps), then the 16 models one after another
   memory   shardfit's Engine in this process, the server's config: the cookbook step timed (the in-process side of
            the SDK-against-in-process figure), then models and frozen versions added one by one, the device's
@@ -153,8 +154,12 @@ def worker_clients(a) -> int:
     first = time.perf_counter() - t
     for i in range(1, n):  # every model its first step (its optimizer state) before any clock
         step(i)
-    emit("warm", first_s=round(first, 1), all_s=round(time.perf_counter() - t, 1), tokens_per_step=tokens,
-         datums=len(lengths))
+    alone = time.perf_counter() - t
+    # one round of every client at once: the first pass of several models compiles its graph (one for every K:
+    # adapters/lora_stack.py), as a served run does once; session 23's figures timed it inside the 4-client round
+    run_concurrent(step, list(range(n)), 1, tokens)
+    emit("warm", first_s=round(first, 1), all_s=round(alone, 1), many_s=round(time.perf_counter() - t - alone, 1),
+         tokens_per_step=tokens, datums=len(lengths))
     for k in counts:
         if a.total_steps % k:
             raise SystemExit(f"--total-steps {a.total_steps} is not a multiple of {k} clients")

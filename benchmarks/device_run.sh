@@ -383,7 +383,7 @@ for stage in "$@"; do
       env CUDA_VISIBLE_DEVICES=0 timeout ${DPO_CAP:-480} python3 benchmarks/bench_dpo.py --budget $((${DPO_CAP:-480} - 10)) ${DPO_ARGS:-} --out "$OUT/dpo.json" 2>&1 | tee "$OUT/dpo.log" | grep -v '^{' | tail -14 ;;
     clients)  # issue 35: concurrent SDK training clients, a model's and a version's memory against the plan
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
-      env CUDA_VISIBLE_DEVICES=0 timeout ${CLIENTS_CAP:-490} python3 benchmarks/bench_clients.py --budget $((${CLIENTS_CAP:-490} - 20)) ${CLIENTS_ARGS:-} --out "$OUT/clients.json" 2>&1 | tee "$OUT/clients.log" | grep -v '^{' | grep -v "^Retrying request" | tail -30 ;;
+      env CUDA_VISIBLE_DEVICES=0 timeout ${CLIENTS_CAP:-560} python3 benchmarks/bench_clients.py --budget $((${CLIENTS_CAP:-560} - 20)) ${CLIENTS_ARGS:-} --out "$OUT/clients.json" 2>&1 | tee "$OUT/clients.log" | grep -v '^{' | grep -v "^Retrying request" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -39,3 +39,28 @@ def test_a_models_gradients_come_from_its_own_tokens_only():
     ga, gb = stack.a[0].grad, stack.b[0].grad  # [K*r, in], [K*r, out]
     assert bool((ga[4:8] == 0).all()) and bool((gb[4:8] == 0).all())  # model 1: exactly nothing
     assert ga[0:4].abs().sum() > 0 and ga[8:12].abs().sum() > 0
+
+
+def test_under_compile_one_graph_serves_every_number_of_models():
+    """K*r is marked dynamic: passes of 2, 3 and 5 models run one compiled graph (left to automatic dynamic shapes,
+    K = 3 recompiled every block's forward and backward in the middle of a served step: session 23's clients
+    benchmark)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    def layer(stack, mod, x):
+        return stack.delta(mod, x)
+
+    compiled = torch.compile(layer, backend=counter)
+    mod = _stack()[0]  # one layer, as a served model's: each pass a new stack of its own K
+    for k in (2, 3, 5):
+        stack = AdapterStack([mod], *[[t.requires_grad_()] for t in (torch.randn(k * 4, 8), torch.randn(k * 4, 6))],
+                             k, 4, torch.float32)
+        slots = torch.arange(10) % (k + 1) - 1  # every model and padding
+        stack.set_rows(slots)
+        x = torch.randn(10, 8)
+        got = compiled(stack, mod, x)
+        got.square().sum().backward()
+        torch.testing.assert_close(got, stack.delta(mod, x), rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1

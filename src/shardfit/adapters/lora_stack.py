@@ -19,6 +19,12 @@ Cost per layer and micro-batch: the K-fold shrink and expand, 2 N K r (in + out)
 matmul each way (12.5% more FLOPs on adapted layers), K = 4: 3%. A grouped matmul over each model's token spans
 (punica's SGMV) would do 2 N r (in + out) whatever K; it needs a custom kernel, and the spans are on the host (the
 packer knows them), so it is the next step where K grows past ~8.
+
+Under compute.compile the K*r dimension of A_all, B_all and the mask is marked dynamic: the blocks compile ONE graph
+for passes of several models, whatever K. Left to torch.compile's automatic dynamic shapes, the first pass of K = 2
+compiled a graph for K = 2 and the first pass of another K a second one (a recompile of every block's forward and
+backward in the middle of a served step), and each variant counts against the recompile limit past which dynamo
+falls back to eager.
 """
 
 from __future__ import annotations
@@ -28,6 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardfit.kernels.multi_lora import multi_lora, slot_columns
+
+
+def _dynamic(t: torch.Tensor, dim: int) -> None:
+    """Mark t's K*r dimension dynamic for torch.compile (a hint only: nothing without compile)."""
+    mark = getattr(torch._dynamo, "maybe_mark_dynamic", None)
+    if mark is not None:
+        mark(t, dim)
 
 
 class AdapterStack:
@@ -40,11 +53,14 @@ class AdapterStack:
         self.index = {id(m): j for j, m in enumerate(modules)}
         self.n_models, self.rank, self.dtype = n_models, rank, dtype
         self.mask: torch.Tensor | None = None  # [N, K*r] of the current micro-batch
+        for t in (*a, *b):  # K*r dynamic under compile (module docstring: one graph for every K)
+            _dynamic(t, 0)
 
     def set_rows(self, slots: torch.Tensor) -> None:
         """slots [N] (long): each token's model, -1 for none, in the order of the layers' flattened inputs."""
         ones = torch.ones(self.n_models, dtype=self.dtype, device=slots.device)
         self.mask = slot_columns(slots, ones, self.rank)
+        _dynamic(self.mask, 1)
 
     def delta(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """[..., out]: each token's own model's adapter on x [..., in] (module docstring)."""
