@@ -89,6 +89,14 @@ def test_fine_tuning_refuses_preference_records_with_the_fix(tmp_path):
     ({"prompt": "Q", "chosen": "a", "rejected": [{"role": "assistant"}]}, "mixed field types"),
     ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": 3}],
       "rejected": [{"role": "assistant", "content": "b"}]}, r"chosen\[0\]\.content"),
+    # null answers: one line, not os.path.commonprefix's TypeError (implicit prompt) or "no answer" (explicit)
+    ({"chosen": None, "rejected": "b"}, "chosen: a JSON null"),
+    ({"chosen": "a", "rejected": None}, "rejected: a JSON null"),
+    ({"prompt": "Q", "chosen": None, "rejected": "b"}, "chosen: a JSON null"),
+    # the same answer twice holds no preference, with an explicit prompt as with the implicit one
+    ({"prompt": "Q", "chosen": " a", "rejected": " a"}, "rejected: the same answer as chosen"),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "a"}]}, "rejected: the same answer as chosen"),
 ])
 def test_a_bad_record_is_one_line_naming_line_and_field(tmp_path, record, message):
     path = _write(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}, record])
