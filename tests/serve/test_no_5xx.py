@@ -70,6 +70,15 @@ def _cases(c: Client, url: str) -> dict:
             "model_id": m, "seq_id": c.next_seq(), "adam_params": [1]}), 400, "adam_params"),
         "a learning rate as text": (lambda: post("/optim_step", headers=KEY, json={
             "model_id": m, "seq_id": c.next_seq(), "adam_params": {"learning_rate": "fast"}}), 400, "learning_rate"),
+        "an eps of 0 (NaN weights wherever a gradient is 0)": (lambda: post("/optim_step", headers=KEY, json={
+            "model_id": m, "seq_id": c.next_seq(), "adam_params": {"learning_rate": 1e-3, "eps": 0}}), 400,
+            "adam_params.eps"),
+        "a top_k of 0 (keeps no token)": (asample({"chunks": [{"tokens": [1]}]}, {"top_k": 0}), 400, "top_k=0"),
+        "kl_coef without ref_logprobs": (fb(config={"kl_coef": 0.1}), 400, "'ref_logprobs' is missing"),
+        "a PPO clip range without the ratio 1": (fb(loss_fn="ppo", config={"clip_low_threshold": 1.5,
+                                                                          "clip_high_threshold": 0.5},
+                                                   logprobs=np.zeros(3, np.float32),
+                                                   advantages=np.ones(3, np.float32)), 400, "clip_low_threshold"),
         "a session id that is a number": (lambda: post("/session_heartbeat", headers=KEY, json={"session_id": 5}),
                                           400, "session_id"),
         "a loss option of the wrong kind": (fb(config={"kl_coef": "high"}), 400, "loss_fn_config.kl_coef"),

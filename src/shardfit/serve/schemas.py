@@ -118,6 +118,9 @@ def adam_args(body: OptimStepBody) -> dict[str, float]:
         if out[key] >= 1:
             raise ShardfitError(f"{key}={out[key]} must be below 1", where="/optim_step adam_params",
                                 fix=f"send a value in [0, 1) (default {ADAM_KEYS[key]})")
+    if out["eps"] == 0:  # a zero gradient (LoRA's A at the first step) would step by 0 / 0: NaN weights for good
+        raise ShardfitError("eps=0.0 divides by zero where a gradient is zero, leaving NaN weights",
+                            where="/optim_step adam_params.eps", fix="send a positive eps (Tinker's default is 1e-12)")
     return out
 
 
@@ -185,9 +188,9 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
                             fix="send 0 (greedy) or more")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ShardfitError(f"top_p={shown(top_p)}", where=f"{where} sampling_params", fix="send a value in (0, 1]")
-    if not isinstance(top_k, int) or top_k < -1:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1 or top_k == 0:  # 0 keeps no token
         raise ShardfitError(f"top_k={shown(top_k)}", where=f"{where} sampling_params",
-                            fix="send -1 (no limit) or more")
+                            fix="send -1 (no limit) or 1 or more")
     stop = p.get("stop")
     stop_tokens: list[int] = sorted(eos_ids) if stop is None else []
     stop_strings: list[str] = []
