@@ -74,6 +74,9 @@ def _cases(c: Client, url: str) -> dict:
             "model_id": m, "seq_id": c.next_seq(), "adam_params": {"learning_rate": 1e-3, "eps": 0}}), 400,
             "adam_params.eps"),
         "a top_k of 0 (keeps no token)": (asample({"chunks": [{"tokens": [1]}]}, {"top_k": 0}), 400, "top_k=0"),
+        "top-k log-probs beyond the vocabulary": (lambda: post(sample, headers=KEY, json={
+            "base_model": "tiny", "prompt": {"chunks": [{"tokens": [1]}]}, "sampling_params": {"max_tokens": 1},
+            "prompt_logprobs": True, "topk_prompt_logprobs": 300}), 400, "0 to 264"),
         "kl_coef without ref_logprobs": (fb(config={"kl_coef": 0.1}), 400, "'ref_logprobs' is missing"),
         "a PPO clip range without the ratio 1": (fb(loss_fn="ppo", config={"clip_low_threshold": 1.5,
                                                                           "clip_high_threshold": 0.5},

@@ -158,9 +158,10 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
         raise ShardfitError("prompt_alt_tokens_k is not served", where=where, fix="leave prompt_alt_tokens_k at 0")
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
         k = getattr(body, name)
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOPK:
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= min(MAX_TOPK, vocab):
             raise ShardfitError(f"{name}={shown(k)} is out of range", where=f"{where} {name}",
-                                fix=f"ask for 0 to {MAX_TOPK} log-probs a position")
+                                fix=f"ask for 0 to {min(MAX_TOPK, vocab)} log-probs a position (the vocabulary's "
+                                    f"{vocab} tokens at most)")
     if body.target_prompt_logprobs is not None or body.prompt_logprobs_last_n is not None:
         raise ShardfitError("target_prompt_logprobs and prompt_logprobs_last_n are not served", where=where,
                             fix="ask for prompt_logprobs over the whole prompt")
