@@ -89,6 +89,10 @@ def _cases(c: Client, url: str) -> dict:
         "a preference loss's option that is KTO's": (fb(loss_fn="simpo", config={"kl": 0.1}), 400,
                                                      "simpo takes no option 'kl'"),
         "a preference loss over one datum": (fb(loss_fn="orpo"), 400, "1 datums: a preference loss takes pairs"),
+        "a preference pair with no counted token": (fb(loss_fn="simpo", data=[types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={
+                "target_tokens": np.asarray([2, 3, 4], np.int64), "weights": np.zeros(3, np.float32)})] * 2), 400,
+            "datum 0 has no counted token (chosen of pair 0)"),
         "KTO's labels, one too few": (fb(loss_fn="kto", config={"desirable": ""},
                                          ref_logprobs=np.zeros(3, np.float32)), 400, "loss_fn_config.desirable"),
         "CSR declaring a [3, 2^28] tensor": (fb(topk=_csr(3, 1 << 28)), 400, "loss_fn_inputs[topk]"),

@@ -217,7 +217,7 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
                                         fix=f"send {name} (one value per token) with loss_fn_config.kl_coef, or "
                                             "leave kl_coef out" if spec.kl_coef else f"send {name}")
         if msg.loss_fn in PAIR_LOSSES:  # and a preference loss's (its options, pairs, KTO's labels)
-            check_pair_config(msg.loss_fn, config, len(datums))
+            check_pair_config(msg.loss_fn, config, datums)
         return Queued("forward_backward", {"datums": datums_to_json(datums), "loss_fn": msg.loss_fn,
                                            "loss_fn_config": config, "forward_only": bool(msg.forward_only)})
 
