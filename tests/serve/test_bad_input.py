@@ -177,6 +177,27 @@ def _saved_by(run_dir, name: str, base_model: str = "tiny", lora_rank: int = 0) 
     return path
 
 
+def test_sampler_weights_with_the_optimizer_is_one_line_naming_the_fix(client, served):
+    """A sampler's weights hold no optimizer state: load_state_with_optimizer and
+    create_training_client_from_state_with_optimizer of one are a 400 naming the loads that work (it was a result
+    error naming the server's directory and Engine.load_state)."""
+    from shardfit.serve.state import META
+
+    c, run = client, "other:train:0"
+    d = served.state.run_dir / "checkpoints" / run / "sampler_weights" / "s"
+    d.mkdir(parents=True)
+    path = f"tinker://{run}/sampler_weights/s"
+    (d / META).write_text(json.dumps({"tinker_path": path, "checkpoint_type": "sampler", "model_id": run,
+                                      "time": "2026-12-07T00:00:00+00:00", "base_model": "tiny"}))
+    for body in ({"model_id": c.model_id, "seq_id": c.next_seq(), "path": path, "optimizer": True},
+                 {"session_id": c.session, "model_seq_id": 5, "path": path, "optimizer": True}):
+        r = c.http.post("/load_weights", headers=KEY, json=body)
+        assert r.status_code == 400, r.text
+        detail = r.json()["detail"]
+        assert "holds weights only" in detail and "create_training_client_from_state" in detail, detail
+        assert str(served.state.run_dir) not in detail and "\n" not in detail
+
+
 def _loads(c: Client, path: str) -> list[str]:
     """A sampler of `path`, load_state of it into c's model, a training client from it: the three refusals."""
     out = []

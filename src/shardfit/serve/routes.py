@@ -257,6 +257,10 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
     @queued(app, st, "/load_weights", json_body(s.LoadWeightsBody))
     def load_weights(body) -> Queued:
         directory, tinker_path = st.saved_checkpoint(body.path, "/load_weights path")
+        if body.optimizer and parse_tinker_path(tinker_path, "/load_weights path")[1] == "sampler_weights":
+            raise ShardfitError(f"'{tinker_path}' holds weights only (save_weights_for_sampler), no optimizer state",
+                                where="/load_weights path", fix="load it without the optimizer (load_state, "
+                                "create_training_client_from_state), or give a path save_state returned")
         args = {"dir": str(directory), "tinker_path": tinker_path, "optimizer": body.optimizer}
         if body.model_id is not None:  # load_state on an existing TrainingClient: in its order
             return Queued("load_state", {**args, "model_id": body.model_id})
