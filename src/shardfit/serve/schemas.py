@@ -198,8 +198,10 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
     if isinstance(stop, str):
         stop = [stop]
     if isinstance(stop, list):
-        if all(isinstance(s, str) and s for s in stop):
-            stop_strings = stop
+        if stop and all(isinstance(s, str) and s for s in stop):
+            stop_strings, stop_tokens = stop, sorted(eos_ids)  # Tinker's stop strings end a sample at EOS too
+        elif not stop:  # []: nothing stops a sample but max_tokens, EOS included
+            pass
         elif all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < vocab for s in stop):
             stop_tokens = list(stop)
         else:
