@@ -155,3 +155,15 @@ def test_fine_tuning_refuses_kto_records_and_validation_holds_out_units(tmp_path
     assert "6 pairs (+2 for validation)" in train.header[0]
     with pytest.raises(ShardfitError, match="names the same files as data.path"):
         build_preference(_cfg(pairs, val_path=str(pairs)), 264, "dpo")
+
+
+@pytest.mark.parametrize("fraction, split", [(0.1, "7 to train on and 1 held out"), (0.9, "1 to train on and 7 held")])
+def test_a_kto_holdout_of_one_example_names_data_val_fraction(tmp_path, fraction, split):
+    """KTO's KL sequence of an example takes another's completion, so each set needs 2 examples; a val_fraction that
+    leaves one was refused naming the data file with the fix "give at least 2 examples"."""
+    path = _write(tmp_path, [{"prompt": f"Q{i}", "completion": " a", "label": i % 2 == 0} for i in range(8)])
+    with pytest.raises(ShardfitError, match=split) as e:
+        build_preference(_cfg(path, val_fraction=fraction), 264, "kto")
+    assert e.value.where == "data.val_fraction" and "data.val_path" in e.value.fix
+    train, val, _ = build_preference(_cfg(path, val_fraction=0.25), 264, "kto")
+    assert (train.num_windows, val.num_windows) == (6, 2)
