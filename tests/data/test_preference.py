@@ -167,3 +167,14 @@ def test_a_kto_holdout_of_one_example_names_data_val_fraction(tmp_path, fraction
     assert e.value.where == "data.val_fraction" and "data.val_path" in e.value.fix
     train, val, _ = build_preference(_cfg(path, val_fraction=0.25), 264, "kto")
     assert (train.num_windows, val.num_windows) == (6, 2)
+
+
+@pytest.mark.parametrize("name, fmt", [("pairs.txt", "auto"), ("pairs.jsonl", "text")])
+def test_a_text_file_of_pairs_names_the_preference_layout(tmp_path, name, fmt):
+    """A text file was refused with fine-tuning's fix "set data.format=text to pretrain on it", which no preference
+    run can take."""
+    path = tmp_path / name
+    path.write_text("some text\n")
+    with pytest.raises(ShardfitError, match="preference records are read from JSON lines") as e:
+        read_units([path], _cfg(path, file_format=fmt), TOK, "pairs")
+    assert '"chosen"' in e.value.fix and "pretrain" not in e.value.fix

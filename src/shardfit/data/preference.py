@@ -153,8 +153,10 @@ def read_units(files: list[Path], data_cfg, tokenizer, spec: str, records_of=pai
     -> [(pieces or messages, chat, tag)]: group 2, a pair per record (tags unused); group 1, a labelled example per
     item (data/unpaired.py: tag the label)."""
     renderer, chats, units, dropped = None, 0, [], 0
+    layouts = '{"prompt", "chosen", "rejected"}' + (' or {"prompt", "completion", "label"}' if group == 1 else "")
     for path in files:
-        for obj, where in read_records(path, data_cfg.file_format):
+        for obj, where in read_records(path, data_cfg.file_format, what="preference records",
+                                       text_fix=f"convert it to JSON lines of {layouts} (docs/preference.md)"):
             items = records_of(obj, where)
             seqs = []
             for pieces, chat, _tag in items:
