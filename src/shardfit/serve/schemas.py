@@ -118,8 +118,8 @@ def adam_args(body: OptimStepBody) -> dict[str, float]:
         if out[key] >= 1:
             raise ShardfitError(f"{key}={out[key]} must be below 1", where="/optim_step adam_params",
                                 fix=f"send a value in [0, 1) (default {ADAM_KEYS[key]})")
-    if out["eps"] == 0:  # a zero gradient (LoRA's A at the first step) would step by 0 / 0: NaN weights for good
-        raise ShardfitError("eps=0.0 divides by zero where a gradient is zero, leaving NaN weights",
+    if out["eps"] < 1e-45:  # 0 in float32: a zero gradient (LoRA's A at first) steps by 0 / 0, NaN for good
+        raise ShardfitError(f"eps={out['eps']} divides by zero where a gradient is zero, leaving NaN weights",
                             where="/optim_step adam_params.eps", fix="send a positive eps (Tinker's default is 1e-12)")
     return out
 
