@@ -89,6 +89,14 @@ def test_fine_tuning_refuses_preference_records_with_the_fix(tmp_path):
     ({"prompt": "Q", "chosen": "a", "rejected": [{"role": "assistant"}]}, "mixed field types"),
     ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": 3}],
       "rejected": [{"role": "assistant", "content": "b"}]}, r"chosen\[0\]\.content"),
+    # null answers: one line, not os.path.commonprefix's TypeError (implicit prompt) or "no answer" (explicit)
+    ({"chosen": None, "rejected": "b"}, "chosen: a JSON null"),
+    ({"chosen": "a", "rejected": None}, "rejected: a JSON null"),
+    ({"prompt": "Q", "chosen": None, "rejected": "b"}, "chosen: a JSON null"),
+    # the same answer twice holds no preference, with an explicit prompt as with the implicit one
+    ({"prompt": "Q", "chosen": " a", "rejected": " a"}, "rejected: the same answer as chosen"),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "a"}]}, "rejected: the same answer as chosen"),
 ])
 def test_a_bad_record_is_one_line_naming_line_and_field(tmp_path, record, message):
     path = _write(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}, record])
@@ -147,3 +155,26 @@ def test_fine_tuning_refuses_kto_records_and_validation_holds_out_units(tmp_path
     assert "6 pairs (+2 for validation)" in train.header[0]
     with pytest.raises(ShardfitError, match="names the same files as data.path"):
         build_preference(_cfg(pairs, val_path=str(pairs)), 264, "dpo")
+
+
+@pytest.mark.parametrize("fraction, split", [(0.1, "7 to train on and 1 held out"), (0.9, "1 to train on and 7 held")])
+def test_a_kto_holdout_of_one_example_names_data_val_fraction(tmp_path, fraction, split):
+    """KTO's KL sequence of an example takes another's completion, so each set needs 2 examples; a val_fraction that
+    leaves one was refused naming the data file with the fix "give at least 2 examples"."""
+    path = _write(tmp_path, [{"prompt": f"Q{i}", "completion": " a", "label": i % 2 == 0} for i in range(8)])
+    with pytest.raises(ShardfitError, match=split) as e:
+        build_preference(_cfg(path, val_fraction=fraction), 264, "kto")
+    assert e.value.where == "data.val_fraction" and "data.val_path" in e.value.fix
+    train, val, _ = build_preference(_cfg(path, val_fraction=0.25), 264, "kto")
+    assert (train.num_windows, val.num_windows) == (6, 2)
+
+
+@pytest.mark.parametrize("name, fmt", [("pairs.txt", "auto"), ("pairs.jsonl", "text")])
+def test_a_text_file_of_pairs_names_the_preference_layout(tmp_path, name, fmt):
+    """A text file was refused with fine-tuning's fix "set data.format=text to pretrain on it", which no preference
+    run can take."""
+    path = tmp_path / name
+    path.write_text("some text\n")
+    with pytest.raises(ShardfitError, match="preference records are read from JSON lines") as e:
+        read_units([path], _cfg(path, file_format=fmt), TOK, "pairs")
+    assert '"chosen"' in e.value.fix and "pretrain" not in e.value.fix

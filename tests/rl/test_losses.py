@@ -10,6 +10,8 @@ from shardfit.rl.losses import resolve_loss
 @pytest.mark.parametrize("loss, config, where", [
     ("ppo", {"clip_low_threshold": "high"}, "loss_fn_config.clip_low_threshold"),
     ("ppo", {"dual_clip": None}, "loss_fn_config.dual_clip"),
+    ("ppo", {"clip_low_threshold": 1.5, "clip_high_threshold": 0.5}, "loss_fn_config.clip_low_threshold"),
+    ("ppo", {"clip_low_threshold": 0.2, "clip_high_threshold": 0.28}, "loss_fn_config.clip_low_threshold"),
     ("cross_entropy", {"kl_coef": [1]}, "loss_fn_config.kl_coef"),
     ("cross_entropy", {"entropy_coef": float("inf")}, "loss_fn_config.entropy_coef"),
     ("cross_entropy", {"normalize": "constant", "normalize_constant": {"x": 1}}, "loss_fn_config.normalize_constant"),

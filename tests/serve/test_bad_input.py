@@ -177,6 +177,46 @@ def _saved_by(run_dir, name: str, base_model: str = "tiny", lora_rank: int = 0) 
     return path
 
 
+def test_sampler_weights_with_the_optimizer_is_one_line_naming_the_fix(client, served):
+    """A sampler's weights hold no optimizer state: load_state_with_optimizer and
+    create_training_client_from_state_with_optimizer of one are a 400 naming the loads that work (it was a result
+    error naming the server's directory and Engine.load_state)."""
+    from shardfit.serve.state import META
+
+    c, run = client, "other:train:0"
+    d = served.state.run_dir / "checkpoints" / run / "sampler_weights" / "s"
+    d.mkdir(parents=True)
+    path = f"tinker://{run}/sampler_weights/s"
+    (d / META).write_text(json.dumps({"tinker_path": path, "checkpoint_type": "sampler", "model_id": run,
+                                      "time": "2026-12-07T00:00:00+00:00", "base_model": "tiny"}))
+    for body in ({"model_id": c.model_id, "seq_id": c.next_seq(), "path": path, "optimizer": True},
+                 {"session_id": c.session, "model_seq_id": 5, "path": path, "optimizer": True}):
+        r = c.http.post("/load_weights", headers=KEY, json=body)
+        assert r.status_code == 400, r.text
+        detail = r.json()["detail"]
+        assert "holds weights only" in detail and "create_training_client_from_state" in detail, detail
+        assert str(served.state.run_dir) not in detail and "\n" not in detail
+
+
+def test_a_model_seq_id_used_twice_is_refused_and_the_model_keeps_its_record(tmp_path):
+    """A second create_model with a session's model_seq_id overwrote the model's record (its unsaved steps, its
+    metadata) and then failed in the Engine as a result error; now it is a 400 naming model_seq_id."""
+    from tests.serve.conftest import start_fake, stop_fake
+    from tests.serve.fake_engine import tiny_config
+
+    lora = start_fake(tiny_config(tmp_path, "--lora.rank=8"))
+    try:
+        c = Client(lora.url, model=False)
+        body = {"session_id": c.session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 8},
+                "user_metadata": {"run": "first"}}
+        model_id = c.http.post("/create_model", headers=KEY, json=body).json()["model_id"]
+        r = c.http.post("/create_model", headers=KEY, json={**body, "user_metadata": {"run": "second"}})
+        assert r.status_code == 400 and "model_seq_id 0 of this session is taken" in r.json()["detail"], r.text
+        assert lora.state.models[model_id]["user_metadata"] == {"run": "first"}
+    finally:
+        stop_fake(lora)
+
+
 def _loads(c: Client, path: str) -> list[str]:
     """A sampler of `path`, load_state of it into c's model, a training client from it: the three refusals."""
     out = []

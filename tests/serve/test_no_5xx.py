@@ -70,6 +70,18 @@ def _cases(c: Client, url: str) -> dict:
             "model_id": m, "seq_id": c.next_seq(), "adam_params": [1]}), 400, "adam_params"),
         "a learning rate as text": (lambda: post("/optim_step", headers=KEY, json={
             "model_id": m, "seq_id": c.next_seq(), "adam_params": {"learning_rate": "fast"}}), 400, "learning_rate"),
+        "an eps of 0 (NaN weights wherever a gradient is 0)": (lambda: post("/optim_step", headers=KEY, json={
+            "model_id": m, "seq_id": c.next_seq(), "adam_params": {"learning_rate": 1e-3, "eps": 0}}), 400,
+            "adam_params.eps"),
+        "a top_k of 0 (keeps no token)": (asample({"chunks": [{"tokens": [1]}]}, {"top_k": 0}), 400, "top_k=0"),
+        "top-k log-probs beyond the vocabulary": (lambda: post(sample, headers=KEY, json={
+            "base_model": "tiny", "prompt": {"chunks": [{"tokens": [1]}]}, "sampling_params": {"max_tokens": 1},
+            "prompt_logprobs": True, "topk_prompt_logprobs": 300}), 400, "0 to 264"),
+        "kl_coef without ref_logprobs": (fb(config={"kl_coef": 0.1}), 400, "'ref_logprobs' is missing"),
+        "a PPO clip range without the ratio 1": (fb(loss_fn="ppo", config={"clip_low_threshold": 1.5,
+                                                                          "clip_high_threshold": 0.5},
+                                                   logprobs=np.zeros(3, np.float32),
+                                                   advantages=np.ones(3, np.float32)), 400, "clip_low_threshold"),
         "a session id that is a number": (lambda: post("/session_heartbeat", headers=KEY, json={"session_id": 5}),
                                           400, "session_id"),
         "a loss option of the wrong kind": (fb(config={"kl_coef": "high"}), 400, "loss_fn_config.kl_coef"),
@@ -77,6 +89,10 @@ def _cases(c: Client, url: str) -> dict:
         "a preference loss's option that is KTO's": (fb(loss_fn="simpo", config={"kl": 0.1}), 400,
                                                      "simpo takes no option 'kl'"),
         "a preference loss over one datum": (fb(loss_fn="orpo"), 400, "1 datums: a preference loss takes pairs"),
+        "a preference pair with no counted token": (fb(loss_fn="simpo", data=[types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={
+                "target_tokens": np.asarray([2, 3, 4], np.int64), "weights": np.zeros(3, np.float32)})] * 2), 400,
+            "datum 0 has no counted token (chosen of pair 0)"),
         "KTO's labels, one too few": (fb(loss_fn="kto", config={"desirable": ""},
                                          ref_logprobs=np.zeros(3, np.float32)), 400, "loss_fn_config.desirable"),
         "CSR declaring a [3, 2^28] tensor": (fb(topk=_csr(3, 1 << 28)), 400, "loss_fn_inputs[topk]"),

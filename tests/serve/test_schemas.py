@@ -1,5 +1,5 @@
 """serve/schemas.py: a sample request whose prompt leaves no room in the model's context names the prompt and the
-length it may have; one that asks for too many tokens names the range that fits."""
+length it may have; one that asks for too many tokens names the range that fits; what each kind of `stop` stops at."""
 
 import pytest
 
@@ -25,3 +25,19 @@ def test_too_many_tokens_names_the_range_that_fits():
     assert _ask(5, 4).endswith("sampling_params.max_tokens: prompt (5 tokens) + max_tokens=4 exceeds the model's "
                                "max_seq_len=8; fix: ask for 1 to 3 tokens")
     assert _ask(7, 0).endswith("max_tokens=0 is not a positive integer; fix: ask for 1 or more tokens")
+
+
+@pytest.mark.parametrize("stop, tokens, strings", [
+    (None, [2], []),  # EOS
+    ([], [], []),  # nothing: max_tokens
+    ([5, 7], [5, 7], []),  # those ids
+    # strings and EOS, as Tinker's sampler (tinker-cookbook's RoleColonRenderer.parse_response reads a base model's
+    # sample that ended at EOS without its "\n\nUser:"): without EOS a sample ran on past it to max_tokens
+    (["\n\nUser:"], [2], ["\n\nUser:"]),
+    ("User:", [2], ["User:"]),
+])
+def test_what_each_stop_stops_at(stop, tokens, strings):
+    body = SampleBody(prompt={"chunks": [{"type": "encoded_text", "tokens": [1]}]},
+                      sampling_params={"max_tokens": 2, "stop": stop})
+    p = sample_args(body, vocab=16, max_len=8, eos_ids={2}, has_tokenizer=True)["params"]
+    assert (p["stop_tokens"], p["stop_strings"]) == (tokens, strings)

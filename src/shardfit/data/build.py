@@ -168,6 +168,11 @@ def build_preference(data_cfg, vocab_size: int, objective: str) -> tuple[Prefere
         val = make(read(data_cfg.val_path).units, data_cfg.val_path, True)
     elif data_cfg.val_fraction > 0:
         units, held = holdout(units, data_cfg.val_fraction, data_cfg.seed)
+        if kto and min(len(units), len(held)) < 2:  # each set's KL reference point reads another's completion
+            raise ShardfitError(f"data.val_fraction={data_cfg.val_fraction} splits {len(units) + len(held)} KTO "
+                                f"examples into {len(units)} to train on and {len(held)} held out; each needs 2 (an "
+                                "example's KL sequence takes another's completion)", where="data.val_fraction",
+                                fix="give a fraction that leaves 2 or more on each side, or data.val_path")
         val = make(held, f"{files[0]} (held out)", True)
     train = make(units, str(files[0]))
     cut, unit = train.truncation, train.unit

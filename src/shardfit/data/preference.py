@@ -87,6 +87,10 @@ def pair_pieces(obj: object, where: str) -> tuple[list, list, bool]:
                             fix="write every record as {\"prompt\", \"chosen\", \"rejected\"} or {\"chosen\": "
                                 "[messages], \"rejected\": [messages]}")
     chosen, rejected, prompt = obj["chosen"], obj["rejected"], obj.get("prompt")
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        if value is None:
+            raise ShardfitError(f"{key}: a JSON null, not a string or a list of messages", where=where,
+                                fix=f"give {key} as a string, or as a list of messages as the other fields are")
     kinds = {k: type(v) for k, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)) if v is not None}
     if set(kinds.values()) <= {str}:
         if prompt is None:  # the implicit prompt: the text both answers share
@@ -96,6 +100,7 @@ def pair_pieces(obj: object, where: str) -> tuple[list, list, bool]:
             if not text:
                 raise ShardfitError(f"{key}: no answer after the prompt", where=where,
                                     fix="give chosen and rejected answers that differ")
+        same(chosen, rejected, where)
         return ([(prompt, False), (chosen, True), (None, True)], [(prompt, False), (rejected, True), (None, True)],
                 False)
     if set(kinds.values()) != {list}:
@@ -114,7 +119,15 @@ def pair_pieces(obj: object, where: str) -> tuple[list, list, bool]:
         if not any(m["role"] == "assistant" for m in msgs):
             raise ShardfitError(f"{key}: no assistant message after the prompt", where=where,
                                 fix="end chosen and rejected with the assistant's (different) answers")
+    same(c, r, where)
     return head + c, head + r, True
+
+
+def same(chosen, rejected, where: str) -> None:
+    """Refuse a pair whose answers are the same: it holds no preference (its margin is 0 whatever the model)."""
+    if chosen == rejected:
+        raise ShardfitError("rejected: the same answer as chosen", where=where,
+                            fix="give chosen and rejected answers that differ, or drop the record")
 
 
 def pair_records(obj: object, where: str) -> list[tuple[list, bool, None]]:
@@ -140,8 +153,10 @@ def read_units(files: list[Path], data_cfg, tokenizer, spec: str, records_of=pai
     -> [(pieces or messages, chat, tag)]: group 2, a pair per record (tags unused); group 1, a labelled example per
     item (data/unpaired.py: tag the label)."""
     renderer, chats, units, dropped = None, 0, [], 0
+    layouts = '{"prompt", "chosen", "rejected"}' + (' or {"prompt", "completion", "label"}' if group == 1 else "")
     for path in files:
-        for obj, where in read_records(path, data_cfg.file_format):
+        for obj, where in read_records(path, data_cfg.file_format, what="preference records",
+                                       text_fix=f"convert it to JSON lines of {layouts} (docs/preference.md)"):
             items = records_of(obj, where)
             seqs = []
             for pieces, chat, _tag in items:

@@ -131,14 +131,17 @@ def _format(path: Path, fmt: str, unknown: str | None = None) -> str:
     return kind
 
 
-def read_records(path: Path, file_fmt: str = "auto", first_only: bool = False) -> Iterator[tuple[object, str]]:
+def read_records(path: Path, file_fmt: str = "auto", first_only: bool = False, what: str = "fine-tuning examples",
+                 text_fix: str = "convert the file, or set data.format=text to pretrain on it"
+                 ) -> Iterator[tuple[object, str]]:
     """The records of a fine-tuning file as (object, where): JSON lines ('file:line'), a JSON array such as
     Alpaca's alpaca_data.json ('file:record N'), or Parquet rows ('file:row N'). first_only: the first record
-    alone; of a Parquet file its columns (keys, values None), read from the schema without decoding a row group."""
+    alone; of a Parquet file its columns (keys, values None), read from the schema without decoding a row group.
+    A text file is refused naming `what` the records are, with `text_fix`."""
     kind = _format(path, file_fmt)
     if kind == "text":
-        raise ShardfitError("fine-tuning examples are read from JSON lines, JSON or Parquet files, not text",
-                            where=str(path), fix="convert the file, or set data.format=text to pretrain on it")
+        raise ShardfitError(f"{what} are read from JSON lines, JSON or Parquet files, not text", where=str(path),
+                            fix=text_fix)
     if kind == "parquet":
         yield from _parquet_records(path, first_only)
         return

@@ -81,3 +81,6 @@ def check_adam(p: AdamParams) -> None:
                                 fix="pass a finite, non-negative value")
     if not (p.beta1 < 1 and p.beta2 < 1):
         raise ShardfitError("beta1 and beta2 must be below 1", where="adam_params", fix="e.g. beta1=0.9, beta2=0.95")
+    if p.eps < 1e-45:  # 0 in float32: a zero gradient (LoRA's A at first) steps by 0 / 0, NaN weights for good
+        raise ShardfitError(f"eps={p.eps!r} divides by zero where a gradient is zero, leaving NaN weights",
+                            where="adam_params.eps", fix="pass a positive eps (Tinker's default is 1e-12)")

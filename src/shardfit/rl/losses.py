@@ -143,6 +143,11 @@ def resolve_loss(loss_fn, loss_fn_config: dict | None) -> LossSpec:
     if spec.normalize == "constant" and not spec.constant > 0:
         raise ShardfitError("normalize_constant must be > 0", where="loss_fn_config.normalize_constant",
                             fix="e.g. the maximum response length")
+    lo, hi = spec.config.get("clip_low_threshold", 0.8), spec.config.get("clip_high_threshold", 1.2)
+    if name == "ppo" and not lo <= 1.0 <= hi:  # outside [lo, hi] the clipped term is a constant: no gradient at r=1
+        raise ShardfitError(f"clip_low_threshold={lo:g}, clip_high_threshold={hi:g}: the clip range must hold the "
+                            "ratio 1", where="loss_fn_config.clip_low_threshold",
+                            fix="pass ratio bounds such as 0.8 and 1.2 (1 - eps, 1 + eps), low <= 1 <= high")
     if spec.kl_coef:
         spec.required = (*spec.required, "ref_logprobs")
     return spec

@@ -111,13 +111,13 @@ def kto_config(cfg: dict, n: int, where: str = "loss_fn_config") -> tuple[list[b
     return [bool(x) for x in labels], kl
 
 
-def check_pair_config(name: str, cfg: dict, n: int) -> None:
-    """A pair loss's loss_fn_config and datum count as pair_pass will check them: what `shardfit serve` validates on
-    rank 0 before any rank sees the request."""
+def check_pair_config(name: str, cfg: dict, datums: list) -> None:
+    """A pair loss's loss_fn_config, datum count and counted tokens as pair_pass will check them: what `shardfit
+    serve` validates on rank 0 before any rank sees the request."""
     obj = objective_of(name, cfg)
     if obj.name == "kto":
-        kto_config(cfg, n)
-    check_units(n, obj.group)
+        kto_config(cfg, len(datums))
+    pair_coefficients(datums, group=obj.group)  # pairs whole, each datum with a counted token
 
 
 def check_units(n: int, group: int, where: str = "data") -> None:

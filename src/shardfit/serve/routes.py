@@ -209,9 +209,15 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
         datums = check_forward_backward(msg, facts.vocab_size, facts.max_seq_len, facts.token_budget,
                                         max_values=st.max_body // 4)  # a dense body's float32 values at most
         config = loss_config(msg)
-        resolve_loss(msg.loss_fn, config)  # the Engine's own check of each option, before any rank sees it
+        spec = resolve_loss(msg.loss_fn, config)  # the Engine's own check of each option, before any rank sees it
+        for i, d in enumerate(datums):  # the inputs an option adds (kl_coef: ref_logprobs) as the loss's own are
+            for name in spec.required:
+                if name not in d.inputs:
+                    raise ShardfitError(f"'{name}' is missing", where=f"data[{i}].loss_fn_inputs",
+                                        fix=f"send {name} (one value per token) with loss_fn_config.kl_coef, or "
+                                            "leave kl_coef out" if spec.kl_coef else f"send {name}")
         if msg.loss_fn in PAIR_LOSSES:  # and a preference loss's (its options, pairs, KTO's labels)
-            check_pair_config(msg.loss_fn, config, len(datums))
+            check_pair_config(msg.loss_fn, config, datums)
         return Queued("forward_backward", {"datums": datums_to_json(datums), "loss_fn": msg.loss_fn,
                                            "loss_fn_config": config, "forward_only": bool(msg.forward_only)})
 
@@ -251,6 +257,10 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
     @queued(app, st, "/load_weights", json_body(s.LoadWeightsBody))
     def load_weights(body) -> Queued:
         directory, tinker_path = st.saved_checkpoint(body.path, "/load_weights path")
+        if body.optimizer and parse_tinker_path(tinker_path, "/load_weights path")[1] == "sampler_weights":
+            raise ShardfitError(f"'{tinker_path}' holds weights only (save_weights_for_sampler), no optimizer state",
+                                where="/load_weights path", fix="load it without the optimizer (load_state, "
+                                "create_training_client_from_state), or give a path save_state returned")
         args = {"dir": str(directory), "tinker_path": tinker_path, "optimizer": body.optimizer}
         if body.model_id is not None:  # load_state on an existing TrainingClient: in its order
             return Queued("load_state", {**args, "model_id": body.model_id})

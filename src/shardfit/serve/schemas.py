@@ -118,6 +118,9 @@ def adam_args(body: OptimStepBody) -> dict[str, float]:
         if out[key] >= 1:
             raise ShardfitError(f"{key}={out[key]} must be below 1", where="/optim_step adam_params",
                                 fix=f"send a value in [0, 1) (default {ADAM_KEYS[key]})")
+    if out["eps"] < 1e-45:  # 0 in float32: a zero gradient (LoRA's A at first) steps by 0 / 0, NaN for good
+        raise ShardfitError(f"eps={out['eps']} divides by zero where a gradient is zero, leaving NaN weights",
+                            where="/optim_step adam_params.eps", fix="send a positive eps (Tinker's default is 1e-12)")
     return out
 
 
@@ -155,9 +158,10 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
         raise ShardfitError("prompt_alt_tokens_k is not served", where=where, fix="leave prompt_alt_tokens_k at 0")
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
         k = getattr(body, name)
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOPK:
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= min(MAX_TOPK, vocab):
             raise ShardfitError(f"{name}={shown(k)} is out of range", where=f"{where} {name}",
-                                fix=f"ask for 0 to {MAX_TOPK} log-probs a position")
+                                fix=f"ask for 0 to {min(MAX_TOPK, vocab)} log-probs a position (the vocabulary's "
+                                    f"{vocab} tokens at most)")
     if body.target_prompt_logprobs is not None or body.prompt_logprobs_last_n is not None:
         raise ShardfitError("target_prompt_logprobs and prompt_logprobs_last_n are not served", where=where,
                             fix="ask for prompt_logprobs over the whole prompt")
@@ -185,17 +189,19 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
                             fix="send 0 (greedy) or more")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ShardfitError(f"top_p={shown(top_p)}", where=f"{where} sampling_params", fix="send a value in (0, 1]")
-    if not isinstance(top_k, int) or top_k < -1:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1 or top_k == 0:  # 0 keeps no token
         raise ShardfitError(f"top_k={shown(top_k)}", where=f"{where} sampling_params",
-                            fix="send -1 (no limit) or more")
+                            fix="send -1 (no limit) or 1 or more")
     stop = p.get("stop")
     stop_tokens: list[int] = sorted(eos_ids) if stop is None else []
     stop_strings: list[str] = []
     if isinstance(stop, str):
         stop = [stop]
     if isinstance(stop, list):
-        if all(isinstance(s, str) and s for s in stop):
-            stop_strings = stop
+        if stop and all(isinstance(s, str) and s for s in stop):
+            stop_strings, stop_tokens = stop, sorted(eos_ids)  # Tinker's stop strings end a sample at EOS too
+        elif not stop:  # []: nothing stops a sample but max_tokens, EOS included
+            pass
         elif all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < vocab for s in stop):
             stop_tokens = list(stop)
         else:

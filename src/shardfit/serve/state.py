@@ -177,6 +177,10 @@ class ServerState:
         replaces is refused from then on (its client would train the loaded weights)."""
         model_id = check_segment(f"{session_id}:train:{model_seq_id}", "model_id")  # the SDK rebuilds this id itself
         with self.lock:
+            if model_id in self.models:  # the Engine refuses it too, after this record was overwritten
+                raise ShardfitError(f"model_seq_id {model_seq_id} of this session is taken (model '{model_id}')",
+                                    where=f"{where} model_seq_id", fix="send a new model_seq_id (the SDK numbers its "
+                                    "training clients itself)")
             cap = self.facts.max_models
             if self.facts.lora_rank and cap and len(self.models) >= cap:
                 raise ShardfitError(f"this server holds {len(self.models)} training models, its limit "
