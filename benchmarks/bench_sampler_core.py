@@ -47,13 +47,16 @@ from rl_worker_setup import SHAPES, moe_overrides  # noqa: E402
 PATHS = {"gather+graphs": dict(attention="gather", cuda_graphs=True),
          "triton+graphs": dict(attention="triton", cuda_graphs=True),
          "triton+graphs+torchops": dict(attention="triton", cuda_graphs=True, fused_ops=False),
-         # the q/k norms and RoPE in one launch (kernels/rope.py's qk_rope), SwiGLU in one (kernels/swiglu.py)
+         # the q/k norms and RoPE in one launch (kernels/rope.py's qk_rope), SwiGLU in one (kernels/swiglu.py): the
+         # default since session 23; +fusednorms keeps the norms' and RoPE's own kernels alone (fused_ops=True)
          "triton+graphs+fusedall": dict(attention="triton", cuda_graphs=True, fused_ops="all"),
+         "triton+graphs+fusednorms": dict(attention="triton", cuda_graphs=True, fused_ops=True),
          "triton+graphs+torchdraw": dict(attention="triton", cuda_graphs=True, fused_draw=False),
          # --lora's rows through multi_lora's torch ops instead of kernels/multi_lora_decode.py
          "triton+graphs+torchlora": dict(attention="triton", cuda_graphs=True, lora_kernel=False),
          # --lora's rows through the decode kernel with q|k|v and gate|up sharing one shrink (lora_bank's groups)
-         "triton+graphs+grouped": dict(attention="triton", cuda_graphs=True, lora_group=True),
+         "triton+graphs+grouped": dict(attention="triton", cuda_graphs=True, lora_group=True),  # the default now
+         "triton+graphs+ungrouped": dict(attention="triton", cuda_graphs=True, lora_group=False),
          "gather+eager": dict(attention="gather", cuda_graphs=False),
          "flex+eager": dict(attention="flex", cuda_graphs=False)}
 

@@ -337,18 +337,19 @@ for stage in "$@"; do
       env CUDA_VISIBLE_DEVICES=0 timeout ${RLITER_CAP:-570} python3 benchmarks/bench_rl_iter.py --src $src --budget $((${RLITER_CAP:-570} - 40)) ${RLITER_ARGS:-} --out "$OUT/$stage.json" 2>&1 | tee "$OUT/$stage.log" | grep -v FutureWarning | tail -12 ;;
     gap)  # issue 36 item 6: the train/sample log-prob gap and sampling.logprobs=trainer's cost (header above)
       env CUDA_VISIBLE_DEVICES=0 timeout ${GAP_CAP:-300} python3 benchmarks/bench_logprob_gap.py ${GAP_ARGS:-} --out "$OUT/gap.json" 2>&1 | tee "$OUT/gap.log" | grep -v '^{' | tail -12 ;;
-    sampler-ab)  # issue 36, the paths written after session 21's last call, one change each against triton+graphs
-      # (steady-window decode rate, distinct prompts, Qwen3-8B shape): the sampler's and kernels' CUDA tests first
-      # (qk_rope, swiglu, the LoRA sibling groups, the fresh-chunk prefill are not yet GPU-run), then fused_ops="all"
-      # at 16/64 rows, 256 rows with 512 new tokens, the LoRA sibling groups at 64 rows (r=16), prefill_chunk 2048
-      # at 64 rows. Each part its own cap and JSON ($OUT/ab_*.json); ~9 min
+    sampler-ab)  # issue 36: the sampler's and kernels' CUDA tests, then one change each against triton+graphs
+      # (steady-window decode rate, distinct prompts, Qwen3-8B shape). Session 23 ran it with the then-new paths
+      # against the then-defaults and made them the defaults (fused_ops="all", the LoRA sibling groups,
+      # prefill_chunk 2048); it now compares each default with the form it replaced: fused_ops=True at 16/64 rows,
+      # 256 rows with 512 new tokens, ungrouped LoRA at 64 rows (r=16), prefill_chunk 512 at 64 rows.
+      # Each part its own cap and JSON ($OUT/ab_*.json); ~9 min
       env CUDA_VISIBLE_DEVICES=0 timeout 170 python3 -m pytest -m cuda -q -rf --tb=short -p no:cacheprovider tests/kernels tests/sampling tests/cuda/test_cuda_sampling.py 2>&1 | tee "$OUT/pytest_sampling.log" | tail -6
       core() { local cap=$1 name=$2; shift 2
         env CUDA_VISIBLE_DEVICES=0 timeout $cap python3 benchmarks/bench_sampler_core.py "$@" --out "$OUT/ab_$name.json" 2>&1 | tee "$OUT/ab_$name.log" | grep -v '^{' | tail -5; }
-      core 120 fusedall --rows 16,64 --paths triton+graphs,triton+graphs+fusedall
-      core 100 rows256 --rows 256 --new 512 --paths triton+graphs,triton+graphs+fusedall
-      core 100 grouped --rows 64 --lora 16 --paths triton+graphs,triton+graphs+grouped
-      core 70 chunk2048 --rows 64 --prefill-chunk 2048 --paths triton+graphs ;;
+      core 120 fusednorms --rows 16,64 --paths triton+graphs,triton+graphs+fusednorms
+      core 100 rows256 --rows 256 --new 512 --paths triton+graphs
+      core 100 ungrouped --rows 64 --lora 16 --paths triton+graphs,triton+graphs+ungrouped
+      core 70 chunk512 --rows 64 --prefill-chunk 512 --paths triton+graphs ;;
     tests-sampling)  # the sampler's CUDA tests: graphs, flex, the paged-attention and multi-LoRA kernels (1 GPU)
       env CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_CAP:-200} python3 -m pytest -m cuda -q -rf --tb=short -p no:cacheprovider tests/cuda/test_cuda_sampling.py tests/kernels/test_paged_attention.py tests/kernels/test_multi_lora.py 2>&1 | tee "$OUT/pytest_sampling.log" | tail -8 ;;
     rl-auto)  # the 8B LoRA PPO step with compute.activation_checkpoint=auto against anchor D with and without its

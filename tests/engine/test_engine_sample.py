@@ -320,7 +320,7 @@ def test_sampling_prefill_chunk_reaches_the_sampler_and_changes_no_token(lora, m
     p = SamplingParams(max_tokens=5, temperature=1.0, seed=9)
     e.release_sampler()
     whole = e.sample(PROMPTS, p, model="default", num_samples=2, **KV)
-    assert e._sampling_sampler[0].prefill_chunk == e.cfg.sampling.prefill_chunk == 512
+    assert e._sampling_sampler[0].prefill_chunk == e.cfg.sampling.prefill_chunk == 2048
     monkeypatch.setattr(e.cfg.sampling, "prefill_chunk", 3)
     e.release_sampler()
     chunked = e.sample(PROMPTS, p, model="default", num_samples=2, **KV)

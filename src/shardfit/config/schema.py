@@ -387,7 +387,7 @@ class SamplingConfig:
                                "between consecutive sample calls: no pool allocation or graph capture per sampling "
                                "phase, but the pool's memory is then not the training step's: lower "
                                "sampling.kv_fraction so that both fit")
-    prefill_chunk: int = opt(512, "prompt tokens a prefill forward of the sampler takes at most (several prompts "
+    prefill_chunk: int = opt(2048, "prompt tokens a prefill forward of the sampler takes at most (several prompts "
                                   "per forward; a longer one in chunks), each followed by a decode step of the rows "
                                   "running: larger chunks read the weights fewer times per prompt token and delay "
                                   "the running rows' next token longer (sampling/runner.py)", gt=0)

@@ -12,7 +12,7 @@ non-persistent buffers beside its weight:
 S = capacity, R = rank (the largest adapter rank served; smaller ones zero-padded: exact), in the decode dtype.
 Linears of one parent that read one input (SIBLINGS: q|k|v, gate|up) get their bank_A as row blocks of one stacked
 tensor [members*S*R, in] (views: no more memory), and at decode share one shrink launch (_SiblingGroup; exact:
-each member's partials the bits of its own shrink) where GROUP_SIBLINGS is on (off by default until measured).
+each member's partials the bits of its own shrink) where GROUP_SIBLINGS is on (the default).
 `load(slot, adapters, scale)` copies one adapter version in (name -> (A, B) as adapters/lora.py names and shapes
 them: the module's full name, lora_A [r, in] and lora_B [out, r], or the embedding's pair); a target the version does
 not adapt gets zeros (what "not adapted" means). `free(slot)` zeroes it. Before every forward the sampler's runner
@@ -49,10 +49,10 @@ from shardfit.models.moe import Experts, MoE
 
 BANK_SLOTS = 4  # adapter slots of a decode model's first bank (Engine.sample doubles it when a call needs more)
 # banked linears of one parent that read one input, in the order models/decoder.py calls them (the first computes
-# the group's shrink); GROUP_SIBLINGS: whether they share it at decode (read per call: a benchmark's A/B switch). Off
-# until its CUDA tests and its A/B have run on a GPU (written after session 21's last device call)
+# the group's shrink); GROUP_SIBLINGS: whether they share it at decode (read per call: a benchmark's A/B switch;
+# benchmarks/README.md's sampler section has the A/B that made it the default)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-GROUP_SIBLINGS = False
+GROUP_SIBLINGS = True
 
 class _Banked:
     """What every banked linear, head or embedding has: its bank (the owner of the column mask) and two buffers."""

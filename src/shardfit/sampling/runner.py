@@ -21,12 +21,12 @@ check_every wasted tokens) so that the device never waits for the host.
 
 The draw (sample.py) on CUDA with Triton: rows without top-k/top-p and without top-k log-probs asked take the
 fused kernel (kernels/gumbel_draw.py: one read of the logits for the token and its log-prob; `fused_draw=False`
-keeps the torch ops, the same tokens but for ties within a rounding of the device's log). `fused_ops` (on by
-default, CUDA with Triton only): the model's RMSNorm layers and RoPE run kernels/rms_norm.py and kernels/rope.py
+keeps the torch ops, the same tokens but for ties within a rounding of the device's log). `fused_ops` ("all"
+by default, CUDA with Triton only): the model's RMSNorm layers and RoPE run kernels/rms_norm.py and kernels/rope.py
 under no_grad (step.set_decode_kernels): one kernel a norm instead of seven ops, the step's largest group of small
-kernels (benchmarks/README.md#sampler-fused-ops); fused_ops=False keeps the torch ops; fused_ops="all" also puts the
-attention's q and k norms and RoPE in one launch (kernels/rope.py's qk_rope) and the MLP's silu(gate) * up in one
-(kernels/swiglu.py): not yet measured on a GPU, so not the default.
+kernels (benchmarks/README.md#sampler-fused-ops), and the attention's q and k norms and RoPE in one launch
+(kernels/rope.py's qk_rope) and the MLP's silu(gate) * up in one (kernels/swiglu.py); fused_ops=True keeps the
+norms' and RoPE's kernels alone, fused_ops=False the torch ops.
 
 LoRA rows: with a `bank`, every forward is preceded by bank.set_rows(slots [B, S]): each token's adapter slot
 (the request's `adapter`, -1 for the base model); the head applied to a prefill's positions alone is called as a
@@ -72,9 +72,9 @@ class SampleHandle:
 
 class Sampler:
     def __init__(self, model, *, kv_blocks: int | None = None, kv_fraction: float = 0.9, block_size: int = BLOCK_SIZE,
-                 max_rows: int = 256, prefill_chunk: int = 512, attention: str = "auto", cuda_graphs: bool = True,
+                 max_rows: int = 256, prefill_chunk: int = 2048, attention: str = "auto", cuda_graphs: bool = True,
                  bank=None, tokenizer=None, check_every: int = 8, fused_draw: bool = True,
-                 fused_ops: bool | str = True):
+                 fused_ops: bool | str = "all"):
         for name, value, low in (("kv_blocks", kv_blocks, 1), ("block_size", block_size, 1), ("max_rows", max_rows, 1),
                                  ("prefill_chunk", prefill_chunk, 1), ("check_every", check_every, 1)):
             if value is not None and (not isinstance(value, int) or value < low):
