@@ -20,7 +20,8 @@ Parts (each a fresh process under a cap cut to what is left of --budget; the JSO
            (importance_sampling, --datums datums of --datum-min..--datum-max tokens, ~16k tokens) + optim_step.
            Aggregate tokens/s = the steps' model-input tokens over the wall time from the start to the last client's
            last result; step_s = the median interval between a client's completed steps; server_busy = the server's
-           compute + optimizer seconds (its metrics) over that wall time.
+           compute + optimizer seconds (its metrics) over that wall time; passes = how many steps ran in a pass
+           of how many models (server_pass_models), pass_s = the longest and the median pass compute seconds.
   memory   bench_clients_workers.worker_memory: the same Engine config in process. The cookbook step (client 0's
            data, token for token) timed: --reps steps after one warm-up. Then models added one by one, each
            stepped once on a [1, T] row (its adapters, gradients kept allocated, Adam's two moments: what the plan
@@ -150,13 +151,15 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def table(rows: list[dict], S: dict) -> None:
-    print(f"\n{'what':<44} {'tokens/s':>10} {'step s':>8} {'wall s':>8} {'server busy':>11}")
+    print(f"\n{'what':<44} {'tokens/s':>10} {'step s':>8} {'wall s':>8} {'server busy':>11}  passes (models: steps)"
+          " / pass s max, median")
     for row in rows:
         if "skipped" in row or row.get("error"):
             print(f"{row.get('label', '')[:44]:<44} {row.get('skipped') or row.get('error')}"[:200])
     for x in _lines(rows, "clients", "clients"):
         what = f"{x['clients']} clients {x['mode']} ({x['steps']} steps)"
-        print(f"{what:<44} {x['tok_s']:>10,} {x['step_s']:>8} {x['wall_s']:>8} {x['server_busy']:>11}")
+        print(f"{what:<44} {x['tok_s']:>10,} {x['step_s']:>8} {x['wall_s']:>8} {x['server_busy']:>11}  "
+              f"{x.get('passes', '')} {x.get('pass_s', '')}")
     if inproc := _last(rows, "memory", "inproc"):
         print(f"{'one client in process (Engine)':<44} {inproc['tok_s']:>10,} {inproc['step_s']:>8}")
     for key in ("multi_client_vs_one", "sdk_vs_inprocess", "model_gib", "version_gib", "plan_ratio", "models_fit",

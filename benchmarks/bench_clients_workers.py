@@ -71,16 +71,19 @@ def to_sdk(data: list[dict]) -> list:
 
 
 # ---------------------------------------------------------------------------------------------- clients
-def _server_s(fb, op) -> float:
-    """The server's own time of one step: its forward_backward compute and optimizer seconds (serve/executor.py)."""
-    return fb.metrics.get("server_compute_s:sum", 0.0) + op.metrics.get("server_optimizer_s:sum", 0.0)
+def _server_s(fb, op) -> tuple[float, int, float]:
+    """The server's own time of one step (its forward_backward compute and optimizer seconds: serve/executor.py), the
+    number of models its pass held (server_pass_models), and the pass's compute seconds alone."""
+    compute = fb.metrics.get("server_compute_s:sum", 0.0)
+    return (compute + op.metrics.get("server_optimizer_s:sum", 0.0), int(fb.metrics.get("server_pass_models:max", 1)),
+            compute)
 
 
 def run_concurrent(step, ids: list[int], steps: int, tokens: int) -> dict:
     """Each client of `ids` in a thread of its own, `steps` steps each, started together: the aggregate."""
     barrier = threading.Barrier(len(ids) + 1)
     ends: dict[int, list[float]] = {i: [] for i in ids}
-    busy: list[float] = []
+    busy: list[tuple[float, int, float]] = []
     errors: list[str] = []
 
     def client(i: int) -> None:
@@ -119,10 +122,17 @@ def run_sequential(step, ids: list[int], steps: int, tokens: int) -> dict:
     return _figures(len(ids) * steps, tokens, last - t0, gaps, busy)
 
 
-def _figures(n_steps: int, tokens: int, wall: float, gaps: list[float], busy: list[float]) -> dict:
+def _figures(n_steps: int, tokens: int, wall: float, gaps: list[float], busy: list[tuple[float, int, float]]) -> dict:
+    """passes: {models in the pass: steps that ran in such a pass}; pass_s: the longest and the median pass compute
+    seconds (a compile shows as the longest: the warm-up round should have taken it)."""
+    passes: dict[str, int] = {}
+    for _, k, _ in busy:
+        passes[str(k)] = passes.get(str(k), 0) + 1
+    compute = [c for _, _, c in busy]
     return dict(steps=n_steps, tokens=n_steps * tokens, wall_s=round(wall, 3),
                 tok_s=round(n_steps * tokens / wall), step_s=round(statistics.median(gaps), 3),
-                server_busy=round(sum(busy) / wall, 3))
+                server_busy=round(sum(b for b, _, _ in busy) / wall, 3), passes=passes,
+                pass_s=[round(max(compute), 3), round(statistics.median(compute), 3)])
 
 
 def worker_clients(a) -> int:
