@@ -28,39 +28,10 @@ from shardfit.kernels.triton_common import combine_fns, runs_on, triton_kernels
 
 
 @triton_kernels
-def _triton_kernel(triton, tl):
-    @triton.jit
-    def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-                    HP: tl.constexpr, HALF: tl.constexpr):
-        # token t: x [t, H, 2 HALF] (stride_xt, stride_xh; Dh contiguous), cos/sin [t, 2 HALF] (stride_ct),
-        # out [t, H, 2 HALF] (stride_ot, stride_oh) in x's dtype
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, HP)
-        d = tl.arange(0, HALF)
-        ok = (h < H)[:, None]
-        at = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
-        x1 = tl.load(at, mask=ok, other=0.0)  # [HP, HALF] the first half of each head
-        x2 = tl.load(at + HALF, mask=ok, other=0.0)
-        dt = x1.dtype
-        c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)[None, :]
-        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
-        s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)[None, :]
-        s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        # eager: x * cos (rounded), rotate_half(x) = [-x2, x1] times sin (rounded), the sum (rounded)
-        o1 = (f1 * c1).to(dt).to(tl.float32) + (-f2 * s1).to(dt).to(tl.float32)
-        o2 = (f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)
-        out = out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
-        tl.store(out, o1.to(dt), mask=ok)
-        tl.store(out + HALF, o2.to(dt), mask=ok)
-
-    return rope_kernel
-
-
-@triton_kernels
 def _qk_kernel(triton, tl):
-    """The q-and-k kernel (qk_rope), with its per-head helper as a module global (triton resolves a kernel's callees
-    there; kernels/triton_common.py says why the reduction is a made combine function)."""
+    """{"qk": qk_rope's kernel, "rope": rope's}, both around one per-head helper (norm, then rotation), made a module
+    global (triton resolves a kernel's callees there; kernels/triton_common.py says why the reduction is a made
+    combine function)."""
     fns = combine_fns()
     globals().update(_rope_add=fns["add"])
 
@@ -106,12 +77,31 @@ def _qk_kernel(triton, tl):
         _rope_heads(k_ptr, wk_ptr, ko_ptr, t, K, stride_kt, stride_kh, stride_kot, stride_koh,  # noqa: F821
                     c1, c2, s1, s2, eps, KP, HALF, NORM)
 
-    return qk_rope_kernel
+    @triton.jit
+    def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+                    HP: tl.constexpr, HALF: tl.constexpr):
+        # rope: token t's H heads of x rotated, no norm (the helper's NORM=False; x_ptr stands for the unread weight)
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, HALF)
+        c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
+        _rope_heads(x_ptr, x_ptr, out_ptr, t, H, stride_xt, stride_xh, stride_ot, stride_oh,  # noqa: F821
+                    c1, c2, s1, s2, 0.0, HP, HALF, False)
+
+    return {"qk": qk_rope_kernel, "rope": rope_kernel}
+
+
+def _kernel(name: str):
+    """One of rope.py's kernels (None without Triton)."""
+    kernels = _qk_kernel()
+    return None if kernels is None else kernels[name]
 
 
 def available(t: torch.Tensor) -> bool:
     """Whether rope and qk_rope run on t's device here: CUDA with Triton importable (or the interpreter)."""
-    return runs_on(t, _triton_kernel)
+    return runs_on(t, _qk_kernel)
 
 
 def fits(head_dim: int) -> bool:
@@ -123,7 +113,7 @@ def fits(head_dim: int) -> bool:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope(x, cos, sin) (models/decoder.py) in one launch: x [B, S, H, Dh], cos/sin [B, S, Dh] of x's dtype ->
     [B, S, H, Dh] in x's dtype. No autograd: for decoding under no_grad."""
-    kernel = _triton_kernel()
+    kernel = _kernel("rope")
     if kernel is None:
         raise RuntimeError("rope needs Triton (models/decoder.py's apply_rope is the same function in PyTorch)")
     B, S, H, Dh = x.shape
@@ -161,7 +151,7 @@ def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     (RMSNorm with q_weight / k_weight [Dh] and eps; both None: no norm) then rotated by cos/sin [B, S, Dh] ->
     (q, k) in their dtype. The weights must be of q's dtype (the decode model's: its norms' products then round to
     it, as the module's do). No autograd: for decoding under no_grad."""
-    kernel = _qk_kernel()
+    kernel = _kernel("qk")
     if kernel is None:
         raise RuntimeError("qk_rope needs Triton (models/decoder.py's norm_rope is the same function in PyTorch)")
     B, S, H, Dh = q.shape
