@@ -15,7 +15,10 @@ each; a case that has too little left is recorded as skipped):
               the 7 linears of every block, bf16 compute, compiled, full AC, pairs packed in token-budget rows of
               --sf-budget tokens (16,384: 8 pairs; SFT's measured LoRA optimum, 1.71x PEFT at 0.62x its peak), the
               frozen base as the reference (its log-probs in one no-grad pass before step 1: not in the step times).
-              sf-lora8b-noac (not in the default --cases): no AC, 4,096-token rows (SFT's fastest, at more memory)
+              Variants (not in the default --cases; suffixes, combinable): sf-lora8b-noac no AC, 4,096-token rows
+              (SFT's fastest, at more memory); -8k / -4k rows of 8,192 / 4,096 tokens (TRL's memory: session 23's
+              16,384-token rows peaked at 1.33x TRL's); -fp8 the frozen base's matmuls in FP8 (tensorwise, torchao,
+              carried in benchmarks/wheels_dpo), the adapters in bf16
   trl-lora8b  TRL DPOTrainer + PEFT on transformers' LlamaForCausalLM of the same shape, bf16 weights, LoRA r=16
               alpha 32 target_modules all-linear, as TRL documents it for one GPU: bf16, gradient checkpointing
               (non-reentrant), SDPA (flash_attention_2 when flash_attn is installed), precompute_ref_log_probs
@@ -60,7 +63,11 @@ SHAPES = {  # transformers' LlamaConfig fields; shardfit's preset of the same sh
     "tiny": ("tiny", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=1024, rope_theta=10000.0, tie_word_embeddings=False)),
 }
-CAPS = {"sf-lora8b": 170, "trl-lora8b": 170, "sf-full1b": 100, "trl-full1b": 100, "sf-lora8b-noac": 150}
+CAPS = {"sf-lora8b": 170, "trl-lora8b": 170, "sf-full1b": 100, "trl-full1b": 100}  # a variant: its base case's
+# a shardfit label's variants after its case (sf-lora8b-8k-fp8): (activation checkpointing, micro_batch_tokens, more
+# overrides), None keeping --sf-ac / --sf-budget
+VARIANTS = {"noac": ("none", 4096, []), "8k": (None, 8192, []), "4k": (None, 4096, []),
+            "fp8": (None, None, ["--compute.fp8=tensorwise"])}
 RESULT = "DPO_RESULT "  # the worker's line (the Trainer prints its logs as Python dicts)
 MIN_START = 0.5  # a case is not started with less than this fraction of its cap left of the budget
 
@@ -92,7 +99,10 @@ def write_data(out: Path, pairs: int, prompt: int, answer: int, vocab: int, seed
 # ---------------------------------------------------------------------------------------------- shardfit
 def run_shardfit(a, label: str, shape: str, lora: bool, data: Path, cap: int) -> dict:
     preset, _ = SHAPES[shape]
-    ac, budget = ("none", 4096) if label.endswith("-noac") else (a.sf_ac, a.sf_budget)
+    ac, budget, extra = a.sf_ac, a.sf_budget, []
+    for v in label.split("-")[2:]:
+        v_ac, v_budget, v_extra = VARIANTS[v]
+        ac, budget, extra = v_ac or ac, v_budget or budget, extra + v_extra
     run_dir = Path(tempfile.mkdtemp(prefix="dpo-sf-"))
     seq = a.prompt + a.answer  # labels a side keeps: prompt + answer + EOS, shifted
     args = [f"--model.name={preset}", f"--data.path={data / 'pairs.jsonl'}", f"--data.tokenizer={data}",
@@ -107,7 +117,7 @@ def run_shardfit(a, label: str, shape: str, lora: bool, data: Path, cap: int) ->
         args += ["--compute.compile=true", f"--compute.activation_checkpoint={ac}"]
     if lora:
         args += ["--lora.rank=16", "--lora.alpha=32"]
-    args += [x for x in a.sf_extra.split() if x]
+    args += extra + [x for x in a.sf_extra.split() if x]
     cmd = [sys.executable, "-m", "shardfit", "train", *args]
     rc, out, err, timed_out, wall = _run_group(cmd, cap)
     row = {"label": label, "system": "shardfit", "rc": rc, "timed_out": timed_out, "wall_s": round(wall, 1),
@@ -238,8 +248,11 @@ def run_trl(a, label: str, shape: str, lora: bool, data: Path, cap: int) -> dict
 def summarize(rows: list[dict]) -> dict:
     by = {r["label"]: r for r in rows}
     out = {}
-    for case in ("lora8b", "lora8b-noac", "full1b"):
-        sf, hf = by.get(f"sf-{case}", {}), by.get(f"trl-{case.removesuffix('-noac')}", {})
+    for label, sf in by.items():
+        if not label.startswith("sf-"):
+            continue
+        case = label[3:]  # lora8b, lora8b-8k, ...: against TRL's run of the same shape and kind
+        hf = by.get(f"trl-{case.split('-')[0]}", {})
         if sf.get("tok_s") and hf.get("tok_s"):
             mem = (round(sf["peak_alloc_GiB"] / hf["peak_alloc_GiB"], 3)
                    if sf.get("peak_alloc_GiB") and hf.get("peak_alloc_GiB") else None)
@@ -256,16 +269,16 @@ def main_parent(a) -> int:
     rows: list[dict] = []
     result = {"args": vars(a), "rows": rows}
     for label in [x for x in a.cases.split(",") if x]:
-        cap = CAPS[label] if not a.tiny else 200
+        system, case = label.split("-", 1)
+        base = case.split("-")[0]  # lora8b or full1b
+        cap = CAPS.get(label, CAPS[f"{system}-{base}"]) if not a.tiny else 200
         left = a.budget - (time.time() - t0)
         if left < MIN_START * cap:
             rows.append({"label": label, "skipped": f"{left:.0f} s left of the budget, cap {cap} s"})
             continue
-        system, case = label.split("-", 1)
         run = run_shardfit if system == "sf" else run_trl
         print(f"--- {label} (cap {min(cap, int(left))} s)", flush=True)
-        rows.append(run(a, label, shapes[case.removesuffix("-noac")], case.startswith("lora"), data,
-                        min(cap, int(left))))
+        rows.append(run(a, label, shapes[base], base.startswith("lora"), data, min(cap, int(left))))
         print(json.dumps(rows[-1])[:600], flush=True)
         result["summary"] = summarize(rows)
         if a.out:

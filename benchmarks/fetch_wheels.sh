@@ -29,7 +29,8 @@ RL=(tinker==0.38.0 fastapi==0.165.0 uvicorn==0.54.0 starlette==1.10.0 pydantic==
 # The device's image lists pyarrow, pandas, python-dateutil, six, requests, fsspec and xxhash (KINDS.md's package
 # list, no versions): they are left to it (~2 MiB carried, so wheels_dpo and wheels_rl fit one call together);
 # FULL=1 carries them too (55 MiB: a call of its own), for a device whose pyarrow is older than TRL's >=21.
-DPO=(trl==1.16.0 datasets==5.0.1 dill==0.4.1 multiprocess==0.70.19)
+DPO=(trl==1.16.0 datasets==5.0.1 dill==0.4.1 multiprocess==0.70.19
+     torchao==0.18.0)  # torchao: bench_dpo's -fp8 variants (3.4 MB, no requirement)
 [ "${FULL:-0}" = 1 ] && DPO+=(pyarrow==21.0.0 pandas==3.1.1 python-dateutil==2.9.0.post0 six==1.17.0 xxhash==4.1.0
                               fsspec==2026.6.0 requests==2.32.5)
 

@@ -2,6 +2,7 @@
 tokenizer of data.tokenizer and transformers' PreTrainedTokenizerFast, which TRL tokenizes with), of the lengths its
 token counts assume, and dpo_vs_trl is shardfit over TRL."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -32,3 +33,21 @@ def test_dpo_vs_trl_is_shardfit_over_trl():
             {"label": "trl-lora8b", "tok_s": 1000, "peak_alloc_GiB": 40.0},
             {"label": "sf-full1b", "tok_s": 500}, {"label": "trl-full1b", "error": "OOM"}]
     assert bench_dpo.summarize(rows) == {"dpo_vs_trl": {"lora8b": {"throughput": 3.0, "memory": 0.75}}}
+
+
+def test_a_variant_is_compared_with_trls_run_of_its_case_and_sets_what_it_names(monkeypatch):
+    rows = [{"label": "trl-lora8b", "tok_s": 1000, "peak_alloc_GiB": 20.0},
+            {"label": "sf-lora8b-8k-fp8", "tok_s": 2100, "peak_alloc_GiB": 19.0}]
+    assert bench_dpo.summarize(rows) == {"dpo_vs_trl": {"lora8b-8k-fp8": {"throughput": 2.1, "memory": 0.95}}}
+    seen = {}
+
+    def fake_run(cmd, cap):
+        seen["cmd"] = cmd
+        return 1, "", "stopped", False, 0.0
+
+    monkeypatch.setattr(bench_dpo, "_run_group", fake_run)
+    a = argparse.Namespace(
+        sf_ac="full", sf_budget=16384, prompt=8, answer=7, global_batch=2, warmup=1, steps=1, tiny=False, sf_extra="")
+    bench_dpo.run_shardfit(a, "sf-lora8b-8k-fp8", "8b", True, Path("/nonexistent"), 10)
+    assert "--train.micro_batch_tokens=8192" in seen["cmd"] and "--compute.fp8=tensorwise" in seen["cmd"]
+    assert "--compute.activation_checkpoint=full" in seen["cmd"]
