@@ -60,18 +60,24 @@ def _qk_kernel(triton, tl):
         tl.store(out, o1.to(dt), mask=ok)
         tl.store(out + HALF, o2.to(dt), mask=ok)
 
-    globals().update(_rope_heads=_heads)
+    @triton.jit
+    def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF: tl.constexpr):
+        # token t's cos and sin [2 HALF] (stride_ct) as fp32 halves [1, HALF]: (c1, c2, s1, s2)
+        d = tl.arange(0, HALF)
+        c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
+        return c1, c2, s1, s2
+
+    globals().update(_rope_heads=_heads, _rope_cos_sin=_cos_sin)
 
     @triton.jit
     def qk_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, H, K, stride_qt, stride_qh,
                        stride_kt, stride_kh, stride_ct, stride_qot, stride_qoh, stride_kot, stride_koh, eps,
                        HP: tl.constexpr, KP: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        d = tl.arange(0, HALF)
-        c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)[None, :]
-        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
-        s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)[None, :]
-        s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
+        c1, c2, s1, s2 = _rope_cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF)  # noqa: F821
         _rope_heads(q_ptr, wq_ptr, qo_ptr, t, H, stride_qt, stride_qh, stride_qot, stride_qoh,  # noqa: F821
                     c1, c2, s1, s2, eps, HP, HALF, NORM)
         _rope_heads(k_ptr, wk_ptr, ko_ptr, t, K, stride_kt, stride_kh, stride_kot, stride_koh,  # noqa: F821
@@ -82,11 +88,7 @@ def _qk_kernel(triton, tl):
                     HP: tl.constexpr, HALF: tl.constexpr):
         # rope: token t's H heads of x rotated, no norm (the helper's NORM=False; x_ptr stands for the unread weight)
         t = tl.program_id(0).to(tl.int64)
-        d = tl.arange(0, HALF)
-        c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)[None, :]
-        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
-        s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)[None, :]
-        s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
+        c1, c2, s1, s2 = _rope_cos_sin(cos_ptr, sin_ptr, t, stride_ct, HALF)  # noqa: F821
         _rope_heads(x_ptr, x_ptr, out_ptr, t, H, stride_xt, stride_xh, stride_ot, stride_oh,  # noqa: F821
                     c1, c2, s1, s2, 0.0, HP, HALF, False)
 
