@@ -33,6 +33,7 @@ from pathlib import Path
 from shardfit.errors import ShardfitError
 from shardfit.serve.futures import FutureStore
 from shardfit.serve.ordering import Scheduler
+from shardfit.serve.schemas import shown
 from shardfit.serve.security import check_segment, checkpoint_dir, parse_tinker_path
 
 META = ".tinker.json"  # beside a saved checkpoint's files: what the listings show (serve/listings.py)
@@ -62,6 +63,10 @@ class ModelFacts:
         numbers of trainable parameters than it asked for, silently. A server without LoRA trains every parameter:
         a client asking for LoRA (a rank > 0; the SDK always sends one) would train every parameter with the learning
         rate it chose for adapters, silently; rank=0 asks for every parameter."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            # raw JSON may send "8" or true: compared below as a number it reads as a rank it is not
+            raise ShardfitError(f"rank={shown(rank)} is not an integer >= 0", where=where,
+                                fix=f"send rank as a JSON integer ({self.lora_rank} on this server)")
         if not self.lora_rank and rank:
             raise ShardfitError(f"this server trains every parameter (started without --lora.rank), not LoRA "
                                 f"adapters of rank {rank}", where=where,
@@ -175,6 +180,9 @@ class ServerState:
         Without LoRA the Engine holds one model: a second create_model would train the first one's weights, so it is
         refused; a model made from a saved state (/load_weights) takes the one model over, and the model it
         replaces is refused from then on (its client would train the loaded weights)."""
+        if model_seq_id < 0:  # the SDK numbers its training clients 0, 1, ...: a negative one is a hand-made request
+            raise ShardfitError(f"model_seq_id={model_seq_id} is negative", where=f"{where} model_seq_id",
+                                fix="send a model_seq_id >= 0 (the SDK numbers its training clients itself)")
         model_id = check_segment(f"{session_id}:train:{model_seq_id}", "model_id")  # the SDK rebuilds this id itself
         with self.lock:
             if model_id in self.models:  # the Engine refuses it too, after this record was overwritten
