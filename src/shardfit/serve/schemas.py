@@ -58,7 +58,7 @@ class SaveWeightsBody(_Body):
     path: str | None = None
     sampling_session_seq_id: int | None = None
     kind: str | None = None  # snapshot (a frozen version) | inflight (the model's live weights)
-    ttl_seconds: float | None = None  # the sampler's version is freed after this long
+    ttl_seconds: float | None = None  # a named save expires after this long; an unnamed one's version is freed
 
 
 class LoadWeightsBody(_Body):
