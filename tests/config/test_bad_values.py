@@ -80,6 +80,17 @@ BAD = [
     (["--data.path=a.jsonl", "--data.val_path=a.jsonl"], "data.val_path", "is the same as data.path"),
     (["--data.val_path=v.jsonl", "--data.val_fraction=0.1"], "data.val_fraction", "set together with data.val_path"),
     (["--data.seq_len=4096"], "data.seq_len", "above the model's limit max_seq_len=1024"),
+    # what preference training would ignore (config/preference_rules.py): never a silent approximation
+    (["--preference.objective=dpo", "--data.mode=pretrain"], "data.mode",
+     "pretrain packs documents, but preference.objective=dpo trains on preference records"),
+    (["--preference.objective=kto", "--data.path=p.jsonl", "--data.format=messages"], "data.format",
+     "messages is a fine-tuning layout, but preference.objective=kto detects each preference record's own layout "
+     "({prompt?, chosen, rejected}"),
+    (["--preference.objective=orpo", "--data.pack=false"], "data.pack",
+     "false pads one example a row, but preference.objective=orpo always packs"),
+    (["--preference.objective=ipo", "--preference.label_smoothing=0.1"], "preference.label_smoothing",
+     "0.1 smooths the dpo and simpo losses only, not preference.objective=ipo; fix: drop"),
+    (["--preference.label_smoothing=0.1"], "preference.label_smoothing", "not preference.objective=none"),
 ]
 
 
@@ -152,7 +163,9 @@ def test_hf_config_json_with_a_wrong_type_is_one_line(tmp_path):
 
 
 CLI_CASES = [(["--train.lr=nan", "--train.steps=1"], "train.lr: nan is not a finite number"),
-             (["--model.head_dim=33", "--train.steps=1"], "model.head_dim: the head dimension 33 is odd")]
+             (["--model.head_dim=33", "--train.steps=1"], "model.head_dim: the head dimension 33 is odd"),
+             (["--preference.objective=ipo", "--preference.label_smoothing=0.1", "--train.steps=1"],
+              "preference.label_smoothing: 0.1 smooths the dpo and simpo losses only")]
 
 
 @pytest.fixture(scope="module")

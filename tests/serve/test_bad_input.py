@@ -57,6 +57,10 @@ def _cases(c: Client):
             "session_id": c.session, "model_seq_id": 1, "base_model": "tiny", "lora_config": {"rank": 0}}),
         "a LoRA client without --lora.rank": lambda: c.http.post("/create_model", headers=KEY, json={
             "session_id": c.session, "model_seq_id": 3, "base_model": "tiny", "lora_config": {"rank": 4}}),
+        "a negative model_seq_id": lambda: c.http.post("/create_model", headers=KEY, json={
+            "session_id": c.session, "model_seq_id": -1, "base_model": "tiny", "lora_config": {"rank": 0}}),
+        "a LoRA rank as a string": lambda: c.http.post("/create_model", headers=KEY, json={
+            "session_id": c.session, "model_seq_id": 4, "base_model": "tiny", "lora_config": {"rank": "8"}}),
         "a seed that is not an integer": lambda: c.http.post("/create_model", headers=KEY, json={
             "session_id": c.session, "model_seq_id": 2, "base_model": "tiny", "lora_config": {"seed": "x"}}),
         "a sampler of a saved path that does not exist": lambda: c.http.post(
@@ -85,6 +89,9 @@ def test_each_bad_request_is_refused_and_the_next_works(client):
         assert name != "a sampler of a saved path that does not exist" or "no checkpoint at" in detail, detail
         assert name != "a LoRA client without --lora.rank" or (
             "lora_config.rank" in detail and "pass rank=0" in detail and "--lora.rank=4" in detail), detail
+        assert name != "a negative model_seq_id" or "model_seq_id: model_seq_id=-1 is negative" in detail, detail
+        assert name != "a LoRA rank as a string" or (
+            "lora_config.rank: rank='8' is not an integer >= 0" in detail and "JSON integer" in detail), detail
         assert client.good_forward() == pytest.approx(loss), name  # nothing ran in between: same weights
 
 

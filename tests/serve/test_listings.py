@@ -134,3 +134,36 @@ def test_what_serve_did_not_write_is_not_listed(served, sdk_client):
     (outside / ".tinker.json").write_text((kind_dir / "w1" / ".tinker.json").read_text())
     (kind_dir / "linked").symlink_to(outside)
     assert [c.tinker_path for c in rest.list_user_checkpoints().result(timeout=60).checkpoints] == [s, w]
+
+
+def test_a_named_save_with_ttl_seconds_expires(served):
+    """Tinker's ttl_seconds on save_state and a named save_weights_for_sampler: the checkpoint expires then (the
+    listing says when), and is gone from every listing and load after it; a save without one stays."""
+    import time
+
+    from tests.serve.raw_http import Client
+
+    c = Client(served.url)
+
+    def save(route: str, name: str, ttl: float | None) -> str:
+        r = c.http.post(route, headers=c.key, json={"model_id": c.model_id, "seq_id": c.next_seq(), "path": name,
+                                                    "ttl_seconds": ttl})
+        assert r.status_code == 200, r.text
+        return c.result(r.json()["request_id"])["path"]
+
+    t0 = time.monotonic()
+    brief = [save("/save_weights", "w-brief", 1.5), save("/save_weights_for_sampler", "s-brief", 1.5)]
+    kept = save("/save_weights", "w-kept", None)
+    listed = {ck["tinker_path"]: ck for ck in c.http.get("/checkpoints", headers=c.key).json()["checkpoints"]}
+    assert set(listed) == {*brief, kept} and listed[kept]["expires_at"] is None
+    assert all(listed[p]["expires_at"] for p in brief)
+    time.sleep(max(0.0, 1.6 - (time.monotonic() - t0)))
+    listed = [ck["tinker_path"] for ck in c.http.get("/checkpoints", headers=c.key).json()["checkpoints"]]
+    assert listed == [kept]
+    run_dir = served.state.run_dir / "checkpoints" / c.model_id
+    assert not (run_dir / "weights" / "w-brief").exists() and not (run_dir / "sampler_weights" / "s-brief").exists()
+    r = c.http.post("/create_sampling_session", headers=c.key, json={"session_id": c.session, "model_path": brief[1]})
+    assert r.status_code == 400 and f"no checkpoint at '{brief[1]}'" in r.json()["detail"]
+    too_long = c.http.post("/save_weights", headers=c.key, json={"model_id": c.model_id, "seq_id": c.next_seq(),
+                                                                 "path": "w-forever", "ttl_seconds": 1e300})
+    assert too_long.status_code == 400 and "ttl_seconds=1e+300 is beyond 10 years" in too_long.json()["detail"]

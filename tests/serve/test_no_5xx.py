@@ -96,10 +96,11 @@ def _cases(c: Client, url: str) -> dict:
         "KTO's labels, one too few": (fb(loss_fn="kto", config={"desirable": ""},
                                          ref_logprobs=np.zeros(3, np.float32)), 400, "loss_fn_config.desirable"),
         "CSR declaring a [3, 2^28] tensor": (fb(topk=_csr(3, 1 << 28)), 400, "loss_fn_inputs[topk]"),
-        "CSR within the vocabulary, over the request's values": (
-            fb(data=[types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                                 loss_fn_inputs={"target_tokens": np.asarray([2, 3, 4], np.int64),
-                                                 "topk": _csr(3, 264)})] * 400), 400, "values in all"),
+        # the Engine takes [L] loss inputs only: an [L, k] one is a 400 here, not a failed result later
+        "a 2-D loss input (CSR within the vocabulary)": (fb(topk=_csr(3, 264)), 400,
+                                                         "data[0].loss_fn_inputs[topk]: shape [3, 264] is not [3]"),
+        "a 2-D loss input (dense)": (fb(weights=np.ones((3, 2), np.float32)), 400,
+                                     "data[0].loss_fn_inputs[weights]: shape [3, 2] is not [3]"),
         "a path that is not UTF-8": (lambda: httpx.get(url + "/api/v1/training_runs/%ED%A0%80", headers=KEY), 400,
                                      "training_runs"),
         "a checkpoint name with a slash": (lambda: httpx.delete(

@@ -32,11 +32,9 @@ def test_sdk_request_decodes_to_the_same_datums():
     rng = np.random.default_rng(0)
     chunks = [types.EncodedTextChunk(tokens=[1, 2, 3]), types.EncodedTextChunk(tokens=[4]),
               types.EncodedTextChunk(tokens=[5, 6])]  # SL datums come in several chunks
-    sparse = types.TensorData(data=[0.5, -1.0], dtype="float32", shape=[6, 3],
-                              sparse_crow_indices=[0, 1, 1, 1, 2, 2, 2], sparse_col_indices=[2, 0])
     d0 = types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={
         "target_tokens": np.array([2, 3, 4, 5, 6, 7], dtype=np.int64),
-        "weights": rng.random(6).astype(np.float32), "topk": sparse,
+        "weights": rng.random(6).astype(np.float32),
         "logprobs": -rng.random(6).astype(np.float32), "advantages": rng.standard_normal(6).astype(np.float32)})
     d1 = types.Datum(model_input=types.ModelInput.from_ints([9]), loss_fn_inputs={
         "target_tokens": np.array([10], dtype=np.int64), "logprobs": np.array([-0.1], np.float32),
@@ -49,7 +47,6 @@ def test_sdk_request_decodes_to_the_same_datums():
     for name, td in d0.loss_fn_inputs.items():
         expected = td.to_numpy() if isinstance(td, types.TensorData) else td
         np.testing.assert_array_equal(datums[0].inputs[name], expected)
-    assert datums[0].inputs["topk"][0, 2] == 0.5 and datums[0].inputs["topk"][3, 0] == -1.0
     assert datums[1].tokens.tolist() == [9]
 
 
@@ -67,6 +64,10 @@ def _one(tokens, targets, loss_fn="cross_entropy", **inputs):
     (lambda: _one([1, 2], [2, 3], "importance_sampling"), "'logprobs' is missing"),
     (lambda: _one([1, 2], [2, 3], weights=np.array([1.0, np.nan], np.float32)), "NaN"),
     (lambda: _one([1, 2], [2, 3], "sft"), "unknown loss_fn 'sft'"),
+    # every served loss reads one value per token: [L, k] (dense or CSR) is what the Engine would refuse
+    (lambda: _one([1, 2], [2, 3], weights=np.ones((2, 3), np.float32)),
+     "data[0].loss_fn_inputs[weights]: shape [2, 3] is not [2]"),
+    (lambda: _one([1, 2], [2, 3], topk=_sparse(2, 3)), "data[0].loss_fn_inputs[topk]: shape [2, 3] is not [2]"),
     (lambda: parse_forward_backward(b"\xff\xff\xff garbage"), "not a ForwardBackwardRequest protobuf"),
 ])
 def test_bad_datums_are_one_line_each(case, needle):

@@ -41,3 +41,20 @@ def test_what_each_stop_stops_at(stop, tokens, strings):
                       sampling_params={"max_tokens": 2, "stop": stop})
     p = sample_args(body, vocab=16, max_len=8, eos_ids={2}, has_tokenizer=True)["params"]
     assert (p["stop_tokens"], p["stop_strings"]) == (tokens, strings)
+
+
+@pytest.mark.parametrize("stop, needle", [
+    (["x"] * 65, "65 stop strings, the longest 1 characters"),
+    (["a" * 1025], "1 stop strings, the longest 1025 characters"),
+])
+def test_stop_strings_are_bounded(stop, needle):
+    """Each sampled token of each row searches a decoded tail for every stop string, on the command loop: thousands
+    of them, or one of megabytes, would hold every other request for seconds to minutes."""
+    body = SampleBody(prompt={"chunks": [{"type": "encoded_text", "tokens": [1]}]},
+                      sampling_params={"max_tokens": 2, "stop": stop})
+    with pytest.raises(ShardfitError) as e:
+        sample_args(body, vocab=16, max_len=8, eos_ids={2}, has_tokenizer=True)
+    assert str(e.value) == (f"/asample sampling_params.stop: {needle}; fix: send at most 64 strings of at most 1024 "
+                            "characters each")
+    ok = SampleBody(prompt=body.prompt, sampling_params={"max_tokens": 2, "stop": ["x" * 1024] * 64})
+    assert len(sample_args(ok, vocab=16, max_len=8, eos_ids={2}, has_tokenizer=True)["params"]["stop_strings"]) == 64

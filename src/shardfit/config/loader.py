@@ -22,6 +22,7 @@ from shardfit.config.init_from import apply_init_from
 from shardfit.config.lora_rules import LORA_RULES, AdapterReader, adapter_base, adapter_fields, nested_section
 from shardfit.config.model_path import resolve_model_path
 from shardfit.config.options import parse_overrides
+from shardfit.config.preference_rules import PREFERENCE_RULES
 from shardfit.config.schema import PRESETS, Config
 from shardfit.config.spellings import Spellings, announce, did_you_mean, unknown_key_fix
 from shardfit.errors import ShardfitError
@@ -402,7 +403,7 @@ RULES: tuple[Rule, ...] = (
     ("data.val_fraction", lambda c: c.data.val_path and c.data.val_fraction,
      lambda c: f"{c.data.val_fraction} is set together with data.val_path, which takes its place",
      lambda c: "give one of data.val_path and data.val_fraction"),
-) + LORA_RULES
+) + LORA_RULES + PREFERENCE_RULES
 
 
 STEP_RULES: tuple[Rule, ...] = (

@@ -21,6 +21,12 @@ from shardfit.errors import ShardfitError
 MAX_SAMPLES = 1024
 # The most top-k log-probs a position may report (Tinker's topk_prompt_logprobs are a handful).
 MAX_TOPK = 1024
+# The most stop strings a request may give, and the most characters one may have: every sampled token of every row
+# decodes a tail as long as the longest string and searches it for each (runner.py _stop_string), on the one loop
+# every request waits on: the server's HTTP check holds a client to these (serve/schemas.py). Clients stop at a
+# handful of short strings (a chat turn's end markers).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 
 
 @dataclass(frozen=True)

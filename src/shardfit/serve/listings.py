@@ -113,7 +113,8 @@ def scan_checkpoints(st: ServerState, run: str | None = None) -> list[dict]:
                 size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
                 out.append({"checkpoint_id": f"{kind}/{d.name}", "checkpoint_type": meta.get("checkpoint_type"),
                             "time": meta.get("time"), "tinker_path": meta["tinker_path"], "size_bytes": size,
-                            "public": False, "training_run_id": r, "_meta": meta})
+                            "public": False, "expires_at": meta.get("expires_at"), "training_run_id": r,
+                            "_meta": meta})
     out.sort(key=lambda c: (str(c["time"]), c["tinker_path"]), reverse=True)
     return out
 

@@ -1,8 +1,9 @@
 """Tinker's wire formats <-> shardfit's RL data: protobuf ForwardBackwardRequest in, ForwardBackwardOutput and
 SampleResponse out (the schema is the SDK's own, tinker.proto.tinker_public_pb2, tinker 0.38.0).
 
-Shapes: a datum's model input is its chunks' int32 token bytes concatenated, [L]; every loss_fn_input is [L, ...]
-(dense, or CSR densified here). Outputs go back as one ArrayRecord per run of datums whose fields agree in dtype and
+Shapes: a datum's model input is its chunks' int32 token bytes concatenated, [L]; every loss_fn_input is [L]
+(dense, or CSR densified here and then refused as any [L, k]: every served loss reads one value per token, and the
+Engine refuses anything else). Outputs go back as one ArrayRecord per run of datums whose fields agree in dtype and
 trailing shape, each field a BatchedTensor (the datums' bytes concatenated, byte offsets [n+1] int64).
 Everything a request carries is checked here, on rank 0, before any rank sees it, and each tensor's declared shape
 before it is expanded: L against the model's context and the Engine's token budget, a tensor's leading dimension
@@ -35,7 +36,7 @@ class WireDatum:
     """One datum as the engine takes it (shardfit.rl.datum.Datum's fields), before conversion."""
 
     tokens: np.ndarray  # [L] int64
-    inputs: dict[str, np.ndarray]  # name -> [L, ...] float32 or int64
+    inputs: dict[str, np.ndarray]  # name -> [L] float32 or int64
 
 
 def _bad(what: str, where: str, fix: str) -> ShardfitError:
@@ -182,6 +183,9 @@ def decode_datum(d, where: str, loss_fn: str, vocab: int, max_len: int, token_bu
         if a.ndim == 0 or a.shape[0] != L:
             raise _bad(f"shape {list(a.shape)} does not start with the model input's length {L}", at,
                        "send one value per input token")
+        if a.ndim != 1:  # every served loss reads one value per token: the Engine refuses [L, k] (rl/datum.py)
+            raise _bad(f"shape {list(a.shape)} is not [{L}]: the served losses take one value per token", at,
+                       f"send a 1-D tensor of {L} values ([L, k] inputs are not served)")
         if a.dtype == np.float32 and not np.isfinite(a).all():
             raise _bad("holds a NaN or an infinity", at, "send finite values")
         inputs[name] = a

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -25,11 +25,12 @@ from shardfit.serve.commands import Command, datums_to_json
 from shardfit.serve.futures import Result
 from shardfit.serve.protocol import check_forward_backward, loss_config, parse_forward_backward
 from shardfit.serve.security import check_segment, parse_tinker_path
-from shardfit.serve.state import BASE, LIVE, META, VERSION, ServerState
+from shardfit.serve.state import BASE, LIVE, META, VERSION, ServerState, remove_checkpoint
 
 V1 = "/api/v1"
 PROTO = "application/x-protobuf"
 MAX_DEPTH = 32  # JSON nesting: the SDK's deepest body is 4; an answer that echoes a body must encode it again
+MAX_TTL_S = 10 * 365 * 86400  # a save's ttl_seconds at most: Tinker's documented range ends at 10 years
 
 
 @dataclass
@@ -225,17 +226,19 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
     def optim_step(body) -> Queued:
         return Queued("optim_step", {"adam": s.adam_args(body)})
 
-    def save(model_id: str, kind: str, name: str, optimizer: bool, response_type: str) -> Queued:
-        directory, tinker_path = st.checkpoint_target(model_id, kind, check_segment(name, "path"))
+    def save(body, kind: str, optimizer: bool, response_type: str) -> Queued:
+        """A named checkpoint; its ttl_seconds (Tinker's: the checkpoint expires then) go into its META."""
+        directory, tinker_path = st.checkpoint_target(body.model_id, kind, check_segment(body.path, "path"))
+        meta = st.checkpoint_meta(tinker_path, kind, body.model_id, ttl(body, f"/{response_type}"))
         return Queued("save_state", {"dir": str(directory), "tinker_path": tinker_path, "optimizer": optimizer,
                                      "response_type": response_type, "meta_file": str(directory / META),
-                                     "meta": st.checkpoint_meta(tinker_path, kind, model_id)})
+                                     "meta": meta})
 
     @queued(app, st, "/save_weights", json_body(s.SaveWeightsBody))
     def save_weights(body) -> Queued:
         if not body.path:
             raise ShardfitError("path is missing", where="/save_weights", fix="name the checkpoint")
-        return save(body.model_id, "weights", body.path, True, "save_weights")
+        return save(body, "weights", True, "save_weights")
 
     @queued(app, st, "/save_weights_for_sampler", json_body(s.SaveWeightsBody))
     def save_for_sampler(body) -> Queued:
@@ -243,15 +246,15 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
         sampling session of a version frozen now (the SDK's kind="snapshot": adapters, or without LoRA a copy of
         every weight, up to --serve.versions), or of the model's live weights (kind="inflight")."""
         if body.path:
-            return save(body.model_id, "sampler_weights", body.path, False, "save_weights_for_sampler")
+            return save(body, "sampler_weights", False, "save_weights_for_sampler")
         if body.kind not in (None, "snapshot", "inflight"):
             raise ShardfitError(f"kind={s.shown(body.kind)} is not snapshot or inflight",
                                 where="/save_weights_for_sampler kind", fix="pass kind='snapshot' (the default)")
         freeze = body.kind != "inflight"
-        ttl = body.ttl_seconds if body.ttl_seconds and body.ttl_seconds > 0 else None
         session = st.model(body.model_id, "/save_weights_for_sampler")["session_id"]
         release_expired(st)  # a version past its ttl makes room before the limit is checked
-        sid = st.new_sampler(session, VERSION if freeze else LIVE + body.model_id, ttl_s=ttl)
+        sid = st.new_sampler(session, VERSION if freeze else LIVE + body.model_id,
+                             ttl_s=ttl(body, "/save_weights_for_sampler"))
         return Queued("sampler_snapshot", {"sampling_session_id": sid, "freeze": freeze})
 
     @queued(app, st, "/load_weights", json_body(s.LoadWeightsBody))
@@ -329,6 +332,16 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
                       samples=args["num_samples"])
 
 
+def ttl(body: s.SaveWeightsBody, where: str) -> float | None:
+    """A save's ttl_seconds: None (or 0 and below, as before) never expires. Tinker's own range ends at 10 years; its
+    floor of an hour is the hosted service's storage policy, not kept here (a local run may want minutes)."""
+    t = body.ttl_seconds
+    if t is not None and not (math.isfinite(t) and t <= MAX_TTL_S):  # a date past the calendar: never a 500
+        raise ShardfitError(f"ttl_seconds={s.shown(t)} is beyond 10 years", where=f"{where} ttl_seconds",
+                            fix=f"send at most {MAX_TTL_S} seconds, or none (never expires)")
+    return t if t and t > 0 else None
+
+
 def submit(st: ServerState, kind: str, args: dict, owner: str | None) -> str:
     """Queue a command no client waits for by seq_id (a sampler's load, a release); its request id."""
     rid = st.futures.create(kind, owner)
@@ -365,8 +378,7 @@ def _future_and_checkpoint_routes(app: FastAPI, st: ServerState) -> None:
         directory, _ = st.checkpoint_target(run, kind, name)
         if not (directory / META).is_file():
             return JSONResponse({"detail": "no such checkpoint"}, 404)
-        (directory / META).unlink()  # out of the listing first: a half-deleted checkpoint is never listed
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_checkpoint(directory)
         return {}
 
     @app.get(V1 + "/shardfit/status")

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from shardfit.errors import ShardfitError
-from shardfit.sampling.params import MAX_TOPK
+from shardfit.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOPK
 
 MAX_SAMPLES = 256
 DEFAULT_MAX_TOKENS = 16
@@ -58,7 +58,7 @@ class SaveWeightsBody(_Body):
     path: str | None = None
     sampling_session_seq_id: int | None = None
     kind: str | None = None  # snapshot (a frozen version) | inflight (the model's live weights)
-    ttl_seconds: float | None = None  # the sampler's version is freed after this long
+    ttl_seconds: float | None = None  # a named save expires after this long; an unnamed one's version is freed
 
 
 class LoadWeightsBody(_Body):
@@ -210,6 +210,10 @@ def sample_args(body: SampleBody, vocab: int, max_len: int, eos_ids: set[int], h
     elif stop is not None:
         raise ShardfitError(f"stop={shown(stop)}", where=f"{where} sampling_params.stop",
                             fix="send a string, a list of strings, a list of token ids, or null")
+    if len(stop_strings) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop_strings):
+        raise ShardfitError(f"{len(stop_strings)} stop strings, the longest {max(map(len, stop_strings))} characters",
+                            where=f"{where} sampling_params.stop",
+                            fix=f"send at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
     if stop_strings and not has_tokenizer:
         raise ShardfitError("stop strings need the model's tokenizer, and this server has none",
                             where=f"{where} sampling_params.stop", fix="send stop token ids")

@@ -22,17 +22,19 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import shutil
 import signal
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
 from shardfit.serve.futures import FutureStore
 from shardfit.serve.ordering import Scheduler
+from shardfit.serve.schemas import shown
 from shardfit.serve.security import check_segment, checkpoint_dir, parse_tinker_path
 
 META = ".tinker.json"  # beside a saved checkpoint's files: what the listings show (serve/listings.py)
@@ -62,6 +64,10 @@ class ModelFacts:
         numbers of trainable parameters than it asked for, silently. A server without LoRA trains every parameter:
         a client asking for LoRA (a rank > 0; the SDK always sends one) would train every parameter with the learning
         rate it chose for adapters, silently; rank=0 asks for every parameter."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            # raw JSON may send "8" or true: compared below as a number it reads as a rank it is not
+            raise ShardfitError(f"rank={shown(rank)} is not an integer >= 0", where=where,
+                                fix=f"send rank as a JSON integer ({self.lora_rank} on this server)")
         if not self.lora_rank and rank:
             raise ShardfitError(f"this server trains every parameter (started without --lora.rank), not LoRA "
                                 f"adapters of rank {rank}", where=where,
@@ -175,6 +181,9 @@ class ServerState:
         Without LoRA the Engine holds one model: a second create_model would train the first one's weights, so it is
         refused; a model made from a saved state (/load_weights) takes the one model over, and the model it
         replaces is refused from then on (its client would train the loaded weights)."""
+        if model_seq_id < 0:  # the SDK numbers its training clients 0, 1, ...: a negative one is a hand-made request
+            raise ShardfitError(f"model_seq_id={model_seq_id} is negative", where=f"{where} model_seq_id",
+                                fix="send a model_seq_id >= 0 (the SDK numbers its training clients itself)")
         model_id = check_segment(f"{session_id}:train:{model_seq_id}", "model_id")  # the SDK rebuilds this id itself
         with self.lock:
             if model_id in self.models:  # the Engine refuses it too, after this record was overwritten
@@ -342,22 +351,36 @@ class ServerState:
                                 fix="load it on a server started with the --lora.targets it was saved with")
         return directory, tinker_path
 
-    def checkpoint_meta(self, tinker_path: str, kind: str, model_id: str) -> str:
+    def checkpoint_meta(self, tinker_path: str, kind: str, model_id: str, ttl_s: float | None = None) -> str:
         """The listings' entry of a checkpoint (serve/listings.py), written beside its files once they are complete:
-        what get_weights_info_by_tinker_path and a training run listed after a restart report."""
+        what get_weights_info_by_tinker_path and a training run listed after a restart report. With ttl_s, Tinker's
+        expires_at: a wall-clock time, as the checkpoint outlives the server (read_meta expires it)."""
         with self.lock:
             base_model = self.models.get(model_id, {}).get("base_model", self.facts.base_model)
+        expires = {"expires_at": (datetime.now(timezone.utc) + timedelta(seconds=ttl_s)).isoformat()} if ttl_s else {}
         return json.dumps({"tinker_path": tinker_path, "checkpoint_type": "training" if kind == "weights"
                            else "sampler", "time": now_iso(), "model_id": model_id, "base_model": base_model,
-                           **self.facts.lora_fields()})
+                           **self.facts.lora_fields(), **expires})
 
 
 def read_meta(directory: Path) -> dict | None:
-    """A checkpoint's META, or None where there is none (being written, deleted, not ours) or it lacks the fields
-    every listing shows."""
+    """A checkpoint's META, or None where there is none (being written, deleted, not ours), it lacks the fields
+    every listing shows, or its ttl_seconds have passed: every listing and load looks a checkpoint up here, so an
+    expired one is deleted when it is next looked at, as sampling sessions past their ttl are (no thread of its own)."""
     with contextlib.suppress(OSError, ValueError):
         meta = json.loads((directory / META).read_text(encoding="utf-8"))
         if (isinstance(meta, dict) and isinstance(meta.get("tinker_path"), str) and isinstance(meta.get("time"), str)
                 and meta.get("checkpoint_type") in ("training", "sampler")):
+            expires = meta.get("expires_at")
+            if expires is not None and not isinstance(expires, str):
+                return None  # not one serve wrote
+            if expires is not None and datetime.fromisoformat(expires) <= datetime.now(timezone.utc):
+                remove_checkpoint(directory)
+                return None
             return meta  # else not one serve wrote: a listing the SDK could not read is never answered
     return None
+
+
+def remove_checkpoint(directory: Path) -> None:
+    (directory / META).unlink(missing_ok=True)  # out of the listing first: a half-deleted checkpoint is never listed
+    shutil.rmtree(directory, ignore_errors=True)
