@@ -4,7 +4,11 @@ A TrainingClient numbers its requests 1, 2, 3, ... (fwd/bwd chunks, optim, save,
 one call arrive concurrently, the first one last, and step k+1 is sent before step k is read.
 So a model's command with seq_id n waits here until n-1 has been released; commands without a model (sampling)
 are ready at once. Ready commands run in the order they became ready. A seq_id refused before it became a command
-(`skip`) is counted as released, so a bad request never blocks the ones after it.
+(`skip`) is counted as released, so a bad request never blocks the ones after it. So is a seq_id that never
+arrives: the SDK numbers a request before it sends it, and a request that fails inside the client (a value it cannot
+serialise) leaves its number unused, where every later request of that client would wait for ever. After `gap_s`
+seconds (serve.seq_gap_s; 0: wait for ever) of a model's oldest waiting command waiting, the missing numbers are
+skipped with one line in the log, and one that arrives afterwards is refused as a reused seq_id.
 `take_following` hands the loop the ready commands right behind the one it took, while they are of a kind that runs
 together (sample requests, batched into one Engine.sample call): never past another command, so nothing overtakes
 what became ready before it (a sample never runs before the optim_step, snapshot or sampler_load ahead of it).
@@ -14,6 +18,7 @@ rule: never past another command.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +36,9 @@ class Pending:
 
 
 class Scheduler:
-    def __init__(self):
+    def __init__(self, gap_s: float = 0.0, log: Callable[[str], None] | None = None):
+        self.gap_s = gap_s  # how long a command waits for an earlier seq_id that never arrives (0: for ever)
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._cond = threading.Condition()
         self._next: dict[str, int] = {}  # model_id -> the seq_id it releases next
         self._skipped: dict[str, set[int]] = {}
@@ -94,14 +101,40 @@ class Scheduler:
         """The oldest ready command, waiting up to `timeout` s; None when there is none (or after close)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self._ready and not self._closed:
+            while True:
+                gap = self._skip_gaps()
+                if self._ready or self._closed:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._cond.wait(left)
+                self._cond.wait(left if gap is None else min(left, gap))
             if self._closed and not self._ready:
                 return None
             return self._ready.pop(0)  # in release order: a model's commands by seq_id, never by arrival
+
+    def _skip_gaps(self) -> float | None:
+        """(Lock held.) Skip the missing seq_ids of each model whose oldest waiting command has waited gap_s (module
+        docstring), one log line each; the seconds until the next model's would be skipped (None: none waits)."""
+        if not self.gap_s or not self._waiting:
+            return None
+        oldest: dict[str, Pending] = {}
+        for (m, n), p in self._waiting.items():
+            if m not in oldest or n < oldest[m].seq_id:
+                oldest[m] = p
+        now, soonest = time.monotonic(), None
+        for m, p in oldest.items():
+            wait = p.arrived + self.gap_s - now
+            if wait > 0:
+                soonest = wait if soonest is None else min(soonest, wait)
+                continue
+            first, last = self._next[m], p.seq_id - 1
+            self._log(f"shardfit serve: model '{m}': seq_id {first}{'' if first == last else f'..{last}'} never "
+                      f"arrived in {self.gap_s:g} s (numbered by its client, never sent: a request that failed in "
+                      f"the client); seq_id {p.seq_id} and the ones after it run")
+            self._skipped[m].update(range(first, last + 1))
+            self._release(m)
+        return soonest
 
     def take_following(self, fits: Callable[[Pending], bool]) -> list[Pending]:
         """The ready commands at the head of the queue, in order, while `fits` takes each (it may count what it took:

@@ -143,7 +143,7 @@ def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_k
     facts.token_budget = budget() if budget is not None else 0
     extra = {name: model_facts(c, name) for name, c in served_configs(cfg).items()} if served else {}
     state = ServerState(facts, run_dir, setup_api_key(host, run_dir, api_key), poll_s=poll_s,
-                        max_body=max_body, served=[f for f, _ in extra.values()])
+                        max_body=max_body, served=[f for f, _ in extra.values()], seq_gap_s=cfg.serve.seq_gap_s)
 
     def queue_wait(rid: str) -> float:
         t = state.futures.timing(rid)

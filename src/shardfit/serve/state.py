@@ -125,10 +125,10 @@ def now_iso() -> str:
 
 class ServerState:
     def __init__(self, facts: ModelFacts, run_dir: Path, api_key: str | None, *, max_body: int = 256 << 20,
-                 poll_s: float = 20.0, served: list[ModelFacts] = ()):
+                 poll_s: float = 20.0, served: list[ModelFacts] = (), seq_gap_s: float = 0.0):
         self.facts, self.run_dir, self.api_key, self.max_body = facts, run_dir, api_key, max_body
         self.served = list(served)  # the frozen extra models (--serve.models), sampled and scored only
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(gap_s=seq_gap_s)
         self.futures = FutureStore(poll_s=poll_s)
         self.lock = threading.Lock()
         self.sessions: dict[str, dict] = {}
