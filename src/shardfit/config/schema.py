@@ -372,7 +372,7 @@ class ServeConfig:
                            "(a version is its adapters), 2 without (each a copy of every weight)", ge=0)
     max_models: int = opt(0, "LoRA training models held at most (create_model past it is refused, 400); 0: no "
                              "limit (shardfit plan --models says how many fit)", ge=0)
-    seq_gap_s: float = opt(120.0, "seconds a training model's request waits for an earlier seq_id that never "
+    seq_gap_s: float = opt(300.0, "seconds a training model's request waits for an earlier seq_id that never "
                                   "arrives (numbered by its client, never sent: a request that failed in the client) "
                                   "before the missing numbers are skipped, with a line in the log; 0: wait for ever",
                            ge=0)
