@@ -66,10 +66,16 @@ def test_logprobs_are_the_full_forwards(model):
     assert res.samples[0].tokens != res.samples[1].tokens  # two samples, two draws
 
 
-def test_scoring_a_prompt_alone(model):
-    """max_tokens=0 with prompt_logprobs (Tinker's compute_logprobs): the prompt's log-probs, no sample."""
+@pytest.mark.parametrize("chunk,head_rows", [(4, None), (16, 3)], ids=["chunks-of-4", "one-chunk-scored-by-3"])
+def test_scoring_a_prompt_alone(model, monkeypatch, chunk, head_rows):
+    """max_tokens=0 with prompt_logprobs (Tinker's compute_logprobs): the prompt's log-probs, no sample; a prefill
+    chunk longer than HEAD_ROWS is scored HEAD_ROWS positions a head call (its logits' memory bounded), the same."""
+    import shardfit.sampling.runner as runner
+
+    if head_rows:
+        monkeypatch.setattr(runner, "HEAD_ROWS", head_rows)
     prompt = _prompt(11, 2)
-    [res] = Sampler(model, kv_blocks=16, block_size=4, prefill_chunk=4).run(
+    [res] = Sampler(model, kv_blocks=16, block_size=4, prefill_chunk=chunk).run(
         [SampleRequest(prompt, SamplingParams(0), prompt_logprobs=True)])
     with torch.no_grad():
         full = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), -1)

@@ -53,6 +53,10 @@ from shardfit.sampling.step import RowState, pack_outputs, packed_decode_step, p
 
 # The KV cache on the CPU, where free memory says little: this many tokens (a stated count, not a fraction).
 CPU_KV_TOKENS = 65536
+# prompt positions whose log-probs one head call scores: fp32 logits and their log_softmax, 2 x 512 x 151,936 x 4 B =
+# 0.6 GB at Qwen's vocabulary, whatever prefill_chunk is (2,048 by default: unsplit, 2.5 GB beside the KV pool, which
+# takes kv_fraction of the memory free after the weights and leaves the rest for these)
+HEAD_ROWS = 512
 
 
 class SampleHandle:
@@ -211,9 +215,12 @@ class Sampler:
         """Log-probs of the prompt tokens a+1..b from the chunk's hidden states h [S, D] (positions a..b-1)."""
         req = job.request.req
         n = min(b, len(req.prompt) - 1) - a  # positions whose next prompt token is known
-        if n > 0 and (req.prompt_logprobs or req.topk_prompt_logprobs):
-            logits = self._head(h[:n], req.adapter)  # [n, V]
-            targets = self._upload(req.prompt[a + 1:a + 1 + n])
+        if not (req.prompt_logprobs or req.topk_prompt_logprobs):
+            return
+        for s0 in range(0, max(n, 0), HEAD_ROWS):  # the fp32 logits [<= HEAD_ROWS, V] and their log_softmax at a time
+            s1 = min(n, s0 + HEAD_ROWS)
+            logits = self._head(h[s0:s1], req.adapter)
+            targets = self._upload(req.prompt[a + 1 + s0:a + 1 + s1])
             job.request.prompt_parts.append(token_logprobs(logits, targets, req.topk_prompt_logprobs))
 
     def _head(self, h: torch.Tensor, adapter: int) -> torch.Tensor:
