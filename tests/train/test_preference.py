@@ -78,6 +78,8 @@ def test_a_resumed_full_run_reads_the_reference_its_start_wrote(tmp_path, capsys
 
 @pytest.mark.parametrize("extra, key", [
     (["--train.micro_batch_tokens=0"], "train.micro_batch_tokens"),
+    # not first the micro_batch multiple, whose fix ("use a multiple of micro_batch") would lead to this one
+    (["--train.micro_batch_tokens=0", "--train.global_batch=2"], "train.micro_batch_tokens"),
     (["--train.micro_batch_tokens=48"], "train.micro_batch_tokens"),
     (["--train.eval_every=2"], "train.eval_every"),  # without a validation set
 ])

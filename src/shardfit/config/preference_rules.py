@@ -1,6 +1,7 @@
-"""The [preference] section's part of the loader: the data.* and preference.* keys that preference training
-(preference.objective, docs/preference.md) would ignore, each refused in one line naming the key and the fix rather
-than run as a silent approximation of what was asked (config/loader.py runs them with its own rules).
+"""The [preference] section's part of the loader: the token-budget rows preference training needs (a pair in one
+row), and the data.* and preference.* keys that preference training (preference.objective, docs/preference.md) would
+ignore, each refused in one line naming the key and the fix rather than run as a silent approximation of what was
+asked (config/loader.py runs them with its own rules, before its micro_batch check).
 
 What preference training reads of [data]: data.path / val_path / val_fraction, data.file_format, data.seq_len,
 data.seed, data.tokenizer and data.chat_template. Its records' layout is detected per record ({prompt?, chosen,
@@ -39,4 +40,12 @@ PREFERENCE_RULES: tuple[tuple[str, Any, Any, Any], ...] = (
      lambda c: f"{c.preference.label_smoothing} smooths the dpo and simpo losses only, not "
                f"preference.objective={c.preference.objective}",
      lambda c: "drop preference.label_smoothing, or use preference.objective=dpo (conservative DPO) or simpo"),
+    # in the loader's rules, which run before its micro_batch check (and the launcher's), so that a micro_batch
+    # multiple is never asked for: its fix would lead here
+    ("train.micro_batch_tokens", lambda c: _on(c) and not c.train.micro_batch_tokens,
+     lambda c: "preference training packs each pair (chosen and rejected) into one token-budget row",
+     lambda c: f"set --train.micro_batch_tokens={2 * c.data.seq_len} (at least 2 x data.seq_len)"),
+    ("train.micro_batch_tokens", lambda c: _on(c) and 0 < c.train.micro_batch_tokens < 2 * c.data.seq_len,
+     lambda c: f"{c.train.micro_batch_tokens} cannot hold a pair of two sequences of data.seq_len={c.data.seq_len}",
+     lambda c: f"set it to at least {2 * c.data.seq_len}, or lower data.seq_len"),
 )

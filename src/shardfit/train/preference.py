@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 
 from shardfit.config import Config
-from shardfit.config.shape import StepShape
 from shardfit.data.preference import PreferencePairs
 from shardfit.engine import Engine
 from shardfit.engine.preference import PairObjective
@@ -49,16 +48,8 @@ REFERENCE_VAL_FILE = "reference_logprobs_val.npz"  # the held-out units'
 
 
 def check_preference_config(cfg: Config) -> None:
-    """What preference training needs of the rest of the config, one line each."""
-    shape = StepShape.of(cfg)
-    if not shape.by_tokens:
-        raise ShardfitError("preference training packs each pair (chosen and rejected) into one token-budget row",
-                            where="train.micro_batch_tokens",
-                            fix=f"set --train.micro_batch_tokens={2 * cfg.data.seq_len} (at least 2 x data.seq_len)")
-    if shape.budget < 2 * cfg.data.seq_len:
-        raise ShardfitError(f"train.micro_batch_tokens={shape.budget} cannot hold a pair of two sequences of "
-                            f"data.seq_len={cfg.data.seq_len}", where="train.micro_batch_tokens",
-                            fix=f"set it to at least {2 * cfg.data.seq_len}, or lower data.seq_len")
+    """What preference training needs of the rest of the config beyond the loader's rules (config/preference_rules.py:
+    its token-budget rows), one line each."""
     if cfg.parallel.sequence_parallel > 1:
         raise ShardfitError("a pair's log-prob sums are taken within one rank's row; sequence parallelism splits it",
                             where="parallel.sequence_parallel", fix="set parallel.sequence_parallel=1")
