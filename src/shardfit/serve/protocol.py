@@ -2,9 +2,10 @@
 SampleResponse out (the schema is the SDK's own, tinker.proto.tinker_public_pb2, tinker 0.38.0).
 
 Shapes: a datum's model input is its chunks' int32 token bytes concatenated, [L]; every loss_fn_input is [L]
-(dense, or CSR densified here and then refused as any [L, k]: every served loss reads one value per token, and the
-Engine refuses anything else). Outputs go back as one ArrayRecord per run of datums whose fields agree in dtype and
-trailing shape, each field a BatchedTensor (the datums' bytes concatenated, byte offsets [n+1] int64).
+(dense; a CSR or dense [L, k] is refused from its declared shape before it is expanded: every served loss reads
+one value per token, and the Engine refuses anything else). Outputs go back as one ArrayRecord per run of datums
+whose fields agree in dtype and trailing shape, each field a BatchedTensor (the datums' bytes concatenated, byte
+offsets [n+1] int64).
 Everything a request carries is checked here, on rank 0, before any rank sees it, and each tensor's declared shape
 before it is expanded: L against the model's context and the Engine's token budget, a tensor's leading dimension
 against L, its values per token against the vocabulary, and the values of all of a request's tensors against
@@ -67,10 +68,10 @@ class ValueBudget:
 
 
 def tensor_from_proto(msg, where: str, rows: int | None = None, max_width: int | None = None,
-                      budget: ValueBudget | None = None) -> np.ndarray:
+                      budget: ValueBudget | None = None, flat: bool = False) -> np.ndarray:
     """A pb.Tensor as a dense numpy array: float32 (bfloat16 widened) or int64 (int32 widened). With rows: its shape
     must be [rows, ...] with at most max_width values per row, and budget takes its values, before anything is
-    expanded."""
+    expanded; with flat too, it must be [rows] (refused before a CSR [rows, k] is expanded)."""
     dtype = _NP.get(msg.dtype)
     if dtype is None:
         raise _bad(f"unsupported tensor dtype {msg.dtype}", where, "send float32 or int64 tensors")
@@ -88,6 +89,9 @@ def tensor_from_proto(msg, where: str, rows: int | None = None, max_width: int |
                    f"({max_width:,})", where, "send at most one value per vocabulary entry per token")
     if budget is not None:
         budget.take(shape or [len(msg.dense) // np.dtype(dtype).itemsize], where)
+    if flat and rows is not None and len(shape) > 1:  # every served loss reads one value per token (rl/datum.py)
+        raise _bad(f"shape {shape} is not [{rows}]: the served losses take one value per token", where,
+                   f"send a 1-D tensor of {rows} values ([L, k] inputs are not served)")
     if sparse:
         csr = msg.sparse_csr
         values = _widen(_frombuffer(csr.values, dtype, where), msg.dtype)
@@ -179,13 +183,10 @@ def decode_datum(d, where: str, loss_fn: str, vocab: int, max_len: int, token_bu
     inputs = {}
     for name, t in d.loss_fn_inputs.items():
         at = f"{where}.loss_fn_inputs[{name}]"
-        a = tensor_from_proto(t, at, rows=L, max_width=vocab, budget=budget)
+        a = tensor_from_proto(t, at, rows=L, max_width=vocab, budget=budget, flat=True)
         if a.ndim == 0 or a.shape[0] != L:
             raise _bad(f"shape {list(a.shape)} does not start with the model input's length {L}", at,
                        "send one value per input token")
-        if a.ndim != 1:  # every served loss reads one value per token: the Engine refuses [L, k] (rl/datum.py)
-            raise _bad(f"shape {list(a.shape)} is not [{L}]: the served losses take one value per token", at,
-                       f"send a 1-D tensor of {L} values ([L, k] inputs are not served)")
         if a.dtype == np.float32 and not np.isfinite(a).all():
             raise _bad("holds a NaN or an infinity", at, "send finite values")
         inputs[name] = a
