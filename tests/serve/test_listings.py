@@ -167,3 +167,15 @@ def test_a_named_save_with_ttl_seconds_expires(served):
     too_long = c.http.post("/save_weights", headers=c.key, json={"model_id": c.model_id, "seq_id": c.next_seq(),
                                                                  "path": "w-forever", "ttl_seconds": 1e300})
     assert too_long.status_code == 400 and "ttl_seconds=1e+300 is beyond 10 years" in too_long.json()["detail"]
+
+
+def test_a_meta_whose_expires_at_has_no_time_zone_is_not_ours(tmp_path):
+    """read_meta compares expires_at with an aware now: a naive one (not written by serve) is skipped as any META
+    serve did not write, never an exception in a listing."""
+    import json
+
+    from shardfit.serve.state import META, read_meta
+
+    (tmp_path / META).write_text(json.dumps({"tinker_path": "tinker://r/weights/x", "time": "t",
+                                             "checkpoint_type": "training", "expires_at": "2026-01-01T00:00:00"}))
+    assert read_meta(tmp_path) is None and (tmp_path / META).is_file()  # not ours: left as it is

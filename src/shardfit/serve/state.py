@@ -367,7 +367,8 @@ def read_meta(directory: Path) -> dict | None:
     """A checkpoint's META, or None where there is none (being written, deleted, not ours), it lacks the fields
     every listing shows, or its ttl_seconds have passed: every listing and load looks a checkpoint up here, so an
     expired one is deleted when it is next looked at, as sampling sessions past their ttl are (no thread of its own)."""
-    with contextlib.suppress(OSError, ValueError):
+    # TypeError: an expires_at without a time zone (not one serve wrote) cannot be compared with now
+    with contextlib.suppress(OSError, ValueError, TypeError):
         meta = json.loads((directory / META).read_text(encoding="utf-8"))
         if (isinstance(meta, dict) and isinstance(meta.get("tinker_path"), str) and isinstance(meta.get("time"), str)
                 and meta.get("checkpoint_type") in ("training", "sampler")):
