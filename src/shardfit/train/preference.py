@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from shardfit.config import Config
 from shardfit.data.preference import PreferencePairs
@@ -161,6 +162,8 @@ class PreferenceSteps:
                 self.reference[id(data)] = self.compute_reference(engine, beat, data)
         finally:
             engine.using("default" if lora else None)
+        if engine.device.type == "cuda":  # once, before step 1: the no-grad pass's blocks, cached in shapes the
+            torch.cuda.empty_cache()      # step does not reuse, would otherwise stay reserved beside the step's
         units = sum(d.num_windows for d, _ in sets)
         say(f"reference log-probs of {units:,} {self.pairs.unit} in {time.perf_counter() - t0:.1f} s ("
             + ("the frozen base, adapters off" if lora else "the starting model") + ")")
