@@ -68,3 +68,10 @@ class SignalInterrupt(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+def shown(value) -> str:
+    """A value as an error message quotes it: its repr, cut short (a long number or string stays a short line; JSON
+    itself refuses integers beyond 4,300 digits, which repr could not print)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardfit.config.adam_rules import ADAM_DEFAULTS, adam_values
 from shardfit.config.schema import TrainConfig
-from shardfit.errors import ShardfitError
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, offload: str = "none"
@@ -60,12 +60,12 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, lr: float, betas: tupl
 class AdamParams:
     """One optimizer step's hyperparameters (Tinker's names and defaults)."""
 
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0: no clipping
+    learning_rate: float = ADAM_DEFAULTS["learning_rate"]
+    beta1: float = ADAM_DEFAULTS["beta1"]
+    beta2: float = ADAM_DEFAULTS["beta2"]
+    eps: float = ADAM_DEFAULTS["eps"]
+    weight_decay: float = ADAM_DEFAULTS["weight_decay"]
+    grad_clip_norm: float = ADAM_DEFAULTS["grad_clip_norm"]  # 0: no clipping
 
     @classmethod
     def of_train(cls, cfg: TrainConfig, lr: float) -> AdamParams:
@@ -74,13 +74,5 @@ class AdamParams:
 
 
 def check_adam(p: AdamParams) -> None:
-    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-        v = getattr(p, name)
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ShardfitError(f"{name}={v!r} must be a finite number >= 0", where=f"adam_params.{name}",
-                                fix="pass a finite, non-negative value")
-    if not (p.beta1 < 1 and p.beta2 < 1):
-        raise ShardfitError("beta1 and beta2 must be below 1", where="adam_params", fix="e.g. beta1=0.9, beta2=0.95")
-    if p.eps < 1e-45:  # 0 in float32: a zero gradient (LoRA's A at first) steps by 0 / 0, NaN weights for good
-        raise ShardfitError(f"eps={p.eps!r} divides by zero where a gradient is zero, leaving NaN weights",
-                            where="adam_params.eps", fix="pass a positive eps (Tinker's default is 1e-12)")
+    """The in-process caller's step hyperparameters, by the rule serve applies to a request (config/adam_rules.py)."""
+    adam_values(vars(p), "adam_params")

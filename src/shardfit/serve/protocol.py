@@ -153,22 +153,26 @@ def parse_forward_backward(body: bytes):
     return msg
 
 
-def check_forward_backward(msg, vocab: int, max_len: int, token_budget: int = 0,
-                           max_values: int | None = None) -> list[WireDatum]:
+def check_forward_backward(msg, vocab: int, max_len: int, token_budget: int = 0, max_values: int | None = None,
+                           options_need: dict[str, str] | None = None) -> list[WireDatum]:
     """The request's datums, each checked against the model (vocabulary, max_len), the Engine's token budget (a
-    datum longer than one micro-batch; 0: none) and the loss, before any tensor is expanded (module docstring)."""
+    datum longer than one micro-batch; 0: none) and the loss, before any tensor is expanded (module docstring).
+    options_need: the inputs the loss's options add (kl_coef: ref_logprobs), each with the fix to name."""
     if msg.loss_fn not in LOSSES:
         raise _bad(f"unknown loss_fn '{msg.loss_fn[:80]}'", "/forward_backward loss_fn",
                    f"use one of {', '.join(LOSSES)} (or forward_backward_custom)")
     if not msg.data:
         raise _bad("no datums", "/forward_backward data", "send at least one datum")
     budget = ValueBudget(max_values)
-    return [decode_datum(d, f"data[{i}]", msg.loss_fn, vocab, max_len, token_budget, budget)
+    needs = {name: f"loss_fn={msg.loss_fn} needs {name}" for name in REQUIRED_INPUTS[msg.loss_fn]}
+    needs.update({name: fix for name, fix in (options_need or {}).items() if name not in needs})
+    return [decode_datum(d, f"data[{i}]", needs, vocab, max_len, token_budget, budget)
             for i, d in enumerate(msg.data)]
 
 
-def decode_datum(d, where: str, loss_fn: str, vocab: int, max_len: int, token_budget: int = 0,
+def decode_datum(d, where: str, needs: dict[str, str], vocab: int, max_len: int, token_budget: int = 0,
                  budget: ValueBudget | None = None) -> WireDatum:
+    """needs: each input the loss needs -> the fix a datum without it is told."""
     tokens = chunk_tokens(d.model_input, where)
     L = len(tokens)
     if L == 0:
@@ -190,9 +194,9 @@ def decode_datum(d, where: str, loss_fn: str, vocab: int, max_len: int, token_bu
         if a.dtype == np.float32 and not np.isfinite(a).all():
             raise _bad("holds a NaN or an infinity", at, "send finite values")
         inputs[name] = a
-    for name in REQUIRED_INPUTS[loss_fn]:
+    for name, fix in needs.items():
         if name not in inputs:
-            raise _bad(f"'{name}' is missing", f"{where}.loss_fn_inputs", f"loss_fn={loss_fn} needs {name}")
+            raise _bad(f"'{name}' is missing", f"{where}.loss_fn_inputs", fix)
     target = inputs["target_tokens"]
     if target.dtype != np.int64 or target.ndim != 1:
         raise _bad("target_tokens must be int64 [L]", f"{where}.loss_fn_inputs[target_tokens]",

@@ -23,7 +23,7 @@ from shardfit.errors import ShardfitError
 from shardfit.serve import schemas as s
 from shardfit.serve.commands import Command, datums_to_json
 from shardfit.serve.futures import Result
-from shardfit.serve.protocol import check_forward_backward, loss_config, parse_forward_backward
+from shardfit.serve.protocol import LOSSES, check_forward_backward, loss_config, parse_forward_backward
 from shardfit.serve.security import check_segment, parse_tinker_path
 from shardfit.serve.state import BASE, LIVE, META, VERSION, ServerState, remove_checkpoint
 
@@ -207,16 +207,14 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
         from shardfit.rl.losses import PAIR_LOSSES, resolve_loss
         from shardfit.rl.preference import check_pair_config
 
-        datums = check_forward_backward(msg, facts.vocab_size, facts.max_seq_len, facts.token_budget,
-                                        max_values=st.max_body // 4)  # a dense body's float32 values at most
         config = loss_config(msg)
-        spec = resolve_loss(msg.loss_fn, config)  # the Engine's own check of each option, before any rank sees it
-        for i, d in enumerate(datums):  # the inputs an option adds (kl_coef: ref_logprobs) as the loss's own are
-            for name in spec.required:
-                if name not in d.inputs:
-                    raise ShardfitError(f"'{name}' is missing", where=f"data[{i}].loss_fn_inputs",
-                                        fix=f"send {name} (one value per token) with loss_fn_config.kl_coef, or "
-                                            "leave kl_coef out" if spec.kl_coef else f"send {name}")
+        # the Engine's own check of each option, before any rank sees it (an unknown loss_fn: the protocol's line)
+        spec = resolve_loss(msg.loss_fn, config) if msg.loss_fn in LOSSES else None
+        added = {name: f"send {name} (one value per token) with loss_fn_config.kl_coef, or leave kl_coef out"
+                 for name in (spec.required if spec is not None and spec.kl_coef else ())}
+        datums = check_forward_backward(msg, facts.vocab_size, facts.max_seq_len, facts.token_budget,
+                                        max_values=st.max_body // 4,  # a dense body's float32 values at most
+                                        options_need=added)
         if msg.loss_fn in PAIR_LOSSES:  # and a preference loss's (its options, pairs, KTO's labels)
             check_pair_config(msg.loss_fn, config, datums)
         return Queued("forward_backward", {"datums": datums_to_json(datums), "loss_fn": msg.loss_fn,

@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from shardfit.errors import ShardfitError
+from shardfit.config.adam_rules import adam_values
+from shardfit.errors import ShardfitError, shown
 from shardfit.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOPK
 
 MAX_SAMPLES = 256
@@ -98,37 +99,12 @@ class RetrieveBody(_Body):
     request_id: str
 
 
-ADAM_KEYS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
-             "grad_clip_norm": 0.0}
-
-
 def adam_args(body: OptimStepBody) -> dict[str, float]:
-    """adam_params with Tinker's defaults filled in, every value a finite number in range."""
+    """adam_params with Tinker's defaults filled in, every value a finite number in range (config/adam_rules.py)."""
     if body.adam_params is None:
         raise ShardfitError("only Adam is served" if body.optimizer_params else "adam_params is missing",
                             where="/optim_step", fix="send adam_params (types.AdamParams)")
-    out = {}
-    for key, default in ADAM_KEYS.items():
-        v = body.adam_params.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ShardfitError(f"{key}={shown(v)} is not a finite number >= 0", where="/optim_step adam_params",
-                                fix=f"send a number (Tinker's default is {default})")
-        out[key] = float(v)
-    for key in ("beta1", "beta2"):
-        if out[key] >= 1:
-            raise ShardfitError(f"{key}={out[key]} must be below 1", where="/optim_step adam_params",
-                                fix=f"send a value in [0, 1) (default {ADAM_KEYS[key]})")
-    if out["eps"] < 1e-45:  # 0 in float32: a zero gradient (LoRA's A at first) steps by 0 / 0, NaN for good
-        raise ShardfitError(f"eps={out['eps']} divides by zero where a gradient is zero, leaving NaN weights",
-                            where="/optim_step adam_params.eps", fix="send a positive eps (Tinker's default is 1e-12)")
-    return out
-
-
-def shown(value) -> str:
-    """A client's value as an error message quotes it: its repr, cut short (a long number or string stays a short
-    line; JSON itself refuses integers beyond 4,300 digits, which repr could not print)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return adam_values(body.adam_params, "/optim_step adam_params")
 
 
 def prompt_tokens(prompt: dict, vocab: int) -> list[int]:
