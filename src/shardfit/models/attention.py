@@ -15,6 +15,12 @@ Kernels, on q [B, S, H, Dh] and k/v [B, S, K, Dh] (grouped-query: K divides H):
           take the call) once per document, each output written into its slice of the row. One custom operator
           (shardfit::doc_sdpa) runs the whole loop, so a compiled block sees one opaque node and never recompiles
           for another layout; the documents reach it as a host tensor (no device sync). It has no backward.
+Branches (shared prefixes): sequences that begin with the same tokens may be packed as one document that is a prefix
+tree, the common prefix (the trunk, branch id 0) once, then each sequence's remainder (branch 1, 2, ...), its RoPE
+positions continuing the trunk's. A branch token attends to the trunk and to earlier tokens of its own branch, never
+to another branch: each sequence sees exactly what it would see alone, and the trunk is computed once (rl/pack.py:
+a preference pair's prompt). sdpa and flex take branch ids; varlen and cudnn_docs do not (FlashAttention's
+cumulative lengths describe contiguous key ranges only), and such a micro-batch is packed without sharing.
 compute.doc_attention=auto takes flex on CUDA (varlen for short rows, or where FlexAttention is missing), for
 passes with and without gradients alike: Engine.forward's log-probs are then those forward_backward computes (with
 cudnn_docs for the no-grad pass they differed by bf16 rounding through every layer, enough to move a PPO step's
@@ -62,12 +68,19 @@ class DocumentMask:
     bounds: torch.Tensor | None = None  # cudnn_docs: the same as a host int64 tensor [docs, 3], the op's argument
 
     @staticmethod
-    def build(position_ids: torch.Tensor, kernel: str, device: torch.device) -> DocumentMask | None:
+    def build(position_ids: torch.Tensor, kernel: str, device: torch.device,
+              branch: torch.Tensor | None = None) -> DocumentMask | None:
         """From the full position ids [B, S] of a micro-batch, on the host. None when every row is one document
-        from its first token: plain causal attention is then exactly the masked one."""
+        from its first token: plain causal attention is then exactly the masked one. branch [B, S] (host, int):
+        documents that are prefix trees (BRANCHES in the module docstring); None or all 0: none."""
         doc = document_ids(position_ids)
-        if not bool(doc[:, -1].any()):  # the last token of every row is in the row's first document
+        if branch is not None and not bool(branch.any()):
+            branch = None
+        if branch is None and not bool(doc[:, -1].any()):  # every row's last token is in its first document
             return None
+        if branch is not None and kernel not in BRANCHED_KERNELS:
+            raise ValueError(f"the {kernel} attention kernel has no mask for shared prefixes (branch ids): the "
+                             f"caller packs sequences apart for it ({', '.join(BRANCHED_KERNELS)} have one)")
         B, S = doc.shape
         if kernel == "varlen":
             # Number the documents of the flattened [B*S] tokens consecutively (row b's first one after all of the
@@ -77,12 +90,15 @@ class DocumentMask:
             cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
             return DocumentMask("varlen", cu_seqlens=to_device(cu, device), max_seqlen=int(lengths.max()))
         if kernel == "flex":
-            return DocumentMask("flex", block_mask=document_block_mask(doc, device))
+            return DocumentMask("flex", block_mask=document_block_mask(doc, device, branch))
         if kernel == "cudnn_docs":
             return document_bounds_mask(doc)
         doc = doc.to(device)
         causal = torch.ones(S, S, dtype=torch.bool, device=device).tril_()
         dense = (doc[:, :, None] == doc[:, None, :]) & causal  # [B, S, S]
+        if branch is not None:  # a key of another branch of the same tree is not seen
+            br = branch.to(device)
+            dense &= (br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])
         return DocumentMask("sdpa", dense=dense[:, None])
 
 
@@ -101,16 +117,21 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 FLEX_BLOCK = 128
 
 
-def _same_document_causal(doc: torch.Tensor):
-    """The element mask FlexAttention evaluates inside partial blocks: same document, key not after the query."""
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+def _same_document_causal(doc: torch.Tensor, branch: torch.Tensor | None = None):
+    """The element mask FlexAttention evaluates inside partial blocks: same document, key not after the query; with
+    branch ids, the key in the trunk or in the query's own branch."""
+    if branch is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            key = branch[b, kv_idx]
+            return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx) & ((key == 0) | (key == branch[b, q_idx]))
 
     return mask_mod
 
 
-def document_block_mask(doc: torch.Tensor, device: torch.device):
+def document_block_mask(doc: torch.Tensor, device: torch.device, branch: torch.Tensor | None = None):
     """FlexAttention's BlockMask over [B, 1, S, S] for document ids doc [B, S] (document_ids: host, sorted rows),
     made from the blocks' first and last document ids alone, never from the [S, S] element mask.
 
@@ -137,7 +158,15 @@ def document_block_mask(doc: torch.Tensor, device: torch.device):
     shared = below & (last[:, None, :] == first[:, :, None])  # [B, n, n]
     whole_q = begin + FLEX_BLOCK <= S  # [n] query blocks of FLEX_BLOCK real tokens
     full = shared & (first[:, None, :] == last[:, :, None]) & whole_q[:, None]
-    partial = (shared & ~full) | torch.eye(n, dtype=torch.bool)
+    empty = torch.zeros_like(shared)
+    if branch is not None:  # branches (module docstring): blocks of mixed branches stay partial, never full
+        lo, hi = _block_range(branch)  # [B, n] each: the smallest and largest branch id of each block's tokens
+        one = lo == hi  # [B, n]: the block's tokens all in one branch (or all in the trunk)
+        same = one[:, :, None] & one[:, None, :] & (lo[:, :, None] == lo[:, None, :])  # [B, query i, key j]
+        full &= (hi[:, None, :] == 0) | same  # every key in the trunk, or in the queries' one branch
+        # queries all in one branch, keys all in another (not the trunk): nothing is seen, whatever the documents
+        empty = one[:, :, None] & one[:, None, :] & (lo[:, :, None] > 0) & (lo[:, None, :] > 0) & ~same
+    partial = (shared & ~full & ~empty) | torch.eye(n, dtype=torch.bool)
 
     def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, n, n] bool -> kv_num_blocks [B, 1, n] and kv_indices [B, 1, n, n] (int32, on device): each query
@@ -146,8 +175,18 @@ def document_block_mask(doc: torch.Tensor, device: torch.device):
         count = blocks.sum(-1, dtype=torch.int32)
         return to_device(count[:, None], device), to_device(order.to(torch.int32)[:, None], device)
 
-    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=_same_document_causal(to_device(doc, device)), seq_lengths=(S, S))
+    mod = _same_document_causal(to_device(doc, device), to_device(branch, device) if branch is not None else None)
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mod,
+                                    seq_lengths=(S, S))
+
+
+def _block_range(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S] -> the smallest and largest value of each FLEX_BLOCK-token block [B, n] (a short last block: of its
+    real tokens, the row padded with its last value)."""
+    B, S = values.shape
+    n = -(-S // FLEX_BLOCK)
+    padded = torch.cat([values, values[:, -1:].expand(B, n * FLEX_BLOCK - S)], 1).view(B, n, FLEX_BLOCK)
+    return padded.amin(-1), padded.amax(-1)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -160,7 +199,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def document_block_mask_reference(doc: torch.Tensor, device: torch.device):
+def document_block_mask_reference(doc: torch.Tensor, device: torch.device, branch: torch.Tensor | None = None):
     """The BlockMask as create_block_mask builds it from the element mask (what shardfit did before
     document_block_mask): it evaluates the mask_mod on all B x S x S (query, key) pairs at once, so its transients
     grow with S^2 (the benchmark's mask-memory case measures them). Kept as the tests' and the benchmark's
@@ -169,7 +208,8 @@ def document_block_mask_reference(doc: torch.Tensor, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, S = doc.shape
-    return create_block_mask(_same_document_causal(doc.to(device)), B, None, S, S, device=str(device))
+    mod = _same_document_causal(doc.to(device), branch.to(device) if branch is not None else None)
+    return create_block_mask(mod, B, None, S, S, device=str(device))
 
 
 def document_bounds_mask(doc: torch.Tensor) -> DocumentMask:
@@ -282,6 +322,7 @@ def _flex(q, k, v, mask: DocumentMask) -> torch.Tensor:
 
 
 KERNELS = {"sdpa": _dense_masked, "varlen": _varlen, "flex": _flex, "cudnn_docs": _cudnn_docs}
+BRANCHED_KERNELS = ("sdpa", "flex")  # the kernels whose masks take branch ids (shared prefixes)
 
 
 # Below this many tokens a row, Inductor lowers FlexAttention to its decoding kernel, which in torch 2.11 has no
