@@ -18,7 +18,11 @@ each; a case that has too little left is recorded as skipped):
               Variants (not in the default --cases; suffixes, combinable): sf-lora8b-noac no AC, 4,096-token rows
               (SFT's fastest, at more memory); -8k / -4k rows of 8,192 / 4,096 tokens (TRL's memory: session 23's
               16,384-token rows peaked at 1.33x TRL's); -fp8 the frozen base's matmuls in FP8 (tensorwise, torchao,
-              carried in benchmarks/wheels_dpo), the adapters in bf16
+              carried in benchmarks/wheels_dpo), the adapters in bf16; -apart chosen and rejected as two
+              documents (compute.share_prefix=false: the prompt computed twice, as before session 24); -3p rows of
+              3 pairs sharing their prompt, 3 x (511 + 2 x 512) = 4,605 tokens (rows are whole [1, T]: a 4,096-token
+              row holds 2 pairs of 1,535 tokens as it holds 2 of 2,046, so sharing saves row work only where T fits
+              more pairs; with 16 pairs a step: 6 rows of 4,605 against 8 of 4,096)
   trl-lora8b  TRL DPOTrainer + PEFT on transformers' LlamaForCausalLM of the same shape, bf16 weights, LoRA r=16
               alpha 32 target_modules all-linear, as TRL documents it for one GPU: bf16, gradient checkpointing
               (non-reentrant), SDPA (flash_attention_2 when flash_attn is installed), precompute_ref_log_probs
@@ -67,7 +71,9 @@ CAPS = {"sf-lora8b": 170, "trl-lora8b": 170, "sf-full1b": 100, "trl-full1b": 100
 # a shardfit label's variants after its case (sf-lora8b-8k-fp8): (activation checkpointing, micro_batch_tokens, more
 # overrides), None keeping --sf-ac / --sf-budget
 VARIANTS = {"noac": ("none", 4096, []), "8k": (None, 8192, []), "4k": (None, 4096, []),
-            "fp8": (None, None, ["--compute.fp8=tensorwise"])}
+            "fp8": (None, None, ["--compute.fp8=tensorwise"]),
+            "apart": (None, None, ["--compute.share_prefix=false"]),  # chosen and rejected as two documents
+            "3p": (None, "3p", [])}  # rows of exactly 3 pairs as prefix trees (TRL's memory; see the docstring)
 RESULT = "DPO_RESULT "  # the worker's line (the Trainer prints its logs as Python dicts)
 MIN_START = 0.5  # a case is not started with less than this fraction of its cap left of the budget
 
@@ -102,6 +108,8 @@ def run_shardfit(a, label: str, shape: str, lora: bool, data: Path, cap: int) ->
     ac, budget, extra = a.sf_ac, a.sf_budget, []
     for v in label.split("-")[2:]:
         v_ac, v_budget, v_extra = VARIANTS[v]
+        if v_budget == "3p":  # 3 pairs, each the prompt less its last token once, then the 2 answers with it
+            v_budget = 3 * ((a.prompt - 1) + 2 * (a.answer + 1))
         ac, budget, extra = v_ac or ac, v_budget or budget, extra + v_extra
     run_dir = Path(tempfile.mkdtemp(prefix="dpo-sf-"))
     seq = a.prompt + a.answer  # labels a side keeps: prompt + answer + EOS, shifted

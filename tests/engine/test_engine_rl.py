@@ -434,8 +434,8 @@ def _forward_by_kernel(rank, world):
     datums = _datums(_reference_model(engine), [9, 20, 5, 14, 3, 11])
     built, build = [], attention.DocumentMask.build
 
-    def spy(position_ids, kernel, device):
-        mask = build(position_ids, kernel, device)
+    def spy(position_ids, kernel, device, branch=None):
+        mask = build(position_ids, kernel, device, branch)
         built.append(kernel if mask is not None else None)  # None: every row one document, no mask
         return mask
 

@@ -21,19 +21,19 @@ CASES = {"dpo": {"beta": 0.5, "label_smoothing": 0.1}, "ipo": {"beta": 0.3}, "si
          "kto": {"beta": 0.4, "desirable": DESIRABLE, "kl": 0.3, "desirable_weight": 1.2, "undesirable_weight": 0.8}}
 
 
-def _pairs(seed=0):
-    """Datums in pairs with a 2-token prompt masked out (mask 0) and reference log-probs."""
+def _pairs(seed=0, prompt_len=2):
+    """Datums in pairs with a prompt masked out (mask 0) and reference log-probs."""
     from shardfit.rl import make_datum
 
     rng = np.random.default_rng(seed)
     out = []
     for lengths in LENGTHS:
-        prompt = rng.integers(0, 256, 2)
+        prompt = rng.integers(0, 256, prompt_len)
         for L in lengths:
             seq = np.concatenate([prompt, rng.integers(0, 256, L)])
-            mask = np.r_[np.zeros(1), np.ones(L)]  # label t is token t + 1: the completion's L labels
+            mask = np.r_[np.zeros(prompt_len - 1), np.ones(L)]  # label t is token t + 1: the completion's L labels
             out.append(make_datum(seq[:-1], target_tokens=seq[1:], mask=mask,
-                                  ref_logprobs=rng.normal(-5.5, 0.5, L + 1)))
+                                  ref_logprobs=rng.normal(-5.5, 0.5, L + prompt_len - 1)))
     return out
 
 
@@ -74,18 +74,19 @@ def _hand_written(model, datums, case, cfg):
     return torch.stack(losses).mean()
 
 
-def _grads_vs_reference(rank, world):
+def _grads_vs_reference(rank, world, prompt_len=2, extra=()):
     from shardfit.config import load_config
     from shardfit.models import build_model
     from shardfit.rl import DatumEngine
 
-    engine = DatumEngine.start(load_config(None, ARGS))
+    engine = DatumEngine.start(load_config(None, [*ARGS, *extra]))
     ref = build_model(engine.cfg.model, loss_chunk=engine.cfg.compute.loss_chunk)
     ref.init_weights(engine.cfg.train.seed)
-    datums = _pairs()
+    datums = _pairs(prompt_len=prompt_len)
     report = {}
     for case, cfg in CASES.items():
         res = engine.forward_backward(datums, case, cfg)
+        report.setdefault("logprobs", []).append([o["logprobs"].tolist() for o in res.outputs])
         got = {}
         for name, p in engine.model.named_parameters():
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -107,10 +108,35 @@ def _grads_vs_reference(rank, world):
 def test_pair_losses_gradient_equals_hand_written(world):
     reports = run_ranks(_grads_vs_reference, world)
     for report in reports:
+        report.pop("logprobs")
         for case, r in report.items():
             assert r["err"] < 1e-4, (case, r)
             assert abs(r["loss"] - r["want"]) < 1e-5 * max(1.0, abs(r["want"])), (case, r)
             assert 0.0 <= r["acc"] <= 1.0
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_shared_prompt_computed_once_gives_the_gradients_and_logprobs_of_pairs_packed_apart(world):
+    """compute.share_prefix: each pair's 11-token prompt as one prefix tree (10 trunk tokens computed once, rows of
+    40 tokens holding more pairs) against the same pairs packed apart; both against the hand-written reference."""
+    from shardfit.rl.pack import plan_datums, shared_prefix
+    from shardfit.rl.preference import pair_coefficients
+
+    datums = _pairs(prompt_len=11)
+    _, masks = pair_coefficients(datums)
+    trunks = [shared_prefix(datums[i], datums[i + 1], masks[i], masks[i + 1]) for i in range(0, len(datums), 2)]
+    assert trunks == [10] * len(LENGTHS)  # the prompt less its last token, whose label is each answer's first
+    shared, apart = (plan_datums(datums, 44, 1, 1, pairs=True, trunks=t) for t in (trunks, None))
+    assert shared.micro_batches < apart.micro_batches  # fewer rows: the test's pass differs from the other
+    on, off = (run_ranks(_grads_vs_reference, world, 11, extra)
+               for extra in ((), ("--compute.share_prefix=false",)))
+    for a, b in zip(on, off):
+        for case in CASES:
+            assert a[case]["err"] < 1e-4 and b[case]["err"] < 1e-4, (case, a[case], b[case])
+            assert abs(a[case]["loss"] - b[case]["loss"]) < 1e-5 * max(1.0, abs(b[case]["loss"]))
+        for x, y in zip(a["logprobs"], b["logprobs"]):
+            for u, v in zip(x, y):
+                np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
 
 
 def test_pair_metrics_follow_trl_definitions():

@@ -33,7 +33,7 @@ from shardfit.errors import LAUNCHER_PID, ShardfitError
 # ---- old spellings --------------------------------------------------------------------------------------------------
 
 UNTIL = "0.3"  # the release that drops the old spellings
-NEW_IN_COMPUTE = frozenset({"ac_blocks"})  # [compute] keys added after the split: never in [parallel]
+NEW_IN_COMPUTE = frozenset({"ac_blocks", "share_prefix"})  # [compute] keys added after the split: never in [parallel]
 RENAMED: dict[str, str] = {f"parallel.{f.name}": f"compute.{f.name}" for f in dataclasses.fields(ComputeConfig)
                            if f.name not in NEW_IN_COMPUTE}
 # a key whose old meaning is told by its value: (the key those values belong to now, the values)

@@ -45,11 +45,11 @@ class PackedBatch:
 def pack_local(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None, real_tokens: float,
                kernel: str, device: torch.device, sp_rank: int = 0, sp: int = 1, coef: torch.Tensor | None = None,
                inputs: dict[str, torch.Tensor] | None = None, scored: torch.Tensor | None = None,
-               slots: torch.Tensor | None = None) -> PackedBatch:
+               slots: torch.Tensor | None = None, branch: torch.Tensor | None = None) -> PackedBatch:
     """A whole micro-batch [b, S] (host tensors) -> this rank's PackedBatch. position_ids None: every row is one
     document (no mask). real_tokens: the whole micro-batch's, shared evenly over the sequence-parallel group so
-    that the sum over ranks counts each token once."""
-    mask = DocumentMask.build(position_ids, kernel, device) if position_ids is not None else None
+    that the sum over ranks counts each token once. branch [b, S]: prefix trees' branch ids (models/attention.py)."""
+    mask = DocumentMask.build(position_ids, kernel, device, branch) if position_ids is not None else None
     if mask is None:
         position_ids = None  # every row is one document: the model's own 0..S-1
     b, S = input_ids.shape

@@ -6,6 +6,12 @@ data.seq_len x train.micro_batch), bin b going to data-parallel rank b % dp. Eac
 end to end as documents (positions restart at 0, document mask), padding at the end with coefficient 0. Under
 sequence parallelism the sp ranks of a data-parallel rank share its rows and take T/sp columns each.
 
+A preference pair whose two sequences begin with the same tokens (its prompt) may be planned as one prefix tree
+(`trunks`, models/attention.py "Branches"): the trunk's tokens once, then each sequence's remainder with its RoPE
+positions continuing the trunk's; a sequence's outputs are then read from the trunk's columns and its branch's. A
+trunk token carries no loss for either sequence (shared_prefix ends it at the first counted token), so computing it
+once changes no gradient: each sequence sees the same keys it sees alone.
+
 Each row becomes the Engine's PackedBatch (engine/batch.py: the document mask built from the whole row, then the
 sequence-parallel cut). Outputs come back in one all-gather of [M x T/sp] values per rank (in the Engine's one
 collective of the pass): rank r =
@@ -30,7 +36,15 @@ from shardfit.rl.datum import Datum
 class Placement:
     dp: int  # data-parallel rank
     m: int  # micro-batch
-    start: int  # first column in the [1, T] row
+    start: int  # first column in the [1, T] row of the datum's first token not in a trunk
+    trunk: int = 0  # its first `trunk` tokens are the shared ones at columns trunk_start ..
+    trunk_start: int = 0
+    branch: int = 0  # with a trunk: 1 for the pair's first datum, 2 for its second (models/attention.py's ids)
+
+    def columns(self, length: int) -> np.ndarray:
+        """[length]: the row's column of each of the datum's tokens."""
+        return np.concatenate([np.arange(self.trunk_start, self.trunk_start + self.trunk),
+                               np.arange(self.start, self.start + length - self.trunk)])
 
 
 @dataclass
@@ -43,12 +57,24 @@ class DatumPlan:
     where: list[Placement]  # per datum
 
 
-def plan_datums(datums: list[Datum], budget: int, dp: int, sp: int, pairs: bool = False) -> DatumPlan:
+def shared_prefix(a: Datum, b: Datum, counted_a: np.ndarray, counted_b: np.ndarray) -> int:
+    """The tokens two datums can share as a trunk: their common first tokens with the same targets and no counted
+    token, leaving each at least one token of its own."""
+    n = min(len(a), len(b)) - 1
+    same = (a.tokens[:n] == b.tokens[:n]) & (a.inputs["target_tokens"][:n] == b.inputs["target_tokens"][:n]) \
+        & ~counted_a[:n] & ~counted_b[:n]
+    return int(n if same.all() else np.argmin(same))
+
+
+def plan_datums(datums: list[Datum], budget: int, dp: int, sp: int, pairs: bool = False,
+                trunks: list[int] | None = None) -> DatumPlan:
     """pairs: datums 2k and 2k + 1 are one item of the packer (a preference pair, engine/preference.py): the same
-    row, end to end, never split across rows or ranks."""
+    row, end to end, never split across rows or ranks. trunks (pairs only, one per pair): the tokens the pair's
+    sequences share as a prefix tree (shared_prefix; 0: packed apart)."""
     lengths = [len(d) for d in datums]
     group = 2 if pairs else 1
-    items = [sum(lengths[i:i + group]) for i in range(0, len(lengths), group)]
+    trunks = trunks if trunks is not None and pairs else [0] * (len(lengths) // group)
+    items = [sum(lengths[i:i + group]) - (group - 1) * trunks[i // group] for i in range(0, len(lengths), group)]
     longest = max(items)
     if longest > budget:
         i = items.index(longest) * group
@@ -63,8 +89,16 @@ def plan_datums(datums: list[Datum], budget: int, dp: int, sp: int, pairs: bool 
         for m, items in enumerate(rank_bins):
             start = 0
             for i in items:
-                where[i] = Placement(r, m, start)
-                start += lengths[i]
+                t = trunks[i // group]
+                if t and i % group == 0:  # the pair's first datum lays the trunk, its second shares it
+                    where[i] = Placement(r, m, start + t, t, start, 1)
+                    start += lengths[i]
+                elif t:
+                    where[i] = Placement(r, m, start, t, where[i - 1].trunk_start, 2)
+                    start += lengths[i] - t
+                else:
+                    where[i] = Placement(r, m, start)
+                    start += lengths[i]
     return DatumPlan(budget, len(bins[0]), dp, sp, bins, where)
 
 
@@ -80,23 +114,25 @@ def datum_batches(plan: DatumPlan, datums: list[Datum], coefs: list[np.ndarray] 
     names = {k for k in names if all(k in d.inputs for d in datums)}  # the inputs every datum has
     out = []
     for items in plan.bins[dp_rank]:
-        ids, labels, pos, inputs, coef, score, real = pack_row(plan.budget, datums, items, coefs, names, scored)
+        ids, labels, pos, branch, inputs, coef, score, real = pack_row(plan, datums, items, coefs, names, scored)
         slots = None
         if models is not None:  # [1, T]: each token's model, -1 in the tail
             slots = torch.full((1, plan.budget), -1, dtype=torch.long)
-            s = 0
             for i in items:
-                slots[0, s:s + len(datums[i])] = models[i]
-                s += len(datums[i])
-        out.append(pack_local(ids, labels, pos, real, kernel, device, sp_rank, plan.sp, coef, inputs, score, slots))
+                slots[0, plan.where[i].columns(len(datums[i]))] = models[i]
+        out.append(pack_local(ids, labels, pos, real, kernel, device, sp_rank, plan.sp, coef, inputs, score, slots,
+                              branch))
     return out
 
 
-def pack_row(T: int, datums: list[Datum], items: list[int], coefs: list[np.ndarray] | None, names: set[str],
-         scored: list[np.ndarray] | None):
+def pack_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: list[np.ndarray] | None,
+             names: set[str], scored: list[np.ndarray] | None):
     """The [1, T] row of the datums `items`: ids (pad 0), labels (-100 in the tail), positions (restarting at 0 at
-    each datum and at the tail), the loss inputs (0 in the tail; "datum": each token's datum index, -1 in the
-    tail), the coefficients (0 in the tail), the scored tokens, and the real tokens."""
+    each datum and at the tail; a branch's continuing its trunk's), branch ids (None without trunks), the loss
+    inputs (0 in the tail; "datum": each token's datum index, -1 in the tail), the coefficients (0 in the tail), the
+    scored tokens, and the real tokens. A trunk is written by both datums of its pair with the same tokens and
+    targets, and no coefficient or scored token (shared_prefix): the second writer changes nothing read."""
+    T = plan.budget
     ids = np.zeros(T, dtype=np.int64)
     labels = np.full(T, -100, dtype=np.int64)
     targets = np.full(T, -100, dtype=np.int64)  # every datum token's target, in the loss or not (the mean's outputs)
@@ -105,22 +141,25 @@ def pack_row(T: int, datums: list[Datum], items: list[int], coefs: list[np.ndarr
     inputs = {k: np.zeros(T, dtype=np.float32) for k in names}
     index = np.full(T, -1, dtype=np.float32)
     score = np.zeros(T, dtype=bool) if scored is not None else None
+    branch = np.zeros(T, dtype=np.int64)
     s = 0
     for i in items:
-        d, L = datums[i], len(datums[i])
-        ids[s:s + L] = d.tokens
-        labels[s:s + L] = targets[s:s + L] = d.inputs["target_tokens"]
+        d, L, w = datums[i], len(datums[i]), plan.where[i]
+        c = w.columns(L)  # [L]: contiguous from s without a trunk
+        ids[c] = d.tokens
+        labels[c] = targets[c] = d.inputs["target_tokens"]
         if coefs is None and "weights" in d.inputs:  # the mean cross-entropy: weight 0 is no label
-            labels[s:s + L][d.inputs["weights"] == 0] = -100
-        pos[s:s + L] = np.arange(L)
+            labels[c[d.inputs["weights"] == 0]] = -100
+        pos[c] = np.arange(L)
+        branch[c[w.trunk:]] = w.branch
         if coefs is not None:
-            coef[s:s + L] = coefs[i]
-        index[s:s + L] = i
+            coef[c] = coefs[i]
+        index[c] = i
         if score is not None:
-            score[s:s + L] = scored[i]
+            score[c] = scored[i]
         for k in names:
-            inputs[k][s:s + L] = d.inputs[k]
-        s += L
+            inputs[k][c] = d.inputs[k]
+        s = max(s, int(c[-1]) + 1)
     pos[s:] = np.arange(T - s)  # the padded tail is a document of its own
     t = lambda x: torch.from_numpy(x)[None]  # noqa: E731  [1, T]
     per_token = {k: t(v) for k, v in inputs.items()}
@@ -128,8 +167,8 @@ def pack_row(T: int, datums: list[Datum], items: list[int], coefs: list[np.ndarr
         per_token["datum"] = t(index)
     else:  # the mean cross-entropy reports each target's log-prob, weight 0 included (engine/losses.py)
         per_token["target_tokens"] = t(targets)
-    return (t(ids), t(labels), t(pos), per_token, t(coef) if coefs is not None else None,
-            t(score) if score is not None else None, s)
+    return (t(ids), t(labels), t(pos), t(branch) if branch.any() else None, per_token,
+            t(coef) if coefs is not None else None, t(score) if score is not None else None, s)
 
 
 def unpack(plan: DatumPlan, datums: list[Datum], gathered: torch.Tensor) -> list[np.ndarray]:
@@ -138,4 +177,4 @@ def unpack(plan: DatumPlan, datums: list[Datum], gathered: torch.Tensor) -> list
     local = T // sp
     g = gathered.float().numpy().reshape(plan.dp, sp, M, local)
     rows = g.transpose(0, 2, 1, 3).reshape(plan.dp, M, T)  # [dp, M, T]: the sp slices side by side
-    return [rows[w.dp, w.m, w.start:w.start + len(d)].copy() for d, w in zip(datums, plan.where)]
+    return [rows[w.dp, w.m, w.columns(len(d))] for d, w in zip(datums, plan.where)]
