@@ -182,6 +182,14 @@
 #             Cap CLIENTS_CAP, 490 s; CLIENTS_ARGS adds options (--parts memory, --total-steps 32, ...). JSON
 #             $OUT/clients.json: summary multi_client_aggregate {1, 4, 16, sequential16}, multi_client_vs_one,
 #             model_gib, version_gib, plan_ratio, models_fit, sdk_vs_inprocess, peak_vs_plan
+#   multi-ab  session 24: a pass of several models under compile, before and after lora_stack's per-layer
+#             _Layer (55ea422): bench_multi_model.py on the 8B shape (LoRA r=16 all-linear, full AC, compiled,
+#             4,096-token rows), K = 3 models x 8 datums of 960 tokens, one pass against 3 passes, from .old/src (carry
+#             .old: `git archive 6cd7213 src | tar -x -C .old`) then from src; each cap 270 s. Before
+#             the fix dynamo compiled a variant per block and ran the blocks past recompile_limit (8) eager: its log
+#             says "hit config.recompile_limit" and one_pass_over_sequential should be ~0.6 (the clients benchmark's
+#             1.6x); after, no such line and ~0.9-1.0 (the stacked adapter's K-fold FLOPs: ~2% at K = 3).
+#             $OUT/mm_old.json, $OUT/mm_new.json and their logs
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -385,6 +393,12 @@ for stage in "$@"; do
     clients)  # issue 35: concurrent SDK training clients, a model's and a version's memory against the plan
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       env CUDA_VISIBLE_DEVICES=0 timeout ${CLIENTS_CAP:-560} python3 benchmarks/bench_clients.py --budget $((${CLIENTS_CAP:-560} - 20)) ${CLIENTS_ARGS:-} --out "$OUT/clients.json" 2>&1 | tee "$OUT/clients.log" | grep -v '^{' | grep -v "^Retrying request" | tail -30 ;;
+    multi-ab)  # session 24: compiled multi-model pass, .old/src (before the per-layer stack) then src
+      MM="--models 3 --datums 8 --length 960 --steps 2 --warmup 1"
+      MMO="--model.qk_norm=true --model.rope_theta=1000000 --model.norm_eps=1e-6 --model.vocab_size=151936 --model.n_kv_heads=8 --model.head_dim=128 --model.dim=4096 --model.n_layers=36 --model.n_heads=32 --model.ffn_dim=12288 --model.tie_embeddings=false --train.micro_batch_tokens=4096 --data.seq_len=4096 --model.max_seq_len=40960 --train.device=cuda --logging.run_dir=/tmp/mmrun --logging.progress=none --compute.compile=true --lora.rank=16 --lora.alpha=32 --lora.targets=all-linear --compute.activation_checkpoint=full"
+      for t in old new; do tree=src; [ $t = old ] && tree=.old/src
+        env CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD/$tree timeout 270 python3 benchmarks/bench_multi_model.py $MM --out "$OUT/mm_$t.json" -- $MMO > "$OUT/mm_$t.log" 2>&1
+        echo "$t rc=$?"; grep -E '^\{|recompile_limit|Error' "$OUT/mm_$t.log" | cut -c1-400; done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

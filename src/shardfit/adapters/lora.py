@@ -62,7 +62,8 @@ class LoRAModule:
 
 
 class _LinearAdapter(LoRAModule):
-    lora_stack = None  # a pass of several models: adapters/lora_stack.py's AdapterStack, used instead of A and B
+    # a pass of several models: this layer's share of adapters/lora_stack.py's AdapterStack, used instead of A and B
+    lora_stack = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)

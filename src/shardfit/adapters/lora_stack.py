@@ -25,6 +25,15 @@ for passes of several models, whatever K. Left to torch.compile's automatic dyna
 compiled a graph for K = 2 and the first pass of another K a second one (a recompile of every block's forward and
 backward in the middle of a served step), and each variant counts against the recompile limit past which dynamo
 falls back to eager.
+
+Each layer reaches its own A_all and B_all through its own attribute (`install` puts a _Layer holding them on the
+layer as `lora_stack`), never through an index of the layer: the blocks share one compiled graph only while
+nothing in the traced code tells one block's layers from another's. Looking the layer up by `id(mod)` (session 23)
+made dynamo guard on each layer object's identity (ID_MATCH), so every block of a pass of several models compiled
+a graph of its own, the 8th variant of the block's forward hit torch._dynamo's recompile_limit, and the blocks past
+it ran EAGER in every pass of several models from then on (no further recompile to see, and silently): on the 8B
+shape's 36 blocks, ~30 of them, which is what made such a pass ~1.6x slower per token than one model's
+(benchmarks/results/2026-12-07_s24_h100x1_clients.json; tests/adapters/test_lora_stack.py counts it).
 """
 
 from __future__ import annotations
@@ -50,11 +59,12 @@ class AdapterStack:
     def __init__(self, modules: list[nn.Module], a: list[torch.Tensor], b: list[torch.Tensor], n_models: int,
                  rank: int, dtype: torch.dtype):
         self.modules, self.a, self.b = modules, a, b
-        self.index = {id(m): j for j, m in enumerate(modules)}
         self.n_models, self.rank, self.dtype = n_models, rank, dtype
         self.mask: torch.Tensor | None = None  # [N, K*r] of the current micro-batch
         for t in (*a, *b):  # K*r dynamic under compile (module docstring: one graph for every K)
             _dynamic(t, 0)
+        # one per layer, each holding that layer's tensors (module docstring: no lookup by the layer's identity)
+        self.layers = [_Layer(self, ta, tb) for ta, tb in zip(a, b)]
 
     def set_rows(self, slots: torch.Tensor) -> None:
         """slots [N] (long): each token's model, -1 for none, in the order of the layers' flattened inputs."""
@@ -63,22 +73,36 @@ class AdapterStack:
         _dynamic(self.mask, 1)
 
     def delta(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """[..., out]: each token's own model's adapter on x [..., in] (module docstring)."""
-        j = self.index[id(mod)]
-        flat = x.reshape(-1, x.shape[-1])
-        if mod.lora_dropout:
-            flat = F.dropout(flat, mod.lora_dropout, mod.training)
-        if self.mask is None or self.mask.shape[0] != flat.shape[0]:
-            raise RuntimeError(f"AdapterStack: {flat.shape[0]} tokens, the rows set are "
-                               f"{None if self.mask is None else self.mask.shape[0]}")
-        d = multi_lora(flat, self.a[j].to(self.dtype), self.b[j].to(self.dtype), self.mask) * mod.lora_scale
-        return d.view(*x.shape[:-1], d.shape[-1])
+        """[..., out]: each token's own model's adapter on x [..., in] (module docstring); mod one of `modules`.
+        Eager callers only (tests): the layers themselves go through their installed _Layer."""
+        return self.layers[self.modules.index(mod)].delta(mod, x)
 
     def install(self) -> None:
-        for m in self.modules:
-            m.lora_stack = self
+        for m, layer in zip(self.modules, self.layers):
+            m.lora_stack = layer
 
     def remove(self) -> None:
         for m in self.modules:
             m.__dict__.pop("lora_stack", None)
         self.mask = None
+
+
+class _Layer:
+    """One layer's share of an AdapterStack: its A_all [K*r, in] and B_all [K*r, out], and the stack (the current
+    micro-batch's mask, the compute dtype). Installed as the layer's `lora_stack`, so that what the traced forward
+    reads is reached from the layer itself, the same path in every block (module docstring)."""
+
+    def __init__(self, stack: AdapterStack, a: torch.Tensor, b: torch.Tensor):
+        self.stack, self.a, self.b = stack, a, b
+
+    def delta(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """[..., out]: each token's own model's adapter on x [..., in] (module docstring)."""
+        flat = x.reshape(-1, x.shape[-1])
+        if mod.lora_dropout:
+            flat = F.dropout(flat, mod.lora_dropout, mod.training)
+        mask, dtype = self.stack.mask, self.stack.dtype
+        if mask is None or mask.shape[0] != flat.shape[0]:
+            raise RuntimeError(f"AdapterStack: {flat.shape[0]} tokens, the rows set are "
+                               f"{None if mask is None else mask.shape[0]}")
+        d = multi_lora(flat, self.a.to(dtype), self.b.to(dtype), mask) * mod.lora_scale
+        return d.view(*x.shape[:-1], d.shape[-1])

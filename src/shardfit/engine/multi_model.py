@@ -140,11 +140,18 @@ def _stack(engine, layers: list[nn.Module], models: list[str], grad: bool) -> Ad
 
 
 def _counts(batches: list[PackedBatch], k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per model, this rank's loss tokens and real tokens [K] each (float64), counted on the host (no sync)."""
-    tokens = [sum(int(((bt.labels != -100) & (bt.slots == j)).sum()) for bt in batches) for j in range(k)]
-    real = [sum(int((bt.slots == j).sum()) for bt in batches) for j in range(k)]
-    f64 = {"dtype": torch.float64, "device": device}
-    return torch.tensor(tokens, **f64), torch.tensor(real, **f64)
+    """Per model, this rank's loss tokens and real tokens [K] each (float64), counted on the host (no sync): one
+    bincount per micro-batch, not a count per model and micro-batch (K x M reads of host tensors: at K = 15 and the
+    57 micro-batches of the 8B clients benchmark, ~1,700 of them)."""
+    tokens = torch.zeros(k, dtype=torch.long)
+    real = torch.zeros(k, dtype=torch.long)
+    # bin 0 takes padding (slot -1) and, for the loss tokens, labels of -100: no boolean indexing, whose nonzero cost
+    # ~8 ms a [4096] row on a 2-core host where the whole count here takes ~2 ms for K = 15, M = 57 (was ~20 ms)
+    for bt in batches:
+        bins = bt.slots.flatten() + 1
+        real += torch.bincount(bins, minlength=k + 1)[1:]
+        tokens += torch.bincount(torch.where(bt.labels.flatten() != -100, bins, 0), minlength=k + 1)[1:]
+    return tokens.to(device=device, dtype=torch.float64), real.to(device=device, dtype=torch.float64)
 
 
 def _per_model_stats(stats: StepStats, k: int) -> list[StepStats]:
