@@ -32,8 +32,8 @@ nothing in the traced code tells one block's layers from another's. Looking the 
 made dynamo guard on each layer object's identity (ID_MATCH), so every block of a pass of several models compiled
 a graph of its own, the 8th variant of the block's forward hit torch._dynamo's recompile_limit, and the blocks past
 it ran EAGER in every pass of several models from then on (no further recompile to see, and silently): on the 8B
-shape's 36 blocks, ~30 of them, which is what made such a pass ~1.6x slower per token than one model's
-(benchmarks/results/2026-12-07_s24_h100x1_clients.json; tests/adapters/test_lora_stack.py counts it).
+shape's 36 blocks, ~30 of them (the slow passes of benchmarks/README.md's issue 35 section;
+tests/adapters/test_lora_stack.py counts the variants).
 """
 
 from __future__ import annotations
