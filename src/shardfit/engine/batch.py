@@ -10,6 +10,7 @@ object, and every rank of a sequence-parallel group builds the same one: no exch
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,33 @@ def pack_local(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torc
         inputs = {k: cut(v) for k, v in inputs.items()}
     return PackedBatch(input_ids, labels, position_ids, mask, b * S // sp, real_tokens / sp,
                        int((labels != -100).sum()), coef, inputs, scored, slots)
+
+
+class LazyBatches(Sequence):
+    """A pass's micro-batches, each made (host tensors and document mask) only when the pass reaches it: make(i) ->
+    the i-th PackedBatch. Why: a FlexAttention BlockMask costs milliseconds of host time per micro-batch (its build and
+    the transpose torch adds for the backward), and a list made before the pass spent all of them while the GPU sat
+    idle (Engine.forward of 11 micro-batches, session 24); made in the loop, each is built while the GPU still runs
+    the micro-batches queued before it, and one mask at a time is alive. The same batches, in the same order, as
+    the list. capacity: the micro-batches' total (Engine._pass's divisor), known without making any."""
+
+    def __init__(self, count: int, make: Callable[[int], PackedBatch], capacity: int):
+        self.count, self.make, self.capacity = count, make, capacity
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.count))]
+        if not -self.count <= i < self.count:
+            raise IndexError(i)
+        return self.make(i % self.count)
+
+
+def total_capacity(batches: Iterable[PackedBatch]) -> int:
+    """The tokens the micro-batches compute, padding included; of LazyBatches without making them."""
+    return batches.capacity if isinstance(batches, LazyBatches) else sum(b.capacity for b in batches)
 
 
 @dataclass

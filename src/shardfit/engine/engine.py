@@ -31,7 +31,7 @@ runs gets the gradients multiplied first. LoRA (docs/lora.md): the same step ove
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ from shardfit.adapters.lora import lora_summary
 from shardfit.config import Config
 from shardfit.config.shape import StepShape
 from shardfit.doctor.record import SnapshotRecorder
-from shardfit.engine.batch import PackedBatch, to_device_batch
+from shardfit.engine.batch import PackedBatch, to_device_batch, total_capacity
 from shardfit.engine.build import apply_alloc_conf, resolve_auto_checkpointing
 from shardfit.engine.losses import CrossEntropy, Loss
 from shardfit.engine.optim import build_optimizer
@@ -225,12 +225,14 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
         """Gradients of forward_backward passes wait for an optim_step."""
         return bool(self._pending)
 
-    def forward_backward(self, batches: list[PackedBatch], loss: Loss, fingerprint: int | None = None,
+    def forward_backward(self, batches: list[PackedBatch], loss: Loss,
+                         fingerprint: int | Callable[[], int] | None = None,
                          model: list[str] | None = None) -> StepStats | list[StepStats]:
         """Accumulate the gradients of these micro-batches (this rank's part of the step) under `loss`, then the
         pass's one collective. Every rank passes the same number of micro-batches of the same shapes. fingerprint
-        (< 2**52): what the caller was given, which must be the same on every rank (the RL API's datums): compared
-        in the pass's collective; a difference drops the gradients since the last optim_step and is one error.
+        (< 2**52, or a function returning it, called once the micro-batches are queued): what the caller was given,
+        which must be the same on every rank (the RL API's datums): compared in the pass's collective; a difference
+        drops the gradients since the last optim_step and is one error.
         model: a list of K LoRA models trained in this ONE pass (engine/multi_model.py: each token's model is its
         batch's `slots` entry, an index into the list); returns one StepStats per model, in the list's order, each
         pending for that model's own optim_step. One model is today's pass with that model in the slot."""
@@ -248,7 +250,7 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
         self._check_fingerprint(stats, fingerprint)
         return stats
 
-    def forward(self, batches: Iterable[PackedBatch], loss: Loss, fingerprint: int | None = None,
+    def forward(self, batches: Iterable[PackedBatch], loss: Loss, fingerprint: int | Callable[[], int] | None = None,
                 model: list[str] | None = None) -> StepStats | list[StepStats]:
         """The same pass without gradients (log-probs, validation). On one rank the weights are gathered once for the
         whole call where they fit (gather_once, parallel/gathered.py). model: a list of K LoRA models scored in
@@ -264,7 +266,7 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
         self._check_fingerprint(stats, fingerprint)
         return stats
 
-    def _check_fingerprint(self, stats: StepStats, fingerprint: int | None,
+    def _check_fingerprint(self, stats: StepStats, fingerprint: int | Callable[[], int] | None,
                            drop: Callable[[], None] | None = None) -> None:
         """Every rank reads the same rows: all raise or none does (no rank left in a collective). drop: what drops
         the gradients of a pass of several models (None: the slot's, when `stats` is its last pending pass)."""
@@ -292,15 +294,20 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
         return {"val_loss": stats.loss_sum / n if n else float("nan"), "val_tokens": int(n),
                 "val_s": time.perf_counter() - t0}
 
-    def _pass(self, batches: Iterable[PackedBatch], loss: Loss, backward: bool, fingerprint: int | None = None,
+    def _pass(self, batches: Iterable[PackedBatch], loss: Loss, backward: bool,
+              fingerprint: int | Callable[[], int] | None = None,
               after_backward: Callable[[], torch.Tensor] | None = None) -> StepStats:
-        """after_backward: a pass of several models (engine/multi_model.py): called after the last micro-batch (its
+        """fingerprint: forward_backward's, or a function returning it (called after the micro-batches).
+        after_backward: a pass of several models (engine/multi_model.py): called after the last micro-batch (its
         backward, if any), before the collective; what it returns (float64 [e]) rides at the end of each rank's
         stats row, and the slot's own gradient norm is not taken (its figures are per model, in those columns)."""
-        batches = list(batches) if backward else batches  # validation's may be a generator (one mask at a time)
+        # validation's may be a generator, the RL API's LazyBatches (engine/batch.py): both make one mask at a time,
+        # as the loop reaches it; a backward needs the count, so a generator is listed, a sequence is not
+        if backward and not isinstance(batches, Sequence):
+            batches = list(batches)
         count = len(batches) if backward else 0
         # the backward's divisor (engine/losses.py): C, this rank's capacity of the pass, for a mean over tokens
-        divisor = sum(b.capacity for b in batches) if backward and loss.mean_over_tokens else 1
+        divisor = total_capacity(batches) if backward and loss.mean_over_tokens else 1
         capacity = tokens = 0
         real = 0.0
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -335,6 +342,9 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
         if backward and self.on_micro_batch is not None:
             self.on_micro_batch(step, count, count)  # all done: the collective next
         extra = after_backward() if after_backward is not None else None
+        # a function (rl/step.py: the datums' hash, milliseconds of host time) is called here, once every micro-batch
+        # is queued: it runs under their GPU work instead of before the first one
+        fingerprint = fingerprint() if callable(fingerprint) else fingerprint
         rows, gathered = self._collect(loss_sum, tokens, real, outputs, grads=backward and extra is None,
                                        fingerprint=-1 if fingerprint is None else fingerprint, extra=extra)
         # Everything recorded so far (this pass, the previous step's optimizer) finished before that sync.

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from shardfit.data.batching import assign_bins
-from shardfit.engine.batch import PackedBatch, pack_local
+from shardfit.engine.batch import LazyBatches, PackedBatch, pack_local
 from shardfit.errors import ShardfitError
 from shardfit.rl.datum import Datum
 
@@ -104,25 +104,31 @@ def plan_datums(datums: list[Datum], budget: int, dp: int, sp: int, pairs: bool 
 
 def datum_batches(plan: DatumPlan, datums: list[Datum], coefs: list[np.ndarray] | None,
                   scored: list[np.ndarray] | None, dp_rank: int, sp_rank: int, kernel: str,
-                  device: torch.device, models: list[int] | None = None) -> list[PackedBatch]:
-    """This rank's micro-batches: the [1, T] rows of its bins, cut for sequence parallelism. coefs ([L] float32 per
+                  device: torch.device, models: list[int] | None = None) -> LazyBatches:
+    """This rank's micro-batches: the [1, T] rows of its bins, cut for sequence parallelism, each made when it is
+    read (LazyBatches; list() makes them all). coefs ([L] float32 per
     datum, rl/losses.py) for a per-token loss; None for the mean cross-entropy, whose labels are then -100 where
     the weight is 0. scored ([L] bool per datum, or None for every token): the tokens the output head scores.
     models (per datum, a pass of several models: its model's index in the pass's list): each token's slot, -1 in
     the tail (PackedBatch.slots)."""
     names = set().union(*(d.inputs for d in datums)) - {"target_tokens"} if coefs is not None else set()
     names = {k for k in names if all(k in d.inputs for d in datums)}  # the inputs every datum has
-    out = []
-    for items in plan.bins[dp_rank]:
+    bins = plan.bins[dp_rank]
+
+    def make(m: int) -> PackedBatch:
+        items = bins[m]
         ids, labels, pos, branch, inputs, coef, score, real = pack_row(plan, datums, items, coefs, names, scored)
         slots = None
         if models is not None:  # [1, T]: each token's model, -1 in the tail
             slots = torch.full((1, plan.budget), -1, dtype=torch.long)
             for i in items:
                 slots[0, plan.where[i].columns(len(datums[i]))] = models[i]
-        out.append(pack_local(ids, labels, pos, real, kernel, device, sp_rank, plan.sp, coef, inputs, score, slots,
-                              branch))
-    return out
+        return pack_local(ids, labels, pos, real, kernel, device, sp_rank, plan.sp, coef, inputs, score, slots,
+                          branch)
+
+    # made as the Engine's loop reaches each (engine/batch.py LazyBatches: the masks' host time under the GPU's work);
+    # each [1, T] row's capacity is T / sp, as pack_local counts it
+    return LazyBatches(len(bins), make, len(bins) * (plan.budget // plan.sp))
 
 
 def pack_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: list[np.ndarray] | None,

@@ -163,7 +163,9 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
     spec = resolve_loss(loss_fn, loss_fn_config)
     check_datums(datums, engine.cfg.model.vocab_size, spec.required)
     engine.release_sampler()  # the kept Sampler's KV pool and graphs: the pass's activations (engine/sampling.py)
-    given = fingerprint(datums)  # every rank must have been given these datums: checked in the pass's collective
+    # every rank must have been given these datums: checked in the pass's collective, hashed by the Engine once the
+    # pass's micro-batches are queued (engine.py _pass: the hash's host time under their GPU work)
+    given = lambda: fingerprint(datums)  # noqa: E731
     if spec.name in PAIR_LOSSES and not callable(loss_fn):  # datums in pairs, chosen then rejected
         return _pair_result(*pair_pass(engine, datums, objective_of(spec.name, spec.config), backward, given,
                                        spec.config))
