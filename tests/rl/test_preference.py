@@ -119,14 +119,15 @@ def test_pair_losses_gradient_equals_hand_written(world):
 def test_a_shared_prompt_computed_once_gives_the_gradients_and_logprobs_of_pairs_packed_apart(world):
     """compute.share_prefix: each pair's 11-token prompt as one prefix tree (10 trunk tokens computed once, rows of
     40 tokens holding more pairs) against the same pairs packed apart; both against the hand-written reference."""
-    from shardfit.rl.pack import plan_datums, shared_prefix
+    from shardfit.rl.pack import plan_datums
+    from shardfit.rl.prefix_trees import pair_trees
     from shardfit.rl.preference import pair_coefficients
 
     datums = _pairs(prompt_len=11)
     _, masks = pair_coefficients(datums)
-    trunks = [shared_prefix(datums[i], datums[i + 1], masks[i], masks[i + 1]) for i in range(0, len(datums), 2)]
-    assert trunks == [10] * len(LENGTHS)  # the prompt less its last token, whose label is each answer's first
-    shared, apart = (plan_datums(datums, 44, 1, 1, pairs=True, trunks=t) for t in (trunks, None))
+    trees = pair_trees(datums, masks)
+    assert trees == [(2, 10)] * len(LENGTHS)  # the prompt less its last token, whose label is each answer's first
+    shared, apart = (plan_datums(datums, 44, 1, 1, pairs=True, trees=t) for t in (trees, None))
     assert shared.micro_batches < apart.micro_batches  # fewer rows: the test's pass differs from the other
     on, off = (run_ranks(_grads_vs_reference, world, 11, extra)
                for extra in ((), ("--compute.share_prefix=false",)))

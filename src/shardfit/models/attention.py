@@ -72,15 +72,18 @@ class DocumentMask:
               branch: torch.Tensor | None = None) -> DocumentMask | None:
         """From the full position ids [B, S] of a micro-batch, on the host. None when every row is one document
         from its first token: plain causal attention is then exactly the masked one. branch [B, S] (host, int):
-        documents that are prefix trees (BRANCHES in the module docstring); None or all 0: none."""
+        documents that are prefix trees ("Branches" in the module docstring); None or all 0: none."""
         doc = document_ids(position_ids)
-        if branch is not None and not bool(branch.any()):
-            branch = None
-        if branch is None and not bool(doc[:, -1].any()):  # every row's last token is in its first document
+        trees = branch is not None and bool(branch.any())
+        if not trees and not bool(doc[:, -1].any()):  # every row's last token is in its first document
             return None
-        if branch is not None and kernel not in BRANCHED_KERNELS:
-            raise ValueError(f"the {kernel} attention kernel has no mask for shared prefixes (branch ids): the "
-                             f"caller packs sequences apart for it ({', '.join(BRANCHED_KERNELS)} have one)")
+        if kernel not in BRANCHED_KERNELS:
+            if trees:
+                raise ValueError(f"the {kernel} attention kernel has no mask for shared prefixes (branch ids): the "
+                                 f"caller packs sequences apart for it ({', '.join(BRANCHED_KERNELS)} have one)")
+            branch = None
+        # branch ids of all 0 (a pass that may hold trees and holds none here) keep flex's branch-aware mask_mod:
+        # one compiled variant of the blocks for every micro-batch of such passes, trees or not
         B, S = doc.shape
         if kernel == "varlen":
             # Number the documents of the flattened [B*S] tokens consecutively (row b's first one after all of the

@@ -187,6 +187,18 @@ def coefficients(datums: list[Datum], spec: LossSpec) -> list[np.ndarray]:
     return [(m * s).astype(np.float32) for m, s in zip(masks, scale)]
 
 
+def lossless(d: Datum, coef: np.ndarray, spec: LossSpec) -> np.ndarray:
+    """[L] bool: the datum's tokens whose loss term is exactly 0 whatever their log-prob (what rl/prefix_trees.py may
+    compute once for several datums): coefficient 0, or, for a built-in loss with no KL or entropy term, weight 0
+    (cross_entropy: -w logp) or advantage 0 (importance_sampling, ppo: the ratio times A, both clip branches). A
+    callable loss is opaque: its coefficient alone."""
+    zero = coef == 0
+    if spec.kl_coef or spec.entropy_coef or spec.name not in BUILT_IN or spec.fn is not BUILT_IN[spec.name]:
+        return zero
+    key = "weights" if spec.name == "cross_entropy" else "advantages"
+    return zero | (d.inputs[key] == 0) if key in d.inputs else zero
+
+
 def token_loss(spec: LossSpec, logp: torch.Tensor, entropy: torch.Tensor | None,
                x: dict[str, torch.Tensor]) -> torch.Tensor:
     """l [n] of one micro-batch's tokens (padding included: its coefficient is 0)."""

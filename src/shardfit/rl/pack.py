@@ -6,11 +6,11 @@ data.seq_len x train.micro_batch), bin b going to data-parallel rank b % dp. Eac
 end to end as documents (positions restart at 0, document mask), padding at the end with coefficient 0. Under
 sequence parallelism the sp ranks of a data-parallel rank share its rows and take T/sp columns each.
 
-A preference pair whose two sequences begin with the same tokens (its prompt) may be planned as one prefix tree
-(`trunks`, models/attention.py "Branches"): the trunk's tokens once, then each sequence's remainder with its RoPE
-positions continuing the trunk's; a sequence's outputs are then read from the trunk's columns and its branch's. A
-trunk token carries no loss for either sequence (shared_prefix ends it at the first counted token), so computing it
-once changes no gradient: each sequence sees the same keys it sees alone.
+Datums that begin with the same tokens (a preference pair's prompt, an RL group's rollouts of one prompt) may be
+planned as one prefix tree (`trees`, rl/prefix_trees.py; models/attention.py "Branches"): the trunk's tokens once,
+then each datum's remainder with its RoPE positions continuing the trunk's; a datum's outputs are then read from the
+trunk's columns and its branch's. A trunk token carries no loss for any of its datums (shared_prefix ends it at the
+first counted token), so computing it once changes no gradient: each datum sees the same keys it sees alone.
 
 Each row becomes the Engine's PackedBatch (engine/batch.py: the document mask built from the whole row, then the
 sequence-parallel cut). Outputs come back in one all-gather of [M x T/sp] values per rank (in the Engine's one
@@ -39,7 +39,7 @@ class Placement:
     start: int  # first column in the [1, T] row of the datum's first token not in a trunk
     trunk: int = 0  # its first `trunk` tokens are the shared ones at columns trunk_start ..
     trunk_start: int = 0
-    branch: int = 0  # with a trunk: 1 for the pair's first datum, 2 for its second (models/attention.py's ids)
+    branch: int = 0  # with a trunk: 1 for the tree's first datum, 2 for its second, ... (models/attention.py's ids)
 
     def columns(self, length: int) -> np.ndarray:
         """[length]: the row's column of each of the datum's tokens."""
@@ -55,51 +55,53 @@ class DatumPlan:
     sp: int
     bins: list[list[list[int]]]  # [dp][M][datum indices]
     where: list[Placement]  # per datum
-
-
-def shared_prefix(a: Datum, b: Datum, counted_a: np.ndarray, counted_b: np.ndarray) -> int:
-    """The tokens two datums can share as a trunk: their common first tokens with the same targets and no counted
-    token, leaving each at least one token of its own."""
-    n = min(len(a), len(b)) - 1
-    same = (a.tokens[:n] == b.tokens[:n]) & (a.inputs["target_tokens"][:n] == b.inputs["target_tokens"][:n]) \
-        & ~counted_a[:n] & ~counted_b[:n]
-    return int(n if same.all() else np.argmin(same))
+    branched: bool = False  # planned with `trees`: every row carries branch ids (all 0 where it holds no tree)
 
 
 def plan_datums(datums: list[Datum], budget: int, dp: int, sp: int, pairs: bool = False,
-                trunks: list[int] | None = None) -> DatumPlan:
+                trees: list[tuple[int, int]] | None = None) -> DatumPlan:
     """pairs: datums 2k and 2k + 1 are one item of the packer (a preference pair, engine/preference.py): the same
-    row, end to end, never split across rows or ranks. trunks (pairs only, one per pair): the tokens the pair's
-    sequences share as a prefix tree (shared_prefix; 0: packed apart)."""
+    row, end to end, never split across rows or ranks. trees: the datums as consecutive groups (count, trunk), in
+    order, each one item of the packer; a group with trunk t > 0 is one prefix tree whose datums share their first t
+    tokens, laid once (rl/prefix_trees.py decides them; given, even without a trunk, the rows carry branch ids, so
+    that every micro-batch of a pass that may share builds the same kind of mask). None: pairs of (2, 0), or every
+    datum alone."""
     lengths = [len(d) for d in datums]
-    group = 2 if pairs else 1
-    trunks = trunks if trunks is not None and pairs else [0] * (len(lengths) // group)
-    items = [sum(lengths[i:i + group]) - (group - 1) * trunks[i // group] for i in range(0, len(lengths), group)]
+    shared = trees is not None
+    if trees is None:
+        g = 2 if pairs else 1
+        trees = [(g, 0)] * (len(lengths) // g)
+    firsts = np.cumsum([0] + [c for c, _ in trees])[:-1].tolist()  # each group's first datum
+    items = [sum(lengths[f:f + c]) - (c - 1) * t for (c, t), f in zip(trees, firsts)]
     longest = max(items)
     if longest > budget:
-        i = items.index(longest) * group
-        what = f"pair {i // 2} (datums {i} and {i + 1})" if pairs else f"datum {i}"
+        k = items.index(longest)
+        i, c = firsts[k], trees[k][0]
+        what = f"pair {i // 2} (datums {i} and {i + 1})" if pairs else f"datum {i}" if c == 1 else \
+            f"datums {i}-{i + c - 1} (sharing their first {trees[k][1]} tokens)"
         raise ShardfitError(f"{what} has {longest:,} tokens, more than the engine's micro-batch of {budget:,}",
                             where=f"data[{i}]", fix=f"raise train.micro_batch_tokens to at least {longest} "
                             "(a multiple of parallel.sequence_parallel) or send shorter datums")
-    bins = [[[i * group + j for i in b for j in range(group)] for b in rank_bins]
+    bins = [[[firsts[k] + j for k in b for j in range(trees[k][0])] for b in rank_bins]
             for rank_bins in assign_bins(items, dp, budget)]
+    group = [k for k, (c, _) in enumerate(trees) for _ in range(c)]  # each datum's group
     where: list[Placement | None] = [None] * len(datums)
     for r, rank_bins in enumerate(bins):
         for m, items in enumerate(rank_bins):
             start = 0
             for i in items:
-                t = trunks[i // group]
-                if t and i % group == 0:  # the pair's first datum lays the trunk, its second shares it
+                k = group[i]
+                t, j = trees[k][1], i - firsts[k]  # j: the datum's branch in its tree, from 0
+                if t and j == 0:  # the tree's first datum lays the trunk, the others share it
                     where[i] = Placement(r, m, start + t, t, start, 1)
                     start += lengths[i]
                 elif t:
-                    where[i] = Placement(r, m, start, t, where[i - 1].trunk_start, 2)
+                    where[i] = Placement(r, m, start, t, where[firsts[k]].trunk_start, j + 1)
                     start += lengths[i] - t
                 else:
                     where[i] = Placement(r, m, start)
                     start += lengths[i]
-    return DatumPlan(budget, len(bins[0]), dp, sp, bins, where)
+    return DatumPlan(budget, len(bins[0]), dp, sp, bins, where, branched=shared)
 
 
 def datum_batches(plan: DatumPlan, datums: list[Datum], coefs: list[np.ndarray] | None,
@@ -134,10 +136,10 @@ def datum_batches(plan: DatumPlan, datums: list[Datum], coefs: list[np.ndarray] 
 def pack_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: list[np.ndarray] | None,
              names: set[str], scored: list[np.ndarray] | None):
     """The [1, T] row of the datums `items`: ids (pad 0), labels (-100 in the tail), positions (restarting at 0 at
-    each datum and at the tail; a branch's continuing its trunk's), branch ids (None without trunks), the loss
+    each datum and at the tail; a branch's continuing its trunk's), branch ids (None unless plan.branched), the loss
     inputs (0 in the tail; "datum": each token's datum index, -1 in the tail), the coefficients (0 in the tail), the
-    scored tokens, and the real tokens. A trunk is written by both datums of its pair with the same tokens and
-    targets, and no coefficient or scored token (shared_prefix): the second writer changes nothing read."""
+    scored tokens, and the real tokens. A trunk is written by every datum of its tree with the same tokens and
+    targets, and no coefficient (shared_prefix): the later writers change nothing read."""
     T = plan.budget
     ids = np.zeros(T, dtype=np.int64)
     labels = np.full(T, -100, dtype=np.int64)
@@ -173,7 +175,7 @@ def pack_row(plan: DatumPlan, datums: list[Datum], items: list[int], coefs: list
         per_token["datum"] = t(index)
     else:  # the mean cross-entropy reports each target's log-prob, weight 0 included (engine/losses.py)
         per_token["target_tokens"] = t(targets)
-    return (t(ids), t(labels), t(pos), t(branch) if branch.any() else None, per_token,
+    return (t(ids), t(labels), t(pos), t(branch) if plan.branched else None, per_token,
             t(coef) if coefs is not None else None, t(score) if score is not None else None, s)
 
 

@@ -31,10 +31,10 @@ from shardfit.engine.preference import (
     pair_loss,
 )
 from shardfit.errors import ShardfitError
-from shardfit.models.attention import BRANCHED_KERNELS
 from shardfit.rl.datum import Datum
 from shardfit.rl.losses import counted
-from shardfit.rl.pack import datum_batches, plan_datums, shared_prefix, unpack
+from shardfit.rl.pack import datum_batches, plan_datums, unpack
+from shardfit.rl.prefix_trees import pair_trees, shares_prefixes
 
 CONFIG = {"beta", "label_smoothing", "gamma", "desirable_weight", "undesirable_weight", "desirable", "kl"}
 
@@ -179,10 +179,9 @@ def pair_pass_many(engine: Engine, groups: list[list[Datum]], obj: PairObjective
         owner += [j] * len(group)
     budget, pairs = engine.datum_budget(), obj.group == 2
     kernel = engine.doc_kernel(budget, grad=backward)
-    trunks = None  # a pair's common prompt computed once (rl/pack.py) where the attention kernel can mask it
-    if pairs and engine.cfg.compute.share_prefix and kernel in BRANCHED_KERNELS:
-        trunks = [shared_prefix(datums[i], datums[i + 1], masks[i], masks[i + 1]) for i in range(0, len(datums), 2)]
-    plan = plan_datums(datums, budget, layout.data_size, layout.sequence, pairs=pairs, trunks=trunks)
+    # a pair's common prompt computed once (rl/prefix_trees.py) where the attention kernel can mask it
+    trees = pair_trees(datums, masks) if pairs and shares_prefixes(engine, kernel) else None
+    plan = plan_datums(datums, budget, layout.data_size, layout.sequence, pairs=pairs, trees=trees)
     # the head scores the counted tokens alone (a prompt's log-probs are never read): logprobs_at="counted"
     batches = datum_batches(plan, datums, coefs, masks, layout.data_rank, layout.sequence_rank, kernel,
                             engine.device, models=owner if models is not None else None)

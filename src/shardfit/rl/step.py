@@ -28,6 +28,7 @@ from shardfit.rl.losses import (
     LossSpec,
     coefficients,
     counted,
+    lossless,
     ppo_clip_fraction,
     resolve_loss,
     sampler_gap,
@@ -35,6 +36,7 @@ from shardfit.rl.losses import (
 )
 from shardfit.rl.pack import datum_batches, plan_datums, unpack
 from shardfit.rl.preference import objective_of, pair_pass, pair_pass_many
+from shardfit.rl.prefix_trees import prefix_groups, shares_prefixes
 from shardfit.rl.trainer_logprobs import ScoredRun, logprobs_mode, sample_scored_by_trainer
 
 
@@ -169,13 +171,15 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
     if spec.name in PAIR_LOSSES and not callable(loss_fn):  # datums in pairs, chosen then rejected
         return _pair_result(*pair_pass(engine, datums, objective_of(spec.name, spec.config), backward, given,
                                        spec.config))
-    layout = engine.layout
-    plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence)
+    layout, budget = engine.layout, engine.datum_budget()
+    kernel = engine.doc_kernel(budget, grad=backward)
     mean_ce = backward and not engine.pending and is_token_mean_cross_entropy(spec, datums)
     coefs = None if mean_ce else coefficients(datums, spec)
+    trees = _trees(engine, kernel, datums, coefs, spec, budget)
+    plan = plan_datums(datums, budget, layout.data_size, layout.sequence, trees=trees)
     scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None  # None: every token
-    batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank,
-                            engine.doc_kernel(plan.budget, grad=backward), engine.device)
+    batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank, kernel,
+                            engine.device)
     loss = CrossEntropy(logprobs=True) if mean_ce else _token_loss(spec)
     call = engine.forward_backward if backward else engine.forward
     stats = call(batches, loss, fingerprint=given)
@@ -183,6 +187,19 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
     # Tinker's loss:sum is sum_t c_t l_t; the mean's is the summed cross-entropy over its N tokens
     loss_sum = stats.loss_sum / max(stats.loss_tokens, 1.0) if mean_ce else stats.loss_sum
     return _result(datums, outputs, loss_sum, spec)
+
+
+def _trees(engine: Engine, kernel: str, datums: list[Datum], coefs: list[np.ndarray] | None, spec: LossSpec,
+           budget: int) -> list[tuple[int, int]] | None:
+    """Runs of datums sharing their first tokens as prefix trees (rl/prefix_trees.py), where this pass may pack them.
+    A token has loss unless rl/losses.py lossless says otherwise (the mean cross-entropy: its weight)."""
+    if not shares_prefixes(engine, kernel):
+        return None
+    if coefs is None:
+        lossy = [d.inputs["weights"] != 0 if "weights" in d.inputs else np.ones(len(d), bool) for d in datums]
+    else:
+        lossy = [~lossless(d, c, spec) for d, c in zip(datums, coefs)]
+    return prefix_groups(datums, lossy, budget)
 
 
 def _token_loss(spec: LossSpec) -> TokenLoss:
@@ -225,15 +242,19 @@ def _run_many(engine: Engine, pairs: list[tuple[str, list[Datum]]], loss_fn, los
         return [_pair_result(*out) for out in pair_pass_many(engine, [g for _, g in pairs],
                                                              objective_of(spec.name, spec.config), backward, given,
                                                              spec.config, models=names)]
-    models, coefs = [], []
+    layout, budget = engine.layout, engine.datum_budget()
+    kernel = engine.doc_kernel(budget, grad=backward)
+    models, coefs, trees = [], [], []
     for j, (_, group) in enumerate(pairs):
         models += [j] * len(group)
-        coefs += coefficients(group, spec)  # each model normalised over its own datums
-    layout = engine.layout
-    plan = plan_datums(datums, engine.datum_budget(), layout.data_size, layout.sequence)
+        own = coefficients(group, spec)  # each model normalised over its own datums
+        coefs += own
+        mine = _trees(engine, kernel, group, own, spec, budget)  # never across models; None: no trees this pass
+        trees = trees + mine if mine is not None and trees is not None else None
+    plan = plan_datums(datums, budget, layout.data_size, layout.sequence, trees=trees)
     scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None
-    batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank,
-                            engine.doc_kernel(plan.budget, grad=backward), engine.device, models=models)
+    batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank, kernel,
+                            engine.device, models=models)
     loss = _token_loss(spec)
     call = engine.forward_backward if backward else engine.forward
     stats = call(batches, loss, fingerprint=given, model=names)
