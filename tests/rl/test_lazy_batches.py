@@ -110,3 +110,26 @@ def test_lazy_and_listed_batches_give_the_same_bits(backward):
         assert torch.equal(oa, ob) and la == lb and len(ga) == len(gb)
         assert all(torch.equal(a, b) for a, b in zip(ga, gb))
         assert not backward or ga
+
+
+def test_an_index_error_while_making_a_micro_batch_is_raised_not_the_end_of_the_pass():
+    """LazyBatches iterates over its count: an IndexError raised while micro-batch 1 is made (a bug in packing:
+    numpy's and torch's out-of-range index) reaches the caller. Iterated by Sequence's own __iter__ (self[i] until
+    an IndexError) it ended the pass after micro-batch 0: a forward_backward over a part of the data reported as
+    done, its gradients never reduce-scattered (sync is set for micro-batch count - 1, never reached), and on
+    several ranks this rank's collectives fewer than its peers'."""
+    from shardfit.engine import CrossEntropy
+    from shardfit.engine.batch import LazyBatches
+    from shardfit.rl.pack import datum_batches, plan_datums
+
+    engine, datums = _engine().engine, _datums()
+    plan = plan_datums(datums, engine.datum_budget(), 1, 1)
+    lazy = datum_batches(plan, datums, None, None, 0, 0, "sdpa", engine.device)
+
+    def make(i):
+        if i == 1:
+            raise IndexError("index 40 is out of bounds (packing micro-batch 1)")
+        return lazy.make(i)
+
+    with pytest.raises(IndexError, match="packing micro-batch 1"):
+        engine.forward_backward(LazyBatches(len(lazy), make, lazy.capacity), CrossEntropy())

@@ -10,7 +10,7 @@ object, and every rank of a sequence-parallel group builds the same one: no exch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +79,11 @@ class LazyBatches(Sequence):
 
     def __len__(self) -> int:
         return self.count
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        # over the count, not Sequence's default (self[i] until an IndexError): an IndexError raised inside make
+        # (a packing bug) would end the pass early and silently instead of reaching the caller
+        return (self.make(i) for i in range(self.count))
 
     def __getitem__(self, i):
         if isinstance(i, slice):
