@@ -172,6 +172,9 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
                 self.notices.append(qlora_summary(self.model))
         self.recorder: SnapshotRecorder | None = None  # OOM snapshots for the doctor: a caller with a run directory
         self._pending: list[StepStats] = []  # forward_backward passes since the last optim_step
+        # why the gradients since the last optim_step were dropped (a forward_backward that failed midway): the next
+        # optim_step refuses with it rather than step on part of a pass (engine/update.py)
+        self.dropped: str | None = None
         self.timer = StepTimer(self.device, cfg.logging.step_timing)
         self.timer.watch_fsdp_waits([*self.model.model.layers, self.model.model.embed_tokens, self.model.lm_head,
                                      self.model])
@@ -245,7 +248,13 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
         self._check_trainable("forward_backward")
         if self._pending and (loss.mean_over_tokens or self._pending[0].mean_over_tokens):
             self._fold_pending(loss)
-        stats = self._pass(batches, loss, backward=True, fingerprint=fingerprint)
+        try:
+            stats = self._pass(batches, loss, backward=True, fingerprint=fingerprint)
+        except BaseException as err:  # the micro-batches done so far added to .grad: none of it may be stepped on
+            self._pending = []
+            self.runner.zero(False)
+            self.dropped = (str(err).splitlines() or [type(err).__name__])[0][:200] or type(err).__name__
+            raise
         self._pending.append(stats)
         self._check_fingerprint(stats, fingerprint)
         return stats

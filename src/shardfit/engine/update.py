@@ -48,6 +48,14 @@ class EngineUpdate:
         self.release_sampler()  # a kept Sampler's KV pool and graphs: this call's memory (engine/sampling.py)
         check_adam(adam)
         self._check_trainable("optim_step")
+        if self.dropped is not None:  # every rank alike: the failure raised on each (a rank-local one ends the job)
+            why, self.dropped = self.dropped, None
+            self._pending = []
+            self.runner.zero(False)
+            raise ShardfitError(f"a forward_backward since the last optim_step failed ({why}): its partial gradients "
+                                "and those of the calls before it were dropped, and no step was taken",
+                                where="optim_step", fix="send this step's forward_backward calls again, then "
+                                "optim_step")
         pending, self._pending = self._pending, []
         world = self.dist.world_size
         last = pending[-1] if pending else None

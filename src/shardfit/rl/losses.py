@@ -15,7 +15,7 @@ weights != 0, else all. Built in (Tinker's definitions, ratio r = exp(logp - sam
   importance_sampling  -r * advantages
   ppo                  -min(r * A, clamp(r, clip_low_threshold, clip_high_threshold) * A), and with dual_clip = c
                        (> 1) for A < 0 at most -c * A
-plus kl_coef * k3(ref_logprobs - logp) and -entropy_coef * entropy per token. A callable loss_fn(logp, inputs)
+plus kl_coef * k3(ref_logprobs - logp) and -entropy_coef * entropy per token. A callable loss_fn(logp, inputs, config)
 returns l [n] itself (inputs also holds "datum", each token's datum index).
 Preference losses over pairs of datums (chosen, then rejected): dpo, ipo (both read ref_logprobs), simpo and orpo,
 with beta, label_smoothing and gamma; kto over datums each labelled desirable or not (loss_fn_config's desirable and
