@@ -31,11 +31,12 @@ Parts (each a fresh process under a cap cut to what is left of --budget; the JSO
            config (cli/plan.py's calls: plan_prediction), for this GPU's memory.
 JSON summary: multi_client_aggregate {"1", "4", "16", "sequential16": tokens/s}, multi_client_vs_one (each over
 "1"; the issue's target: "16" >= 0.9), model_gib and version_gib (median allocated delta), plan_ratio {model,
-version: measured over the plan's bytes; the target is within 3%}, models_fit {predicted, measured, stopped: oom,
-cap (a lower bound) or deadline}, sdk_vs_inprocess (the SDK step of one client over the in-process step, the
-issue's "within 3%"; of this ~16k-token step, where bench_rl's serve part times a 178,786-token PPO step: a request's
-fixed cost weighs ~10x more here), peak_vs_plan (the last model's pass: allocated peak over the plan's peak +
-models + versions).
+version: measured over the plan's bytes; the target is within 3%}, compile_fallbacks {server: the server log's
+lines for functions torch.compile gave up on, in_process: the memory part's count; both 0, or the figures ran partly
+eager}, models_fit {predicted, measured, stopped: oom, cap (a lower bound) or deadline}, sdk_vs_inprocess (the SDK
+step of one client over the in-process step, the issue's "within 3%"; of this ~16k-token step, where bench_rl's serve
+part times a 178,786-token PPO step: a request's fixed cost weighs ~10x more here), peak_vs_plan (the last model's
+pass: allocated peak over the plan's peak + models + versions).
 The device lacks the SDK and the server stack: device_run.sh installs benchmarks/wheels_rl (bench_rl.py's docstring).
 """
 
@@ -92,6 +93,10 @@ def clients_part(a, cap_start: int, left) -> list[dict]:
         else:
             row["error"] = srv.error
     row["log_tail"] = srv.log_tail()
+    from shardfit.parallel.compile_watch import MARKER  # here: the parent imports torch only once the server is gone
+
+    # the server's lines for functions torch.compile gave up on (run eager from then on): any, and its figures are off
+    row["compile_fallbacks"] = [x.strip() for x in srv.log if f"{MARKER}:" in x]
     shutil.rmtree(run_dir, ignore_errors=True)
     return rows
 
@@ -144,6 +149,10 @@ def summarize(rows: list[dict]) -> dict:
     one = next((x for x in _lines(rows, "clients", "clients") if x["clients"] == 1 and x["mode"] == "concurrent"),
                None)
     inproc = _last(rows, "memory", "inproc")
+    fit = _last(rows, "memory", "fit")
+    # functions run eager past torch.compile's recompile_limit (parallel/compile_watch.py): 0 for figures that count
+    S["compile_fallbacks"] = {"server": sum(len(r.get("compile_fallbacks", [])) for r in rows),
+                              "in_process": max((x.get("compile_fallbacks", 0) for x in (inproc, fit) if x), default=0)}
     if one and inproc:
         S["sdk_vs_inprocess"] = round(one["step_s"] / inproc["step_s"], 4)
         S["step_s"] = {"sdk": one["step_s"], "in_process": inproc["step_s"]}
@@ -163,7 +172,7 @@ def table(rows: list[dict], S: dict) -> None:
     if inproc := _last(rows, "memory", "inproc"):
         print(f"{'one client in process (Engine)':<44} {inproc['tok_s']:>10,} {inproc['step_s']:>8}")
     for key in ("multi_client_vs_one", "sdk_vs_inprocess", "model_gib", "version_gib", "plan_ratio", "models_fit",
-                "peak_vs_plan"):
+                "peak_vs_plan", "compile_fallbacks"):
         if key in S:
             print(f"{key}: {json.dumps(S[key])}")
 

@@ -217,6 +217,7 @@ def worker_memory(a) -> int:
     """The Engine in process: the step timed, then models and versions added with the allocated bytes after each."""
     import torch
 
+    from shardfit.parallel.compile_watch import fallback_count
     from shardfit.rl import AdamParams, DatumEngine
 
     deadline = time.time() + a.deadline
@@ -242,7 +243,7 @@ def worker_memory(a) -> int:
     _, warm_s, times = timed(step, step, a.reps, sync, reset)
     s = statistics.median(times)
     emit("inproc", step_s=round(s, 3), times_s=[round(x, 3) for x in times], tok_s=round(sum(lengths) / s),
-         warm_s=round(warm_s, 1), tokens_per_step=sum(lengths), **peaks())
+         warm_s=round(warm_s, 1), tokens_per_step=sum(lengths), compile_fallbacks=fallback_count(), **peaks())
     # a model's state as the plan counts it: its adapters, gradients (kept allocated: memory.keep_grads) and Adam's
     # two moments, after one pass of a [1, T] row (one short datum: the row is padded to T, so each pass reaches
     # the configured micro-batch's activation peak) and one optimizer step
@@ -284,7 +285,8 @@ def worker_memory(a) -> int:
                      delta=None if before is None else now - before)
                 before = now
             frozen = a.versions
-    emit("fit", measured=held, stopped=stop, predicted=plan["models_fit"], versions=frozen, model_deltas=deltas)
+    emit("fit", measured=held, stopped=stop, predicted=plan["models_fit"], versions=frozen, model_deltas=deltas,
+         compile_fallbacks=fallback_count())  # functions run eager past recompile_limit: any, and figures are off
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -12,8 +12,9 @@ mean over its own tokens); a step is, per K: every model's forward_backward then
 after another ("sequential") or as one forward_backward_many ("one_pass"); with --call=forward, every model's forward
 (log-probs: an RL loop's reference or old policy, no optimizer step) one after another or as one forward_many.
 Figures: the median step time over --steps timed steps after --warmup, aggregate tokens/s (all models' tokens),
-one_pass / sequential, and the largest loss difference between the two ways (the same models, the same data: it
-should be fp32 / bf16 rounding).
+one_pass / sequential, the largest loss difference between the two ways (the same models, the same data: it
+should be fp32 / bf16 rounding), and compile_fallbacks: the functions torch.compile gave up on so far (past
+recompile_limit their calls run eager, parallel/compile_watch.py): 0, or the figures are of a partly eager pass.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main() -> int:
                     help="forward_backward + optim_step a step, or forward alone (module docstring)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    from shardfit.parallel.compile_watch import fallback_count
     from shardfit.rl import DatumEngine
 
     engine = DatumEngine.start(overrides=overrides)
@@ -104,6 +106,7 @@ def main() -> int:
         seq, one = row["sequential"], row["one_pass"]
         row["one_pass_over_sequential"] = one["tokens_per_s"] / seq["tokens_per_s"]
         row["max_loss_diff"] = float(np.max(np.abs(np.subtract(one.pop("losses"), seq.pop("losses")))))
+        row["compile_fallbacks"] = fallback_count()  # so far in this process: > 0, and some blocks ran eager
         out["cases"][k] = row
         print(json.dumps({k: row}), flush=True)
     if a.out:

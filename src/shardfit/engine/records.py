@@ -76,3 +76,6 @@ class StepRecord:
     time_s: float = 0.0
     stop: int = 0  # a signal any rank received before this step's stats collective (0: none): every rank stops
     stop_ranks: list[int] = field(default_factory=list)  # the ranks that received it
+    # functions torch.compile gave up on (ran eager past recompile_limit) in this rank's process so far; a benchmark
+    # asserts 0 (parallel/compile_watch.py)
+    compile_fallbacks: int = 0

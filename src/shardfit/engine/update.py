@@ -19,6 +19,7 @@ from shardfit.engine.optim import AdamParams, check_adam, set_hyperparameters
 from shardfit.engine.records import _MEM, _REAL, _SQNORM, _STOP, StepRecord, fold_first_mean
 from shardfit.engine.stats import MEMORY_FIELDS
 from shardfit.errors import ShardfitError
+from shardfit.parallel.compile_watch import fallback_count
 from shardfit.parallel.fp8 import gathers_in_fp8, refresh_fp8_scales
 from shardfit.parallel.gathered import drop_gathered
 from shardfit.parallel.step_overlap import local_tensor
@@ -98,7 +99,8 @@ class EngineUpdate:
                           loss_tokens=n_tokens, real_tokens=sum(float(p.rows[:, _REAL].sum()) for p in pending),
                           memory=rows[:, _MEM:_MEM + len(MEMORY_FIELDS)],
                           moe=self.expert_load.finish_step(moe_cols, ok) if pending else {}, phases=phases,
-                          stop=int(rows[:, _STOP].max()), stop_ranks=[r for r in range(world) if rows[r, _STOP] > 0])
+                          stop=int(rows[:, _STOP].max()), stop_ranks=[r for r in range(world) if rows[r, _STOP] > 0],
+                          compile_fallbacks=fallback_count())
 
     def _update(self, scale: float, grad_norm: float, clip: float) -> None:
         """Launch the optimizer on gradients x scale x (clip coefficient)."""

@@ -35,6 +35,7 @@ from shardfit.adapters.lora import apply_lora, freeze_base, init_adapters
 from shardfit.adapters.qlora import apply_nf4, init_quantized
 from shardfit.config.schema import ComputeConfig, LoraConfig, ParallelConfig
 from shardfit.models.moe import MoE
+from shardfit.parallel.compile_watch import watch_compile
 from shardfit.parallel.dtensor import local_view
 from shardfit.parallel.expert import ExpertExchange, LocalExperts, apply_expert_parallel, shard_experts
 from shardfit.parallel.expert_overlap import FullyOverlappedExpertExchange, OverlappedExpertExchange
@@ -131,7 +132,9 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: in
 
 def apply_compile(blocks: list[nn.Module]) -> None:
     # Identical blocks share one compiled graph (modules are inlined, parameters are graph inputs), so the compile
-    # cost is paid once, not once per layer.
+    # cost is paid once, not once per layer. Past recompile_limit variants dynamo runs the rest eager, saying so
+    # only in one warning: the watch turns it into the user's line and StepRecord.compile_fallbacks.
+    watch_compile()
     for block in blocks:
         block.forward = torch.compile(block.forward)
 

@@ -45,6 +45,7 @@ import torch
 
 from shardfit.errors import DiskFull, ShardfitError
 from shardfit.fsutil import full_disk_error
+from shardfit.parallel.compile_watch import FallbackNotes
 from shardfit.serve.futures import FutureStore, Result
 from shardfit.serve.ordering import Scheduler
 from shardfit.serve.protocol import WireDatum
@@ -183,6 +184,8 @@ class Loop:
     # ranks every rank's loop has one (rank 0's broadcast `sample` decides), rank 0's decides what it broadcasts
     join: Callable | None = None
     joining: bool = True  # rank 0: a ready sample starts a run (with `join`), else a sample_batch
+    # compiled functions dynamo gave up on (they run eager from then on): each told once, after the request that met it
+    fallbacks: FallbackNotes = field(default_factory=FallbackNotes)
 
     def next_command(self) -> Command:
         """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
@@ -242,6 +245,8 @@ class Loop:
         if self.futures is not None:
             self.futures.complete(cmd.request_id, result, dict(phases))
             self._log(cmd, result, batch, run)
+            for line in self.fallbacks.new():
+                self.log(f"shardfit serve: {line}")
 
     def take_samples(self, decide: Callable[[Command], str]) -> tuple[list[Command], bool]:
         """Rank 0: the ready samples a running sample run takes (Scheduler.take_ready: `decide` says

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from shardfit.errors import ShardfitError
+from shardfit.parallel.compile_watch import fallback_count
 from shardfit.serve.commands import MANY, Command, datums_from_json, failure_result
 from shardfit.serve.futures import Result
 from shardfit.serve.protocol import encode_forward_backward, encode_sample
@@ -156,7 +157,8 @@ class Executor:
 
     def _answer(self, cmd: Command, res, compute: float, models: int) -> Result:
         """Rank 0: a forward(_backward) request's answer (the outputs and metrics, the server's timings and the
-        number of models its pass ran: "server_pass_models:max"); the other ranks' is dropped."""
+        number of models its pass ran: "server_pass_models:max"; functions torch.compile gave up on so far, where any:
+        "server_compile_fallbacks:max"); the other ranks' is dropped."""
         if self.rank != 0:
             return Result()
         metrics = {metric_key(k): float(v) for k, v in res.metrics.items()}
@@ -164,6 +166,8 @@ class Executor:
         metrics["server_compute_s:sum"] = compute
         if models > 1:
             metrics["server_pass_models:max"] = float(models)
+        if fallback_count():  # compiled functions now partly eager (parallel/compile_watch.py): a client can see it
+            metrics["server_compile_fallbacks:max"] = float(fallback_count())
         outputs = [{k: np.asarray(v) for k, v in out.items()} for out in res.outputs]
         return Result(proto=encode_forward_backward(outputs, metrics))
 

@@ -57,6 +57,8 @@ def format_line(rec: dict) -> str:
         parts.append(f"kl {rec['kl']:.3f}{margin}")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
+    if rec.get("compile_fallbacks"):  # compiled functions now partly eager (parallel/compile_watch.py)
+        parts.append(f"compile fallbacks {rec['compile_fallbacks']}")
     parts.append(f"eta {_fmt_eta(rec['eta_s'])}")
     return " | ".join(parts)
 

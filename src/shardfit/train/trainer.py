@@ -33,6 +33,7 @@ from shardfit.errors import ShardfitError, Stopped
 from shardfit.fsutil import write_atomic
 from shardfit.parallel import init_distributed
 from shardfit.parallel.agreement import agree
+from shardfit.parallel.compile_watch import FallbackNotes
 from shardfit.parallel.layout import ParallelLayout
 from shardfit.train import stop
 from shardfit.train.batches import BatchSource
@@ -235,6 +236,7 @@ class Trainer:
             self.preference.prepare(self.engine, self.resumed_from is not None, progress.message,
                                     self.watchdog.beat)
         monitor = MemoryMonitor(cfg.memory.warn_growth_mib / 1024)
+        fallbacks = FallbackNotes()  # compiled functions dynamo gave up on: each told once, as the step that met it
         history: list[dict] = []
         window = LogWindow()  # since the last log line
         signals = stop.StopSignals(self.engine).install()  # a signal stops the loop at a step boundary (stop.py)
@@ -242,6 +244,7 @@ class Trainer:
             while self.step < total:
                 with self.profiler.around(self.step + 1):
                     rec = self.train_step()
+                self._tell(fallbacks, progress)
                 if not history and self.dist.is_main:  # the run's record, once it has trained (never before)
                     write_atomic(self.run_dir / "config.toml", self.config_toml)
                 if self.profiler.summary:
@@ -269,6 +272,7 @@ class Trainer:
                     self.save()
                     window.restart()
             self.finish_step()
+            self._tell(fallbacks, progress)  # a validation after the last step compiles too
             if history and not cfg.checkpoint.final:  # the final save checks them itself (the export follows it)
                 exporting = cfg.checkpoint.export_hf or cfg.checkpoint.export_merged
                 self.engine.refuse_non_finite(self.ckpt_dir, "exporting them" if exporting
@@ -326,6 +330,10 @@ class Trainer:
             export_template(path, self.cfg.data.chat_template)
         return path
 
+    def _tell(self, fallbacks: FallbackNotes, progress: Progress) -> None:
+        for line in fallbacks.new():
+            progress.message(f"step {self.step}: {line}")
+
     def _on_skip(self, rec: StepRecord, progress: Progress) -> None:
         limit = self.cfg.train.max_skipped_steps
         why = "no tokens" if rec.no_tokens else (
@@ -348,6 +356,7 @@ class Trainer:
                       "loss_tokens_per_s_per_gpu": window.loss_tokens / world / window.seconds,
                       "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
                       "tokens_seen": self.engine.tokens_seen, "skipped_steps": self.skipped,
+                      "compile_fallbacks": rec.compile_fallbacks,
                       "eta_s": progress.eta(self.step), **window.phase_means(), **mem, **rec.moe,
                       **mean_metrics(self.pref_window)})
         self.pref_window = []
