@@ -120,8 +120,8 @@ def test_a_shared_prompt_computed_once_gives_the_gradients_and_logprobs_of_pairs
     """compute.share_prefix: each pair's 11-token prompt as one prefix tree (10 trunk tokens computed once, rows of
     40 tokens holding more pairs) against the same pairs packed apart; both against the hand-written reference."""
     from shardfit.rl.pack import plan_datums
-    from shardfit.rl.prefix_trees import pair_trees
     from shardfit.rl.preference import pair_coefficients
+    from shardfit.rl.prefix_trees import pair_trees
 
     datums = _pairs(prompt_len=11)
     _, masks = pair_coefficients(datums)
