@@ -151,8 +151,12 @@ def summarize(rows: list[dict]) -> dict:
     inproc = _last(rows, "memory", "inproc")
     fit = _last(rows, "memory", "fit")
     # functions run eager past torch.compile's recompile_limit (parallel/compile_watch.py): 0 for figures that count
-    S["compile_fallbacks"] = {"server": sum(len(r.get("compile_fallbacks", [])) for r in rows),
-                              "in_process": max((x.get("compile_fallbacks", 0) for x in (inproc, fit) if x), default=0)}
+    # (only where a server ran or an in-process line counted them: a run cut short before either has no figure)
+    servers = [r for r in rows if "compile_fallbacks" in r]
+    counted = [x["compile_fallbacks"] for x in (inproc, fit) if x and "compile_fallbacks" in x]
+    if servers or counted:
+        S["compile_fallbacks"] = {"server": sum(len(r["compile_fallbacks"]) for r in servers),
+                                  "in_process": max(counted, default=0)}
     if one and inproc:
         S["sdk_vs_inprocess"] = round(one["step_s"] / inproc["step_s"], 4)
         S["step_s"] = {"sdk": one["step_s"], "in_process": inproc["step_s"]}
