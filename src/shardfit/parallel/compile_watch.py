@@ -4,7 +4,7 @@ Dynamo keeps at most torch._dynamo.config.recompile_limit (8) compiled variants 
 accumulated_recompile_limit of them in all, where torch has one). A call that needs one more variant is not compiled:
 dynamo logs one warning, "torch._dynamo hit config.recompile_limit (8)", from logger torch._dynamo.convert_frame, and
 from then on every call that matches none of the variants runs eager, with no further word. A run whose blocks fell
-back this way was 1.6x slower per token and said so only in a server's stderr (session 24's LoRA benchmarks).
+back this way was much slower and said so only in a server's stderr (benchmarks/README.md, issue 35's section).
 
 torch offers no public hook for this event, so the warning itself is the signal: a logging.Handler on the
 torch._dynamo logger (the registered parent: its children propagate to it, and it does not propagate to "torch";
