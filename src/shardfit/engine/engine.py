@@ -251,9 +251,8 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
         try:
             stats = self._pass(batches, loss, backward=True, fingerprint=fingerprint)
         except BaseException as err:  # the micro-batches done so far added to .grad: none of it may be stepped on
-            self._pending = []
-            self.runner.zero(False)
-            self.dropped = (str(err).splitlines() or [type(err).__name__])[0][:200] or type(err).__name__
+            self._drop_pending()
+            self.dropped = (str(err).splitlines() or [""])[0][:200] or type(err).__name__
             raise
         self._pending.append(stats)
         self._check_fingerprint(stats, fingerprint)
@@ -275,6 +274,11 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
         self._check_fingerprint(stats, fingerprint)
         return stats
 
+    def _drop_pending(self) -> None:
+        """The slot's gradients since the last optim_step, dropped with their passes: no step will use them."""
+        self._pending = []
+        self.runner.zero(False)
+
     def _check_fingerprint(self, stats: StepStats, fingerprint: int | Callable[[], int] | None,
                            drop: Callable[[], None] | None = None) -> None:
         """Every rank reads the same rows: all raise or none does (no rank left in a collective). drop: what drops
@@ -288,8 +292,7 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
         if drop is not None:
             drop()
         elif self._pending and stats is self._pending[-1]:  # gradients of data that differ between ranks: dropped
-            self._pending = []
-            self.runner.zero(False)
+            self._drop_pending()
         raise ShardfitError(f"ranks were given different data: rank(s) {', '.join(map(str, odd))} differ from rank 0 "
                             "(the gradients since the last optim_step are dropped)", where="datums",
                             fix="pass every rank the same list of datums (sample on every rank, or broadcast rank "

@@ -51,8 +51,7 @@ class EngineUpdate:
         self._check_trainable("optim_step")
         if self.dropped is not None:  # every rank alike: the failure raised on each (a rank-local one ends the job)
             why, self.dropped = self.dropped, None
-            self._pending = []
-            self.runner.zero(False)
+            self._drop_pending()
             raise ShardfitError(f"a forward_backward since the last optim_step failed ({why}): its partial gradients "
                                 "and those of the calls before it were dropped, and no step was taken",
                                 where="optim_step", fix="send this step's forward_backward calls again, then "

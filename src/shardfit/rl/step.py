@@ -195,8 +195,8 @@ def _trees(engine: Engine, kernel: str, datums: list[Datum], coefs: list[np.ndar
     A token has loss unless rl/losses.py lossless says otherwise (the mean cross-entropy: its weight)."""
     if not shares_prefixes(engine, kernel):
         return None
-    if coefs is None:
-        lossy = [d.inputs["weights"] != 0 if "weights" in d.inputs else np.ones(len(d), bool) for d in datums]
+    if coefs is None:  # the mean (is_token_mean_cross_entropy: no mask): the tokens of weight != 0
+        lossy = [counted(d) for d in datums]
     else:
         lossy = [~lossless(d, c, spec) for d, c in zip(datums, coefs)]
     return prefix_groups(datums, lossy, budget)
