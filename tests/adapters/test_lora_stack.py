@@ -28,7 +28,7 @@ def test_stacked_adapters_are_each_tokens_own():
     slots = torch.tensor([0, 1, 2, -1, 2, 2, 0, 1, -1, 1])
     stack.set_rows(slots)
     x = torch.randn(len(slots), 8)
-    got = stack.delta(mod, x)
+    got = stack.layers[0].delta(mod, x)
     for i, s in enumerate(slots.tolist()):
         want = torch.zeros(6) if s < 0 else (x[i] @ a[s].t() @ b[s].t()) * 0.5
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6)
@@ -39,7 +39,7 @@ def test_a_models_gradients_come_from_its_own_tokens_only():
     mod, _, _, stack = _stack()
     slots = torch.tensor([0, 0, 2, -1, 2])  # model 1 has no token
     stack.set_rows(slots)
-    stack.delta(mod, torch.randn(5, 8)).square().sum().backward()
+    stack.layers[0].delta(mod, torch.randn(5, 8)).square().sum().backward()
     ga, gb = stack.a[0].grad, stack.b[0].grad  # [K*r, in], [K*r, out]
     assert bool((ga[4:8] == 0).all()) and bool((gb[4:8] == 0).all())  # model 1: exactly nothing
     assert ga[0:4].abs().sum() > 0 and ga[8:12].abs().sum() > 0
@@ -54,7 +54,7 @@ def test_under_compile_one_graph_serves_every_number_of_models():
     counter = CompileCounter()
 
     def layer(stack, mod, x):
-        return stack.delta(mod, x)
+        return stack.layers[0].delta(mod, x)
 
     compiled = torch.compile(layer, backend=counter)
     mod = _stack()[0]  # one layer, as a served model's: each pass a new stack of its own K
@@ -66,7 +66,7 @@ def test_under_compile_one_graph_serves_every_number_of_models():
         x = torch.randn(10, 8)
         got = compiled(stack, mod, x)
         got.square().sum().backward()
-        torch.testing.assert_close(got, stack.delta(mod, x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, stack.layers[0].delta(mod, x), rtol=1e-5, atol=1e-6)
     assert counter.frame_count == 1
 
 

@@ -72,11 +72,6 @@ class AdapterStack:
         self.mask = slot_columns(slots, ones, self.rank)
         _dynamic(self.mask, 1)
 
-    def delta(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """[..., out]: each token's own model's adapter on x [..., in] (module docstring); mod one of `modules`.
-        Eager callers only (tests): the layers themselves go through their installed _Layer."""
-        return self.layers[self.modules.index(mod)].delta(mod, x)
-
     def install(self) -> None:
         for m, layer in zip(self.modules, self.layers):
             m.lora_stack = layer
