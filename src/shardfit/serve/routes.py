@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from shardfit.errors import ShardfitError
+from shardfit.errors import ShardfitError, shown
 from shardfit.serve import schemas as s
 from shardfit.serve.commands import Command, datums_to_json
 from shardfit.serve.futures import Result
@@ -196,7 +196,7 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
         facts.check_lora_config(config, "/create_model lora_config")
         seed = config.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise ShardfitError(f"seed={s.shown(seed)} is not an integer >= 0", where="/create_model lora_config.seed",
+            raise ShardfitError(f"seed={shown(seed)} is not an integer >= 0", where="/create_model lora_config.seed",
                                 fix="pass an integer seed, or none")
         model_id = st.add_model(body.session_id, body.model_seq_id, body.base_model, body.user_metadata,
                                 config.get("rank"))
@@ -246,7 +246,7 @@ def _training_routes(app: FastAPI, st: ServerState) -> None:
         if body.path:
             return save(body, "sampler_weights", False, "save_weights_for_sampler")
         if body.kind not in (None, "snapshot", "inflight"):
-            raise ShardfitError(f"kind={s.shown(body.kind)} is not snapshot or inflight",
+            raise ShardfitError(f"kind={shown(body.kind)} is not snapshot or inflight",
                                 where="/save_weights_for_sampler kind", fix="pass kind='snapshot' (the default)")
         freeze = body.kind != "inflight"
         session = st.model(body.model_id, "/save_weights_for_sampler")["session_id"]
@@ -335,7 +335,7 @@ def ttl(body: s.SaveWeightsBody, where: str) -> float | None:
     floor of an hour is the hosted service's storage policy, not kept here (a local run may want minutes)."""
     t = body.ttl_seconds
     if t is not None and not (math.isfinite(t) and t <= MAX_TTL_S):  # a date past the calendar: never a 500
-        raise ShardfitError(f"ttl_seconds={s.shown(t)} is beyond 10 years", where=f"{where} ttl_seconds",
+        raise ShardfitError(f"ttl_seconds={shown(t)} is beyond 10 years", where=f"{where} ttl_seconds",
                             fix=f"send at most {MAX_TTL_S} seconds, or none (never expires)")
     return t if t and t > 0 else None
 

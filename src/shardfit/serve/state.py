@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from shardfit.errors import ShardfitError
+from shardfit.errors import ShardfitError, shown
 from shardfit.serve.futures import FutureStore
 from shardfit.serve.ordering import Scheduler
-from shardfit.serve.schemas import shown
 from shardfit.serve.security import check_segment, checkpoint_dir, parse_tinker_path
 
 META = ".tinker.json"  # beside a saved checkpoint's files: what the listings show (serve/listings.py)
