@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from shardfit.adapters.lora import apply_lora, is_adapter
-from shardfit.adapters.qlora import STORAGE, NF4Linear, apply_nf4, is_storage, quantized_modules, to_dtype
+from shardfit.adapters.qlora import STORAGE, NF4Linear
+from shardfit.adapters.quantized import apply_quantized, is_storage, quantized_modules, to_dtype
 from shardfit.config.schema import LoraConfig, ModelConfig
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
-from shardfit.weights.nf4_io import merged_weight
+from shardfit.weights.quantized_io import merged_weight
 from tests.adapters.tiny_hf import randomize_adapters
 from tests.helpers import SMALL, small_config
 
@@ -31,7 +32,7 @@ def _pair(dtype: torch.dtype):
         randomize_adapters(m)
         models.append((m, targets))
     (q, targets), (plain, _) = models
-    assert apply_nf4(q, targets) == 2 * 7  # linear targets only: the head keeps its weight
+    assert apply_quantized(q, targets, NF4Linear) == 2 * 7  # linear targets only: the head keeps its weight
     with torch.no_grad():
         for fqn, mod in quantized_modules(q):
             plain.get_submodule(fqn).weight.copy_(merged_weight(mod))
@@ -126,7 +127,7 @@ def test_storage_replaces_the_weight_in_place_and_counts_as_its_weights():
         plain = build_model(cfg.model)
     n = count_params(plain)
     targets = apply_lora(q, LoraConfig(rank=4), torch.float32)
-    apply_nf4(q, targets)
+    apply_quantized(q, targets, NF4Linear)
     names = [k for k, _ in q.model.layers[0].self_attn.q_proj.named_parameters()]
     assert names == [*STORAGE, "lora_A", "lora_B"]  # where the weight was, adapters after
     assert count_params(q) == n + sum(p.numel() for k, p in q.named_parameters() if is_adapter(k))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardfit.adapters.lora import is_adapter
-from shardfit.adapters.qlora import is_storage
+from shardfit.adapters.quantized import is_storage
 from shardfit.train import Trainer
 from tests._dist import run_ranks
 from tests.adapters.test_lora_training import LORA, MOE, _local, _modes, plain_and_compiled

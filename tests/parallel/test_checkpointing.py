@@ -78,7 +78,8 @@ class _NF4Calls(TorchDispatchMode):
 def test_selective_checkpointing_saves_the_nf4_matmuls():
     """QLoRA's base matmul is one custom operator: selective checkpointing keeps its output as it keeps a bf16
     matmul's (never redone in backward), where full checkpointing redoes it."""
-    from shardfit.adapters.qlora import apply_nf4
+    from shardfit.adapters.qlora import NF4Linear
+    from shardfit.adapters.quantized import apply_quantized
 
     redone = {}
     for mode in ("selective", "full"):
@@ -88,7 +89,7 @@ def test_selective_checkpointing_saves_the_nf4_matmuls():
         holder.model.layers = torch.nn.ModuleList([DecoderBlock(m, 0)])
         adapt_block(holder.model.layers[0], (RANK, 0.0, "all-linear"), torch.float32)
         targets = [n for n, mod in holder.named_modules() if hasattr(mod, "lora_A")]
-        assert apply_nf4(holder, targets) == TARGETS
+        assert apply_quantized(holder, targets, NF4Linear) == TARGETS
         block = holder.model.layers[0]
         apply_activation_checkpointing([block], mode, adapter_rank=RANK)
         x = torch.randn(2, 8, 32, requires_grad=True)

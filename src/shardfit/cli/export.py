@@ -48,12 +48,13 @@ def export(argv: list[str]) -> int:
                             fix="run shardfit export from the directory the run was started in, or give --tokenizer")
     write_hf(model, out, args.dtype, spec, saved.get("chat_template", ""))
     from shardfit.adapters.lora import is_adapter
-    from shardfit.adapters.qlora import quantized_modules
+    from shardfit.adapters.quantized import quantized_modules
     from shardfit.models import count_params
 
     n = count_params(model) - sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
-    nf4 = "; the base dequantised from NF4 (QLoRA): its weights carry NF4's rounding" if quantized_modules(model) \
-        else ""
+    quantized = quantized_modules(model)
+    label = quantized[0][1].LABEL if quantized else ""
+    nf4 = f"; the base dequantised from {label}: its weights carry {label}'s rounding" if quantized else ""
     from shardfit.weights.checkpoint import step_of
 
     ckpt = Path(saved["where"]).parent  # the step_XXXXXXXX directory load_dcp chose (a run's: its newest)

@@ -24,6 +24,8 @@ from typing import Any
 from shardfit.config.schema import LORA_EXPERTS, LORA_LINEAR, LORA_OPTIONAL, LoraConfig
 from shardfit.errors import ShardfitError
 
+_BITS = {"nf4": 4, "fp8": 8}  # bits a weight of a model.quantize base
+
 # an adapter directory -> (the lora.* values it gives, their source for messages): weights/peft_config.py's
 # adapter_lora_fields
 AdapterReader = Callable[[str], tuple[dict[str, Any], str]]
@@ -98,17 +100,26 @@ LORA_RULES: tuple[tuple[str, Any, Any, Any], ...] = (
     ("checkpoint.export_merged", lambda c: c.checkpoint.export_merged
      and c.checkpoint.export_merged == c.checkpoint.export_hf,
      lambda c: "is the same directory as checkpoint.export_hf (the adapter)", lambda c: "give another directory"),
-    ("model.quantize", lambda c: c.model.quantize == "nf4" and not c.lora.rank,
-     lambda c: "nf4 stores the frozen base of LoRA's adapted layers in 4 bits, and lora.rank is 0: a quantized base "
-               "cannot train", lambda c: "set lora.rank (QLoRA), or model.quantize=none"),
-    ("model.quantize", lambda c: c.model.quantize == "nf4" and c.lora.rank
+    ("model.quantize", lambda c: c.model.quantize != "none" and not c.lora.rank,
+     lambda c: f"{c.model.quantize} stores the frozen base of LoRA's adapted layers in {_BITS[c.model.quantize]} bits, "
+               "and lora.rank is 0: a quantized base cannot train",
+     lambda c: f"set lora.rank ({'QLoRA' if c.model.quantize == 'nf4' else 'LoRA on an FP8 base'}), or "
+               "model.quantize=none"),
+    ("model.quantize", lambda c: c.model.quantize != "none" and c.lora.rank
      and not {t.strip() for t in c.lora.targets.split(",")} - set(LORA_OPTIONAL) - set(LORA_EXPERTS),
-     lambda c: f"nf4 quantizes the linear layers LoRA adapts, and lora.targets={c.lora.targets} names none",
+     lambda c: f"{c.model.quantize} quantizes the linear layers LoRA adapts, and lora.targets={c.lora.targets} "
+               "names none",
      lambda c: "add linear layers to lora.targets (q_proj, ..., or all-linear), or set model.quantize=none"),
     ("compute.fp8", lambda c: c.model.quantize == "nf4" and c.compute.fp8 != "none",
      lambda c: f"{c.compute.fp8} with model.quantize=nf4: the NF4 base is dequantised to the compute dtype for its "
                "matmuls, which FP8 would not use", lambda c: "set compute.fp8=none, or model.quantize=none"),
-    ("parallel.offload", lambda c: c.model.quantize == "nf4" and c.parallel.offload != "none",
-     lambda c: f"{c.parallel.offload} with model.quantize=nf4: QLoRA's NF4 base is not supported with CPU offload "
-               "yet", lambda c: "set parallel.offload=none (an NF4 base is ~1/4 of bf16), or model.quantize=none"),
+    ("compute.fp8", lambda c: c.model.quantize == "fp8" and c.compute.fp8 != "none",
+     lambda c: f"{c.compute.fp8} with model.quantize=fp8: the FP8 base already multiplies in FP8 from its stored "
+               "codes (adapters/fp8_base.py); compute.fp8 would quantize the same layers again",
+     lambda c: "set compute.fp8=none (the base's matmuls stay FP8), or model.quantize=none"),
+    ("parallel.offload", lambda c: c.model.quantize != "none" and c.parallel.offload != "none",
+     lambda c: f"{c.parallel.offload} with model.quantize={c.model.quantize}: a quantized base is not supported "
+               "with CPU offload yet",
+     lambda c: f"set parallel.offload=none (a quantized base is ~{_BITS[c.model.quantize] / 16:.2g} of bf16), or "
+               "model.quantize=none"),
 )

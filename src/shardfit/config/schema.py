@@ -75,8 +75,10 @@ class ModelConfig:
     dense_layers: str = opt("", "comma-separated layer indices that stay dense (mlp_only_layers)")
     quantize: str = opt("none", "how the frozen base of the LoRA-adapted linear layers is stored: nf4 (QLoRA: 4-bit "
                                 "NormalFloat with double-quantised scales, ~0.52 bytes a weight, dequantised one "
-                                "layer at a time; needs lora.rank) or none (the compute dtype)",
-                        choices=("none", "nf4"))
+                                "layer at a time), fp8 (float8 e4m3 with a scale per row, ~1 byte a weight, "
+                                "multiplied in FP8 on GPUs with FP8 tensor cores), both needing lora.rank; or none "
+                                "(the compute dtype)",
+                        choices=("none", "nf4", "fp8"))
 
 
 def dense_layer_ids(cfg: ModelConfig) -> list[int]:

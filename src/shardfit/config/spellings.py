@@ -143,7 +143,7 @@ NOT_A_KEY: dict[str, str] = {
                          "qwen2, qwen3, qwen3_moe: model.path's config.json picks it) and never runs a model's code; "
                          "drop it",
     "fp16": "shardfit computes in bf16 on CUDA (compute.param_dtype), never fp16 with loss scaling; drop it",
-    "load_in_8bit": "the quantized base is 4-bit NF4 only: model.quantize=nf4 with lora.rank > 0",
+    "load_in_8bit": "model.quantize=fp8 (an 8-bit float base, with lora.rank > 0)",
     "deepspeed": _SHARDING, "fsdp": _SHARDING, "fsdp_config": _SHARDING,
     "local_rank": "start the ranks with --nproc N (and --nnodes for several hosts), or under torchrun; drop it",
     "push_to_hub": "export the model (checkpoint.export_hf=true, or shardfit export), then upload the directory "

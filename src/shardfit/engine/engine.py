@@ -150,10 +150,10 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
             self.notices.append(self.parallel.offload_notice)
         if from_hf:
             from shardfit.weights.hf_load import load_report
-            from shardfit.weights.nf4_io import load_base
+            from shardfit.weights.quantized_io import load_base
 
             t0 = time.perf_counter()
-            loaded = load_base(self.model, cfg.model.path)  # an NF4 base quantised as it is read
+            loaded = load_base(self.model, cfg.model.path)  # a quantised base quantised as it is read
             self.notices.append(load_report(cfg.model.path, time.perf_counter() - t0, loaded, self.device))
         if self.init_from is not None:
             from shardfit.weights.init_from import load_init_weights
@@ -166,10 +166,10 @@ class Engine(EngineState, EngineSampling, EngineUpdate):
                 load_adapter(self.model, cfg.lora.adapter)
                 self.notices += adapter_notices(cfg.lora.adapter)  # a transformers-4 MoE adapter's conversion
             self.notices.append(lora_summary(self.model, self.lora_targets))
-            if self.parallel.nf4_layers:
-                from shardfit.adapters.qlora import qlora_summary
+            if self.parallel.quantized_layers:
+                from shardfit.adapters.quantized import quantized_summary
 
-                self.notices.append(qlora_summary(self.model))
+                self.notices.append(quantized_summary(self.model))
         self.recorder: SnapshotRecorder | None = None  # OOM snapshots for the doctor: a caller with a run directory
         self._pending: list[StepStats] = []  # forward_backward passes since the last optim_step
         # why the gradients since the last optim_step were dropped (a forward_backward that failed midway): the next

@@ -16,9 +16,10 @@ import torch
 
 _BLOCK_ELEMS = 1 << 20
 
-# The parameters a quantized weight is stored in (adapters/qlora.py), named here so that this package skips them
-# without importing adapters/: their bytes are codes, not numbers (never drawn, counted or checked as weights).
-QUANTIZED_STORAGE = ("weight_nf4", "weight_absmax", "weight_stats")
+# The parameters a quantized weight is stored in (adapters/qlora.py: NF4; adapters/fp8_base.py: FP8), named here so
+# that this package skips them without importing adapters/: their bytes are codes, not numbers (never drawn,
+# counted or checked as weights).
+QUANTIZED_STORAGE = ("weight_nf4", "weight_absmax", "weight_stats", "weight_fp8", "weight_scale")
 
 
 def is_quantized_storage(name: str) -> bool:

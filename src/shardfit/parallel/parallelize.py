@@ -4,16 +4,16 @@ meta device. Why each step comes where it does: docs/architecture.md, "The layou
 The order is fixed and each step relies on the previous ones:
   0. module swaps on the meta model, so that everything after sees the final modules: FP8 Float8Linear layers
      (parallel/fp8.py), then LoRA adapters on them and the frozen base in the compute dtype (adapters/lora.py), the
-     adapted linear layers' base in NF4 with model.quantize=nf4 (adapters/qlora.py), Ulysses around each attention
-     kernel (parallel/ulysses.py), expert weights as DTensors over the EP group and each MoE layer's exchange
+     adapted linear layers' base in NF4 or FP8 with model.quantize (adapters/quantized.py), Ulysses around each
+     attention kernel (parallel/ulysses.py), expert weights as DTensors over the EP group and each MoE layer's exchange
      (parallel/expert.py);
   1. activation checkpointing of each block's forward (non-reentrant; parameter names stay Hugging Face's);
   2. torch.compile of each block's forward, checkpoint included (FSDP's hooks, added next, stay outside the graph);
   3. fully_shard each block (its experts first, as a group of their own or left out when E = W), the embedding and
      an untied head, then the root, over a 1-D mesh of every rank or a (replicate R, shard W/R) HSDP mesh;
   4. explicit prefetch, if asked; 5. to_empty on the target device: each rank allocates only its own shards;
-  6. init_weights / init_buffers on the shards, from (seed, parameter name) alone (NF4 weights drawn the same way,
-     then quantised); LoRA adapters likewise, always.
+  6. init_weights / init_buffers on the shards, from (seed, parameter name) alone (quantised weights drawn the same
+     way, then quantised); LoRA adapters likewise, always.
 With parallel.offload=all (parallel/offload.py) step 3 gives every group FSDP2's CPU offload policy, step 5 puts the
 shards in host memory, and step 6 draws on the device and copies into the host shards. Every rank runs the same steps
 in the same order (mesh creation is a collective).
@@ -31,8 +31,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import shardfit.adapters.fp8_base  # noqa: F401  (registers shardfit::fp8_linear for _SAVE_OPS)
+import shardfit.adapters.qlora  # noqa: F401  (registers shardfit::nf4_linear for _SAVE_OPS)
 from shardfit.adapters.lora import apply_lora, freeze_base, init_adapters
-from shardfit.adapters.qlora import apply_nf4, init_quantized
+from shardfit.adapters.quantized import apply_quantized, init_quantized, quantized_class
 from shardfit.config.schema import ComputeConfig, LoraConfig, ParallelConfig
 from shardfit.models.moe import MoE
 from shardfit.parallel.compile_watch import watch_compile
@@ -64,8 +66,10 @@ for _ns, _name in (("aten", "_scaled_dot_product_cudnn_attention"), ("torch_attn
         _SAVE_OPS.add(_op.default)
 
 
-# QLoRA's frozen matmul (adapters/qlora.py): one custom operator, as expensive to redo as the bf16 matmul it replaces
+# A quantised base's frozen matmuls (adapters/qlora.py, adapters/fp8_base.py): custom operators, as expensive to redo
+# as the bf16 matmuls they replace
 _SAVE_OPS.add(torch.ops.shardfit.nf4_linear.default)
+_SAVE_OPS.add(torch.ops.shardfit.fp8_linear.default)
 # An adapter's up-projection is a 2-D matmul (F.linear folds [B, S, r] to [B*S, r]): op -> (the input whose last
 # dim is the contraction, the weight operand [r, out] whose first dim is it). Batched matmuls (the math attention's
 # q k^T when head_dim equals the rank) are never adapters.
@@ -209,7 +213,7 @@ class ParallelizeReport:
     loss_compiled: bool = False  # the loss's per-chunk softmax and gradient compiled (CausalLM.use_compiled_loss)
     offload_notice: str | None = None  # offload=all: where the states live and the CPU step's threads
     lora_targets: list[str] | None = None  # the modules that carry LoRA adapters (lora.rank > 0)
-    nf4_layers: int = 0  # adapted linear layers whose base is NF4 (model.quantize=nf4)
+    quantized_layers: int = 0  # adapted linear layers whose base is quantised (model.quantize=nf4|fp8)
 
 
 def parallelize(model: nn.Module, layout: ParallelLayout, *, parallel: ParallelConfig, compute: ComputeConfig,
@@ -217,7 +221,7 @@ def parallelize(model: nn.Module, layout: ParallelLayout, *, parallel: ParallelC
                 init: bool = True, frozen: bool = False) -> ParallelizeReport:
     """Meta model in, sharded and initialised in place over `layout` (built once per rank:
     ParallelLayout.from_config), as `parallel` places it and `compute` asks; `lora` and `quantize` (model.quantize)
-    for the adapters and an NF4 base. See the module docstring for the order.
+    for the adapters and a quantised base. See the module docstring for the order.
 
     init=False leaves the weights uninitialised (a checkpoint is loaded next) and only rebuilds the buffers.
     frozen=True (no LoRA): every parameter frozen and stored in the compute dtype, as a LoRA run's base (a model that
@@ -247,10 +251,12 @@ def parallelize(model: nn.Module, layout: ParallelLayout, *, parallel: ParallelC
         # fp32) and casts every parameter to param_dtype for the all-gather (no cast for the base); gradients are
         # reduced for the adapters only, in reduce_dtype.
         report.lora_targets = apply_lora(model, lora, mp.param_dtype)
-        if quantize == "nf4":
-            # QLoRA: the adapted linear layers' base becomes NF4 storage carried bit for bit in the base's dtype
-            # (param_dtype, so FSDP shards it along dim 0 and gathers it uncast); adapters/qlora.py.
-            report.nf4_layers = apply_nf4(model, report.lora_targets, fused=compute.compile)
+        if quantize != "none":
+            # QLoRA (nf4) or an FP8 base: the adapted linear layers' base becomes storage carried bit for bit in
+            # the base's dtype (param_dtype, so FSDP shards it along dim 0 and gathers it uncast);
+            # adapters/quantized.py.
+            report.quantized_layers = apply_quantized(model, report.lora_targets, quantized_class(quantize),
+                                                      fused=compute.compile)
     elif frozen:  # weights that never change need no fp32 master: stored as FSDP casts them for the forward
         freeze_base(model, mp.param_dtype)
     if meshes.sequence is not None:
@@ -279,7 +285,7 @@ def parallelize(model: nn.Module, layout: ParallelLayout, *, parallel: ParallelC
     model.to_empty(device=device)  # 5
     if init:
         model.init_weights(seed, view=local_view)  # 6
-        init_quantized(model, seed, view=local_view)  # NF4 weights: drawn as above, then quantised
+        init_quantized(model, seed, view=local_view)  # quantised weights: drawn as above, then quantised
     else:
         model.init_buffers()
     if adapters:  # drawn whatever the base's source (a resume or lora.adapter loads over them)

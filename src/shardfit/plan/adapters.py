@@ -1,11 +1,13 @@
 """The LoRA and QLoRA terms of the plan (adapters/lora.py, docs/lora.md): what a frozen base and its adapters take.
 
   states     the frozen base as stored: the compute dtype's bytes a parameter (bf16 on CUDA), or under
-             model.quantize=nf4 NF4_BYTES for each adapted linear weight of the blocks; no fp32 master, gradient or
+             model.quantize=nf4 NF4_BYTES for each adapted linear weight of the blocks (fp8: 1 byte a weight and 4
+             a row, for those whose dims are multiples of 16, adapters/fp8_base.py); no fp32 master, gradient or
              moment for it. The adapters: fp32, fp32 gradients and AdamW's two moments (16 B a parameter), sharded;
              MoE experts' adapters (adapters/expert_lora.py: E x r x (in + out) per adapted weight) alike.
   gathered   FSDP gathers the base as stored (no fp32 -> bf16 cast copy) and the adapters cast to the compute dtype;
-             it reduce-scatters the adapters' gradients only. QLoRA: one dequantised weight in flight (dequant_bytes).
+             it reduce-scatters the adapters' gradients only. QLoRA: one dequantised weight in flight (dequant_bytes;
+             an FP8 base: one weight's codes transposed for its input gradient, 1 byte a weight).
              Expert adapters go where their experts go (plan/moe.py: n/E of them under EP; none with E = W, where
              the computation casts them and writes their fp32 gradients fresh, as it does full fine-tuning's experts).
   activations  the traced block has its adapters (adapt_block): what autograd saves for them, nothing for the base.
@@ -59,8 +61,8 @@ class Counts:
     block_expert_adapters: tuple[int, ...]  # of each block, on its MoE experts (a part of block_adapters)
     base_bytes: int  # the frozen base as stored
     block_base_bytes: tuple[int, ...]  # of each block
-    nf4_saving: tuple[int, ...]  # bytes each block's NF4 weights take less than in the compute dtype (0: none)
-    largest_quantized: int  # elements of the largest NF4 weight, padded to whole groups (dequantised in flight)
+    quantized_saving: tuple[int, ...]  # bytes each block's quantised weights take less than in the compute dtype
+    largest_quantized: int  # bytes in flight in the largest quantised weight's matmul (_quantized)
     mlp_extra_width: int  # elements a token of the adapted MLP's extra backward buffers (see backward_extra)
     block_mlp_width: tuple[int, ...]  # of each block, its dense MLP's adapted projections alone (recompute_extra)
     head_trains: bool  # the output head's weight takes a gradient (full fine-tuning, or an adapter on lm_head)
@@ -77,11 +79,22 @@ def nf4_bytes(numel: int) -> int:
     return -(-numel // NF4_GROUP) * NF4_GROUP_BYTES
 
 
+def _quantized(quant: str, out_f: int, in_f: int, element: int) -> tuple[int, int]:
+    """(bytes stored, bytes in flight in its matmuls) of one adapted [out, in] weight under model.quantize; (0, 0)
+    for a weight that stays in the compute dtype (FP8 takes dims of multiples of 16 only)."""
+    n = out_f * in_f
+    if quant == "nf4":
+        return nf4_bytes(n), -(-n // NF4_GROUP) * NF4_GROUP * element  # dequantised whole, padded groups
+    if quant == "fp8" and not (out_f % 16 or in_f % 16):
+        return n + 4 * out_f, n  # e4m3 codes and an fp32 scale a row; the transposed codes in backward
+    return 0, 0
+
+
 @functools.lru_cache(maxsize=16)
 def counts(built: nn.Module, lora: tuple, quant: str, element: int) -> Counts:
     """Counts of `built` (the estimate's meta model, read only): the adapters lora.targets would add, and the base's
-    bytes at `element` bytes a parameter, with under quantize="nf4" the adapted linear layers of the blocks in NF4
-    (adapters/qlora.py: embeddings, norms, the head and MoE experts stay in the compute dtype)."""
+    bytes at `element` bytes a parameter, with under quantize="nf4" or "fp8" the adapted linear layers of the blocks
+    in that format (adapters/quantized.py: embeddings, norms, the head and MoE experts stay in the compute dtype)."""
     n_blocks = len(built.model.layers)
     block_adapters, shapes, width = [0] * n_blocks, [], [0] * n_blocks
     rank = lora[0] if lora else 0
@@ -109,11 +122,12 @@ def counts(built: nn.Module, lora: tuple, quant: str, element: int) -> Counts:
         block_adapters[i] += expert_adapters[i]
     saving = [0] * n_blocks
     largest = 0
-    for fqn, mod in targets if quant == "nf4" else []:
+    for fqn, mod in targets if quant != "none" else []:
         if (i := _block_of(fqn)) >= 0 and isinstance(mod, nn.Linear):
-            n = mod.weight.numel()
-            saving[i] += n * element - nf4_bytes(n)
-            largest = max(largest, -(-n // NF4_GROUP) * NF4_GROUP)
+            stored, in_flight = _quantized(quant, *mod.weight.shape, element)
+            if stored:
+                saving[i] += mod.weight.numel() * element - stored
+                largest = max(largest, in_flight)
     block_params = [sum(p.numel() for p in b.parameters()) for b in built.model.layers]
     block_bytes = tuple(n * element - q for n, q in zip(block_params, saving))
     root_bytes = (sum(p.numel() for p in built.parameters()) - sum(block_params)) * element  # never quantized
@@ -129,15 +143,18 @@ def adapted_block_bytes(c: Counts, gathered_params: tuple[int, ...], gathered_ad
     gathers, expert parallelism's share included; the NF4 weights, never experts, gathered whole as their integer
     storage, uncast) and its adapters cast to the compute dtype (gathered_adapters: the experts' by the same
     share)."""
-    return tuple(g * element - s + a * element for g, s, a in zip(gathered_params, c.nf4_saving, gathered_adapters))
+    return tuple(g * element - s + a * element
+                 for g, s, a in zip(gathered_params, c.quantized_saving, gathered_adapters))
 
 
-def dequant_bytes(c: Counts, element: int) -> int:
+def dequant_bytes(c: Counts) -> int:
     """QLoRA: each NF4 layer dequantises its whole weight (padded to whole groups) for its matmul, in forward and
     again in backward (for the input gradient), and frees it: one in flight at a time. On a GPU the Triton kernel
     (kernels/nf4_dequant.py) writes it in the compute dtype and nothing else, compiled or not (adapters/qlora.py's
-    _dequant); the PyTorch path, where Triton is missing, holds the fp32 levels first eagerly (4 + 2 B a weight)."""
-    return c.largest_quantized * element
+    _dequant); the PyTorch path, where Triton is missing, holds the fp32 levels first eagerly (4 + 2 B a weight).
+    An FP8 base: the codes transposed for the input gradient's matmul (1 B a weight; its quantised activations, 1 B
+    a value, are not counted)."""
+    return c.largest_quantized
 
 
 def backward_extra(c: Counts, tokens: int, element: int) -> int:

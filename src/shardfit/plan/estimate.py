@@ -191,8 +191,8 @@ def estimate(cfg: Config, world: int, micro_batch: int) -> Estimate:
         root = t.frozen_bytes - sum(t.block_frozen_bytes) + (t.params - sum(t.block_params)) * element
         fsdp = root + running * (max(blocks) - fp8_bytes)
         # backward only: the adapters' fp32 reduce-scatter input (FSDP's post-backward), QLoRA's one weight
-        # dequantised at a time (inside an NF4 layer's forward or backward; none at the loss)
-        in_backward = 4 * max(adapted) + adapters.dequant_bytes(t.lora, element)
+        # dequantised at a time (inside an NF4 layer's forward or backward; none at the loss), an FP8 base's codes
+        in_backward = 4 * max(adapted) + adapters.dequant_bytes(t.lora)
     else:
         big_block = max(gathered)
         fsdp = 2 * root_params + running * (2 * big_block - fp8_bytes)

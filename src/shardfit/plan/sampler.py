@@ -17,7 +17,7 @@ sampling.kv_fraction of it goes to blocks of BLOCK_SIZE tokens (sampling/kv.py's
 the same arithmetic), plus the one trash block PagedKV adds. With sampling.keep_kv the Sampler is kept through the
 training commands too: its pool then counts against the step's peak, and the plan warns in one line (with the
 kv_fraction under which both fit) when they do not fit together.
-Refused by Engine.sample, and said so here: an NF4 base and parallel.offload=all.
+Refused by Engine.sample, and said so here: a quantised base (NF4, FP8) and parallel.offload=all.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class SamplingCost:
 
 def refused(cfg: Config) -> str | None:
     """Why Engine.sample refuses this config (sampling/source.py), or None."""
-    if quantize(cfg) == "nf4":
-        return "an NF4 base (model.quantize=nf4): its codes are no linear weight"
+    if quantize(cfg) != "none":
+        return f"a quantized base (model.quantize={quantize(cfg)}): its codes are no linear weight"
     if cfg.parallel.offload != "none":
         return "parameters offloaded to the host (parallel.offload=all)"
     return None

@@ -32,6 +32,8 @@ from shardfit.plan.micro_batch import largest_micro_batch
 
 MODES = ("none", "selective", "full")  # activation checkpointing, from the least recomputation to the most
 
+_LORA_KIND = {"none": "LoRA", "nf4": "QLoRA (NF4 base)", "fp8": "LoRA (FP8 base)"}
+
 
 def with_mode(cfg: Config, mode: str) -> Config:
     return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, activation_checkpoint=mode))
@@ -119,7 +121,7 @@ def plan_table(cfg: Config, world: int, gpu_gib: float, host_gib: float | None =
              + f", keep_grads={str(cfg.memory.keep_grads).lower()}"
              + (", compiled blocks" if cfg.compute.compile else ", eager blocks")
              + (f", FP8 {cfg.compute.fp8}" if cfg.compute.fp8 != "none" else "")
-             + (f", {'QLoRA (NF4 base)' if quantize(cfg) == 'nf4' else 'LoRA'} rank {cfg.lora.rank}"
+             + (f", {_LORA_KIND[quantize(cfg)]} rank {cfg.lora.rank}"
                 if cfg.lora.rank else "")
              + f"; budget for allocated memory {budget / GiB:.1f} GiB",
              "", f"{'checkpointing':13} {'micro-batch':>11} {'peak GiB':>9} {'states':>7} {'fsdp':>6} "

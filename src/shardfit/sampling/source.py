@@ -47,7 +47,8 @@ def _base_params(engine_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = []
     for name, p in engine_model.named_parameters():
         if is_quantized_storage(name):
-            raise ShardfitError("sampling in-process from an NF4 base is not supported", where="model.quantize",
+            raise ShardfitError("sampling in-process from a quantized base (NF4, FP8) is not supported",
+                                where="model.quantize",
                                 fix="sample through Engine.weights() (merged bf16 weights) in an inference engine")
         if not is_adapter(name):
             out.append((name, p))

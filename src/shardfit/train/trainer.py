@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from shardfit.adapters.quantized import quantized_class
 from shardfit.config import Config, accumulation_steps, config_to_dict, config_to_toml
 from shardfit.config.shape import StepShape
 from shardfit.data.build import build_datasets, build_preference
@@ -287,8 +288,8 @@ class Trainer:
                 what = "the PEFT adapter" if cfg.lora.rank else "Hugging Face model"
                 progress.message(f"exported {what} to {self.export_hf(cfg.checkpoint.export_hf)}")
             if cfg.checkpoint.export_merged:
-                nf4 = " (its base weights carry NF4's rounding: the QLoRA base, dequantised)" \
-                    if cfg.model.quantize == "nf4" else ""
+                nf4 = "" if cfg.model.quantize == "none" else \
+                    f" (its base weights carry {quantized_class(cfg.model.quantize).LABEL}'s rounding, dequantised)"
                 progress.message(f"exported the merged Hugging Face model to "
                                  f"{self.export_hf(cfg.checkpoint.export_merged, merged=True)}{nf4}")
             self.recorder.diagnose_last(self.dist.is_main, progress.message)

@@ -5,7 +5,7 @@ that the torch-free reader of PEFT's config (peft_config.py) stays torch-free fo
 Hugging Face safetensors
   safetensors.py       a safetensors file's header and the byte range of any rows of its tensors
   hf_load.py           a model directory into a (sharded) model: each rank reads only its own rows, no collective
-                       (Engine start from model.path; `generate`; the PEFT and NF4 readers below go through it)
+                       (Engine start from model.path; `generate`; the PEFT and quantised readers below go through it)
   hf_export.py         a (sharded) model as a model directory, one parameter gathered at a time, written atomically
                        (Engine.export_hf, Engine.weights' buckets, `shardfit export`)
   tokenizer_files.py   the tokenizer's files beside an export (the byte tokenizer's written as tokenizer.json);
@@ -16,8 +16,8 @@ PEFT adapters
   peft.py              adapter_model.safetensors in (lora.adapter, `generate --adapter`) and out (a LoRA run's
                        export), the merged model's stream, PEFT's layout of MoE expert adapters
   peft_per_expert.py   a transformers-4 MoE adapter (one pair a module and expert) read exactly into expert adapters
-NF4 (QLoRA)
-  nf4_io.py            a frozen base quantised to NF4 as it is read from model.path; dequantised whole for a merge
+A quantised frozen base (model.quantize: NF4 for QLoRA, FP8)
+  quantized_io.py      the base quantised as it is read from model.path; dequantised whole for a merge
 shardfit checkpoints (torch.distributed.checkpoint)
   checkpoint.py        save (atomic; the optimizer's state optional), choose (resume, agreed by every rank), load
                        (Engine.save / save_state / load_state, the Trainer's resume)

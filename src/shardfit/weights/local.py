@@ -8,9 +8,9 @@
   nothing unpickled), its config.toml's model, lora and data keys (and train.seed) checked as `train` checks them,
   then every shard read into these full tensors. A LoRA run's checkpoint holds its adapters only: they are put on
   the base the run built (its model.path, the full checkpoint its model.init_from names, or the seeded
-  initialisation it started from, drawn on this device; a QLoRA run's base quantised to NF4 as training did).
+  initialisation it started from, drawn on this device; a quantised base (QLoRA's NF4, FP8) quantised as training did).
 - `write_hf`: such a model as a Hugging Face directory (hf_export.py's writer), a LoRA model's adapters merged in.
-Loaded weights are in the asked dtype, the RoPE frequencies in fp32 as in training, NF4 storage bit for bit.
+Loaded weights are in the asked dtype, the RoPE frequencies in fp32 as in training, quantised storage bit for bit.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from shardfit.adapters.lora import apply_lora, is_adapter
-from shardfit.adapters.qlora import apply_nf4, to_dtype
+from shardfit.adapters.quantized import apply_quantized, quantized_class, to_dtype
 from shardfit.config.families import read_hf_config
 from shardfit.config.loader import _set, validate
 from shardfit.config.schema import Config, ModelConfig
@@ -84,8 +84,8 @@ def load_dcp(path: str, device: torch.device, dtype: torch.dtype, saved: dict | 
             _load_quietly(base, base_source(ckpt, [], device))
             model.load_state_dict(base["model"])
         targets = apply_lora(model, cfg.lora, None)
-        if cfg.model.quantize == "nf4":  # QLoRA: the base the adapters trained on, quantised as training did
-            apply_nf4(model, targets)
+        if cfg.model.quantize != "none":  # the base the adapters trained on, quantised as training did
+            apply_quantized(model, targets, quantized_class(cfg.model.quantize))
     frozen = frozen_names(model)  # a LoRA run's base: not in its checkpoint
     state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
     _load_quietly(state, ckpt)
@@ -126,7 +126,7 @@ def checkpoint_config(ckpt: Path) -> Config:
 def _in_dtype(model: CausalLM, dtype: torch.dtype) -> CausalLM:
     """The weights in `dtype`, the RoPE frequencies in fp32 as in training (FSDP's mixed precision casts parameters
     only): a bf16 inv_freq turns positions into angles off by ~0.7 rad at position 4,000."""
-    to_dtype(model, dtype).eval()  # NF4 storage (a QLoRA checkpoint's base) kept bit for bit
+    to_dtype(model, dtype).eval()  # quantised storage (a QLoRA or FP8-base checkpoint's base) kept bit for bit
     model.init_buffers_fp32()
     return model
 

@@ -15,7 +15,7 @@ parameter, nested in the module's parameter order: with both adapted, gate_up_pr
 `<experts>.base_layer.lora_A.weight` and down_proj's `<experts>.lora_A.weight`; one alone is `<experts>.lora_A...`
 (`peft_expert_key`, `to_peft`, `from_peft`).
 Merged (`merged_parameters`, checkpoint.export_merged and Engine.weights): the base's parameters, each adapted
-weight as W + (alpha/r) B A in fp32 (an NF4 base, adapters/qlora.py: W dequantised, its rounding kept; stacked
+weight as W + (alpha/r) B A in fp32 (a quantised base, adapters/quantized.py: W dequantised, its rounding kept; stacked
 experts per expert, gate_up's B split between gate and up), streamed through hf_export.py one parameter at
 a time. A tied embedding has one weight for two uses, so adapters on embed_tokens or lm_head of a tied model cannot
 be merged: refused.
@@ -46,14 +46,13 @@ from shardfit.adapters.lora import (
     is_adapter,
     target_names,
 )
-from shardfit.adapters.qlora import STORAGE
+from shardfit.adapters.quantized import QuantizedLinear
 from shardfit.config.schema import LoraConfig
 from shardfit.errors import ShardfitError
 from shardfit.parallel.agreement import agree
 from shardfit.parallel.dtensor import local_view
 from shardfit.weights.hf_export import batched_by_bytes, copy_tokenizer, full_tensor, publish, write_safetensors
 from shardfit.weights.hf_load import LoadResult, Rows, file_map, load_hf_checkpoint
-from shardfit.weights.nf4_io import merged_weight
 from shardfit.weights.peft_config import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -64,6 +63,7 @@ from shardfit.weights.peft_config import (
     read_adapter_config,
 )
 from shardfit.weights.peft_per_expert import conversion_notice, per_expert_params
+from shardfit.weights.quantized_io import merged_weight
 
 _STAGE_BYTES = 256 << 20  # expert B adapters staged whole per batch while loading (load_adapter)
 
@@ -146,10 +146,11 @@ def merged_parameters(model: nn.Module):
     seen: set[int] = set()
     for prefix, mod in model.named_modules():
         for key, p in list(mod._parameters.items()):
-            if p is None or id(p) in seen or is_adapter(key) or key in STORAGE[1:]:
+            quantized = isinstance(mod, QuantizedLinear) and key in mod.STORAGE
+            if p is None or id(p) in seen or is_adapter(key) or quantized and key != mod.STORAGE[0]:
                 continue
             seen.add(id(p))
-            if key == STORAGE[0]:  # an NF4 base: its dequantised weight (the NF4 rounding is in the merged model)
+            if quantized:  # a quantised base: its dequantised weight (the format's rounding is in the merged model)
                 key, full = "weight", merged_weight(mod)
             else:
                 full = full_tensor(p)

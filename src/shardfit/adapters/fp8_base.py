@@ -1,0 +1,174 @@
+"""An FP8 base (model.quantize=fp8): the adapted linear layers' frozen base weights stored in float8 e4m3 with one
+fp32 scale per output row, multiplied in FP8 on GPUs with FP8 tensor cores. Storage, sharding and filling:
+adapters/quantized.py.
+
+Why: a LoRA run's frozen bf16 base is most of its memory (15.0 GiB of the 8B shape's ~20-27); stored in FP8 it is
+half, and the matmuls that read it run on FP8 tensor cores (twice bf16's peak) with no per-step weight quantisation
+(compute.fp8 quantises every weight again in each forward, recompute and backward). It changes the base's numerics
+like QLoRA does, less: e4m3 keeps 3 mantissa bits against NF4's 16 levels.
+Format: a weight row w [in] is stored as codes round_e4m3(w / s) with s = amax|w| / 448 in fp32 (1 for a zero row);
+it reads back as codes x s. Storage: weight_fp8 [out, in] bytes and weight_scale [out] fp32, carried bit for bit as
+[out, in / size] and [out, 4 / size] in the carrier dtype (size: its bytes): 1 + 4 / in bytes a weight. Storage rows
+are weight rows, so FSDP's dim-0 shards are whole rows and a rank quantises its own rows alone.
+The matmul, a custom operator (opaque to torch.compile, recomputed whole under checkpointing; its autograd saves the
+storage, never a dequantised weight), per device:
+  fp8 tensor cores (CUDA, compute capability >= 8.9, bf16 input): y = x W^T as torch._scaled_mm of x quantised per
+     row (e4m3, s_x = amax / 448 per token) and the codes, scaled by s_x and the weight's row scales (fp32
+     accumulation, bf16 out). Backward: dX = dY W = (dY s_w) Wq, dY s_w quantised per row, times the codes
+     transposed (a contiguous copy, 1 byte a weight, freed after its matmul: _scaled_mm takes its second operand
+     column-major). The quantisations are one compiled kernel each (read the input once, write 1 byte a value).
+  the CPU: the same arithmetic emulated (the rounded operands, products in fp32): the numerics the GPU computes, for
+     tests; no speed-up.
+  other GPUs: the weight dequantised to the compute dtype for a plain matmul (memory saved, no FP8 arithmetic).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shardfit.adapters.quantized import QuantizedLinear, Span, rows_span
+from shardfit.models.init import ShardView
+from shardfit.models.loss import compiled_once
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+ALIGN = 16  # _scaled_mm needs both dims of its second operand to be multiples of 16 (others stay unquantised)
+
+
+def quantize_rows_fp8(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [m, k] e4m3, scales [m, 1] fp32) of t [m, k] (times col_scale [k] first, when given): each row scaled to
+    e4m3's range by its own amax. Deterministic and row-local: any split into row ranges gives the same codes."""
+    f = t.float() if col_scale is None else t.float() * col_scale
+    amax = f.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    return (f / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def _codes(stored: torch.Tensor, out_features: int) -> torch.Tensor:
+    return stored.view(E4M3).view(out_features, -1)
+
+
+def _scales(stored: torch.Tensor, out_features: int) -> torch.Tensor:
+    return stored.view(torch.float32).view(out_features)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [out, in] in dtype from its carried storage: fp32(code x scale), then dtype."""
+    return (_codes(codes, out_features).float() * _scales(scale, out_features)[:, None]).to(dtype)
+
+
+@functools.cache
+def _tensor_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _mode(x: torch.Tensor) -> str:
+    if x.device.type != "cuda":
+        return "emulate"
+    return "fp8" if x.dtype == torch.bfloat16 and _tensor_cores(x.device) else "dequant"
+
+
+def _quantizer(fused: bool):
+    # on CUDA always compiled: eagerly the quantisation is ~6 passes over an fp32 copy of the activations, which
+    # costs about what the FP8 matmul saves
+    return compiled_once(quantize_rows_fp8, dynamic=True) if fused else quantize_rows_fp8
+
+
+def _mm(a: torch.Tensor, b_codes_t: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, mode: str,
+        dtype: torch.dtype) -> torch.Tensor:
+    """a [m, k] e4m3 (row scales a_scale [m, 1]) times b_codes_t [k, n] e4m3 (column scales b_scale [n]) in dtype."""
+    if mode == "fp8":
+        return torch._scaled_mm(a, b_codes_t, scale_a=a_scale, scale_b=b_scale.view(1, -1), out_dtype=dtype)
+    return ((a.float() * a_scale) @ (b_codes_t.float() * b_scale)).to(dtype)
+
+
+@torch.library.custom_op("shardfit::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, out_features: int,
+               in_features: int) -> torch.Tensor:
+    """y = x W^T, W [out, in] stored in FP8 (module docstring: the matmul per device)."""
+    mode = _mode(x)
+    if mode == "dequant":
+        return torch.nn.functional.linear(x, dequantize_fp8(codes, scale, out_features, x.dtype))
+    x2 = x.reshape(-1, in_features)
+    xq, xs = _quantizer(mode == "fp8")(x2)
+    y = _mm(xq, _codes(codes, out_features).t(), xs, _scales(scale, out_features), mode, x.dtype)
+    return y.view(*x.shape[:-1], out_features)
+
+
+@fp8_linear.register_fake
+def _(x, codes, scale, out_features, in_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("shardfit::fp8_linear_input_grad", mutates_args=())
+def fp8_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, out_features: int,
+                          in_features: int) -> torch.Tensor:
+    """dX = dY W = (dY s_w) Wq: the weight's row scales move onto dY's columns, so the codes need no rescaling."""
+    mode = _mode(dy)
+    if mode == "dequant":
+        return dy @ dequantize_fp8(codes, scale, out_features, dy.dtype)
+    s_w = _scales(scale, out_features)
+    gq, gs = _quantizer(mode == "fp8")(dy.reshape(-1, out_features), s_w)
+    codes_t = _codes(codes, out_features).t().contiguous()  # [in, out] row-major: Wq column-major, 1 B a weight
+    ones = s_w.new_ones(in_features)
+    return _mm(gq, codes_t.t(), gs, ones, mode, dy.dtype).view(*dy.shape[:-1], in_features)
+
+
+@fp8_linear_input_grad.register_fake
+def _(dy, codes, scale, out_features, in_features):
+    return dy.new_empty(*dy.shape[:-1], in_features)
+
+
+def _setup(ctx, inputs, output):
+    _, codes, scale, out_features, in_features = inputs
+    ctx.save_for_backward(codes, scale)
+    ctx.args = (out_features, in_features)
+
+
+def _backward(ctx, dy):
+    codes, scale = ctx.saved_tensors
+    dx = fp8_linear_input_grad(dy, codes, scale, *ctx.args) if ctx.needs_input_grad[0] else None
+    return dx, None, None, None, None
+
+
+fp8_linear.register_autograd(_backward, setup_context=_setup)
+
+
+class FP8Linear(QuantizedLinear):
+    """A frozen linear layer whose weight is stored in FP8 with per-row scales (module docstring)."""
+
+    STORAGE = ("weight_fp8", "weight_scale")
+    FORMAT = "fp8"
+    LABEL = "FP8"
+    NOTICE = "their matmuls run in FP8 where the GPU has FP8 tensor cores (compute capability >= 8.9)"
+
+    @classmethod
+    def eligible(cls, out_features: int, in_features: int) -> bool:
+        return out_features % ALIGN == 0 and in_features % ALIGN == 0
+
+    @classmethod
+    def storage_shapes(cls, out_features: int, in_features: int, carrier: torch.dtype) -> list[tuple[int, int]]:
+        size = torch.empty((), dtype=carrier).element_size()
+        return [(out_features, in_features // size), (out_features, 4 // size)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fp8_linear(x, self.weight_fp8, self.weight_scale, self.out_features, self.in_features)
+        return out if self.bias is None else out + self.bias
+
+    def span(self, view: ShardView) -> Span:
+        return rows_span(self, view)
+
+    @torch.no_grad()
+    def quantize_rows(self, rows: torch.Tensor, span: Span) -> None:
+        codes, scale = quantize_rows_fp8(rows.reshape(-1, self.in_features))
+        carrier = span.shards[0].dtype
+        for dst, src in zip(span.shards, (codes.view(torch.uint8), scale.view(torch.uint8))):
+            dst.copy_(src.view(carrier))  # the same dtype: a copy of the bytes
+
+    def dequantized(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(*parts, self.out_features, dtype)
+
+
+__all__ = ["E4M3", "FP8Linear", "dequantize_fp8", "fp8_linear", "quantize_rows_fp8"]
