@@ -22,7 +22,9 @@ each; a case that has too little left is recorded as skipped):
               documents (compute.share_prefix=false: the prompt computed twice, as before session 24); -3p rows of
               3 pairs sharing their prompt, 3 x (511 + 2 x 512) = 4,605 tokens (rows are whole [1, T]: a 4,096-token
               row holds 2 pairs of 1,535 tokens as it holds 2 of 2,046, so sharing saves row work only where T fits
-              more pairs; with 16 pairs a step: 6 rows of 4,605 against 8 of 4,096)
+              more pairs; with 16 pairs a step: 6 rows of 4,605 against 8 of 4,096); -fp8base the frozen base
+              stored in FP8 (model.quantize=fp8: e4m3 with a scale per row, 7.5 GiB less, its matmuls on FP8 tensor
+              cores with no per-step weight quantisation; other numerics than a bf16 base, reported apart)
   trl-lora8b  TRL DPOTrainer + PEFT on transformers' LlamaForCausalLM of the same shape, bf16 weights, LoRA r=16
               alpha 32 target_modules all-linear, as TRL documents it for one GPU: bf16, gradient checkpointing
               (non-reentrant), SDPA (flash_attention_2 when flash_attn is installed), precompute_ref_log_probs
@@ -73,7 +75,8 @@ CAPS = {"sf-lora8b": 170, "trl-lora8b": 170, "sf-full1b": 100, "trl-full1b": 100
 VARIANTS = {"noac": ("none", 4096, []), "8k": (None, 8192, []), "4k": (None, 4096, []),
             "fp8": (None, None, ["--compute.fp8=tensorwise"]),
             "apart": (None, None, ["--compute.share_prefix=false"]),  # chosen and rejected as two documents
-            "3p": (None, "3p", [])}  # rows of exactly 3 pairs as prefix trees (TRL's memory; see the docstring)
+            "3p": (None, "3p", []),  # rows of exactly 3 pairs as prefix trees (TRL's memory; see the docstring)
+            "fp8base": (None, None, ["--model.quantize=fp8"])}  # the frozen base stored in FP8 (adapters/fp8_base.py)
 RESULT = "DPO_RESULT "  # the worker's line (the Trainer prints its logs as Python dicts)
 MIN_START = 0.5  # a case is not started with less than this fraction of its cap left of the budget
 

@@ -85,8 +85,9 @@ def _loaded_codes(rank, world, base, root, flags=NF4):
 def test_model_path_is_quantised_shard_by_shard_as_a_whole(tmp_path, fmt):
     """intermediate_size 544: each NF4 MLP weight is 3 groups (2 rows of the codes on rank 0, 1 on rank 1, the last
     padded; the rows a rank reads start and end inside a weight row); FP8's storage rows are weight rows."""
+    from shardfit.adapters.fp8_base import quantized_class
     from shardfit.adapters.lora import apply_lora
-    from shardfit.adapters.quantized import apply_quantized, quantized_class
+    from shardfit.adapters.quantized import apply_quantized
     from shardfit.config.schema import LoraConfig
     from tests.adapters.tiny_hf import shardfit_model
 

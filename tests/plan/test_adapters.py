@@ -171,6 +171,24 @@ def test_qlora_stores_the_adapted_linear_weights_in_nf4_and_dequantises_one_at_a
     assert two.weights - 4 * 32 * 16 * (8192 + 5120) == 2 * N_8B - 32 * (2 * qv - qv // 16_384 * 8456)
 
 
+def test_an_fp8_base_stores_a_byte_a_weight_and_a_scale_a_row():
+    """model.quantize=fp8 (adapters/fp8_base.py): the 7 adapted linear weights of a block in e4m3 (1 B a weight) with
+    an fp32 scale per row; in flight, one weight's codes transposed for its input gradient (1 B a weight)."""
+    lora = estimate(load_config(None, [*BASE_8B, *LORA]), 1, 1)
+    q = estimate(load_config(None, [*BASE_8B, *LORA, "--model.quantize=fp8"]), 1, 1)
+    linear = BLOCK_8B - 2 * 4096
+    rows = 4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096  # q, k, v, o, gate, up, down
+    block_fp8 = 2 * BLOCK_8B - 2 * linear + linear + 4 * rows
+    assert lora.weights - q.weights == 32 * (2 * BLOCK_8B - block_fp8)
+    assert q.fsdp - lora.fsdp == block_fp8 - 2 * BLOCK_8B  # one gathered block on one rank
+    full = ["--compute.activation_checkpoint=full", "--compute.loss_chunk=128", "--train.micro_batch=4",
+            "--train.global_batch=4"]
+    fp8 = estimate(load_config(None, [*BASE_8B, *LORA, *full, "--model.quantize=fp8"]), 1, 4)
+    assert fp8.working - estimate(load_config(None, [*BASE_8B, *LORA, *full]), 1, 4).working == 14336 * 4096
+    assert "LoRA (FP8 base) rank 16" in plan_table(load_config(None, [*BASE_8B, *LORA, "--model.quantize=fp8"]), 1,
+                                                    79).splitlines()[0]
+
+
 def test_the_nf4_bytes_are_the_qlora_storage_where_it_exists():
     nf4 = pytest.importorskip("shardfit.adapters.nf4", reason="the QLoRA work (adapters/nf4.py) is not merged yet")
     assert (adapters.NF4_GROUP, adapters.NF4_BYTES) == (nf4.GROUP, nf4.BYTES_PER_WEIGHT)

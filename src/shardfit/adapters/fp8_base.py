@@ -28,6 +28,7 @@ import functools
 
 import torch
 
+from shardfit.adapters.qlora import NF4Linear
 from shardfit.adapters.quantized import QuantizedLinear, Span, rows_span
 from shardfit.models.init import ShardView
 from shardfit.models.loss import compiled_once
@@ -171,4 +172,9 @@ class FP8Linear(QuantizedLinear):
         return dequantize_fp8(*parts, self.out_features, dtype)
 
 
-__all__ = ["E4M3", "FP8Linear", "dequantize_fp8", "fp8_linear", "quantize_rows_fp8"]
+def quantized_class(name: str) -> type[QuantizedLinear]:
+    """The module class of a model.quantize format (named here, with the format that came after NF4's)."""
+    return {"nf4": NF4Linear, "fp8": FP8Linear}[name]
+
+
+__all__ = ["E4M3", "FP8Linear", "dequantize_fp8", "fp8_linear", "quantize_rows_fp8", "quantized_class"]

@@ -167,13 +167,5 @@ def quantized_summary(model: nn.Module) -> str:
 
 
 
-def quantized_class(name: str) -> type[QuantizedLinear]:
-    """The module class of a model.quantize format ("nf4", "fp8")."""
-    from shardfit.adapters.fp8_base import FP8Linear  # the formats import this module: named here on use
-    from shardfit.adapters.qlora import NF4Linear
-
-    return {"nf4": NF4Linear, "fp8": FP8Linear}[name]
-
-
-__all__ = ["QuantizedLinear", "Span", "apply_quantized", "init_quantized", "is_storage", "quantized_class",
-           "quantized_modules", "quantized_summary", "rows_span", "staging_rows", "to_dtype", "to_quantized"]
+__all__ = ["QuantizedLinear", "Span", "apply_quantized", "init_quantized", "is_storage", "quantized_modules",
+           "quantized_summary", "rows_span", "staging_rows", "to_dtype", "to_quantized"]

@@ -31,10 +31,9 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import shardfit.adapters.fp8_base  # noqa: F401  (registers shardfit::fp8_linear for _SAVE_OPS)
-import shardfit.adapters.qlora  # noqa: F401  (registers shardfit::nf4_linear for _SAVE_OPS)
+from shardfit.adapters.fp8_base import quantized_class  # with qlora: registers shardfit::fp8_linear, ::nf4_linear
 from shardfit.adapters.lora import apply_lora, freeze_base, init_adapters
-from shardfit.adapters.quantized import apply_quantized, init_quantized, quantized_class
+from shardfit.adapters.quantized import apply_quantized, init_quantized
 from shardfit.config.schema import ComputeConfig, LoraConfig, ParallelConfig
 from shardfit.models.moe import MoE
 from shardfit.parallel.compile_watch import watch_compile

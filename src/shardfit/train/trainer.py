@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from shardfit.adapters.quantized import quantized_class
+from shardfit.adapters.fp8_base import quantized_class
 from shardfit.config import Config, accumulation_steps, config_to_dict, config_to_toml
 from shardfit.config.shape import StepShape
 from shardfit.data.build import build_datasets, build_preference

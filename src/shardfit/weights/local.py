@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from shardfit.adapters.fp8_base import quantized_class
 from shardfit.adapters.lora import apply_lora, is_adapter
-from shardfit.adapters.quantized import apply_quantized, quantized_class, to_dtype
+from shardfit.adapters.quantized import apply_quantized, to_dtype
 from shardfit.config.families import read_hf_config
 from shardfit.config.loader import _set, validate
 from shardfit.config.schema import Config, ModelConfig
