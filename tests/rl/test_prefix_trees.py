@@ -4,6 +4,8 @@ cross-entropy and the per-token losses, on 1 and 2 gloo ranks; and which runs be
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +115,53 @@ def test_rollouts_sharing_their_prompt_train_as_rollouts_packed_apart(world):
             for key in ("logprobs", "forward"):
                 for u, v in zip(x[key], y[key]):
                     np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+
+
+def _per_datum_mean(logp, x, cfg):
+    """A custom loss that reads every token of its datum: -w logp over the datum's token count (its index, "datum")."""
+    own = x["datum"] >= 0  # not padding
+    d = x["datum"].long().clamp(min=0)
+    n = torch.zeros(int(d.max()) + 1).index_add(0, d, own.float())
+    return -x["weights"] * logp / n.clamp(min=1)[d]
+
+
+def _apart_and_shared(rank, world):
+    """(shared, apart) per case on one engine: compute.share_prefix toggled between the two passes."""
+    from shardfit.config import load_config
+    from shardfit.rl import DatumEngine
+
+    engine = DatumEngine.start(load_config(None, ARGS))
+    datums = _groups(prompts=2)
+    counted = [copy.deepcopy(d) for d in datums]  # the IS datums with logprobs_at="counted"
+    for i, d in enumerate(counted):
+        d.inputs["advantages"][:PROMPT - 1] = 0  # the prompt carries no loss in any datum
+        if i % ROLLOUTS == 0:  # each prompt's first rollout counts (and scores) its prompt, the others do not
+            d.inputs["mask"][:] = 1
+    cases = {"custom": (datums, _per_datum_mean, {}),
+             "counted": (counted, "importance_sampling", {"logprobs_at": "counted"})}
+    report = {}
+    for case, (data, loss_fn, cfg) in cases.items():
+        for share in (True, False):
+            engine.cfg.compute.share_prefix = share
+            res = engine.forward_backward(data, loss_fn, cfg)
+            grads = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                               for p in engine.params])
+            for p in engine.params:
+                p.grad = None
+            engine.engine._pending.clear()
+            report[f"{case} {share}"] = {"loss": res.metrics["loss:sum"], "grads": grads[:4096].tolist(),
+                                         "logprobs": [o["logprobs"].tolist() for o in res.outputs]}
+    return report
+
+
+@pytest.mark.parametrize("case", ["custom", "counted"])
+def test_losses_that_read_more_than_a_tokens_loss_see_each_datum_as_apart(case):
+    """custom: a callable gets every token's log-prob and datum index and may combine a datum's tokens (here a mean
+    over them): a trunk laid once is one datum's tokens alone. counted: logprobs_at="counted" reports 0 for a token
+    its datum does not count; a trunk counted (and scored) by one datum and not by another reported one datum's."""
+    out = run_ranks(_apart_and_shared, 1)[0]
+    x, y = out[f"{case} True"], out[f"{case} False"]
+    assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(torch.tensor(x["grads"]), torch.tensor(y["grads"]), rtol=1e-4, atol=1e-6)
+    for u, v in zip(x["logprobs"], y["logprobs"]):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
