@@ -165,3 +165,33 @@ def test_losses_that_read_more_than_a_tokens_loss_see_each_datum_as_apart(case):
     torch.testing.assert_close(torch.tensor(x["grads"]), torch.tensor(y["grads"]), rtol=1e-4, atol=1e-6)
     for u, v in zip(x["logprobs"], y["logprobs"]):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+
+
+def test_a_trunk_stops_at_the_first_token_the_datums_do_not_share_alike():
+    """Identical datums keep one token each; a target that differs, or a token with loss in either datum, ends the
+    trunk; a datum that is the other's prefix keeps its last token; the packed row's positions continue the trunk."""
+    from shardfit.rl import make_datum
+    from shardfit.rl.pack import pack_row, plan_datums
+    from shardfit.rl.prefix_trees import shared_prefix
+
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, 256, 61)
+    a = make_datum(seq[:-1], target_tokens=seq[1:])
+    free = np.zeros(60, dtype=bool)
+    assert shared_prefix(a, a, free, free) == 59  # identical: each keeps its last token
+    other = seq[1:].copy()
+    other[44] += 1
+    assert shared_prefix(a, make_datum(seq[:-1], target_tokens=other), free, free) == 44
+    lossy = free.copy()
+    lossy[50:] = True
+    assert shared_prefix(a, a, free, lossy) == shared_prefix(a, a, lossy, free) == 50
+    short = make_datum(seq[:40], target_tokens=seq[1:41])
+    assert shared_prefix(a, short, free, free[:40]) == 39
+    datums = [a, short, a]
+    plan = plan_datums(datums, 128, 1, 1, trees=[(3, 39)])
+    _, _, pos, branch, _, _, _, real = pack_row(plan, datums, plan.bins[0][0], None, set(), None)
+    assert real == 39 + 21 + 1 + 21
+    for i, d in enumerate(datums):
+        cols = plan.where[i].columns(len(d))
+        assert pos[0, cols].tolist() == list(range(len(d)))  # each datum's RoPE positions as alone
+        assert set(branch[0, cols[39:]].tolist()) == {i + 1} and not branch[0, cols[:39]].any()
