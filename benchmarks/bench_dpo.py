@@ -144,8 +144,12 @@ def run_shardfit(a, label: str, shape: str, lora: bool, data: Path, cap: int) ->
         row["oom"] = "OutOfMemoryError" in (err or "")
         return row
     tokens_per_pair = 2 * seq
-    # one record a step: its real tokens over its real-token rate is the step's time
-    step_s = statistics.median(a.global_batch * tokens_per_pair / r["real_tokens_per_s_per_gpu"] for r in steady)
+    # one record a step: the tokens it counted (what tokens_seen grew by) over its rate of them is the step's time.
+    # Not G x tokens_per_pair over the real-token rate: a pair sharing its prompt (compute.share_prefix) computes
+    # 2 x seq - (prompt - 1) tokens, so that quotient was the step's time x 2 seq / (2 seq - prompt + 1), ~1.33x
+    seen = {r["step"]: r["tokens_seen"] for r in recs}
+    step_s = statistics.median((r["tokens_seen"] - seen[r["step"] - 1]) / r["world"] / r["loss_tokens_per_s_per_gpu"]
+                               for r in steady)
     row.update(step_s=round(step_s, 4), pairs_per_s=round(a.global_batch / step_s, 3),
                tok_s=round(a.global_batch * tokens_per_pair / step_s),
                peak_alloc_GiB=round(max(r["peak_allocated_max"] for r in steady), 2) if not a.tiny else None,

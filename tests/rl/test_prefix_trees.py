@@ -4,6 +4,8 @@ cross-entropy and the per-token losses, on 1 and 2 gloo ranks; and which runs be
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +115,83 @@ def test_rollouts_sharing_their_prompt_train_as_rollouts_packed_apart(world):
             for key in ("logprobs", "forward"):
                 for u, v in zip(x[key], y[key]):
                     np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+
+
+def _per_datum_mean(logp, x, cfg):
+    """A custom loss that reads every token of its datum: -w logp over the datum's token count (its index, "datum")."""
+    own = x["datum"] >= 0  # not padding
+    d = x["datum"].long().clamp(min=0)
+    n = torch.zeros(int(d.max()) + 1).index_add(0, d, own.float())
+    return -x["weights"] * logp / n.clamp(min=1)[d]
+
+
+def _apart_and_shared(rank, world):
+    """(shared, apart) per case on one engine: compute.share_prefix toggled between the two passes."""
+    from shardfit.config import load_config
+    from shardfit.rl import DatumEngine
+
+    engine = DatumEngine.start(load_config(None, ARGS))
+    datums = _groups(prompts=2)
+    counted = [copy.deepcopy(d) for d in datums]  # the IS datums with logprobs_at="counted"
+    for i, d in enumerate(counted):
+        d.inputs["advantages"][:PROMPT - 1] = 0  # the prompt carries no loss in any datum
+        if i % ROLLOUTS == 0:  # each prompt's first rollout counts (and scores) its prompt, the others do not
+            d.inputs["mask"][:] = 1
+    cases = {"custom": (datums, _per_datum_mean, {}),
+             "counted": (counted, "importance_sampling", {"logprobs_at": "counted"})}
+    report = {}
+    for case, (data, loss_fn, cfg) in cases.items():
+        for share in (True, False):
+            engine.cfg.compute.share_prefix = share
+            res = engine.forward_backward(data, loss_fn, cfg)
+            grads = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                               for p in engine.params])
+            for p in engine.params:
+                p.grad = None
+            engine.engine._pending.clear()
+            report[f"{case} {share}"] = {"loss": res.metrics["loss:sum"], "grads": grads[:4096].tolist(),
+                                         "logprobs": [o["logprobs"].tolist() for o in res.outputs]}
+    return report
+
+
+@pytest.mark.parametrize("case", ["custom", "counted"])
+def test_losses_that_read_more_than_a_tokens_loss_see_each_datum_as_apart(case):
+    """custom: a callable gets every token's log-prob and datum index and may combine a datum's tokens (here a mean
+    over them): a trunk laid once is one datum's tokens alone. counted: logprobs_at="counted" reports 0 for a token
+    its datum does not count; a trunk counted (and scored) by one datum and not by another reported one datum's."""
+    out = run_ranks(_apart_and_shared, 1)[0]
+    x, y = out[f"{case} True"], out[f"{case} False"]
+    assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(torch.tensor(x["grads"]), torch.tensor(y["grads"]), rtol=1e-4, atol=1e-6)
+    for u, v in zip(x["logprobs"], y["logprobs"]):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+
+
+def test_a_trunk_stops_at_the_first_token_the_datums_do_not_share_alike():
+    """Identical datums keep one token each; a target that differs, or a token with loss in either datum, ends the
+    trunk; a datum that is the other's prefix keeps its last token; the packed row's positions continue the trunk."""
+    from shardfit.rl import make_datum
+    from shardfit.rl.pack import pack_row, plan_datums
+    from shardfit.rl.prefix_trees import shared_prefix
+
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, 256, 61)
+    a = make_datum(seq[:-1], target_tokens=seq[1:])
+    free = np.zeros(60, dtype=bool)
+    assert shared_prefix(a, a, free, free) == 59  # identical: each keeps its last token
+    other = seq[1:].copy()
+    other[44] += 1
+    assert shared_prefix(a, make_datum(seq[:-1], target_tokens=other), free, free) == 44
+    lossy = free.copy()
+    lossy[50:] = True
+    assert shared_prefix(a, a, free, lossy) == shared_prefix(a, a, lossy, free) == 50
+    short = make_datum(seq[:40], target_tokens=seq[1:41])
+    assert shared_prefix(a, short, free, free[:40]) == 39
+    datums = [a, short, a]
+    plan = plan_datums(datums, 128, 1, 1, trees=[(3, 39)])
+    _, _, pos, branch, _, _, _, real = pack_row(plan, datums, plan.bins[0][0], None, set(), None)
+    assert real == 39 + 21 + 1 + 21
+    for i, d in enumerate(datums):
+        cols = plan.where[i].columns(len(d))
+        assert pos[0, cols].tolist() == list(range(len(d)))  # each datum's RoPE positions as alone
+        assert set(branch[0, cols[39:]].tolist()) == {i + 1} and not branch[0, cols[:39]].any()

@@ -188,12 +188,16 @@ def coefficients(datums: list[Datum], spec: LossSpec) -> list[np.ndarray]:
 
 
 def lossless(d: Datum, coef: np.ndarray, spec: LossSpec) -> np.ndarray:
-    """[L] bool: the datum's tokens whose loss term is exactly 0 whatever their log-prob (what rl/prefix_trees.py may
-    compute once for several datums): coefficient 0, or, for a built-in loss with no KL or entropy term, weight 0
-    (cross_entropy: -w logp) or advantage 0 (importance_sampling, ppo: the ratio times A, both clip branches). A
-    callable loss is opaque: its coefficient alone."""
+    """[L] bool: the datum's tokens whose log-prob moves no loss term (what rl/prefix_trees.py may compute once for
+    several datums). A built-in loss's term is its own token's alone: coefficient 0, or, with no KL or entropy
+    term, weight 0 (cross_entropy: -w logp) or advantage 0 (importance_sampling, ppo: the ratio times A, both clip
+    branches). A callable loss sees every token's log-prob and datum index and may combine a datum's tokens (a mean
+    over them, a sequence's sum): none is lossless, whatever its coefficient (a trunk laid once would be one datum's
+    tokens alone)."""
+    if spec.name not in BUILT_IN or spec.fn is not BUILT_IN[spec.name]:
+        return np.zeros(len(coef), dtype=bool)
     zero = coef == 0
-    if spec.kl_coef or spec.entropy_coef or spec.name not in BUILT_IN or spec.fn is not BUILT_IN[spec.name]:
+    if spec.kl_coef or spec.entropy_coef:
         return zero
     key = "weights" if spec.name == "cross_entropy" else "advantages"
     return zero | (d.inputs[key] == 0) if key in d.inputs else zero

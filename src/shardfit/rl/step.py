@@ -192,13 +192,17 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
 def _trees(engine: Engine, kernel: str, datums: list[Datum], coefs: list[np.ndarray] | None, spec: LossSpec,
            budget: int) -> list[tuple[int, int]] | None:
     """Runs of datums sharing their first tokens as prefix trees (rl/prefix_trees.py), where this pass may pack them.
-    A token has loss unless rl/losses.py lossless says otherwise (the mean cross-entropy: its weight)."""
+    A token has loss unless rl/losses.py lossless says otherwise (the mean cross-entropy: its weight). Under
+    logprobs_at="counted" a counted token is scored, an uncounted one reports 0: a trunk's tokens must be alike in
+    all of its datums, so only uncounted ones are shared (a prompt one datum counts and another does not is not)."""
     if not shares_prefixes(engine, kernel):
         return None
     if coefs is None:  # the mean (is_token_mean_cross_entropy: no mask): the tokens of weight != 0
         lossy = [counted(d) for d in datums]
     else:
         lossy = [~lossless(d, c, spec) for d, c in zip(datums, coefs)]
+    if spec.logprobs_at == "counted":
+        lossy = [x | counted(d) for x, d in zip(lossy, datums)]
     return prefix_groups(datums, lossy, budget)
 
 
