@@ -20,6 +20,7 @@ import hashlib
 import numpy as np
 
 from shardfit.engine import AdamParams, CrossEntropy, Engine, TokenLoss
+from shardfit.engine.batch import LazyBatches
 from shardfit.engine.multi_model import check_models
 from shardfit.rl.datum import Datum, ForwardBackwardResult, check_datums
 from shardfit.rl.losses import (
@@ -34,7 +35,7 @@ from shardfit.rl.losses import (
     sampler_gap,
     token_loss,
 )
-from shardfit.rl.pack import datum_batches, plan_datums, unpack
+from shardfit.rl.pack import DatumPlan, datum_batches, plan_datums, unpack
 from shardfit.rl.preference import objective_of, pair_pass, pair_pass_many
 from shardfit.rl.prefix_trees import prefix_groups, shares_prefixes
 from shardfit.rl.trainer_logprobs import ScoredRun, logprobs_mode, sample_scored_by_trainer
@@ -171,15 +172,8 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
     if spec.name in PAIR_LOSSES and not callable(loss_fn):  # datums in pairs, chosen then rejected
         return _pair_result(*pair_pass(engine, datums, objective_of(spec.name, spec.config), backward, given,
                                        spec.config))
-    layout, budget = engine.layout, engine.datum_budget()
-    kernel = engine.doc_kernel(budget, grad=backward)
     mean_ce = backward and not engine.pending and is_token_mean_cross_entropy(spec, datums)
-    coefs = None if mean_ce else coefficients(datums, spec)
-    trees = _trees(engine, kernel, datums, coefs, spec, budget)
-    plan = plan_datums(datums, budget, layout.data_size, layout.sequence, trees=trees)
-    scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None  # None: every token
-    batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank, kernel,
-                            engine.device)
+    plan, batches = _packed(engine, [datums], spec, backward, mean_ce=mean_ce)
     loss = CrossEntropy(logprobs=True) if mean_ce else _token_loss(spec)
     call = engine.forward_backward if backward else engine.forward
     stats = call(batches, loss, fingerprint=given)
@@ -187,6 +181,26 @@ def _run(engine: Engine, datums: list[Datum], loss_fn, loss_fn_config: dict | No
     # Tinker's loss:sum is sum_t c_t l_t; the mean's is the summed cross-entropy over its N tokens
     loss_sum = stats.loss_sum / max(stats.loss_tokens, 1.0) if mean_ce else stats.loss_sum
     return _result(datums, outputs, loss_sum, spec)
+
+
+def _packed(engine: Engine, groups: list[list[Datum]], spec: LossSpec, backward: bool, mean_ce: bool = False,
+            slots: bool = False) -> tuple[DatumPlan, LazyBatches]:
+    """The pass's plan and this rank's micro-batches (rl/pack.py) of the datums of `groups`, in order: each group's
+    coefficients made from its own datums alone (normalised as if it ran alone) and its prefix trees never across
+    groups (one group: a pass of one model; several: one per model, each token's model in the batches' slots when
+    `slots`). mean_ce: the trainer's mean cross-entropy (is_token_mean_cross_entropy), one group, no coefficients."""
+    layout, budget = engine.layout, engine.datum_budget()
+    kernel = engine.doc_kernel(budget, grad=backward)
+    own = [None if mean_ce else coefficients(group, spec) for group in groups]
+    coefs = None if mean_ce else [c for cs in own for c in cs]
+    mine = [_trees(engine, kernel, group, cs, spec, budget) for group, cs in zip(groups, own)]
+    trees = None if any(t is None for t in mine) else [t for ts in mine for t in ts]  # None: no trees this pass
+    datums = [d for group in groups for d in group]
+    plan = plan_datums(datums, budget, layout.data_size, layout.sequence, trees=trees)
+    scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None  # None: every token
+    models = [j for j, group in enumerate(groups) for _ in group] if slots else None
+    return plan, datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank, kernel,
+                               engine.device, models=models)
 
 
 def _trees(engine: Engine, kernel: str, datums: list[Datum], coefs: list[np.ndarray] | None, spec: LossSpec,
@@ -246,19 +260,7 @@ def _run_many(engine: Engine, pairs: list[tuple[str, list[Datum]]], loss_fn, los
         return [_pair_result(*out) for out in pair_pass_many(engine, [g for _, g in pairs],
                                                              objective_of(spec.name, spec.config), backward, given,
                                                              spec.config, models=names)]
-    layout, budget = engine.layout, engine.datum_budget()
-    kernel = engine.doc_kernel(budget, grad=backward)
-    models, coefs, trees = [], [], []
-    for j, (_, group) in enumerate(pairs):
-        models += [j] * len(group)
-        own = coefficients(group, spec)  # each model normalised over its own datums
-        coefs += own
-        mine = _trees(engine, kernel, group, own, spec, budget)  # never across models; None: no trees this pass
-        trees = trees + mine if mine is not None and trees is not None else None
-    plan = plan_datums(datums, budget, layout.data_size, layout.sequence, trees=trees)
-    scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None
-    batches = datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank, kernel,
-                            engine.device, models=models)
+    plan, batches = _packed(engine, [group for _, group in pairs], spec, backward, slots=True)
     loss = _token_loss(spec)
     call = engine.forward_backward if backward else engine.forward
     stats = call(batches, loss, fingerprint=given, model=names)
