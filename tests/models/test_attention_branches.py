@@ -96,7 +96,7 @@ def test_branch_block_mask_lists_every_visible_block_and_only_whole_blocks_as_fu
     _, pos, br, _ = _tree_row(BLOCK_TREES[layout], 50)
     S = pos.shape[1]
     doc = document_ids(pos)
-    mod = _same_document_causal(doc, br)
+    mod = _same_document_causal(doc, br, CPU)
     q, k = torch.arange(S)[:, None], torch.arange(S)[None, :]
     element = mod(0, 0, q, k)  # [S, S] the scores each query sees
     n = -(-S // FLEX_BLOCK)
@@ -130,3 +130,25 @@ def test_compiled_flex_with_branches_equals_the_dense_reference():
     out = _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=True)
     ref = sdpa_attention(*(t.transpose(1, 2) for t in (q, k, v)), DocumentMask.build(pos, "sdpa", CPU, branch=br))
     torch.testing.assert_close(out.transpose(1, 2), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_branch_ids_see_what_document_and_branch_apart_see():
+    """The mask_mod packs (document, branch) into one int32 a token; it must allow exactly the pairs the two ids
+    apart allow: same document, key not after the query, key in the trunk or in the query's branch (documents from
+    -1, padding's id in some callers, to large ones; branches to 65,535)."""
+    gen = torch.Generator().manual_seed(0)
+    S = 300
+    doc = torch.sort(torch.randint(-1, 40, (2, S), generator=gen), dim=1).values
+    doc[1, :50] = 20_000
+    doc[1] = torch.sort(doc[1]).values
+    branch = torch.randint(0, 4, (2, S), generator=gen)
+    branch[0, ::7] = 65_535
+    mod = _same_document_causal(doc, branch, CPU)
+    q, k = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    for b in range(2):
+        got = mod(b, 0, q, k)
+        key, query = branch[b][None, :], branch[b][:, None]
+        want = (doc[b][:, None] == doc[b][None, :]) & (q >= k) & ((key == 0) | (key == query))
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="branch mask"):
+        _same_document_causal(doc, branch + 65_536, CPU)

@@ -120,18 +120,35 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 FLEX_BLOCK = 128
 
 
-def _same_document_causal(doc: torch.Tensor, branch: torch.Tensor | None = None):
+_BRANCH_BITS = 16  # a token's (document, branch) as one int32 id: document << 16 | branch (branch < 65,536)
+
+
+def _same_document_causal(doc: torch.Tensor, branch: torch.Tensor | None, device: torch.device):
     """The element mask FlexAttention evaluates inside partial blocks: same document, key not after the query; with
-    branch ids, the key in the trunk or in the query's own branch."""
+    branch ids, the key in the trunk or in the query's own branch. With branches, document and branch are one int32
+    id a token (doc * 2^16 + branch; doc < 2^15): the key is seen iff its id is the query's (same document and
+    branch) or the query's with branch 0 (its document's trunk). Two loads a pair, as without branches: the
+    branch-aware mask, which every pass that may share a prefix uses (one compiled variant), costs no more inside a
+    partial block than the plain one (with the two tensors apart it loaded four). doc, branch: [B, S] on the host
+    (checked and packed there: no device sync), moved to `device`."""
     if branch is None:
+        doc = to_device(doc, device)
+
         def mask_mod(b, h, q_idx, kv_idx):
             return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
-    else:
-        def mask_mod(b, h, q_idx, kv_idx):
-            key = branch[b, kv_idx]
-            return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx) & ((key == 0) | (key == branch[b, q_idx]))
+        return mask_mod
+    if doc.numel() and (int(doc.max()) >= 1 << (31 - _BRANCH_BITS) or int(doc.min()) < -(1 << (31 - _BRANCH_BITS))
+                        or int(branch.max()) >= 1 << _BRANCH_BITS):
+        raise ValueError(f"{int(doc.max()) + 1} documents or {int(branch.max())} branches in a row: the branch "
+                         f"mask's packed ids hold < {1 << (31 - _BRANCH_BITS)} and < {1 << _BRANCH_BITS}")
+    ids = to_device(doc.to(torch.int32) * (1 << _BRANCH_BITS) + branch.to(torch.int32), device)  # [B, S]
+    trunk_of = -(1 << _BRANCH_BITS)  # ids & trunk_of: the id with its branch bits cleared (two's complement floor)
 
-    return mask_mod
+    def branched(b, h, q_idx, kv_idx):
+        query, key = ids[b, q_idx], ids[b, kv_idx]
+        return (q_idx >= kv_idx) & ((key == query) | (key == (query & trunk_of)))
+
+    return branched
 
 
 def document_block_mask(doc: torch.Tensor, device: torch.device, branch: torch.Tensor | None = None):
@@ -184,7 +201,7 @@ def document_block_mask(doc: torch.Tensor, device: torch.device, branch: torch.T
     # ~0.25 ms for both here.
     kv, kv_idx, full_kv, full_kv_idx = *listed(partial), *listed(full)
     q, q_idx, full_q, full_q_idx = *listed(partial.mT.contiguous()), *listed(full.mT.contiguous())
-    mod = _same_document_causal(to_device(doc, device), to_device(branch, device) if branch is not None else None)
+    mod = _same_document_causal(doc, branch, device)
     return BlockMask(seq_lengths=(S, S), kv_num_blocks=kv, kv_indices=kv_idx, full_kv_num_blocks=full_kv,
                      full_kv_indices=full_kv_idx, q_num_blocks=q, q_indices=q_idx, full_q_num_blocks=full_q,
                      full_q_indices=full_q_idx, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mod)
@@ -218,7 +235,7 @@ def document_block_mask_reference(doc: torch.Tensor, device: torch.device, branc
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, S = doc.shape
-    mod = _same_document_causal(doc.to(device), branch.to(device) if branch is not None else None)
+    mod = _same_document_causal(doc.cpu(), branch.cpu() if branch is not None else None, device)
     return create_block_mask(mod, B, None, S, S, device=str(device))
 
 
