@@ -190,6 +190,9 @@
 #             says "hit config.recompile_limit" and one_pass_over_sequential should be ~0.6 (the clients benchmark's
 #             1.6x); after, no such line and ~0.9-1.0 (the stacked adapter's K-fold FLOPs: ~2% at K = 3).
 #             $OUT/mm_old.json, $OUT/mm_new.json and their logs
+#   tests-s25 session 25's CUDA tests of code no GPU has run: flex attention with prefix trees (the packed
+#             document/branch ids) and the FP8 base (model.quantize=fp8: _scaled_mm against the CPU's emulation, a
+#             compiled run); $OUT/pytest_s25.log
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -399,6 +402,8 @@ for stage in "$@"; do
       for t in old new; do tree=src; [ $t = old ] && tree=.old/src
         env CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD/$tree timeout 270 python3 benchmarks/bench_multi_model.py $MM --out "$OUT/mm_$t.json" -- $MMO > "$OUT/mm_$t.log" 2>&1
         echo "$t rc=$?"; grep -E '^\{|recompile_limit|Error' "$OUT/mm_$t.log" | cut -c1-400; done ;;
+    tests-s25)  # session 25's GPU code, never run on a GPU: flex with prefix trees (packed branch ids), the FP8 base
+      env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_fp8_base.py "tests/cuda/test_cuda_varlen.py" -k "branches or fp8" 2>&1 | tee "$OUT/pytest_s25.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -16 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
