@@ -95,6 +95,24 @@ def test_plan_json_carries_the_sampling_figures(capsys):
     assert "parallel.offload=all" in json.loads(capsys.readouterr().out)["sampling"]["refused"]
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+def test_a_quantised_base_decodes_from_its_storage(fmt):
+    """Engine.sample on QLoRA or an FP8 base (sampling/source.py): views on one rank, the base gathered as stored on
+    N (its codes: ~0.52 or ~1 byte a weight, not the compute dtype's 2)."""
+    from shardfit.plan import adapters
+    from shardfit.plan.activation_trace import model_key
+    from shardfit.plan.estimate import _meta_model
+
+    cfg = _cfg(*B8, *LORA, f"--model.quantize={fmt}")
+    one, four = (sampling_cost(cfg, w, configured(cfg, w, 79)[0], 79 * GiB) for w in (1, 4))
+    assert one.decode_kind == "views" and one.decode_bytes == 0
+    stored = adapters.counts(_meta_model(model_key(cfg.model)), adapters.lora_key(cfg), fmt, 2).base_bytes
+    _, n_params = adapter_params(cfg)
+    share = 0.6 if fmt == "nf4" else 0.8  # embeddings and head stay bf16
+    assert four.decode_kind == "gathered" and four.decode_bytes == stored < share * 2 * n_params
+    assert "refused" not in " ".join(sampling_lines(cfg, 1, configured(cfg, 1, 79)[0], 79))
+
+
 def test_no_room_left_is_said():
     cfg = _cfg(*B8)  # full fine-tuning of 8B on one GPU: 16 bytes a parameter of states alone exceed 79 GiB
     e, _ = configured(cfg, 1, 79.0)

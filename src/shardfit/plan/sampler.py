@@ -5,6 +5,7 @@ The decode model (sampling/source.py) is a plain CausalLM over the Engine's weig
   one rank, weights stored in that dtype (a LoRA run's frozen base)  views of the storage: 0 bytes
   one rank, weights stored otherwise (full fine-tuning's fp32 masters) a copy cast to the compute dtype
   N ranks                                                             every parameter gathered whole, kept
+                                                                      (a quantised base as stored: its codes)
 plus, with LoRA, its bank of adapter slots (sampling/lora_bank.py: BANK_SLOTS slots at first, each a whole adapter
 in the compute dtype). The Engine keeps the decode model and its bank between calls and across training commands
 (only the Sampler is dropped), so they count against the training step's peak as well.
@@ -17,7 +18,7 @@ sampling.kv_fraction of it goes to blocks of BLOCK_SIZE tokens (sampling/kv.py's
 the same arithmetic), plus the one trash block PagedKV adds. With sampling.keep_kv the Sampler is kept through the
 training commands too: its pool then counts against the step's peak, and the plan warns in one line (with the
 kv_fraction under which both fit) when they do not fit together.
-Refused by Engine.sample, and said so here: a quantised base (NF4, FP8) and parallel.offload=all.
+Refused by Engine.sample, and said so here: parallel.offload=all.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardfit.config.schema import Config
-from shardfit.plan.activation_trace import compute_dtype
-from shardfit.plan.adapters import quantize
-from shardfit.plan.estimate import CUDA_CONTEXT, Estimate, GiB, adapter_params, allocation_budget
+from shardfit.plan.activation_trace import compute_dtype, model_key
+from shardfit.plan.adapters import counts, lora_key, quantize
+from shardfit.plan.estimate import CUDA_CONTEXT, Estimate, GiB, _meta_model, adapter_params, allocation_budget
 from shardfit.sampling.kv import BLOCK_SIZE, block_bytes, blocks_for_memory
 from shardfit.sampling.lora_bank import BANK_SLOTS
 
@@ -54,8 +55,6 @@ class SamplingCost:
 
 def refused(cfg: Config) -> str | None:
     """Why Engine.sample refuses this config (sampling/source.py), or None."""
-    if quantize(cfg) != "none":
-        return f"a quantized base (model.quantize={quantize(cfg)}): its codes are no linear weight"
     if cfg.parallel.offload != "none":
         return "parameters offloaded to the host (parallel.offload=all)"
     return None
@@ -72,6 +71,8 @@ def sampling_cost(cfg: Config, world: int, e: Estimate, device_bytes: float, ser
     else:  # a LoRA run's frozen base is stored in the compute dtype (adapters.py); full fine-tuning's in fp32
         kind = "views" if cfg.lora.rank or dtype.itemsize == 4 else "cast"
     decode = 0 if kind == "views" else n_params * dtype.itemsize
+    if kind == "gathered" and quantize(cfg) != "none":  # the base gathered as stored (sampling/source.py)
+        decode = counts(_meta_model(model_key(cfg.model)), lora_key(cfg), quantize(cfg), dtype.itemsize).base_bytes
     bank = BANK_SLOTS * trained * dtype.itemsize if cfg.lora.rank else 0
     shard = world // cfg.parallel.replicate
     kept_grads = 4 * trained // shard if cfg.memory.keep_grads else 0  # sharded fp32 gradients (estimate.py)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardfit.adapters.expert_lora import DOWN, GATE_UP, is_expert_target
+from shardfit.adapters.quantized import QuantizedLinear
 from shardfit.errors import ShardfitError
 from shardfit.kernels.multi_lora import multi_lora, multi_lora_embedding, multi_lora_grouped, slot_columns
 from shardfit.kernels.multi_lora_decode import MAX_TOKENS, lora_expand_, lora_shrink, multi_lora_decode_
@@ -91,6 +92,17 @@ class BankedLinear(_Banked, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._delta(x, super().forward(x), self.lora_group if GROUP_SIBLINGS else None)
+
+
+_BANKED_QUANTIZED: dict[type, type] = {}
+
+
+def banked_quantized(cls: type[QuantizedLinear]) -> type:
+    """BankedLinear over a quantised base (adapters/quantized.py: NF4, FP8): the base's own matmul from its storage,
+    then the slots' adapters; a class made once per format. Never a sibling group (those are plain BankedLinear)."""
+    if cls not in _BANKED_QUANTIZED:
+        _BANKED_QUANTIZED[cls] = type(f"Banked{cls.__name__}", (BankedLinear, cls), {})
+    return _BANKED_QUANTIZED[cls]
 
 
 def _version(t: torch.Tensor) -> int:
@@ -254,12 +266,14 @@ def _target(model: nn.Module, fqn: str, width: int, kw: dict) -> _Target:
         cls = BankedOutputHead
     elif type(mod) is nn.Linear:
         cls = BankedLinear
+    elif isinstance(mod, QuantizedLinear):
+        cls = banked_quantized(type(mod))
     elif type(mod) is nn.Embedding:
         cls = BankedEmbedding
     else:
         raise ShardfitError(f"{fqn} ({type(mod).__name__}) cannot hold a bank of adapters for sampling",
                             where="lora.targets", fix="adapt linear layers, lm_head, embed_tokens or experts only")
-    out_f, in_f = mod.weight.shape  # Linear [out, in]; Embedding [V, D]
+    out_f, in_f = (mod.out_features, mod.in_features) if isinstance(mod, nn.Linear) else mod.weight.shape  # [V, D]
     mod.__class__ = cls
     if cls is BankedEmbedding:  # PEFT's A [r, V], B [D, r]: A^T [V, S*R], B^T [S*R, D]
         return _Target(_bank(mod, "bank_A", (out_f, width), kw), 1, _transposed,

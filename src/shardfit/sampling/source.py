@@ -17,7 +17,11 @@ adapters (full A and B per target, one all-gather per tensor on N ranks), which 
 full-parameter model's gathered copy is stale after each optim_step: `refresh` copies the new values in place (the
 sampler's tensors, and CUDA graphs captured on them, stay valid); the Engine counts its weights' epochs to know when.
 The caller reshards first (Engine.finish: no gathered copy of a no-grad pass left as the module's parameters).
-Refused: an NF4 base (adapters/qlora.py: its codes are no linear weight) and parameters offloaded to the host.
+A quantised base (model.quantize: NF4, FP8; adapters/quantized.py) decodes from its storage: the decode model's
+layers are of the same format, given the storage tensors as they are (views on one rank, gathered uncast on N: never
+cast, their bytes are codes), and each runs its format's own matmul (an FP8 base: FP8 tensor cores where the GPU has
+them, 1 byte of weight read a parameter; NF4: dequantised a layer at a time). The decode computes as the trainer's
+forward does, so the sampler's log-probs stay the trainer's. Refused: parameters offloaded to the host.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from shardfit.adapters.expert_lora import LoRAExperts
 from shardfit.adapters.lora import LoRAModule, is_adapter
+from shardfit.adapters.quantized import QuantizedLinear, quantized_modules, to_quantized
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model
 from shardfit.models.init import is_quantized_storage
@@ -46,10 +51,6 @@ def _base_params(engine_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) of everything but the adapters, tied weights once, in model order (every rank alike)."""
     out = []
     for name, p in engine_model.named_parameters():
-        if is_quantized_storage(name):
-            raise ShardfitError("sampling in-process from a quantized base (NF4, FP8) is not supported",
-                                where="model.quantize",
-                                fix="sample through Engine.weights() (merged bf16 weights) in an inference engine")
         if not is_adapter(name):
             out.append((name, p))
     return out
@@ -69,13 +70,19 @@ def lora_modules(engine_model: nn.Module) -> dict[str, nn.Module]:
 def gathers(engine_model: nn.Module, dtype: torch.dtype) -> bool:
     """Whether decode_model copies (N ranks, or a cast to dtype) rather than viewing the Engine's storage: then a
     full-parameter model's decode weights need `refresh` after each optim_step."""
-    return _world() > 1 or any(local_tensor(p).dtype != dtype for _, p in _base_params(engine_model))
+    return _world() > 1 or any(_cast(n, p, dtype) for n, p in _base_params(engine_model))
 
 
-def _full(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One rank: the local tensor (a view where the dtype matches); N ranks: the gathered whole (a collective)."""
+def _cast(name: str, p: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the decode model holds p cast to dtype (a copy): never a quantised weight's storage (codes)."""
+    return local_tensor(p).dtype != dtype and not is_quantized_storage(name)
+
+
+def _full(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """One rank: the local tensor (a view where the dtype matches); N ranks: the gathered whole (a collective).
+    dtype None: as stored (a quantised weight's storage)."""
     t = full_tensor(p) if _world() > 1 and isinstance(p, DTensor) else local_tensor(p)
-    return t.detach().to(dtype)
+    return t.detach() if dtype is None else t.detach().to(dtype)
 
 
 def _check_room(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> None:
@@ -84,11 +91,11 @@ def _check_room(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, devi
     if device.type != "cuda":
         return
     world = _world()
-    copied = [p for _, p in params if world > 1 or local_tensor(p).dtype != dtype]
+    copied = [(n, p) for n, p in params if world > 1 or _cast(n, p, dtype)]
     if not copied and world == 1:
         return  # views only
-    n = sum(p.numel() for p in copied)
-    need = n * dtype.itemsize
+    n = sum(p.numel() for _, p in copied)
+    need = sum(p.numel() * (p.element_size() if is_quantized_storage(name) else dtype.itemsize) for name, p in copied)
     room = float(torch.cuda.mem_get_info(device)[0] * _ROOM - need)
     if world > 1:
         agreed = torch.tensor(room, dtype=torch.float64, device=device)
@@ -96,9 +103,11 @@ def _check_room(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, devi
         room = float(agreed)
     if room < 0:
         whole = "the whole model on every rank" if world > 1 else "a copy of the weights cast to the compute dtype"
-        raise ShardfitError(f"the decode model needs {whole}: {n:,} parameters x {dtype.itemsize} bytes = "
-                            f"{need / 2**30:.1f} GiB, and a rank has {-room / 2**30:.1f} GiB too little "
-                            f"({_ROOM:.0%} of its free memory)", where="Engine.sample",
+        stored = any(is_quantized_storage(name) for name, _ in copied)
+        raise ShardfitError(f"the decode model needs {whole}: {n:,} parameters x {dtype.itemsize} bytes"
+                            f"{' (a quantised base as stored)' if stored else ''} = {need / 2**30:.1f} GiB, and a "
+                            f"rank has {-room / 2**30:.1f} GiB too little ({_ROOM:.0%} of its free memory)",
+                            where="Engine.sample",
                             fix="sample through Engine.weights() in an inference engine, or shard the model over "
                             "more GPUs (a smaller shard per rank leaves more room)")
 
@@ -126,8 +135,11 @@ def decode_model(engine_model: nn.Module, dtype: torch.dtype, capacity: int = 4,
     _check_room(params, dtype, device)
     with torch.device("meta"):
         plain = build_model(engine_model.cfg, loss_chunk=engine_model.loss_chunk)
+        for fqn, mod in quantized_modules(engine_model):  # the same format, its storage set below
+            fmt = next(c for c in type(mod).__mro__ if issubclass(c, QuantizedLinear) and not issubclass(c, LoRAModule))
+            to_quantized(plain.get_submodule(fqn), fmt).fused_dequant = mod.fused_dequant
     for name, p in params:
-        _set(plain, name, _full(p, dtype))
+        _set(plain, name, _full(p, None if is_quantized_storage(name) else dtype))
     if plain.cfg.tie_embeddings:
         plain.lm_head.weight = plain.model.embed_tokens.weight
     for name, b in engine_model.named_buffers():
