@@ -1,7 +1,7 @@
 """An FP8 base on CUDA (model.quantize=fp8): quantisation on the GPU equals the CPU's bit for bit (one fp32 division
 and a rounding cast per value), the FP8 tensor-core matmul (torch._scaled_mm, rowwise scales) and its input
 gradient agree with the CPU's emulation of the same arithmetic, and the tiny model trains on an FP8 base under compile
-and selective checkpointing on NCCL, its codes unchanged."""
+and selective checkpointing on NCCL, its codes unchanged; the sampler decodes an FP8 base inside CUDA graphs."""
 
 import pytest
 import torch
@@ -65,3 +65,23 @@ def test_lora_trains_on_an_fp8_base(tmp_path, extra):
     # the LoRA CUDA test's bound (5.60 -> 5.27 over 20 steps, bf16 base): FP8's rounding must not stop learning
     assert res["losses"][-1] < res["losses"][0] - 0.15, res["losses"]
     assert res["codes_same"] and res["graph_breaks"] == 0 and res["notice"]
+
+
+def test_the_sampler_decodes_an_fp8_base_in_cuda_graphs_as_eagerly():
+    """A decode model whose linear layers are FP8 (their _scaled_mm and compiled quantiser captured in the decode
+    step's CUDA graphs): the same tokens as the eager step."""
+    from shardfit.adapters.fp8_base import FP8Linear
+    from shardfit.adapters.quantized import apply_quantized
+    from shardfit.sampling import Sampler, SampleRequest, SamplingParams
+    from tests.sampling.tiny import tiny_model
+
+    model = tiny_model().cuda().to(torch.bfloat16)
+    names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n.startswith("model.layers.")]
+    assert apply_quantized(model, names, FP8Linear) == 14
+    reqs = [SampleRequest(list(range(3 + i, 12 + 2 * i)), SamplingParams(12, temperature=0.0 if i % 2 else 1.0,
+                                                                          seed=i), num_samples=1 + i % 3)
+            for i in range(8)]
+    run = lambda graphs: [[s.tokens for s in r.samples]  # noqa: E731
+                          for r in Sampler(model, kv_blocks=128, block_size=16, cuda_graphs=graphs).run(reqs)]
+    eager = run(False)
+    assert run(True) == eager
