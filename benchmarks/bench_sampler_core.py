@@ -3,15 +3,16 @@
   python benchmarks/bench_sampler_core.py --rows 16,64,256 --prompt 512 --new 256 --out OUT.json
   python benchmarks/bench_sampler_core.py --shape tiny --device cpu --rows 2,4 --prompt 16 --new 8   # a CPU check
 
-The model is a plain CausalLM of the shape (benchmarks/rl_worker_setup.py SHAPES: the Qwen3-8B one by default),
-random weights, bf16 (fp32 on the CPU), as the Sampler takes it (no FSDP); --lora R: a LoRA bank (sampling/lora_bank.py,
-4 slots of rank R on the 7 linear layers of every block, as Engine.sample builds it) with one random adapter in slot
-0 that every row decodes with. Per row count, `rows` rows: rows / --samples random prompts, --samples continuations
-each (1, the default: every row its own prompt, as bench_sampling.py's Engine rows; 16: an RL group, the prompt's
-blocks shared by its rows), each forced to --new tokens (no stop token: random weights), temperature 1, through each
-path of --paths: gather+graphs, triton+graphs (the paged decode kernel and, the Sampler's default on CUDA, RMSNorm
-and RoPE through kernels/rms_norm.py and kernels/rope.py), triton+graphs+torchops (those two as torch ops),
-triton+graphs+fusedall (fused_ops="all": the q/k norms and RoPE in one launch, SwiGLU in one),
+The model is a plain CausalLM of the shape (benchmarks/rl_worker_setup.py SHAPES: the Qwen3-8B one by default), random
+weights, bf16 (fp32 on the CPU), as the Sampler takes it (no FSDP); --lora R: a LoRA bank (sampling/lora_bank.py, 4
+slots of rank R on the 7 linear layers of every block, as Engine.sample builds it) with one random adapter in slot 0
+that every row decodes with; --fp8-base: the blocks' linear layers stored in FP8 as an FP8-base LoRA run's
+(model.quantize=fp8), their matmuls on FP8 tensor cores. Per row count, `rows` rows: rows / --samples random prompts,
+--samples continuations each (1, the default: every row its own prompt, as bench_sampling.py's Engine rows; 16: an RL
+group, the prompt's blocks shared by its rows), each forced to --new tokens (no stop token: random weights),
+temperature 1, through each path of --paths: gather+graphs, triton+graphs (the paged decode kernel and, the Sampler's
+default on CUDA, RMSNorm and RoPE through kernels/rms_norm.py and kernels/rope.py), triton+graphs+torchops (those two
+as torch ops), triton+graphs+fusedall (fused_ops="all": the q/k norms and RoPE in one launch, SwiGLU in one),
 triton+graphs+torchdraw (the draw as torch ops instead of kernels/gumbel_draw.py), triton+graphs+torchlora (--lora's
 adapters through kernels/multi_lora.py's torch ops, not kernels/multi_lora_decode.py), triton+graphs+grouped (the
 decode kernel with q|k|v and gate|up sharing one shrink: 10 launches a layer, not 14), gather+eager, flex+eager. Each
@@ -19,13 +20,13 @@ path runs once untimed (graphs captured, FlexAttention compiled), then once time
 prefill and all), then once more with the decode rate timed over the steps that run all `rows` rows (`steady`: after
 the last prompt's prefill, until the first row ends; rows x steps over their seconds). Prompts prefill one chunk a
 step, each followed by a decode step, so rows join one prompt (--prefill-chunk tokens) at a time: --new must exceed
-the prefill phase's steps for such a window (256 distinct 512-token prompts: 256 steps at the default chunk; use
---new 512, or a larger chunk). Session 21's first figures took the difference of two calls instead (max_tokens 256
-minus 1, then 256 minus 128): the rows' staggered starts and ends put fewer rows than `rows` into the steps timed,
-and one call per half erred by up to 45%. Roofline as bench_sampling.py's, over the bytes a step of the window must
-read: the weights once plus the KV cache held, each prompt's blocks once (shared by its samples) and each row's own
-new part (at the window's mean position), at the measured copy bandwidth; an MoE step reads only the experts its
-rows route to (below).
+the prefill phase's steps for such a window (256 distinct 512-token prompts: 256 steps at the default chunk; use --new
+512, or a larger chunk). Session 21's first figures took the difference of two calls instead (max_tokens 256 minus 1,
+then 256 minus 128): the rows' staggered starts and ends put fewer rows than `rows` into the steps timed, and one call
+per half erred by up to 45%. Roofline as bench_sampling.py's, over the bytes a step of the window must read: the
+weights once plus the KV cache held, each prompt's blocks once (shared by its samples) and each row's own new part (at
+the window's mean position), at the measured copy bandwidth; an MoE step reads only the experts its rows route to
+(below).
 Prints one JSON line a run and a table; --out: one JSON with `decode_roofline_fraction` per path and row count.
 """
 
@@ -205,6 +206,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--samples", type=int, default=1, help="continuations of each prompt (rows / samples prompts)")
     ap.add_argument("--lora", type=int, default=0, help="R: every row through a LoRA bank's adapter of rank R")
+    ap.add_argument("--fp8-base", action="store_true", help="the blocks' linear layers stored in FP8 (model.quantize="
+                    "fp8: adapters/fp8_base.py), as Engine.sample decodes an FP8-base run; the roofline reads them at "
+                    "1 byte a weight")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="the Sampler's prefill_chunk (0: its default)")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--out", default="")
@@ -218,7 +222,16 @@ def main() -> int:
 
     model = build(a.shape, a.device, a.prompt + a.new + 16)
     m = model.cfg
-    params = sum(p.numel() for p in model.parameters())
+    if a.fp8_base:
+        from shardfit.adapters.fp8_base import FP8Linear
+        from shardfit.adapters.quantized import apply_quantized
+
+        linears = [n for n, mod in model.named_modules() if type(mod) is torch.nn.Linear and ".layers." in f".{n}"
+                   and not n.endswith("mlp.gate")]
+        print(json.dumps({"fp8_layers": apply_quantized(model, linears, FP8Linear)}), flush=True)
+    # the weights a step reads, in bf16 parameters (the roofline's 2 bytes each): an FP8 base's storage at its bytes
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) // 2 if a.fp8_base else \
+        sum(p.numel() for p in model.parameters())
     bank = lora_bank(model, a.lora) if a.lora else None
     from shardfit.models.moe import Experts
 
@@ -230,6 +243,7 @@ def main() -> int:
         bw = copy_bandwidth()
         print(json.dumps({"copy_bandwidth_TBps": bw / 1e12}), flush=True)
     tag = ((f" x{a.samples}" if a.samples > 1 else "") + (f" lora{a.lora}" if a.lora else "")
+           + (" fp8base" if a.fp8_base else "")
            + (f" chunk{a.prefill_chunk}" if a.prefill_chunk else ""))
     out = []
     for rows in [int(r) for r in a.rows.split(",")]:
