@@ -7,9 +7,9 @@ experts split within a node, with the overlapped optimizer step), checkpointing 
 micro-batch), sequence_parallel (Ulysses over the smallest P that fits), offload_all (FSDP2's CPU offload, the
 fewest GPU-kept blocks whose host memory fits --host-memory), lora then fp8_base then qlora (adapters on a frozen
 base, an FP8 then an NF4 one where model.quantize exists: they change what is trained, so they follow every layout
-that trains what was asked on these GPUs), more_gpus (the smallest fitting world without offload), hsdp (replicas of whole-node shard
-groups). Each kind takes the lightest checkpointing at which some micro-batch fits and there the largest
-micro-batch dividing a data-parallel rank's share of the global batch; offload_all the largest micro-batch first
+that trains what was asked on these GPUs), more_gpus (the smallest fitting world without offload), hsdp (replicas of
+whole-node shard groups). Each kind takes the lightest checkpointing at which some micro-batch fits and there the
+largest micro-batch dividing a data-parallel rank's share of the global batch; offload_all the largest micro-batch first
 (one micro-batch per step wins under offload). A proposal is config keys
 and a world size: applied to the config, checked as the loader, the launcher and parallelize check it (accepted),
 and re-planned by the same estimate, so what is printed is what `shardfit plan` with those flags predicts.
