@@ -324,6 +324,7 @@ def _sampling_routes(app: FastAPI, st: ServerState) -> None:
                                 fix="create_sampling_client(model_path=...) and sample from it")
         else:
             raise ShardfitError("no sampling_session_id", where="/asample", fix="create a sampling client first")
+        served.check_sampling("/asample")
         args = s.sample_args(body, served.vocab_size, served.max_seq_len, served.eos_ids, served.has_tokenizer)
         return Queued("sample", {**args, "weights": weights, "sampler": body.sampling_session_id,
                                  "served": None if served is facts else served.base_model},

@@ -79,7 +79,7 @@ def model_facts(cfg, name: str | None = None) -> tuple[ModelFacts, object]:
                        has_tokenizer=tokenizer is not None, arch=cfg.model.name, lora_rank=cfg.lora.rank,
                        lora_targets=cfg.lora.targets,
                        max_versions=cfg.serve.versions or (0 if cfg.lora.rank else FULL_VERSIONS),
-                       max_models=cfg.serve.max_models)
+                       max_models=cfg.serve.max_models, quantize=cfg.model.quantize)
     if name is not None:
         facts.base_model, facts.trainable = name, False
     return facts, tokenizer

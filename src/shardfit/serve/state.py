@@ -57,6 +57,7 @@ class ModelFacts:
     max_versions: int = 0  # frozen versions held at most (serve.versions, resolved); 0: no limit
     max_models: int = 0  # LoRA training models held at most (serve.max_models); 0: no limit
     trainable: bool = True  # False: a frozen extra model (--serve.models), sampled and scored only
+    quantize: str = "none"  # the Engine's model.quantize: a quantized base trains and scores, and is not sampled
 
     def check_lora_rank(self, rank: int | None, where: str) -> None:
         """A LoRA server trains adapters of its own rank only: a client asking for another would get different
@@ -103,6 +104,17 @@ class ModelFacts:
                                 f"{'cover' if have[key] else 'leave out'} those layers", where=f"{where}.{key}",
                                 fix=f"pass {key}={have[key]}, or start shardfit serve with --lora.targets naming the "
                                 "layers you train")
+
+    def check_sampling(self, where: str) -> None:
+        """A quantized base (model.quantize) is not sampled: the decode model holds no quantized layer
+        (sampling/source.py), and compute_logprobs is a sample of one token. Refused here, before the request is
+        queued, in one line that names what scores instead (the training client's forward runs the Engine)."""
+        if self.quantize != "none":
+            raise ShardfitError(f"sampling from a quantized base (model.quantize={self.quantize}) is not served, nor "
+                                "compute_logprobs (a sample of one token)", where=where,
+                                fix="score with a training client's forward (its loss_fn_outputs' logprobs; a frozen "
+                                "reference: a training client created from its saved state); sample the merged model "
+                                "(shardfit export) in an inference engine, or serve with --model.quantize=none")
 
     def lora_fields(self) -> dict:
         """What this server trains, as Tinker's TrainingRun and WeightsInfoResponse name it."""
