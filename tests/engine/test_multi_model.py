@@ -7,6 +7,8 @@ forward_backward_many:
   mean-over-tokens pass is folded before the pass of several;
 - a model whose datums carry zero loss keeps exactly zero gradients beside the others: nothing leaks;
 - 2 gloo ranks equal 1;
+- all of the above on an FP8 base too (model.quantize=fp8, adapters/fp8_base.py: the stacked adapters beside the
+  FP8 matmul of the base);
 - a bad mix is one line each: a model twice, an unknown model, a frozen version; and so are a mean-over-tokens
   loss and an adapter on lm_head.
 The per-layer math: tests/adapters/test_lora_stack.py; the collectives: tests/parallel/test_adapter_exchange.py; pair
@@ -26,6 +28,7 @@ ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=48", "--loggin
         "--lora.targets=all-linear"]
 MODELS = (("A", 1), ("B", 2), ("Z", 3))
 MEAN = {"normalize": "token_mean"}  # each model's loss a mean over its own datums' tokens
+BASES = {"base": [], "fp8-base": ["--model.quantize=fp8"]}  # the frozen base as the compute dtype, or in FP8
 
 
 def _data(seed, n=3, weight=1.0):
@@ -57,11 +60,11 @@ def every_models_adapters(e) -> dict[str, list[float]]:
     return out
 
 
-def _train(rank, world, together):
+def _train(rank, world, together, *extra):
     from shardfit.config import load_config
     from shardfit.rl import AdamParams, DatumEngine
 
-    e = DatumEngine.start(load_config(None, ARGS))
+    e = DatumEngine.start(load_config(None, [*ARGS, *extra]))
     for name, seed in MODELS:
         e.add_model(name, seed=seed)
     out = {"loss": {n: [] for n, _ in MODELS}, "logprobs": {n: [] for n, _ in MODELS}}
@@ -79,16 +82,19 @@ def _train(rank, world, together):
         out.setdefault("norms", []).append([e.optim_step(AdamParams(learning_rate=2e-2), model=n)["grad_norm:mean"]
                                             for n, _ in MODELS])
     out["weights"] = every_models_adapters(e)
+    out["extra"] = list(extra)
+    out["fp8_base"] = any(n.startswith("FP8 base: ") for n in e.engine.notices)  # the base is what was asked
     return out
 
 
-@pytest.fixture(scope="module")
-def together():
-    return run_ranks(_train, 1, True)[0]
+@pytest.fixture(scope="module", params=list(BASES.values()), ids=list(BASES))
+def together(request):
+    return run_ranks(_train, 1, True, *request.param)[0]
 
 
 def test_models_in_one_pass_equal_each_trained_alone(together):
-    alone = run_ranks(_train, 1, False)[0]
+    alone = run_ranks(_train, 1, False, *together["extra"])[0]
+    assert together["fp8_base"] == alone["fp8_base"] == bool(together["extra"])
     for n, _ in MODELS:
         np.testing.assert_allclose(together["loss"][n], alone["loss"][n], rtol=1e-5, atol=1e-6)
         for a, b in zip(together["logprobs"][n], alone["logprobs"][n]):
@@ -111,7 +117,7 @@ def test_a_model_with_zero_loss_gets_exactly_zero_gradients(together):
 
 
 def test_two_ranks_equal_one(together):
-    two = run_ranks(_train, 2, True)
+    two = run_ranks(_train, 2, True, *together["extra"])
     for n, _ in MODELS:
         assert two[0]["weights"][n] == two[1]["weights"][n]
         np.testing.assert_allclose(two[0]["loss"][n], together["loss"][n], rtol=1e-5, atol=1e-6)

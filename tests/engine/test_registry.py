@@ -2,7 +2,8 @@
 
 - a new model starts at the base exactly; B's steps leave A untouched; interleaved models equal each trained alone,
   bit for bit (CPU); a frozen version keeps its log-probs however the model trains afterwards; the base is the zero
-  adapter; 2 gloo ranks return what 1 returns;
+  adapter; 2 gloo ranks return what 1 returns; all of it on an FP8 base too (model.quantize=fp8), where sampling
+  in-process is refused in one line and scoring (Engine.forward) is not;
 - refusals are one line: an unknown model, training a version, a second model on an engine without LoRA;
 - without LoRA a version is a copy of every weight: it keeps its weights through training, the model's come back.
 """
@@ -17,6 +18,7 @@ from tests.helpers import SMALL, random_datums
 
 ARGS = [*SMALL, "--train.device=cpu", "--train.micro_batch_tokens=32", "--logging.run_dir=", "--lora.rank=4",
         "--lora.targets=all-linear"]
+BASES = {"base": [], "fp8-base": ["--model.quantize=fp8"]}  # the frozen base as the compute dtype, or in FP8
 
 
 def _data(seed, n=3):
@@ -37,13 +39,13 @@ def _steps(engine, model, seeds):
     return losses
 
 
-def _models(rank, world):
+def _models(rank, world, *extra):
     from shardfit.config import load_config
     from shardfit.engine.registry import BASE
     from shardfit.rl import DatumEngine
 
     probe = _data(99, 2)
-    e = DatumEngine.start(load_config(None, ARGS))
+    e = DatumEngine.start(load_config(None, [*ARGS, *extra]))
     out = {"base": _lp(e.forward(probe, model=BASE)), "default0": _lp(e.forward(probe, model="default"))}
     e.add_model("A", seed=1)
     e.add_model("B", seed=2)
@@ -73,30 +75,34 @@ def _models(rank, world):
     out["C2"], out["D2"] = _lp(e.forward(probe, model="C")), _lp(e.forward(probe, model="D"))
     out["summary"] = e.models.summary()
     errors = {}
+    from shardfit.sampling.params import SamplingParams
+
     for what, call in {"unknown": lambda: e.forward(probe, model="nope"),
                        "version_train": lambda: e.forward_backward(probe, model=ref),
-                       "exists": lambda: e.add_model("A")}.items():
+                       "exists": lambda: e.add_model("A"),
+                       "sample": lambda: e.sample([[1, 2, 3]], SamplingParams(2), version=ref)}.items():
         try:
             call()
         except Exception as err:  # noqa: BLE001  the message is the assertion
             errors[what] = f"{type(err).__name__}: {err}"
     out["errors"] = errors
+    out["extra"] = list(extra)
     return out
 
 
-def _alone(rank, world):
+def _alone(rank, world, *extra):
     """A trained on seeds 1, 2 alone, in a fresh engine: what C above must equal."""
     from shardfit.config import load_config
     from shardfit.rl import DatumEngine
 
-    e = DatumEngine.start(load_config(None, ARGS))
+    e = DatumEngine.start(load_config(None, [*ARGS, *extra]))
     e.add_model("C", seed=1)
     return {"losses": _steps(e, "C", [1, 2]), "C2": _lp(e.forward(_data(99, 2), model="C"))}
 
 
-@pytest.fixture(scope="module")
-def one():
-    return run_ranks(_models, 1)[0]
+@pytest.fixture(scope="module", params=list(BASES.values()), ids=list(BASES))
+def one(request):
+    return run_ranks(_models, 1, *request.param)[0]
 
 
 def test_new_models_start_at_the_base_and_train_apart(one):
@@ -115,7 +121,7 @@ def test_a_version_keeps_the_weights_it_was_made_from(one):
 
 
 def test_interleaved_models_equal_each_trained_alone(one):
-    alone = run_ranks(_alone, 1)[0]
+    alone = run_ranks(_alone, 1, *one["extra"])[0]
     assert one["inter"]["C"] == alone["losses"]  # bit for bit
     assert one["C2"] == alone["C2"]
     assert one["summary"]["models"] == 5 and one["summary"]["versions"] == 2
@@ -126,10 +132,11 @@ def test_refusals_are_one_line(one):
     assert "no model or version 'nope'" in e["unknown"] and "\n" not in e["unknown"]
     assert "frozen version" in e["version_train"]
     assert "model 'A' exists" in e["exists"]
+    assert "sample" not in e  # a version samples, on an FP8 base too (sampling/source.py: its layers in FP8)
 
 
 def test_two_ranks_equal_one(one):
-    two = run_ranks(_models, 2)
+    two = run_ranks(_models, 2, *one["extra"])
     assert two[0]["A3"] == two[1]["A3"]
     np.testing.assert_allclose(np.concatenate(two[0]["A3"]), np.concatenate(one["A3"]), rtol=0, atol=2e-5)
     np.testing.assert_allclose(np.concatenate(two[0]["mid"]), np.concatenate(one["mid"]), rtol=0, atol=2e-5)

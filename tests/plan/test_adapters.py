@@ -232,9 +232,44 @@ def test_qlora_is_proposed_only_where_the_quantize_key_exists_and_lora_does_not_
     assert adapter_kinds(cfg(16)) == []
     assert adapter_kinds(cfg(0, quantize="none")) == [
         ("lora", {"lora.rank": 16, "lora.alpha": 32}),
+        ("fp8_base", {"model.quantize": "fp8", "lora.rank": 16, "lora.alpha": 32}),
         ("qlora", {"model.quantize": "nf4", "lora.rank": 16, "lora.alpha": 32})]
-    assert adapter_kinds(cfg(8, quantize="none")) == [("qlora", {"model.quantize": "nf4"})]
+    assert adapter_kinds(cfg(8, quantize="none")) == [("fp8_base", {"model.quantize": "fp8"}),
+                                                      ("qlora", {"model.quantize": "nf4"})]
+    assert adapter_kinds(cfg(8, quantize="fp8")) == [("qlora", {"model.quantize": "nf4"})]  # only a coarser base
     assert adapter_kinds(cfg(8, quantize="nf4")) == []
+
+
+def _kinds(args: list[str], gib: float) -> dict:
+    from shardfit.plan.proposals import proposals
+
+    return {p.kind: p for p in proposals(load_config(None, args), 1, gib)[0]}
+
+
+@pytest.mark.skipif(not HAS_QUANTIZE, reason="model.quantize is not in this shardfit yet")
+def test_an_fp8_base_is_proposed_before_qlora_and_qlora_only_where_it_does_not_fit():
+    """70B full fine-tuning on one 141 GB GPU: LoRA's bf16 base (131 GiB) does not fit, its FP8 base (66 GiB) does,
+    so no NF4 one is proposed; 8B LoRA on 16 GB: the FP8 base does not fit, QLoRA does; a run on an FP8 base that
+    does not fit is proposed QLoRA; compute.fp8 goes with a quantized base (refused together). Each re-planned from
+    its flags is accepted and predicts the same."""
+    from shardfit.plan.proposals import accepted
+
+    big = ["--model.name=llama3-70b", "--data.seq_len=4096"]
+    kinds = _kinds(big, 141)
+    assert "lora" not in kinds and "qlora" not in kinds
+    fp8 = kinds["fp8_base"]
+    assert fp8.flags[:3] == ["--model.quantize=fp8", "--lora.rank=16", "--lora.alpha=32"]
+    assert "in FP8 (e4m3" in fp8.note and "changes what is trained" in fp8.note
+    small = [*BASE_8B, *LORA]
+    kinds = _kinds(small, 16)
+    assert "fp8_base" not in kinds and kinds["qlora"].changes["model.quantize"] == "nf4"
+    assert "fp8_base" in _kinds(small, 24) and "qlora" not in _kinds(small, 24)
+    assert _kinds([*small, "--model.quantize=fp8"], 16)["qlora"].changes["model.quantize"] == "nf4"
+    tensorwise = _kinds([*BASE_8B, "--compute.fp8=tensorwise"], 24)["fp8_base"]
+    assert tensorwise.changes["compute.fp8"] == "none"
+    for args, p in ((big, fp8), ([*BASE_8B, "--compute.fp8=tensorwise"], tensorwise)):
+        cfg = load_config(None, [*args, *p.flags])
+        assert accepted(cfg, 1) and estimate(cfg, 1, cfg.train.micro_batch) == p.estimate
 
 
 def test_expert_adapters_are_counted_where_their_experts_sit():

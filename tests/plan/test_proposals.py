@@ -96,8 +96,8 @@ def test_every_proposal_fits_when_replanned_from_its_flags(base, world, gib, _):
         accumulation_steps(got.train.global_batch, got.train.micro_batch, nproc // sp)
         assert accepted(got, nproc) and apply(cfg, p.changes) == got
     kinds = [p.kind for p in props]
-    order = ["expert_parallel", "checkpointing", "sequence_parallel", "offload_all", "lora", "qlora", "more_gpus",
-             "hsdp"]
+    order = ["expert_parallel", "checkpointing", "sequence_parallel", "offload_all", "lora", "fp8_base", "qlora",
+             "more_gpus", "hsdp"]
     assert kinds == sorted(kinds, key=order.index)  # what the user gives up grows down the list
 
 

@@ -1,6 +1,6 @@
 """Preference training in the trainer (train/preference.py): the reference of a LoRA run is the base with the adapters
-off, a resumed full run reads the reference its start wrote (its own model is no longer the reference), and the
-settings it cannot run with are one line each."""
+off (on an FP8 base too, model.quantize=fp8: the FP8 base itself), a resumed full run reads the reference its start
+wrote (its own model is no longer the reference), and the settings it cannot run with are one line each."""
 
 from __future__ import annotations
 
@@ -30,11 +30,13 @@ def _cfg(tmp_path, *extra, run="run"):
                         run_dir=str(tmp_path / run))
 
 
-def test_lora_reference_is_the_base_with_the_adapters_off(tmp_path):
+@pytest.mark.parametrize("base", [[], ["--model.quantize=fp8"]], ids=["base", "fp8-base"])
+def test_lora_reference_is_the_base_with_the_adapters_off(tmp_path, base):
     from shardfit.train import Trainer
 
-    trainer = Trainer(_cfg(tmp_path, "--lora.rank=4"))
+    trainer = Trainer(_cfg(tmp_path, "--lora.rank=4", *base))
     try:
+        assert any(n.startswith("FP8 base: ") for n in trainer.engine.notices) == bool(base)
         with torch.no_grad():  # adapters that change the model: the reference must not see them
             for name, p in trainer.model.named_parameters():
                 if "lora_B" in name:
@@ -107,16 +109,20 @@ def _fit(rank, world, args, run_dir):
                      if r.get("kind") == "eval"]}
 
 
-@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
-def test_two_ranks_train_as_one(tmp_path, objective):
+FP8_LORA = ["--lora.rank=4", "--lora.targets=all-linear", "--model.quantize=fp8"]
+
+
+@pytest.mark.parametrize("objective, extra", [("dpo", []), ("orpo", []), ("kto", []), ("dpo", FP8_LORA)],
+                         ids=["dpo", "orpo", "kto", "dpo-lora-fp8-base"])
+def test_two_ranks_train_as_one(tmp_path, objective, extra):
     """The reference pass, the steps (KTO's reference point too) and the validation metrics on 2 gloo ranks (each
-    its share of the units) equal one process."""
+    its share of the units) equal one process; DPO of LoRA on an FP8 base too (its reference: the FP8 base)."""
     from tests.helpers import SMALL
 
     path = _data(tmp_path, EXAMPLES if objective == "kto" else PAIRS)
     args = [*SMALL, "--train.device=cpu", f"--data.path={path}", f"--preference.objective={objective}",
             "--train.micro_batch_tokens=64", "--train.global_batch=4", "--train.steps=3", "--logging.log_every=1",
-            "--data.val_fraction=0.25", "--train.eval_every=3", "--train.lr=3e-3"]
+            "--data.val_fraction=0.25", "--train.eval_every=3", "--train.lr=3e-3", *extra]
     one = run_ranks(_fit, 1, args, str(tmp_path / "one"))[0]
     two = run_ranks(_fit, 2, args, str(tmp_path / "two"))
     assert two[0]["losses"] == two[1]["losses"]
@@ -126,7 +132,9 @@ def test_two_ranks_train_as_one(tmp_path, objective):
     np.testing.assert_allclose(two[0]["kl"], one["kl"], rtol=1e-4, atol=1e-6)
     (e1,), (e2,) = one["eval"], two[0]["eval"]
     assert e1.keys() == e2.keys() and "val_loss" in e1 and "eval_rewards/chosen" in e1
-    np.testing.assert_allclose([e2[k] for k in e1], [e1[k] for k in e1], rtol=1e-4, atol=1e-6)
+    # an FP8 base: after 3 steps an e4m3 rounding of an output gradient flipped by the ranks' other fp32 sums moves
+    # the adapters a little (tests/engine/test_fp8_base_engine.py); measured 4e-4
+    np.testing.assert_allclose([e2[k] for k in e1], [e1[k] for k in e1], rtol=2e-3 if extra else 1e-4, atol=1e-6)
     if objective == "dpo":
         assert one["losses"][0] == pytest.approx(np.log(2), abs=1e-6)
     if objective == "kto":  # step 1: the policy is the reference, z = 0; then it moves

@@ -5,11 +5,11 @@ with full checkpointing that fits with room: the fewest blocks to checkpoint at 
 printed even when the configuration fits), expert_parallel (MoE models: the
 experts split within a node, with the overlapped optimizer step), checkpointing (heavier checkpointing or a smaller
 micro-batch), sequence_parallel (Ulysses over the smallest P that fits), offload_all (FSDP2's CPU offload, the
-fewest GPU-kept blocks whose host memory fits --host-memory), lora then qlora (adapters on a frozen base, an NF4 one
-where model.quantize exists: they change what is trained, so they follow every layout that trains what was asked
-on these GPUs), more_gpus (the smallest fitting world without offload), hsdp (replicas of whole-node shard
-groups). Each kind takes the lightest checkpointing at which some micro-batch fits and there the largest
-micro-batch dividing a data-parallel rank's share of the global batch; offload_all the largest micro-batch first
+fewest GPU-kept blocks whose host memory fits --host-memory), lora then fp8_base then qlora (adapters on a frozen
+base, an FP8 then an NF4 one where model.quantize exists: they change what is trained, so they follow every layout
+that trains what was asked on these GPUs), more_gpus (the smallest fitting world without offload), hsdp (replicas of
+whole-node shard groups). Each kind takes the lightest checkpointing at which some micro-batch fits and there the
+largest micro-batch dividing a data-parallel rank's share of the global batch; offload_all the largest micro-batch first
 (one micro-batch per step wins under offload). A proposal is config keys
 and a world size: applied to the config, checked as the loader, the launcher and parallelize check it (accepted),
 and re-planned by the same estimate, so what is printed is what `shardfit plan` with those flags predicts.
@@ -41,7 +41,8 @@ from shardfit.plan.table import MODES, configured, largest_per_mode
 
 SCHEMA = "shardfit.plan/1"
 MAX_GPUS = 4096  # more_gpus gives up beyond this
-LORA = {"lora.rank": 16, "lora.alpha": 32}  # what the lora and qlora proposals set (docs/lora.md)
+LORA = {"lora.rank": 16, "lora.alpha": 32}  # what the lora, fp8_base and qlora proposals set (docs/lora.md)
+QUANTIZED = (("fp8_base", "fp8"), ("qlora", "nf4"))  # (proposal, model.quantize): the quantized bases, finest first
 MIN_SAVING = 0.01  # of a step's compute: partial_checkpointing proposes nothing that saves less
 CHECKPOINTING = {"none": "no recomputation", "selective": "selective checkpointing recomputes the elementwise work "
                  "(a few percent more compute)", "full": "full checkpointing recomputes each block's forward in "
@@ -201,20 +202,27 @@ def partial_checkpointing(cfg: Config, world: int, gpu_gib: float, gpus_per_node
 
 
 def adapter_kinds(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
-    """The adapter proposals for cfg, in order: LoRA (full fine-tuning as given), then QLoRA (an NF4 base; only on a
-    shardfit with model.quantize, and not already quantized); each tried only if the one before does not fit."""
+    """The adapter proposals for cfg, in order: LoRA (full fine-tuning as given), then LoRA on an FP8 base (half a
+    bf16 base, e4m3's rounding), then QLoRA (an NF4 base: a quarter, coarser rounding); the quantized bases only on a
+    shardfit with model.quantize, each coarser than the base given; each tried only if the one before does not fit.
+    A quantized base drops compute.fp8 (lora_rules.py refuses the two together)."""
     kinds = [] if cfg.lora.rank else [("lora", dict(LORA))]
-    if hasattr(cfg.model, "quantize") and quantize(cfg) == "none":
-        kinds.append(("qlora", {"model.quantize": "nf4", **({} if cfg.lora.rank else LORA)}))
-    return kinds
+    if not hasattr(cfg.model, "quantize"):
+        return kinds
+    compute = getattr(getattr(cfg, "compute", None), "fp8", "none")
+    rest = {**({} if cfg.lora.rank else LORA), **({"compute.fp8": "none"} if compute != "none" else {})}
+    finer = ["none", *(q for _, q in QUANTIZED)]
+    finer = finer[:finer.index(quantize(cfg)) + 1]  # the base given and the finer ones: not proposed
+    return kinds + [(kind, {"model.quantize": q, **rest}) for kind, q in QUANTIZED if q not in finer]
 
 
 def _adapter_note(kind: str, cfg: Config, ch: dict) -> str:
-    """What a LoRA or QLoRA proposal changes: what trains, and what the base becomes."""
+    """What a LoRA, FP8-base or QLoRA proposal changes: what trains, and what the base becomes."""
     c = apply(cfg, ch)
     trained, total = adapter_params(c)
-    base = "in NF4 (4-bit, dequantised layer by layer: its forward is not the bf16 model's)" if kind == "qlora" \
-        else "in the compute dtype"
+    base = {"qlora": "in NF4 (4-bit, dequantised layer by layer: its forward is not the bf16 model's)",
+            "fp8_base": "in FP8 (e4m3, a scale per row; FP8 matmuls on GPUs of compute capability >= 8.9: its "
+                        "forward is not the bf16 model's)"}.get(kind, "in the compute dtype")
     return (f"changes what is trained: rank-{c.lora.rank} adapters on {c.lora.targets} ({trained / 1e6:.0f}M "
             f"parameters, {trained / total:.2%} of {total / 1e9:.1f}B) on a frozen base {base}, not every weight; the "
             "result is the base plus a low-rank update (docs/lora.md)")
@@ -245,7 +253,7 @@ def _note(kind: str, ch: dict, e: Estimate, world: int, cfg: Config, gpus_per_no
                 "all-gathers and reduce-scatters stay inside a group, traffic across groups is only the gradient "
                 "all-reduce",
     }
-    note = _adapter_note(kind, cfg, ch) if kind in ("lora", "qlora") else notes[kind]
+    note = _adapter_note(kind, cfg, ch) if kind in ("lora", "fp8_base", "qlora") else notes[kind]
     if kind != "checkpointing" and mode != "none":
         note += f"; {mode} checkpointing"
     if "train.global_batch" in ch:
@@ -292,8 +300,9 @@ def proposals(cfg: Config, world: int, gpu_gib: float, host_gib: float | None = 
     on_gpu = {**({"parallel.offload": "none"} if par.offload != "none" else {}),
               **({"parallel.offload_gpu_blocks": 0} if par.offload_gpu_blocks else {})}
     plain = {**on_gpu, **({"parallel.replicate": 1} if par.replicate > 1 else {})}
-    # LoRA, then QLoRA, on these GPUs when full fine-tuning does not fit them without offload: they change what is
-    # trained, so they come after every layout that trains what was asked here, before asking for more GPUs
+    # LoRA, then on an FP8 base, then QLoRA, on these GPUs when full fine-tuning does not fit them without offload:
+    # they change what is trained, so they come after every layout that trains what was asked here, before asking
+    # for more GPUs
     if not fits_here:
         for kind, changes in adapter_kinds(cfg):
             if propose(kind, {**on_gpu, **changes}):
