@@ -6,10 +6,11 @@ Why: a LoRA run's frozen bf16 base is most of its memory (15.0 GiB of the 8B sha
 half, and the matmuls that read it run on FP8 tensor cores (twice bf16's peak) with no per-step weight quantisation
 (compute.fp8 quantises every weight again in each forward, recompute and backward). It changes the base's numerics
 like QLoRA does, less: e4m3 keeps 3 mantissa bits against NF4's 16 levels.
-Format: a weight row w [in] is stored as codes round_e4m3(w / s) with s = amax|w| / 448 in fp32 (1 for a zero row);
-it reads back as codes x s. Storage: weight_fp8 [out, in] bytes and weight_scale [out] fp32, carried bit for bit as
-[out, in / size] and [out, 4 / size] in the carrier dtype (size: its bytes): 1 + 4 / in bytes a weight. Storage rows
-are weight rows, so FSDP's dim-0 shards are whole rows and a rank quantises its own rows alone.
+Format: a weight row w [in] is stored as codes round_e4m3(w / s) with s = amax|w| x (1 / 448) in fp32 (at least
+fp32's smallest normal; 1 for a zero row); it reads back as codes x s. Storage: weight_fp8 [out, in] bytes and
+weight_scale [out] fp32, carried bit for bit as [out, in / size] and [out, 4 / size] in the carrier dtype (size: its
+bytes): 1 + 4 / in bytes a weight. Storage rows are weight rows, so FSDP's dim-0 shards are whole rows and a rank
+quantises its own rows alone.
 The matmul, a custom operator (opaque to torch.compile, recomputed whole under checkpointing; its autograd saves the
 storage, never a dequantised weight), per device:
   fp8 tensor cores (CUDA, compute capability >= 8.9, bf16 input): y = x W^T as torch._scaled_mm of x quantised per
@@ -36,6 +37,8 @@ from shardfit.models.loss import compiled_once
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm needs both dims of its second operand to be multiples of 16 (others stay unquantised)
+_INV_MAX = 1 / E4M3_MAX  # rounded to fp32 where it multiplies, alike on every device
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def quantize_rows_fp8(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +46,10 @@ def quantize_rows_fp8(t: torch.Tensor, col_scale: torch.Tensor | None = None) ->
     e4m3's range by its own amax. Deterministic and row-local: any split into row ranges gives the same codes."""
     f = t.float() if col_scale is None else t.float() * col_scale
     amax = f.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    # amax times fp32(1 / 448), not amax / 448: CUDA's eager division by a number and Inductor's division by a
+    # constant both multiply by the reciprocal, so dividing gave the CPU other scales (1 ulp, about half the rows).
+    # At least fp32's smallest normal: under ~3e-43 the scale rounded to 0 and a zero weight's code was 0 / 0, NaN.
+    scale = torch.where(amax > 0, (amax * _INV_MAX).clamp_min(_TINY), 1.0)
     return (f / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
