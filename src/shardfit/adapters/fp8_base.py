@@ -77,10 +77,15 @@ def _mode(x: torch.Tensor) -> str:
     return "fp8" if x.dtype == torch.bfloat16 and _tensor_cores(x.device) else "dequant"
 
 
-def _quantizer(fused: bool):
-    # on CUDA always compiled: eagerly the quantisation is ~6 passes over an fp32 copy of the activations, which
-    # costs about what the FP8 matmul saves
-    return compiled_once(quantize_rows_fp8, dynamic=True) if fused else quantize_rows_fp8
+def _quantized_rows(t: torch.Tensor, col_scale: torch.Tensor | None, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_fp8 of the activations or gradients t [m, k] for _mm's first operand: row-major (_scaled_mm
+    refuses a column-major one, and the quantisation keeps its input's strides) and out of autograd (one compiled
+    graph whatever t.requires_grad and the grad mode: a graph each would pass torch._dynamo's recompile limit)."""
+    # on the tensor cores always compiled: eagerly the quantisation is ~6 passes over an fp32 copy of the
+    # activations, which costs about what the FP8 matmul saves
+    fn = compiled_once(quantize_rows_fp8, dynamic=True) if mode == "fp8" else quantize_rows_fp8
+    with torch.no_grad():
+        return fn(t.detach().contiguous(), col_scale)
 
 
 def _mm(a: torch.Tensor, b_codes_t: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, mode: str,
@@ -98,8 +103,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, out_fe
     mode = _mode(x)
     if mode == "dequant":
         return torch.nn.functional.linear(x, dequantize_fp8(codes, scale, out_features, x.dtype))
-    x2 = x.reshape(-1, in_features)
-    xq, xs = _quantizer(mode == "fp8")(x2)
+    xq, xs = _quantized_rows(x.reshape(-1, in_features), None, mode)
     y = _mm(xq, _codes(codes, out_features).t(), xs, _scales(scale, out_features), mode, x.dtype)
     return y.view(*x.shape[:-1], out_features)
 
@@ -117,7 +121,7 @@ def fp8_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     if mode == "dequant":
         return dy @ dequantize_fp8(codes, scale, out_features, dy.dtype)
     s_w = _scales(scale, out_features)
-    gq, gs = _quantizer(mode == "fp8")(dy.reshape(-1, out_features), s_w)
+    gq, gs = _quantized_rows(dy.reshape(-1, out_features), s_w, mode)
     codes_t = _codes(codes, out_features).t().contiguous()  # [in, out] row-major: Wq column-major, 1 B a weight
     ones = s_w.new_ones(in_features)
     return _mm(gq, codes_t.t(), gs, ones, mode, dy.dtype).view(*dy.shape[:-1], in_features)
