@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from shardfit.config import load_config
 from shardfit.config.schema import ModelConfig
@@ -193,6 +194,16 @@ def test_the_nf4_bytes_are_the_qlora_storage_where_it_exists():
     nf4 = pytest.importorskip("shardfit.adapters.nf4", reason="the QLoRA work (adapters/nf4.py) is not merged yet")
     assert (adapters.NF4_GROUP, adapters.NF4_BYTES) == (nf4.GROUP, nf4.BYTES_PER_WEIGHT)
     assert "QLoRA (NF4 base) rank 16" in plan_table(_nf4(load_config(None, [*BASE_8B, *LORA])), 1, 79).splitlines()[0]
+
+
+def test_the_fp8_bytes_are_the_fp8_storage():
+    """The plan's own arithmetic (it runs on a shardfit without adapters/fp8_base.py) against the module's: which
+    weights take the format, and their storage's bytes."""
+    from shardfit.adapters.fp8_base import FP8Linear
+
+    for out_f, in_f in ((4096, 4096), (1024, 4096), (14336, 4096), (168, 64), (64, 168), (16, 16)):
+        shapes = FP8Linear.storage_shapes(out_f, in_f, torch.uint8) if FP8Linear.eligible(out_f, in_f) else []
+        assert adapters._quantized("fp8", out_f, in_f, 2)[0] == sum(a * b for a, b in shapes), (out_f, in_f)
 
 
 @pytest.mark.skipif(not HAS_QUANTIZE, reason="model.quantize is not in this shardfit yet (the QLoRA work adds it)")

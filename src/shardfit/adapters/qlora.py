@@ -28,7 +28,7 @@ from shardfit.adapters.nf4 import (
     pad_to_groups,
     quantize,
 )
-from shardfit.adapters.quantized import QuantizedLinear, Span
+from shardfit.adapters.quantized import QuantizedLinear, Span, local_shards
 from shardfit.models.init import ShardView
 from shardfit.models.loss import compiled_once
 
@@ -122,9 +122,7 @@ class NF4Linear(QuantizedLinear):
         return out if self.bias is None else out + self.bias
 
     def span(self, view: ShardView) -> Span:
-        local = [view(getattr(self, n)) for n in self.STORAGE]
-        shards, g0, n = [t for t, _, _ in local], local[0][2], local[0][0].shape[0]
-        assert all(t.shape[0] == n and row0 == g0 for t, _, row0 in local), "NF4 shards must hold the same groups"
+        shards, g0, n = local_shards(self, view)  # groups [g0, g0 + n)
         numel, width = self.quantized_numel, self.in_features
         e0, e1 = min(g0 * GROUP, numel), min((g0 + n) * GROUP, numel)
         return Span(shards, n, (e0, e1), (e0 // width, -(-e1 // width) if n else e0 // width))

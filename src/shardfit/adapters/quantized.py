@@ -72,11 +72,18 @@ class QuantizedLinear(nn.Linear):
         return sum(getattr(self, k).numel() * getattr(self, k).element_size() for k in self.STORAGE)
 
 
+def local_shards(mod: QuantizedLinear, view: ShardView) -> tuple[list[torch.Tensor], int, int]:
+    """This rank's shards of the module's storage tensors, the first storage row they hold and how many (the same
+    rows of each: they share dim 0, and FSDP splits it alike)."""
+    local = [view(getattr(mod, n)) for n in mod.STORAGE]
+    shards, s0, n = [t for t, _, _ in local], local[0][2], local[0][0].shape[0]
+    assert all(t.shape[0] == n and row0 == s0 for t, _, row0 in local), "quantised shards must hold the same rows"
+    return shards, s0, n
+
+
 def rows_span(mod: QuantizedLinear, view: ShardView) -> Span:
     """A format whose storage rows are the weight's rows (FP8): this rank's shards and the rows they stand for."""
-    local = [view(getattr(mod, n)) for n in mod.STORAGE]
-    shards, r0, n = [t for t, _, _ in local], local[0][2], local[0][0].shape[0]
-    assert all(t.shape[0] == n and row0 == r0 for t, _, row0 in local), "quantised shards must hold the same rows"
+    shards, r0, n = local_shards(mod, view)
     return Span(shards, n, (r0 * mod.in_features, (r0 + n) * mod.in_features), (r0, r0 + n))
 
 
@@ -167,5 +174,5 @@ def quantized_summary(model: nn.Module) -> str:
 
 
 
-__all__ = ["QuantizedLinear", "Span", "apply_quantized", "init_quantized", "is_storage", "quantized_modules",
-           "quantized_summary", "rows_span", "staging_rows", "to_dtype", "to_quantized"]
+__all__ = ["QuantizedLinear", "Span", "apply_quantized", "init_quantized", "is_storage", "local_shards",
+           "quantized_modules", "quantized_summary", "rows_span", "staging_rows", "to_dtype", "to_quantized"]
