@@ -62,8 +62,10 @@ def _scales(stored: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, out_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """The weight [out, in] in dtype from its carried storage: fp32(code x scale), then dtype."""
-    return (_codes(codes, out_features).float() * _scales(scale, out_features)[:, None]).to(dtype)
+    """The weight [out, in] in dtype from its carried storage: fp32(code x scale), then dtype. Scaled in place: one
+    fp32 copy of the weight, not two (in fp32 it is the result; plan/adapters.py counts it)."""
+    w = _codes(codes, out_features).float()
+    return w.mul_(_scales(scale, out_features)[:, None]).to(dtype)
 
 
 @functools.cache
