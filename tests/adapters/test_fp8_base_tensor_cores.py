@@ -85,3 +85,17 @@ def test_the_quantiser_compiles_once_for_the_forward_and_once_for_the_input_grad
     with torch.no_grad():
         layer(torch.randn(7, 64, dtype=torch.bfloat16))
     assert tensor_cores.frame_count == 2
+
+
+@pytest.mark.parametrize("branch", ["fp8", "emulate"])
+def test_the_operators_pass_opcheck(tensor_cores, branch):
+    """Schema, fake kernels (3-D and empty inputs), autograd registration and AOT dispatch of both operators."""
+    fp8_base._mode = lambda t: branch  # the fixture's monkeypatch restores it
+    layer = _layer()
+    storage = (layer.weight_fp8, layer.weight_scale, 32, 64)
+    for lead in ((5,), (2, 3), (0,)):
+        for grad in (True, False):
+            x = torch.randn(*lead, 64, dtype=torch.bfloat16, requires_grad=grad)
+            torch.library.opcheck(fp8_base.fp8_linear, (x, *storage))
+        dy = torch.randn(*lead, 32, dtype=torch.bfloat16)
+        torch.library.opcheck(fp8_base.fp8_linear_input_grad, (dy, *storage))
