@@ -30,7 +30,7 @@ import functools
 import torch
 
 from shardfit.adapters.qlora import NF4Linear
-from shardfit.adapters.quantized import QuantizedLinear, Span, rows_span
+from shardfit.adapters.quantized import QuantizedLinear, Span, register_frozen_matmul, rows_span
 from shardfit.models.init import ShardView
 from shardfit.models.loss import compiled_once
 
@@ -110,11 +110,6 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, out_fe
     return y.view(*x.shape[:-1], out_features)
 
 
-@fp8_linear.register_fake
-def _(x, codes, scale, out_features, in_features):
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
 @torch.library.custom_op("shardfit::fp8_linear_input_grad", mutates_args=())
 def fp8_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, out_features: int,
                           in_features: int) -> torch.Tensor:
@@ -129,24 +124,7 @@ def fp8_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     return _mm(gq, codes_t.t(), gs, ones, mode, dy.dtype).view(*dy.shape[:-1], in_features)
 
 
-@fp8_linear_input_grad.register_fake
-def _(dy, codes, scale, out_features, in_features):
-    return dy.new_empty(*dy.shape[:-1], in_features)
-
-
-def _setup(ctx, inputs, output):
-    _, codes, scale, out_features, in_features = inputs
-    ctx.save_for_backward(codes, scale)
-    ctx.args = (out_features, in_features)
-
-
-def _backward(ctx, dy):
-    codes, scale = ctx.saved_tensors
-    dx = fp8_linear_input_grad(dy, codes, scale, *ctx.args) if ctx.needs_input_grad[0] else None
-    return dx, None, None, None, None
-
-
-fp8_linear.register_autograd(_backward, setup_context=_setup)
+register_frozen_matmul(fp8_linear, fp8_linear_input_grad, n_storage=2)
 
 
 class FP8Linear(QuantizedLinear):

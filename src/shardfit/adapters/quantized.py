@@ -87,6 +87,24 @@ def rows_span(mod: QuantizedLinear, view: ShardView) -> Span:
     return Span(shards, n, (r0 * mod.in_features, (r0 + n) * mod.in_features), (r0, r0 + n))
 
 
+def register_frozen_matmul(linear, input_grad, n_storage: int) -> None:
+    """The fake kernels and autograd of a format's frozen matmul, two custom operators taking (x or dy, *storage
+    (n_storage tensors), out_features, in_features, *options): linear gives y [..., out], input_grad dX [..., in].
+    Backward saves the storage, never a dequantised weight, and computes dX only where x needs it."""
+    linear.register_fake(lambda x, *args: x.new_empty(*x.shape[:-1], args[n_storage]))
+    input_grad.register_fake(lambda dy, *args: dy.new_empty(*dy.shape[:-1], args[n_storage + 1]))
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[1:1 + n_storage])
+        ctx.args = inputs[1 + n_storage:]
+
+    def backward(ctx, dy):
+        dx = input_grad(dy, *ctx.saved_tensors, *ctx.args) if ctx.needs_input_grad[0] else None
+        return dx, *[None] * (n_storage + len(ctx.args))
+
+    linear.register_autograd(backward, setup_context=setup)
+
+
 def quantized_modules(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, QuantizedLinear)]
 
@@ -175,4 +193,5 @@ def quantized_summary(model: nn.Module) -> str:
 
 
 __all__ = ["QuantizedLinear", "Span", "apply_quantized", "init_quantized", "is_storage", "local_shards",
-           "quantized_modules", "quantized_summary", "rows_span", "staging_rows", "to_dtype", "to_quantized"]
+           "quantized_modules", "quantized_summary", "register_frozen_matmul", "rows_span", "staging_rows",
+           "to_dtype", "to_quantized"]
