@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from shardfit.adapters.fp8_base import E4M3, FP8Linear, dequantize_fp8, quantize_rows_fp8
 from shardfit.adapters.lora import apply_lora, is_adapter
-from shardfit.adapters.quantized import apply_quantized, is_storage, quantized_modules, to_dtype
+from shardfit.adapters.quantized import apply_quantized, is_storage, quantized_modules, to_dtype, to_quantized
 from shardfit.config.schema import LoraConfig, ModelConfig
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
@@ -35,7 +35,7 @@ def test_each_row_is_scaled_to_e4m3s_range_and_rounded_to_its_nearest_value():
     codes, scale = quantize_rows_fp8(w)
     assert codes.dtype == E4M3 and scale.shape == (24, 1) and scale.dtype == torch.float32
     amax = w.abs().amax(1, keepdim=True)
-    torch.testing.assert_close(scale[amax > 0], (amax / 448)[amax > 0], rtol=0, atol=0)
+    torch.testing.assert_close(scale[amax > 0], (amax / 448)[amax > 0], rtol=2**-23, atol=0)
     assert scale[5].item() == 1.0 and codes[5].float().abs().max() == 0
     # each row's largest weight is the largest e4m3 value, exactly
     assert torch.equal(codes.float().abs().amax(1)[amax[:, 0] > 0], torch.full((23,), 448.0))
@@ -50,12 +50,41 @@ def test_each_row_is_scaled_to_e4m3s_range_and_rounded_to_its_nearest_value():
     assert torch.equal(torch.cat([s for _, s in parts]), scale)
 
 
+def test_the_scale_is_the_product_every_device_computes_alike():
+    """amax x fp32(1/448), exactly: CUDA divides a tensor by a number, and Inductor by a constant, as that product,
+    so a division gave the CPU other scales than the GPU (1 ulp, about half the rows): a CPU export re-quantised
+    another base than the GPU run trained on, and the CUDA test's bit-for-bit comparison failed."""
+    w = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    _, scale = quantize_rows_fp8(w)
+    assert torch.equal(scale, w.abs().amax(1, keepdim=True) * torch.tensor(1 / 448, dtype=torch.float32))
+
+
+def test_rows_too_small_for_a_normal_scale_stay_finite():
+    """A row whose amax / 448 underflows fp32 (amax under ~3e-43: an fp32 checkpoint may hold one) had scale 0,
+    so its zero weights were coded 0 / 0: NaN, a non-finite model from finite weights."""
+    w = torch.zeros(4, 32)
+    w[0, 0], w[1], w[2, 1], w[3, 2] = 1e-44, 1e-40, -2e-38, 3e-43
+    codes, scale = quantize_rows_fp8(w)
+    got = dequantize_fp8(codes.view(torch.uint8), scale.view(torch.uint8), 4, torch.float32)
+    assert torch.isfinite(got).all() and (scale > 0).all()
+    tiny = torch.finfo(torch.float32).tiny
+    torch.testing.assert_close(got, w, rtol=2**-4, atol=tiny * 2**-10)  # half e4m3's smallest step at that scale
+
+
+def test_a_non_finite_weight_surfaces_in_the_output_as_it_would_in_bf16():
+    """An inf or NaN weight is no finite garbage: its output column is not finite (and the others are)."""
+    for bad in (float("inf"), float("nan")):
+        lin = torch.nn.Linear(32, 16, bias=False)
+        with torch.no_grad():
+            lin.weight[3, 5] = bad
+        y = to_quantized(lin, FP8Linear)(torch.randn(4, 32))
+        assert not torch.isfinite(y[:, 3]).any() and torch.isfinite(y[:, :3]).all(), bad
+
+
 def _layer(out_f=32, in_f=48, bias=True, seed=0) -> tuple[FP8Linear, torch.Tensor]:
     torch.manual_seed(seed)
     lin = torch.nn.Linear(in_f, out_f, bias=bias)
     w = lin.weight.detach().clone()
-    from shardfit.adapters.quantized import to_quantized
-
     return to_quantized(lin, FP8Linear), w
 
 

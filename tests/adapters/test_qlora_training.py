@@ -20,10 +20,12 @@ from tests.helpers import full_state, same_bits, small_config
 QLORA = [*LORA, "--model.quantize=nf4", "--model.ffn_dim=544"]
 
 
-def _train(rank, world, overrides, run_dir):
+def _train(rank, world, overrides, run_dir, flags=QLORA, storage_key="weight_nf4"):
+    """One run of a quantised base (flags: QLoRA's, or test_fp8_base_training.py's; storage_key: the format's first
+    storage tensor)."""
     from shardfit.parallel.step_overlap import param_group
 
-    t = Trainer(small_config(*QLORA, *overrides, run_dir=run_dir))
+    t = Trainer(small_config(*flags, *overrides, run_dir=run_dir))
     frozen = {n: _local(p).detach().clone() for n, p in t.model.named_parameters() if not p.requires_grad}
     stepped = {id(p) for g in t.engine.optimizer.param_groups for p in g["params"]}
     group = param_group(t.model.model.layers[0])
@@ -42,9 +44,9 @@ def _train(rank, world, overrides, run_dir):
                              for p in group.fsdp_params}),
             "storage_cast": [str(fp.param_dtype) for fp in storage],
             "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-            "rows": {k: _local(after[f"model.layers.0.{k}.weight_nf4"]).shape[0] for k in ("mlp.up_proj",
-                                                                                          "self_attn.q_proj")
-                     if f"model.layers.0.{k}.weight_nf4" in after}}
+            "rows": {k: _local(after[f"model.layers.0.{k}.{storage_key}"]).shape[0]
+                     for k in ("mlp.up_proj", "self_attn.q_proj") if f"model.layers.0.{k}.{storage_key}" in after},
+            "notices": [n for n in t.engine.notices if "base weights of" in n]}
 
 
 def test_loss_falls_and_two_ranks_equal_one(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from shardfit.config import load_config
 from shardfit.config.schema import ModelConfig
@@ -193,6 +194,26 @@ def test_the_nf4_bytes_are_the_qlora_storage_where_it_exists():
     nf4 = pytest.importorskip("shardfit.adapters.nf4", reason="the QLoRA work (adapters/nf4.py) is not merged yet")
     assert (adapters.NF4_GROUP, adapters.NF4_BYTES) == (nf4.GROUP, nf4.BYTES_PER_WEIGHT)
     assert "QLoRA (NF4 base) rank 16" in plan_table(_nf4(load_config(None, [*BASE_8B, *LORA])), 1, 79).splitlines()[0]
+
+
+def test_an_fp8_base_computing_in_fp32_dequantises_its_weight():
+    """compute.param_dtype=float32: no FP8 matmul (adapters/fp8_base.py takes bf16 inputs only); each layer's weight
+    is dequantised whole in fp32 (4 B a weight: the codes widened, then scaled in place) for its forward and its
+    input gradient, where the plan counted 1 B a weight (the FP8 path's transposed codes)."""
+    full = ["--compute.activation_checkpoint=full", "--compute.loss_chunk=128", "--train.micro_batch=4",
+            "--train.global_batch=4", "--compute.param_dtype=float32"]
+    fp8 = estimate(load_config(None, [*BASE_8B, *LORA, *full, "--model.quantize=fp8"]), 1, 4)
+    assert fp8.working - estimate(load_config(None, [*BASE_8B, *LORA, *full]), 1, 4).working == 14336 * 4096 * 4
+
+
+def test_the_fp8_bytes_are_the_fp8_storage():
+    """The plan's own arithmetic (it runs on a shardfit without adapters/fp8_base.py) against the module's: which
+    weights take the format, and their storage's bytes."""
+    from shardfit.adapters.fp8_base import FP8Linear
+
+    for out_f, in_f in ((4096, 4096), (1024, 4096), (14336, 4096), (168, 64), (64, 168), (16, 16)):
+        shapes = FP8Linear.storage_shapes(out_f, in_f, torch.uint8) if FP8Linear.eligible(out_f, in_f) else []
+        assert adapters._quantized("fp8", out_f, in_f, 2)[0] == sum(a * b for a, b in shapes), (out_f, in_f)
 
 
 @pytest.mark.skipif(not HAS_QUANTIZE, reason="model.quantize is not in this shardfit yet (the QLoRA work adds it)")

@@ -41,7 +41,8 @@ def test_a_one_rank_run_starts_from_the_weights_two_ranks_saved(two_rank_run, tm
 @pytest.mark.parametrize("args, needle", [
     (["--model.dim=32"], "model.dim: model.dim=32 conflicts with dim=64 in"),
     (["--model.path=/somewhere"], "model.init_from and model.path both name starting weights"),
-    (["--lora.rank=8", "--model.quantize=nf4"], "model.init_from does not start QLoRA runs"),
+    (["--lora.rank=8", "--model.quantize=nf4"], "does not start a run on a quantized base (model.quantize=nf4)"),
+    (["--lora.rank=8", "--model.quantize=fp8"], "does not start a run on a quantized base (model.quantize=fp8)"),
 ])
 def test_a_contradicting_key_is_one_line(two_rank_run, args, needle):
     with pytest.raises(ShardfitError) as e:

@@ -6,10 +6,11 @@ Why: a LoRA run's frozen bf16 base is most of its memory (15.0 GiB of the 8B sha
 half, and the matmuls that read it run on FP8 tensor cores (twice bf16's peak) with no per-step weight quantisation
 (compute.fp8 quantises every weight again in each forward, recompute and backward). It changes the base's numerics
 like QLoRA does, less: e4m3 keeps 3 mantissa bits against NF4's 16 levels.
-Format: a weight row w [in] is stored as codes round_e4m3(w / s) with s = amax|w| / 448 in fp32 (1 for a zero row);
-it reads back as codes x s. Storage: weight_fp8 [out, in] bytes and weight_scale [out] fp32, carried bit for bit as
-[out, in / size] and [out, 4 / size] in the carrier dtype (size: its bytes): 1 + 4 / in bytes a weight. Storage rows
-are weight rows, so FSDP's dim-0 shards are whole rows and a rank quantises its own rows alone.
+Format: a weight row w [in] is stored as codes round_e4m3(w / s) with s = amax|w| x (1 / 448) in fp32 (at least
+fp32's smallest normal; 1 for a zero row); it reads back as codes x s. Storage: weight_fp8 [out, in] bytes and
+weight_scale [out] fp32, carried bit for bit as [out, in / size] and [out, 4 / size] in the carrier dtype (size: its
+bytes): 1 + 4 / in bytes a weight. Storage rows are weight rows, so FSDP's dim-0 shards are whole rows and a rank
+quantises its own rows alone.
 The matmul, a custom operator (opaque to torch.compile, recomputed whole under checkpointing; its autograd saves the
 storage, never a dequantised weight), per device:
   fp8 tensor cores (CUDA, compute capability >= 8.9, bf16 input): y = x W^T as torch._scaled_mm of x quantised per
@@ -29,13 +30,15 @@ import functools
 import torch
 
 from shardfit.adapters.qlora import NF4Linear
-from shardfit.adapters.quantized import QuantizedLinear, Span, rows_span
+from shardfit.adapters.quantized import QuantizedLinear, Span, register_frozen_matmul, rows_span
 from shardfit.models.init import ShardView
 from shardfit.models.loss import compiled_once
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm needs both dims of its second operand to be multiples of 16 (others stay unquantised)
+_INV_MAX = 1 / E4M3_MAX  # rounded to fp32 where it multiplies, alike on every device
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def quantize_rows_fp8(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +46,10 @@ def quantize_rows_fp8(t: torch.Tensor, col_scale: torch.Tensor | None = None) ->
     e4m3's range by its own amax. Deterministic and row-local: any split into row ranges gives the same codes."""
     f = t.float() if col_scale is None else t.float() * col_scale
     amax = f.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    # amax times fp32(1 / 448), not amax / 448: CUDA's eager division by a number and Inductor's division by a
+    # constant both multiply by the reciprocal, so dividing gave the CPU other scales (1 ulp, about half the rows).
+    # At least fp32's smallest normal: under ~3e-43 the scale rounded to 0 and a zero weight's code was 0 / 0, NaN.
+    scale = torch.where(amax > 0, (amax * _INV_MAX).clamp_min(_TINY), 1.0)
     return (f / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
@@ -56,8 +62,10 @@ def _scales(stored: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, out_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """The weight [out, in] in dtype from its carried storage: fp32(code x scale), then dtype."""
-    return (_codes(codes, out_features).float() * _scales(scale, out_features)[:, None]).to(dtype)
+    """The weight [out, in] in dtype from its carried storage: fp32(code x scale), then dtype. Scaled in place: one
+    fp32 copy of the weight, not two (in fp32 it is the result; plan/adapters.py counts it)."""
+    w = _codes(codes, out_features).float()
+    return w.mul_(_scales(scale, out_features)[:, None]).to(dtype)
 
 
 @functools.cache
@@ -71,10 +79,15 @@ def _mode(x: torch.Tensor) -> str:
     return "fp8" if x.dtype == torch.bfloat16 and _tensor_cores(x.device) else "dequant"
 
 
-def _quantizer(fused: bool):
-    # on CUDA always compiled: eagerly the quantisation is ~6 passes over an fp32 copy of the activations, which
-    # costs about what the FP8 matmul saves
-    return compiled_once(quantize_rows_fp8, dynamic=True) if fused else quantize_rows_fp8
+def _quantized_rows(t: torch.Tensor, col_scale: torch.Tensor | None, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_fp8 of the activations or gradients t [m, k] for _mm's first operand: row-major (_scaled_mm
+    refuses a column-major one, and the quantisation keeps its input's strides) and out of autograd (one compiled
+    graph whatever t.requires_grad and the grad mode: a graph each would pass torch._dynamo's recompile limit)."""
+    # on the tensor cores always compiled: eagerly the quantisation is ~6 passes over an fp32 copy of the
+    # activations, which costs about what the FP8 matmul saves
+    fn = compiled_once(quantize_rows_fp8, dynamic=True) if mode == "fp8" else quantize_rows_fp8
+    with torch.no_grad():
+        return fn(t.detach().contiguous(), col_scale)
 
 
 def _mm(a: torch.Tensor, b_codes_t: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, mode: str,
@@ -92,15 +105,9 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, out_fe
     mode = _mode(x)
     if mode == "dequant":
         return torch.nn.functional.linear(x, dequantize_fp8(codes, scale, out_features, x.dtype))
-    x2 = x.reshape(-1, in_features)
-    xq, xs = _quantizer(mode == "fp8")(x2)
+    xq, xs = _quantized_rows(x.reshape(-1, in_features), None, mode)
     y = _mm(xq, _codes(codes, out_features).t(), xs, _scales(scale, out_features), mode, x.dtype)
     return y.view(*x.shape[:-1], out_features)
-
-
-@fp8_linear.register_fake
-def _(x, codes, scale, out_features, in_features):
-    return x.new_empty(*x.shape[:-1], out_features)
 
 
 @torch.library.custom_op("shardfit::fp8_linear_input_grad", mutates_args=())
@@ -111,30 +118,13 @@ def fp8_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     if mode == "dequant":
         return dy @ dequantize_fp8(codes, scale, out_features, dy.dtype)
     s_w = _scales(scale, out_features)
-    gq, gs = _quantizer(mode == "fp8")(dy.reshape(-1, out_features), s_w)
+    gq, gs = _quantized_rows(dy.reshape(-1, out_features), s_w, mode)
     codes_t = _codes(codes, out_features).t().contiguous()  # [in, out] row-major: Wq column-major, 1 B a weight
     ones = s_w.new_ones(in_features)
     return _mm(gq, codes_t.t(), gs, ones, mode, dy.dtype).view(*dy.shape[:-1], in_features)
 
 
-@fp8_linear_input_grad.register_fake
-def _(dy, codes, scale, out_features, in_features):
-    return dy.new_empty(*dy.shape[:-1], in_features)
-
-
-def _setup(ctx, inputs, output):
-    _, codes, scale, out_features, in_features = inputs
-    ctx.save_for_backward(codes, scale)
-    ctx.args = (out_features, in_features)
-
-
-def _backward(ctx, dy):
-    codes, scale = ctx.saved_tensors
-    dx = fp8_linear_input_grad(dy, codes, scale, *ctx.args) if ctx.needs_input_grad[0] else None
-    return dx, None, None, None, None
-
-
-fp8_linear.register_autograd(_backward, setup_context=_setup)
+register_frozen_matmul(fp8_linear, fp8_linear_input_grad, n_storage=2)
 
 
 class FP8Linear(QuantizedLinear):

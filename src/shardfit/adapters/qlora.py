@@ -28,7 +28,7 @@ from shardfit.adapters.nf4 import (
     pad_to_groups,
     quantize,
 )
-from shardfit.adapters.quantized import QuantizedLinear, Span
+from shardfit.adapters.quantized import QuantizedLinear, Span, local_shards, register_frozen_matmul
 from shardfit.models.init import ShardView
 from shardfit.models.loss import compiled_once
 
@@ -71,11 +71,6 @@ def nf4_linear(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, stats
     return F.linear(x, _dequant(codes, absmax, stats, out_features, in_features, x.dtype, fused))
 
 
-@nf4_linear.register_fake
-def _(x, codes, absmax, stats, out_features, in_features, fused):
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
 @torch.library.custom_op("shardfit::nf4_linear_input_grad", mutates_args=())
 def nf4_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor,
                           out_features: int, in_features: int, fused: bool) -> torch.Tensor:
@@ -83,24 +78,7 @@ def nf4_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, absmax: torch.T
     return dy @ _dequant(codes, absmax, stats, out_features, in_features, dy.dtype, fused)
 
 
-@nf4_linear_input_grad.register_fake
-def _(dy, codes, absmax, stats, out_features, in_features, fused):
-    return dy.new_empty(*dy.shape[:-1], in_features)
-
-
-def _setup(ctx, inputs, output):
-    _, codes, absmax, stats, out_features, in_features, fused = inputs
-    ctx.save_for_backward(codes, absmax, stats)
-    ctx.args = (out_features, in_features, fused)
-
-
-def _backward(ctx, dy):
-    codes, absmax, stats = ctx.saved_tensors
-    dx = nf4_linear_input_grad(dy, codes, absmax, stats, *ctx.args) if ctx.needs_input_grad[0] else None
-    return dx, None, None, None, None, None, None
-
-
-nf4_linear.register_autograd(_backward, setup_context=_setup)
+register_frozen_matmul(nf4_linear, nf4_linear_input_grad, n_storage=3)
 
 
 class NF4Linear(QuantizedLinear):
@@ -122,9 +100,7 @@ class NF4Linear(QuantizedLinear):
         return out if self.bias is None else out + self.bias
 
     def span(self, view: ShardView) -> Span:
-        local = [view(getattr(self, n)) for n in self.STORAGE]
-        shards, g0, n = [t for t, _, _ in local], local[0][2], local[0][0].shape[0]
-        assert all(t.shape[0] == n and row0 == g0 for t, _, row0 in local), "NF4 shards must hold the same groups"
+        shards, g0, n = local_shards(self, view)  # groups [g0, g0 + n)
         numel, width = self.quantized_numel, self.in_features
         e0, e1 = min(g0 * GROUP, numel), min((g0 + n) * GROUP, numel)
         return Span(shards, n, (e0, e1), (e0 // width, -(-e1 // width) if n else e0 // width))

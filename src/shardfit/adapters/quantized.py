@@ -72,12 +72,37 @@ class QuantizedLinear(nn.Linear):
         return sum(getattr(self, k).numel() * getattr(self, k).element_size() for k in self.STORAGE)
 
 
+def local_shards(mod: QuantizedLinear, view: ShardView) -> tuple[list[torch.Tensor], int, int]:
+    """This rank's shards of the module's storage tensors, the first storage row they hold and how many (the same
+    rows of each: they share dim 0, and FSDP splits it alike)."""
+    local = [view(getattr(mod, n)) for n in mod.STORAGE]
+    shards, s0, n = [t for t, _, _ in local], local[0][2], local[0][0].shape[0]
+    assert all(t.shape[0] == n and row0 == s0 for t, _, row0 in local), "quantised shards must hold the same rows"
+    return shards, s0, n
+
+
 def rows_span(mod: QuantizedLinear, view: ShardView) -> Span:
     """A format whose storage rows are the weight's rows (FP8): this rank's shards and the rows they stand for."""
-    local = [view(getattr(mod, n)) for n in mod.STORAGE]
-    shards, r0, n = [t for t, _, _ in local], local[0][2], local[0][0].shape[0]
-    assert all(t.shape[0] == n and row0 == r0 for t, _, row0 in local), "quantised shards must hold the same rows"
+    shards, r0, n = local_shards(mod, view)
     return Span(shards, n, (r0 * mod.in_features, (r0 + n) * mod.in_features), (r0, r0 + n))
+
+
+def register_frozen_matmul(linear, input_grad, n_storage: int) -> None:
+    """The fake kernels and autograd of a format's frozen matmul, two custom operators taking (x or dy, *storage
+    (n_storage tensors), out_features, in_features, *options): linear gives y [..., out], input_grad dX [..., in].
+    Backward saves the storage, never a dequantised weight, and computes dX only where x needs it."""
+    linear.register_fake(lambda x, *args: x.new_empty(*x.shape[:-1], args[n_storage]))
+    input_grad.register_fake(lambda dy, *args: dy.new_empty(*dy.shape[:-1], args[n_storage + 1]))
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[1:1 + n_storage])
+        ctx.args = inputs[1 + n_storage:]
+
+    def backward(ctx, dy):
+        dx = input_grad(dy, *ctx.saved_tensors, *ctx.args) if ctx.needs_input_grad[0] else None
+        return dx, *[None] * (n_storage + len(ctx.args))
+
+    linear.register_autograd(backward, setup_context=setup)
 
 
 def quantized_modules(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
@@ -167,5 +192,6 @@ def quantized_summary(model: nn.Module) -> str:
 
 
 
-__all__ = ["QuantizedLinear", "Span", "apply_quantized", "init_quantized", "is_storage", "quantized_modules",
-           "quantized_summary", "rows_span", "staging_rows", "to_dtype", "to_quantized"]
+__all__ = ["QuantizedLinear", "Span", "apply_quantized", "init_quantized", "is_storage", "local_shards",
+           "quantized_modules", "quantized_summary", "register_frozen_matmul", "rows_span", "staging_rows",
+           "to_dtype", "to_quantized"]

@@ -62,13 +62,14 @@ def apply_init_from(cfg, explicit: set[str], fill) -> None:
     step = newest_step_dir(cfg.model.init_from)
     saved = saved_config(step, "model.init_from")
     if getattr(getattr(cfg, "lora", None), "rank", 0):
-        # the base comes from a full checkpoint, read as it is stored (NF4 is quantised from Hugging Face weights as
-        # they are read: weights/hf_load.py), and a LoRA run's checkpoints hold adapters only
+        # the base comes from a full checkpoint, read as it is stored (a quantised base, NF4 or FP8, is quantised
+        # from Hugging Face weights as they are read: weights/quantized_io.py), and a LoRA run's checkpoints hold
+        # adapters only
         merged = "export it (shardfit export RUN DIR merges the adapters in) and give DIR as model.path"
-        if getattr(cfg.model, "quantize", "none") != "none":
-            raise ShardfitError("model.init_from does not start QLoRA runs: the NF4 base is quantised from Hugging "
-                                "Face weights", where="model.init_from", fix="export the run (shardfit export RUN "
-                                "DIR) and give DIR as model.path")
+        if (quantize := getattr(cfg.model, "quantize", "none")) != "none":
+            raise ShardfitError(f"model.init_from does not start a run on a quantized base (model.quantize="
+                                f"{quantize}): it is quantised from Hugging Face weights", where="model.init_from",
+                                fix="export the run (shardfit export RUN DIR) and give DIR as model.path")
         if (saved.get("lora") or {}).get("rank"):
             raise ShardfitError(f"{step} is a LoRA run's checkpoint: it holds adapters, not the weights they adapt",
                                 where="model.init_from", fix=merged)

@@ -7,7 +7,7 @@
              MoE experts' adapters (adapters/expert_lora.py: E x r x (in + out) per adapted weight) alike.
   gathered   FSDP gathers the base as stored (no fp32 -> bf16 cast copy) and the adapters cast to the compute dtype;
              it reduce-scatters the adapters' gradients only. QLoRA: one dequantised weight in flight (dequant_bytes;
-             an FP8 base: one weight's codes transposed for its input gradient, 1 byte a weight).
+             an FP8 base: one weight's codes transposed for its input gradient, 1 byte a weight; in fp32 the weight).
              Expert adapters go where their experts go (plan/moe.py: n/E of them under EP; none with E = W, where
              the computation casts them and writes their fp32 gradients fresh, as it does full fine-tuning's experts).
   activations  the traced block has its adapters (adapt_block): what autograd saves for them, nothing for the base.
@@ -86,7 +86,9 @@ def _quantized(quant: str, out_f: int, in_f: int, element: int) -> tuple[int, in
     if quant == "nf4":
         return nf4_bytes(n), -(-n // NF4_GROUP) * NF4_GROUP * element  # dequantised whole, padded groups
     if quant == "fp8" and not (out_f % 16 or in_f % 16):
-        return n + 4 * out_f, n  # e4m3 codes and an fp32 scale a row; the transposed codes in backward
+        # e4m3 codes and an fp32 scale a row; in bf16 the transposed codes in backward, in fp32 (no FP8 matmul) the
+        # weight dequantised
+        return n + 4 * out_f, n if element == 2 else n * element
     return 0, 0
 
 
@@ -152,8 +154,10 @@ def dequant_bytes(c: Counts) -> int:
     again in backward (for the input gradient), and frees it: one in flight at a time. On a GPU the Triton kernel
     (kernels/nf4_dequant.py) writes it in the compute dtype and nothing else, compiled or not (adapters/qlora.py's
     _dequant); the PyTorch path, where Triton is missing, holds the fp32 levels first eagerly (4 + 2 B a weight).
-    An FP8 base: the codes transposed for the input gradient's matmul (1 B a weight; its quantised activations, 1 B
-    a value, are not counted)."""
+    An FP8 base in bf16: the codes transposed for the input gradient's matmul (1 B a weight; its quantised
+    activations, 1 B a value, are not counted); in fp32, no FP8 matmul: the weight dequantised in fp32 (4 B). On a
+    GPU without FP8 tensor cores (compute capability < 8.9) a bf16 run dequantises too, through fp32 (4 + 2 B a
+    weight): not counted, as NF4's PyTorch path."""
     return c.largest_quantized
 
 
