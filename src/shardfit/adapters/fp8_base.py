@@ -135,6 +135,16 @@ class FP8Linear(QuantizedLinear):
     LABEL = "FP8"
     NOTICE = "their matmuls run in FP8 where the GPU has FP8 tensor cores (compute capability >= 8.9)"
 
+    def notice(self) -> str:
+        """How its matmuls run here (_mode): FP8 needs CUDA and bf16 compute (the storage's carrier is the compute
+        dtype)."""
+        if self.weight_fp8.device.type == "cpu":
+            return "on the CPU their FP8 arithmetic is emulated (the GPU's numerics, no speed-up)"
+        if self.weight_fp8.dtype != torch.bfloat16:
+            return (f"with {str(self.weight_fp8.dtype)[6:]} compute they dequantise each weight and multiply in it "
+                    "(no FP8 matmul; bf16 compute has them)")
+        return self.NOTICE
+
     @classmethod
     def eligible(cls, out_features: int, in_features: int) -> bool:
         return out_features % ALIGN == 0 and in_features % ALIGN == 0

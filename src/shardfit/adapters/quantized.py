@@ -45,7 +45,7 @@ class QuantizedLinear(nn.Linear):
     LABEL = ""  # its name in messages
     quantized_numel: int  # out x in: the weights it stands for (models.count_params counts these, not its bytes)
     fused_dequant = False  # compute.compile: the format's PyTorch fallbacks run as one compiled kernel
-    NOTICE = ""  # how its matmuls run, for the start notice
+    NOTICE = ""  # how its matmuls run, for the start notice (notice())
 
     @classmethod
     def eligible(cls, out_features: int, in_features: int) -> bool:
@@ -67,6 +67,9 @@ class QuantizedLinear(nn.Linear):
     def dequantized(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in dtype from its whole (gathered) storage tensors, in STORAGE order."""
         raise NotImplementedError
+
+    def notice(self) -> str:
+        return self.NOTICE
 
     def stored_bytes(self) -> int:
         return sum(getattr(self, k).numel() * getattr(self, k).element_size() for k in self.STORAGE)
@@ -187,7 +190,7 @@ def quantized_summary(model: nn.Module) -> str:
                    "scales", "fp8": "FP8 base: the base weights of {} adapted linear layers ({:,} weights) are "
                                     "float8 e4m3 with a scale per row"}[mods[0][1].FORMAT]
     return (kind.format(len(mods), n) + f", {stored / 2**20:,.1f} MiB in all (~{stored / max(n, 1):.3f} bytes a "
-            f"weight, sharded over the ranks); " + mods[0][1].NOTICE)
+            f"weight, sharded over the ranks); " + mods[0][1].notice())
 
 
 
