@@ -11,12 +11,11 @@ import torch.nn.functional as F
 
 from shardfit.adapters.fp8_base import E4M3, FP8Linear, dequantize_fp8, quantize_rows_fp8
 from shardfit.adapters.lora import apply_lora, is_adapter
-from shardfit.adapters.quantized import apply_quantized, is_storage, quantized_modules, to_dtype, to_quantized
+from shardfit.adapters.quantized import apply_quantized, is_storage, to_dtype, to_quantized
 from shardfit.config.schema import LoraConfig, ModelConfig
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model, count_params
-from shardfit.weights.quantized_io import merged_weight
-from tests.adapters.tiny_hf import randomize_adapters
+from tests.adapters.test_qlora import _pair
 from tests.helpers import SMALL, small_config
 
 IDS = torch.tensor([[5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 1, 2]])
@@ -120,30 +119,11 @@ def test_backward_gives_the_input_gradient_and_saves_only_the_storage():
     assert layer.weight_fp8.grad is None and not layer.weight_fp8.requires_grad
 
 
-def _pair(dtype: torch.dtype):
-    """(FP8-base LoRA model, LoRA model whose base weights are its dequantised ones), same adapters."""
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=264, max_seq_len=64,
-                      tie_embeddings=False, qkv_bias=True)
-    models = []
-    for _ in range(2):
-        m = build_model(cfg)
-        m.init_weights(3)
-        targets = apply_lora(m, LoraConfig(rank=4, alpha=8, targets="all-linear,lm_head"), None)
-        randomize_adapters(m)
-        models.append((m, targets))
-    (q, targets), (plain, _) = models
-    assert apply_quantized(q, targets, FP8Linear) == 2 * 7  # linear targets only: the head keeps its weight
-    with torch.no_grad():
-        for fqn, mod in quantized_modules(q):
-            plain.get_submodule(fqn).weight.copy_(merged_weight(mod))
-    return to_dtype(q, dtype), plain.to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_model_on_an_fp8_base_is_close_to_lora_on_the_dequantised_base(dtype):
     """The same weights (the dequantised base): only the activations' FP8 rounding separates the two, forward and
     backward; adapters take gradients, the storage none."""
-    q, plain = _pair(dtype)
+    q, plain = _pair(dtype, FP8Linear)
     storage = [p for n, p in q.named_parameters() if is_storage(n)]
     assert len(storage) == 2 * 2 * 7 and all(p.dtype == dtype for p in storage)  # carried in the compute dtype
     out_q, out_p = q(IDS), plain(IDS)
@@ -160,7 +140,7 @@ def test_a_model_on_an_fp8_base_is_close_to_lora_on_the_dequantised_base(dtype):
 
 
 def test_dtype_changes_keep_the_storage_bit_for_bit():
-    q, _ = _pair(torch.float32)
+    q, _ = _pair(torch.float32, FP8Linear)
     before = {n: p.detach().view(torch.uint8).clone() for n, p in q.named_parameters() if is_storage(n)}
     to_dtype(q, torch.bfloat16)
     after = {n: p.detach().view(torch.uint8) for n, p in q.named_parameters() if is_storage(n)}

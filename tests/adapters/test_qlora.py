@@ -20,8 +20,9 @@ from tests.helpers import SMALL, small_config
 IDS = torch.tensor([[5, 17, 99, 3, 250, 42, 7, 8, 120, 64, 1, 2]])
 
 
-def _pair(dtype: torch.dtype):
-    """(QLoRA model, LoRA model whose base weights are the QLoRA model's dequantised ones), same adapters."""
+def _pair(dtype: torch.dtype, cls: type = NF4Linear):
+    """(a model on a quantised base of format cls (QLoRA's NF4 here; test_fp8_base.py's FP8), LoRA model whose base
+    weights are its dequantised ones), same adapters."""
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=264, max_seq_len=64,
                       tie_embeddings=False, qkv_bias=True)
     models = []
@@ -32,7 +33,7 @@ def _pair(dtype: torch.dtype):
         randomize_adapters(m)
         models.append((m, targets))
     (q, targets), (plain, _) = models
-    assert apply_quantized(q, targets, NF4Linear) == 2 * 7  # linear targets only: the head keeps its weight
+    assert apply_quantized(q, targets, cls) == 2 * 7  # linear targets only: the head keeps its weight
     with torch.no_grad():
         for fqn, mod in quantized_modules(q):
             plain.get_submodule(fqn).weight.copy_(merged_weight(mod))
