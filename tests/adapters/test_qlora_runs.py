@@ -23,7 +23,8 @@ NF4 = ("--model.quantize=nf4",)
 FORMATS = {"nf4": (NF4, "NF4", "weight_nf4"), "fp8": (("--model.quantize=fp8",), "FP8", "weight_fp8")}
 
 
-@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+# fp8's resume in the default run: tests/engine/test_fp8_base_engine.py and tests/serve/test_fp8_base_serve.py
+@pytest.mark.parametrize("fmt", ["nf4", pytest.param("fp8", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("world, base", [(1, True), pytest.param(2, False, marks=pytest.mark.slow)],
                          ids=["1rank-model-path", "2ranks-seeded"])
 def test_resume_equals_uninterrupted_and_saves_no_codes(tmp_path, world, base, fmt):
