@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardfit.adapters.lora import apply_lora, is_adapter
-from shardfit.adapters.qlora import STORAGE, NF4Linear
+from shardfit.adapters.qlora import NF4Linear
 from shardfit.adapters.quantized import apply_quantized, is_storage, quantized_modules, to_dtype
 from shardfit.config.schema import LoraConfig, ModelConfig
 from shardfit.errors import ShardfitError
@@ -121,16 +121,20 @@ def test_the_fused_dequantisation_equals_the_eager_one():
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
-def test_storage_replaces_the_weight_in_place_and_counts_as_its_weights():
+@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+def test_storage_replaces_the_weight_in_place_and_counts_as_its_weights(fmt):
+    from shardfit.adapters.fp8_base import quantized_class
+
+    cls = quantized_class(fmt)
     cfg = small_config()
     with torch.device("meta"):
         q = build_model(cfg.model)
         plain = build_model(cfg.model)
     n = count_params(plain)
-    targets = apply_lora(q, LoraConfig(rank=4), torch.float32)
-    apply_quantized(q, targets, NF4Linear)
+    targets = apply_lora(q, LoraConfig(rank=4), torch.bfloat16)
+    apply_quantized(q, targets, cls)
     names = [k for k, _ in q.model.layers[0].self_attn.q_proj.named_parameters()]
-    assert names == [*STORAGE, "lora_A", "lora_B"]  # where the weight was, adapters after
+    assert names == [*cls.STORAGE, "lora_A", "lora_B"]  # where the weight was, adapters after
     assert count_params(q) == n + sum(p.numel() for k, p in q.named_parameters() if is_adapter(k))
     assert not hasattr(q.model.layers[0].self_attn.q_proj, "weight")
 
