@@ -49,16 +49,19 @@ the RL API makes per model), adapters other than linear layers' (embedding, outp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from shardfit.adapters.lora import LoRAModule, has_adapters
 from shardfit.adapters.lora_stack import AdapterStack
-from shardfit.engine.batch import PackedBatch
+from shardfit.engine.batch import LazyBatches, PackedBatch, total_capacity
 from shardfit.engine.losses import Loss
 from shardfit.engine.records import _LOSS, _NONFINITE, _REAL, _SQNORM, _TOKENS, StepStats, fold_first_mean
 from shardfit.engine.registry import BASE
 from shardfit.errors import ShardfitError
+from shardfit.models.attention import to_device
 from shardfit.models.moe import MoE
 from shardfit.parallel.adapter_exchange import gather_whole, reduce_to_shards, shard_group
 from shardfit.parallel.offload import grad_sq_norm
@@ -109,21 +112,13 @@ def check_engine(engine) -> list[nn.Module]:
     return layers
 
 
-def _check_pass(engine, batches: list[PackedBatch], loss: Loss, k: int) -> list[nn.Module]:
-    """The layers the pass stacks; refusals of the engine, the loss and the batches in one line."""
+def _check_pass(engine, loss: Loss) -> list[nn.Module]:
+    """The layers the pass stacks; refusals of the engine and the loss in one line (the micro-batches': _Counted)."""
     if loss.mean_over_tokens:
         raise ShardfitError("a pass of several models takes a coefficient loss (each model normalised over its own "
                             "datums), not a mean over the whole pass's tokens", where="loss",
                             fix="use TokenLoss with per-model coefficients (the RL API makes them)")
-    layers = check_engine(engine)
-    for i, b in enumerate(batches):
-        if b.slots is None:
-            raise ShardfitError(f"micro-batch {i} has no slots (each token's model)", where="PackedBatch.slots",
-                                fix="pack the datums with their model's index (rl/pack.py's datum_batches slots=)")
-        if b.slots.numel() and int(b.slots.max()) >= k:
-            raise ShardfitError(f"micro-batch {i} names model {int(b.slots.max())} of {k}", where="PackedBatch.slots",
-                                fix="index the model list given as model=")
-    return layers
+    return check_engine(engine)
 
 
 def _stack(engine, layers: list[nn.Module], models: list[str], grad: bool) -> AdapterStack:
@@ -139,19 +134,44 @@ def _stack(engine, layers: list[nn.Module], models: list[str], grad: bool) -> Ad
                         mixed_precision(engine.cfg.compute, engine.device).param_dtype or torch.float32)
 
 
-def _counts(batches: list[PackedBatch], k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per model, this rank's loss tokens and real tokens [K] each (float64), counted on the host (no sync): one
-    bincount per micro-batch, not a count per model and micro-batch (K x M reads of host tensors: at K = 15 and the
-    57 micro-batches of the 8B clients benchmark, ~1,700 of them)."""
-    tokens = torch.zeros(k, dtype=torch.long)
-    real = torch.zeros(k, dtype=torch.long)
-    # bin 0 takes padding (slot -1) and, for the loss tokens, labels of -100: no boolean indexing, whose nonzero cost
-    # ~8 ms a [4096] row on a 2-core host where the whole count here takes ~2 ms for K = 15, M = 57 (was ~20 ms)
-    for bt in batches:
-        bins = bt.slots.flatten() + 1
-        real += torch.bincount(bins, minlength=k + 1)[1:]
-        tokens += torch.bincount(torch.where(bt.labels.flatten() != -100, bins, 0), minlength=k + 1)[1:]
-    return tokens.to(device=device, dtype=torch.float64), real.to(device=device, dtype=torch.float64)
+class _Counted:
+    """The pass's micro-batches, each checked (its slots) and counted per model on the host as the Engine's loop
+    makes it: `batches`, LazyBatches over the caller's (engine/batch.py: each made when the loop reaches it, its
+    document mask's host time under the GPU's work of the micro-batches before it). Listing them first to check and
+    count them built every mask of the pass before its first forward, with the GPU idle (~2.3 ms of host time a flex
+    mask in benchmarks/README.md's RL forward: ~130 ms for the 57 micro-batches of the 8B clients benchmark's pass
+    of 15 models), where K passes of one hide theirs. A bad micro-batch (a packing bug) is refused when reached: no
+    model's gradients have changed by then (they take the stack's in step 4, after the last backward)."""
+
+    def __init__(self, batches, k: int):
+        self.source = batches if isinstance(batches, Sequence) else list(batches)
+        self.k = k
+        self.counts: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.source)
+        self.batches = LazyBatches(len(self.source), self._make, total_capacity(self.source))
+
+    def _make(self, i: int) -> PackedBatch:
+        b, k = self.source[i], self.k
+        if b.slots is None:
+            raise ShardfitError(f"micro-batch {i} has no slots (each token's model)", where="PackedBatch.slots",
+                                fix="pack the datums with their model's index (rl/pack.py's datum_batches slots=)")
+        # bin 0 takes padding (slot -1) and, for the loss tokens, labels of -100: one bincount, no boolean indexing,
+        # whose nonzero cost ~8 ms a [4096] row on a 2-core host (a count per model and micro-batch: K x M reads)
+        bins = b.slots.flatten() + 1
+        real = torch.bincount(bins, minlength=k + 1)
+        if real.numel() > k + 1:
+            raise ShardfitError(f"micro-batch {i} names model {real.numel() - 2} of {k}", where="PackedBatch.slots",
+                                fix="index the model list given as model=")
+        tokens = torch.bincount(torch.where(b.labels.flatten() != -100, bins, 0), minlength=k + 1)
+        self.counts[i] = tokens[1:], real[1:]  # by index: a micro-batch made twice is counted once
+        return b
+
+    def sums(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per model, this rank's loss tokens and real tokens [K] each (float64 on `device`, copied without a host
+        sync: called after the last backward is queued), of every micro-batch made."""
+        zero = torch.zeros(self.k, dtype=torch.long)
+        tokens = sum((c[0] for c in self.counts if c is not None), zero)
+        real = sum((c[1] for c in self.counts if c is not None), zero)
+        return (to_device(tokens.double(), device), to_device(real.double(), device))
 
 
 def _per_model_stats(stats: StepStats, k: int) -> list[StepStats]:
@@ -181,20 +201,22 @@ def forward_models(engine, batches: list[PackedBatch], loss: Loss, models, finge
     if len(models) == 1:
         engine.using(models[0])
         return [engine.forward(batches, loss, fingerprint)]
-    batches, k = list(batches), len(models)
-    layers = _check_pass(engine, batches, loss, k)
+    k = len(models)
+    layers = _check_pass(engine, loss)
     engine.finish()  # a launched overlapped step writes the slot's adapters
     stack = _stack(engine, layers, models, grad=False)
-    tokens, real = _counts(batches, k, engine.device)
+    counted = _Counted(batches, k)
     per_model = _PerModelLoss(loss, stack, k, engine.device)
 
     def count() -> torch.Tensor:  # [sq norms K (none: 0), loss sums K, tokens K, real K]
+        tokens, real = counted.sums(engine.device)
         return torch.cat([torch.zeros_like(tokens), per_model.sums.double(), tokens, real])
 
     stack.install()
     try:
         with torch.no_grad(), engine.gathered_pass():
-            stats = engine._pass(batches, per_model, backward=False, fingerprint=fingerprint, after_backward=count)
+            stats = engine._pass(counted.batches, per_model, backward=False, fingerprint=fingerprint,
+                                 after_backward=count)
     finally:
         stack.remove()
     engine._check_fingerprint(stats, fingerprint)  # nothing pending to drop
@@ -208,9 +230,8 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
     if len(models) == 1:  # today's pass, bit for bit: the model in the slot
         engine.using(models[0])
         return [engine.forward_backward(batches, loss, fingerprint)]
-    batches = list(batches)
     k, reg = len(models), engine.models
-    layers = _check_pass(engine, batches, loss, k)
+    layers = _check_pass(engine, loss)
     engine.finish()  # a launched overlapped step writes the slot's adapters and owns its gradients
     for m in models:  # a first pass of a mean over tokens: its factor folded now (Engine._fold_pending)
         if reg.pending(m) and reg.pending(m)[0].mean_over_tokens:
@@ -219,7 +240,7 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
     at = {id(p): i for i, p in enumerate(params)}
     stack = _stack(engine, layers, models, grad=True)
     a, b, rank = stack.a, stack.b, stack.rank
-    tokens, real = _counts(batches, k, engine.device)
+    counted = _Counted(batches, k)
     per_model = _PerModelLoss(loss, stack, k, engine.device)
 
     def reduce_and_count() -> torch.Tensor:
@@ -239,11 +260,11 @@ def forward_backward_models(engine, batches: list[PackedBatch], loss: Loss, mode
             own = reg.grads(m)
             torch._foreach_add_(own, shard)
             sq.append(grad_sq_norm(own, engine.device))
-        return torch.cat([torch.stack(sq), per_model.sums.double(), tokens, real])
+        return torch.cat([torch.stack(sq), per_model.sums.double(), *counted.sums(engine.device)])
 
     stack.install()
     try:
-        stats = engine._pass(batches, per_model, backward=True, fingerprint=fingerprint,
+        stats = engine._pass(counted.batches, per_model, backward=True, fingerprint=fingerprint,
                              after_backward=reduce_and_count)
     finally:
         stack.remove()

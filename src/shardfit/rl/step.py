@@ -254,7 +254,8 @@ def _run_many(engine: Engine, pairs: list[tuple[str, list[Datum]]], loss_fn, los
         check_datums(group, engine.cfg.model.vocab_size, spec.required)
     datums = [d for _, group in pairs for d in group]
     grouping = hashlib.blake2b(repr([(m, len(g)) for m, g in pairs]).encode(), digest_size=8).digest()
-    given = fingerprint(datums) ^ (int.from_bytes(grouping, "little") >> 12)  # the datums and whose they are
+    # the datums and whose they are, hashed once the pass's micro-batches are queued (as _run's)
+    given = lambda: fingerprint(datums) ^ (int.from_bytes(grouping, "little") >> 12)  # noqa: E731
     names = [m for m, _ in pairs]
     if spec.name in PAIR_LOSSES and not callable(loss_fn):  # each model's pairs, chosen then rejected
         return [_pair_result(*out) for out in pair_pass_many(engine, [g for _, g in pairs],
