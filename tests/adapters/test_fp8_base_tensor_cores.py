@@ -18,7 +18,7 @@ import shardfit.adapters.fp8_base as fp8_base
 from shardfit.adapters.quantized import to_dtype, to_quantized
 
 
-def _scaled_mm(a, b, scale_a, scale_b, out_dtype=None):
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype=None, use_fast_accum=False):  # its accumulation: exact here
     (m, k), (k2, n) = a.shape, b.shape
     assert a.dtype == b.dtype == torch.float8_e4m3fn and k == k2 and k % 16 == 0 and n % 16 == 0
     assert a.stride(1) == 1 and (m < 2 or a.stride(0) >= k), f"mat1 must be row-major, strides {a.stride()}"
