@@ -14,10 +14,11 @@ quantises its own rows alone.
 The matmul, a custom operator (opaque to torch.compile, recomputed whole under checkpointing; its autograd saves the
 storage, never a dequantised weight), per device:
   fp8 tensor cores (CUDA, compute capability >= 8.9, bf16 input): y = x W^T as torch._scaled_mm of x quantised per
-     row (e4m3, s_x = amax / 448 per token) and the codes, scaled by s_x and the weight's row scales (fp32
-     accumulation, bf16 out). Backward: dX = dY W = (dY s_w) Wq, dY s_w quantised per row, times the codes
-     transposed (a contiguous copy, 1 byte a weight, freed after its matmul: _scaled_mm takes its second operand
-     column-major). The quantisations are one compiled kernel each (read the input once, write 1 byte a value).
+     row (e4m3, each token scaled as a weight row is) and the codes, scaled by both rows' scales (the forward with
+     Hopper's fast accumulation, as torchao's float8 forward; bf16 out). Backward: dX = dY W = (dY s_w) Wq, dY s_w
+     quantised per row, times the codes transposed (a contiguous copy, 1 byte a weight, freed after its matmul:
+     _scaled_mm takes its second operand column-major), accumulated exactly. The quantisations are one compiled
+     kernel each (what each part costs: benchmarks/bench_fp8_linear.py).
   the CPU: the same arithmetic emulated (the rounded operands, products in fp32): the numerics the GPU computes, for
      tests; no speed-up.
   other GPUs: the weight dequantised to the compute dtype for a plain matmul (memory saved, no FP8 arithmetic).
@@ -31,7 +32,7 @@ import torch
 
 from shardfit.adapters.qlora import NF4Linear
 from shardfit.adapters.quantized import QuantizedLinear, Span, register_frozen_matmul, rows_span
-from shardfit.models.init import ShardView
+from shardfit.models.init import FP8_STORAGE, ShardView
 from shardfit.models.loss import compiled_once
 
 E4M3 = torch.float8_e4m3fn
@@ -133,9 +134,11 @@ register_frozen_matmul(fp8_linear, fp8_linear_input_grad, n_storage=2)
 class FP8Linear(QuantizedLinear):
     """A frozen linear layer whose weight is stored in FP8 with per-row scales (module docstring)."""
 
-    STORAGE = ("weight_fp8", "weight_scale")
+    STORAGE = FP8_STORAGE
     FORMAT = "fp8"
     LABEL = "FP8"
+    DESCRIPTION = ("FP8 base: the base weights of {} adapted linear layers ({:,} weights) are float8 e4m3 with a "
+                   "scale per row")
     NOTICE = "their matmuls run in FP8 where the GPU has FP8 tensor cores (compute capability >= 8.9)"
 
     def notice(self) -> str:
@@ -154,8 +157,7 @@ class FP8Linear(QuantizedLinear):
 
     @classmethod
     def storage_shapes(cls, out_features: int, in_features: int, carrier: torch.dtype) -> list[tuple[int, int]]:
-        size = torch.empty((), dtype=carrier).element_size()
-        return [(out_features, in_features // size), (out_features, 4 // size)]
+        return [(out_features, in_features // carrier.itemsize), (out_features, 4 // carrier.itemsize)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = fp8_linear(x, self.weight_fp8, self.weight_scale, self.out_features, self.in_features)

@@ -29,7 +29,7 @@ from shardfit.adapters.nf4 import (
     quantize,
 )
 from shardfit.adapters.quantized import QuantizedLinear, Span, local_shards, register_frozen_matmul
-from shardfit.models.init import ShardView
+from shardfit.models.init import NF4_STORAGE, ShardView
 from shardfit.models.loss import compiled_once
 
 # Groups quantised at once. quantize() is ~40 small kernels a chunk whatever its size: on the CPU 64 groups (~1M
@@ -84,15 +84,17 @@ register_frozen_matmul(nf4_linear, nf4_linear_input_grad, n_storage=3)
 class NF4Linear(QuantizedLinear):
     """A frozen linear layer whose weight is stored in NF4 (module docstring)."""
 
-    STORAGE = ("weight_nf4", "weight_absmax", "weight_stats")
+    STORAGE = NF4_STORAGE
     FORMAT = "nf4"
     LABEL = "NF4"
+    DESCRIPTION = ("QLoRA: the base weights of {} adapted linear layers ({:,} weights) are NF4 with double-quantised "
+                   "scales")
     NOTICE = "they dequantise one layer at a time in forward and backward"
 
     @classmethod
     def storage_shapes(cls, out_features: int, in_features: int, carrier: torch.dtype) -> list[tuple[int, int]]:
-        g, size = n_groups(out_features * in_features), torch.empty((), dtype=carrier).element_size()
-        return [(g, nbytes // size) for nbytes in ROW_STORED_BYTES]
+        g = n_groups(out_features * in_features)
+        return [(g, nbytes // carrier.itemsize) for nbytes in ROW_STORED_BYTES]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = nf4_linear(x, self.weight_nf4, self.weight_absmax, self.weight_stats, self.out_features,
@@ -120,6 +122,4 @@ class NF4Linear(QuantizedLinear):
         return dequantized(*parts, (self.out_features, self.in_features), dtype)
 
 
-STORAGE = NF4Linear.STORAGE
-
-__all__ = ["NF4Linear", "STORAGE", "dequantized"]
+__all__ = ["NF4Linear", "dequantized"]

@@ -43,6 +43,7 @@ class QuantizedLinear(nn.Linear):
     STORAGE: tuple[str, ...] = ()  # the storage parameters' names, in module order
     FORMAT = ""  # model.quantize's value
     LABEL = ""  # its name in messages
+    DESCRIPTION = ""  # the start notice's first words, formatted with (layers, weights)
     quantized_numel: int  # out x in: the weights it stands for (models.count_params counts these, not its bytes)
     fused_dequant = False  # compute.compile: the format's PyTorch fallbacks run as one compiled kernel
     NOTICE = ""  # how its matmuls run, for the start notice (notice())
@@ -186,13 +187,8 @@ def quantized_summary(model: nn.Module) -> str:
     mods = quantized_modules(model)
     n = sum(m.quantized_numel for _, m in mods)
     stored = sum(m.stored_bytes() for _, m in mods)
-    kind = {"nf4": "QLoRA: the base weights of {} adapted linear layers ({:,} weights) are NF4 with double-quantised "
-                   "scales", "fp8": "FP8 base: the base weights of {} adapted linear layers ({:,} weights) are "
-                                    "float8 e4m3 with a scale per row"}[mods[0][1].FORMAT]
-    return (kind.format(len(mods), n) + f", {stored / 2**20:,.1f} MiB in all (~{stored / max(n, 1):.3f} bytes a "
-            f"weight, sharded over the ranks); " + mods[0][1].notice())
-
-
+    return (mods[0][1].DESCRIPTION.format(len(mods), n) + f", {stored / 2**20:,.1f} MiB in all "
+            f"(~{stored / max(n, 1):.3f} bytes a weight, sharded over the ranks); " + mods[0][1].notice())
 
 
 __all__ = ["QuantizedLinear", "Span", "apply_quantized", "init_quantized", "is_storage", "local_shards",

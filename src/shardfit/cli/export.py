@@ -54,10 +54,10 @@ def export(argv: list[str]) -> int:
     n = count_params(model) - sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
     quantized = quantized_modules(model)
     label = quantized[0][1].LABEL if quantized else ""
-    nf4 = f"; the base dequantised from {label}: its weights carry {label}'s rounding" if quantized else ""
+    rounding = f"; the base dequantised from {label}: its weights carry {label}'s rounding" if quantized else ""
     from shardfit.weights.checkpoint import step_of
 
     ckpt = Path(saved["where"]).parent  # the step_XXXXXXXX directory load_dcp chose (a run's: its newest)
     print(f"exported step {step_of(ckpt)} ({ckpt}) to {out}: {n / 1e6:.1f}M parameters in {args.dtype}, tokenizer "
-          f"{'byte (written as tokenizer.json)' if spec == 'byte' else spec}{nf4}")
+          f"{'byte (written as tokenizer.json)' if spec == 'byte' else spec}{rounding}")
     return 0

@@ -19,7 +19,9 @@ _BLOCK_ELEMS = 1 << 20
 # The parameters a quantized weight is stored in (adapters/qlora.py: NF4; adapters/fp8_base.py: FP8), named here so
 # that this package skips them without importing adapters/: their bytes are codes, not numbers (never drawn,
 # counted or checked as weights).
-QUANTIZED_STORAGE = ("weight_nf4", "weight_absmax", "weight_stats", "weight_fp8", "weight_scale")
+NF4_STORAGE = ("weight_nf4", "weight_absmax", "weight_stats")
+FP8_STORAGE = ("weight_fp8", "weight_scale")
+QUANTIZED_STORAGE = NF4_STORAGE + FP8_STORAGE
 
 
 def is_quantized_storage(name: str) -> bool:

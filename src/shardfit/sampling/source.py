@@ -31,8 +31,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardfit.adapters.expert_lora import LoRAExperts
+from shardfit.adapters.fp8_base import quantized_class
 from shardfit.adapters.lora import LoRAModule, is_adapter
-from shardfit.adapters.quantized import QuantizedLinear, quantized_modules, to_quantized
+from shardfit.adapters.quantized import quantized_modules, to_quantized
 from shardfit.errors import ShardfitError
 from shardfit.models import build_model
 from shardfit.models.init import is_quantized_storage
@@ -136,8 +137,7 @@ def decode_model(engine_model: nn.Module, dtype: torch.dtype, capacity: int = 4,
     with torch.device("meta"):
         plain = build_model(engine_model.cfg, loss_chunk=engine_model.loss_chunk)
         for fqn, mod in quantized_modules(engine_model):  # the same format, its storage set below
-            fmt = next(c for c in type(mod).__mro__ if issubclass(c, QuantizedLinear) and not issubclass(c, LoRAModule))
-            to_quantized(plain.get_submodule(fqn), fmt).fused_dequant = mod.fused_dequant
+            to_quantized(plain.get_submodule(fqn), quantized_class(mod.FORMAT)).fused_dequant = mod.fused_dequant
     for name, p in params:
         _set(plain, name, _full(p, None if is_quantized_storage(name) else dtype))
     if plain.cfg.tie_embeddings:

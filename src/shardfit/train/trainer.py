@@ -288,10 +288,10 @@ class Trainer:
                 what = "the PEFT adapter" if cfg.lora.rank else "Hugging Face model"
                 progress.message(f"exported {what} to {self.export_hf(cfg.checkpoint.export_hf)}")
             if cfg.checkpoint.export_merged:
-                nf4 = "" if cfg.model.quantize == "none" else \
+                rounding = "" if cfg.model.quantize == "none" else \
                     f" (its base weights carry {quantized_class(cfg.model.quantize).LABEL}'s rounding, dequantised)"
                 progress.message(f"exported the merged Hugging Face model to "
-                                 f"{self.export_hf(cfg.checkpoint.export_merged, merged=True)}{nf4}")
+                                 f"{self.export_hf(cfg.checkpoint.export_merged, merged=True)}{rounding}")
             self.recorder.diagnose_last(self.dist.is_main, progress.message)
             if cfg.logging.plot and self.dist.is_main:
                 progress.message(end_of_run(self.run_dir))
