@@ -13,23 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-
-
-def timed(fn, reps: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -41,6 +24,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     import torch
+    from bench_nf4 import timed  # median CUDA-event milliseconds after a warm-up
 
     from shardfit.adapters.fp8_base import (
         E4M3,
@@ -85,7 +69,7 @@ def main() -> None:
     out = []
     for name, fn in rows.items():
         try:
-            ms = timed(fn, a.reps)
+            ms = timed(fn, dev, a.reps, warmup=3)
             row = {"what": name, "ms": round(ms, 4)}
             if "quantiser" not in name and "copy" not in name:
                 row["TFLOPs"] = round(flops / ms / 1e9, 1)
