@@ -4,9 +4,11 @@ shape (M tokens x K=4096 -> N=14336, and the input gradient back): where its tim
   python benchmarks/bench_fp8_linear.py --tokens 16384 --out OUT.json
 
 Rows (ms, median of --reps after warm-up, CUDA events): bf16 forward (x W^T) and input gradient (dY W); the FP8
-base's forward (shardfit::fp8_linear: the compiled per-token quantiser, then _scaled_mm rowwise) and its input
-gradient (the quantiser of dY s_w, the codes transposed, _scaled_mm); the parts alone: the quantiser, rowwise and
-tensorwise _scaled_mm on ready operands, the transposed copy of the codes. Prints one JSON line a row and a table.
+base's forward (shardfit::fp8_linear: the per-token quantiser, then _scaled_mm rowwise) and its input gradient (the
+quantiser of dY s_w, the codes transposed, _scaled_mm); the parts alone: the quantisers (the Triton kernel of
+kernels/fp8_rows.py the operator uses, and the compiled torch function it replaced), rowwise and tensorwise
+_scaled_mm on ready operands, the transposed copy of the codes (the kernel, and the eager copy it replaced).
+Prints one JSON line a row and a table. Attention's shape: --n 4096.
 """
 
 from __future__ import annotations
@@ -29,12 +31,19 @@ def main() -> None:
     from shardfit.adapters.fp8_base import (
         E4M3,
         FP8Linear,
-        _quantized_rows,
         fp8_linear,
         fp8_linear_input_grad,
         quantize_rows_fp8,
     )
     from shardfit.adapters.quantized import to_dtype, to_quantized
+    from shardfit.kernels.fp8_rows import quantize_rows, transpose_bytes
+    from shardfit.models.loss import compiled_once
+
+    quantiser = compiled_once(quantize_rows_fp8, dynamic=True)  # the path before the kernel (and without Triton)
+
+    def compiled(t, col_scale):
+        with torch.no_grad():
+            return quantiser(t, col_scale)
 
     dev = torch.device("cuda")
     m, k, n = a.tokens, a.k, a.n
@@ -56,15 +65,18 @@ def main() -> None:
         "bf16 input grad": lambda: dy @ w,
         "fp8 base forward": lambda: fp8_linear(x, codes, scale, n, k),
         "fp8 base input grad": lambda: fp8_linear_input_grad(dy, codes, scale, n, k),
-        "quantiser of x (compiled)": lambda: _quantized_rows(x, None, "fp8"),
-        "quantiser of dY s_w (compiled)": lambda: _quantized_rows(dy, sw, "fp8"),
+        "quantiser of x (compiled)": lambda: compiled(x, None),
+        "quantiser of dY s_w (compiled)": lambda: compiled(dy, sw),
+        "quantiser of x (kernel)": lambda: quantize_rows(x),
+        "quantiser of dY s_w (kernel)": lambda: quantize_rows(dy, sw),
         "scaled_mm rowwise": lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=sw.view(1, -1),
                                                       out_dtype=torch.bfloat16),
         "scaled_mm tensorwise": lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
                                                          out_dtype=torch.bfloat16),
         "scaled_mm rowwise, fast accum": lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ones,
                                                                   out_dtype=torch.bfloat16, use_fast_accum=True),
-        "codes transposed (copy)": lambda: wq.t().contiguous(),
+        "codes transposed (eager copy)": lambda: wq.t().contiguous(),
+        "codes transposed (kernel)": lambda: transpose_bytes(wq),
     }
     out = []
     for name, fn in rows.items():

@@ -193,6 +193,9 @@
 #   tests-s25 session 25's CUDA tests of code no GPU has run: flex attention with prefix trees (the packed
 #             document/branch ids) and the FP8 base (model.quantize=fp8: _scaled_mm against the CPU's emulation, a
 #             compiled run); $OUT/pytest_s25.log
+#   fp8k      session 26: the FP8 base's Triton quantiser and transposed copy (kernels/fp8_rows.py) against the
+#             compiled quantiser and eager copy they replace (bench_fp8_linear.py, MLP then attention shape), the
+#             CUDA tests (tests-s25's), then the fp8base DPO case (carry benchmarks/wheels_dpo; DPO_CAP, 230 s)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -404,6 +407,11 @@ for stage in "$@"; do
         echo "$t rc=$?"; grep -E '^\{|recompile_limit|Error' "$OUT/mm_$t.log" | cut -c1-400; done ;;
     tests-s25)  # session 25's GPU code, never run on a GPU: flex with prefix trees (packed branch ids), the FP8 base
       env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_fp8_base.py "tests/cuda/test_cuda_varlen.py" -k "branches or fp8" 2>&1 | tee "$OUT/pytest_s25.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -16 ;;
+    fp8k)
+      for shape in mlp attn; do nk="--n 14336"; [ $shape = attn ] && nk="--n 4096"
+        env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_fp8_linear.py $nk --out "$OUT/fp8lin_$shape.json" 2>&1 | tee "$OUT/fp8lin_$shape.log" | grep -v '^{' | tail -16; done
+      bash "$0" tests-s25
+      DPO_ARGS="${DPO_ARGS:---cases sf-lora8b-fp8base}" DPO_CAP=${DPO_CAP:-230} bash "$0" dpo ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

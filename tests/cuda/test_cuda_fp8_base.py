@@ -1,8 +1,9 @@
 """An FP8 base on CUDA (model.quantize=fp8): quantisation on the GPU equals the CPU's bit for bit (a multiplication,
 one fp32 division and a rounding cast per value; compiled, Triton's approximate division may move a rare code by one
-step), the FP8 tensor-core matmul (torch._scaled_mm, rowwise scales) and its input gradient agree with the CPU's
-emulation of the same arithmetic, the tiny model trains on an FP8 base under compile and selective checkpointing
-on NCCL, its codes unchanged, and the sampler decodes an FP8 base inside CUDA graphs as eagerly."""
+step; the operator's Triton kernel divides exactly and equals it), the FP8 tensor-core matmul (torch._scaled_mm,
+rowwise scales) and its input gradient agree with the CPU's emulation of the same arithmetic, the tiny model trains
+on an FP8 base under compile and selective checkpointing on NCCL, its codes unchanged, and the sampler decodes an
+FP8 base inside CUDA graphs as eagerly."""
 
 import pytest
 import torch
@@ -33,6 +34,23 @@ def test_cuda_quantisation_equals_the_cpu_one():
     assert torch.equal(scales.cpu(), cpu[1])
     steps = (codes.float().cpu() - cpu[0].float()).abs() / (cpu[0].float().abs() * 2**-3).clamp_min(2**-9)
     assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-4
+
+
+@pytest.mark.parametrize("k", [4096, 14336, 20000])  # held whole in registers (two widths) and looped over
+def test_the_quantiser_and_transpose_kernels_equal_the_cpu_bit_for_bit(k):
+    from shardfit.kernels.fp8_rows import quantize_rows, transpose_bytes
+
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(257, k, generator=gen) * torch.logspace(-6, 2, 257)[:, None]).to(torch.bfloat16)
+    x[3] = 0
+    col = torch.rand(k, generator=gen) * 3 + 1e-3  # dY's columns times the weight's row scales
+    for cs in (None, col):
+        want = quantize_rows_fp8(x, cs)  # the CPU's: IEEE division and a round-to-nearest-even cast
+        got = quantize_rows(x.cuda(), None if cs is None else cs.cuda())  # div_rn and the hardware's cvt
+        assert torch.equal(got[1].cpu(), want[1])
+        assert torch.equal(got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8))
+    codes = want[0][:, :4096].contiguous().cuda()
+    assert torch.equal(transpose_bytes(codes).view(torch.uint8), codes.view(torch.uint8).t().contiguous())
 
 
 def test_the_tensor_core_matmul_and_its_input_gradient_agree_with_the_emulation():

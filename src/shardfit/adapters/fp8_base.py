@@ -17,8 +17,9 @@ storage, never a dequantised weight), per device:
      row (e4m3, each token scaled as a weight row is) and the codes, scaled by both rows' scales (the forward with
      Hopper's fast accumulation, as torchao's float8 forward; bf16 out). Backward: dX = dY W = (dY s_w) Wq, dY s_w
      quantised per row, times the codes transposed (a contiguous copy, 1 byte a weight, freed after its matmul:
-     _scaled_mm takes its second operand column-major), accumulated exactly. The quantisations are one compiled
-     kernel each (what each part costs: benchmarks/bench_fp8_linear.py).
+     _scaled_mm takes its second operand column-major), accumulated exactly. The quantisations and the transposed
+     copy are Triton kernels (kernels/fp8_rows.py; without Triton the quantiser is compiled); what each part costs:
+     benchmarks/bench_fp8_linear.py.
   the CPU: the same arithmetic emulated (the rounded operands, products in fp32): the numerics the GPU computes, for
      tests; no speed-up.
   other GPUs: the weight dequantised to the compute dtype for a plain matmul (memory saved, no FP8 arithmetic).
@@ -32,6 +33,7 @@ import torch
 
 from shardfit.adapters.qlora import NF4Linear
 from shardfit.adapters.quantized import QuantizedLinear, Span, register_frozen_matmul, rows_span
+from shardfit.kernels import fp8_rows
 from shardfit.models.init import FP8_STORAGE, ShardView
 from shardfit.models.loss import compiled_once
 
@@ -45,13 +47,19 @@ _TINY = torch.finfo(torch.float32).tiny
 def quantize_rows_fp8(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [m, k] e4m3, scales [m, 1] fp32) of t [m, k] (times col_scale [k] first, when given): each row scaled to
     e4m3's range by its own amax. Deterministic and row-local: any split into row ranges gives the same codes."""
+    quotients, scale = row_quotients(t, col_scale)
+    return quotients.to(E4M3), scale
+
+
+def row_quotients(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_fp8 before its cast: (clamp(f / scale, +-448) [m, k] fp32, scale [m, 1] fp32)."""
     f = t.float() if col_scale is None else t.float() * col_scale
     amax = f.abs().amax(dim=1, keepdim=True)
     # amax times fp32(1 / 448), not amax / 448: CUDA's eager division by a number and Inductor's division by a
     # constant both multiply by the reciprocal, so dividing gave the CPU other scales (1 ulp, about half the rows).
     # At least fp32's smallest normal: under ~3e-43 the scale rounded to 0 and a zero weight's code was 0 / 0, NaN.
     scale = torch.where(amax > 0, (amax * _INV_MAX).clamp_min(_TINY), 1.0)
-    return (f / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    return (f / scale).clamp(-E4M3_MAX, E4M3_MAX), scale
 
 
 def _codes(stored: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -84,11 +92,22 @@ def _quantized_rows(t: torch.Tensor, col_scale: torch.Tensor | None, mode: str) 
     """quantize_rows_fp8 of the activations or gradients t [m, k] for _mm's first operand: row-major (_scaled_mm
     refuses a column-major one, and the quantisation keeps its input's strides) and out of autograd (one compiled
     graph whatever t.requires_grad and the grad mode: a graph each would pass torch._dynamo's recompile limit)."""
-    # on the tensor cores always compiled: eagerly the quantisation is ~6 passes over an fp32 copy of the
+    t = t.detach().contiguous()
+    if mode == "fp8" and fp8_rows.available(t):  # one read of t and one write (kernels/fp8_rows.py: why)
+        return fp8_rows.quantize_rows(t, col_scale)
+    # on the tensor cores without Triton compiled: eagerly the quantisation is ~6 passes over an fp32 copy of the
     # activations, which costs about what the FP8 matmul saves
     fn = compiled_once(quantize_rows_fp8, dynamic=True) if mode == "fp8" else quantize_rows_fp8
     with torch.no_grad():
-        return fn(t.detach().contiguous(), col_scale)
+        return fn(t, col_scale)
+
+
+def _codes_transposed(codes: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The codes [out, in] as a contiguous [in, out] (Wq column-major, _scaled_mm's second operand): 1 byte a weight,
+    freed after its matmul. A tiled kernel on the GPU (the eager strided copy ran at under a tenth of the memory
+    bandwidth: kernels/fp8_rows.py)."""
+    c = _codes(codes, out_features)
+    return fp8_rows.transpose_bytes(c) if c.is_cuda and fp8_rows.available(c) else c.t().contiguous()
 
 
 def _mm(a: torch.Tensor, b_codes_t: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, mode: str,
@@ -123,7 +142,7 @@ def fp8_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, scale: torch.Te
         return dy @ dequantize_fp8(codes, scale, out_features, dy.dtype)
     s_w = _scales(scale, out_features)
     gq, gs = _quantized_rows(dy.reshape(-1, out_features), s_w, mode)
-    codes_t = _codes(codes, out_features).t().contiguous()  # [in, out] row-major: Wq column-major, 1 B a weight
+    codes_t = _codes_transposed(codes, out_features)  # [in, out] row-major
     ones = s_w.new_ones(in_features)
     return _mm(gq, codes_t.t(), gs, ones, mode, dy.dtype).view(*dy.shape[:-1], in_features)
 
