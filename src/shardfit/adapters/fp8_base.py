@@ -127,8 +127,8 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, out_fe
     if mode == "dequant":
         return torch.nn.functional.linear(x, dequantize_fp8(codes, scale, out_features, x.dtype))
     xq, xs = _quantized_rows(x.reshape(-1, in_features), None, mode)
-    # the forward's products with Hopper's fast accumulation (as torchao's float8 forward): rowwise 1.61 -> 1.40 ms
-    # at 16,384 x 4,096 -> 14,336 on an H100 (benchmarks/bench_fp8_linear.py); gradients keep the exact one
+    # the forward's products with Hopper's fast accumulation (as torchao's float8 forward: its cost and saving in
+    # benchmarks/README.md#dpo-s25); gradients keep the exact one
     y = _mm(xq, _codes(codes, out_features).t(), xs, _scales(scale, out_features), mode, x.dtype, fast_accum=True)
     return y.view(*x.shape[:-1], out_features)
 

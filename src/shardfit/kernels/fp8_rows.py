@@ -1,9 +1,9 @@
 """The FP8 base's two memory-bound helpers (adapters/fp8_base.py) as Triton kernels: the per-row e4m3 quantisation of
 activations and gradients, and the transposed copy of a weight's e4m3 codes for the input gradient's matmul.
 
-Why kernels: both sit beside every FP8 base matmul and both are pure memory traffic, yet at the 8B MLP shape
-(16,384 tokens x 4,096 -> 14,336) torch.compile's quantiser of dY s_w took 0.77 ms and the eager transposed copy of
-the codes 0.43 ms against a 1.61 ms GEMM (benchmarks/README.md#dpo-s25): the FP8 GEMM's saving, given back.
+Why kernels: both sit beside every FP8 base matmul and both are pure memory traffic, yet torch.compile's quantiser
+and the eager transposed copy together took back most of what the FP8 GEMM saves over bf16's
+(benchmarks/README.md#dpo-s25 measures each part).
 - quantize_rows: one program a row. Rows up to ONE_PASS_MAX elements are loaded once into registers (16,384 fp32
   over 16 warps: 32 a thread), their amax reduced there and the same registers scaled and stored: one read of the
   input and one write of the codes (the compiled quantiser reads the input twice, a looped reduction then the
