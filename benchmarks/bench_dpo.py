@@ -129,6 +129,8 @@ def run_shardfit(a, label: str, shape: str, lora: bool, data: Path, cap: int) ->
     if lora:
         args += ["--lora.rank=16", "--lora.alpha=32"]
     args += extra + [x for x in a.sf_extra.split() if x]
+    if a.profile_out:  # a steady step under the profiler: kernel time by kind (doctor/profile_trace.py)
+        args.append(f"--logging.profile_step={a.warmup + 2}")
     cmd = [sys.executable, "-m", "shardfit", "train", *args]
     rc, out, err, timed_out, wall = _run_group(cmd, cap)
     row = {"label": label, "system": "shardfit", "rc": rc, "timed_out": timed_out, "wall_s": round(wall, 1),
@@ -138,6 +140,10 @@ def run_shardfit(a, label: str, shape: str, lora: bool, data: Path, cap: int) ->
     recs = [r for r in recs if r.get("kind", "train") == "train"]
     steady = [r for r in recs if r["step"] > a.warmup]
     ref = [x for x in out.splitlines() if x.startswith("reference log-probs")]
+    if a.profile_out:  # the summaries only (the traces are large): $profile_out/<label>/step<N>_summary.json
+        for f in (run_dir / "profile").glob("*summary.json"):
+            (Path(a.profile_out) / label).mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, Path(a.profile_out) / label / f.name)
     shutil.rmtree(run_dir, ignore_errors=True)
     if rc != 0 or not steady:
         row["error"] = "timeout" if timed_out else (err or out)[-1500:]
@@ -325,6 +331,8 @@ def main() -> int:
     ap.add_argument("--sf-budget", type=int, default=16384, help="shardfit's train.micro_batch_tokens")
     ap.add_argument("--sf-ac", default="full", help="shardfit's compute.activation_checkpoint")
     ap.add_argument("--sf-extra", default="", help="more shardfit train overrides, space-separated")
+    ap.add_argument("--profile-out", default="", help="profile one steady shardfit step (its time is then not "
+                    "steady: read the other steps') and keep its summary under this folder")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--worker", action="store_true")
