@@ -194,9 +194,10 @@
 #             document/branch ids) and the FP8 base (model.quantize=fp8: _scaled_mm against the CPU's emulation, a
 #             compiled run); $OUT/pytest_s25.log
 #   fp8k      session 26: the FP8 base's Triton quantiser and transposed copy (kernels/fp8_rows.py) against the
-#             compiled quantiser and eager copy they replace (bench_fp8_linear.py, MLP then attention shape), the
-#             CUDA tests (tests-s25's), then the fp8base DPO case with one steady step profiled (its summary under
-#             $OUT/dpoprof; carry benchmarks/wheels_dpo; DPO_CAP, 240 s)
+#             compiled quantiser and eager copy they replace (bench_fp8_linear.py, MLP then attention shape), then
+#             the fp8base DPO case at 16k-token rows and in rows of 3 shared pairs, one steady step of each
+#             profiled (summaries under $OUT/dpoprof; carry benchmarks/wheels_dpo; DPO_CAP, 370 s). TRL's case and
+#             the CUDA tests (tests-s25) in the next call on the same machine
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -411,8 +412,7 @@ for stage in "$@"; do
     fp8k)
       for shape in mlp attn; do nk="--n 14336"; [ $shape = attn ] && nk="--n 4096"
         env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_fp8_linear.py $nk --out "$OUT/fp8lin_$shape.json" 2>&1 | tee "$OUT/fp8lin_$shape.log" | grep -v '^{' | tail -16; done
-      bash "$0" tests-s25
-      DPO_ARGS="${DPO_ARGS:---cases sf-lora8b-fp8base --steps 5 --profile-out $OUT/dpoprof}" DPO_CAP=${DPO_CAP:-240} bash "$0" dpo
+      DPO_ARGS="${DPO_ARGS:---cases sf-lora8b-fp8base,sf-lora8b-fp8base-3p --steps 5 --profile-out $OUT/dpoprof}" DPO_CAP=${DPO_CAP:-370} bash "$0" dpo
       python3 -c "import json,glob; [print(f, json.dumps(json.load(open(f)))[:1500]) for f in glob.glob('$OUT/dpoprof/*/*.json')]" ;;
     *) echo "unknown stage $stage" ;;
   esac
