@@ -414,6 +414,12 @@ for stage in "$@"; do
         env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_fp8_linear.py $nk --out "$OUT/fp8lin_$shape.json" 2>&1 | tee "$OUT/fp8lin_$shape.log" | grep -v '^{' | tail -16; done
       DPO_ARGS="${DPO_ARGS:---cases sf-lora8b-fp8base,sf-lora8b-fp8base-3p --steps 5 --profile-out $OUT/dpoprof}" DPO_CAP=${DPO_CAP:-370} bash "$0" dpo
       python3 -c "import json,glob; [print(f, json.dumps(json.load(open(f)))[:1500]) for f in glob.glob('$OUT/dpoprof/*/*.json')]" ;;
+    s26b)  # after fp8k on the same machine: TRL's DPO case (the anchor), issue 35's concurrent clients alone (the
+      # memory part was measured in session 23), the FP8 base's CUDA tests (the kernels' bit-for-bit test is new)
+      DPO_ARGS="--cases trl-lora8b" DPO_CAP=190 bash "$0" dpo
+      [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
+      CLIENTS_ARGS="--parts clients" CLIENTS_CAP=270 bash "$0" clients
+      env CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_fp8_base.py 2>&1 | tee "$OUT/pytest_fp8.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
