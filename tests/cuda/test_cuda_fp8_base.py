@@ -43,12 +43,17 @@ def test_the_quantiser_and_transpose_kernels_equal_the_cpu_bit_for_bit(k):
     gen = torch.Generator().manual_seed(k)
     x = (torch.randn(257, k, generator=gen) * torch.logspace(-6, 2, 257)[:, None]).to(torch.bfloat16)
     x[3] = 0
+    x[4] = torch.randn(k, generator=gen) * 1e-39  # bf16 subnormals: the kernel must not flush them (no .ftz)
+    x[5, 7], x[6, 9] = float("nan"), float("inf")  # non-finite rows: NaN codes, as the CPU's (bits of NaN aside)
     col = torch.rand(k, generator=gen) * 3 + 1e-3  # dY's columns times the weight's row scales
     for cs in (None, col):
         want = quantize_rows_fp8(x, cs)  # the CPU's: IEEE division and a round-to-nearest-even cast
         got = quantize_rows(x.cuda(), None if cs is None else cs.cuda())  # div_rn and the hardware's cvt
         assert torch.equal(got[1].cpu(), want[1])
-        assert torch.equal(got[0].view(torch.uint8).cpu(), want[0].view(torch.uint8))
+        got_codes, want_codes = got[0].float().cpu(), want[0].float()
+        assert torch.equal(got_codes.isnan(), want_codes.isnan()) and want_codes[5:7].isnan().any(dim=1).all()
+        fin = ~want_codes.isnan()  # a NaN's sign bit may differ; every other code bit for bit
+        assert torch.equal(got[0].view(torch.uint8).cpu()[fin], want[0].view(torch.uint8)[fin])
     codes = want[0][:, :4096].contiguous().cuda()
     assert torch.equal(transpose_bytes(codes).view(torch.uint8), codes.view(torch.uint8).t().contiguous())
 

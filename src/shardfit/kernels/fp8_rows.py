@@ -11,7 +11,10 @@ and the eager transposed copy together took back most of what the FP8 GEMM saves
   The arithmetic is adapters/fp8_base.quantize_rows_fp8's, bit for bit: f = fp32(t) (x col_scale, fp32),
   amax |f|, scale = amax x fp32(1 / 448) (at least fp32's smallest normal; 1 for a zero row), codes =
   round-to-nearest-even e4m3 of clamp(f / scale, +-448) with an IEEE-rounded division (div_rn: Triton's `/` on
-  fp32 is the approximate one). Finite inputs: a NaN or inf row is not defined here (nor is it a weight's).
+  fp32 is the approximate one). Non-finite values come out as torch's do: every max and min here propagates NaN
+  (tl.maximum's default, PTX max.f32, drops it: a NaN became a finite -448 code and a diverging step's NaN
+  activations or gradients finite, past the trainer's non-finite check), so a NaN row has scale 1 and NaN codes
+  where it has NaNs, an inf row scale inf and NaN codes at its infs.
 - transpose_bytes: [R, C] bytes -> [C, R], tiles of 64 x 64 through the kernel's shared memory so that both the
   loads and the stores of a warp are contiguous runs (the eager strided copy stores one byte per 4,096 apart).
 
@@ -27,7 +30,7 @@ import contextlib
 
 import torch
 
-from shardfit.kernels.triton_common import combine_fns, runs_on, triton_kernels
+from shardfit.kernels.triton_common import runs_on, triton_kernels
 
 ONE_PASS_MAX = 16384  # the longest row held in registers whole (16 warps: 32 fp32 values a thread)
 LOOP_BLOCK = 4096  # a longer row's block
@@ -42,8 +45,13 @@ _fp8_max = _fp8_scaled = _fp8_codes = None
 
 @triton_kernels
 def _triton_kernels(triton, tl):
-    fns = combine_fns()  # kernels/triton_common.py: why not tl.max
-    globals().update(_fp8_max=fns["maximum"])
+    # kernels/triton_common.py: why not tl.max; not its combine_fns()["maximum"] either, which drops NaN
+
+    @triton.jit
+    def _nan_max(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    globals().update(_fp8_max=_nan_max)
 
     @triton.jit
     def _scaled(x_ptr, cs_ptr, d, ok, HAS_COL_SCALE: tl.constexpr):
@@ -55,7 +63,8 @@ def _triton_kernels(triton, tl):
     @triton.jit
     def _codes(f, scale, QUOTIENTS: tl.constexpr):
         q = tl.math.div_rn(f, scale)
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                       propagate_nan=tl.PropagateNan.ALL)  # a NaN quotient stays NaN (torch.clamp's)
         return q if QUOTIENTS else q.to(tl.float8e4nv)
 
     # callees are looked up among the module's globals (compiled and interpreted alike)
@@ -78,7 +87,7 @@ def _triton_kernels(triton, tl):
             acc = tl.full([BLOCK], 0.0, tl.float32)  # not tl.zeros: jit-wrapped (triton_common.py: why)
             for start in range(0, K, BLOCK):
                 ok = start + d < K
-                acc = tl.maximum(acc, tl.abs(_fp8_scaled(x_row + start, cs_ptr + start, d, ok, HAS_COL_SCALE)))
+                acc = _fp8_max(acc, tl.abs(_fp8_scaled(x_row + start, cs_ptr + start, d, ok, HAS_COL_SCALE)))
             amax = tl.reduce(acc, 0, _fp8_max)
         scale = tl.where(amax > 0, tl.maximum(amax * inv_max, tiny), 1.0)
         tl.store(scale_ptr + row, scale)
