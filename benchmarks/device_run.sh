@@ -420,6 +420,9 @@ for stage in "$@"; do
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       CLIENTS_ARGS="--parts clients" CLIENTS_CAP=270 bash "$0" clients
       env CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_fp8_base.py 2>&1 | tee "$OUT/pytest_fp8.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12 ;;
+    s26c)  # issue 38's full fine-tuning case with the prompts shared (session 24's prefix trees; s23's 1.48x was
+      # before them) at 16k-token rows and in rows of 3 pairs, TRL in the same call
+      DPO_ARGS="--cases sf-full1b,sf-full1b-3p,trl-full1b" DPO_CAP=330 bash "$0" dpo ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
