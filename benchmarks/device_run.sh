@@ -194,10 +194,10 @@
 #             document/branch ids) and the FP8 base (model.quantize=fp8: _scaled_mm against the CPU's emulation, a
 #             compiled run); $OUT/pytest_s25.log
 #   fp8k      session 26: the FP8 base's Triton quantiser and transposed copy (kernels/fp8_rows.py) against the
-#             compiled quantiser and eager copy they replace (bench_fp8_linear.py, MLP then attention shape), then
-#             the fp8base DPO case at 16k-token rows and in rows of 3 shared pairs, one steady step of each
-#             profiled (summaries under $OUT/dpoprof; carry benchmarks/wheels_dpo; DPO_CAP, 370 s). TRL's case and
-#             the CUDA tests (tests-s25) in the next call on the same machine
+#             compiled quantiser and eager copy they replace (bench_fp8_linear.py, MLP then attention shape), after
+#             the fp8base DPO case in rows of 3 shared pairs and at 16k-token rows with TRL's between them, one
+#             steady step of each profiled (summaries under $OUT/dpoprof; carry benchmarks/wheels_dpo; DPO_CAP,
+#             510 s). The CUDA tests in s26b
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export PYTHONPATH=/tmp/site:$PWD/src
@@ -409,17 +409,16 @@ for stage in "$@"; do
         echo "$t rc=$?"; grep -E '^\{|recompile_limit|Error' "$OUT/mm_$t.log" | cut -c1-400; done ;;
     tests-s25)  # session 25's GPU code, never run on a GPU: flex with prefix trees (packed branch ids), the FP8 base
       env CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_fp8_base.py "tests/cuda/test_cuda_varlen.py" -k "branches or fp8" 2>&1 | tee "$OUT/pytest_s25.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -16 ;;
-    fp8k)
+    fp8k)  # the DPO cases first (the issue's figure, TRL in the same call), then the matmul's parts while time is left
+      DPO_ARGS="${DPO_ARGS:---cases sf-lora8b-fp8base-3p,trl-lora8b,sf-lora8b-fp8base --steps 5 --profile-out $OUT/dpoprof}" DPO_CAP=${DPO_CAP:-510} bash "$0" dpo
+      python3 -c "import json,glob; [print(f, json.dumps(json.load(open(f)))[:1200]) for f in glob.glob('$OUT/dpoprof/*/*.json')]"
       for shape in mlp attn; do nk="--n 14336"; [ $shape = attn ] && nk="--n 4096"
-        env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_fp8_linear.py $nk --out "$OUT/fp8lin_$shape.json" 2>&1 | tee "$OUT/fp8lin_$shape.log" | grep -v '^{' | tail -16; done
-      DPO_ARGS="${DPO_ARGS:---cases sf-lora8b-fp8base,sf-lora8b-fp8base-3p --steps 5 --profile-out $OUT/dpoprof}" DPO_CAP=${DPO_CAP:-370} bash "$0" dpo
-      python3 -c "import json,glob; [print(f, json.dumps(json.load(open(f)))[:1500]) for f in glob.glob('$OUT/dpoprof/*/*.json')]" ;;
-    s26b)  # after fp8k on the same machine: TRL's DPO case (the anchor), issue 35's concurrent clients alone (the
-      # memory part was measured in session 23), the FP8 base's CUDA tests (the kernels' bit-for-bit test is new)
-      DPO_ARGS="--cases trl-lora8b" DPO_CAP=190 bash "$0" dpo
+        env CUDA_VISIBLE_DEVICES=0 timeout ${FP8LIN_CAP:-45} python3 benchmarks/bench_fp8_linear.py $nk --reps 10 --out "$OUT/fp8lin_$shape.json" 2>&1 | tee "$OUT/fp8lin_$shape.log" | grep -v '^{' | tail -16; done ;;
+    s26b)  # after fp8k on the same machine: the FP8 base's CUDA tests (the kernels' bit-for-bit test is new), issue
+      # 35's concurrent clients alone (the memory part was measured in session 23)
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
-      CLIENTS_ARGS="--parts clients" CLIENTS_CAP=270 bash "$0" clients
-      env CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_fp8_base.py 2>&1 | tee "$OUT/pytest_fp8.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12 ;;
+      env CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_fp8_base.py 2>&1 | tee "$OUT/pytest_fp8.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12
+      CLIENTS_ARGS="--parts clients" CLIENTS_CAP=${CLIENTS_CAP:-420} bash "$0" clients ;;
     s26c)  # issue 38's full fine-tuning case with the prompts shared (session 24's prefix trees; s23's 1.48x was
       # before them) at 16k-token rows and in rows of 3 pairs, TRL in the same call
       DPO_ARGS="--cases sf-full1b,sf-full1b-3p,trl-full1b" DPO_CAP=330 bash "$0" dpo ;;
