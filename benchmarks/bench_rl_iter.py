@@ -35,17 +35,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import ROOT  # noqa: E402
-from rl_worker_setup import SHAPES, lora_overrides  # noqa: E402
+from rl_worker_setup import SHAPES, lora_overrides, moe_overrides  # noqa: E402
 from serve_process import running_server  # noqa: E402
 
 ADAM = dict(learning_rate=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_clip_norm=1.0)
+
+
+def shape_overrides(a) -> list[str]:
+    if a.shape == "moe6":  # Qwen3-30B-A3B with 6 of its 48 layers (bench_rl's MoE rows; --lora 0 as they train)
+        return moe_overrides(6, a.tiny)
+    return SHAPES["tiny" if a.tiny else a.shape]
+
+
+def base_model(a) -> str:
+    """The served model.name the client names: a preset's, else the default ("tiny", every size set over it)."""
+    return next((x.split("=", 1)[1] for x in shape_overrides(a) if x.startswith("--model.name=")), "tiny")
 
 
 def server_cmd(a, run_dir: Path) -> list[str]:
     """`shardfit serve` of the shape: LoRA r=--lora on the 7 linear layers (full checkpointing, as bench_rl's
     lora-ppo), rows of --budget-tokens tokens, a context that holds prompt + max_tokens."""
     gpu = not a.tiny
-    ov = [*SHAPES["tiny" if a.tiny else a.shape], *lora_overrides(a.lora),
+    ov = [*shape_overrides(a), *lora_overrides(a.lora),
           f"--train.micro_batch_tokens={a.budget_tokens}", f"--data.seq_len={min(a.budget_tokens, 4096)}",
           f"--model.max_seq_len={max(a.prompt_len + a.max_tokens, 4096)}", f"--train.device={'cuda' if gpu else 'cpu'}",
           f"--logging.run_dir={run_dir}", "--logging.progress=none"]
@@ -113,11 +124,11 @@ def drive(a, url: str, log: list[str], out: dict, write) -> None:
     import numpy as np
     import tinker
 
-    vocab = 3000 if a.tiny else 151936
+    vocab = 3000 if a.tiny else 151936  # the MoE shape's too (rl_worker_setup.MOE)
     rng = np.random.default_rng(a.seed)
     t = time.perf_counter()
     tc = tinker.ServiceClient(base_url=url, api_key="tml-local").create_lora_training_client(
-        base_model="tiny", rank=a.lora).result()  # the server's model.name: the shapes set every size over the default
+        base_model=base_model(a), rank=a.lora).result()
     out["client_s"] = round(time.perf_counter() - t, 2)
 
     def prompts(n):
@@ -161,7 +172,8 @@ def table(out: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="8b", choices=[k for k in SHAPES if k != "tiny"])
+    ap.add_argument("--shape", default="8b", choices=[k for k in SHAPES if k != "tiny"] + ["moe6"],
+                    help="moe6: Qwen3-30B-A3B, 6 of 48 layers (with --lora 0: full fine-tuning, an H200's memory)")
     ap.add_argument("--lora", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=16)

@@ -47,7 +47,8 @@ def test_a_variant_is_compared_with_trls_run_of_its_case_and_sets_what_it_names(
 
     monkeypatch.setattr(bench_dpo, "_run_group", fake_run)
     a = argparse.Namespace(
-        sf_ac="full", sf_budget=16384, prompt=8, answer=7, global_batch=2, warmup=1, steps=1, tiny=False, sf_extra="")
+        sf_ac="full", sf_budget=16384, prompt=8, answer=7, global_batch=2, warmup=1, steps=1, tiny=False, sf_extra="",
+        profile_out="")
     bench_dpo.run_shardfit(a, "sf-lora8b-8k-fp8", "8b", True, Path("/nonexistent"), 10)
     assert "--train.micro_batch_tokens=8192" in seen["cmd"] and "--compute.fp8=tensorwise" in seen["cmd"]
     assert "--compute.activation_checkpoint=full" in seen["cmd"]
