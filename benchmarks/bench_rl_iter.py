@@ -42,7 +42,7 @@ ADAM = dict(learning_rate=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0
 
 
 def shape_overrides(a) -> list[str]:
-    if a.shape == "moe6":  # Qwen3-30B-A3B with 6 of its 48 layers (bench_rl's MoE rows; --lora 0 as they train)
+    if a.shape == "moe6":  # Qwen3-30B-A3B with 6 of its 48 layers (bench_rl's MoE rows), LoRA as the SDK trains
         return moe_overrides(6, a.tiny)
     return SHAPES["tiny" if a.tiny else a.shape]
 
@@ -173,7 +173,7 @@ def table(out: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="8b", choices=[k for k in SHAPES if k != "tiny"] + ["moe6"],
-                    help="moe6: Qwen3-30B-A3B, 6 of 48 layers (with --lora 0: full fine-tuning, an H200's memory)")
+                    help="moe6: Qwen3-30B-A3B, 6 of 48 layers (issue 36's MoE row; LoRA, as the Tinker SDK trains)")
     ap.add_argument("--lora", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=16)
