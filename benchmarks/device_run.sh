@@ -420,8 +420,8 @@ for stage in "$@"; do
       env CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_fp8_base.py 2>&1 | tee "$OUT/pytest_fp8.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12
       CLIENTS_ARGS="--parts clients" CLIENTS_CAP=${CLIENTS_CAP:-420} bash "$0" clients ;;
     s26c)  # issue 38's full fine-tuning case with the prompts shared (session 24's prefix trees; s23's 1.48x was
-      # before them) at 16k-token rows and in rows of 3 pairs, TRL in the same call
-      DPO_ARGS="--cases sf-full1b,sf-full1b-3p,trl-full1b" DPO_CAP=330 bash "$0" dpo ;;
+      # before them) in rows of 3 pairs and at 16k-token rows, TRL in the same call; then FP8 matmuls (numerics apart)
+      DPO_ARGS="--cases sf-full1b-3p,trl-full1b,sf-full1b,sf-full1b-3p-fp8" DPO_CAP=430 bash "$0" dpo ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
