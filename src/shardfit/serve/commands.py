@@ -186,6 +186,7 @@ class Loop:
     joining: bool = True  # rank 0: a ready sample starts a run (with `join`), else a sample_batch
     # compiled functions dynamo gave up on (they run eager from then on): each told once, after the request that met it
     fallbacks: FallbackNotes = field(default_factory=FallbackNotes)
+    notes: Callable[[], list[str]] | None = None  # rank 0: more lines to tell after a request (the executor's)
 
     def next_command(self) -> Command:
         """Rank 0: the next ready command, a no-op after idle_s, or stop once the scheduler is closed."""
@@ -245,7 +246,7 @@ class Loop:
         if self.futures is not None:
             self.futures.complete(cmd.request_id, result, dict(phases))
             self._log(cmd, result, batch, run)
-            for line in self.fallbacks.new():
+            for line in [*self.fallbacks.new(), *(self.notes() if self.notes is not None else [])]:
                 self.log(f"shardfit serve: {line}")
 
     def take_samples(self, decide: Callable[[Command], str]) -> tuple[list[Command], bool]:

@@ -71,6 +71,9 @@ def _datum_engine(engine):
     return DatumEngine(engine)
 
 
+VERSIONS_NOTED = 16  # held frozen versions first told in the log (then at twice the count told before)
+
+
 class Executor:
     """execute(cmd) -> (Result, phases), a sample_batch's ({request id: Result}, phases). Rank 0's Results are the
     ones filed; the other ranks' are dropped."""
@@ -89,6 +92,8 @@ class Executor:
         self.versions: dict[str, str] = {}  # sampling session id -> its version id (LoRA)
         self.failed: dict[str, str] = {}  # sampling session id -> why its model_path did not load
         self.summary: dict = {}  # the registry's summary after the last command (GET /api/v1/shardfit/status)
+        self.notes: list[str] = []  # lines for rank 0's log after the request that made them (take_notes)
+        self._versions_told = VERSIONS_NOTED  # the count of held versions that is told next (then twice it)
         self.together = self.lora and _passes_of_several(engine)  # forward_backward of several models in one pass
         self.handlers = {"create_model": self.create_model, "forward_backward": self.forward_backward,
                          MANY: self.forward_backward_many,
@@ -259,7 +264,31 @@ class Executor:
         sid = cmd.args["sampling_session_id"]
         if cmd.args.get("freeze") and self.registry is not None:
             self.versions[sid] = self.engine.freeze(self.slot_name(cmd.model_id))
+            self._note_versions()
         return Result(json={"sampling_session_id": sid, "type": "save_weights_for_sampler"}), {}
+
+    def _note_versions(self) -> None:
+        """A line for the log when the versions held reach 16, 32, 64, ...: an SDK client dropped sends nothing the
+        server could free its version by, so a loop that makes a snapshot sampler every step (the cookbook's RL
+        loop) holds one more version a step, in host memory past memory.versions_gib, until its session closes."""
+        s = self.registry.summary()
+        if s["versions"] < self._versions_told:
+            return
+        while self._versions_told <= s["versions"]:
+            self._versions_told *= 2
+        gib = 1 << 30
+        self.notes.append(
+            f"{s['versions']} frozen weight versions held ({s['version_device_bytes'] / gib:.2f} GiB on the device, "
+            f"{s['version_host_bytes'] / gib:.2f} GiB in host memory; told again at {self._versions_told}): each "
+            "snapshot sampler (save_weights_and_get_sampling_client, save_weights_for_sampler) keeps its version "
+            "until its session closes or the save's ttl_seconds pass, so a loop that makes one a step holds one "
+            "more each step; fix: close() the sessions of samplers no longer used, pass ttl_seconds to the save, or "
+            "sample the live weights (kind='inflight') where the loop is synchronous")
+
+    def take_notes(self) -> list[str]:
+        """Rank 0: the log lines made since the last call (each told once)."""
+        out, self.notes = self.notes, []
+        return out
 
     def sampler_load(self, cmd: Command) -> tuple[Result, dict[str, float]]:
         """create_sampling_client(model_path): the saved weights loaded into a version (Engine.load_version: LoRA
@@ -272,6 +301,7 @@ class Executor:
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception; re-raised
             self.failed[sid] = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise
+        self._note_versions()
         return Result(json={"sampling_session_id": sid, "path": a["tinker_path"]}), {"load": time.perf_counter() - t0}
 
     def release_samplers(self, cmd: Command) -> tuple[Result, dict[str, float]]:

@@ -153,7 +153,7 @@ def start_rank0(cfg, engine, *, host: str = "127.0.0.1", port: int = 8000, api_k
                         served={name: (served[name], tok) for name, (_, tok) in extra.items()})
     state.held = executor.held
     loop = Loop(executor, 0, engine.dist.world_size, comm_device(engine), state.scheduler, state.futures,
-                needed=executor.space_needed, done=state.note_done,
+                needed=executor.space_needed, done=state.note_done, notes=executor.take_notes,
                 combine=lambda pending: executor.combine(pending, state.scheduler))
     if hasattr(executor.rl, "sample_run"):  # samples join a running batch (a test's fake Engine may have none)
         loop.join = SampleJoining(executor, comm_device(engine))
