@@ -96,7 +96,7 @@ def test_lora_trains_on_an_fp8_base(tmp_path, extra):
 
 
 def test_the_sampler_decodes_an_fp8_base_in_cuda_graphs_as_eagerly():
-    """A decode model whose linear layers are FP8 (their _scaled_mm and compiled quantiser captured in the decode
+    """A decode model whose linear layers are FP8 (their _scaled_mm and Triton quantiser captured in the decode
     step's CUDA graphs): the same tokens as the eager step."""
     from shardfit.adapters.fp8_base import FP8Linear
     from shardfit.adapters.quantized import apply_quantized
