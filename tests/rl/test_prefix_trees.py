@@ -70,8 +70,8 @@ def _pass(rank, world, extra):
     from shardfit.rl import DatumEngine, make_datum, step
 
     engine = DatumEngine.start(load_config(None, [*ARGS, *extra]))
-    plans, plan = [], step.plan_datums
-    step.plan_datums = lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1]  # noqa: E731  (rows planned)
+    plans, plan = [], step.plan_shared
+    step.plan_shared = lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1]  # noqa: E731  (rows planned)
     datums = _groups()  # every rank the same datums
     plain = [make_datum(d.tokens, target_tokens=d.inputs["target_tokens"], weights=d.inputs["weights"])
              for d in datums]  # no mask: the trainer's mean cross-entropy (rl/step.py is_token_mean_cross_entropy)
@@ -195,3 +195,25 @@ def test_a_trunk_stops_at_the_first_token_the_datums_do_not_share_alike():
         cols = plan.where[i].columns(len(d))
         assert pos[0, cols].tolist() == list(range(len(d)))  # each datum's RoPE positions as alone
         assert set(branch[0, cols[39:]].tolist()) == {i + 1} and not branch[0, cols[:39]].any()
+
+
+@pytest.mark.parametrize("budget, shared", [(120, False), (160, True)])
+def test_trees_are_packed_only_where_the_pass_needs_fewer_rows(budget, shared):
+    """4 pairs of a 20-token prompt and two 10-token answers: 60 tokens a pair apart, 40 as a tree. Rows of 120
+    hold 2 pairs apart or 3 trees: 2 rows either way, so apart (a tree would add its mask's cost to the same
+    work); rows of 160 hold them all as trees in 1 row against 2 apart: trees."""
+    from shardfit.rl import make_datum
+    from shardfit.rl.pack import plan_shared
+
+    rng = np.random.default_rng(0)
+    datums = []
+    for _ in range(4):
+        prompt = rng.integers(0, 256, 20)
+        for _ in range(2):
+            seq = np.concatenate([prompt, rng.integers(0, 256, 11)])
+            datums.append(make_datum(seq[:-1], target_tokens=seq[1:]))
+    trees = [(2, 20)] * 4
+    plan = plan_shared(datums, budget, 1, 1, pairs=True, trees=trees)
+    assert plan.branched == shared and plan.micro_batches == (1 if shared else 2)
+    assert all(w.trunk == (20 if shared else 0) for w in plan.where)
+    assert not plan_shared(datums, budget, 1, 1, pairs=True).branched  # no trees asked: apart

@@ -264,9 +264,10 @@ class ComputeConfig:
                                      "FlexAttention), for passes with and without gradients alike (Engine.forward's "
                                      "log-probs are forward_backward's)",
                              choices=("auto", "varlen", "flex", "sdpa", "cudnn_docs"))
-    share_prefix: bool = opt(True, "preference pairs: chosen and rejected packed as one prefix tree, their common "
-                                   "prompt computed once (the same gradients; needs doc_attention flex or sdpa: "
-                                   "with varlen or cudnn_docs they are packed apart)")
+    share_prefix: bool = opt(True, "preference pairs (and RL rollouts of one prompt): packed as one prefix tree, "
+                                   "their common prompt computed once, where the step then needs fewer rows (the "
+                                   "same gradients; needs doc_attention flex or sdpa: with varlen or cudnn_docs "
+                                   "they are packed apart)")
     kernels: str = opt("torch", "fused linear cross-entropy kernel: torch (chunked pure PyTorch, any device; the "
                                 "default), liger (Liger-Kernel's "
                                 "Triton kernel, CUDA, optional extra); auto: liger when installed and on CUDA",

@@ -104,6 +104,19 @@ def plan_datums(datums: list[Datum], budget: int, dp: int, sp: int, pairs: bool 
     return DatumPlan(budget, len(bins[0]), dp, sp, bins, where, branched=shared)
 
 
+def plan_shared(datums: list[Datum], budget: int, dp: int, sp: int, pairs: bool = False,
+                trees: list[tuple[int, int]] | None = None) -> DatumPlan:
+    """plan_datums with the prefix trees where they save rows, else apart (trees None: apart). A row is a whole
+    [1, T] whatever it holds, so a tree's saved tokens save work only where the pass then needs fewer micro-batches;
+    with as many, the trees would only add their cost (the branch-aware mask over blocks of mixed branches: measured
+    in benchmarks/README.md#dpo-s26). Every rank holds the same datums: the same choice everywhere, no collective."""
+    shared = plan_datums(datums, budget, dp, sp, pairs=pairs, trees=trees)
+    if trees is None:
+        return shared
+    apart = plan_datums(datums, budget, dp, sp, pairs=pairs)
+    return shared if shared.micro_batches < apart.micro_batches else apart
+
+
 def datum_batches(plan: DatumPlan, datums: list[Datum], coefs: list[np.ndarray] | None,
                   scored: list[np.ndarray] | None, dp_rank: int, sp_rank: int, kernel: str,
                   device: torch.device, models: list[int] | None = None) -> LazyBatches:

@@ -33,7 +33,7 @@ from shardfit.engine.preference import (
 from shardfit.errors import ShardfitError
 from shardfit.rl.datum import Datum
 from shardfit.rl.losses import counted
-from shardfit.rl.pack import datum_batches, plan_datums, unpack
+from shardfit.rl.pack import datum_batches, plan_shared, unpack
 from shardfit.rl.prefix_trees import pair_trees, shares_prefixes
 
 CONFIG = {"beta", "label_smoothing", "gamma", "desirable_weight", "undesirable_weight", "desirable", "kl"}
@@ -179,9 +179,10 @@ def pair_pass_many(engine: Engine, groups: list[list[Datum]], obj: PairObjective
         owner += [j] * len(group)
     budget, pairs = engine.datum_budget(), obj.group == 2
     kernel = engine.doc_kernel(budget, grad=backward)
-    # a pair's common prompt computed once (rl/prefix_trees.py) where the attention kernel can mask it
+    # a pair's common prompt computed once (rl/prefix_trees.py) where the attention kernel can mask it and the pass
+    # then needs fewer rows (rl/pack.py plan_shared)
     trees = pair_trees(datums, masks) if pairs and shares_prefixes(engine, kernel) else None
-    plan = plan_datums(datums, budget, layout.data_size, layout.sequence, pairs=pairs, trees=trees)
+    plan = plan_shared(datums, budget, layout.data_size, layout.sequence, pairs=pairs, trees=trees)
     # the head scores the counted tokens alone (a prompt's log-probs are never read): logprobs_at="counted"
     batches = datum_batches(plan, datums, coefs, masks, layout.data_rank, layout.sequence_rank, kernel,
                             engine.device, models=owner if models is not None else None)

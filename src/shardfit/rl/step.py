@@ -35,7 +35,7 @@ from shardfit.rl.losses import (
     sampler_gap,
     token_loss,
 )
-from shardfit.rl.pack import DatumPlan, datum_batches, plan_datums, unpack
+from shardfit.rl.pack import DatumPlan, datum_batches, plan_shared, unpack
 from shardfit.rl.preference import objective_of, pair_pass, pair_pass_many
 from shardfit.rl.prefix_trees import prefix_groups, shares_prefixes
 from shardfit.rl.trainer_logprobs import ScoredRun, logprobs_mode, sample_scored_by_trainer
@@ -196,7 +196,7 @@ def _packed(engine: Engine, groups: list[list[Datum]], spec: LossSpec, backward:
     mine = [_trees(engine, kernel, group, cs, spec, budget) for group, cs in zip(groups, own)]
     trees = None if any(t is None for t in mine) else [t for ts in mine for t in ts]  # None: no trees this pass
     datums = [d for group in groups for d in group]
-    plan = plan_datums(datums, budget, layout.data_size, layout.sequence, trees=trees)
+    plan = plan_shared(datums, budget, layout.data_size, layout.sequence, trees=trees)
     scored = [counted(d) for d in datums] if spec.logprobs_at == "counted" else None  # None: every token
     models = [j for j, group in enumerate(groups) for _ in group] if slots else None
     return plan, datum_batches(plan, datums, coefs, scored, layout.data_rank, layout.sequence_rank, kernel,
