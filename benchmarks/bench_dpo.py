@@ -73,6 +73,7 @@ CAPS = {"sf-lora8b": 170, "trl-lora8b": 170, "sf-full1b": 100, "trl-full1b": 100
 # a shardfit label's variants after its case (sf-lora8b-8k-fp8): (activation checkpointing, micro_batch_tokens, more
 # overrides), None keeping --sf-ac / --sf-budget
 VARIANTS = {"noac": ("none", 4096, []), "8k": (None, 8192, []), "4k": (None, 4096, []),
+            "12k": (None, 12288, []),  # 8 shared pairs a row (8 x 1,535 tokens): 16 pairs in 2 rows, apart 3
             "fp8": (None, None, ["--compute.fp8=tensorwise"]),
             "apart": (None, None, ["--compute.share_prefix=false"]),  # chosen and rejected as two documents
             "3p": (None, "3p", []),  # rows of exactly 3 pairs as prefix trees (TRL's memory; see the docstring)

@@ -419,9 +419,10 @@ for stage in "$@"; do
       [ -d /tmp/site/tinker ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site benchmarks/wheels_rl/*.whl
       env CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -m pytest -m cuda -q -rA --tb=short -p no:cacheprovider tests/cuda/test_cuda_fp8_base.py 2>&1 | tee "$OUT/pytest_fp8.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -12
       CLIENTS_ARGS="--parts clients" CLIENTS_CAP=${CLIENTS_CAP:-420} bash "$0" clients ;;
-    s26c)  # issue 38's full fine-tuning case with the prompts shared (session 24's prefix trees; s23's 1.48x was
-      # before them) in rows of 3 pairs and at 16k-token rows, TRL in the same call; then FP8 matmuls (numerics apart)
-      DPO_ARGS="--cases sf-full1b-3p,trl-full1b,sf-full1b,sf-full1b-3p-fp8" DPO_CAP=430 bash "$0" dpo ;;
+    s26c)  # issue 38's full fine-tuning case in rows of 12,288 tokens (8 shared pairs a row: the step's 16 in 2 rows,
+      # 0.75x the work of 16k rows) and at 16k rows (apart since d52324a), TRL in the same call; then the LoRA FP8
+      # base case at 16k rows, now packed apart (d52324a; measured with trees in session 26: 2.10x)
+      DPO_ARGS="--cases sf-full1b-12k,trl-full1b,sf-full1b,sf-lora8b-fp8base" DPO_CAP=540 bash "$0" dpo ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
