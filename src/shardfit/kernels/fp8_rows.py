@@ -26,11 +26,9 @@ Triton's interpreter.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from shardfit.kernels.triton_common import runs_on, triton_kernels
+from shardfit.kernels.triton_common import launch_device, runs_on, triton_kernels
 
 ONE_PASS_MAX = 16384  # the longest row held in registers whole (16 warps: 32 fp32 values a thread)
 LOOP_BLOCK = 4096  # a longer row's block
@@ -115,10 +113,6 @@ def available(t: torch.Tensor) -> bool:
     return runs_on(t, _triton_kernels)
 
 
-def _on(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()  # Triton launches on the current
-
-
 def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None, *,
                   quotients: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [m, k] e4m3, scales [m, 1] fp32) of x [m, k] (times col_scale [k] first): quantize_rows_fp8's
@@ -140,7 +134,7 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None, *,
         one_pass = k <= ONE_PASS_MAX
         block = max(16, 1 << (k - 1).bit_length()) if one_pass else LOOP_BLOCK
         kernel = _triton_kernels()[0]
-        with _on(x):
+        with launch_device(x):
             kernel[(m,)](x, x if col_scale is None else col_scale, codes, scales, k, _INV_MAX, _TINY,
                          HAS_COL_SCALE=col_scale is not None, BLOCK=block, ONE_PASS=one_pass, QUOTIENTS=quotients,
                          num_warps=max(1, min(16, block // 1024)))
@@ -156,7 +150,7 @@ def transpose_bytes(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(c, r, dtype=t.dtype, device=t.device)
     if r and c:
         kernel = _triton_kernels()[1]
-        with _on(t):
+        with launch_device(t):
             kernel[(-(-r // TILE), -(-c // TILE))](t.view(torch.uint8), out.view(torch.uint8), r, c, TILE=TILE,
                                                    num_warps=4)
     return out

@@ -25,11 +25,9 @@ caller keeps its PyTorch path (adapters/nf4.py's dequantize, chosen in adapters/
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from shardfit.kernels.triton_common import triton_kernels
+from shardfit.kernels.triton_common import launch_device, triton_kernels
 
 TILE_BLOCKS = 64  # blocks a program: 4,096 weights, 2 KiB of codes in, 8 KiB of bf16 out
 NUM_WARPS = 4  # 128 threads: 4 rows of 8 weights each
@@ -107,7 +105,7 @@ def nf4_dequant(codes: torch.Tensor, absmax: torch.Tensor, stats: torch.Tensor, 
     out = torch.empty(numel, dtype=dtype, device=codes.device)  # [numel]
     if numel:
         grid = (-(-numel // (tile_blocks * block)),)
-        with torch.cuda.device(codes.device) if codes.is_cuda else contextlib.nullcontext():  # Triton: current one
+        with launch_device(codes):
             kernel[grid](codes, absmax, stats, levels, out, numel, BLOCK=block, GROUP_BLOCKS=group_blocks,
                          TILE_BLOCKS=tile_blocks, num_warps=num_warps)
     return out

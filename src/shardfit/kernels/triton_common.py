@@ -40,6 +40,15 @@ def triton_kernels(make):
     return get
 
 
+def launch_device(t):
+    """The context a kernel on t is launched in: Triton launches on the current CUDA device, which need not be t's."""
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def runs_on(t, kernels) -> bool:
     """Whether the kernels of a `triton_kernels` factory run on t's device here: CUDA with Triton importable, or
     Triton's interpreter (the tests)."""
