@@ -102,12 +102,12 @@ def _quantized_rows(t: torch.Tensor, col_scale: torch.Tensor | None, mode: str) 
         return fn(t, col_scale)
 
 
-def _codes_transposed(codes: torch.Tensor, out_features: int) -> torch.Tensor:
+def _codes_transposed(codes: torch.Tensor, out_features: int, mode: str) -> torch.Tensor:
     """The codes [out, in] as a contiguous [in, out] (Wq column-major, _scaled_mm's second operand): 1 byte a weight,
-    freed after its matmul. A tiled kernel on the GPU (the eager strided copy ran at under a tenth of the memory
-    bandwidth: kernels/fp8_rows.py)."""
+    freed after its matmul. On the tensor cores a tiled kernel, as the quantiser is chosen (the eager strided copy
+    ran at under a tenth of the memory bandwidth: kernels/fp8_rows.py)."""
     c = _codes(codes, out_features)
-    return fp8_rows.transpose_bytes(c) if c.is_cuda and fp8_rows.available(c) else c.t().contiguous()
+    return fp8_rows.transpose_bytes(c) if mode == "fp8" and fp8_rows.available(c) else c.t().contiguous()
 
 
 def _mm(a: torch.Tensor, b_codes_t: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, mode: str,
@@ -142,7 +142,7 @@ def fp8_linear_input_grad(dy: torch.Tensor, codes: torch.Tensor, scale: torch.Te
         return dy @ dequantize_fp8(codes, scale, out_features, dy.dtype)
     s_w = _scales(scale, out_features)
     gq, gs = _quantized_rows(dy.reshape(-1, out_features), s_w, mode)
-    codes_t = _codes_transposed(codes, out_features)  # [in, out] row-major
+    codes_t = _codes_transposed(codes, out_features, mode)  # [in, out] row-major
     ones = s_w.new_ones(in_features)
     return _mm(gq, codes_t.t(), gs, ones, mode, dy.dtype).view(*dy.shape[:-1], in_features)
 
